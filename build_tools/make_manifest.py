@@ -1,0 +1,67 @@
+"""cubins/<arch>/*.cubin -> cubins/manifest.json.
+
+Each kernel row carries what the runtime needs to choose and launch it (family, dtype,
+head_dim, tile, threads, dynamic shared memory) plus provenance: arch, sha256 of the cubin,
+the nvcc version that built it, and a hash of the params header so a runtime whose ctypes
+mirror disagrees with the cubins refuses to launch them.
+"""
+import argparse
+import datetime
+import hashlib
+import json
+import pathlib
+import subprocess
+import sys
+
+sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
+from variants import variants  # noqa: E402
+
+ROOT = pathlib.Path(__file__).resolve().parent.parent
+PARAMS_H = ROOT / "kernel_src/include/pfa/attention/params.h"
+
+
+def sha256(path):
+    return hashlib.sha256(path.read_bytes()).hexdigest()
+
+
+def nvcc_version(nvcc):
+    try:
+        out = subprocess.run([nvcc, "--version"], capture_output=True, text=True, check=True).stdout
+    except (OSError, subprocess.CalledProcessError):
+        return "unknown"
+    line = [x for x in out.splitlines() if "release" in x]
+    return line[-1].split("release")[-1].strip() if line else "unknown"
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("archs", nargs="+")
+    ap.add_argument("--nvcc", default="nvcc")
+    ap.add_argument("--tune", action="store_true")
+    ap.add_argument("--out", default=str(ROOT / "cubins"))
+    args = ap.parse_args()
+    out = pathlib.Path(args.out)
+    kernels = []
+    for arch in args.archs:
+        for v in variants(tune=args.tune):
+            cubin = out / arch / f"{v.name}.cubin"
+            if not cubin.exists():
+                sys.exit(f"missing {cubin}: run make ARCHS={arch}")
+            kernels.append({"name": v.name, "arch": arch, "file": f"{arch}/{cubin.name}",
+                            "sha256": sha256(cubin), **v.manifest()})
+    manifest = {
+        "format": 1,
+        "nvcc": nvcc_version(args.nvcc),
+        "params_sha256": sha256(PARAMS_H),
+        "archs": args.archs,
+        "built": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+        "kernels": kernels,
+    }
+    # Written atomically: a reader never sees half a manifest.
+    tmp = out / "manifest.json.tmp"
+    tmp.write_text(json.dumps(manifest, indent=1) + "\n")
+    tmp.replace(out / "manifest.json")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,63 @@
+"""THE kernel-parameter schema: one struct per kernel family.
+
+gen_params.py turns this into the C header kernel_src/include/pfa/attention/params.h
+and the ctypes mirror pyflashattn/_params_gen.py; tests/test_params_layout.py proves
+the two agree field by field (sizes and offsets), so the layout can never drift.
+
+Field types: ptr (64-bit device address, 0 = absent), i64, i32, f32.
+Order fields 8-byte ones first so neither side needs padding tricks.
+"""
+
+PREFILL = (
+    "PrefillParams",
+    "single/ragged prefill over contiguous KV: one CTA = one packed-row tile of one kv head",
+    [
+        ("q", "ptr", "[qo_len, Hq, D] rows at q_stride_n, heads at q_stride_h (elements)"),
+        ("k", "ptr", "key rows at k_stride_n, kv heads at k_stride_h (NHD or HND via strides)"),
+        ("v", "ptr", "value rows at v_stride_n, kv heads at v_stride_h"),
+        ("o", "ptr", "output, same dtype as q"),
+        ("lse", "ptr", "float32 [qo_len, Hq] contiguous, 0 = not requested"),
+        ("o_partial", "ptr", "split-KV workspace: float32 [num_splits, qo_len, Hq, D]"),
+        ("lse_partial", "ptr", "split-KV workspace: float32 [num_splits, qo_len, Hq]"),
+        ("q_stride_n", "i64", ""),
+        ("q_stride_h", "i64", ""),
+        ("k_stride_n", "i64", ""),
+        ("k_stride_h", "i64", ""),
+        ("v_stride_n", "i64", ""),
+        ("v_stride_h", "i64", ""),
+        ("o_stride_n", "i64", ""),
+        ("o_stride_h", "i64", ""),
+        ("qo_len", "i32", ""),
+        ("kv_len", "i32", ""),
+        ("num_qo_heads", "i32", ""),
+        ("num_kv_heads", "i32", ""),
+        ("group_size", "i32", "num_qo_heads / num_kv_heads; packed row r = q_idx * group_size + head_in_group"),
+        ("num_splits", "i32", "KV chunks per (row tile, kv head); 1 = write o/lse directly"),
+        ("kv_chunk_size", "i32", "keys per split, a multiple of the kernel's BLOCK_N"),
+        ("causal", "i32", "bottom-right aligned causal mask"),
+        ("window_left", "i32", "inclusive left window, -1 = none"),
+        ("sm_scale_log2", "f32", "sm_scale * log2(e): logits go straight into exp2"),
+    ],
+)
+
+MERGE = (
+    "MergeParams",
+    "combine split-KV partials (float32 o, base-2 lse) into the final output",
+    [
+        ("o_partial", "ptr", "float32 [num_splits, rows, Hq, D]"),
+        ("lse_partial", "ptr", "float32 [num_splits, rows, Hq]"),
+        ("o", "ptr", "output in the kernel's dtype"),
+        ("lse", "ptr", "float32 [rows, Hq] contiguous, 0 = not requested"),
+        ("o_stride_n", "i64", ""),
+        ("o_stride_h", "i64", ""),
+        ("rows", "i32", ""),
+        ("num_heads", "i32", ""),
+        ("head_dim", "i32", ""),
+        ("num_splits", "i32", ""),
+    ],
+)
+
+FAMILIES = {"prefill": PREFILL, "merge": MERGE}
+
+C_TYPES = {"ptr": "uint64_t", "i64": "int64_t", "i32": "int32_t", "f32": "float"}
+SIZES = {"ptr": 8, "i64": 8, "i32": 4, "f32": 4}

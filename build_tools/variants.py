@@ -1,0 +1,95 @@
+"""THE table of kernel variants: what gets built, for which arch, with which launch shape.
+
+gen_kernels.py writes one translation unit per row into kernel_src/generated/; the Makefile
+compiles each for every arch in ARCHS; make_manifest.py records the rows next to the cubins,
+and the runtime picks kernels from the manifest alone (pyflashattn/_registry.py).
+
+Prefill tile shapes (BLOCK_M = warps * mq * 16 packed rows, BLOCK_N keys per tile) were
+chosen by measurement on an H100/H200 (see NOTES.md); rows marked tune=True are alternatives
+built only with `make TUNE=1` so the benchmark can compare them.
+"""
+from dataclasses import dataclass
+
+DTYPES = {"f16": "half", "bf16": "__nv_bfloat16"}
+ARCHS_DEFAULT = ("sm_80", "sm_89", "sm_90a")
+
+
+@dataclass(frozen=True)
+class PrefillVariant:
+    dtype: str
+    head_dim: int
+    warps: int
+    mq: int  # m16 row tiles per warp
+    block_n: int
+    q_in_regs: bool
+    min_blocks: int  # __launch_bounds__ min CTAs per SM (caps registers)
+    tune: bool = False
+
+    @property
+    def block_m(self):
+        return self.warps * self.mq * 16
+
+    @property
+    def name(self):
+        return (f"pfa_prefill_sm80_{self.dtype}_hd{self.head_dim}"
+                f"_m{self.block_m}n{self.block_n}w{self.warps}{'_qr' if self.q_in_regs else ''}")
+
+    @property
+    def threads(self):
+        return self.warps * 32
+
+    @property
+    def smem_bytes(self):
+        return (self.block_m + 2 * self.block_n) * self.head_dim * 2
+
+    def source(self):
+        return ('#include "pfa/attention/prefill_sm80.cuh"\n'
+                f"PFA_DEFINE_PREFILL_SM80({self.name}, {DTYPES[self.dtype]}, {self.head_dim}, {self.warps}, "
+                f"{self.mq}, {self.block_n}, {'true' if self.q_in_regs else 'false'}, {self.min_blocks})\n")
+
+    def manifest(self):
+        return {"family": "prefill", "dtype": self.dtype, "head_dim": self.head_dim, "block_m": self.block_m,
+                "block_n": self.block_n, "threads": self.threads, "smem_bytes": self.smem_bytes,
+                "tune": self.tune}
+
+
+@dataclass(frozen=True)
+class MergeVariant:
+    dtype: str
+    tune: bool = False
+
+    @property
+    def name(self):
+        return f"pfa_merge_{self.dtype}"
+
+    def source(self):
+        return f'#include "pfa/attention/merge.cuh"\nPFA_DEFINE_MERGE({self.name}, {DTYPES[self.dtype]})\n'
+
+    def manifest(self):
+        return {"family": "merge", "dtype": self.dtype, "threads": 128, "smem_bytes": 0, "rows_per_block": 4,
+                "tune": self.tune}
+
+
+# (head_dim) -> (warps, mq, block_n, q_in_regs, min_blocks): the shipped default per head dim.
+PREFILL_TILES = {
+    64: (4, 2, 64, True, 2),
+    128: (8, 1, 64, True, 1),
+    256: (8, 1, 32, False, 1),
+}
+# Alternatives the tuning sweep compares against the defaults.
+PREFILL_TUNE_TILES = {
+    64: [(4, 1, 64, True, 4), (8, 1, 64, True, 2)],
+    128: [(4, 2, 64, False, 2), (4, 2, 32, False, 2), (4, 1, 64, True, 3)],
+    256: [(8, 1, 64, False, 1), (4, 1, 64, False, 2)],
+}
+
+
+def variants(tune=False):
+    out = []
+    for dtype in DTYPES:
+        for hd, tile in PREFILL_TILES.items():
+            out.append(PrefillVariant(dtype, hd, *tile))
+            if tune:
+                out += [PrefillVariant(dtype, hd, *t, tune=True) for t in PREFILL_TUNE_TILES[hd]]
+        out.append(MergeVariant(dtype))
+    return out

@@ -1,0 +1,40 @@
+// THE mask predicate. Every masking decision (per element, and which KV tiles a CTA visits
+// or may skip masking on) goes through MaskRule, so skipped tiles and masked elements can
+// never disagree. Conventions (FlashInfer's): a query row q sits at absolute position
+// p = q + kv_len - qo_len (bottom-right alignment); causal keeps kv <= p; window_left >= 0
+// keeps kv >= p - window_left (inclusive); kv must lie inside [0, kv_len).
+#pragma once
+#include <stdint.h>
+
+namespace pfa {
+
+struct MaskRule {
+  int qo_len, kv_len;
+  bool causal;
+  int window_left;  // -1 = none
+
+  __device__ __forceinline__ int pos(int q) const { return q + kv_len - qo_len; }
+
+  __device__ __forceinline__ bool keep(int q, int kv) const {
+    bool ok = kv < kv_len && kv >= 0;
+    if (causal) ok = ok && kv <= pos(q);
+    if (window_left >= 0) ok = ok && kv >= pos(q) - window_left;
+    return ok;
+  }
+
+  // Every constraint is a half-plane monotone in (q, kv), so a rectangle of rows [q0, q1] and
+  // keys [k0, k1] is fully kept iff its two binding corners are.
+  __device__ __forceinline__ bool keeps_all(int q0, int q1, int k0, int k1) const {
+    return keep(q0, k1) && keep(q1, k0);
+  }
+
+  // Half-open key range [begin, end) that rows [q0, q1] can see at all (may be empty).
+  __device__ __forceinline__ int kv_begin(int q0) const {
+    return window_left >= 0 ? max(0, pos(q0) - window_left) : 0;
+  }
+  __device__ __forceinline__ int kv_end(int q1) const {
+    return causal ? min(kv_len, max(0, pos(q1) + 1)) : kv_len;
+  }
+};
+
+}  // namespace pfa

@@ -1,0 +1,336 @@
+// FA2-class prefill for sm_80 and newer (also built for sm_90a, where it is the portable path).
+//
+// One CTA owns BLOCK_M packed query rows of one kv head and walks that head's keys in
+// BLOCK_N tiles. GQA is handled by packing: packed row r = q_idx * group_size + head_in_group,
+// so a group's query heads share every K/V tile a CTA loads.
+//
+// Per warp: MQ m16 row tiles. S = Q K^T and O += P V run on mma.sync m16n8k16 with fp32
+// accumulators; operands come from swizzled shared memory through ldmatrix; K and V tiles
+// arrive by cp.async so that V(j) streams in during Q K(j)^T and K(j+1) during P V(j).
+// Softmax is online in the log2 domain (the scale already carries log2 e), P stays in
+// registers (the C fragment of S is exactly the A fragment layout of P V).
+#pragma once
+#include <math.h>
+
+#include "pfa/attention/mask.cuh"
+#include "pfa/attention/params.h"
+#include "pfa/common/dtypes.cuh"
+#include "pfa/ptx/mma_sm80.cuh"
+
+namespace pfa {
+
+template <typename T, int HEAD_DIM, int NUM_WARPS, int MQ, int BLOCK_N, bool Q_IN_REGS>
+struct PrefillSm80 {
+  static constexpr int BLOCK_M = NUM_WARPS * MQ * 16;
+  static constexpr int THREADS = NUM_WARPS * 32;
+  static constexpr int CPR = HEAD_DIM / 8;  // 16-byte chunks per row
+  static constexpr int KSTEPS = HEAD_DIM / 16;
+  static constexpr int NTILES = BLOCK_N / 8;
+  static constexpr int DTILES = HEAD_DIM / 8;
+  static constexpr int SMEM_BYTES = (BLOCK_M + 2 * BLOCK_N) * HEAD_DIM * (int)sizeof(T);
+  static_assert(HEAD_DIM % 64 == 0, "the XOR swizzle needs at least 8 chunks per row");
+  static_assert(BLOCK_N % 16 == 0, "BLOCK_N must be a multiple of 16");
+  static_assert(THREADS % CPR == 0, "each thread keeps one chunk column in the tile loaders");
+
+  // Chunk index of (row, chunk) in a swizzled [rows][HEAD_DIM] tile: XOR with row % 8 puts the
+  // eight rows an ldmatrix phase reads into eight different 16-byte bank groups.
+  static __device__ __forceinline__ int swz(int row, int chunk) { return row * CPR + (chunk ^ (row & 7)); }
+
+  // Copy ROWS rows of one head into a swizzled tile. `base` points at (row tid / CPR, this
+  // thread's chunk column); rows at or past valid_rows are zero-filled from a safe address.
+  template <int ROWS>
+  static __device__ __forceinline__ void load_tile(uint32_t s_tile, const T* base, const T* safe,
+                                                   int64_t row_stride, int valid_rows, int tid) {
+    const int chunk = tid % CPR;
+    const int row0 = tid / CPR;
+    constexpr int ROW_STEP = THREADS / CPR;
+#pragma unroll
+    for (int i = 0; i < ROWS / ROW_STEP; ++i) {
+      const int row = row0 + i * ROW_STEP;
+      const bool valid = row < valid_rows;
+      const T* src = valid ? base + (int64_t)(i * ROW_STEP) * row_stride : safe;
+      ptx::cp_async_16(s_tile + swz(row, chunk) * 16, src, valid);
+    }
+  }
+
+  static __device__ __forceinline__ void run(const PrefillParams& p, char* smem) {
+    static_assert(BLOCK_M % (THREADS / CPR) == 0 && BLOCK_N % (THREADS / CPR) == 0, "tile rows vs threads");
+    T* sQ = reinterpret_cast<T*>(smem);
+    const uint32_t sQ_u = ptx::smem_u32(sQ);
+    const uint32_t sK_u = sQ_u + BLOCK_M * HEAD_DIM * sizeof(T);
+    const uint32_t sV_u = sK_u + BLOCK_N * HEAD_DIM * sizeof(T);
+
+    const int tid = threadIdx.x, lane = tid % 32, warp = tid / 32;
+    const int kv_head = blockIdx.z, split = blockIdx.y;
+    const int group = p.group_size;
+    const int rows_total = p.qo_len * group;
+    const int r0 = blockIdx.x * BLOCK_M;
+    const int q_lo = r0 / group;
+    const int q_hi = (min(r0 + BLOCK_M, rows_total) - 1) / group;
+
+    const MaskRule rule{p.qo_len, p.kv_len, p.causal != 0, p.window_left};
+    const int split_lo = split * p.kv_chunk_size;
+    const int split_hi = min(split_lo + p.kv_chunk_size, p.kv_len);
+    const int kv_lo = max(rule.kv_begin(q_lo), split_lo);
+    const int kv_hi = min(rule.kv_end(q_hi), split_hi);
+    // Tiles start on the BLOCK_N grid (split boundaries are on it too), so a tile never
+    // straddles two splits; keys before kv_lo lie outside every row's window, so the mask
+    // predicate removes them.
+    const int tile_start = kv_lo / BLOCK_N * BLOCK_N;
+    const int num_tiles = kv_hi > kv_lo ? (kv_hi - tile_start + BLOCK_N - 1) / BLOCK_N : 0;
+
+    // ---- Q tile: each row gathers its own (q_idx, head) ----
+    {
+      const T* q = reinterpret_cast<const T*>(p.q);
+      const int chunk = tid % CPR;
+      constexpr int ROW_STEP = THREADS / CPR;
+#pragma unroll 4
+      for (int row = tid / CPR; row < BLOCK_M; row += ROW_STEP) {
+        const int r = r0 + row;
+        const bool valid = r < rows_total;
+        const int rr = valid ? r : 0;
+        const int qi = rr / group, h = kv_head * group + rr % group;
+        ptx::cp_async_16(sQ_u + swz(row, chunk) * 16, q + qi * p.q_stride_n + h * p.q_stride_h + chunk * 8, valid);
+      }
+    }
+    const T* k_base = reinterpret_cast<const T*>(p.k) + kv_head * p.k_stride_h + (tid % CPR) * 8 +
+                      (int64_t)(tid / CPR) * p.k_stride_n;
+    const T* v_base = reinterpret_cast<const T*>(p.v) + kv_head * p.v_stride_h + (tid % CPR) * 8 +
+                      (int64_t)(tid / CPR) * p.v_stride_n;
+    auto load_k = [&](int n0) {
+      load_tile<BLOCK_N>(sK_u, k_base + (int64_t)n0 * p.k_stride_n, reinterpret_cast<const T*>(p.k),
+                         p.k_stride_n, p.kv_len - n0, tid);
+    };
+    auto load_v = [&](int n0) {
+      load_tile<BLOCK_N>(sV_u, v_base + (int64_t)n0 * p.v_stride_n, reinterpret_cast<const T*>(p.v),
+                         p.v_stride_n, p.kv_len - n0, tid);
+    };
+    if (num_tiles > 0) load_k(tile_start);
+    ptx::cp_async_commit();
+
+    // Rows this thread holds in the C fragments: (mt, half) -> query index.
+    const int warp_row0 = warp * MQ * 16;
+    int q_of[MQ][2];
+#pragma unroll
+    for (int mt = 0; mt < MQ; ++mt)
+#pragma unroll
+      for (int hf = 0; hf < 2; ++hf) q_of[mt][hf] = (r0 + warp_row0 + mt * 16 + lane / 4 + hf * 8) / group;
+
+    float o[MQ][DTILES][4];
+    float m[MQ][2], l[MQ][2];
+#pragma unroll
+    for (int mt = 0; mt < MQ; ++mt) {
+#pragma unroll
+      for (int d = 0; d < DTILES; ++d) o[mt][d][0] = o[mt][d][1] = o[mt][d][2] = o[mt][d][3] = 0.f;
+      m[mt][0] = m[mt][1] = -INFINITY;
+      l[mt][0] = l[mt][1] = 0.f;
+    }
+    uint32_t qf[Q_IN_REGS ? MQ : 1][Q_IN_REGS ? KSTEPS : 1][4];
+    const float scale = p.sm_scale_log2;
+
+    for (int it = 0; it < num_tiles; ++it) {
+      const int n0 = tile_start + it * BLOCK_N;
+      ptx::cp_async_wait<0>();
+      __syncthreads();  // K(it) landed; every warp is done reading V(it-1)
+      load_v(n0);
+      ptx::cp_async_commit();
+
+      if constexpr (Q_IN_REGS) {
+        if (it == 0) {
+#pragma unroll
+          for (int mt = 0; mt < MQ; ++mt)
+#pragma unroll
+            for (int ks = 0; ks < KSTEPS; ++ks)
+              ptx::ldmatrix_x4(qf[mt][ks], sQ_u + swz(warp_row0 + mt * 16 + lane % 16, ks * 2 + lane / 16) * 16);
+        }
+      }
+
+      // ---- S = Q K^T ----
+      float s[MQ][NTILES][4];
+#pragma unroll
+      for (int mt = 0; mt < MQ; ++mt)
+#pragma unroll
+        for (int nt = 0; nt < NTILES; ++nt) s[mt][nt][0] = s[mt][nt][1] = s[mt][nt][2] = s[mt][nt][3] = 0.f;
+#pragma unroll
+      for (int ks = 0; ks < KSTEPS; ++ks) {
+        uint32_t a[MQ][4];
+#pragma unroll
+        for (int mt = 0; mt < MQ; ++mt) {
+          if constexpr (Q_IN_REGS) {
+#pragma unroll
+            for (int i = 0; i < 4; ++i) a[mt][i] = qf[mt][ks][i];
+          } else {
+            ptx::ldmatrix_x4(a[mt], sQ_u + swz(warp_row0 + mt * 16 + lane % 16, ks * 2 + lane / 16) * 16);
+          }
+        }
+#pragma unroll
+        for (int np = 0; np < NTILES / 2; ++np) {
+          uint32_t b[4];
+          ptx::ldmatrix_x4(b, sK_u + swz(np * 16 + (lane / 16) * 8 + lane % 8, ks * 2 + (lane / 8) % 2) * 16);
+#pragma unroll
+          for (int mt = 0; mt < MQ; ++mt) {
+            ptx::mma_16816<T>(s[mt][2 * np], a[mt], b[0], b[1]);
+            ptx::mma_16816<T>(s[mt][2 * np + 1], a[mt], b[2], b[3]);
+          }
+        }
+      }
+
+      // ---- mask: only tiles that are not fully kept pay for the per-element predicate ----
+      if (!rule.keeps_all(q_lo, q_hi, n0, n0 + BLOCK_N - 1)) {
+#pragma unroll
+        for (int mt = 0; mt < MQ; ++mt)
+#pragma unroll
+          for (int nt = 0; nt < NTILES; ++nt)
+#pragma unroll
+            for (int e = 0; e < 4; ++e) {
+              const int kv = n0 + nt * 8 + (lane % 4) * 2 + (e & 1);
+              if (!rule.keep(q_of[mt][e >> 1], kv)) s[mt][nt][e] = -INFINITY;
+            }
+      }
+
+      // ---- online softmax, base 2 ----
+#pragma unroll
+      for (int mt = 0; mt < MQ; ++mt)
+#pragma unroll
+        for (int hf = 0; hf < 2; ++hf) {
+          float mx = -INFINITY;
+#pragma unroll
+          for (int nt = 0; nt < NTILES; ++nt) mx = fmaxf(mx, fmaxf(s[mt][nt][2 * hf], s[mt][nt][2 * hf + 1]));
+          mx = fmaxf(mx, __shfl_xor_sync(0xffffffff, mx, 1));
+          mx = fmaxf(mx, __shfl_xor_sync(0xffffffff, mx, 2));
+          const float m_new = fmaxf(m[mt][hf], mx * scale);
+          // A row that has seen only masked keys keeps m = -inf; use 0 so exp2 gives 0, not NaN.
+          const float m_use = m_new == -INFINITY ? 0.f : m_new;
+          const float corr = ptx::exp2_approx(m[mt][hf] - m_use);
+          m[mt][hf] = m_new;
+          float rs = 0.f;
+#pragma unroll
+          for (int nt = 0; nt < NTILES; ++nt) {
+            s[mt][nt][2 * hf] = ptx::exp2_approx(fmaf(s[mt][nt][2 * hf], scale, -m_use));
+            s[mt][nt][2 * hf + 1] = ptx::exp2_approx(fmaf(s[mt][nt][2 * hf + 1], scale, -m_use));
+            rs += s[mt][nt][2 * hf] + s[mt][nt][2 * hf + 1];
+          }
+          l[mt][hf] = l[mt][hf] * corr + rs;
+#pragma unroll
+          for (int d = 0; d < DTILES; ++d) {
+            o[mt][d][2 * hf] *= corr;
+            o[mt][d][2 * hf + 1] *= corr;
+          }
+        }
+
+      ptx::cp_async_wait<0>();
+      __syncthreads();  // V(it) landed; every warp is done reading K(it)
+      if (it + 1 < num_tiles) load_k(n0 + BLOCK_N);
+      ptx::cp_async_commit();
+
+      // ---- O += P V ----
+#pragma unroll
+      for (int kk = 0; kk < BLOCK_N / 16; ++kk) {
+        uint32_t a[MQ][4];
+#pragma unroll
+        for (int mt = 0; mt < MQ; ++mt) {
+          a[mt][0] = Pack2<T>::from(s[mt][2 * kk][0], s[mt][2 * kk][1]);
+          a[mt][1] = Pack2<T>::from(s[mt][2 * kk][2], s[mt][2 * kk][3]);
+          a[mt][2] = Pack2<T>::from(s[mt][2 * kk + 1][0], s[mt][2 * kk + 1][1]);
+          a[mt][3] = Pack2<T>::from(s[mt][2 * kk + 1][2], s[mt][2 * kk + 1][3]);
+        }
+#pragma unroll
+        for (int dp = 0; dp < DTILES / 2; ++dp) {
+          uint32_t b[4];
+          ptx::ldmatrix_x4_trans(b, sV_u + swz(kk * 16 + ((lane / 8) % 2) * 8 + lane % 8, dp * 2 + lane / 16) * 16);
+#pragma unroll
+          for (int mt = 0; mt < MQ; ++mt) {
+            ptx::mma_16816<T>(o[mt][2 * dp], a[mt], b[0], b[1]);
+            ptx::mma_16816<T>(o[mt][2 * dp + 1], a[mt], b[2], b[3]);
+          }
+        }
+      }
+    }
+    ptx::cp_async_wait<0>();
+    __syncthreads();  // with zero tiles, other threads' Q copies may still target this warp's rows
+
+    // ---- epilogue ----
+    float lse_v[MQ][2];
+#pragma unroll
+    for (int mt = 0; mt < MQ; ++mt)
+#pragma unroll
+      for (int hf = 0; hf < 2; ++hf) {
+        float sum = l[mt][hf];
+        sum += __shfl_xor_sync(0xffffffff, sum, 1);
+        sum += __shfl_xor_sync(0xffffffff, sum, 2);
+        const float inv = sum > 0.f ? 1.f / sum : 0.f;  // fully masked row: o = 0
+        lse_v[mt][hf] = sum > 0.f ? m[mt][hf] + __log2f(sum) : -INFINITY;
+#pragma unroll
+        for (int d = 0; d < DTILES; ++d) {
+          o[mt][d][2 * hf] *= inv;
+          o[mt][d][2 * hf + 1] *= inv;
+        }
+      }
+
+    const int Hq = p.num_qo_heads;
+    if (p.num_splits == 1) {
+      // Stage this warp's rows through its own slice of sQ (no other warp touches it), then
+      // write 16-byte chunks so the global stores are coalesced along each row.
+      __syncwarp();
+#pragma unroll
+      for (int mt = 0; mt < MQ; ++mt)
+#pragma unroll
+        for (int hf = 0; hf < 2; ++hf) {
+          const int row = warp_row0 + mt * 16 + lane / 4 + hf * 8;
+#pragma unroll
+          for (int d = 0; d < DTILES; ++d) {
+            const uint32_t v = Pack2<T>::from(o[mt][d][2 * hf], o[mt][d][2 * hf + 1]);
+            *reinterpret_cast<uint32_t*>(reinterpret_cast<char*>(sQ) + swz(row, d) * 16 + (lane % 4) * 4) = v;
+          }
+        }
+      __syncwarp();
+      T* out = reinterpret_cast<T*>(p.o);
+      for (int i = lane; i < MQ * 16 * CPR; i += 32) {
+        const int row = warp_row0 + i / CPR, chunk = i % CPR;
+        const int r = r0 + row;
+        if (r < rows_total) {
+          const int qi = r / group, h = kv_head * group + r % group;
+          *reinterpret_cast<uint4*>(out + qi * p.o_stride_n + h * p.o_stride_h + chunk * 8) =
+              *reinterpret_cast<const uint4*>(reinterpret_cast<char*>(sQ) + swz(row, chunk) * 16);
+        }
+      }
+      if (p.lse != 0 && lane % 4 == 0) {
+        float* lse = reinterpret_cast<float*>(p.lse);
+#pragma unroll
+        for (int mt = 0; mt < MQ; ++mt)
+#pragma unroll
+          for (int hf = 0; hf < 2; ++hf) {
+            const int r = r0 + warp_row0 + mt * 16 + lane / 4 + hf * 8;
+            if (r < rows_total) lse[(int64_t)(r / group) * Hq + kv_head * group + r % group] = lse_v[mt][hf];
+          }
+      }
+    } else {
+      // Split KV: normalised fp32 partials plus their base-2 LSE; the merge kernel combines.
+      float* op = reinterpret_cast<float*>(p.o_partial);
+      float* lp = reinterpret_cast<float*>(p.lse_partial);
+#pragma unroll
+      for (int mt = 0; mt < MQ; ++mt)
+#pragma unroll
+        for (int hf = 0; hf < 2; ++hf) {
+          const int r = r0 + warp_row0 + mt * 16 + lane / 4 + hf * 8;
+          if (r >= rows_total) continue;
+          const int64_t idx = ((int64_t)split * p.qo_len + r / group) * Hq + kv_head * group + r % group;
+#pragma unroll
+          for (int d = 0; d < DTILES; ++d)
+            *reinterpret_cast<float2*>(op + idx * HEAD_DIM + d * 8 + (lane % 4) * 2) =
+                make_float2(o[mt][d][2 * hf], o[mt][d][2 * hf + 1]);
+          if (lane % 4 == 0) lp[idx] = lse_v[mt][hf];
+        }
+    }
+  }
+};
+
+}  // namespace pfa
+
+// One extern "C" entry per variant: a stable name for the manifest and cuLibraryGetKernel.
+#define PFA_DEFINE_PREFILL_SM80(NAME, T, HD, NW, MQ, BN, QREGS, MINB)                       \
+  extern "C" __global__ void __launch_bounds__(NW * 32, MINB)                                \
+      NAME(const __grid_constant__ pfa::PrefillParams p) {                                    \
+    extern __shared__ __align__(128) char smem[];                                             \
+    pfa::PrefillSm80<T, HD, NW, MQ, BN, QREGS>::run(p, smem);                                 \
+  }

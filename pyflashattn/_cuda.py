@@ -1,0 +1,232 @@
+"""cuda.bindings glue: driver init, per-device primary contexts, cubin libraries, launches.
+
+Everything that talks to the driver lives here so the rest of the package stays testable on a
+machine without a GPU (this module imports cuda.bindings lazily, on first use).
+"""
+from __future__ import annotations
+
+import ctypes
+import threading
+
+_driver = None
+_lock = threading.Lock()
+_contexts: dict[int, object] = {}
+_current = threading.local()
+_streams: dict[int, int] = {}
+_events: dict[int, list] = {}
+_props: dict[int, dict] = {}
+
+
+class CudaError(RuntimeError):
+    """A CUDA driver call failed; the message names the call (and the kernel, for launches)."""
+
+
+def driver():
+    """The cuda.bindings.driver module, with cuInit done once."""
+    global _driver
+    if _driver is None:
+        with _lock:
+            if _driver is None:
+                try:
+                    from cuda.bindings import driver as cu
+                except ImportError as e:  # pragma: no cover - dependency is declared
+                    raise RuntimeError("pyflashattn needs cuda-bindings (pip install cuda-bindings)") from e
+                (err,) = cu.cuInit(0)
+                if err != cu.CUresult.CUDA_SUCCESS:
+                    raise RuntimeError(f"no usable CUDA driver/GPU: cuInit failed with {_err_name(cu, err)}")
+                _driver = cu
+    return _driver
+
+
+def _err_name(cu, err):
+    try:
+        e, name = cu.cuGetErrorName(err)
+        return name.decode() if e == cu.CUresult.CUDA_SUCCESS else str(err)
+    except Exception:  # noqa: BLE001 - only for building an error message
+        return str(err)
+
+
+def check(result, what: str):
+    """Unpack a cuda.bindings (err, *values) tuple; raise CudaError naming `what` on failure."""
+    cu = driver()
+    err = result[0]
+    if err != cu.CUresult.CUDA_SUCCESS:
+        raise CudaError(f"{what} failed: {_err_name(cu, err)}")
+    if len(result) == 1:
+        return None
+    return result[1] if len(result) == 2 else result[1:]
+
+
+def device_count() -> int:
+    try:
+        return check(driver().cuDeviceGetCount(), "cuDeviceGetCount")
+    except RuntimeError:
+        return 0
+
+
+def ensure_context(device_id: int) -> None:
+    """Make device_id's primary context current on this thread (the one torch/CuPy/JAX use)."""
+    if getattr(_current, "dev", None) == device_id:
+        return
+    cu = driver()
+    ctx = _contexts.get(device_id)
+    if ctx is None:
+        with _lock:
+            ctx = _contexts.get(device_id)
+            if ctx is None:
+                dev = check(cu.cuDeviceGet(device_id), f"cuDeviceGet({device_id})")
+                ctx = check(cu.cuDevicePrimaryCtxRetain(dev), f"cuDevicePrimaryCtxRetain({device_id})")
+                _contexts[device_id] = ctx
+    check(cu.cuCtxSetCurrent(ctx), "cuCtxSetCurrent")
+    _current.dev = device_id
+
+
+def properties(device_id: int) -> dict:
+    """Compute capability, SM count and the opt-in shared-memory limit, cached per device."""
+    props = _props.get(device_id)
+    if props is None:
+        cu = driver()
+        dev = check(cu.cuDeviceGet(device_id), f"cuDeviceGet({device_id})")
+        A = cu.CUdevice_attribute
+
+        def attr(a):
+            return check(cu.cuDeviceGetAttribute(a, dev), f"cuDeviceGetAttribute({a})")
+
+        props = {
+            "cc": (attr(A.CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_MAJOR),
+                   attr(A.CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_MINOR)),
+            "sm_count": attr(A.CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT),
+            "smem_optin": attr(A.CU_DEVICE_ATTRIBUTE_MAX_SHARED_MEMORY_PER_BLOCK_OPTIN),
+            "smem_per_sm": attr(A.CU_DEVICE_ATTRIBUTE_MAX_SHARED_MEMORY_PER_MULTIPROCESSOR),
+            "regs_per_sm": attr(A.CU_DEVICE_ATTRIBUTE_MAX_REGISTERS_PER_MULTIPROCESSOR),
+        }
+        _props[device_id] = props
+    return props
+
+
+def driver_version() -> int:
+    return check(driver().cuDriverGetVersion(), "cuDriverGetVersion")
+
+
+# ---------------------------------------------------------------- libraries and kernels
+
+def load_library(data: bytes, what: str):
+    """A context-independent CUlibrary from cubin bytes."""
+    cu = driver()
+    return check(cu.cuLibraryLoadData(data, None, None, 0, None, None, 0), f"cuLibraryLoadData({what})")
+
+
+def get_function(library, name: str, device_id: int, dynamic_smem: int):
+    """The CUfunction of `name` in device_id's context, with its dynamic shared-memory limit raised."""
+    cu = driver()
+    ensure_context(device_id)
+    kernel = check(cu.cuLibraryGetKernel(library, name.encode()), f"cuLibraryGetKernel({name})")
+    func = check(cu.cuKernelGetFunction(kernel), f"cuKernelGetFunction({name})")
+    if dynamic_smem > 48 * 1024:
+        check(cu.cuFuncSetAttribute(func, cu.CUfunction_attribute.CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES,
+                                    dynamic_smem), f"cuFuncSetAttribute({name}, max dynamic smem {dynamic_smem})")
+    return func
+
+
+class Launcher:
+    """One kernel launched with one by-value params struct.
+
+    The struct and the void*[1] that points at it are allocated once; a launch refills the
+    struct's fields (the caller does that) and hands the array's address to cuLaunchKernelEx,
+    so no argument packing happens per call.
+    """
+
+    __slots__ = ("name", "func", "params", "_argv", "_argv_addr", "_config", "_cu", "threads", "smem", "meta")
+
+    def __init__(self, name: str, func, params_type, threads: int, smem: int):
+        cu = driver()
+        self._cu = cu
+        self.name = name
+        self.func = func
+        self.params = params_type()
+        self._argv = (ctypes.c_void_p * 1)(ctypes.addressof(self.params))
+        self._argv_addr = ctypes.addressof(self._argv)
+        self.threads = threads
+        self.smem = smem
+        self.meta = None  # the manifest row, set by the registry
+        cfg = cu.CUlaunchConfig()
+        cfg.blockDimX, cfg.blockDimY, cfg.blockDimZ = threads, 1, 1
+        cfg.sharedMemBytes = smem
+        cfg.numAttrs = 0
+        self._config = cfg
+
+    def launch(self, grid: tuple[int, int, int], stream: int) -> None:
+        cfg = self._config
+        cfg.gridDimX, cfg.gridDimY, cfg.gridDimZ = grid
+        cfg.hStream = stream
+        err, = self._cu.cuLaunchKernelEx(cfg, self.func, self._argv_addr, 0)
+        if err != self._cu.CUresult.CUDA_SUCCESS:
+            raise CudaError(f"launch of {self.name} grid={grid} block={self.threads} smem={self.smem} failed: "
+                            f"{_err_name(self._cu, err)}")
+
+
+# ---------------------------------------------------------------- streams, events, memory
+
+def library_stream(device_id: int) -> int:
+    """A non-blocking stream owned by the library (used when the caller's framework has none, e.g. JAX)."""
+    s = _streams.get(device_id)
+    if s is None:
+        cu = driver()
+        ensure_context(device_id)
+        stream = check(cu.cuStreamCreate(cu.CUstream_flags.CU_STREAM_NON_BLOCKING), "cuStreamCreate")
+        s = _streams[device_id] = int(stream)
+    return s
+
+
+def stream_wait(waiting_stream: int, on_stream: int) -> None:
+    """Make waiting_stream wait for the work queued so far on on_stream (no host sync)."""
+    if waiting_stream == on_stream:
+        return
+    cu = driver()
+    ev = check(cu.cuEventCreate(cu.CUevent_flags.CU_EVENT_DISABLE_TIMING), "cuEventCreate")
+    check(cu.cuEventRecord(ev, on_stream), "cuEventRecord")
+    check(cu.cuStreamWaitEvent(waiting_stream, ev, 0), "cuStreamWaitEvent")
+    check(cu.cuEventDestroy(ev), "cuEventDestroy")  # destruction is deferred until the wait resolves
+
+
+def mem_alloc_async(nbytes: int, stream: int) -> int:
+    return int(check(driver().cuMemAllocAsync(max(int(nbytes), 1), stream), f"cuMemAllocAsync({nbytes})"))
+
+
+def mem_alloc(nbytes: int) -> int:
+    return int(check(driver().cuMemAlloc(max(int(nbytes), 1)), f"cuMemAlloc({nbytes})"))
+
+
+def mem_free(ptr: int) -> None:
+    """Free device memory from mem_alloc/mem_alloc_async (cuMemFree waits for pending work on it)."""
+    check(driver().cuMemFree(ptr), "cuMemFree")
+
+
+def memset_d8_async(ptr: int, value: int, nbytes: int, stream: int) -> None:
+    check(driver().cuMemsetD8Async(ptr, value, nbytes, stream), "cuMemsetD8Async")
+
+
+class Workspace:
+    """Grow-only device scratch memory, one per (device, stream): split-KV partials live here.
+
+    Keyed by stream so two streams never share scratch; growth frees the old block with
+    cuMemFreeAsync on the same stream, which orders the free after earlier launches there.
+    """
+
+    _spaces: dict[tuple[int, int], "Workspace"] = {}
+
+    def __init__(self, device_id: int, stream: int):
+        self.device_id, self.stream, self.ptr, self.size = device_id, stream, 0, 0
+
+    @classmethod
+    def get(cls, device_id: int, stream: int, nbytes: int) -> int:
+        ws = cls._spaces.get((device_id, stream))
+        if ws is None:
+            ws = cls._spaces[(device_id, stream)] = cls(device_id, stream)
+        if ws.size < nbytes:
+            cu = driver()
+            if ws.ptr:
+                check(cu.cuMemFreeAsync(ws.ptr, stream), "cuMemFreeAsync")
+            size = max(nbytes, 2 * ws.size, 1 << 20)
+            ws.ptr, ws.size = mem_alloc_async(size, stream), size
+        return ws.ptr

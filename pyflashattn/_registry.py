@@ -1,0 +1,136 @@
+"""The cubin manifest -> launchable kernels, per device, loaded lazily and cached.
+
+Lookup goes by (family, dtype, head_dim) on the arch that matches the device: sm_90 loads
+sm_90a cubins, 8.9 prefers sm_89 then sm_80, other 8.x take sm_80. Nothing is compiled at
+call time; a missing GPU, arch or kernel raises an error that names it and says how to build.
+"""
+from __future__ import annotations
+
+import json
+import os
+import pathlib
+import threading
+
+from . import _cuda
+from ._params_gen import FAMILIES, PARAMS_SHA256
+
+_PKG = pathlib.Path(__file__).resolve().parent
+_manifest = None
+_manifest_dir = None
+_libraries: dict[tuple[str, int], object] = {}
+_functions: dict[tuple[str, int], object] = {}
+_local = threading.local()  # Launchers own a mutable params struct: one set per thread
+_lock = threading.Lock()
+_forced: dict[str, str] = {}  # family -> kernel name (the tuning sweep's hook; empty in normal use)
+
+
+def force(family: str, name: str | None) -> None:
+    """Use kernel `name` for `family` wherever its dtype/head_dim match (None restores the defaults).
+
+    For the tile-tuning sweep (build_tools/tune_prefill.py) comparing `make TUNE=1` variants.
+    """
+    if name is None:
+        _forced.pop(family, None)
+    else:
+        _forced[family] = name
+    getattr(_local, "cache", {}).clear()
+
+
+def cubin_dir() -> pathlib.Path:
+    """$PFA_CUBIN_DIR, else the cubins packaged in the wheel, else the source tree's cubins/."""
+    env = os.environ.get("PFA_CUBIN_DIR")
+    candidates = [pathlib.Path(env)] if env else [_PKG / "_cubins", _PKG.parent / "cubins"]
+    for c in candidates:
+        if (c / "manifest.json").exists():
+            return c
+    raise RuntimeError(
+        "pyflashattn has no compiled kernels: cubins/manifest.json not found (looked in "
+        + ", ".join(str(c) for c in candidates)
+        + "). Build them with `make` (or `make ARCHS=sm_90a` for one arch) in the source tree.")
+
+
+def manifest() -> dict:
+    global _manifest, _manifest_dir
+    if _manifest is None:
+        d = cubin_dir()
+        m = json.loads((d / "manifest.json").read_text())
+        if m.get("params_sha256") != PARAMS_SHA256:
+            raise RuntimeError(
+                f"cubins in {d} were built against another params layout than this package's "
+                "(params_sha256 mismatch); rebuild them with `make`.")
+        _manifest, _manifest_dir = m, d
+    return _manifest
+
+
+def arch_candidates(cc: tuple[int, int]) -> list[str]:
+    major, minor = cc
+    if major == 9:
+        return ["sm_90a"]
+    if (major, minor) == (8, 9):
+        return ["sm_89", "sm_80"]
+    if major == 8:
+        return ["sm_80"]
+    return []
+
+
+def find(family: str, device_id: int, **match) -> dict:
+    """The manifest row of the shipped (non-tuning) kernel matching `match` for this device."""
+    cc = _cuda.properties(device_id)["cc"]
+    archs = arch_candidates(cc)
+    if not archs:
+        raise RuntimeError(f"pyflashattn has no kernels for compute capability {cc[0]}.{cc[1]} "
+                           "(supported: 8.x as sm_80/sm_89, 9.0 as sm_90a)")
+    rows = manifest()["kernels"]
+    want_name = match.pop("name", None)
+    forced = _forced.get(family)
+    if forced is not None and want_name is None:
+        row = next((r for r in rows if r["name"] == forced and r["arch"] in archs), None)
+        if row is not None and all(row.get(k) == v for k, v in match.items()):
+            return row
+    for arch in archs:
+        for row in rows:
+            if row["arch"] != arch or row["family"] != family:
+                continue
+            if want_name is not None:
+                if row["name"] == want_name:
+                    return row
+                continue
+            if not row.get("tune") and all(row.get(k) == v for k, v in match.items()):
+                return row
+    what = want_name or ", ".join(f"{k}={v}" for k, v in match.items())
+    raise RuntimeError(f"no {family} kernel for {what} among the cubins for {'/'.join(archs)} in "
+                       f"{_manifest_dir}; build them with `make ARCHS={archs[0]}`")
+
+
+def _library(row: dict, device_id: int):
+    key = (row["file"], device_id)
+    lib = _libraries.get(key)
+    if lib is None:
+        with _lock:
+            lib = _libraries.get(key)
+            if lib is None:
+                _cuda.ensure_context(device_id)
+                data = (_manifest_dir / row["file"]).read_bytes()
+                lib = _libraries[key] = _cuda.load_library(data, row["file"])
+    return lib
+
+
+def launcher(family: str, device_id: int, **match) -> _cuda.Launcher:
+    """A Launcher for the matching kernel on device_id (cached per thread, device and match)."""
+    cache = getattr(_local, "cache", None)
+    if cache is None:
+        cache = _local.cache = {}
+    key = (family, device_id, tuple(sorted(match.items())))
+    hit = cache.get(key)
+    if hit is not None:
+        return hit
+    row = find(family, device_id, **dict(match))
+    fkey = (row["file"], device_id)
+    func = _functions.get(fkey)
+    if func is None:
+        func = _functions[fkey] = _cuda.get_function(_library(row, device_id), row["name"], device_id,
+                                                     row["smem_bytes"])
+    la = _cuda.Launcher(row["name"], func, FAMILIES[family], row["threads"], row["smem_bytes"])
+    la.meta = row
+    cache[key] = la
+    return la

@@ -1,0 +1,220 @@
+"""Single-request prefill / append attention with FlashInfer's API.
+
+    o = single_prefill_with_kv_cache(q, k, v, causal=True)
+    o, lse = single_prefill_with_kv_cache_return_lse(q, k, v)
+
+q: [qo_len, num_qo_heads, head_dim]; k, v: [kv_len, num_kv_heads, head_dim] (kv_layout "NHD")
+or [num_kv_heads, kv_len, head_dim] ("HND"); any DLPack CUDA tensor (torch, CuPy, JAX), fp16 or
+bf16, strided views allowed as long as the last dim is contiguous. Conventions (FlashInfer's):
+causal is bottom-right aligned (query i sits at i + kv_len - qo_len), window_left is an
+inclusive left window from that position, lse is base 2 over the scaled logits
+(log2(sum_j 2^(s_j * log2 e))), a row with no visible key gives o = 0 and lse = -inf.
+"""
+from __future__ import annotations
+
+import functools
+import math
+import operator
+
+from . import _cuda, _dtypes, _registry, _tensor
+
+LOG2E = 1.4426950408889634
+HEAD_DIMS = (64, 128, 256)
+POS_ENCODINGS = ("NONE", "ROPE_LLAMA", "ALIBI")
+_MERGE_ROWS_PER_BLOCK = 4
+
+
+def _plan_splits(row_tiles: int, kv_heads: int, kv_len: int, block_n: int, device_id: int, min_blocks: int):
+    """(num_splits, kv_chunk_size): split KV only when the grid cannot fill the GPU.
+
+    Short queries over long KV give few CTAs; each split is a chunk of whole BLOCK_N tiles
+    (at least 4 of them, so a split amortises its epilogue and the merge stays cheap).
+    """
+    ctas = row_tiles * kv_heads
+    slots = _cuda.properties(device_id)["sm_count"] * min_blocks
+    kv_tiles = -(-kv_len // block_n)
+    if ctas >= slots or kv_tiles < 8:
+        return 1, kv_tiles * block_n if kv_tiles else block_n
+    splits = min(-(-slots // ctas), kv_tiles // 4)
+    chunk_tiles = -(-kv_tiles // splits)
+    splits = -(-kv_tiles // chunk_tiles)
+    return splits, chunk_tiles * block_n
+
+
+def _check_options(custom_mask, packed_custom_mask, pos_encoding_mode, allow_fp16_qk_reduction,
+                   logits_soft_cap, lse_base):
+    if pos_encoding_mode not in POS_ENCODINGS:
+        raise ValueError(f"pos_encoding_mode must be one of {POS_ENCODINGS}, got {pos_encoding_mode!r}")
+    if custom_mask is not None or packed_custom_mask is not None:
+        raise NotImplementedError("custom_mask / packed_custom_mask are not implemented yet")
+    if pos_encoding_mode != "NONE":
+        raise NotImplementedError(f"pos_encoding_mode={pos_encoding_mode!r} is not implemented yet")
+    if allow_fp16_qk_reduction:
+        raise NotImplementedError("allow_fp16_qk_reduction is not implemented (QK is always reduced in fp32)")
+    if logits_soft_cap is not None and logits_soft_cap != 0:
+        raise NotImplementedError("logits_soft_cap is not implemented yet")
+    if lse_base != "log2":
+        if lse_base == "ln":
+            raise NotImplementedError("lse_base='ln' is not implemented yet")
+        raise ValueError(f"lse_base must be 'log2' or 'ln', got {lse_base!r}")
+
+
+def _check_io(name: str, t, dtype, device_id: int):
+    """A 3-D q/k/v/out operand: CUDA, on device_id, dtype, last dim contiguous, 16-byte aligned rows."""
+    if not t.is_cuda:
+        raise ValueError(f"{name} must be a CUDA tensor, got a tensor on DLPack device type {t.device_type}")
+    if t.device_id != device_id:
+        raise ValueError(f"{name} is on cuda:{t.device_id} but q is on cuda:{device_id}")
+    if t.dtype != dtype:
+        raise TypeError(f"{name} has dtype {t.dtype.name} but q has {dtype.name}; they must match")
+    if t.ndim != 3:
+        raise ValueError(f"{name} must be 3-D, got shape {t.shape}")
+    if t.strides[2] != 1 and t.shape[2] > 1:
+        raise ValueError(f"{name} must be contiguous in its last dim, got strides {t.strides}")
+    # 16-byte cp.async / vector stores: base and row/head strides on 8-element boundaries.
+    if t.ptr % 16 or t.strides[0] % 8 or t.strides[1] % 8:
+        raise ValueError(f"{name} must be 16-byte aligned with row and head strides that are multiples of 8 "
+                         f"elements, got address %16 = {t.ptr % 16}, strides {t.strides}")
+
+
+def single_prefill_with_kv_cache(q, k, v, custom_mask=None, packed_custom_mask=None, causal: bool = False,
+                                 kv_layout: str = "NHD", pos_encoding_mode: str = "NONE",
+                                 allow_fp16_qk_reduction: bool = False, sm_scale: float | None = None,
+                                 window_left: int = -1, logits_soft_cap: float | None = None,
+                                 rope_scale: float | None = None, rope_theta: float | None = None, *,
+                                 return_lse: bool = False, out=None, lse=None, stream=None,
+                                 lse_base: str = "log2"):
+    """Attention of one request's queries over its KV cache (FlashInfer's single prefill).
+
+    Parameters beyond FlashInfer's: ``out`` / ``lse`` (preallocated outputs, written in place and
+    returned), ``stream`` (a CUDA stream handle or stream object; default: the caller framework's
+    current stream), ``lse_base`` ("log2", FlashInfer's convention).
+
+    Returns o [qo_len, num_qo_heads, head_dim] in q's dtype and framework, and with
+    ``return_lse`` also lse [qo_len, num_qo_heads] float32.
+    """
+    _check_options(custom_mask, packed_custom_mask, pos_encoding_mode, allow_fp16_qk_reduction,
+                   logits_soft_cap, lse_base)
+    if kv_layout not in ("NHD", "HND"):
+        raise ValueError(f"kv_layout must be 'NHD' or 'HND', got {kv_layout!r}")
+    try:
+        window_left = operator.index(window_left)
+    except TypeError:
+        raise TypeError(f"window_left must be an int, got {window_left!r}") from None
+    if window_left < -1:
+        raise ValueError(f"window_left must be >= -1 (-1 = no window), got {window_left}")
+
+    framework = _tensor.framework_of(q)
+    # Everything is validated from stream-less views first, so bad input raises before the
+    # driver is touched. JAX arrays are exported again below with the launch stream (the
+    # DLPack handshake makes that stream wait for JAX's pending writes).
+    qv, kv, vv = _tensor.view(q, "q"), _tensor.view(k, "k"), _tensor.view(v, "v")
+    if not qv.is_cuda:
+        raise ValueError(f"q must be a CUDA tensor, got a tensor on DLPack device type {qv.device_type}")
+    dev = qv.device_id
+    dtype = qv.dtype
+    if dtype not in (_dtypes.FLOAT16, _dtypes.BFLOAT16):
+        raise TypeError(f"q must be float16 or bfloat16, got {dtype.name}")
+    _check_io("q", qv, dtype, dev)
+    _check_io("k", kv, dtype, dev)
+    _check_io("v", vv, dtype, dev)
+    qo_len, num_qo_heads, head_dim = qv.shape
+    if kv_layout == "NHD":
+        kv_len, num_kv_heads, head_dim_k = kv.shape
+    else:
+        num_kv_heads, kv_len, head_dim_k = kv.shape
+    if vv.shape != kv.shape:
+        raise ValueError(f"v must have k's shape {kv.shape}, got {vv.shape}")
+    if head_dim_k != head_dim:
+        raise ValueError(f"k head_dim {head_dim_k} differs from q head_dim {head_dim}")
+    if head_dim not in HEAD_DIMS:
+        raise ValueError(f"head_dim {head_dim} is not supported (supported: {HEAD_DIMS})")
+    if num_kv_heads == 0 or num_qo_heads % num_kv_heads:
+        raise ValueError(f"num_qo_heads ({num_qo_heads}) must be a multiple of num_kv_heads ({num_kv_heads})")
+    if causal and kv_len < qo_len:
+        raise ValueError(f"causal attention needs kv_len >= qo_len, got kv_len={kv_len}, qo_len={qo_len}")
+    if sm_scale is None:
+        sm_scale = 1.0 / math.sqrt(head_dim)
+    if not (math.isfinite(sm_scale) and sm_scale > 0):
+        raise ValueError(f"sm_scale must be a finite positive number, got {sm_scale!r}")
+    o_shape, lse_shape = (qo_len, num_qo_heads, head_dim), (qo_len, num_qo_heads)
+    if out is not None:
+        ov = _tensor.view(out, "out")
+        if ov.shape != o_shape:
+            raise ValueError(f"out must have shape {o_shape}, got {ov.shape}")
+        _check_io("out", ov, dtype, dev)
+    lv = None
+    if lse is not None:
+        lv = _tensor.view(lse, "lse")
+        if lv.shape != lse_shape or lv.dtype != _dtypes.FLOAT32 or not lv.is_cuda or lv.device_id != dev:
+            raise ValueError(f"lse must be a float32 CUDA tensor of shape {lse_shape} on cuda:{dev}, got "
+                             f"{lv.dtype.name} {lv.shape} on device {lv.device_type}:{lv.device_id}")
+        if lv.strides != (num_qo_heads, 1) and qo_len * num_qo_heads > 1:
+            raise ValueError(f"lse must be contiguous, got strides {lv.strides}")
+
+    # ---- from here on the driver is involved ----
+    _cuda.ensure_context(dev)
+    s = _tensor.stream_handle(stream) if stream is not None else _tensor.current_stream(framework, dev)
+    if framework == "jax":
+        qv, kv, vv = _tensor.view(q, "q", stream=s), _tensor.view(k, "k", stream=s), _tensor.view(v, "v", stream=s)
+
+    # ---- outputs: the caller's buffers, else the caller's framework allocates ----
+    if out is None:
+        out, ov = _tensor.empty(qv, o_shape, dtype, s)
+    if lse is None and return_lse:
+        lse, lv = _tensor.empty(qv, lse_shape, _dtypes.FLOAT32, s)
+
+    if qo_len * num_qo_heads != 0:
+        _launch(qv, kv, vv, ov, lv, dtype, dev, s, causal, window_left, sm_scale, kv_layout)
+    # JAX outputs are handed to JAX only now, so JAX's reads are ordered after the launch.
+    out = _tensor.finalize(out)
+    if lse is None:
+        return out
+    lse = _tensor.finalize(lse)
+    return (out, lse) if return_lse else out
+
+
+def _launch(qv, kv, vv, ov, lv, dtype, dev, s, causal, window_left, sm_scale, kv_layout):
+    """Fill the params struct and launch (attention, plus the merge when KV is split)."""
+    qo_len, num_qo_heads, head_dim = qv.shape
+    if kv_layout == "NHD":
+        kv_len, num_kv_heads = kv.shape[0], kv.shape[1]
+        k_sn, k_sh, v_sn, v_sh = kv.strides[0], kv.strides[1], vv.strides[0], vv.strides[1]
+    else:
+        kv_len, num_kv_heads = kv.shape[1], kv.shape[0]
+        k_sn, k_sh, v_sn, v_sh = kv.strides[1], kv.strides[0], vv.strides[1], vv.strides[0]
+
+    la = _registry.launcher("prefill", dev, dtype=dtype.short, head_dim=head_dim)
+    meta = la.meta
+    group = num_qo_heads // num_kv_heads
+    row_tiles = -(-qo_len * group // meta["block_m"])
+    splits, chunk = _plan_splits(row_tiles, num_kv_heads, kv_len, meta["block_n"], dev,
+                                 2 if meta["threads"] <= 128 else 1)
+
+    p = la.params
+    p.q, p.k, p.v, p.o = qv.ptr, kv.ptr, vv.ptr, ov.ptr
+    p.lse = lv.ptr if lv is not None and splits == 1 else 0
+    p.q_stride_n, p.q_stride_h = qv.strides[0], qv.strides[1]
+    p.k_stride_n, p.k_stride_h, p.v_stride_n, p.v_stride_h = k_sn, k_sh, v_sn, v_sh
+    p.o_stride_n, p.o_stride_h = ov.strides[0], ov.strides[1]
+    p.qo_len, p.kv_len, p.num_qo_heads, p.num_kv_heads = qo_len, kv_len, num_qo_heads, num_kv_heads
+    p.group_size, p.num_splits, p.kv_chunk_size = group, splits, chunk
+    p.causal, p.window_left, p.sm_scale_log2 = int(bool(causal)), window_left, sm_scale * LOG2E
+    if splits > 1:
+        pairs = qo_len * num_qo_heads
+        ws = _cuda.Workspace.get(dev, s, splits * pairs * (head_dim + 1) * 4)
+        p.o_partial, p.lse_partial = ws, ws + splits * pairs * head_dim * 4
+        la.launch((row_tiles, splits, num_kv_heads), s)
+        mg = _registry.launcher("merge", dev, dtype=dtype.short)
+        mp = mg.params
+        mp.o_partial, mp.lse_partial, mp.o, mp.lse = p.o_partial, p.lse_partial, ov.ptr, (lv.ptr if lv is not None else 0)
+        mp.o_stride_n, mp.o_stride_h = ov.strides[0], ov.strides[1]
+        mp.rows, mp.num_heads, mp.head_dim, mp.num_splits = qo_len, num_qo_heads, head_dim, splits
+        mg.launch((-(-pairs // _MERGE_ROWS_PER_BLOCK), 1, 1), s)
+    else:
+        p.o_partial = p.lse_partial = 0
+        la.launch((row_tiles, 1, num_kv_heads), s)
+
+
+single_prefill_with_kv_cache_return_lse = functools.partial(single_prefill_with_kv_cache, return_lse=True)
+single_prefill_with_kv_cache_return_lse.__doc__ = "single_prefill_with_kv_cache with return_lse=True: (o, lse)."

@@ -1,0 +1,63 @@
+"""The variant table, the generated kernel sources and the cubin manifest agree."""
+import hashlib
+import json
+import pathlib
+import subprocess
+import sys
+
+import pytest
+
+from pyflashattn import _params_gen, _registry
+
+ROOT = pathlib.Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT / "build_tools"))
+import variants  # noqa: E402
+
+
+def test_variant_names_unique_and_descriptive():
+    for tune in (False, True):
+        names = [v.name for v in variants.variants(tune=tune)]
+        assert len(names) == len(set(names))
+    for v in variants.variants(tune=True):
+        if isinstance(v, variants.PrefillVariant):
+            assert f"hd{v.head_dim}" in v.name and v.dtype in v.name
+            assert v.smem_bytes <= 227 * 1024
+            assert v.head_dim % 64 == 0 and v.block_n % 16 == 0
+
+
+def test_every_shipped_head_dim_and_dtype_has_a_kernel():
+    shipped = {(v.dtype, v.head_dim) for v in variants.variants() if isinstance(v, variants.PrefillVariant)}
+    assert shipped == {(d, h) for d in ("f16", "bf16") for h in (64, 128, 256)}
+    assert {v.dtype for v in variants.variants() if isinstance(v, variants.MergeVariant)} == {"f16", "bf16"}
+
+
+def test_generated_sources_match_table():
+    out = subprocess.run([sys.executable, str(ROOT / "build_tools/gen_kernels.py"), "--list"], capture_output=True,
+                         text=True, check=True).stdout.split()
+    assert out == [v.name for v in variants.variants()]
+
+
+def test_arch_candidates():
+    assert _registry.arch_candidates((9, 0)) == ["sm_90a"]
+    assert _registry.arch_candidates((8, 9)) == ["sm_89", "sm_80"]
+    assert _registry.arch_candidates((8, 6)) == ["sm_80"]
+    assert _registry.arch_candidates((7, 5)) == []
+
+
+MANIFEST = ROOT / "cubins/manifest.json"
+
+
+@pytest.mark.skipif(not MANIFEST.exists(), reason="cubins not built (run make)")
+def test_built_manifest_is_consistent():
+    m = json.loads(MANIFEST.read_text())
+    assert m["params_sha256"] == _params_gen.PARAMS_SHA256
+    assert m["nvcc"] != "unknown"
+    names = {v.name for v in variants.variants()}
+    built = {}
+    for row in m["kernels"]:
+        path = ROOT / "cubins" / row["file"]
+        assert hashlib.sha256(path.read_bytes()).hexdigest() == row["sha256"], row["file"]
+        assert path.read_bytes()[:4] == b"\x7fELF"
+        built.setdefault(row["arch"], set()).add(row["name"])
+    for arch in m["archs"]:
+        assert names <= built[arch], f"{arch} lacks {names - built[arch]}"
