@@ -22,6 +22,7 @@ class PrefillVariant:
     mq: int  # m16 row tiles per warp
     block_n: int
     q_in_regs: bool
+    stages: int  # K/V shared-memory stages: 1 = FA2 interleave, 2 = double-buffered K and V
     min_blocks: int  # __launch_bounds__ min CTAs per SM (caps registers)
     tune: bool = False
 
@@ -32,7 +33,7 @@ class PrefillVariant:
     @property
     def name(self):
         return (f"pfa_prefill_sm80_{self.dtype}_hd{self.head_dim}"
-                f"_m{self.block_m}n{self.block_n}w{self.warps}{'_qr' if self.q_in_regs else ''}")
+                f"_m{self.block_m}n{self.block_n}w{self.warps}s{self.stages}{'_qr' if self.q_in_regs else ''}")
 
     @property
     def threads(self):
@@ -40,12 +41,12 @@ class PrefillVariant:
 
     @property
     def smem_bytes(self):
-        return (self.block_m + 2 * self.block_n) * self.head_dim * 2
+        return (self.block_m + 2 * self.stages * self.block_n) * self.head_dim * 2
 
     def source(self):
         return ('#include "pfa/attention/prefill_sm80.cuh"\n'
                 f"PFA_DEFINE_PREFILL_SM80({self.name}, {DTYPES[self.dtype]}, {self.head_dim}, {self.warps}, "
-                f"{self.mq}, {self.block_n}, {'true' if self.q_in_regs else 'false'}, {self.min_blocks})\n")
+                f"{self.mq}, {self.block_n}, {'true' if self.q_in_regs else 'false'}, {self.stages}, {self.min_blocks})\n")
 
     def manifest(self):
         return {"family": "prefill", "dtype": self.dtype, "head_dim": self.head_dim, "block_m": self.block_m,
@@ -70,17 +71,17 @@ class MergeVariant:
                 "tune": self.tune}
 
 
-# (head_dim) -> (warps, mq, block_n, q_in_regs, min_blocks): the shipped default per head dim.
+# head_dim -> (warps, mq, block_n, q_in_regs, stages, min_blocks): the shipped default per head dim.
 PREFILL_TILES = {
-    64: (4, 2, 64, True, 2),
-    128: (8, 1, 64, True, 1),
-    256: (8, 1, 32, False, 1),
+    64: (4, 2, 64, True, 2, 2),
+    128: (8, 1, 64, True, 2, 1),
+    256: (8, 1, 64, False, 2, 1),
 }
 # Alternatives the tuning sweep compares against the defaults.
 PREFILL_TUNE_TILES = {
-    64: [(4, 1, 64, True, 4), (8, 1, 64, True, 2)],
-    128: [(4, 2, 64, False, 2), (4, 2, 32, False, 2), (4, 1, 64, True, 3)],
-    256: [(8, 1, 64, False, 1), (4, 1, 64, False, 2)],
+    64: [(4, 2, 64, True, 3, 2), (4, 2, 64, True, 1, 2), (8, 1, 64, True, 2, 2)],
+    128: [(8, 1, 64, True, 3, 1), (4, 2, 64, False, 2, 2), (4, 2, 64, False, 1, 2), (8, 1, 64, True, 1, 1)],
+    256: [(8, 1, 32, False, 3, 1), (8, 1, 64, False, 1, 1)],
 }
 
 

@@ -155,14 +155,23 @@ class Launcher:
         cfg.numAttrs = 0
         self._config = cfg
 
-    def launch(self, grid: tuple[int, int, int], stream: int) -> None:
+    def configure(self, grid: tuple[int, int, int]) -> "Launcher":
+        """Fix the grid once (a plan's launcher keeps it for every launch)."""
         cfg = self._config
         cfg.gridDimX, cfg.gridDimY, cfg.gridDimZ = grid
+        return self
+
+    def __call__(self, stream: int) -> None:
+        """Launch with the configured grid and the current params struct on `stream`."""
+        cfg = self._config
         cfg.hStream = stream
         err, = self._cu.cuLaunchKernelEx(cfg, self.func, self._argv_addr, 0)
         if err != self._cu.CUresult.CUDA_SUCCESS:
-            raise CudaError(f"launch of {self.name} grid={grid} block={self.threads} smem={self.smem} failed: "
-                            f"{_err_name(self._cu, err)}")
+            raise CudaError(f"launch of {self.name} grid=({cfg.gridDimX}, {cfg.gridDimY}, {cfg.gridDimZ}) "
+                            f"block={self.threads} smem={self.smem} failed: {_err_name(self._cu, err)}")
+
+    def launch(self, grid: tuple[int, int, int], stream: int) -> None:
+        self.configure(grid)(stream)
 
 
 # ---------------------------------------------------------------- streams, events, memory

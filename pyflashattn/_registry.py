@@ -34,6 +34,11 @@ def force(family: str, name: str | None) -> None:
     else:
         _forced[family] = name
     getattr(_local, "cache", {}).clear()
+    for hook in _on_force:
+        hook()
+
+
+_on_force: list = []  # callbacks that drop caches holding launchers (prefill's plan cache)
 
 
 def cubin_dir() -> pathlib.Path:
@@ -115,15 +120,12 @@ def _library(row: dict, device_id: int):
     return lib
 
 
-def launcher(family: str, device_id: int, **match) -> _cuda.Launcher:
-    """A Launcher for the matching kernel on device_id (cached per thread, device and match)."""
-    cache = getattr(_local, "cache", None)
-    if cache is None:
-        cache = _local.cache = {}
-    key = (family, device_id, tuple(sorted(match.items())))
-    hit = cache.get(key)
-    if hit is not None:
-        return hit
+def new_launcher(family: str, device_id: int, **match) -> _cuda.Launcher:
+    """A fresh Launcher (its own params struct) for the matching kernel on device_id.
+
+    Plans own theirs, so a cached plan's constant fields are filled once and a launch only
+    refills pointers. The CUfunction (and its shared-memory attribute) is shared and cached.
+    """
     row = find(family, device_id, **dict(match))
     fkey = (row["file"], device_id)
     func = _functions.get(fkey)
@@ -132,5 +134,17 @@ def launcher(family: str, device_id: int, **match) -> _cuda.Launcher:
                                                      row["smem_bytes"])
     la = _cuda.Launcher(row["name"], func, FAMILIES[family], row["threads"], row["smem_bytes"])
     la.meta = row
-    cache[key] = la
     return la
+
+
+def launcher(family: str, device_id: int, **match) -> _cuda.Launcher:
+    """A Launcher for the matching kernel on device_id, cached per thread, device and match
+    (callers refill its params before each launch)."""
+    cache = getattr(_local, "cache", None)
+    if cache is None:
+        cache = _local.cache = {}
+    key = (family, device_id, tuple(sorted(match.items())))
+    hit = cache.get(key)
+    if hit is None:
+        hit = cache[key] = new_launcher(family, device_id, **match)
+    return hit

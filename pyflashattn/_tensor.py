@@ -112,13 +112,12 @@ _TORCH_STRIDED: set = set()
 
 
 def _torch_view(t):
-    """TensorView from torch attributes (about 1 us), for torch builds without the exchange API.
-    data_ptr() already includes the storage offset; stride() is in elements. None when the tensor
-    is something only __dlpack__ should judge (not strided, not on cpu/cuda)."""
-    dev = t.device
-    if dev.type == "cuda":
-        dev_type, dev_id = kDLCUDA, dev.index
-    elif dev.type == "cpu":
+    """TensorView from torch attributes (about 1 us, the fastest path measured): data_ptr()
+    already includes the storage offset; stride() is in elements. None when the tensor is
+    something only __dlpack__ should judge (not strided, not on cpu/cuda)."""
+    if t.is_cuda:
+        dev_type, dev_id = kDLCUDA, t.get_device()
+    elif t.is_cpu:
         dev_type, dev_id = kDLCPU, 0
     else:
         return None
@@ -129,8 +128,15 @@ def _torch_view(t):
         _TORCH_STRIDED.add(layout)
     dtype = _TORCH_DTYPES.get(t.dtype)
     if dtype is None:
-        dtype = _TORCH_DTYPES[t.dtype] = normalize(str(t.dtype))
-    return TensorView(t, t.data_ptr(), tuple(t.shape), tuple(t.stride()), dtype, dev_type, dev_id, "torch")
+        try:
+            dtype = _TORCH_DTYPES[t.dtype] = normalize(str(t.dtype))
+        except TypeError as e:
+            raise _UnsupportedDtype(str(e)) from None
+    return TensorView(t, t.data_ptr(), tuple(t.shape), t.stride(), dtype, dev_type, dev_id, "torch")
+
+
+class _UnsupportedDtype(TypeError):
+    pass
 
 
 def _dlpack_stream(stream: int | None) -> int | None:
@@ -148,21 +154,23 @@ def view(x, name: str, *, stream: int | None = None) -> TensorView:
     tp = type(x)
     fw = _FW_CACHE.get(tp) or framework_of(x)
     if fw == "torch":
+        # Attribute reads first (measured fastest on torch 2.11); the DLPack exchange API is the
+        # fallback for tensors they cannot describe, then plain __dlpack__ below.
+        try:
+            v = _torch_view(x)
+        except _UnsupportedDtype as e:
+            raise TypeError(f"{name}: {e}") from None
+        except Exception:
+            v = None
+        if v is not None:
+            return v
         api = _dlpack.exchange_api_for(tp)
         if api is not None and api.can_read:
             try:
                 ptr, shape, strides, dtype, dev_type, dev_id, ro = api.read_raw(x)
                 return TensorView(x, ptr, shape, strides, dtype, dev_type, dev_id, "torch", ro)
             except Exception:
-                pass  # e.g. a tensor DLPack cannot describe: the paths below report it properly
-        try:
-            v = _torch_view(x)
-        except TypeError as e:  # dtype unknown to pyflashattn
-            raise TypeError(f"{name}: {e}") from None
-        except Exception:
-            v = None
-        if v is not None:
-            return v
+                pass  # e.g. a tensor DLPack cannot describe: __dlpack__ below reports it properly
 
     dlpack = getattr(x, "__dlpack__", None)
     if dlpack is None:

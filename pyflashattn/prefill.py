@@ -15,6 +15,7 @@ from __future__ import annotations
 import functools
 import math
 import operator
+import threading
 
 from . import _cuda, _dtypes, _registry, _tensor
 
@@ -87,85 +88,55 @@ def single_prefill_with_kv_cache(q, k, v, custom_mask=None, packed_custom_mask=N
     """Attention of one request's queries over its KV cache (FlashInfer's single prefill).
 
     Parameters beyond FlashInfer's: ``out`` / ``lse`` (preallocated outputs, written in place and
-    returned), ``stream`` (a CUDA stream handle or stream object; default: the caller framework's
-    current stream), ``lse_base`` ("log2", FlashInfer's convention).
+    returned; ``lse`` is filled whenever given), ``stream`` (a CUDA stream handle or stream
+    object; default: the caller framework's current stream), ``lse_base`` ("log2", FlashInfer's
+    convention).
 
     Returns o [qo_len, num_qo_heads, head_dim] in q's dtype and framework, and with
     ``return_lse`` also lse [qo_len, num_qo_heads] float32.
     """
-    _check_options(custom_mask, packed_custom_mask, pos_encoding_mode, allow_fp16_qk_reduction,
-                   logits_soft_cap, lse_base)
-    if kv_layout not in ("NHD", "HND"):
-        raise ValueError(f"kv_layout must be 'NHD' or 'HND', got {kv_layout!r}")
-    try:
-        window_left = operator.index(window_left)
-    except TypeError:
-        raise TypeError(f"window_left must be an int, got {window_left!r}") from None
-    if window_left < -1:
-        raise ValueError(f"window_left must be >= -1 (-1 = no window), got {window_left}")
-
+    if (custom_mask is not None or packed_custom_mask is not None or pos_encoding_mode != "NONE"
+            or allow_fp16_qk_reduction or logits_soft_cap or lse_base != "log2"):
+        _check_options(custom_mask, packed_custom_mask, pos_encoding_mode, allow_fp16_qk_reduction,
+                       logits_soft_cap, lse_base)
     framework = _tensor.framework_of(q)
-    # Everything is validated from stream-less views first, so bad input raises before the
-    # driver is touched. JAX arrays are exported again below with the launch stream (the
-    # DLPack handshake makes that stream wait for JAX's pending writes).
+    # Views are taken without a stream first so bad input raises before the driver is touched;
+    # JAX arrays are exported again below with the launch stream (the DLPack handshake makes that
+    # stream wait for JAX's pending writes).
     qv, kv, vv = _tensor.view(q, "q"), _tensor.view(k, "k"), _tensor.view(v, "v")
-    if not qv.is_cuda:
-        raise ValueError(f"q must be a CUDA tensor, got a tensor on DLPack device type {qv.device_type}")
-    dev = qv.device_id
-    dtype = qv.dtype
-    if dtype not in (_dtypes.FLOAT16, _dtypes.BFLOAT16):
-        raise TypeError(f"q must be float16 or bfloat16, got {dtype.name}")
-    _check_io("q", qv, dtype, dev)
-    _check_io("k", kv, dtype, dev)
-    _check_io("v", vv, dtype, dev)
-    qo_len, num_qo_heads, head_dim = qv.shape
-    if kv_layout == "NHD":
-        kv_len, num_kv_heads, head_dim_k = kv.shape
-    else:
-        num_kv_heads, kv_len, head_dim_k = kv.shape
-    if vv.shape != kv.shape:
-        raise ValueError(f"v must have k's shape {kv.shape}, got {vv.shape}")
-    if head_dim_k != head_dim:
-        raise ValueError(f"k head_dim {head_dim_k} differs from q head_dim {head_dim}")
-    if head_dim not in HEAD_DIMS:
-        raise ValueError(f"head_dim {head_dim} is not supported (supported: {HEAD_DIMS})")
-    if num_kv_heads == 0 or num_qo_heads % num_kv_heads:
-        raise ValueError(f"num_qo_heads ({num_qo_heads}) must be a multiple of num_kv_heads ({num_kv_heads})")
-    if causal and kv_len < qo_len:
-        raise ValueError(f"causal attention needs kv_len >= qo_len, got kv_len={kv_len}, qo_len={qo_len}")
-    if sm_scale is None:
-        sm_scale = 1.0 / math.sqrt(head_dim)
-    if not (math.isfinite(sm_scale) and sm_scale > 0):
-        raise ValueError(f"sm_scale must be a finite positive number, got {sm_scale!r}")
-    o_shape, lse_shape = (qo_len, num_qo_heads, head_dim), (qo_len, num_qo_heads)
-    if out is not None:
-        ov = _tensor.view(out, "out")
-        if ov.shape != o_shape:
-            raise ValueError(f"out must have shape {o_shape}, got {ov.shape}")
-        _check_io("out", ov, dtype, dev)
-    lv = None
-    if lse is not None:
-        lv = _tensor.view(lse, "lse")
-        if lv.shape != lse_shape or lv.dtype != _dtypes.FLOAT32 or not lv.is_cuda or lv.device_id != dev:
-            raise ValueError(f"lse must be a float32 CUDA tensor of shape {lse_shape} on cuda:{dev}, got "
-                             f"{lv.dtype.name} {lv.shape} on device {lv.device_type}:{lv.device_id}")
-        if lv.strides != (num_qo_heads, 1) and qo_len * num_qo_heads > 1:
-            raise ValueError(f"lse must be contiguous, got strides {lv.strides}")
+    ov = _tensor.view(out, "out") if out is not None else None
+    lv = _tensor.view(lse, "lse") if lse is not None else None
+    key = (qv.shape, qv.strides, qv.dtype, qv.device_type, qv.device_id,
+           kv.shape, kv.strides, kv.dtype, kv.device_type, kv.device_id,
+           vv.shape, vv.strides, vv.dtype, vv.device_type, vv.device_id,
+           None if ov is None else (ov.shape, ov.strides, ov.dtype, ov.device_type, ov.device_id),
+           None if lv is None else (lv.shape, lv.strides, lv.dtype, lv.device_type, lv.device_id),
+           causal, kv_layout, window_left, sm_scale)
+    plans = getattr(_tls, "plans", None)
+    if plans is None:
+        plans = _tls.plans = {}
+    plan = plans.get(key)
+    if plan is None:
+        # Full validation and planning happen once per problem signature; repeated calls with
+        # the same shapes, strides, dtypes and options reuse the plan and its params struct.
+        plan = _Plan(qv, kv, vv, ov, lv, bool(causal), kv_layout, window_left, sm_scale)
+        if len(plans) >= _PLAN_CACHE_SIZE:
+            plans.clear()
+        plans[key] = plan
+    if (qv.ptr | kv.ptr | vv.ptr | (ov.ptr if ov is not None else 0)) & 15:
+        _check_alignment(qv, kv, vv, ov)
 
-    # ---- from here on the driver is involved ----
+    dev = qv.device_id
     _cuda.ensure_context(dev)
     s = _tensor.stream_handle(stream) if stream is not None else _tensor.current_stream(framework, dev)
     if framework == "jax":
         qv, kv, vv = _tensor.view(q, "q", stream=s), _tensor.view(k, "k", stream=s), _tensor.view(v, "v", stream=s)
-
-    # ---- outputs: the caller's buffers, else the caller's framework allocates ----
     if out is None:
-        out, ov = _tensor.empty(qv, o_shape, dtype, s)
+        out, ov = _tensor.empty(qv, plan.o_shape, plan.dtype, s)
     if lse is None and return_lse:
-        lse, lv = _tensor.empty(qv, lse_shape, _dtypes.FLOAT32, s)
-
-    if qo_len * num_qo_heads != 0:
-        _launch(qv, kv, vv, ov, lv, dtype, dev, s, causal, window_left, sm_scale, kv_layout)
+        lse, lv = _tensor.empty(qv, plan.lse_shape, _dtypes.FLOAT32, s)
+    if plan.attn is not None:
+        plan.run(qv.ptr, kv.ptr, vv.ptr, ov.ptr, lv.ptr if lv is not None else 0, ov.strides, s)
     # JAX outputs are handed to JAX only now, so JAX's reads are ordered after the launch.
     out = _tensor.finalize(out)
     if lse is None:
@@ -174,46 +145,121 @@ def single_prefill_with_kv_cache(q, k, v, custom_mask=None, packed_custom_mask=N
     return (out, lse) if return_lse else out
 
 
-def _launch(qv, kv, vv, ov, lv, dtype, dev, s, causal, window_left, sm_scale, kv_layout):
-    """Fill the params struct and launch (attention, plus the merge when KV is split)."""
-    qo_len, num_qo_heads, head_dim = qv.shape
-    if kv_layout == "NHD":
-        kv_len, num_kv_heads = kv.shape[0], kv.shape[1]
-        k_sn, k_sh, v_sn, v_sh = kv.strides[0], kv.strides[1], vv.strides[0], vv.strides[1]
-    else:
-        kv_len, num_kv_heads = kv.shape[1], kv.shape[0]
-        k_sn, k_sh, v_sn, v_sh = kv.strides[1], kv.strides[0], vv.strides[1], vv.strides[0]
+# Plans own a mutable params struct, so each thread keeps its own cache.
+_tls = threading.local()
+_PLAN_CACHE_SIZE = 1024
+_registry._on_force.append(lambda: getattr(_tls, "plans", {}).clear())
 
-    la = _registry.launcher("prefill", dev, dtype=dtype.short, head_dim=head_dim)
-    meta = la.meta
-    group = num_qo_heads // num_kv_heads
-    row_tiles = -(-qo_len * group // meta["block_m"])
-    splits, chunk = _plan_splits(row_tiles, num_kv_heads, kv_len, meta["block_n"], dev,
-                                 2 if meta["threads"] <= 128 else 1)
 
-    p = la.params
-    p.q, p.k, p.v, p.o = qv.ptr, kv.ptr, vv.ptr, ov.ptr
-    p.lse = lv.ptr if lv is not None and splits == 1 else 0
-    p.q_stride_n, p.q_stride_h = qv.strides[0], qv.strides[1]
-    p.k_stride_n, p.k_stride_h, p.v_stride_n, p.v_stride_h = k_sn, k_sh, v_sn, v_sh
-    p.o_stride_n, p.o_stride_h = ov.strides[0], ov.strides[1]
-    p.qo_len, p.kv_len, p.num_qo_heads, p.num_kv_heads = qo_len, kv_len, num_qo_heads, num_kv_heads
-    p.group_size, p.num_splits, p.kv_chunk_size = group, splits, chunk
-    p.causal, p.window_left, p.sm_scale_log2 = int(bool(causal)), window_left, sm_scale * LOG2E
-    if splits > 1:
-        pairs = qo_len * num_qo_heads
-        ws = _cuda.Workspace.get(dev, s, splits * pairs * (head_dim + 1) * 4)
-        p.o_partial, p.lse_partial = ws, ws + splits * pairs * head_dim * 4
-        la.launch((row_tiles, splits, num_kv_heads), s)
-        mg = _registry.launcher("merge", dev, dtype=dtype.short)
-        mp = mg.params
-        mp.o_partial, mp.lse_partial, mp.o, mp.lse = p.o_partial, p.lse_partial, ov.ptr, (lv.ptr if lv is not None else 0)
-        mp.o_stride_n, mp.o_stride_h = ov.strides[0], ov.strides[1]
-        mp.rows, mp.num_heads, mp.head_dim, mp.num_splits = qo_len, num_qo_heads, head_dim, splits
-        mg.launch((-(-pairs // _MERGE_ROWS_PER_BLOCK), 1, 1), s)
-    else:
-        p.o_partial = p.lse_partial = 0
-        la.launch((row_tiles, 1, num_kv_heads), s)
+def _check_alignment(qv, kv, vv, ov):
+    for name, t in (("q", qv), ("k", kv), ("v", vv), ("out", ov)):
+        if t is not None and t.ptr % 16:
+            raise ValueError(f"{name} must start on a 16-byte boundary, got address %16 = {t.ptr % 16}")
+
+
+class _Plan:
+    """Everything about one problem signature except its pointers: validated shapes, the chosen
+    kernel with its own params struct (constant fields filled once), grid and KV split."""
+
+    __slots__ = ("o_shape", "lse_shape", "dtype", "attn", "merge", "splits", "ws_o_bytes", "ws_bytes", "dev")
+
+    def __init__(self, qv, kv, vv, ov, lv, causal, kv_layout, window_left, sm_scale):
+        if kv_layout not in ("NHD", "HND"):
+            raise ValueError(f"kv_layout must be 'NHD' or 'HND', got {kv_layout!r}")
+        try:
+            window_left = operator.index(window_left)
+        except TypeError:
+            raise TypeError(f"window_left must be an int, got {window_left!r}") from None
+        if window_left < -1:
+            raise ValueError(f"window_left must be >= -1 (-1 = no window), got {window_left}")
+        if not qv.is_cuda:
+            raise ValueError(f"q must be a CUDA tensor, got a tensor on DLPack device type {qv.device_type}")
+        dev = self.dev = qv.device_id
+        dtype = self.dtype = qv.dtype
+        if dtype not in (_dtypes.FLOAT16, _dtypes.BFLOAT16):
+            raise TypeError(f"q must be float16 or bfloat16, got {dtype.name}")
+        _check_io("q", qv, dtype, dev)
+        _check_io("k", kv, dtype, dev)
+        _check_io("v", vv, dtype, dev)
+        qo_len, num_qo_heads, head_dim = qv.shape
+        if kv_layout == "NHD":
+            kv_len, num_kv_heads, head_dim_k = kv.shape
+            k_sn, k_sh, v_sn, v_sh = kv.strides[0], kv.strides[1], vv.strides[0], vv.strides[1]
+        else:
+            num_kv_heads, kv_len, head_dim_k = kv.shape
+            k_sn, k_sh, v_sn, v_sh = kv.strides[1], kv.strides[0], vv.strides[1], vv.strides[0]
+        if vv.shape != kv.shape:
+            raise ValueError(f"v must have k's shape {kv.shape}, got {vv.shape}")
+        if head_dim_k != head_dim:
+            raise ValueError(f"k head_dim {head_dim_k} differs from q head_dim {head_dim}")
+        if head_dim not in HEAD_DIMS:
+            raise ValueError(f"head_dim {head_dim} is not supported (supported: {HEAD_DIMS})")
+        if num_kv_heads == 0 or num_qo_heads % num_kv_heads:
+            raise ValueError(f"num_qo_heads ({num_qo_heads}) must be a multiple of num_kv_heads ({num_kv_heads})")
+        if causal and kv_len < qo_len:
+            raise ValueError(f"causal attention needs kv_len >= qo_len, got kv_len={kv_len}, qo_len={qo_len}")
+        if sm_scale is None:
+            sm_scale = 1.0 / math.sqrt(head_dim)
+        if not (isinstance(sm_scale, (int, float)) and math.isfinite(sm_scale) and sm_scale > 0):
+            raise ValueError(f"sm_scale must be a finite positive number, got {sm_scale!r}")
+        self.o_shape, self.lse_shape = (qo_len, num_qo_heads, head_dim), (qo_len, num_qo_heads)
+        if ov is not None:
+            if ov.shape != self.o_shape:
+                raise ValueError(f"out must have shape {self.o_shape}, got {ov.shape}")
+            _check_io("out", ov, dtype, dev)
+        if lv is not None:
+            if lv.shape != self.lse_shape or lv.dtype != _dtypes.FLOAT32 or not lv.is_cuda or lv.device_id != dev:
+                raise ValueError(f"lse must be a float32 CUDA tensor of shape {self.lse_shape} on cuda:{dev}, got "
+                                 f"{lv.dtype.name} {lv.shape} on device {lv.device_type}:{lv.device_id}")
+            if lv.strides != (num_qo_heads, 1) and qo_len * num_qo_heads > 1:
+                raise ValueError(f"lse must be contiguous, got strides {lv.strides}")
+        self.attn = self.merge = None
+        if qo_len * num_qo_heads == 0:
+            return  # nothing to compute: empty outputs
+
+        _cuda.ensure_context(dev)
+        la = self.attn = _registry.new_launcher("prefill", dev, dtype=dtype.short, head_dim=head_dim)
+        meta = la.meta
+        group = num_qo_heads // num_kv_heads
+        row_tiles = -(-qo_len * group // meta["block_m"])
+        if row_tiles > 65535:
+            raise ValueError(f"qo_len * (num_qo_heads / num_kv_heads) = {qo_len * group} rows exceeds the "
+                             f"{65535 * meta['block_m']} a single launch covers")
+        splits, chunk = _plan_splits(row_tiles, num_kv_heads, kv_len, meta["block_n"], dev,
+                                     2 if meta["threads"] <= 128 else 1)
+        self.splits = splits
+        p = la.params
+        p.q_stride_n, p.q_stride_h = qv.strides[0], qv.strides[1]
+        p.k_stride_n, p.k_stride_h, p.v_stride_n, p.v_stride_h = k_sn, k_sh, v_sn, v_sh
+        p.qo_len, p.kv_len, p.num_qo_heads, p.num_kv_heads = qo_len, kv_len, num_qo_heads, num_kv_heads
+        p.group_size, p.num_splits, p.kv_chunk_size = group, splits, chunk
+        p.causal, p.window_left, p.sm_scale_log2 = int(causal), window_left, sm_scale * LOG2E
+        la.configure((num_kv_heads, splits, row_tiles))
+        if splits > 1:
+            pairs = qo_len * num_qo_heads
+            self.ws_o_bytes = splits * pairs * head_dim * 4
+            self.ws_bytes = self.ws_o_bytes + splits * pairs * 4
+            mg = self.merge = _registry.new_launcher("merge", dev, dtype=dtype.short)
+            mp = mg.params
+            mp.rows, mp.num_heads, mp.head_dim, mp.num_splits = qo_len, num_qo_heads, head_dim, splits
+            mg.configure((-(-pairs // _MERGE_ROWS_PER_BLOCK), 1, 1))
+
+    def run(self, q, k, v, o, lse, o_strides, stream):
+        """Refill the pointers and launch (attention, plus the merge when KV is split)."""
+        p = self.attn.params
+        p.q, p.k, p.v, p.o = q, k, v, o
+        p.o_stride_n, p.o_stride_h = o_strides[0], o_strides[1]
+        if self.merge is None:
+            p.lse = lse
+            self.attn(stream)
+            return
+        ws = _cuda.Workspace.get(self.dev, stream, self.ws_bytes)
+        p.lse, p.o_partial, p.lse_partial = 0, ws, ws + self.ws_o_bytes
+        self.attn(stream)
+        mp = self.merge.params
+        mp.o_partial, mp.lse_partial, mp.o, mp.lse = ws, ws + self.ws_o_bytes, o, lse
+        mp.o_stride_n, mp.o_stride_h = o_strides[0], o_strides[1]
+        self.merge(stream)
 
 
 single_prefill_with_kv_cache_return_lse = functools.partial(single_prefill_with_kv_cache, return_lse=True)

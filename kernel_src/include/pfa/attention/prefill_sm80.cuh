@@ -19,7 +19,7 @@
 
 namespace pfa {
 
-template <typename T, int HEAD_DIM, int NUM_WARPS, int MQ, int BLOCK_N, bool Q_IN_REGS>
+template <typename T, int HEAD_DIM, int NUM_WARPS, int MQ, int BLOCK_N, bool Q_IN_REGS, int KV_STAGES>
 struct PrefillSm80 {
   static constexpr int BLOCK_M = NUM_WARPS * MQ * 16;
   static constexpr int THREADS = NUM_WARPS * 32;
@@ -27,7 +27,8 @@ struct PrefillSm80 {
   static constexpr int KSTEPS = HEAD_DIM / 16;
   static constexpr int NTILES = BLOCK_N / 8;
   static constexpr int DTILES = HEAD_DIM / 8;
-  static constexpr int SMEM_BYTES = (BLOCK_M + 2 * BLOCK_N) * HEAD_DIM * (int)sizeof(T);
+  static constexpr int SMEM_BYTES = (BLOCK_M + 2 * KV_STAGES * BLOCK_N) * HEAD_DIM * (int)sizeof(T);
+  static_assert(KV_STAGES >= 1 && KV_STAGES <= 4, "KV_STAGES: 1 = FA2 interleave, >= 2 = K/V ring");
   static_assert(HEAD_DIM % 64 == 0, "the XOR swizzle needs at least 8 chunks per row");
   static_assert(BLOCK_N % 16 == 0, "BLOCK_N must be a multiple of 16");
   static_assert(THREADS % CPR == 0, "each thread keeps one chunk column in the tile loaders");
@@ -57,14 +58,18 @@ struct PrefillSm80 {
     static_assert(BLOCK_M % (THREADS / CPR) == 0 && BLOCK_N % (THREADS / CPR) == 0, "tile rows vs threads");
     T* sQ = reinterpret_cast<T*>(smem);
     const uint32_t sQ_u = ptx::smem_u32(sQ);
-    const uint32_t sK_u = sQ_u + BLOCK_M * HEAD_DIM * sizeof(T);
-    const uint32_t sV_u = sK_u + BLOCK_N * HEAD_DIM * sizeof(T);
+    // KV_STAGES (K, V) buffer pairs follow Q: stage i holds K at +2i and V at +2i+1 tiles.
+    constexpr uint32_t KV_TILE_BYTES = BLOCK_N * HEAD_DIM * sizeof(T);
+    const uint32_t sKV_u = sQ_u + BLOCK_M * HEAD_DIM * sizeof(T);
 
     const int tid = threadIdx.x, lane = tid % 32, warp = tid / 32;
-    const int kv_head = blockIdx.z, split = blockIdx.y;
+    // Grid (kv_head, split, row tile): the row tile varies slowest, so the block scheduler hands
+    // out every head's heaviest tiles before any light one (longest-first balancing).
+    const int kv_head = blockIdx.x, split = blockIdx.y;
     const int group = p.group_size;
     const int rows_total = p.qo_len * group;
-    const int r0 = blockIdx.x * BLOCK_M;
+    // Heaviest row tiles first: under a causal mask the last rows see the most keys.
+    const int r0 = (gridDim.z - 1 - blockIdx.z) * BLOCK_M;
     const int q_lo = r0 / group;
     const int q_hi = (min(r0 + BLOCK_M, rows_total) - 1) / group;
 
@@ -97,16 +102,31 @@ struct PrefillSm80 {
                       (int64_t)(tid / CPR) * p.k_stride_n;
     const T* v_base = reinterpret_cast<const T*>(p.v) + kv_head * p.v_stride_h + (tid % CPR) * 8 +
                       (int64_t)(tid / CPR) * p.v_stride_n;
-    auto load_k = [&](int n0) {
-      load_tile<BLOCK_N>(sK_u, k_base + (int64_t)n0 * p.k_stride_n, reinterpret_cast<const T*>(p.k),
-                         p.k_stride_n, p.kv_len - n0, tid);
+    auto load_k = [&](int n0, int stage) {
+      load_tile<BLOCK_N>(sKV_u + 2 * stage * KV_TILE_BYTES, k_base + (int64_t)n0 * p.k_stride_n,
+                         reinterpret_cast<const T*>(p.k), p.k_stride_n, p.kv_len - n0, tid);
     };
-    auto load_v = [&](int n0) {
-      load_tile<BLOCK_N>(sV_u, v_base + (int64_t)n0 * p.v_stride_n, reinterpret_cast<const T*>(p.v),
-                         p.v_stride_n, p.kv_len - n0, tid);
+    auto load_v = [&](int n0, int stage) {
+      load_tile<BLOCK_N>(sKV_u + (2 * stage + 1) * KV_TILE_BYTES, v_base + (int64_t)n0 * p.v_stride_n,
+                         reinterpret_cast<const T*>(p.v), p.v_stride_n, p.kv_len - n0, tid);
     };
-    if (num_tiles > 0) load_k(tile_start);
+    // Prologue. KV_STAGES == 1: group 0 = Q + K(0); V(j) streams during Q K(j)^T and K(j+1)
+    // during P V(j) (FA2's interleave, two barriers a tile). KV_STAGES >= 2: a ring of K/V
+    // stages; group j = tile j (Q rides with tile 0), issued KV_STAGES - 1 tiles ahead, so a
+    // load has whole tiles of math to land in and each tile costs one barrier.
+    if (num_tiles > 0) {
+      load_k(tile_start, 0);
+      if constexpr (KV_STAGES > 1) load_v(tile_start, 0);
+    }
     ptx::cp_async_commit();
+#pragma unroll
+    for (int st = 1; st < KV_STAGES - 1; ++st) {
+      if (st < num_tiles) {
+        load_k(tile_start + st * BLOCK_N, st);
+        load_v(tile_start + st * BLOCK_N, st);
+      }
+      ptx::cp_async_commit();
+    }
 
     // Rows this thread holds in the C fragments: (mt, half) -> query index.
     const int warp_row0 = warp * MQ * 16;
@@ -130,10 +150,24 @@ struct PrefillSm80 {
 
     for (int it = 0; it < num_tiles; ++it) {
       const int n0 = tile_start + it * BLOCK_N;
-      ptx::cp_async_wait<0>();
-      __syncthreads();  // K(it) landed; every warp is done reading V(it-1)
-      load_v(n0);
-      ptx::cp_async_commit();
+      const int stage = KV_STAGES > 1 ? it % KV_STAGES : 0;
+      const uint32_t sK_u = sKV_u + 2 * stage * KV_TILE_BYTES, sV_u = sK_u + KV_TILE_BYTES;
+      if constexpr (KV_STAGES == 1) {
+        ptx::cp_async_wait<0>();
+        __syncthreads();  // K(it) landed; every warp is done reading V(it-1)
+        load_v(n0, 0);
+        ptx::cp_async_commit();
+      } else {
+        ptx::cp_async_wait<(KV_STAGES > 1 ? KV_STAGES - 2 : 0)>();
+        // Tile it landed, and every warp is done with tile it-1, whose stage is refilled now.
+        __syncthreads();
+        const int ahead = it + KV_STAGES - 1;
+        if (ahead < num_tiles) {
+          load_k(tile_start + ahead * BLOCK_N, ahead % KV_STAGES);
+          load_v(tile_start + ahead * BLOCK_N, ahead % KV_STAGES);
+        }
+        ptx::cp_async_commit();
+      }
 
       if constexpr (Q_IN_REGS) {
         if (it == 0) {
@@ -151,7 +185,9 @@ struct PrefillSm80 {
       for (int mt = 0; mt < MQ; ++mt)
 #pragma unroll
         for (int nt = 0; nt < NTILES; ++nt) s[mt][nt][0] = s[mt][nt][1] = s[mt][nt][2] = s[mt][nt][3] = 0.f;
-#pragma unroll
+      // With Q in shared memory the k-step loop stays rolled (by 2): unrolled, ptxas hoists
+      // every K/Q fragment load to the top and spills the O accumulators to make room.
+#pragma unroll(Q_IN_REGS ? KSTEPS : 2)
       for (int ks = 0; ks < KSTEPS; ++ks) {
         uint32_t a[MQ][4];
 #pragma unroll
@@ -189,6 +225,7 @@ struct PrefillSm80 {
       }
 
       // ---- online softmax, base 2 ----
+      uint32_t pp[MQ][NTILES][2];
 #pragma unroll
       for (int mt = 0; mt < MQ; ++mt)
 #pragma unroll
@@ -211,6 +248,10 @@ struct PrefillSm80 {
             rs += s[mt][nt][2 * hf] + s[mt][nt][2 * hf + 1];
           }
           l[mt][hf] = l[mt][hf] * corr + rs;
+          // Round P to 16 bits now: the packed copy is all P V needs, so the fp32 S registers
+          // die here instead of living through the P V loop.
+#pragma unroll
+          for (int nt = 0; nt < NTILES; ++nt) pp[mt][nt][hf] = Pack2<T>::from(s[mt][nt][2 * hf], s[mt][nt][2 * hf + 1]);
 #pragma unroll
           for (int d = 0; d < DTILES; ++d) {
             o[mt][d][2 * hf] *= corr;
@@ -218,10 +259,12 @@ struct PrefillSm80 {
           }
         }
 
-      ptx::cp_async_wait<0>();
-      __syncthreads();  // V(it) landed; every warp is done reading K(it)
-      if (it + 1 < num_tiles) load_k(n0 + BLOCK_N);
-      ptx::cp_async_commit();
+      if constexpr (KV_STAGES == 1) {
+        ptx::cp_async_wait<0>();
+        __syncthreads();  // V(it) landed; every warp is done reading K(it)
+        if (it + 1 < num_tiles) load_k(n0 + BLOCK_N, 0);
+        ptx::cp_async_commit();
+      }
 
       // ---- O += P V ----
 #pragma unroll
@@ -229,10 +272,10 @@ struct PrefillSm80 {
         uint32_t a[MQ][4];
 #pragma unroll
         for (int mt = 0; mt < MQ; ++mt) {
-          a[mt][0] = Pack2<T>::from(s[mt][2 * kk][0], s[mt][2 * kk][1]);
-          a[mt][1] = Pack2<T>::from(s[mt][2 * kk][2], s[mt][2 * kk][3]);
-          a[mt][2] = Pack2<T>::from(s[mt][2 * kk + 1][0], s[mt][2 * kk + 1][1]);
-          a[mt][3] = Pack2<T>::from(s[mt][2 * kk + 1][2], s[mt][2 * kk + 1][3]);
+          a[mt][0] = pp[mt][2 * kk][0];
+          a[mt][1] = pp[mt][2 * kk][1];
+          a[mt][2] = pp[mt][2 * kk + 1][0];
+          a[mt][3] = pp[mt][2 * kk + 1][1];
         }
 #pragma unroll
         for (int dp = 0; dp < DTILES / 2; ++dp) {
@@ -328,9 +371,9 @@ struct PrefillSm80 {
 }  // namespace pfa
 
 // One extern "C" entry per variant: a stable name for the manifest and cuLibraryGetKernel.
-#define PFA_DEFINE_PREFILL_SM80(NAME, T, HD, NW, MQ, BN, QREGS, MINB)                       \
+#define PFA_DEFINE_PREFILL_SM80(NAME, T, HD, NW, MQ, BN, QREGS, STAGES, MINB)               \
   extern "C" __global__ void __launch_bounds__(NW * 32, MINB)                                \
       NAME(const __grid_constant__ pfa::PrefillParams p) {                                    \
     extern __shared__ __align__(128) char smem[];                                             \
-    pfa::PrefillSm80<T, HD, NW, MQ, BN, QREGS>::run(p, smem);                                 \
+    pfa::PrefillSm80<T, HD, NW, MQ, BN, QREGS, STAGES>::run(p, smem);                         \
   }

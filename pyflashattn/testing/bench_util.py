@@ -1,0 +1,92 @@
+"""GPU timing helpers (torch imported on first use, so CPU-only imports stay cheap).
+
+``bench_ms`` times device work with CUDA events on the current torch stream and flushes L2
+between repetitions, so a kernel whose inputs fit in L2 (50 MB on H100, 60 MB on H200) is not
+credited with cache-resident reads it would not get in a model. ``host_overhead_us`` measures
+the Python-side cost of issuing one call, which events cannot see.
+"""
+
+from __future__ import annotations
+
+import statistics
+import time
+
+__all__ = ["bench_ms", "bench_samples_ms", "host_overhead_us", "L2_FLUSH_BYTES"]
+
+L2_FLUSH_BYTES = 256 << 20
+
+_flush_bufs: dict = {}
+
+
+def _torch():
+    import torch
+
+    return torch
+
+
+def _flush_buffer(device):
+    torch = _torch()
+    key = str(device)
+    buf = _flush_bufs.get(key)
+    if buf is None:
+        buf = torch.empty(L2_FLUSH_BYTES // 4, dtype=torch.int32, device=device)
+        _flush_bufs[key] = buf
+    return buf
+
+
+def bench_samples_ms(fn, *, warmup: int = 3, rep: int = 20, flush_l2: bool = True, device=None):
+    """Per-repetition device times (ms) of ``fn()``, measured with CUDA events.
+
+    Each repetition is ``[flush] -> start event -> fn() -> end event`` on the current stream.
+    The flush (a 256 MiB write, ~0.1 ms) also gives the host a head start, so launch
+    overhead of ``fn`` up to that long is hidden and not counted; use
+    :func:`host_overhead_us` for that.
+    """
+    torch = _torch()
+    device = torch.device("cuda", torch.cuda.current_device()) if device is None else device
+    buf = _flush_buffer(device) if flush_l2 else None
+    for _ in range(warmup):
+        fn()
+    torch.cuda.synchronize(device)
+    starts = [torch.cuda.Event(enable_timing=True) for _ in range(rep)]
+    ends = [torch.cuda.Event(enable_timing=True) for _ in range(rep)]
+    for i in range(rep):
+        if buf is not None:
+            buf.fill_(i)  # a write, so no line stays valid in L2 from the previous rep
+        starts[i].record()
+        fn()
+        ends[i].record()
+    torch.cuda.synchronize(device)
+    return [s.elapsed_time(e) for s, e in zip(starts, ends)]
+
+
+def bench_ms(fn, *, warmup: int = 3, rep: int = 20, flush_l2: bool = True, device=None) -> float:
+    """Median device time of ``fn()`` in milliseconds (see :func:`bench_samples_ms`)."""
+    return statistics.median(
+        bench_samples_ms(fn, warmup=warmup, rep=rep, flush_l2=flush_l2, device=device)
+    )
+
+
+def host_overhead_us(fn, n: int = 1000, *, warmup: int = 20, rounds: int = 5, sync=None) -> float:
+    """Host (Python) cost of one ``fn()`` call in microseconds.
+
+    Calls ``fn`` ``n`` times back to back with no synchronisation in between and divides the
+    wall time of the loop (stopped before the closing sync) by ``n``; the median over
+    ``rounds`` such loops is returned, so one scheduler hiccup does not move it. The problem
+    given should be tiny so the device keeps up and a full launch queue never blocks the host.
+    ``sync`` defaults to ``torch.cuda.synchronize``.
+    """
+    if sync is None:
+        sync = _torch().cuda.synchronize
+    for _ in range(warmup):
+        fn()
+    sync()
+    per_call = []
+    for _ in range(rounds):
+        t0 = time.perf_counter()
+        for _ in range(n):
+            fn()
+        t1 = time.perf_counter()
+        sync()
+        per_call.append((t1 - t0) / n * 1e6)
+    return statistics.median(per_call)

@@ -1,0 +1,145 @@
+"""The same prefill problem through torch, CuPy and JAX: same answer, caller's framework out.
+
+All three frameworks get bit-identical 16-bit inputs (rounded once in torch, then moved as raw
+bits), so the library must return bit-identical outputs: one kernel, one input. Each is also
+held to the float64 reference, so agreement on a wrong answer cannot pass.
+"""
+
+from __future__ import annotations
+
+import zlib
+
+import numpy as np
+import pytest
+
+pytestmark = pytest.mark.gpu
+
+torch = pytest.importorskip("torch")
+if not torch.cuda.is_available():
+    pytest.skip("no CUDA GPU visible", allow_module_level=True)
+
+import pyflashattn  # noqa: E402
+from pyflashattn.testing import attention_ref, to_numpy_f64  # noqa: E402
+
+O_TOL = {"fp16": dict(atol=1e-3, rtol=1e-3), "bf16": dict(atol=1e-2, rtol=1e-2)}
+LSE_TOL = {"fp16": dict(atol=2e-3, rtol=1e-4), "bf16": dict(atol=1e-2, rtol=1e-4)}
+TORCH_DT = {"fp16": torch.float16, "bf16": torch.bfloat16}
+
+CASES = [  # qo_len, kv_len, hq, hkv, d, causal, layout
+    (37, 250, 16, 4, 128, True, "NHD"),
+    (128, 128, 8, 8, 64, False, "HND"),
+    (5, 3000, 8, 1, 256, False, "NHD"),
+]
+
+
+def _problem(case, dtype):
+    qo_len, kv_len, hq, hkv, d, causal, layout = case
+    g = torch.Generator(device="cuda").manual_seed(zlib.crc32(repr((case, dtype)).encode()))
+    kshape = (kv_len, hkv, d) if layout == "NHD" else (hkv, kv_len, d)
+    return [torch.randn(s, device="cuda", generator=g).to(TORCH_DT[dtype])
+            for s in ((qo_len, hq, d), kshape, kshape)]
+
+
+def _bits(t):
+    """Raw 16-bit pattern of a torch fp16/bf16 tensor as a host uint16 array."""
+    return t.contiguous().view(torch.int16).cpu().numpy().view(np.uint16)
+
+
+def _check(o, lse, ref, dtype, what):
+    o_ref, lse_ref = ref
+    for name, got, want, tol in (("o", o, o_ref, O_TOL[dtype]), ("lse", lse, lse_ref, LSE_TOL[dtype])):
+        a = to_numpy_f64(got)
+        assert a.shape == want.shape, f"{what} {name}: shape {a.shape} != {want.shape}"
+        assert not np.isnan(a).any(), f"{what} {name}: NaN in output"
+        np.testing.assert_allclose(a, want, err_msg=f"{what} {name}", **tol)
+
+
+def _ref(q, k, v, case):
+    return attention_ref(q, k, v, causal=case[5], kv_layout=case[6])
+
+
+def _torch_result(q, k, v, case):
+    o, lse = pyflashattn.single_prefill_with_kv_cache_return_lse(
+        q, k, v, causal=case[5], kv_layout=case[6])
+    torch.cuda.synchronize()
+    return o, lse
+
+
+@pytest.mark.parametrize("dtype", ["fp16", "bf16"])
+@pytest.mark.parametrize("case", CASES, ids=lambda c: "q{}-kv{}-h{}_{}-d{}-{}-{}".format(*c))
+def test_torch(case, dtype):
+    q, k, v = _problem(case, dtype)
+    o, lse = _torch_result(q, k, v, case)
+    assert isinstance(o, torch.Tensor) and isinstance(lse, torch.Tensor)
+    assert o.is_cuda and o.dtype == q.dtype and lse.dtype == torch.float32
+    _check(o, lse, _ref(q, k, v, case), dtype, "torch")
+
+
+def _to_cupy(cupy, t, dtype):
+    bits = _bits(t)
+    if dtype == "fp16":
+        return cupy.asarray(bits.view(np.float16))
+    ml_dtypes = pytest.importorskip("ml_dtypes", reason="CuPy bf16 arrays need ml_dtypes")
+    try:
+        return cupy.asarray(bits.view(ml_dtypes.bfloat16))
+    except Exception as e:  # older CuPy without bf16
+        pytest.skip(f"this CuPy has no bfloat16 arrays: {type(e).__name__}: {e}")
+
+
+@pytest.mark.parametrize("dtype", ["fp16", "bf16"])
+@pytest.mark.parametrize("case", CASES, ids=lambda c: "q{}-kv{}-h{}_{}-d{}-{}-{}".format(*c))
+def test_cupy(case, dtype):
+    cupy = pytest.importorskip("cupy")
+    qt, kt, vt = _problem(case, dtype)
+    q, k, v = (_to_cupy(cupy, t, dtype) for t in (qt, kt, vt))
+    o, lse = pyflashattn.single_prefill_with_kv_cache_return_lse(
+        q, k, v, causal=case[5], kv_layout=case[6])
+    cupy.cuda.get_current_stream().synchronize()
+    assert isinstance(o, cupy.ndarray) and isinstance(lse, cupy.ndarray)
+    assert o.dtype == q.dtype and lse.dtype == np.float32 and o.shape == q.shape
+    ref = _ref(qt, kt, vt, case)
+    _check(o, lse, ref, dtype, "cupy")
+    o_t, lse_t = _torch_result(qt, kt, vt, case)
+    assert np.array_equal(o.view(cupy.uint16).get(), _bits(o_t)), "cupy and torch o differ"
+    assert np.array_equal(lse.get(), lse_t.cpu().numpy()), "cupy and torch lse differ"
+
+    # out=/lse= with CuPy buffers, poisoned first
+    out = cupy.empty_like(q)
+    out.view(cupy.uint16).fill(0x7E00 if dtype == "fp16" else 0x7FC0)  # quiet NaN bits
+    lse_buf = cupy.full(lse.shape, np.nan, dtype=np.float32)
+    r_o, r_lse = pyflashattn.single_prefill_with_kv_cache(
+        q, k, v, causal=case[5], kv_layout=case[6], out=out, lse=lse_buf, return_lse=True)
+    cupy.cuda.get_current_stream().synchronize()
+    assert r_o is out and r_lse is lse_buf
+    assert np.array_equal(out.view(cupy.uint16).get(), _bits(o_t))
+    assert np.array_equal(lse_buf.get(), lse_t.cpu().numpy())
+
+
+@pytest.mark.parametrize("dtype", ["fp16", "bf16"])
+@pytest.mark.parametrize("case", CASES, ids=lambda c: "q{}-kv{}-h{}_{}-d{}-{}-{}".format(*c))
+def test_jax(case, dtype):
+    jax = pytest.importorskip("jax")
+    jnp = pytest.importorskip("jax.numpy")
+    try:
+        gpu = jax.devices("gpu")[0]
+    except RuntimeError:
+        pytest.skip("JAX sees no GPU")
+    qt, kt, vt = _problem(case, dtype)
+    jdt = jnp.float16 if dtype == "fp16" else jnp.bfloat16
+
+    def to_jax(t):
+        raw = jax.device_put(jnp.asarray(_bits(t)), gpu)
+        return jax.lax.bitcast_convert_type(raw, jdt)
+
+    q, k, v = (to_jax(t) for t in (qt, kt, vt))
+    o, lse = pyflashattn.single_prefill_with_kv_cache_return_lse(
+        q, k, v, causal=case[5], kv_layout=case[6])
+    assert isinstance(o, jax.Array) and isinstance(lse, jax.Array)
+    assert o.dtype == jdt and lse.dtype == jnp.float32 and o.shape == q.shape
+    assert gpu in o.devices()
+    ref = _ref(qt, kt, vt, case)
+    _check(o, lse, ref, dtype, "jax")
+    o_t, lse_t = _torch_result(qt, kt, vt, case)
+    o_bits = np.asarray(jax.lax.bitcast_convert_type(o, jnp.uint16))
+    assert np.array_equal(o_bits, _bits(o_t)), "jax and torch o differ"
+    assert np.array_equal(np.asarray(lse), lse_t.cpu().numpy()), "jax and torch lse differ"
