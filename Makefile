@@ -9,6 +9,7 @@
 # nvcc: $(NVCC) if given, else nvcc on PATH, else a pinned pip toolchain installed into
 # .toolchain/ (cuda-toolkit[nvcc,cccl]==13.0.2, the CUDA 13.0 that matches the test GPUs' driver).
 
+SHELL     := /bin/bash
 PYTHON    ?= python3
 ARCHS     ?= sm_80 sm_89 sm_90a
 TUNE      ?= 0

@@ -108,6 +108,7 @@ def framework_of(x) -> str:
 
 # ---- views ---------------------------------------------------------------------------------
 _TORCH_DTYPES: dict[object, DType] = {}
+_TORCH_BY_NAME: dict[str, object] = {}
 _TORCH_STRIDED: set = set()
 
 
@@ -137,6 +138,14 @@ def _torch_view(t):
 
 class _UnsupportedDtype(TypeError):
     pass
+
+
+def torch_float32():
+    """torch.float32, cached (for allocating LSE outputs next to a torch query)."""
+    t = _TORCH_BY_NAME.get("float32")
+    if t is None:
+        t = _TORCH_BY_NAME["float32"] = sys.modules["torch"].float32
+    return t
 
 
 def _dlpack_stream(stream: int | None) -> int | None:
@@ -226,6 +235,11 @@ def current_stream(framework: str, device_id: int) -> int:
     """
     if framework == "torch":
         torch = sys.modules["torch"]
+        # torch's own raw-stream getter (what torch.compile's generated code calls) costs ~0.2 us;
+        # the public torch.cuda.current_stream() ~3.6 us, the DLPack exchange API ~1.5 us.
+        raw = getattr(torch._C, "_cuda_getCurrentRawStream", None)
+        if raw is not None:
+            return int(raw(device_id))
         api = _dlpack.exchange_api_for(torch.Tensor)
         if api is not None:
             try:
@@ -307,12 +321,15 @@ def empty(ref: TensorView, shape: tuple, dtype: DType, stream: int):
     dev = ref.device_id
     fw = ref.framework
     if fw == "torch":
-        torch = sys.modules["torch"]
-        tdt = getattr(torch, dtype.name, None)
+        tdt = _TORCH_BY_NAME.get(dtype.name)
         if tdt is None:
-            raise TypeError(f"torch has no {dtype.name} dtype; pass out=")
-        t = torch.empty(shape, dtype=tdt, device=f"cuda:{dev}")
-        return t, TensorView(t, t.data_ptr(), shape, tuple(t.stride()), dtype, kDLCUDA, dev, "torch")
+            tdt = _TORCH_BY_NAME[dtype.name] = getattr(sys.modules["torch"], dtype.name, None)
+            if tdt is None:
+                raise TypeError(f"torch has no {dtype.name} dtype; pass out=")
+        # new_empty inherits the device from the reference tensor: measured ~2 us cheaper than
+        # torch.empty(..., device="cuda:N"), which parses the device string on every call.
+        t = ref.obj.new_empty(shape, dtype=tdt)
+        return t, TensorView(t, t.data_ptr(), shape, compact_strides(shape), dtype, kDLCUDA, dev, "torch")
     if fw == "cupy":
         cupy = sys.modules["cupy"]
         npdt = _numpy_dtype(dtype, "CuPy")

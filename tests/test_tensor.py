@@ -79,6 +79,15 @@ class FakeTorchTensor:
     def get_device(self):
         return self.device.index if self.device.type == "cuda" else -1
 
+    new_empty_calls = []
+
+    def new_empty(self, shape, dtype):
+        FakeTorchTensor.new_empty_calls.append((shape, dtype, self.device.index))
+        n = len(shape)
+        strides = tuple(int(np.prod(shape[i + 1:])) for i in range(n))
+        return type(self)(ptr=0xE000, shape=tuple(shape), strides=strides, dtype=dtype,
+                          device=(self.device.type, self.device.index))
+
     def stride(self):
         return self._strides
 
@@ -392,6 +401,7 @@ def _torch_module(tensor_type):
                            device=("cuda", int(device.split(":")[1])))
 
     torch.empty = empty_
+    torch._C = types.SimpleNamespace()  # no raw-stream getter: the public paths are exercised
     torch.cuda = types.SimpleNamespace(
         current_stream=lambda dev: types.SimpleNamespace(cuda_stream=0x4400 + dev))
     return torch
@@ -404,6 +414,8 @@ def test_current_stream_torch(monkeypatch):
     T = _in_module(type("Tensor", (FakeTorchTensor,), {"__dlpack_c_exchange_api__": table.capsule}), "torch")
     monkeypatch.setitem(sys.modules, "torch", _torch_module(T))
     assert current_stream("torch", 2) == 0x9902  # exchange API current_work_stream
+    sys.modules["torch"]._C = types.SimpleNamespace(_cuda_getCurrentRawStream=lambda dev: 0x7700 + dev)
+    assert current_stream("torch", 4) == 0x7704  # torch's raw getter wins when present
 
 
 def test_current_stream_cupy(monkeypatch):
@@ -435,9 +447,12 @@ def test_current_stream_jax_and_others_use_library_stream(fake_cuda):
 def test_empty_torch(monkeypatch):
     torch = _torch_module(FakeTorchTensor)
     monkeypatch.setitem(sys.modules, "torch", torch)
+    monkeypatch.setattr(pyflashattn._tensor, "_TORCH_BY_NAME", {})  # real torch may have filled it
     ref = view(FakeTorchTensor(device=("cuda", 1)), "q")
     out, v = empty(ref, (3, 4, 8), _dtypes.BFLOAT16, 0x55)
-    assert torch.empty_calls == [((3, 4, 8), BF16, "cuda:1")]
+    FakeTorchTensor.new_empty_calls.clear()
+    out, v = empty(ref, (3, 4, 8), _dtypes.BFLOAT16, 0x55)
+    assert FakeTorchTensor.new_empty_calls == [((3, 4, 8), BF16, 1)]
     assert finalize(out) is out
     assert (v.ptr, v.shape, v.strides, v.dtype, v.device_id, v.framework) == (
         0xE000, (3, 4, 8), (32, 8, 1), _dtypes.BFLOAT16, 1, "torch")
