@@ -79,9 +79,10 @@ PREFILL_TILES = {
 }
 # Alternatives the tuning sweep compares against the defaults.
 PREFILL_TUNE_TILES = {
-    64: [(4, 2, 64, True, 3, 2), (4, 2, 64, True, 1, 2), (8, 1, 64, True, 2, 2)],
-    128: [(8, 1, 64, True, 3, 1), (4, 2, 64, False, 2, 2), (4, 2, 64, False, 1, 2), (8, 1, 64, True, 1, 1)],
-    256: [(8, 1, 32, False, 3, 1), (8, 1, 64, False, 1, 1)],
+    64: [(4, 2, 64, True, 3, 2), (4, 2, 48, True, 2, 2), (8, 2, 64, True, 2, 1)],
+    128: [(8, 1, 64, True, 3, 1), (4, 2, 64, False, 2, 2), (4, 2, 48, False, 2, 2), (4, 2, 48, False, 3, 2),
+          (4, 2, 32, False, 3, 2)],
+    256: [(8, 1, 32, False, 3, 1), (8, 1, 48, False, 2, 1), (4, 2, 32, False, 2, 1)],
 }
 
 

@@ -187,7 +187,7 @@ struct PrefillSm80 {
         for (int nt = 0; nt < NTILES; ++nt) s[mt][nt][0] = s[mt][nt][1] = s[mt][nt][2] = s[mt][nt][3] = 0.f;
       // With Q in shared memory the k-step loop stays rolled (by 2): unrolled, ptxas hoists
       // every K/Q fragment load to the top and spills the O accumulators to make room.
-#pragma unroll(Q_IN_REGS ? KSTEPS : 2)
+#pragma unroll(Q_IN_REGS ? KSTEPS : 1)
       for (int ks = 0; ks < KSTEPS; ++ks) {
         uint32_t a[MQ][4];
 #pragma unroll
