@@ -74,15 +74,14 @@ class MergeVariant:
 # head_dim -> (warps, mq, block_n, q_in_regs, stages, min_blocks): the shipped default per head dim.
 PREFILL_TILES = {
     64: (4, 2, 64, True, 2, 2),
-    128: (8, 1, 64, True, 2, 1),
+    128: (4, 2, 64, False, 2, 2),
     256: (8, 1, 64, False, 2, 1),
 }
 # Alternatives the tuning sweep compares against the defaults.
 PREFILL_TUNE_TILES = {
-    64: [(4, 2, 64, True, 3, 2), (4, 2, 48, True, 2, 2), (8, 2, 64, True, 2, 1)],
-    128: [(8, 1, 64, True, 3, 1), (4, 2, 64, False, 2, 2), (4, 2, 48, False, 2, 2), (4, 2, 48, False, 3, 2),
-          (4, 2, 32, False, 3, 2)],
-    256: [(8, 1, 32, False, 3, 1), (8, 1, 48, False, 2, 1), (4, 2, 32, False, 2, 1)],
+    64: [(4, 2, 64, True, 3, 2), (8, 2, 64, True, 2, 1)],
+    128: [(8, 1, 64, True, 2, 1), (4, 2, 48, False, 2, 2), (4, 2, 64, False, 3, 2), (4, 2, 32, False, 3, 2)],
+    256: [(8, 1, 48, False, 2, 1), (8, 1, 32, False, 3, 1)],
 }
 
 

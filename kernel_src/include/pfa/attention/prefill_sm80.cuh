@@ -98,17 +98,19 @@ struct PrefillSm80 {
         ptx::cp_async_16(sQ_u + swz(row, chunk) * 16, q + qi * p.q_stride_n + h * p.q_stride_h + chunk * 8, valid);
       }
     }
-    const T* k_base = reinterpret_cast<const T*>(p.k) + kv_head * p.k_stride_h + (tid % CPR) * 8 +
-                      (int64_t)(tid / CPR) * p.k_stride_n;
-    const T* v_base = reinterpret_cast<const T*>(p.v) + kv_head * p.v_stride_h + (tid % CPR) * 8 +
-                      (int64_t)(tid / CPR) * p.v_stride_n;
+    // Tile base addresses are recomputed from the (constant-bank) params at each load rather
+    // than kept live across the loop: registers are the scarce resource here.
     auto load_k = [&](int n0, int stage) {
-      load_tile<BLOCK_N>(sKV_u + 2 * stage * KV_TILE_BYTES, k_base + (int64_t)n0 * p.k_stride_n,
-                         reinterpret_cast<const T*>(p.k), p.k_stride_n, p.kv_len - n0, tid);
+      const T* base = reinterpret_cast<const T*>(p.k) + kv_head * p.k_stride_h + (tid % CPR) * 8 +
+                      (int64_t)(n0 + tid / CPR) * p.k_stride_n;
+      load_tile<BLOCK_N>(sKV_u + 2 * stage * KV_TILE_BYTES, base, reinterpret_cast<const T*>(p.k), p.k_stride_n,
+                         p.kv_len - n0, tid);
     };
     auto load_v = [&](int n0, int stage) {
-      load_tile<BLOCK_N>(sKV_u + (2 * stage + 1) * KV_TILE_BYTES, v_base + (int64_t)n0 * p.v_stride_n,
-                         reinterpret_cast<const T*>(p.v), p.v_stride_n, p.kv_len - n0, tid);
+      const T* base = reinterpret_cast<const T*>(p.v) + kv_head * p.v_stride_h + (tid % CPR) * 8 +
+                      (int64_t)(n0 + tid / CPR) * p.v_stride_n;
+      load_tile<BLOCK_N>(sKV_u + (2 * stage + 1) * KV_TILE_BYTES, base, reinterpret_cast<const T*>(p.v),
+                         p.v_stride_n, p.kv_len - n0, tid);
     };
     // Prologue. KV_STAGES == 1: group 0 = Q + K(0); V(j) streams during Q K(j)^T and K(j+1)
     // during P V(j) (FA2's interleave, two barriers a tile). KV_STAGES >= 2: a ring of K/V
@@ -128,13 +130,7 @@ struct PrefillSm80 {
       ptx::cp_async_commit();
     }
 
-    // Rows this thread holds in the C fragments: (mt, half) -> query index.
     const int warp_row0 = warp * MQ * 16;
-    int q_of[MQ][2];
-#pragma unroll
-    for (int mt = 0; mt < MQ; ++mt)
-#pragma unroll
-      for (int hf = 0; hf < 2; ++hf) q_of[mt][hf] = (r0 + warp_row0 + mt * 16 + lane / 4 + hf * 8) / group;
 
     float o[MQ][DTILES][4];
     float m[MQ][2], l[MQ][2];
@@ -147,6 +143,21 @@ struct PrefillSm80 {
     }
     uint32_t qf[Q_IN_REGS ? MQ : 1][Q_IN_REGS ? KSTEPS : 1][4];
     const float scale = p.sm_scale_log2;
+
+    // ldmatrix lane addresses. Every fragment row has row % 8 == lane % 8, and the XOR swizzle
+    // only touches the low 3 bits of the chunk index, so chunk 8*h + c (c < 8) lands at
+    // 8*h + (c ^ lane % 8): four per-lane offsets per operand (c = 2*j + lane bit) plus
+    // compile-time immediates cover every fragment. Spelled out, ptxas keeps 12 registers
+    // instead of materialising one address per fragment.
+    constexpr int ROW_BYTES = HEAD_DIM * (int)sizeof(T);
+    uint32_t q_off[4], k_off[4], v_off[4];
+#pragma unroll
+    for (int j = 0; j < 4; ++j) {
+      const int r = lane % 8;
+      q_off[j] = (warp_row0 + lane % 16) * ROW_BYTES + 16 * ((2 * j + lane / 16) ^ r);
+      k_off[j] = ((lane / 16) * 8 + r) * ROW_BYTES + 16 * ((2 * j + (lane / 8) % 2) ^ r);
+      v_off[j] = (((lane / 8) % 2) * 8 + r) * ROW_BYTES + 16 * ((2 * j + lane / 16) ^ r);
+    }
 
     for (int it = 0; it < num_tiles; ++it) {
       const int n0 = tile_start + it * BLOCK_N;
@@ -175,7 +186,7 @@ struct PrefillSm80 {
           for (int mt = 0; mt < MQ; ++mt)
 #pragma unroll
             for (int ks = 0; ks < KSTEPS; ++ks)
-              ptx::ldmatrix_x4(qf[mt][ks], sQ_u + swz(warp_row0 + mt * 16 + lane % 16, ks * 2 + lane / 16) * 16);
+              ptx::ldmatrix_x4(qf[mt][ks], sQ_u + q_off[ks % 4] + mt * 16 * ROW_BYTES + (ks / 4) * 128);
         }
       }
 
@@ -185,9 +196,7 @@ struct PrefillSm80 {
       for (int mt = 0; mt < MQ; ++mt)
 #pragma unroll
         for (int nt = 0; nt < NTILES; ++nt) s[mt][nt][0] = s[mt][nt][1] = s[mt][nt][2] = s[mt][nt][3] = 0.f;
-      // With Q in shared memory the k-step loop stays rolled (by 2): unrolled, ptxas hoists
-      // every K/Q fragment load to the top and spills the O accumulators to make room.
-#pragma unroll(Q_IN_REGS ? KSTEPS : 1)
+#pragma unroll
       for (int ks = 0; ks < KSTEPS; ++ks) {
         uint32_t a[MQ][4];
 #pragma unroll
@@ -196,13 +205,13 @@ struct PrefillSm80 {
 #pragma unroll
             for (int i = 0; i < 4; ++i) a[mt][i] = qf[mt][ks][i];
           } else {
-            ptx::ldmatrix_x4(a[mt], sQ_u + swz(warp_row0 + mt * 16 + lane % 16, ks * 2 + lane / 16) * 16);
+            ptx::ldmatrix_x4(a[mt], sQ_u + q_off[ks % 4] + mt * 16 * ROW_BYTES + (ks / 4) * 128);
           }
         }
 #pragma unroll
         for (int np = 0; np < NTILES / 2; ++np) {
           uint32_t b[4];
-          ptx::ldmatrix_x4(b, sK_u + swz(np * 16 + (lane / 16) * 8 + lane % 8, ks * 2 + (lane / 8) % 2) * 16);
+          ptx::ldmatrix_x4(b, sK_u + k_off[ks % 4] + np * 16 * ROW_BYTES + (ks / 4) * 128);
 #pragma unroll
           for (int mt = 0; mt < MQ; ++mt) {
             ptx::mma_16816<T>(s[mt][2 * np], a[mt], b[0], b[1]);
@@ -216,12 +225,17 @@ struct PrefillSm80 {
 #pragma unroll
         for (int mt = 0; mt < MQ; ++mt)
 #pragma unroll
-          for (int nt = 0; nt < NTILES; ++nt)
+          for (int hf = 0; hf < 2; ++hf) {
+            // Query index of the C-fragment row this thread holds (only masked tiles need it).
+            const int qi = (r0 + warp_row0 + mt * 16 + lane / 4 + hf * 8) / group;
 #pragma unroll
-            for (int e = 0; e < 4; ++e) {
-              const int kv = n0 + nt * 8 + (lane % 4) * 2 + (e & 1);
-              if (!rule.keep(q_of[mt][e >> 1], kv)) s[mt][nt][e] = -INFINITY;
-            }
+            for (int nt = 0; nt < NTILES; ++nt)
+#pragma unroll
+              for (int e = 0; e < 2; ++e) {
+                const int kv = n0 + nt * 8 + (lane % 4) * 2 + e;
+                if (!rule.keep(qi, kv)) s[mt][nt][2 * hf + e] = -INFINITY;
+              }
+          }
       }
 
       // ---- online softmax, base 2 ----
@@ -280,7 +294,7 @@ struct PrefillSm80 {
 #pragma unroll
         for (int dp = 0; dp < DTILES / 2; ++dp) {
           uint32_t b[4];
-          ptx::ldmatrix_x4_trans(b, sV_u + swz(kk * 16 + ((lane / 8) % 2) * 8 + lane % 8, dp * 2 + lane / 16) * 16);
+          ptx::ldmatrix_x4_trans(b, sV_u + v_off[dp % 4] + kk * 16 * ROW_BYTES + (dp / 4) * 128);
 #pragma unroll
           for (int mt = 0; mt < MQ; ++mt) {
             ptx::mma_16816<T>(o[mt][2 * dp], a[mt], b[0], b[1]);
