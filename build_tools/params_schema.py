@@ -19,6 +19,8 @@ PREFILL = (
         ("lse", "ptr", "float32 [qo_len, Hq] contiguous, 0 = not requested"),
         ("o_partial", "ptr", "split-KV workspace: float32 [num_splits, qo_len, Hq, D]"),
         ("lse_partial", "ptr", "split-KV workspace: float32 [num_splits, qo_len, Hq]"),
+        ("custom_mask", "ptr", "packed bits, little-endian, bit q * kv_len + kv (1 = keep); 0 = none"),
+        ("alibi_slopes", "ptr", "float32 [Hq] ALiBi slopes; 0 = no ALiBi"),
         ("q_stride_n", "i64", ""),
         ("q_stride_h", "i64", ""),
         ("k_stride_n", "i64", ""),
@@ -37,6 +39,11 @@ PREFILL = (
         ("causal", "i32", "bottom-right aligned causal mask"),
         ("window_left", "i32", "inclusive left window, -1 = none"),
         ("sm_scale_log2", "f32", "sm_scale * log2(e): logits go straight into exp2"),
+        ("logits_soft_cap", "f32", "cap > 0: logit = cap * tanh(sm_scale * q.k / cap); 0 = off"),
+        ("rope", "i32", "1 = ROPE_LLAMA (rotate-half) on q and k inside the kernel"),
+        ("rope_rcp_scale", "f32", "1 / rope_scale"),
+        ("rope_log2_theta", "f32", "log2(rope_theta): inv_freq_j = 2^(-2j/D * log2 theta) / rope_scale"),
+        ("lse_scale", "f32", "1 for base-2 LSE (FlashInfer), ln 2 for natural-log LSE"),
     ],
 )
 
@@ -54,10 +61,25 @@ MERGE = (
         ("num_heads", "i32", ""),
         ("head_dim", "i32", ""),
         ("num_splits", "i32", ""),
+        ("lse_scale", "f32", "applied to the final LSE only (partials stay base 2)"),
     ],
 )
 
-FAMILIES = {"prefill": PREFILL, "merge": MERGE}
+PACKBITS = (
+    "PackbitsParams",
+    "pack bool/uint8 values into bits (one output byte per thread), optionally per segment",
+    [
+        ("x", "ptr", "input: 1-byte values, nonzero = 1"),
+        ("y", "ptr", "output: uint8 packed bytes"),
+        ("in_indptr", "ptr", "int32 [num_segments + 1] element offsets of the segments; 0 = one segment of n"),
+        ("out_indptr", "ptr", "int32 [num_segments + 1] byte offsets of the packed segments; 0 = one segment"),
+        ("n", "i64", "number of input elements (single segment)"),
+        ("num_segments", "i32", ""),
+        ("little", "i32", "1 = bit i of a byte is element 8*byte + i (little); 0 = numpy's default big"),
+    ],
+)
+
+FAMILIES = {"prefill": PREFILL, "merge": MERGE, "packbits": PACKBITS}
 
 C_TYPES = {"ptr": "uint64_t", "i64": "int64_t", "i32": "int32_t", "f32": "float"}
 SIZES = {"ptr": 8, "i64": 8, "i32": 4, "f32": 4}

@@ -25,6 +25,9 @@ class PrefillVariant:
     stages: int  # K/V shared-memory stages: 1 = FA2 interleave, 2 = double-buffered K and V
     min_blocks: int  # __launch_bounds__ min CTAs per SM (caps registers)
     tune: bool = False
+    # general = custom mask, soft cap, ALiBi, RoPE compiled in (runtime fields pick them); the
+    # lean kernel (plain, causal, window) carries none of that code, so it pays nothing for it.
+    general: bool = False
 
     @property
     def block_m(self):
@@ -33,7 +36,8 @@ class PrefillVariant:
     @property
     def name(self):
         return (f"pfa_prefill_sm80_{self.dtype}_hd{self.head_dim}"
-                f"_m{self.block_m}n{self.block_n}w{self.warps}s{self.stages}{'_qr' if self.q_in_regs else ''}")
+                f"_m{self.block_m}n{self.block_n}w{self.warps}s{self.stages}{'_qr' if self.q_in_regs else ''}"
+                f"{'_gen' if self.general else ''}")
 
     @property
     def threads(self):
@@ -46,12 +50,13 @@ class PrefillVariant:
     def source(self):
         return ('#include "pfa/attention/prefill_sm80.cuh"\n'
                 f"PFA_DEFINE_PREFILL_SM80({self.name}, {DTYPES[self.dtype]}, {self.head_dim}, {self.warps}, "
-                f"{self.mq}, {self.block_n}, {'true' if self.q_in_regs else 'false'}, {self.stages}, {self.min_blocks})\n")
+                f"{self.mq}, {self.block_n}, {'true' if self.q_in_regs else 'false'}, {self.stages}, {self.min_blocks}, "
+                f"{'true' if self.general else 'false'})\n")
 
     def manifest(self):
         return {"family": "prefill", "dtype": self.dtype, "head_dim": self.head_dim, "block_m": self.block_m,
                 "block_n": self.block_n, "threads": self.threads, "smem_bytes": self.smem_bytes,
-                "tune": self.tune}
+                "tune": self.tune, "general": self.general}
 
 
 @dataclass(frozen=True)
@@ -69,6 +74,21 @@ class MergeVariant:
     def manifest(self):
         return {"family": "merge", "dtype": self.dtype, "threads": 128, "smem_bytes": 0, "rows_per_block": 4,
                 "tune": self.tune}
+
+
+@dataclass(frozen=True)
+class PackbitsVariant:
+    tune: bool = False
+
+    @property
+    def name(self):
+        return "pfa_packbits"
+
+    def source(self):
+        return '#include "pfa/misc/packbits.cuh"\nPFA_DEFINE_PACKBITS(pfa_packbits)\n'
+
+    def manifest(self):
+        return {"family": "packbits", "threads": 256, "smem_bytes": 0, "tune": self.tune}
 
 
 # head_dim -> (warps, mq, block_n, q_in_regs, stages, min_blocks): the shipped default per head dim.
@@ -90,7 +110,9 @@ def variants(tune=False):
     for dtype in DTYPES:
         for hd, tile in PREFILL_TILES.items():
             out.append(PrefillVariant(dtype, hd, *tile))
+            out.append(PrefillVariant(dtype, hd, *tile, general=True))
             if tune:
                 out += [PrefillVariant(dtype, hd, *t, tune=True) for t in PREFILL_TUNE_TILES[hd]]
         out.append(MergeVariant(dtype))
+    out.append(PackbitsVariant())
     return out

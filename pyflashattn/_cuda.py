@@ -211,6 +211,14 @@ def mem_free(ptr: int) -> None:
     check(driver().cuMemFree(ptr), "cuMemFree")
 
 
+def upload(data: bytes) -> int:
+    """A device copy of host bytes (synchronous; for small constant tables built at plan time)."""
+    cu = driver()
+    ptr = mem_alloc(len(data))
+    check(cu.cuMemcpyHtoD(ptr, data, len(data)), "cuMemcpyHtoD")
+    return ptr
+
+
 def memset_d8_async(ptr: int, value: int, nbytes: int, stream: int) -> None:
     check(driver().cuMemsetD8Async(ptr, value, nbytes, stream), "cuMemsetD8Async")
 

@@ -17,11 +17,10 @@ import math
 import operator
 import threading
 
-from . import _cuda, _dtypes, _registry, _tensor
+from . import _cuda, _dtypes, _options, _registry, _tensor
 
 LOG2E = 1.4426950408889634
 HEAD_DIMS = (64, 128, 256)
-POS_ENCODINGS = ("NONE", "ROPE_LLAMA", "ALIBI")
 _MERGE_ROWS_PER_BLOCK = 4
 
 
@@ -40,24 +39,6 @@ def _plan_splits(row_tiles: int, kv_heads: int, kv_len: int, block_n: int, devic
     chunk_tiles = -(-kv_tiles // splits)
     splits = -(-kv_tiles // chunk_tiles)
     return splits, chunk_tiles * block_n
-
-
-def _check_options(custom_mask, packed_custom_mask, pos_encoding_mode, allow_fp16_qk_reduction,
-                   logits_soft_cap, lse_base):
-    if pos_encoding_mode not in POS_ENCODINGS:
-        raise ValueError(f"pos_encoding_mode must be one of {POS_ENCODINGS}, got {pos_encoding_mode!r}")
-    if custom_mask is not None or packed_custom_mask is not None:
-        raise NotImplementedError("custom_mask / packed_custom_mask are not implemented yet")
-    if pos_encoding_mode != "NONE":
-        raise NotImplementedError(f"pos_encoding_mode={pos_encoding_mode!r} is not implemented yet")
-    if allow_fp16_qk_reduction:
-        raise NotImplementedError("allow_fp16_qk_reduction is not implemented (QK is always reduced in fp32)")
-    if logits_soft_cap is not None and logits_soft_cap != 0:
-        raise NotImplementedError("logits_soft_cap is not implemented yet")
-    if lse_base != "log2":
-        if lse_base == "ln":
-            raise NotImplementedError("lse_base='ln' is not implemented yet")
-        raise ValueError(f"lse_base must be 'log2' or 'ln', got {lse_base!r}")
 
 
 def _check_io(name: str, t, dtype, device_id: int):
@@ -95,12 +76,15 @@ def single_prefill_with_kv_cache(q, k, v, custom_mask=None, packed_custom_mask=N
     Returns o [qo_len, num_qo_heads, head_dim] in q's dtype and framework, and with
     ``return_lse`` also lse [qo_len, num_qo_heads] float32.
     """
-    if (custom_mask is not None or packed_custom_mask is not None or pos_encoding_mode != "NONE"
-            or allow_fp16_qk_reduction or logits_soft_cap or lse_base != "log2"):
-        _check_options(custom_mask, packed_custom_mask, pos_encoding_mode, allow_fp16_qk_reduction,
-                       logits_soft_cap, lse_base)
+    if (pos_encoding_mode == "NONE" and not allow_fp16_qk_reduction and logits_soft_cap is None
+            and rope_scale is None and rope_theta is None and lse_base == "log2"):
+        opts = _options.PLAIN
+    else:
+        opts = _options.resolve(pos_encoding_mode, allow_fp16_qk_reduction, logits_soft_cap, rope_scale,
+                                rope_theta, lse_base)
+    has_mask = custom_mask is not None or packed_custom_mask is not None
     framework = _tensor.framework_of(q)
-    if framework == "torch":
+    if framework == "torch" and opts is _options.PLAIN and not has_mask:
         res = _torch_fast_path(q, k, v, causal, kv_layout, window_left, sm_scale, return_lse, out, lse, stream)
         if res is not _MISS:
             return res
@@ -110,12 +94,17 @@ def single_prefill_with_kv_cache(q, k, v, custom_mask=None, packed_custom_mask=N
     qv, kv, vv = _tensor.view(q, "q"), _tensor.view(k, "k"), _tensor.view(v, "v")
     ov = _tensor.view(out, "out") if out is not None else None
     lv = _tensor.view(lse, "lse") if lse is not None else None
+    # FlashInfer: a packed mask, when given, wins over the boolean one.
+    mask_kind = "packed" if packed_custom_mask is not None else "bool" if custom_mask is not None else None
+    mv = (_tensor.view(packed_custom_mask, "packed_custom_mask") if mask_kind == "packed"
+          else _tensor.view(custom_mask, "custom_mask") if mask_kind == "bool" else None)
     key = (qv.shape, qv.strides, qv.dtype, qv.device_type, qv.device_id,
            kv.shape, kv.strides, kv.dtype, kv.device_type, kv.device_id,
            vv.shape, vv.strides, vv.dtype, vv.device_type, vv.device_id,
            None if ov is None else (ov.shape, ov.strides, ov.dtype, ov.device_type, ov.device_id),
            None if lv is None else (lv.shape, lv.strides, lv.dtype, lv.device_type, lv.device_id),
-           causal, kv_layout, window_left, sm_scale)
+           causal, kv_layout, window_left, sm_scale, opts, mask_kind,
+           None if mv is None else (mv.shape, mv.strides, mv.dtype, mv.device_type, mv.device_id))
     plans = getattr(_tls, "plans", None)
     if plans is None:
         plans = _tls.plans = {}
@@ -123,11 +112,11 @@ def single_prefill_with_kv_cache(q, k, v, custom_mask=None, packed_custom_mask=N
     if plan is None:
         # Full validation and planning happen once per problem signature; repeated calls with
         # the same shapes, strides, dtypes and options reuse the plan and its params struct.
-        plan = _Plan(qv, kv, vv, ov, lv, bool(causal), kv_layout, window_left, sm_scale)
+        plan = _Plan(qv, kv, vv, ov, lv, bool(causal), kv_layout, window_left, sm_scale, opts, mask_kind, mv)
         if len(plans) >= _PLAN_CACHE_SIZE:
             plans.clear()
         plans[key] = plan
-    if framework == "torch":
+    if framework == "torch" and opts is _options.PLAIN and mask_kind is None:
         try:  # later calls with this signature take the fast path
             plans[_torch_key(q, k, v, out, lse, causal, kv_layout, window_left, sm_scale)] = plan
         except Exception:  # noqa: BLE001 - a tensor the attribute reads cannot describe
@@ -145,7 +134,9 @@ def single_prefill_with_kv_cache(q, k, v, custom_mask=None, packed_custom_mask=N
     if lse is None and return_lse:
         lse, lv = _tensor.empty(qv, plan.lse_shape, _dtypes.FLOAT32, s)
     if plan.attn is not None:
-        plan.run(qv.ptr, kv.ptr, vv.ptr, ov.ptr, lv.ptr if lv is not None else 0, plan.o_strides, s)
+        if framework == "jax" and mv is not None:
+            mv = _tensor.view(packed_custom_mask if mask_kind == "packed" else custom_mask, "custom_mask", stream=s)
+        plan.run(qv.ptr, kv.ptr, vv.ptr, ov.ptr, lv.ptr if lv is not None else 0, s, mv)
     # JAX outputs are handed to JAX only now, so JAX's reads are ordered after the launch.
     out = _tensor.finalize(out)
     if lse is None:
@@ -196,7 +187,7 @@ def _torch_fast_path(q, k, v, causal, kv_layout, window_left, sm_scale, return_l
     if lse is None and return_lse:
         lse = q.new_empty(plan.lse_shape, dtype=_tensor.torch_float32())
     if plan.attn is not None:
-        plan.run(qp, kp, vp, op, lse.data_ptr() if lse is not None else 0, plan.o_strides, s)
+        plan.run(qp, kp, vp, op, lse.data_ptr() if lse is not None else 0, s)
     if lse is None:
         return out
     return (out, lse) if return_lse else out
@@ -218,10 +209,11 @@ class _Plan:
     """Everything about one problem signature except its pointers: validated shapes, the chosen
     kernel with its own params struct (constant fields filled once), grid and KV split."""
 
-    __slots__ = ("o_shape", "o_strides", "lse_shape", "dtype", "attn", "merge", "splits", "ws_o_bytes", "ws_bytes",
-                 "dev")
+    __slots__ = ("o_shape", "o_strides", "lse_shape", "dtype", "attn", "merge", "splits", "ws_mask_bytes",
+                 "ws_o_bytes", "ws_bytes", "dev", "mask_kind", "mask_bits")
 
-    def __init__(self, qv, kv, vv, ov, lv, causal, kv_layout, window_left, sm_scale):
+    def __init__(self, qv, kv, vv, ov, lv, causal, kv_layout, window_left, sm_scale, opts=_options.PLAIN,
+                 mask_kind=None, mv=None):
         if kv_layout not in ("NHD", "HND"):
             raise ValueError(f"kv_layout must be 'NHD' or 'HND', got {kv_layout!r}")
         try:
@@ -254,6 +246,10 @@ class _Plan:
             raise ValueError(f"head_dim {head_dim} is not supported (supported: {HEAD_DIMS})")
         if num_kv_heads == 0 or num_qo_heads % num_kv_heads:
             raise ValueError(f"num_qo_heads ({num_qo_heads}) must be a multiple of num_kv_heads ({num_kv_heads})")
+        self.mask_kind, self.mask_bits = mask_kind, qo_len * kv_len
+        if mask_kind is not None:
+            _check_mask(mask_kind, mv, qo_len, kv_len, dev)
+            causal = False  # a custom mask replaces causal (FlashInfer)
         if causal and kv_len < qo_len:
             raise ValueError(f"causal attention needs kv_len >= qo_len, got kv_len={kv_len}, qo_len={qo_len}")
         if sm_scale is None:
@@ -278,7 +274,9 @@ class _Plan:
             return  # nothing to compute: empty outputs
 
         _cuda.ensure_context(dev)
-        la = self.attn = _registry.new_launcher("prefill", dev, dtype=dtype.short, head_dim=head_dim)
+        general = opts.general or mask_kind is not None
+        la = self.attn = _registry.new_launcher("prefill", dev, dtype=dtype.short, head_dim=head_dim,
+                                                general=general)
         meta = la.meta
         group = num_qo_heads // num_kv_heads
         row_tiles = -(-qo_len * group // meta["block_m"])
@@ -294,32 +292,80 @@ class _Plan:
         p.qo_len, p.kv_len, p.num_qo_heads, p.num_kv_heads = qo_len, kv_len, num_qo_heads, num_kv_heads
         p.group_size, p.num_splits, p.kv_chunk_size = group, splits, chunk
         p.causal, p.window_left, p.sm_scale_log2 = int(causal), window_left, sm_scale * LOG2E
+        p.lse_scale, p.logits_soft_cap = opts.lse_scale, opts.soft_cap
+        p.rope = int(opts.pos == "ROPE_LLAMA")
+        p.rope_rcp_scale, p.rope_log2_theta = 1.0 / opts.rope_scale, math.log2(opts.rope_theta)
+        p.alibi_slopes = _alibi_buffer(dev, num_qo_heads) if opts.pos == "ALIBI" else 0
         la.configure((num_kv_heads, splits, row_tiles))
+        # Workspace: [packed bool mask, 16-byte padded] [split partial o] [split partial lse].
+        self.ws_mask_bytes = (-(-self.mask_bits // 8) + 15) // 16 * 16 if mask_kind == "bool" else 0
+        self.ws_o_bytes = self.ws_bytes = self.ws_mask_bytes
         if splits > 1:
             pairs = qo_len * num_qo_heads
-            self.ws_o_bytes = splits * pairs * head_dim * 4
+            self.ws_o_bytes = self.ws_mask_bytes + splits * pairs * head_dim * 4
             self.ws_bytes = self.ws_o_bytes + splits * pairs * 4
             mg = self.merge = _registry.new_launcher("merge", dev, dtype=dtype.short)
             mp = mg.params
             mp.rows, mp.num_heads, mp.head_dim, mp.num_splits = qo_len, num_qo_heads, head_dim, splits
+            mp.lse_scale = opts.lse_scale
             mg.configure((-(-pairs // _MERGE_ROWS_PER_BLOCK), 1, 1))
 
-    def run(self, q, k, v, o, lse, o_strides, stream):
-        """Refill the pointers and launch (attention, plus the merge when KV is split)."""
+    def run(self, q, k, v, o, lse, stream, mask_view=None):
+        """Refill the pointers and launch (mask packing, attention, merge when KV is split)."""
         p = self.attn.params
         p.q, p.k, p.v, p.o = q, k, v, o
-        p.o_stride_n, p.o_stride_h = o_strides[0], o_strides[1]
+        p.o_stride_n, p.o_stride_h = self.o_strides[0], self.o_strides[1]
+        ws = _cuda.Workspace.get(self.dev, stream, self.ws_bytes) if self.ws_bytes else 0
+        if self.mask_kind == "packed":
+            p.custom_mask = mask_view.ptr
+        elif self.mask_kind == "bool":
+            from .quantization import pack_mask_into
+            pack_mask_into(mask_view, ws, self.mask_bits, stream, self.dev)
+            p.custom_mask = ws
         if self.merge is None:
             p.lse = lse
             self.attn(stream)
             return
-        ws = _cuda.Workspace.get(self.dev, stream, self.ws_bytes)
-        p.lse, p.o_partial, p.lse_partial = 0, ws, ws + self.ws_o_bytes
+        p.lse, p.o_partial, p.lse_partial = 0, ws + self.ws_mask_bytes, ws + self.ws_o_bytes
         self.attn(stream)
         mp = self.merge.params
-        mp.o_partial, mp.lse_partial, mp.o, mp.lse = ws, ws + self.ws_o_bytes, o, lse
-        mp.o_stride_n, mp.o_stride_h = o_strides[0], o_strides[1]
+        mp.o_partial, mp.lse_partial, mp.o, mp.lse = p.o_partial, p.lse_partial, o, lse
+        mp.o_stride_n, mp.o_stride_h = self.o_strides[0], self.o_strides[1]
         self.merge(stream)
+
+
+def _check_mask(kind, mv, qo_len, kv_len, dev):
+    name = "packed_custom_mask" if kind == "packed" else "custom_mask"
+    if not mv.is_cuda or mv.device_id != dev:
+        raise ValueError(f"{name} must be a CUDA tensor on q's device cuda:{dev}, got device type "
+                         f"{mv.device_type}:{mv.device_id}")
+    if kind == "packed":
+        if mv.dtype != _dtypes.UINT8:
+            raise TypeError(f"packed_custom_mask must be uint8, got {mv.dtype.name}")
+        need = -(-qo_len * kv_len // 8)
+        if mv.ndim != 1 or (mv.shape[0] > 1 and mv.strides[0] != 1):
+            raise ValueError(f"packed_custom_mask must be a contiguous 1-D uint8 tensor, got shape {mv.shape}")
+        if mv.shape[0] < need:
+            raise ValueError(f"packed_custom_mask has {mv.shape[0]} bytes; qo_len * kv_len = {qo_len * kv_len} "
+                             f"bits need {need}")
+    else:
+        if mv.dtype not in (_dtypes.BOOL, _dtypes.UINT8):
+            raise TypeError(f"custom_mask must be bool (or uint8), got {mv.dtype.name}")
+        if mv.shape != (qo_len, kv_len):
+            raise ValueError(f"custom_mask must have shape (qo_len, kv_len) = {(qo_len, kv_len)}, got {mv.shape}")
+        if qo_len > 1 and kv_len > 1 and mv.strides != (kv_len, 1):
+            raise ValueError(f"custom_mask must be contiguous, got strides {mv.strides}")
+
+
+_alibi_buffers: dict = {}
+
+
+def _alibi_buffer(dev: int, num_heads: int) -> int:
+    """Device copy of FlashInfer's ALiBi slopes for num_heads, uploaded once per device."""
+    ptr = _alibi_buffers.get((dev, num_heads))
+    if ptr is None:
+        ptr = _alibi_buffers[(dev, num_heads)] = _cuda.upload(_options.alibi_slopes(num_heads).tobytes())
+    return ptr
 
 
 single_prefill_with_kv_cache_return_lse = functools.partial(single_prefill_with_kv_cache, return_lse=True)

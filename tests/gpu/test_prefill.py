@@ -412,7 +412,10 @@ def test_explicit_defaults_accepted():
         logits_soft_cap=None, rope_scale=None, rope_theta=None)
     o_ref, _ = _ref(q, k, v, causal=True)
     _check(o, None, o_ref, None, BF16)
-    o0 = pyflashattn.single_prefill_with_kv_cache(q, k, v, causal=True, logits_soft_cap=0.0)
+    # An explicit cap <= 0 is rejected by contract (None is "no cap"), and the library keeps working.
+    with pytest.raises(ValueError, match="logits_soft_cap"):
+        pyflashattn.single_prefill_with_kv_cache(q, k, v, causal=True, logits_soft_cap=0.0)
+    o0 = pyflashattn.single_prefill_with_kv_cache(q, k, v, causal=True, logits_soft_cap=None)
     torch.testing.assert_close(o0, o, atol=0, rtol=0)
 
 

@@ -2,7 +2,9 @@
 // or may skip masking on) goes through MaskRule, so skipped tiles and masked elements can
 // never disagree. Conventions (FlashInfer's): a query row q sits at absolute position
 // p = q + kv_len - qo_len (bottom-right alignment); causal keeps kv <= p; window_left >= 0
-// keeps kv >= p - window_left (inclusive); kv must lie inside [0, kv_len).
+// keeps kv >= p - window_left (inclusive); kv must lie inside [0, kv_len); a custom mask
+// (packed bits, little-endian, bit q * kv_len + kv) replaces causal (the host clears it) and is
+// ANDed with the window.
 #pragma once
 #include <stdint.h>
 
@@ -11,7 +13,8 @@ namespace pfa {
 struct MaskRule {
   int qo_len, kv_len;
   bool causal;
-  int window_left;  // -1 = none
+  int window_left;      // -1 = none
+  const uint8_t* bits;  // custom mask, nullptr = none (always nullptr in the lean kernels)
 
   __device__ __forceinline__ int pos(int q) const { return q + kv_len - qo_len; }
 
@@ -19,13 +22,19 @@ struct MaskRule {
     bool ok = kv < kv_len && kv >= 0;
     if (causal) ok = ok && kv <= pos(q);
     if (window_left >= 0) ok = ok && kv >= pos(q) - window_left;
+    if (bits != nullptr) {
+      if (!ok || q >= qo_len) return false;  // padded rows past qo_len own no mask bits
+      const int64_t i = (int64_t)q * kv_len + kv;
+      ok = (bits[i >> 3] >> (i & 7)) & 1;
+    }
     return ok;
   }
 
   // Every constraint is a half-plane monotone in (q, kv), so a rectangle of rows [q0, q1] and
   // keys [k0, k1] is fully kept iff its two binding corners are.
+  // A custom mask is arbitrary, so no rectangle is known to be fully kept.
   __device__ __forceinline__ bool keeps_all(int q0, int q1, int k0, int k1) const {
-    return keep(q0, k1) && keep(q1, k0);
+    return bits == nullptr && keep(q0, k1) && keep(q1, k0);
   }
 
   // Half-open key range [begin, end) that rows [q0, q1] can see at all (may be empty).

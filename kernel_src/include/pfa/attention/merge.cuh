@@ -42,7 +42,7 @@ struct MergeStates {
       *reinterpret_cast<uint2*>(out + c) = packed;
     }
     if (p.lse != 0 && lane == 0)
-      reinterpret_cast<float*>(p.lse)[pair] = denom > 0.f ? m_use + log2f(denom) : -INFINITY;
+      reinterpret_cast<float*>(p.lse)[pair] = denom > 0.f ? (m_use + log2f(denom)) * p.lse_scale : -INFINITY;
   }
 };
 

@@ -16,6 +16,8 @@ struct PrefillParams {
   uint64_t lse;  // float32 [qo_len, Hq] contiguous, 0 = not requested
   uint64_t o_partial;  // split-KV workspace: float32 [num_splits, qo_len, Hq, D]
   uint64_t lse_partial;  // split-KV workspace: float32 [num_splits, qo_len, Hq]
+  uint64_t custom_mask;  // packed bits, little-endian, bit q * kv_len + kv (1 = keep); 0 = none
+  uint64_t alibi_slopes;  // float32 [Hq] ALiBi slopes; 0 = no ALiBi
   int64_t q_stride_n;
   int64_t q_stride_h;
   int64_t k_stride_n;
@@ -34,8 +36,13 @@ struct PrefillParams {
   int32_t causal;  // bottom-right aligned causal mask
   int32_t window_left;  // inclusive left window, -1 = none
   float sm_scale_log2;  // sm_scale * log2(e): logits go straight into exp2
+  float logits_soft_cap;  // cap > 0: logit = cap * tanh(sm_scale * q.k / cap); 0 = off
+  int32_t rope;  // 1 = ROPE_LLAMA (rotate-half) on q and k inside the kernel
+  float rope_rcp_scale;  // 1 / rope_scale
+  float rope_log2_theta;  // log2(rope_theta): inv_freq_j = 2^(-2j/D * log2 theta) / rope_scale
+  float lse_scale;  // 1 for base-2 LSE (FlashInfer), ln 2 for natural-log LSE
 };
-static_assert(sizeof(PrefillParams) == 160, "PrefillParams size drifted from the schema");
+static_assert(sizeof(PrefillParams) == 200, "PrefillParams size drifted from the schema");
 static_assert(offsetof(PrefillParams, q) == 0, "PrefillParams.q offset");
 static_assert(offsetof(PrefillParams, k) == 8, "PrefillParams.k offset");
 static_assert(offsetof(PrefillParams, v) == 16, "PrefillParams.v offset");
@@ -43,24 +50,31 @@ static_assert(offsetof(PrefillParams, o) == 24, "PrefillParams.o offset");
 static_assert(offsetof(PrefillParams, lse) == 32, "PrefillParams.lse offset");
 static_assert(offsetof(PrefillParams, o_partial) == 40, "PrefillParams.o_partial offset");
 static_assert(offsetof(PrefillParams, lse_partial) == 48, "PrefillParams.lse_partial offset");
-static_assert(offsetof(PrefillParams, q_stride_n) == 56, "PrefillParams.q_stride_n offset");
-static_assert(offsetof(PrefillParams, q_stride_h) == 64, "PrefillParams.q_stride_h offset");
-static_assert(offsetof(PrefillParams, k_stride_n) == 72, "PrefillParams.k_stride_n offset");
-static_assert(offsetof(PrefillParams, k_stride_h) == 80, "PrefillParams.k_stride_h offset");
-static_assert(offsetof(PrefillParams, v_stride_n) == 88, "PrefillParams.v_stride_n offset");
-static_assert(offsetof(PrefillParams, v_stride_h) == 96, "PrefillParams.v_stride_h offset");
-static_assert(offsetof(PrefillParams, o_stride_n) == 104, "PrefillParams.o_stride_n offset");
-static_assert(offsetof(PrefillParams, o_stride_h) == 112, "PrefillParams.o_stride_h offset");
-static_assert(offsetof(PrefillParams, qo_len) == 120, "PrefillParams.qo_len offset");
-static_assert(offsetof(PrefillParams, kv_len) == 124, "PrefillParams.kv_len offset");
-static_assert(offsetof(PrefillParams, num_qo_heads) == 128, "PrefillParams.num_qo_heads offset");
-static_assert(offsetof(PrefillParams, num_kv_heads) == 132, "PrefillParams.num_kv_heads offset");
-static_assert(offsetof(PrefillParams, group_size) == 136, "PrefillParams.group_size offset");
-static_assert(offsetof(PrefillParams, num_splits) == 140, "PrefillParams.num_splits offset");
-static_assert(offsetof(PrefillParams, kv_chunk_size) == 144, "PrefillParams.kv_chunk_size offset");
-static_assert(offsetof(PrefillParams, causal) == 148, "PrefillParams.causal offset");
-static_assert(offsetof(PrefillParams, window_left) == 152, "PrefillParams.window_left offset");
-static_assert(offsetof(PrefillParams, sm_scale_log2) == 156, "PrefillParams.sm_scale_log2 offset");
+static_assert(offsetof(PrefillParams, custom_mask) == 56, "PrefillParams.custom_mask offset");
+static_assert(offsetof(PrefillParams, alibi_slopes) == 64, "PrefillParams.alibi_slopes offset");
+static_assert(offsetof(PrefillParams, q_stride_n) == 72, "PrefillParams.q_stride_n offset");
+static_assert(offsetof(PrefillParams, q_stride_h) == 80, "PrefillParams.q_stride_h offset");
+static_assert(offsetof(PrefillParams, k_stride_n) == 88, "PrefillParams.k_stride_n offset");
+static_assert(offsetof(PrefillParams, k_stride_h) == 96, "PrefillParams.k_stride_h offset");
+static_assert(offsetof(PrefillParams, v_stride_n) == 104, "PrefillParams.v_stride_n offset");
+static_assert(offsetof(PrefillParams, v_stride_h) == 112, "PrefillParams.v_stride_h offset");
+static_assert(offsetof(PrefillParams, o_stride_n) == 120, "PrefillParams.o_stride_n offset");
+static_assert(offsetof(PrefillParams, o_stride_h) == 128, "PrefillParams.o_stride_h offset");
+static_assert(offsetof(PrefillParams, qo_len) == 136, "PrefillParams.qo_len offset");
+static_assert(offsetof(PrefillParams, kv_len) == 140, "PrefillParams.kv_len offset");
+static_assert(offsetof(PrefillParams, num_qo_heads) == 144, "PrefillParams.num_qo_heads offset");
+static_assert(offsetof(PrefillParams, num_kv_heads) == 148, "PrefillParams.num_kv_heads offset");
+static_assert(offsetof(PrefillParams, group_size) == 152, "PrefillParams.group_size offset");
+static_assert(offsetof(PrefillParams, num_splits) == 156, "PrefillParams.num_splits offset");
+static_assert(offsetof(PrefillParams, kv_chunk_size) == 160, "PrefillParams.kv_chunk_size offset");
+static_assert(offsetof(PrefillParams, causal) == 164, "PrefillParams.causal offset");
+static_assert(offsetof(PrefillParams, window_left) == 168, "PrefillParams.window_left offset");
+static_assert(offsetof(PrefillParams, sm_scale_log2) == 172, "PrefillParams.sm_scale_log2 offset");
+static_assert(offsetof(PrefillParams, logits_soft_cap) == 176, "PrefillParams.logits_soft_cap offset");
+static_assert(offsetof(PrefillParams, rope) == 180, "PrefillParams.rope offset");
+static_assert(offsetof(PrefillParams, rope_rcp_scale) == 184, "PrefillParams.rope_rcp_scale offset");
+static_assert(offsetof(PrefillParams, rope_log2_theta) == 188, "PrefillParams.rope_log2_theta offset");
+static_assert(offsetof(PrefillParams, lse_scale) == 192, "PrefillParams.lse_scale offset");
 
 // combine split-KV partials (float32 o, base-2 lse) into the final output
 struct MergeParams {
@@ -74,8 +88,9 @@ struct MergeParams {
   int32_t num_heads;
   int32_t head_dim;
   int32_t num_splits;
+  float lse_scale;  // applied to the final LSE only (partials stay base 2)
 };
-static_assert(sizeof(MergeParams) == 64, "MergeParams size drifted from the schema");
+static_assert(sizeof(MergeParams) == 72, "MergeParams size drifted from the schema");
 static_assert(offsetof(MergeParams, o_partial) == 0, "MergeParams.o_partial offset");
 static_assert(offsetof(MergeParams, lse_partial) == 8, "MergeParams.lse_partial offset");
 static_assert(offsetof(MergeParams, o) == 16, "MergeParams.o offset");
@@ -86,5 +101,25 @@ static_assert(offsetof(MergeParams, rows) == 48, "MergeParams.rows offset");
 static_assert(offsetof(MergeParams, num_heads) == 52, "MergeParams.num_heads offset");
 static_assert(offsetof(MergeParams, head_dim) == 56, "MergeParams.head_dim offset");
 static_assert(offsetof(MergeParams, num_splits) == 60, "MergeParams.num_splits offset");
+static_assert(offsetof(MergeParams, lse_scale) == 64, "MergeParams.lse_scale offset");
+
+// pack bool/uint8 values into bits (one output byte per thread), optionally per segment
+struct PackbitsParams {
+  uint64_t x;  // input: 1-byte values, nonzero = 1
+  uint64_t y;  // output: uint8 packed bytes
+  uint64_t in_indptr;  // int32 [num_segments + 1] element offsets of the segments; 0 = one segment of n
+  uint64_t out_indptr;  // int32 [num_segments + 1] byte offsets of the packed segments; 0 = one segment
+  int64_t n;  // number of input elements (single segment)
+  int32_t num_segments;
+  int32_t little;  // 1 = bit i of a byte is element 8*byte + i (little); 0 = numpy's default big
+};
+static_assert(sizeof(PackbitsParams) == 48, "PackbitsParams size drifted from the schema");
+static_assert(offsetof(PackbitsParams, x) == 0, "PackbitsParams.x offset");
+static_assert(offsetof(PackbitsParams, y) == 8, "PackbitsParams.y offset");
+static_assert(offsetof(PackbitsParams, in_indptr) == 16, "PackbitsParams.in_indptr offset");
+static_assert(offsetof(PackbitsParams, out_indptr) == 24, "PackbitsParams.out_indptr offset");
+static_assert(offsetof(PackbitsParams, n) == 32, "PackbitsParams.n offset");
+static_assert(offsetof(PackbitsParams, num_segments) == 40, "PackbitsParams.num_segments offset");
+static_assert(offsetof(PackbitsParams, little) == 44, "PackbitsParams.little offset");
 
 }  // namespace pfa

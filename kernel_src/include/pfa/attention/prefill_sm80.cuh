@@ -14,12 +14,14 @@
 
 #include "pfa/attention/mask.cuh"
 #include "pfa/attention/params.h"
+#include "pfa/attention/variant.cuh"
 #include "pfa/common/dtypes.cuh"
 #include "pfa/ptx/mma_sm80.cuh"
 
 namespace pfa {
 
-template <typename T, int HEAD_DIM, int NUM_WARPS, int MQ, int BLOCK_N, bool Q_IN_REGS, int KV_STAGES>
+template <typename T, int HEAD_DIM, int NUM_WARPS, int MQ, int BLOCK_N, bool Q_IN_REGS, int KV_STAGES,
+          bool GENERAL>
 struct PrefillSm80 {
   static constexpr int BLOCK_M = NUM_WARPS * MQ * 16;
   static constexpr int THREADS = NUM_WARPS * 32;
@@ -54,6 +56,34 @@ struct PrefillSm80 {
     }
   }
 
+  // ROPE_LLAMA (rotate-half) of ROWS rows of a swizzled tile, in place: element j < D/2 pairs
+  // with j + D/2, angle = pos(row) * 2^(-2j/D * log2 theta) / rope_scale, computed in fp32 with
+  // an accurate sincos (positions reach 1e5: the fast intrinsic loses the angle there).
+  template <int ROWS, typename PosFn>
+  static __device__ __forceinline__ void rope_rotate(T* tile, const PrefillParams& p, int tid, PosFn pos_of) {
+    constexpr int HALF = CPR / 2;
+    for (int item = tid; item < ROWS * HALF; item += THREADS) {
+      const int row = item / HALF, c = item % HALF;
+      uint4* lo_p = reinterpret_cast<uint4*>(tile + swz(row, c) * 8);
+      uint4* hi_p = reinterpret_cast<uint4*>(tile + swz(row, c + HALF) * 8);
+      uint4 lo = *lo_p, hi = *hi_p;
+      T* l = reinterpret_cast<T*>(&lo);
+      T* h = reinterpret_cast<T*>(&hi);
+      const float pos = static_cast<float>(pos_of(row));
+#pragma unroll
+      for (int i = 0; i < 8; ++i) {
+        const float inv_freq = exp2f(-(2.f * (c * 8 + i) / HEAD_DIM) * p.rope_log2_theta) * p.rope_rcp_scale;
+        float sn, cs;
+        sincosf(pos * inv_freq, &sn, &cs);
+        const float x0 = to_float(l[i]), x1 = to_float(h[i]);
+        l[i] = from_float<T>(x0 * cs - x1 * sn);
+        h[i] = from_float<T>(x1 * cs + x0 * sn);
+      }
+      *lo_p = lo;
+      *hi_p = hi;
+    }
+  }
+
   static __device__ __forceinline__ void run(const PrefillParams& p, char* smem) {
     static_assert(BLOCK_M % (THREADS / CPR) == 0 && BLOCK_N % (THREADS / CPR) == 0, "tile rows vs threads");
     T* sQ = reinterpret_cast<T*>(smem);
@@ -73,7 +103,8 @@ struct PrefillSm80 {
     const int q_lo = r0 / group;
     const int q_hi = (min(r0 + BLOCK_M, rows_total) - 1) / group;
 
-    const MaskRule rule{p.qo_len, p.kv_len, p.causal != 0, p.window_left};
+    const MaskRule rule{p.qo_len, p.kv_len, p.causal != 0, p.window_left,
+                        GENERAL ? reinterpret_cast<const uint8_t*>(p.custom_mask) : nullptr};
     const int split_lo = split * p.kv_chunk_size;
     const int split_hi = min(split_lo + p.kv_chunk_size, p.kv_len);
     const int kv_lo = max(rule.kv_begin(q_lo), split_lo);
@@ -143,6 +174,23 @@ struct PrefillSm80 {
     }
     uint32_t qf[Q_IN_REGS ? MQ : 1][Q_IN_REGS ? KSTEPS : 1][4];
     const float scale = p.sm_scale_log2;
+    // GENERAL: score transforms that leave logits in log2 units, so softmax then uses scale 1.
+    const LogitTransform xf = GENERAL ? LogitTransform::make(p) : LogitTransform{};
+    const float scale_eff = xf.kind == LogitTransform::kPlain ? scale : 1.f;
+    float alibi_slope[GENERAL ? MQ : 1][2];
+    int alibi_q[GENERAL ? MQ : 1][2];
+    if constexpr (GENERAL) {
+#pragma unroll
+      for (int mt = 0; mt < MQ; ++mt)
+#pragma unroll
+        for (int hf = 0; hf < 2; ++hf) {
+          const int r = min(r0 + warp * MQ * 16 + mt * 16 + lane / 4 + hf * 8, rows_total - 1);
+          alibi_q[mt][hf] = r / group;
+          alibi_slope[mt][hf] = xf.kind == LogitTransform::kAlibi
+                                    ? reinterpret_cast<const float*>(p.alibi_slopes)[kv_head * group + r % group] * kLog2e
+                                    : 0.f;
+        }
+    }
 
     // ldmatrix lane addresses. Every fragment row has row % 8 == lane % 8, and the XOR swizzle
     // only touches the low 3 bits of the chunk index, so chunk 8*h + c (c < 8) lands at
@@ -180,6 +228,16 @@ struct PrefillSm80 {
         ptx::cp_async_commit();
       }
 
+      if constexpr (GENERAL) {
+        if (p.rope) {
+          // Rotate in shared memory right after the tiles land (Q once, K every tile), then
+          // make the rotated values visible before any ldmatrix reads them.
+          if (it == 0)
+            rope_rotate<BLOCK_M>(sQ, p, tid, [&](int row) { return (r0 + row) / group + p.kv_len - p.qo_len; });
+          rope_rotate<BLOCK_N>(reinterpret_cast<T*>(smem + (sK_u - sQ_u)), p, tid, [&](int row) { return n0 + row; });
+          __syncthreads();
+        }
+      }
       if constexpr (Q_IN_REGS) {
         if (it == 0) {
 #pragma unroll
@@ -220,6 +278,19 @@ struct PrefillSm80 {
         }
       }
 
+      if constexpr (GENERAL) {
+        if (xf.kind != LogitTransform::kPlain) {
+#pragma unroll
+          for (int mt = 0; mt < MQ; ++mt)
+#pragma unroll
+            for (int nt = 0; nt < NTILES; ++nt)
+#pragma unroll
+              for (int e = 0; e < 4; ++e)
+                s[mt][nt][e] = xf.apply(s[mt][nt][e], alibi_slope[mt][e >> 1],
+                                        n0 + nt * 8 + (lane % 4) * 2 + (e & 1) - alibi_q[mt][e >> 1]);
+        }
+      }
+
       // ---- mask: only tiles that are not fully kept pay for the per-element predicate ----
       if (!rule.keeps_all(q_lo, q_hi, n0, n0 + BLOCK_N - 1)) {
 #pragma unroll
@@ -249,7 +320,7 @@ struct PrefillSm80 {
           for (int nt = 0; nt < NTILES; ++nt) mx = fmaxf(mx, fmaxf(s[mt][nt][2 * hf], s[mt][nt][2 * hf + 1]));
           mx = fmaxf(mx, __shfl_xor_sync(0xffffffff, mx, 1));
           mx = fmaxf(mx, __shfl_xor_sync(0xffffffff, mx, 2));
-          const float m_new = fmaxf(m[mt][hf], mx * scale);
+          const float m_new = fmaxf(m[mt][hf], mx * scale_eff);
           // A row that has seen only masked keys keeps m = -inf; use 0 so exp2 gives 0, not NaN.
           const float m_use = m_new == -INFINITY ? 0.f : m_new;
           const float corr = ptx::exp2_approx(m[mt][hf] - m_use);
@@ -257,8 +328,8 @@ struct PrefillSm80 {
           float rs = 0.f;
 #pragma unroll
           for (int nt = 0; nt < NTILES; ++nt) {
-            s[mt][nt][2 * hf] = ptx::exp2_approx(fmaf(s[mt][nt][2 * hf], scale, -m_use));
-            s[mt][nt][2 * hf + 1] = ptx::exp2_approx(fmaf(s[mt][nt][2 * hf + 1], scale, -m_use));
+            s[mt][nt][2 * hf] = ptx::exp2_approx(fmaf(s[mt][nt][2 * hf], scale_eff, -m_use));
+            s[mt][nt][2 * hf + 1] = ptx::exp2_approx(fmaf(s[mt][nt][2 * hf + 1], scale_eff, -m_use));
             rs += s[mt][nt][2 * hf] + s[mt][nt][2 * hf + 1];
           }
           l[mt][hf] = l[mt][hf] * corr + rs;
@@ -358,7 +429,8 @@ struct PrefillSm80 {
 #pragma unroll
           for (int hf = 0; hf < 2; ++hf) {
             const int r = r0 + warp_row0 + mt * 16 + lane / 4 + hf * 8;
-            if (r < rows_total) lse[(int64_t)(r / group) * Hq + kv_head * group + r % group] = lse_v[mt][hf];
+            if (r < rows_total)
+              lse[(int64_t)(r / group) * Hq + kv_head * group + r % group] = lse_v[mt][hf] * p.lse_scale;
           }
       }
     } else {
@@ -385,9 +457,9 @@ struct PrefillSm80 {
 }  // namespace pfa
 
 // One extern "C" entry per variant: a stable name for the manifest and cuLibraryGetKernel.
-#define PFA_DEFINE_PREFILL_SM80(NAME, T, HD, NW, MQ, BN, QREGS, STAGES, MINB)               \
+#define PFA_DEFINE_PREFILL_SM80(NAME, T, HD, NW, MQ, BN, QREGS, STAGES, MINB, GENERAL)      \
   extern "C" __global__ void __launch_bounds__(NW * 32, MINB)                                \
       NAME(const __grid_constant__ pfa::PrefillParams p) {                                    \
     extern __shared__ __align__(128) char smem[];                                             \
-    pfa::PrefillSm80<T, HD, NW, MQ, BN, QREGS, STAGES>::run(p, smem);                         \
+    pfa::PrefillSm80<T, HD, NW, MQ, BN, QREGS, STAGES, GENERAL>::run(p, smem);                \
   }

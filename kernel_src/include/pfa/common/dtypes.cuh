@@ -30,4 +30,7 @@ __device__ __forceinline__ half from_float<half>(float x) { return __float2half_
 template <>
 __device__ __forceinline__ __nv_bfloat16 from_float<__nv_bfloat16>(float x) { return __float2bfloat16_rn(x); }
 
+__device__ __forceinline__ float to_float(half x) { return __half2float(x); }
+__device__ __forceinline__ float to_float(__nv_bfloat16 x) { return __bfloat162float(x); }
+
 }  // namespace pfa

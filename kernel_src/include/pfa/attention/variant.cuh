@@ -1,0 +1,46 @@
+// Logit transforms of the general prefill kernels (FlashInfer's variants, section 1.2 of the
+// semantics notes). Each turns a raw q.k into a logit already in log2 units, so the softmax
+// runs with scale 1; the plain path skips this and folds sm_scale * log2(e) into its exp2.
+//   soft cap: cap * tanh(sm_scale * x / cap)          (cap acts on the scaled logit)
+//   ALiBi:    sm_scale * x + slope[h] * (kv - q_row)  (q_row unshifted, as FlashInfer)
+#pragma once
+#include "pfa/attention/params.h"
+#include "pfa/ptx/mma_sm80.cuh"
+
+namespace pfa {
+
+constexpr float kLog2e = 1.4426950408889634f;
+
+struct LogitTransform {
+  enum Kind { kPlain = 0, kSoftCap = 1, kAlibi = 2 };
+  int kind = kPlain;
+  float pre = 0.f, post = 0.f, scale = 0.f;
+
+  static __device__ __forceinline__ LogitTransform make(const PrefillParams& p) {
+    LogitTransform t;
+    t.scale = p.sm_scale_log2;
+    if (p.logits_soft_cap > 0.f) {
+      t.kind = kSoftCap;
+      t.pre = p.sm_scale_log2 / kLog2e / p.logits_soft_cap;
+      t.post = p.logits_soft_cap * kLog2e;
+    } else if (p.alibi_slopes != 0) {
+      t.kind = kAlibi;
+    }
+    return t;
+  }
+
+  // tanh(x) = 1 - 2 / (2^(2 x log2 e) + 1): exact at both saturations (inf -> 1, 0 -> -1) and
+  // accurate to ~1e-7 absolute, where tanh.approx's ~5e-4 relative error times a cap of 30
+  // would move logits by 1e-2.
+  static __device__ __forceinline__ float tanh_accurate(float x) {
+    return 1.f - 2.f / (ptx::exp2_approx(2.f * kLog2e * x) + 1.f);
+  }
+
+  // slope_log2 = slope * log2(e); dist = kv_idx - q_row.
+  __device__ __forceinline__ float apply(float x, float slope_log2, int dist) const {
+    if (kind == kSoftCap) return post * tanh_accurate(x * pre);
+    return fmaf(slope_log2, static_cast<float>(dist), x * scale);
+  }
+};
+
+}  // namespace pfa
