@@ -21,6 +21,19 @@ PREFILL = (
         ("lse_partial", "ptr", "split-KV workspace: float32 [num_splits, qo_len, Hq]"),
         ("custom_mask", "ptr", "packed bits, little-endian, bit q * kv_len + kv (1 = keep); 0 = none"),
         ("alibi_slopes", "ptr", "float32 [Hq] ALiBi slopes; 0 = no ALiBi"),
+        # ---- batch mode (work_request != 0): one CTA per (kv head, work item) ----
+        ("work_request", "ptr", "int32 [grid] request of each work item; -1 = padding (CUDA-graph grids)"),
+        ("work_qtile", "ptr", "int32 [grid] packed-row tile of the request"),
+        ("work_chunk", "ptr", "int32 [grid] KV chunk of the request"),
+        ("num_chunks", "ptr", "int32 [B] KV chunks per request (> 1: partial rows + merge)"),
+        ("o_indptr", "ptr", "int32 [B+1] partial-row base per request (token-major, chunk fastest)"),
+        ("qo_indptr", "ptr", "int32 [B+1] query rows of each request in q/o"),
+        ("kv_indptr", "ptr", "int32 [B+1] ragged: key rows; paged: pages of each request"),
+        ("kv_page_indices", "ptr", "int32 page ids (paged KV)"),
+        ("kv_last_page_len", "ptr", "int32 [B] tokens in each request's last page (paged KV)"),
+        ("mask_indptr", "ptr", "int32 [B+1] byte offset of each request's packed custom mask"),
+        ("kv_chunk_size_dev", "ptr", "int32 scalar on the device; when set (batch plans) it overrides "
+         "kv_chunk_size, so a replayed CUDA graph sees each new plan's chunking"),
         ("q_stride_n", "i64", ""),
         ("q_stride_h", "i64", ""),
         ("k_stride_n", "i64", ""),
@@ -29,6 +42,8 @@ PREFILL = (
         ("v_stride_h", "i64", ""),
         ("o_stride_n", "i64", ""),
         ("o_stride_h", "i64", ""),
+        ("k_stride_page", "i64", "paged KV: elements between pages of K"),
+        ("v_stride_page", "i64", "paged KV: elements between pages of V"),
         ("qo_len", "i32", ""),
         ("kv_len", "i32", ""),
         ("num_qo_heads", "i32", ""),
@@ -44,6 +59,9 @@ PREFILL = (
         ("rope_rcp_scale", "f32", "1 / rope_scale"),
         ("rope_log2_theta", "f32", "log2(rope_theta): inv_freq_j = 2^(-2j/D * log2 theta) / rope_scale"),
         ("lse_scale", "f32", "1 for base-2 LSE (FlashInfer), ln 2 for natural-log LSE"),
+        ("page_size", "i32", "paged KV: tokens per page"),
+        ("page_shift", "i32", "log2(page_size) when a power of two, else -1"),
+        ("v_scale", "f32", "output multiplier (fp8 V dequantisation scale); 1 otherwise"),
     ],
 )
 
@@ -55,6 +73,8 @@ MERGE = (
         ("lse_partial", "ptr", "float32 [num_splits, rows, Hq]"),
         ("o", "ptr", "output in the kernel's dtype"),
         ("lse", "ptr", "float32 [rows, Hq] contiguous, 0 = not requested"),
+        ("merge_indptr", "ptr", "int32 [rows+1]: row r merges partial rows [m[r], m[r+1]) of a batch plan "
+         "(empty = written directly, skip); 0 = single request layout [num_splits, rows]"),
         ("o_stride_n", "i64", ""),
         ("o_stride_h", "i64", ""),
         ("rows", "i32", ""),

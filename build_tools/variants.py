@@ -28,6 +28,7 @@ class PrefillVariant:
     # general = custom mask, soft cap, ALiBi, RoPE compiled in (runtime fields pick them); the
     # lean kernel (plain, causal, window) carries none of that code, so it pays nothing for it.
     general: bool = False
+    paged: bool = False  # K/V rows gathered through a page table (batch paged wrapper)
 
     @property
     def block_m(self):
@@ -37,7 +38,7 @@ class PrefillVariant:
     def name(self):
         return (f"pfa_prefill_sm80_{self.dtype}_hd{self.head_dim}"
                 f"_m{self.block_m}n{self.block_n}w{self.warps}s{self.stages}{'_qr' if self.q_in_regs else ''}"
-                f"{'_gen' if self.general else ''}")
+                f"{'_gen' if self.general else ''}{'_paged' if self.paged else ''}")
 
     @property
     def threads(self):
@@ -51,12 +52,12 @@ class PrefillVariant:
         return ('#include "pfa/attention/prefill_sm80.cuh"\n'
                 f"PFA_DEFINE_PREFILL_SM80({self.name}, {DTYPES[self.dtype]}, {self.head_dim}, {self.warps}, "
                 f"{self.mq}, {self.block_n}, {'true' if self.q_in_regs else 'false'}, {self.stages}, {self.min_blocks}, "
-                f"{'true' if self.general else 'false'})\n")
+                f"{'true' if self.general else 'false'}, {'true' if self.paged else 'false'})\n")
 
     def manifest(self):
         return {"family": "prefill", "dtype": self.dtype, "head_dim": self.head_dim, "block_m": self.block_m,
                 "block_n": self.block_n, "threads": self.threads, "smem_bytes": self.smem_bytes,
-                "tune": self.tune, "general": self.general}
+                "tune": self.tune, "general": self.general, "paged": self.paged}
 
 
 @dataclass(frozen=True)
@@ -109,8 +110,9 @@ def variants(tune=False):
     out = []
     for dtype in DTYPES:
         for hd, tile in PREFILL_TILES.items():
-            out.append(PrefillVariant(dtype, hd, *tile))
-            out.append(PrefillVariant(dtype, hd, *tile, general=True))
+            for general in (False, True):
+                for paged in (False, True):
+                    out.append(PrefillVariant(dtype, hd, *tile, general=general, paged=paged))
             if tune:
                 out += [PrefillVariant(dtype, hd, *t, tune=True) for t in PREFILL_TUNE_TILES[hd]]
         out.append(MergeVariant(dtype))

@@ -1,4 +1,6 @@
-"""Benchmarks: ``python -m pyflashattn.bench prefill [options]``.
+"""Benchmarks: ``python -m pyflashattn.bench prefill [options]`` and
+``python -m pyflashattn.bench prefill-features [--json PATH] [--quick]`` (see
+``run_prefill_features`` for the second).
 
 Prefill sweep (the shapes of the project's H200 anchor table): bf16, heads = 2048 / head_dim
 with as many kv heads as q heads, seq in 512..16384, head_dim 64/128/256, causal and not.
@@ -318,6 +320,268 @@ def run_prefill(args) -> int:
     return 1 if bad else 0
 
 
+# ---------------------------------------------------------------------------------------
+# prefill-features: what each attention option costs relative to the plain path
+# ---------------------------------------------------------------------------------------
+FEATURE_SEQS = (4096, 16384)
+FEATURE_QUICK_SEQS = (4096,)
+FEATURE_HEADS = ((16, 16), (32, 8))  # (num_qo_heads, num_kv_heads): MHA and GQA 32/8
+FEATURE_HEAD_DIM = 128
+FEATURES = ("plain", "window", "softcap", "alibi", "rope", "mask_packed", "mask_bool")
+FEATURE_WINDOW_LEFT = 1024
+FEATURE_SOFT_CAP = 30.0
+# q ~ N(0, Q_STD^2): with N(0,1) logits a soft cap of 30 changes the output by < 1e-2 relative,
+# below bf16 noise, so the check could not tell a working cap from an ignored one. At 3 the
+# capped answer moves by ~5-20 % (the timing does not depend on the values).
+FEATURE_Q_STD = 3.0
+FEATURE_CHECK_ROWS = 128  # rows checked at each end and in the middle (float64 reference)
+# A feature must move the checked rows by more than this (relative) away from the plain answer,
+# else the check cannot see it: guards against a setting that is silently ignored.
+FEATURE_MIN_EFFECT = 2 * REL_TOL  # bf16 noise between correct kernels is ~3e-3
+
+
+def _feature_kwargs(name: str, mask_bool, mask_packed) -> dict:
+    """Call arguments of one feature; every one is causal (the masks are the causal tril)."""
+    return {
+        "plain": {"causal": True},
+        "window": {"causal": True, "window_left": FEATURE_WINDOW_LEFT},
+        "softcap": {"causal": True, "logits_soft_cap": FEATURE_SOFT_CAP},
+        "alibi": {"causal": True, "pos_encoding_mode": "ALIBI"},
+        "rope": {"causal": True, "pos_encoding_mode": "ROPE_LLAMA"},
+        "mask_packed": {"packed_custom_mask": mask_packed},
+        "mask_bool": {"custom_mask": mask_bool},
+    }[name]
+
+
+def _packbits_little(torch, mask):
+    """Independent torch packer (not the library's): bit i of byte j is element 8*j + i."""
+    flat = mask.reshape(-1)
+    pad = (-flat.numel()) % 8
+    if pad:
+        flat = torch.cat([flat, flat.new_zeros(pad)])
+    w = torch.tensor([1 << i for i in range(8)], dtype=torch.uint8, device=mask.device)
+    out = torch.empty(flat.numel() // 8, dtype=torch.uint8, device=mask.device)
+    step = 1 << 24  # bytes per chunk: bounds the temporaries at 16M x 8 entries
+    for i in range(0, out.numel(), step):
+        chunk = flat[8 * i: 8 * (i + step)].view(-1, 8).to(torch.uint8)
+        out[i: i + step] = (chunk * w).sum(dim=1, dtype=torch.uint8)
+    return out
+
+
+def _rope_f64(torch, x, pos, rope_scale=1.0, rope_theta=1e4):
+    """Rotate-half RoPE (FlashInfer ROPE_LLAMA) of x [n, h, d] float64 at positions pos [n]."""
+    d = x.shape[-1]
+    half = d // 2
+    inv = rope_theta ** (-2.0 * torch.arange(half, dtype=torch.float64, device=x.device) / d) / rope_scale
+    ang = pos.to(torch.float64)[:, None] * inv[None, :]
+    cos, sin = ang.cos()[:, None, :], ang.sin()[:, None, :]
+    x1, x2 = x[..., :half], x[..., half:]
+    return torch.cat([x1 * cos - x2 * sin, x2 * cos + x1 * sin], dim=-1)
+
+
+def _feature_ref_rows(torch, q, k, v, rows, feature):
+    """Float64 reference for the query rows ``rows`` of one causal (qo_len = kv_len) request,
+    with FlashInfer's semantics: soft cap on the scaled logit, ALiBi slope*(kv - q_row), RoPE
+    rotate-half at absolute positions, inclusive window from the diagonal. [len(rows), hq, d]."""
+    from pyflashattn.testing import alibi_slopes
+
+    s_len, hq, d = q.shape
+    hkv = k.shape[1]
+    g = hq // hkv
+    sm_scale = 1.0 / d ** 0.5
+    qf = q.index_select(0, rows).double()
+    kf = k.double()
+    kv_idx = torch.arange(s_len, device=q.device)
+    if feature == "rope":
+        qf = _rope_f64(torch, qf, rows)
+        kf = _rope_f64(torch, kf, kv_idx)
+    keep = kv_idx[None, :] <= rows[:, None]
+    if feature == "window":
+        keep &= kv_idx[None, :] >= rows[:, None] - FEATURE_WINDOW_LEFT
+    slopes = None
+    if feature == "alibi":
+        slopes = torch.as_tensor(alibi_slopes(hq), dtype=torch.float64, device=q.device)
+        dist = (kv_idx[None, :] - rows[:, None]).double()
+    out = torch.empty((rows.numel(), hq, v.shape[-1]), dtype=torch.float64, device=q.device)
+    for j in range(hkv):
+        qh = qf[:, j * g:(j + 1) * g, :].transpose(0, 1)  # [g, r, d]
+        s = (qh @ kf[:, j, :].T) * sm_scale  # [g, r, s]
+        if feature == "softcap":
+            s = FEATURE_SOFT_CAP * torch.tanh(s / FEATURE_SOFT_CAP)
+        if slopes is not None:
+            s += slopes[j * g:(j + 1) * g, None, None] * dist[None]
+        s.masked_fill_(~keep[None], float("-inf"))
+        p = torch.softmax(s, dim=-1)
+        out[:, j * g:(j + 1) * g, :] = (p @ v[:, j, :].double()).transpose(0, 1)
+        del s, p
+    return out
+
+
+def _rel(torch, a, b) -> float:
+    a, b = a.double(), b.double()
+    return ((a - b).norm() / b.norm()).item()
+
+
+def _feature_rows(ctx: _Ctx, hq, hkv, seq, warmup, rep):
+    torch = ctx.torch
+    d = FEATURE_HEAD_DIM
+    flops = 4.0 * seq * seq * hq * d / 2  # the causal count, for every feature (see the doc)
+    gen = torch.Generator(device="cuda").manual_seed(zlib.crc32(repr(("features", hq, hkv, seq)).encode()))
+
+    def rand(*shape, std=1.0):
+        return (torch.randn(*shape, device="cuda", generator=gen) * std).to(torch.bfloat16)
+
+    q = rand(seq, hq, d, std=FEATURE_Q_STD)
+    k, v = rand(seq, hkv, d), rand(seq, hkv, d)
+    # Masks prepared outside every timed region: the causal tril as bool, and packed (little).
+    mask_bool = torch.ones(seq, seq, dtype=torch.bool, device="cuda").tril_()
+    mask_packed = _packbits_little(torch, mask_bool)
+    n = FEATURE_CHECK_ROWS
+    mid = torch.randperm(seq - 2 * n, generator=torch.Generator().manual_seed(seq))[:n].to("cuda") + n
+    rows = torch.cat([torch.arange(n, device="cuda"), mid.sort().values,
+                      torch.arange(seq - n, seq, device="cuda")])
+
+    # SDPA on the full request, causal: the anchor for plain and for the two tril masks.
+    sdpa_ref = None
+    sdpa_err = None
+    try:
+        g = hq // hkv
+        qs = q.transpose(0, 1).unsqueeze(0)
+        ks = k.repeat_interleave(g, dim=1).transpose(0, 1).unsqueeze(0)
+        vs = v.repeat_interleave(g, dim=1).transpose(0, 1).unsqueeze(0)
+        sdpa_ref = torch.nn.functional.scaled_dot_product_attention(qs, ks, vs, is_causal=True)[0].transpose(0, 1)
+        del qs, ks, vs
+    except Exception as e:  # the float64 rows still check every feature
+        sdpa_err = _short_err(e)
+
+    out_rows = []
+    plain_rows = None
+    for name in FEATURES:
+        r = {"num_qo_heads": hq, "num_kv_heads": hkv, "head_dim": d, "seq": seq, "feature": name,
+             "flops": flops, "ms": None, "tflops": None, "errors": []}
+        out_rows.append(r)
+        if ctx.pfa is None:
+            r["errors"].append(f"pfa: {ctx.pfa_error}")
+            continue
+        kw = _feature_kwargs(name, mask_bool, mask_packed)
+        try:
+            o = ctx.pfa(q, k, v, **kw)
+            torch.cuda.synchronize()
+            ok = bool(torch.isfinite(o).all())
+            if not ok:
+                r["errors"].append("pfa: non-finite output")
+            o_rows = o.index_select(0, rows)
+            ref_name = "plain" if name.startswith("mask") else name
+            ref = _feature_ref_rows(torch, q, k, v, rows, ref_name)
+            r["rel_err_rows"] = _rel(torch, o_rows, ref)
+            if not r["rel_err_rows"] <= REL_TOL:  # NaN fails too
+                ok = False
+                r["errors"].append(f"pfa: output mismatch vs float64 reference rows, rel "
+                                   f"{r['rel_err_rows']:.3g} > {REL_TOL}")
+            if name in ("plain", "mask_packed", "mask_bool") and sdpa_ref is not None:
+                r["rel_err_sdpa"] = _rel(torch, o, sdpa_ref)
+                if not r["rel_err_sdpa"] <= REL_TOL:
+                    ok = False
+                    r["errors"].append(f"pfa: output mismatch vs SDPA, rel {r['rel_err_sdpa']:.3g}")
+            if name == "plain":
+                plain_rows = o_rows
+            elif not name.startswith("mask") and plain_rows is not None:
+                # the feature must change the answer, or the check above proves nothing
+                r["effect_vs_plain"] = _rel(torch, o_rows, plain_rows)
+                if not r["effect_vs_plain"] > FEATURE_MIN_EFFECT:
+                    ok = False
+                    r["errors"].append(f"pfa: output barely differs from plain (rel "
+                                       f"{r['effect_vs_plain']:.3g}): feature ignored? mismatch")
+            del o, ref
+            if ok:
+                r["ms"] = ctx.bench_ms(lambda: ctx.pfa(q, k, v, **kw), warmup=warmup, rep=rep)
+        except Exception as e:
+            r["errors"].append(f"pfa: {_short_err(e)}")
+        r["tflops"] = _tflops(flops, r["ms"])
+    if sdpa_err:
+        out_rows[0]["errors"].append(f"sdpa: {sdpa_err}")
+    plain_tf = out_rows[0]["tflops"]
+    for r in out_rows:
+        r["ratio_to_plain"] = _ratio(r["tflops"], plain_tf)
+    return out_rows
+
+
+def _features_table(rows) -> str:
+    groups = {}
+    for r in rows:
+        groups.setdefault((r["num_qo_heads"], r["num_kv_heads"], r["seq"]), {})[r["feature"]] = r
+    names = [f[:9] for f in FEATURES]
+    head = f"{'heads':>6} {'seq':>6} | " + " ".join(f"{n:>9}" for n in names)
+    lines = [f"TFLOP/s and ratio to plain (bf16, head_dim {FEATURE_HEAD_DIM}, causal; FLOPs = causal count "
+             f"for every feature)", head, "-" * len(head)]
+    for (hq, hkv, seq), fs in groups.items():
+        tf = " ".join(_fmt(fs.get(f, {}).get("tflops"), ".1f", 9) for f in FEATURES)
+        ra = " ".join(_fmt(fs.get(f, {}).get("ratio_to_plain"), ".2f", 9) for f in FEATURES)
+        bad = "  !" if any(fs.get(f, {}).get("errors") for f in FEATURES) else ""
+        lines.append(f"{f'{hq}/{hkv}':>6} {seq:>6} | {tf}{bad}")
+        lines.append(f"{'':>6} {'':>6} | {ra}")
+    return "\n".join(lines)
+
+
+def run_prefill_features(args) -> int:
+    """Cost of each prefill option next to the plain path, ``python -m pyflashattn.bench
+    prefill-features [--json PATH] [--quick]``.
+
+    bf16, head_dim 128, 16 q/kv heads (MHA) and 32/8 (GQA), seq 4096 and 16384 (4096 only with
+    ``--quick``), one causal request. Timed: plain, window_left=1024, logits_soft_cap=30, ALIBI,
+    ROPE_LLAMA, the causal mask as packed_custom_mask (packed outside the timed region) and as a
+    bool custom_mask (packed inside every call, as FlashInfer does). TFLOP/s use the causal FLOP
+    count (2*s^2*h*d) for every feature, so the numbers compare costs: window's is an effective
+    rate (it skips most tiles) and a ratio > 1 just means cheaper than plain.
+
+    Before a number is posted the output is checked: every feature on 384 query rows (first,
+    middle, last) against a float64 torch reference with FlashInfer's semantics; plain and the
+    masks also against SDPA (causal) on the whole request; window/soft cap/ALiBi/RoPE must also
+    differ from plain by > FEATURE_MIN_EFFECT (q ~ N(0, 3^2) so the cap bites). A failing row
+    posts no time, so a broken feature cannot post a number.
+    """
+    ctx = _Ctx()
+    torch = ctx.torch
+    if not torch.cuda.is_available():
+        print("no CUDA device visible to torch", file=sys.stderr)
+        return 2
+    seqs = FEATURE_QUICK_SEQS if args.quick else FEATURE_SEQS
+    props = torch.cuda.get_device_properties(torch.cuda.current_device())
+    meta = {"device": props.name, "sm_count": props.multi_processor_count, "torch": torch.__version__,
+            "dtype": "bf16", "head_dim": FEATURE_HEAD_DIM, "heads": FEATURE_HEADS, "seqs": seqs,
+            "features": FEATURES, "window_left": FEATURE_WINDOW_LEFT, "logits_soft_cap": FEATURE_SOFT_CAP,
+            "q_std": FEATURE_Q_STD, "warmup": args.warmup, "rep": args.rep, "l2_flush": True,
+            "rel_tol": REL_TOL, "min_effect": FEATURE_MIN_EFFECT, "time": time.strftime("%Y-%m-%dT%H:%M:%S%z")}
+    try:
+        import pyflashattn
+
+        meta["pyflashattn"] = getattr(pyflashattn, "__version__", "unknown")
+    except Exception:
+        meta["pyflashattn"] = None
+    print(f"# {meta['device']} ({meta['sm_count']} SMs), torch {meta['torch']}, bf16, "
+          f"head_dim {FEATURE_HEAD_DIM}", flush=True)
+    if ctx.pfa_error:
+        print(f"# pyflashattn unavailable: {ctx.pfa_error}", flush=True)
+    rows = []
+    for hq, hkv in FEATURE_HEADS:
+        for seq in seqs:
+            rs = _feature_rows(ctx, hq, hkv, seq, args.warmup, args.rep)
+            rows.extend(rs)
+            print(f"# heads {hq}/{hkv} seq {seq}: " + ", ".join(
+                f"{r['feature']} {_fmt(r['tflops']).strip()}" for r in rs) + " TFLOP/s", flush=True)
+            torch.cuda.empty_cache()
+    if args.json:
+        os.makedirs(os.path.dirname(os.path.abspath(args.json)), exist_ok=True)
+        with open(args.json, "w") as f:
+            json.dump({"meta": meta, "rows": rows}, f, indent=1)
+    for r in rows:
+        for e in r["errors"]:
+            print(f"! heads {r['num_qo_heads']}/{r['num_kv_heads']} seq {r['seq']} {r['feature']}: {e}")
+    print(_features_table(rows))
+    bad = any(e.startswith("pfa") and "mismatch" in e for r in rows for e in r["errors"])
+    return 1 if bad else 0
+
+
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(prog="python -m pyflashattn.bench",
                                 description=__doc__.split("\n\n")[0])
@@ -337,9 +601,17 @@ def main(argv=None) -> int:
     pp.add_argument("--warmup", type=int, default=3)
     pp.add_argument("--rep", type=int, default=20)
     pp.add_argument("--host-calls", type=int, default=1000)
+    pf = sub.add_parser("prefill-features",
+                        help="cost of window/soft cap/ALiBi/RoPE/custom masks vs the plain prefill")
+    pf.add_argument("--quick", action="store_true", help="seq 4096 only")
+    pf.add_argument("--json", metavar="PATH", help="write all numbers here")
+    pf.add_argument("--warmup", type=int, default=3)
+    pf.add_argument("--rep", type=int, default=20)
     args = p.parse_args(argv)
     if args.op == "prefill":
         return run_prefill(args)
+    if args.op == "prefill-features":
+        return run_prefill_features(args)
     return 2
 
 

@@ -276,7 +276,7 @@ class _Plan:
         _cuda.ensure_context(dev)
         general = opts.general or mask_kind is not None
         la = self.attn = _registry.new_launcher("prefill", dev, dtype=dtype.short, head_dim=head_dim,
-                                                general=general)
+                                                general=general, paged=False)
         meta = la.meta
         group = num_qo_heads // num_kv_heads
         row_tiles = -(-qo_len * group // meta["block_m"])
@@ -292,7 +292,7 @@ class _Plan:
         p.qo_len, p.kv_len, p.num_qo_heads, p.num_kv_heads = qo_len, kv_len, num_qo_heads, num_kv_heads
         p.group_size, p.num_splits, p.kv_chunk_size = group, splits, chunk
         p.causal, p.window_left, p.sm_scale_log2 = int(causal), window_left, sm_scale * LOG2E
-        p.lse_scale, p.logits_soft_cap = opts.lse_scale, opts.soft_cap
+        p.lse_scale, p.logits_soft_cap, p.v_scale = opts.lse_scale, opts.soft_cap, 1.0
         p.rope = int(opts.pos == "ROPE_LLAMA")
         p.rope_rcp_scale, p.rope_log2_theta = 1.0 / opts.rope_scale, math.log2(opts.rope_theta)
         p.alibi_slopes = _alibi_buffer(dev, num_qo_heads) if opts.pos == "ALIBI" else 0

@@ -18,10 +18,36 @@ struct MaskRule {
 
   __device__ __forceinline__ int pos(int q) const { return q + kv_len - qo_len; }
 
-  __device__ __forceinline__ bool keep(int q, int kv) const {
+  // Causal / window / bounds part of the predicate (everything but the custom-mask bits).
+  __device__ __forceinline__ bool keep_structural(int q, int kv) const {
     bool ok = kv < kv_len && kv >= 0;
     if (causal) ok = ok && kv <= pos(q);
     if (window_left >= 0) ok = ok && kv >= pos(q) - window_left;
+    return ok;
+  }
+
+  // Custom-mask bits of row q for keys [kv0, kv0 + 64) as one word (bit j = key kv0 + j),
+  // gathered with at most 9 byte loads that never leave the row's own bits. Tiles test a
+  // whole row with shifts instead of one global load per element.
+  __device__ __forceinline__ uint64_t row_bits(int q, int kv0) const {
+    if (bits == nullptr || q >= qo_len) return 0;
+    const int64_t row0 = (int64_t)q * kv_len, first = row0 + kv0;
+    const int64_t last = row0 + min(kv0 + 64, kv_len) - 1;  // last bit this row may own
+    if (last < first) return 0;
+    const int64_t b0 = first >> 3;
+    const int n = (int)((last >> 3) - b0) + 1;  // 1..9 bytes
+    uint64_t lo = 0;
+#pragma unroll
+    for (int j = 0; j < 8; ++j)
+      if (j < n) lo |= (uint64_t)bits[b0 + j] << (8 * j);
+    const int sh = (int)(first & 7);
+    uint64_t w = lo >> sh;
+    if (n == 9) w |= (uint64_t)bits[b0 + 8] << (64 - sh);
+    return w;
+  }
+
+  __device__ __forceinline__ bool keep(int q, int kv) const {
+    bool ok = keep_structural(q, kv);
     if (bits != nullptr) {
       if (!ok || q >= qo_len) return false;  // padded rows past qo_len own no mask bits
       const int64_t i = (int64_t)q * kv_len + kv;
@@ -30,8 +56,6 @@ struct MaskRule {
     return ok;
   }
 
-  // Every constraint is a half-plane monotone in (q, kv), so a rectangle of rows [q0, q1] and
-  // keys [k0, k1] is fully kept iff its two binding corners are.
   // A custom mask is arbitrary, so no rectangle is known to be fully kept.
   __device__ __forceinline__ bool keeps_all(int q0, int q1, int k0, int k1) const {
     return bits == nullptr && keep(q0, k1) && keep(q1, k0);

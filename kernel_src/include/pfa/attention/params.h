@@ -18,6 +18,17 @@ struct PrefillParams {
   uint64_t lse_partial;  // split-KV workspace: float32 [num_splits, qo_len, Hq]
   uint64_t custom_mask;  // packed bits, little-endian, bit q * kv_len + kv (1 = keep); 0 = none
   uint64_t alibi_slopes;  // float32 [Hq] ALiBi slopes; 0 = no ALiBi
+  uint64_t work_request;  // int32 [grid] request of each work item; -1 = padding (CUDA-graph grids)
+  uint64_t work_qtile;  // int32 [grid] packed-row tile of the request
+  uint64_t work_chunk;  // int32 [grid] KV chunk of the request
+  uint64_t num_chunks;  // int32 [B] KV chunks per request (> 1: partial rows + merge)
+  uint64_t o_indptr;  // int32 [B+1] partial-row base per request (token-major, chunk fastest)
+  uint64_t qo_indptr;  // int32 [B+1] query rows of each request in q/o
+  uint64_t kv_indptr;  // int32 [B+1] ragged: key rows; paged: pages of each request
+  uint64_t kv_page_indices;  // int32 page ids (paged KV)
+  uint64_t kv_last_page_len;  // int32 [B] tokens in each request's last page (paged KV)
+  uint64_t mask_indptr;  // int32 [B+1] byte offset of each request's packed custom mask
+  uint64_t kv_chunk_size_dev;  // int32 scalar on the device; when set (batch plans) it overrides kv_chunk_size, so a replayed CUDA graph sees each new plan's chunking
   int64_t q_stride_n;
   int64_t q_stride_h;
   int64_t k_stride_n;
@@ -26,6 +37,8 @@ struct PrefillParams {
   int64_t v_stride_h;
   int64_t o_stride_n;
   int64_t o_stride_h;
+  int64_t k_stride_page;  // paged KV: elements between pages of K
+  int64_t v_stride_page;  // paged KV: elements between pages of V
   int32_t qo_len;
   int32_t kv_len;
   int32_t num_qo_heads;
@@ -41,8 +54,11 @@ struct PrefillParams {
   float rope_rcp_scale;  // 1 / rope_scale
   float rope_log2_theta;  // log2(rope_theta): inv_freq_j = 2^(-2j/D * log2 theta) / rope_scale
   float lse_scale;  // 1 for base-2 LSE (FlashInfer), ln 2 for natural-log LSE
+  int32_t page_size;  // paged KV: tokens per page
+  int32_t page_shift;  // log2(page_size) when a power of two, else -1
+  float v_scale;  // output multiplier (fp8 V dequantisation scale); 1 otherwise
 };
-static_assert(sizeof(PrefillParams) == 200, "PrefillParams size drifted from the schema");
+static_assert(sizeof(PrefillParams) == 312, "PrefillParams size drifted from the schema");
 static_assert(offsetof(PrefillParams, q) == 0, "PrefillParams.q offset");
 static_assert(offsetof(PrefillParams, k) == 8, "PrefillParams.k offset");
 static_assert(offsetof(PrefillParams, v) == 16, "PrefillParams.v offset");
@@ -52,29 +68,45 @@ static_assert(offsetof(PrefillParams, o_partial) == 40, "PrefillParams.o_partial
 static_assert(offsetof(PrefillParams, lse_partial) == 48, "PrefillParams.lse_partial offset");
 static_assert(offsetof(PrefillParams, custom_mask) == 56, "PrefillParams.custom_mask offset");
 static_assert(offsetof(PrefillParams, alibi_slopes) == 64, "PrefillParams.alibi_slopes offset");
-static_assert(offsetof(PrefillParams, q_stride_n) == 72, "PrefillParams.q_stride_n offset");
-static_assert(offsetof(PrefillParams, q_stride_h) == 80, "PrefillParams.q_stride_h offset");
-static_assert(offsetof(PrefillParams, k_stride_n) == 88, "PrefillParams.k_stride_n offset");
-static_assert(offsetof(PrefillParams, k_stride_h) == 96, "PrefillParams.k_stride_h offset");
-static_assert(offsetof(PrefillParams, v_stride_n) == 104, "PrefillParams.v_stride_n offset");
-static_assert(offsetof(PrefillParams, v_stride_h) == 112, "PrefillParams.v_stride_h offset");
-static_assert(offsetof(PrefillParams, o_stride_n) == 120, "PrefillParams.o_stride_n offset");
-static_assert(offsetof(PrefillParams, o_stride_h) == 128, "PrefillParams.o_stride_h offset");
-static_assert(offsetof(PrefillParams, qo_len) == 136, "PrefillParams.qo_len offset");
-static_assert(offsetof(PrefillParams, kv_len) == 140, "PrefillParams.kv_len offset");
-static_assert(offsetof(PrefillParams, num_qo_heads) == 144, "PrefillParams.num_qo_heads offset");
-static_assert(offsetof(PrefillParams, num_kv_heads) == 148, "PrefillParams.num_kv_heads offset");
-static_assert(offsetof(PrefillParams, group_size) == 152, "PrefillParams.group_size offset");
-static_assert(offsetof(PrefillParams, num_splits) == 156, "PrefillParams.num_splits offset");
-static_assert(offsetof(PrefillParams, kv_chunk_size) == 160, "PrefillParams.kv_chunk_size offset");
-static_assert(offsetof(PrefillParams, causal) == 164, "PrefillParams.causal offset");
-static_assert(offsetof(PrefillParams, window_left) == 168, "PrefillParams.window_left offset");
-static_assert(offsetof(PrefillParams, sm_scale_log2) == 172, "PrefillParams.sm_scale_log2 offset");
-static_assert(offsetof(PrefillParams, logits_soft_cap) == 176, "PrefillParams.logits_soft_cap offset");
-static_assert(offsetof(PrefillParams, rope) == 180, "PrefillParams.rope offset");
-static_assert(offsetof(PrefillParams, rope_rcp_scale) == 184, "PrefillParams.rope_rcp_scale offset");
-static_assert(offsetof(PrefillParams, rope_log2_theta) == 188, "PrefillParams.rope_log2_theta offset");
-static_assert(offsetof(PrefillParams, lse_scale) == 192, "PrefillParams.lse_scale offset");
+static_assert(offsetof(PrefillParams, work_request) == 72, "PrefillParams.work_request offset");
+static_assert(offsetof(PrefillParams, work_qtile) == 80, "PrefillParams.work_qtile offset");
+static_assert(offsetof(PrefillParams, work_chunk) == 88, "PrefillParams.work_chunk offset");
+static_assert(offsetof(PrefillParams, num_chunks) == 96, "PrefillParams.num_chunks offset");
+static_assert(offsetof(PrefillParams, o_indptr) == 104, "PrefillParams.o_indptr offset");
+static_assert(offsetof(PrefillParams, qo_indptr) == 112, "PrefillParams.qo_indptr offset");
+static_assert(offsetof(PrefillParams, kv_indptr) == 120, "PrefillParams.kv_indptr offset");
+static_assert(offsetof(PrefillParams, kv_page_indices) == 128, "PrefillParams.kv_page_indices offset");
+static_assert(offsetof(PrefillParams, kv_last_page_len) == 136, "PrefillParams.kv_last_page_len offset");
+static_assert(offsetof(PrefillParams, mask_indptr) == 144, "PrefillParams.mask_indptr offset");
+static_assert(offsetof(PrefillParams, kv_chunk_size_dev) == 152, "PrefillParams.kv_chunk_size_dev offset");
+static_assert(offsetof(PrefillParams, q_stride_n) == 160, "PrefillParams.q_stride_n offset");
+static_assert(offsetof(PrefillParams, q_stride_h) == 168, "PrefillParams.q_stride_h offset");
+static_assert(offsetof(PrefillParams, k_stride_n) == 176, "PrefillParams.k_stride_n offset");
+static_assert(offsetof(PrefillParams, k_stride_h) == 184, "PrefillParams.k_stride_h offset");
+static_assert(offsetof(PrefillParams, v_stride_n) == 192, "PrefillParams.v_stride_n offset");
+static_assert(offsetof(PrefillParams, v_stride_h) == 200, "PrefillParams.v_stride_h offset");
+static_assert(offsetof(PrefillParams, o_stride_n) == 208, "PrefillParams.o_stride_n offset");
+static_assert(offsetof(PrefillParams, o_stride_h) == 216, "PrefillParams.o_stride_h offset");
+static_assert(offsetof(PrefillParams, k_stride_page) == 224, "PrefillParams.k_stride_page offset");
+static_assert(offsetof(PrefillParams, v_stride_page) == 232, "PrefillParams.v_stride_page offset");
+static_assert(offsetof(PrefillParams, qo_len) == 240, "PrefillParams.qo_len offset");
+static_assert(offsetof(PrefillParams, kv_len) == 244, "PrefillParams.kv_len offset");
+static_assert(offsetof(PrefillParams, num_qo_heads) == 248, "PrefillParams.num_qo_heads offset");
+static_assert(offsetof(PrefillParams, num_kv_heads) == 252, "PrefillParams.num_kv_heads offset");
+static_assert(offsetof(PrefillParams, group_size) == 256, "PrefillParams.group_size offset");
+static_assert(offsetof(PrefillParams, num_splits) == 260, "PrefillParams.num_splits offset");
+static_assert(offsetof(PrefillParams, kv_chunk_size) == 264, "PrefillParams.kv_chunk_size offset");
+static_assert(offsetof(PrefillParams, causal) == 268, "PrefillParams.causal offset");
+static_assert(offsetof(PrefillParams, window_left) == 272, "PrefillParams.window_left offset");
+static_assert(offsetof(PrefillParams, sm_scale_log2) == 276, "PrefillParams.sm_scale_log2 offset");
+static_assert(offsetof(PrefillParams, logits_soft_cap) == 280, "PrefillParams.logits_soft_cap offset");
+static_assert(offsetof(PrefillParams, rope) == 284, "PrefillParams.rope offset");
+static_assert(offsetof(PrefillParams, rope_rcp_scale) == 288, "PrefillParams.rope_rcp_scale offset");
+static_assert(offsetof(PrefillParams, rope_log2_theta) == 292, "PrefillParams.rope_log2_theta offset");
+static_assert(offsetof(PrefillParams, lse_scale) == 296, "PrefillParams.lse_scale offset");
+static_assert(offsetof(PrefillParams, page_size) == 300, "PrefillParams.page_size offset");
+static_assert(offsetof(PrefillParams, page_shift) == 304, "PrefillParams.page_shift offset");
+static_assert(offsetof(PrefillParams, v_scale) == 308, "PrefillParams.v_scale offset");
 
 // combine split-KV partials (float32 o, base-2 lse) into the final output
 struct MergeParams {
@@ -82,6 +114,7 @@ struct MergeParams {
   uint64_t lse_partial;  // float32 [num_splits, rows, Hq]
   uint64_t o;  // output in the kernel's dtype
   uint64_t lse;  // float32 [rows, Hq] contiguous, 0 = not requested
+  uint64_t merge_indptr;  // int32 [rows+1]: row r merges partial rows [m[r], m[r+1]) of a batch plan (empty = written directly, skip); 0 = single request layout [num_splits, rows]
   int64_t o_stride_n;
   int64_t o_stride_h;
   int32_t rows;
@@ -90,18 +123,19 @@ struct MergeParams {
   int32_t num_splits;
   float lse_scale;  // applied to the final LSE only (partials stay base 2)
 };
-static_assert(sizeof(MergeParams) == 72, "MergeParams size drifted from the schema");
+static_assert(sizeof(MergeParams) == 80, "MergeParams size drifted from the schema");
 static_assert(offsetof(MergeParams, o_partial) == 0, "MergeParams.o_partial offset");
 static_assert(offsetof(MergeParams, lse_partial) == 8, "MergeParams.lse_partial offset");
 static_assert(offsetof(MergeParams, o) == 16, "MergeParams.o offset");
 static_assert(offsetof(MergeParams, lse) == 24, "MergeParams.lse offset");
-static_assert(offsetof(MergeParams, o_stride_n) == 32, "MergeParams.o_stride_n offset");
-static_assert(offsetof(MergeParams, o_stride_h) == 40, "MergeParams.o_stride_h offset");
-static_assert(offsetof(MergeParams, rows) == 48, "MergeParams.rows offset");
-static_assert(offsetof(MergeParams, num_heads) == 52, "MergeParams.num_heads offset");
-static_assert(offsetof(MergeParams, head_dim) == 56, "MergeParams.head_dim offset");
-static_assert(offsetof(MergeParams, num_splits) == 60, "MergeParams.num_splits offset");
-static_assert(offsetof(MergeParams, lse_scale) == 64, "MergeParams.lse_scale offset");
+static_assert(offsetof(MergeParams, merge_indptr) == 32, "MergeParams.merge_indptr offset");
+static_assert(offsetof(MergeParams, o_stride_n) == 40, "MergeParams.o_stride_n offset");
+static_assert(offsetof(MergeParams, o_stride_h) == 48, "MergeParams.o_stride_h offset");
+static_assert(offsetof(MergeParams, rows) == 56, "MergeParams.rows offset");
+static_assert(offsetof(MergeParams, num_heads) == 60, "MergeParams.num_heads offset");
+static_assert(offsetof(MergeParams, head_dim) == 64, "MergeParams.head_dim offset");
+static_assert(offsetof(MergeParams, num_splits) == 68, "MergeParams.num_splits offset");
+static_assert(offsetof(MergeParams, lse_scale) == 72, "MergeParams.lse_scale offset");
 
 // pack bool/uint8 values into bits (one output byte per thread), optionally per segment
 struct PackbitsParams {

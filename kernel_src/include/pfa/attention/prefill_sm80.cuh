@@ -21,7 +21,7 @@
 namespace pfa {
 
 template <typename T, int HEAD_DIM, int NUM_WARPS, int MQ, int BLOCK_N, bool Q_IN_REGS, int KV_STAGES,
-          bool GENERAL>
+          bool GENERAL, bool PAGED>
 struct PrefillSm80 {
   static constexpr int BLOCK_M = NUM_WARPS * MQ * 16;
   static constexpr int THREADS = NUM_WARPS * 32;
@@ -39,11 +39,11 @@ struct PrefillSm80 {
   // eight rows an ldmatrix phase reads into eight different 16-byte bank groups.
   static __device__ __forceinline__ int swz(int row, int chunk) { return row * CPR + (chunk ^ (row & 7)); }
 
-  // Copy ROWS rows of one head into a swizzled tile. `base` points at (row tid / CPR, this
-  // thread's chunk column); rows at or past valid_rows are zero-filled from a safe address.
-  template <int ROWS>
-  static __device__ __forceinline__ void load_tile(uint32_t s_tile, const T* base, const T* safe,
-                                                   int64_t row_stride, int valid_rows, int tid) {
+  // Copy ROWS rows of one head into a swizzled tile; row_ptr(row) gives the global address of
+  // (row, this thread's chunk column); rows at or past valid_rows are zero-filled from `safe`.
+  template <int ROWS, typename RowPtr>
+  static __device__ __forceinline__ void load_tile(uint32_t s_tile, RowPtr row_ptr, const T* safe, int valid_rows,
+                                                   int tid) {
     const int chunk = tid % CPR;
     const int row0 = tid / CPR;
     constexpr int ROW_STEP = THREADS / CPR;
@@ -51,8 +51,7 @@ struct PrefillSm80 {
     for (int i = 0; i < ROWS / ROW_STEP; ++i) {
       const int row = row0 + i * ROW_STEP;
       const bool valid = row < valid_rows;
-      const T* src = valid ? base + (int64_t)(i * ROW_STEP) * row_stride : safe;
-      ptx::cp_async_16(s_tile + swz(row, chunk) * 16, src, valid);
+      ptx::cp_async_16(s_tile + swz(row, chunk) * 16, valid ? row_ptr(row) : safe, valid);
     }
   }
 
@@ -95,18 +94,48 @@ struct PrefillSm80 {
     const int tid = threadIdx.x, lane = tid % 32, warp = tid / 32;
     // Grid (kv_head, split, row tile): the row tile varies slowest, so the block scheduler hands
     // out every head's heaviest tiles before any light one (longest-first balancing).
-    const int kv_head = blockIdx.x, split = blockIdx.y;
+    const int kv_head = blockIdx.x;
     const int group = p.group_size;
-    const int rows_total = p.qo_len * group;
-    // Heaviest row tiles first: under a causal mask the last rows see the most keys.
-    const int r0 = (gridDim.z - 1 - blockIdx.z) * BLOCK_M;
+    // ---- the problem this CTA works on: the single request (grid z = row tile), or one work
+    // item of a batch plan (request, row tile, KV chunk) ----
+    int qo_len = p.qo_len, kv_len = p.kv_len, split = blockIdx.y, num_splits = p.num_splits;
+    int tile_m = gridDim.z - 1 - blockIdx.z;  // heaviest row tiles first: causal rows grow down
+    int64_t q_row0 = 0, kv_row0 = 0, part_base = -1;
+    int page_base = 0;
+    const uint8_t* mask_bits = GENERAL ? reinterpret_cast<const uint8_t*>(p.custom_mask) : nullptr;
+    if (p.work_request != 0) {
+      const int w = blockIdx.z;  // the plan already ordered work items longest first
+      const int b = reinterpret_cast<const int32_t*>(p.work_request)[w];
+      if (b < 0) return;  // padding item of a fixed-size (CUDA-graph) grid
+      tile_m = reinterpret_cast<const int32_t*>(p.work_qtile)[w];
+      split = reinterpret_cast<const int32_t*>(p.work_chunk)[w];
+      num_splits = reinterpret_cast<const int32_t*>(p.num_chunks)[b];
+      const int32_t* qo_indptr = reinterpret_cast<const int32_t*>(p.qo_indptr);
+      const int32_t* kv_indptr = reinterpret_cast<const int32_t*>(p.kv_indptr);
+      q_row0 = qo_indptr[b];
+      qo_len = qo_indptr[b + 1] - qo_indptr[b];
+      const int k0 = kv_indptr[b], k1 = kv_indptr[b + 1];
+      if constexpr (PAGED) {
+        page_base = k0;
+        kv_len = k1 > k0 ? (k1 - k0 - 1) * p.page_size + reinterpret_cast<const int32_t*>(p.kv_last_page_len)[b] : 0;
+      } else {
+        kv_row0 = k0;
+        kv_len = k1 - k0;
+      }
+      if (num_splits > 1) part_base = reinterpret_cast<const int32_t*>(p.o_indptr)[b];
+      if (GENERAL && mask_bits != nullptr) mask_bits += reinterpret_cast<const int32_t*>(p.mask_indptr)[b];
+    }
+    const int rows_total = qo_len * group;
+    const int r0 = tile_m * BLOCK_M;
+    if (r0 >= rows_total) return;  // defensive: a plan never emits such an item
     const int q_lo = r0 / group;
     const int q_hi = (min(r0 + BLOCK_M, rows_total) - 1) / group;
 
-    const MaskRule rule{p.qo_len, p.kv_len, p.causal != 0, p.window_left,
-                        GENERAL ? reinterpret_cast<const uint8_t*>(p.custom_mask) : nullptr};
-    const int split_lo = split * p.kv_chunk_size;
-    const int split_hi = min(split_lo + p.kv_chunk_size, p.kv_len);
+    const MaskRule rule{qo_len, kv_len, p.causal != 0, p.window_left, mask_bits};
+    const int chunk_size =
+        p.kv_chunk_size_dev != 0 ? *reinterpret_cast<const int32_t*>(p.kv_chunk_size_dev) : p.kv_chunk_size;
+    const int split_lo = split * chunk_size;
+    const int split_hi = min(split_lo + chunk_size, kv_len);
     const int kv_lo = max(rule.kv_begin(q_lo), split_lo);
     const int kv_hi = min(rule.kv_end(q_hi), split_hi);
     // Tiles start on the BLOCK_N grid (split boundaries are on it too), so a tile never
@@ -126,22 +155,43 @@ struct PrefillSm80 {
         const bool valid = r < rows_total;
         const int rr = valid ? r : 0;
         const int qi = rr / group, h = kv_head * group + rr % group;
-        ptx::cp_async_16(sQ_u + swz(row, chunk) * 16, q + qi * p.q_stride_n + h * p.q_stride_h + chunk * 8, valid);
+        ptx::cp_async_16(sQ_u + swz(row, chunk) * 16, q + (q_row0 + qi) * p.q_stride_n + h * p.q_stride_h + chunk * 8,
+                         valid);
       }
     }
-    // Tile base addresses are recomputed from the (constant-bank) params at each load rather
-    // than kept live across the loop: registers are the scarce resource here.
+    // Row addresses are recomputed from the (constant-bank) params at each load rather than
+    // kept live across the loop: registers are the scarce resource here. Paged KV looks up the
+    // page of every row (page_shift: power-of-two page sizes avoid the division).
+    auto kv_row = [&](const T* base, int64_t stride_page, int64_t stride_n, int t) -> const T* {
+      if constexpr (PAGED) {
+        const int32_t* pages = reinterpret_cast<const int32_t*>(p.kv_page_indices) + page_base;
+        const int sh = p.page_shift;
+        const int pg = sh >= 0 ? t >> sh : t / p.page_size;
+        const int slot = sh >= 0 ? t & (p.page_size - 1) : t - pg * p.page_size;
+        return base + (int64_t)pages[pg] * stride_page + (int64_t)slot * stride_n;
+      } else {
+        return base + (kv_row0 + t) * stride_n;
+      }
+    };
+    // Contiguous KV: one 64-bit base per tile, rows at a constant stride (strength-reduced).
+    auto load_kv = [&](const T* src, int64_t stride_page, int64_t stride_n, int n0, uint32_t s_tile) {
+      const T* base = src + (tid % CPR) * 8;
+      if constexpr (PAGED) {
+        load_tile<BLOCK_N>(s_tile, [&](int row) { return kv_row(base, stride_page, stride_n, n0 + row); }, src,
+                           kv_len - n0, tid);
+      } else {
+        const T* first = base + (kv_row0 + n0 + tid / CPR) * stride_n;
+        load_tile<BLOCK_N>(s_tile, [&](int row) { return first + (int64_t)(row - tid / CPR) * stride_n; }, src,
+                           kv_len - n0, tid);
+      }
+    };
     auto load_k = [&](int n0, int stage) {
-      const T* base = reinterpret_cast<const T*>(p.k) + kv_head * p.k_stride_h + (tid % CPR) * 8 +
-                      (int64_t)(n0 + tid / CPR) * p.k_stride_n;
-      load_tile<BLOCK_N>(sKV_u + 2 * stage * KV_TILE_BYTES, base, reinterpret_cast<const T*>(p.k), p.k_stride_n,
-                         p.kv_len - n0, tid);
+      load_kv(reinterpret_cast<const T*>(p.k) + kv_head * p.k_stride_h, p.k_stride_page, p.k_stride_n, n0,
+              sKV_u + 2 * stage * KV_TILE_BYTES);
     };
     auto load_v = [&](int n0, int stage) {
-      const T* base = reinterpret_cast<const T*>(p.v) + kv_head * p.v_stride_h + (tid % CPR) * 8 +
-                      (int64_t)(n0 + tid / CPR) * p.v_stride_n;
-      load_tile<BLOCK_N>(sKV_u + (2 * stage + 1) * KV_TILE_BYTES, base, reinterpret_cast<const T*>(p.v),
-                         p.v_stride_n, p.kv_len - n0, tid);
+      load_kv(reinterpret_cast<const T*>(p.v) + kv_head * p.v_stride_h, p.v_stride_page, p.v_stride_n, n0,
+              sKV_u + (2 * stage + 1) * KV_TILE_BYTES);
     };
     // Prologue. KV_STAGES == 1: group 0 = Q + K(0); V(j) streams during Q K(j)^T and K(j+1)
     // during P V(j) (FA2's interleave, two barriers a tile). KV_STAGES >= 2: a ring of K/V
@@ -233,7 +283,7 @@ struct PrefillSm80 {
           // Rotate in shared memory right after the tiles land (Q once, K every tile), then
           // make the rotated values visible before any ldmatrix reads them.
           if (it == 0)
-            rope_rotate<BLOCK_M>(sQ, p, tid, [&](int row) { return (r0 + row) / group + p.kv_len - p.qo_len; });
+            rope_rotate<BLOCK_M>(sQ, p, tid, [&](int row) { return (r0 + row) / group + kv_len - qo_len; });
           rope_rotate<BLOCK_N>(reinterpret_cast<T*>(smem + (sK_u - sQ_u)), p, tid, [&](int row) { return n0 + row; });
           __syncthreads();
         }
@@ -299,13 +349,27 @@ struct PrefillSm80 {
           for (int hf = 0; hf < 2; ++hf) {
             // Query index of the C-fragment row this thread holds (only masked tiles need it).
             const int qi = (r0 + warp_row0 + mt * 16 + lane / 4 + hf * 8) / group;
+            if (GENERAL && rule.bits != nullptr) {
+              // keep() split in its two parts: the structural test per element, the custom bits
+              // from one per-row word (same predicate, far fewer global loads).
+              static_assert(BLOCK_N <= 64, "row_bits covers 64 keys");
+              const uint64_t w = rule.row_bits(qi, n0);
 #pragma unroll
-            for (int nt = 0; nt < NTILES; ++nt)
+              for (int nt = 0; nt < NTILES; ++nt)
 #pragma unroll
-              for (int e = 0; e < 2; ++e) {
-                const int kv = n0 + nt * 8 + (lane % 4) * 2 + e;
-                if (!rule.keep(qi, kv)) s[mt][nt][2 * hf + e] = -INFINITY;
-              }
+                for (int e = 0; e < 2; ++e) {
+                  const int c = nt * 8 + (lane % 4) * 2 + e;
+                  if (!(rule.keep_structural(qi, n0 + c) && ((w >> c) & 1))) s[mt][nt][2 * hf + e] = -INFINITY;
+                }
+            } else {
+#pragma unroll
+              for (int nt = 0; nt < NTILES; ++nt)
+#pragma unroll
+                for (int e = 0; e < 2; ++e) {
+                  const int kv = n0 + nt * 8 + (lane % 4) * 2 + e;
+                  if (!rule.keep(qi, kv)) s[mt][nt][2 * hf + e] = -INFINITY;
+                }
+            }
           }
       }
 
@@ -386,7 +450,7 @@ struct PrefillSm80 {
         float sum = l[mt][hf];
         sum += __shfl_xor_sync(0xffffffff, sum, 1);
         sum += __shfl_xor_sync(0xffffffff, sum, 2);
-        const float inv = sum > 0.f ? 1.f / sum : 0.f;  // fully masked row: o = 0
+        const float inv = sum > 0.f ? p.v_scale / sum : 0.f;  // fully masked row: o = 0
         lse_v[mt][hf] = sum > 0.f ? m[mt][hf] + __log2f(sum) : -INFINITY;
 #pragma unroll
         for (int d = 0; d < DTILES; ++d) {
@@ -396,7 +460,7 @@ struct PrefillSm80 {
       }
 
     const int Hq = p.num_qo_heads;
-    if (p.num_splits == 1) {
+    if (num_splits == 1) {
       // Stage this warp's rows through its own slice of sQ (no other warp touches it), then
       // write 16-byte chunks so the global stores are coalesced along each row.
       __syncwarp();
@@ -418,7 +482,7 @@ struct PrefillSm80 {
         const int r = r0 + row;
         if (r < rows_total) {
           const int qi = r / group, h = kv_head * group + r % group;
-          *reinterpret_cast<uint4*>(out + qi * p.o_stride_n + h * p.o_stride_h + chunk * 8) =
+          *reinterpret_cast<uint4*>(out + (q_row0 + qi) * p.o_stride_n + h * p.o_stride_h + chunk * 8) =
               *reinterpret_cast<const uint4*>(reinterpret_cast<char*>(sQ) + swz(row, chunk) * 16);
         }
       }
@@ -430,7 +494,7 @@ struct PrefillSm80 {
           for (int hf = 0; hf < 2; ++hf) {
             const int r = r0 + warp_row0 + mt * 16 + lane / 4 + hf * 8;
             if (r < rows_total)
-              lse[(int64_t)(r / group) * Hq + kv_head * group + r % group] = lse_v[mt][hf] * p.lse_scale;
+              lse[(q_row0 + r / group) * Hq + kv_head * group + r % group] = lse_v[mt][hf] * p.lse_scale;
           }
       }
     } else {
@@ -443,7 +507,10 @@ struct PrefillSm80 {
         for (int hf = 0; hf < 2; ++hf) {
           const int r = r0 + warp_row0 + mt * 16 + lane / 4 + hf * 8;
           if (r >= rows_total) continue;
-          const int64_t idx = ((int64_t)split * p.qo_len + r / group) * Hq + kv_head * group + r % group;
+          // Partial row: single request [split][qo_len]; batch plan token-major, chunk fastest.
+          const int64_t prow = part_base >= 0 ? part_base + (int64_t)(r / group) * num_splits + split
+                                              : (int64_t)split * qo_len + r / group;
+          const int64_t idx = prow * Hq + kv_head * group + r % group;
 #pragma unroll
           for (int d = 0; d < DTILES; ++d)
             *reinterpret_cast<float2*>(op + idx * HEAD_DIM + d * 8 + (lane % 4) * 2) =
@@ -457,9 +524,9 @@ struct PrefillSm80 {
 }  // namespace pfa
 
 // One extern "C" entry per variant: a stable name for the manifest and cuLibraryGetKernel.
-#define PFA_DEFINE_PREFILL_SM80(NAME, T, HD, NW, MQ, BN, QREGS, STAGES, MINB, GENERAL)      \
-  extern "C" __global__ void __launch_bounds__(NW * 32, MINB)                                \
-      NAME(const __grid_constant__ pfa::PrefillParams p) {                                    \
-    extern __shared__ __align__(128) char smem[];                                             \
-    pfa::PrefillSm80<T, HD, NW, MQ, BN, QREGS, STAGES, GENERAL>::run(p, smem);                \
+#define PFA_DEFINE_PREFILL_SM80(NAME, T, HD, NW, MQ, BN, QREGS, STAGES, MINB, GENERAL, PAGED) \
+  extern "C" __global__ void __launch_bounds__(NW * 32, MINB)                                 \
+      NAME(const __grid_constant__ pfa::PrefillParams p) {                                     \
+    extern __shared__ __align__(128) char smem[];                                              \
+    pfa::PrefillSm80<T, HD, NW, MQ, BN, QREGS, STAGES, GENERAL, PAGED>::run(p, smem);          \
   }
