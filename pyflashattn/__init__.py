@@ -5,7 +5,9 @@ DLPack CUDA tensor (torch, CuPy, JAX); outputs come back in the caller's framewo
 caller's stream.
 """
 from . import prefill, quantization
-from .prefill import single_prefill_with_kv_cache, single_prefill_with_kv_cache_return_lse
+from .prefill import (BatchPrefillWithPagedKVCacheWrapper, BatchPrefillWithRaggedKVCacheWrapper,
+                      single_prefill_with_kv_cache, single_prefill_with_kv_cache_return_lse)
 
 __version__ = "0.1.0"
-__all__ = ["prefill", "quantization", "single_prefill_with_kv_cache", "single_prefill_with_kv_cache_return_lse"]
+__all__ = ["prefill", "quantization", "single_prefill_with_kv_cache", "single_prefill_with_kv_cache_return_lse",
+           "BatchPrefillWithPagedKVCacheWrapper", "BatchPrefillWithRaggedKVCacheWrapper"]

@@ -16,19 +16,21 @@ from __future__ import annotations
 
 import ctypes
 import math
+import operator
 
 import numpy as np
 
 from . import _cuda, _dtypes, _options, _plan, _registry, _tensor
 from .prefill import HEAD_DIMS, LOG2E, _MERGE_ROWS_PER_BLOCK, _alibi_buffer
 
-_ALIGN = 256
 
 
 def _host_int(x, name):
     """A host int32 numpy copy of an index array (numpy, list, or a device tensor: a sync)."""
     if x is None:
         raise ValueError(f"{name} is required")
+    if type(x) is np.ndarray and x.dtype == np.int32 and x.ndim == 1:
+        return x  # the common case, kept cheap: plan() is on the serving loop's critical path
     if isinstance(x, np.ndarray):
         a = x
     elif isinstance(x, (list, tuple)):
@@ -196,8 +198,8 @@ class _BatchPrefillBase:
             raise NotImplementedError(f"kv_data_type {kdt.name} with q_data_type {qdt.name}: only equal 16-bit "
                                       "types are implemented (fp8 KV is not yet)")
         try:
-            window_left = int(window_left)
-        except (TypeError, ValueError):
+            window_left = operator.index(window_left)
+        except TypeError:
             raise TypeError(f"window_left must be an int, got {window_left!r}") from None
         if window_left < -1:
             raise ValueError(f"window_left must be >= -1, got {window_left}")
@@ -214,8 +216,7 @@ class _BatchPrefillBase:
 
         _cuda.ensure_context(self._dev)
         general = opts.general
-        la = _registry.new_launcher("prefill", self._dev, dtype=qdt.short, head_dim=head_dim, general=general,
-                                    paged=self._paged)
+        la = self._launcher("prefill", dtype=qdt.short, head_dim=head_dim, general=general, paged=self._paged)
         meta = la.meta
         cap = None
         if self._use_cuda_graph:
@@ -226,7 +227,9 @@ class _BatchPrefillBase:
                                   ctas_per_sm=2 if meta["threads"] <= 128 else 1, causal=bool(causal),
                                   window_left=window_left, fixed_split_size=fixed_split_size,
                                   disable_split_kv=disable_split_kv, graph_capacity=cap)
-        self._ws_need = plan.workspace_bytes(num_qo_heads, head_dim)
+        # Graph mode keeps the partial-LSE offset fixed across plans (max_partial_rows bound).
+        self._ws_rows = plan.max_partial_rows if cap else plan.num_partial_rows
+        self._ws_lse_off, self._ws_need = plan.workspace_layout(num_qo_heads, head_dim, self._ws_rows)
         if self._ws_need > self._ws_bytes:
             raise ValueError(f"float_workspace_buffer holds {self._ws_bytes} bytes but this plan needs "
                              f"{self._ws_need}; pass a larger buffer (or disable_split_kv=True)")
@@ -264,7 +267,7 @@ class _BatchPrefillBase:
         self._merge = None
         total_q = int(qo_indptr[-1])
         if plan.split or cap:  # a captured graph always holds the merge (a no-op for unsplit rows)
-            mg = _registry.new_launcher("merge", self._dev, dtype=qdt.short)
+            mg = self._launcher("merge", dtype=qdt.short)
             mp = mg.params
             rows = cap["max_total_q"] if cap else total_q
             mp.merge_indptr = ptrs["merge_indptr"]
@@ -278,14 +281,21 @@ class _BatchPrefillBase:
         self._shape = (total_q, num_qo_heads, num_kv_heads, head_dim)
         self._point_workspace()
         self._planned = True
+        self._fast_key = None  # run()'s validated-signature cache belongs to one plan
         return plan
 
+    def _launcher(self, family, **match):
+        """The wrapper's own Launcher per kernel, reused across plans (creating one costs ~10 us)."""
+        cache = self.__dict__.setdefault("_launchers", {})
+        key = (family, tuple(sorted(match.items())))
+        la = cache.get(key)
+        if la is None:
+            la = cache[key] = _registry.new_launcher(family, self._dev, **match)
+        return la
+
     def _point_workspace(self):
-        plan = self._plan
-        Hq, D = self._shape[1], self._shape[3]
-        o_bytes = (plan.num_partial_rows * Hq * D * 4 + _ALIGN - 1) // _ALIGN * _ALIGN
         p = self._attn.params
-        p.o_partial, p.lse_partial = self._ws_ptr, self._ws_ptr + o_bytes
+        p.o_partial, p.lse_partial = self._ws_ptr, self._ws_ptr + self._ws_lse_off
         if self._merge is not None:
             mp = self._merge.params
             mp.o_partial, mp.lse_partial = p.o_partial, p.lse_partial
@@ -389,6 +399,64 @@ class _BatchPrefillBase:
             mp.o, mp.lse = ov.ptr, (lv.ptr if lv is not None else 0)
             mp.o_stride_n, mp.o_stride_h = ov.strides[0], ov.strides[1]
             self._merge(s)
+
+    # ---- torch fast path: a run() whose tensors have the signature of the last validated run
+    # skips every view and check; only pointers are re-read (~half the host time) ----
+    _fast_key = None
+    _kv_ptr_offsets = None
+
+    @staticmethod
+    def _sig(t):
+        return None if t is None else (t.shape, t.stride(), t.dtype, t.get_device())
+
+    def _key(self, q, kv_parts, out, lse, return_lse):
+        if _tensor.framework_of(q) != "torch":
+            return None
+        try:
+            return (self._sig(q), tuple(self._sig(t) for t in kv_parts), self._sig(out), self._sig(lse),
+                    bool(return_lse))
+        except Exception:  # noqa: BLE001 - not a plain strided torch tensor
+            return None
+
+    def _remember(self, q, kv_parts, out, lse, return_lse):
+        # `out`/`lse` here are what the caller passed (None when we allocated).
+        self._fast_key = self._key(q, kv_parts, self._caller_out, self._caller_lse, return_lse)
+
+    def _torch_fast(self, q, kv_parts, out, lse, return_lse, stream):
+        self._caller_out, self._caller_lse = out, lse
+        if self._fast_key is None or self._key(q, kv_parts, out, lse, return_lse) != self._fast_key:
+            return None
+        qp = q.data_ptr()
+        kp = kv_parts[0].data_ptr()
+        if self._kv_ptr_offsets is not None:
+            vp = kp + self._kv_ptr_offsets[1]
+        else:
+            vp = kv_parts[1].data_ptr()
+        op = out.data_ptr() if out is not None else 0
+        if (qp | kp | vp | op) & 15:
+            return None  # the full path raises the precise error
+        s = _tensor.stream_handle(stream) if stream is not None else _tensor.current_stream("torch", self._dev)
+        total_q, Hq = self._shape[0], self._shape[1]
+        if out is None:
+            out = q.new_empty((total_q, Hq, self._shape[3]))
+            op = out.data_ptr()
+        if lse is None and return_lse:
+            lse = q.new_empty((total_q, Hq), dtype=_tensor.torch_float32())
+        p = self._attn.params
+        p.q, p.k, p.v, p.o = qp, kp, vp, op
+        p.lse = lse.data_ptr() if lse is not None else 0
+        if self._pending_copy:
+            _cuda.stream_wait(s, self._plan_stream)
+            self._pending_copy = False
+        if total_q:
+            self._attn(s)
+            if self._merge is not None:
+                mp = self._merge.params
+                mp.o, mp.lse = op, p.lse
+                self._merge(s)
+        if lse is None:
+            return out
+        return (out, lse) if return_lse else out
 
     @staticmethod
     def _finish(out, lse, return_lse):
@@ -508,6 +576,10 @@ class BatchPrefillWithPagedKVCacheWrapper(_BatchPrefillBase):
             raise TypeError("run() takes q and paged_kv_cache positionally; pass the rest by keyword")
         if k_scale not in (None, 1.0) or v_scale not in (None, 1.0):
             raise NotImplementedError("k_scale / v_scale apply to fp8 KV caches, which are not implemented yet")
+        kv_parts = tuple(paged_kv_cache) if isinstance(paged_kv_cache, (tuple, list)) else (paged_kv_cache,)
+        fast = self._torch_fast(q, kv_parts, out, lse, return_lse, stream)
+        if fast is not None:
+            return fast
         qv, out, ov, lse, lv, s = self._check_q(q, out, lse, return_lse, stream)
         _, Hq, Hkv, D = self._shape
         ps = self._page_size
@@ -534,6 +606,7 @@ class BatchPrefillWithPagedKVCacheWrapper(_BatchPrefillBase):
             num_pages = c.shape[0]
         if self._max_page >= num_pages:
             raise ValueError(f"paged_kv_indices refers to page {self._max_page} but paged_kv_cache has {num_pages} pages")
+        self._kv_ptr_offsets = (0, v_ptr - k_ptr) if len(kv_parts) == 1 else None
         p = self._attn.params
         p.k, p.v = k_ptr, v_ptr
         if self._kv_layout == "NHD":
@@ -543,6 +616,7 @@ class BatchPrefillWithPagedKVCacheWrapper(_BatchPrefillBase):
             p.k_stride_page, p.k_stride_h, p.k_stride_n = ks[0], ks[1], ks[2]
             p.v_stride_page, p.v_stride_h, p.v_stride_n = vs[0], vs[1], vs[2]
         self._launch(qv, ov, lv, s)
+        self._remember(q, kv_parts, out, lse, return_lse)
         return self._finish(out, lse, return_lse)
 
 
@@ -599,6 +673,9 @@ class BatchPrefillWithRaggedKVCacheWrapper(_BatchPrefillBase):
             raise TypeError("run() takes q, k, v positionally; pass the rest by keyword")
         if k_scale not in (None, 1.0) or v_scale not in (None, 1.0):
             raise NotImplementedError("k_scale / v_scale apply to fp8 KV, which is not implemented yet")
+        fast = self._torch_fast(q, (k, v), out, lse, return_lse, stream)
+        if fast is not None:
+            return fast
         qv, out, ov, lse, lv, s = self._check_q(q, out, lse, return_lse, stream)
         _, Hq, Hkv, D = self._shape
         kv, vv = _tensor.view(k, "k"), _tensor.view(v, "v")
@@ -614,5 +691,7 @@ class BatchPrefillWithRaggedKVCacheWrapper(_BatchPrefillBase):
             p.k_stride_n, p.k_stride_h, p.v_stride_n, p.v_stride_h = kv.strides[0], kv.strides[1], vv.strides[0], vv.strides[1]
         else:
             p.k_stride_n, p.k_stride_h, p.v_stride_n, p.v_stride_h = kv.strides[1], kv.strides[0], vv.strides[1], vv.strides[0]
+        self._kv_ptr_offsets = None
         self._launch(qv, ov, lv, s)
+        self._remember(q, (k, v), out, lse, return_lse)
         return self._finish(out, lse, return_lse)

@@ -370,3 +370,7 @@ def _alibi_buffer(dev: int, num_heads: int) -> int:
 
 single_prefill_with_kv_cache_return_lse = functools.partial(single_prefill_with_kv_cache, return_lse=True)
 single_prefill_with_kv_cache_return_lse.__doc__ = "single_prefill_with_kv_cache with return_lse=True: (o, lse)."
+
+
+# The batch wrappers live in their own module (they import this one); FlashInfer users find them here.
+from ._batch_prefill import BatchPrefillWithPagedKVCacheWrapper, BatchPrefillWithRaggedKVCacheWrapper  # noqa: E402

@@ -55,9 +55,18 @@ struct PrefillSm80 {
     }
   }
 
+  // sin/cos of a large angle: Cody-Waite reduction to [-pi, pi] (two-constant 2*pi, exact
+  // enough for |x| up to ~1e6), then the hardware approximations, which are accurate there
+  // (~1e-6 absolute). Plain __sincosf degrades with |x|; sincosf's slow path costs ~4x.
+  static __device__ __forceinline__ void fast_sincos(float x, float& sn, float& cs) {
+    const float k = rintf(x * 0.15915494309189535f);
+    float r = fmaf(-k, 6.28318548202514648f, x);
+    r = fmaf(-k, -1.7484556e-07f, r);
+    __sincosf(r, &sn, &cs);
+  }
+
   // ROPE_LLAMA (rotate-half) of ROWS rows of a swizzled tile, in place: element j < D/2 pairs
-  // with j + D/2, angle = pos(row) * 2^(-2j/D * log2 theta) / rope_scale, computed in fp32 with
-  // an accurate sincos (positions reach 1e5: the fast intrinsic loses the angle there).
+  // with j + D/2, angle = pos(row) * 2^(-2j/D * log2 theta) / rope_scale, in fp32.
   template <int ROWS, typename PosFn>
   static __device__ __forceinline__ void rope_rotate(T* tile, const PrefillParams& p, int tid, PosFn pos_of) {
     constexpr int HALF = CPR / 2;
@@ -73,7 +82,7 @@ struct PrefillSm80 {
       for (int i = 0; i < 8; ++i) {
         const float inv_freq = exp2f(-(2.f * (c * 8 + i) / HEAD_DIM) * p.rope_log2_theta) * p.rope_rcp_scale;
         float sn, cs;
-        sincosf(pos * inv_freq, &sn, &cs);
+        fast_sincos(pos * inv_freq, sn, cs);
         const float x0 = to_float(l[i]), x1 = to_float(h[i]);
         l[i] = from_float<T>(x0 * cs - x1 * sn);
         h[i] = from_float<T>(x1 * cs + x0 * sn);

@@ -1,0 +1,1045 @@
+"""Batch prefill wrappers (paged and ragged KV) on a CUDA GPU (torch inputs) against the float64
+reference, request by request.
+
+Every case draws fresh seeded random inputs. Paged caches are built with a random page
+permutation, and every slot that belongs to no request (unused pages and the tail of each
+last page) holds random values, never zeros or NaN, so a kernel that reads a wrong page or a
+slot past last_page_len gets a wrong answer rather than a lucky one. Outputs are checked in
+NaN-poisoned out=/lse= buffers (and on the allocated path), o and the base-2 LSE, against
+pyflashattn.testing.attention_ref on each request's own slices (a subset of q heads for the
+long ones, always the first and last).
+
+Beyond the reference: batch vs single_prefill per request; batch invariance (bitwise) under
+fixed_split_size and disable_split_kv; split-KV batches; CUDA-graph capture and replay after
+re-planning with other lengths, and the capacity errors; device vs host index arrays; run()
+rejecting mismatched inputs before any launch; the workspace size contract.
+
+Semantics (FlashInfer, semantics notes 1.1, 1.4, 1.5): kv_len of a paged request is
+(pages - 1) * page_size + last_page_len, 0 without pages; causal is bottom-right per request and,
+unlike single prefill, allowed with kv_len < qo_len: rows with no visible key give o = 0 and
+lse = -inf. ALiBi uses the request-local query row; RoPE puts q at i + kv_len - qo_len.
+"""
+
+from __future__ import annotations
+
+import math
+import re
+import zlib
+from types import SimpleNamespace
+
+import numpy as np
+import pytest
+
+pytestmark = pytest.mark.gpu
+
+torch = pytest.importorskip("torch")
+if not torch.cuda.is_available():
+    pytest.skip("no CUDA GPU visible", allow_module_level=True)
+
+import pyflashattn  # noqa: E402  (after the GPU probe: the CPU box must skip, not error)
+from pyflashattn.testing import attention_ref, to_numpy_f64  # noqa: E402
+
+DEV = "cuda"
+F16, BF16 = torch.float16, torch.bfloat16
+DTYPES = {"fp16": F16, "bf16": BF16}
+NAN = float("nan")
+
+# Same tolerances as tests/gpu/test_prefill.py and test_prefill_options.py (FlashInfer's): the
+# reference sees the same rounded q/k/v, so what is left is fp32 accumulation, P rounded to 16
+# bits before P@V, a split-KV merge and the output rounding.
+O_TOL = {F16: dict(atol=1e-3, rtol=1e-3), BF16: dict(atol=1e-2, rtol=1e-2)}
+LSE_TOL = {F16: dict(atol=2e-3, rtol=1e-4), BF16: dict(atol=1e-2, rtol=1e-4)}
+# ROPE_LLAMA, fp16 o: q/k are rotated in fp32 and rounded back to 16 bits before the MMA (see
+# the derivation in test_prefill_options.py); bf16 needs nothing extra.
+ROPE_O_TOL = {F16: dict(atol=2e-3, rtol=1e-3), BF16: O_TOL[BF16]}
+
+# Float64 reference cost (~30-50 ns per logit, mostly one core): above this many logits per
+# batch, every request compares the same number n >= 2 of q heads (first, last, random others,
+# drawn per request so that across the batch most heads and every kv group are seen).
+REF_LOGIT_BUDGET = 1 << 24
+
+# Values in slots that belong to no request: random, larger than real K/V, finite.
+GARBAGE_SCALE = 4.0
+
+# One big float workspace shared by every wrapper in this module (tests run one after the
+# other on one stream, so sharing is safe); never zeroed, so stale partial results from the
+# previous test sit in it, as they do in a serving process.
+WS_BYTES = 1 << 30
+_WS = []
+
+
+def _workspace():
+    if not _WS:
+        _WS.append(torch.empty(WS_BYTES, dtype=torch.uint8, device=DEV))
+    return _WS[0]
+
+
+# ---------------------------------------------------------------------------------------
+# helpers (kept local: test modules are imported with importlib, not as a package)
+# ---------------------------------------------------------------------------------------
+def _seed(*key) -> int:
+    return zlib.crc32(repr(key).encode())
+
+
+def _randn(shape, dtype, seed, scale=1.0):
+    g = torch.Generator(device=DEV).manual_seed(seed)
+    return (torch.randn(shape, device=DEV, dtype=torch.float32, generator=g) * scale).to(dtype)
+
+
+def assert_close(actual, ref, *, atol, rtol, what):
+    """Elementwise |a - ref| <= atol + rtol*|ref|; NaN never passes; -inf must match -inf."""
+    a = to_numpy_f64(actual)
+    ref = to_numpy_f64(ref)
+    assert a.shape == ref.shape, f"{what}: shape {a.shape} != {ref.shape}"
+    n_nan = int(np.isnan(a).sum())
+    assert n_nan == 0, f"{what}: {n_nan} NaN of {a.size} (unwritten or poisoned elements)"
+    ninf_ref = np.isneginf(ref)
+    bad_inf = np.isneginf(a) != ninf_ref
+    assert not bad_inf.any(), f"{what}: -inf pattern differs at {np.argwhere(bad_inf)[:5].tolist()}"
+    fin = ~ninf_ref
+    assert np.isfinite(a[fin]).all(), f"{what}: non-finite values where the reference is finite"
+    err = np.where(fin, np.abs(a - np.where(fin, ref, 0.0)), 0.0)
+    bound = atol + rtol * np.abs(np.where(fin, ref, 0.0))
+    over = err > bound
+    if over.any():
+        idx = np.unravel_index(np.argmax(err - bound), err.shape)
+        rel = np.linalg.norm((a - ref)[fin]) / max(np.linalg.norm(ref[fin]), 1e-300)
+        raise AssertionError(
+            f"{what}: {int(over.sum())}/{a.size} elements out of tolerance "
+            f"(atol={atol}, rtol={rtol}); worst at {tuple(int(i) for i in idx)}: "
+            f"got {a[idx]!r}, want {ref[idx]!r}; max err {err.max():.3e}, rel fro {rel:.3e}")
+
+
+def _draw_lens(rng, n, hi, zero_p=0.0):
+    """n lengths, log-uniform in [1, hi] (most of them short), a fraction zero_p set to 0."""
+    if hi <= 0:
+        return np.zeros(n, dtype=np.int64)
+    x = np.floor(np.exp(rng.uniform(0.0, math.log(hi + 1), n))).astype(np.int64).clip(1, hi)
+    x[rng.random(n) < zero_p] = 0
+    return x
+
+
+def _lens(seed, batch, qo_max, kv_max, mode, pin=()):
+    """(qo_lens, kv_lens) of a random batch. mode: 'append' (kv >= qo: a prefix plus the new
+    tokens), 'mixed' (independent, so kv < qo and zeros occur) or 'decode' (qo in 1..8).
+    pin: (qo, kv) pairs placed at random positions (the big requests of a case)."""
+    rng = np.random.default_rng(seed)
+    n = batch - len(pin)
+    if mode == "append":
+        qo = _draw_lens(rng, n, qo_max, 0.05)
+        kv = np.minimum(kv_max, qo + _draw_lens(rng, n, kv_max, 0.2))
+    elif mode == "mixed":
+        qo = _draw_lens(rng, n, qo_max, 0.1)
+        kv = _draw_lens(rng, n, kv_max, 0.1)
+    elif mode == "decode":
+        qo = rng.integers(1, 9, n)
+        kv = _draw_lens(rng, n, kv_max, 0.05)
+    else:
+        raise ValueError(mode)
+    qo, kv = list(qo), list(kv)
+    for a, b in pin:
+        i = int(rng.integers(0, len(qo) + 1))
+        qo.insert(i, a)
+        kv.insert(i, b)
+    return [int(x) for x in qo], [int(x) for x in kv]
+
+
+def _indptr(lens):
+    return np.concatenate([[0], np.cumsum(lens)]).astype(np.int32)
+
+
+def _batch_from(reqs, hq, hkv, d, dt):
+    """A batch from per-request (q [qo, Hq, D], k [kv, Hkv, D], v) NHD tensors."""
+    qo_lens = [int(r[0].shape[0]) for r in reqs]
+    kv_lens = [int(r[1].shape[0]) for r in reqs]
+    return SimpleNamespace(
+        qo_lens=qo_lens, kv_lens=kv_lens, qo_indptr=_indptr(qo_lens), kv_tok_indptr=_indptr(kv_lens),
+        q=torch.cat([r[0] for r in reqs]), k=torch.cat([r[1] for r in reqs]), v=torch.cat([r[2] for r in reqs]),
+        hq=hq, hkv=hkv, d=d, dt=dt)
+
+
+def _make_batch(qo_lens, kv_lens, hq, hkv, d, dt, seed, q_scale=1.0):
+    qi, ki = _indptr(qo_lens), _indptr(kv_lens)
+    q = _randn((int(qi[-1]), hq, d), dt, seed, q_scale)
+    k = _randn((int(ki[-1]), hkv, d), dt, seed + 1)
+    v = _randn((int(ki[-1]), hkv, d), dt, seed + 2)
+    return SimpleNamespace(qo_lens=list(qo_lens), kv_lens=list(kv_lens), qo_indptr=qi, kv_tok_indptr=ki,
+                           q=q, k=k, v=v, hq=hq, hkv=hkv, d=d, dt=dt)
+
+
+def _req(b, i):
+    """(q, k, v) NHD slices of request i."""
+    q0, q1 = int(b.qo_indptr[i]), int(b.qo_indptr[i + 1])
+    k0, k1 = int(b.kv_tok_indptr[i]), int(b.kv_tok_indptr[i + 1])
+    return b.q[q0:q1], b.k[k0:k1], b.v[k0:k1]
+
+
+def _page_table(kv_lens, page_size, page_ids):
+    """kv_indptr, kv_indices (the first pages of page_ids, in order) and last_page_len."""
+    pages = np.asarray([-(-kv // page_size) for kv in kv_lens], dtype=np.int64)
+    kv_indptr = _indptr(pages)
+    n_used = int(kv_indptr[-1])
+    assert n_used <= len(page_ids), "not enough pages"
+    indices = np.asarray(page_ids[:n_used], dtype=np.int32)
+    kv = np.asarray(kv_lens, dtype=np.int64)
+    last = np.where(pages > 0, kv - (pages - 1) * page_size, 0).astype(np.int32)
+    return kv_indptr, indices, last
+
+
+def _write_pages(nhd_view, b, page_size, kv_indptr, indices):
+    """Scatter every request's K/V into its pages. nhd_view: [P, 2, page_size, Hkv, D] (for an
+    HND cache, its storage permuted to that order: writes land in the real storage)."""
+    tok_page, tok_slot = [], []
+    for i, kv in enumerate(b.kv_lens):
+        t = np.arange(kv)
+        tok_page.append(indices[kv_indptr[i] + t // page_size])
+        tok_slot.append(t % page_size)
+    if not tok_page or sum(b.kv_lens) == 0:
+        return
+    tp = torch.as_tensor(np.concatenate(tok_page).astype(np.int64), device=DEV)
+    ts = torch.as_tensor(np.concatenate(tok_slot).astype(np.int64), device=DEV)
+    nhd_view[:, 0][tp, ts] = b.k
+    nhd_view[:, 1][tp, ts] = b.v
+
+
+def _paginate(b, page_size, layout, form, seed, extra_pages=None):
+    """A paged cache holding batch b: pages in random order among unused garbage pages.
+    form: '5d' (one tensor), 'tuple' (separate k/v tensors) or 'tuple_views' (the two halves of
+    one 5-D tensor: non-contiguous, page stride 2x). Returns a namespace with the run() argument
+    and the plan() index arrays (numpy int32)."""
+    rng = np.random.default_rng(seed)
+    n_used = sum(-(-kv // page_size) for kv in b.kv_lens)
+    extra = max(3, n_used // 4) if extra_pages is None else extra_pages
+    num_pages = n_used + extra
+    kv_indptr, indices, last = _page_table(b.kv_lens, page_size, rng.permutation(num_pages))
+    shape = (num_pages, 2, page_size, b.hkv, b.d) if layout == "NHD" else (num_pages, 2, b.hkv, page_size, b.d)
+    store = _randn(shape, b.dt, seed + 17, GARBAGE_SCALE)
+    _write_pages(store if layout == "NHD" else store.permute(0, 1, 3, 2, 4), b, page_size, kv_indptr, indices)
+    if form == "5d":
+        cache = store
+    elif form == "tuple":
+        cache = (store[:, 0].contiguous(), store[:, 1].contiguous())
+    elif form == "tuple_views":
+        cache = (store[:, 0], store[:, 1])
+    else:
+        raise ValueError(form)
+    return SimpleNamespace(cache=cache, store=store, kv_indptr=kv_indptr, indices=indices, last=last,
+                           page_size=page_size, layout=layout, num_pages=num_pages)
+
+
+def _paged_wrapper(layout="NHD", **kw):
+    return pyflashattn.BatchPrefillWithPagedKVCacheWrapper(_workspace(), layout, **kw)
+
+
+def _ragged_wrapper(layout="NHD", **kw):
+    return pyflashattn.BatchPrefillWithRaggedKVCacheWrapper(_workspace(), layout, **kw)
+
+
+def _plan_paged(w, b, pg, causal, **opts):
+    return w.plan(b.qo_indptr, pg.kv_indptr, pg.indices, pg.last, b.hq, b.hkv, b.d, pg.page_size,
+                  causal=causal, q_data_type=b.dt, **opts)
+
+
+def _plan_ragged(w, b, causal, **opts):
+    return w.plan(b.qo_indptr, b.kv_tok_indptr, b.hq, b.hkv, b.d, causal=causal, q_data_type=b.dt, **opts)
+
+
+def _ragged_kv(b, layout):
+    if layout == "NHD":
+        return b.k, b.v
+    return b.k.transpose(0, 1).contiguous(), b.v.transpose(0, 1).contiguous()
+
+
+# NaN rows after the end of every out=/lse= buffer: a kernel (or the merge) that writes past the
+# last planned row, e.g. a whole q tile, shows up as a changed guard row.
+GUARD_ROWS = 256
+
+
+def _poisoned(b):
+    """NaN out/lse views [T, ...] at the start of buffers with GUARD_ROWS more rows."""
+    T = b.q.shape[0]
+    ob = torch.full((T + GUARD_ROWS, b.hq, b.d), NAN, dtype=b.dt, device=DEV)
+    lb = torch.full((T + GUARD_ROWS, b.hq), NAN, dtype=torch.float32, device=DEV)
+    return ob[:T], lb[:T]
+
+
+def _assert_guards(out, lse, what=""):
+    T = out.shape[0]
+    ob, lb = out._base, lse._base
+    assert ob is not None and lb is not None
+    assert torch.isnan(ob[T:]).all(), f"{what}: out written past its last row"
+    assert torch.isnan(lb[T:]).all(), f"{what}: lse written past its last row"
+
+
+def _run_into(w, b, kv_args):
+    """run() into NaN-poisoned out=/lse= buffers; checks they are the objects returned and that
+    nothing was written past their end."""
+    out, lse = _poisoned(b)
+    r = w.run(b.q, *kv_args, out=out, lse=lse, return_lse=True)
+    torch.cuda.synchronize()
+    assert isinstance(r, tuple) and r[0] is out and r[1] is lse, "out=/lse= buffers not returned"
+    _assert_guards(out, lse, "run")
+    return out, lse
+
+
+def _tensors(kv_args):
+    """The tensors among run()'s KV arguments (a paged cache may be a (k, v) tuple)."""
+    flat = []
+    for x in kv_args:
+        flat.extend(x if isinstance(x, tuple) else (x,))
+    return flat
+
+
+_REF_KEYS = ("sm_scale", "window_left", "logits_soft_cap", "pos_encoding_mode", "rope_scale", "rope_theta",
+             "lse_base")
+
+
+def _ref_kw(causal, opts):
+    return dict({k: opts[k] for k in _REF_KEYS if k in opts}, causal=causal)
+
+
+def _otol(dt, opts):
+    return (ROPE_O_TOL if opts.get("pos_encoding_mode") == "ROPE_LLAMA" else O_TOL)[dt]
+
+
+def _heads_for(b, seed, budget=REF_LOGIT_BUDGET):
+    """Per request: None (all heads) or the sorted q heads to compare."""
+    logits = sum(qo * kv for qo, kv in zip(b.qo_lens, b.kv_lens))
+    n = budget // max(1, logits)
+    if n >= b.hq:
+        return [None] * len(b.qo_lens)
+    n = max(2, int(n))
+    rng = np.random.default_rng(seed)
+    out = []
+    for _ in b.qo_lens:
+        extra = rng.choice(np.arange(1, b.hq - 1), size=min(b.hq - 2, n - 2), replace=False)
+        out.append(np.unique(np.concatenate([[0, b.hq - 1], extra])).astype(np.int64))
+    return out
+
+
+def _check_batch(b, o, lse, causal, opts, seed, what, budget=REF_LOGIT_BUDGET, skip=()):
+    """Every request's rows of o (and lse) against the float64 reference on its own slices.
+    Returns the per-request references {i: (o_ref, lse_ref, heads)}."""
+    heads = _heads_for(b, seed, budget)
+    o_np = to_numpy_f64(o)
+    lse_np = to_numpy_f64(lse) if lse is not None else None
+    refs = {}
+    for i in range(len(b.qo_lens)):
+        if b.qo_lens[i] == 0 or i in skip:
+            continue
+        q, k, v = _req(b, i)
+        o_ref, lse_ref = attention_ref(q, k, v, heads=heads[i], **_ref_kw(causal, opts))
+        refs[i] = (o_ref, lse_ref, heads[i])
+        r0, r1 = int(b.qo_indptr[i]), int(b.qo_indptr[i + 1])
+        h = slice(None) if heads[i] is None else heads[i]
+        tag = f"{what} req {i} (qo {b.qo_lens[i]}, kv {b.kv_lens[i]})"
+        assert_close(o_np[r0:r1][:, h], o_ref, what=f"{tag} o", **_otol(b.dt, opts))
+        if lse_np is not None:
+            assert_close(lse_np[r0:r1][:, h], lse_ref, what=f"{tag} lse", **LSE_TOL[b.dt])
+    return refs
+
+
+def _assert_visible(b, refs, causal, opts, override, dt, what, factor=3.0):
+    """The option must move the float64 answer of the largest request by > factor x the o
+    tolerance, else a kernel that ignored it would pass."""
+    i = max(refs, key=lambda j: b.qo_lens[j] * b.kv_lens[j])
+    o_ref, _, heads = refs[i]
+    q, k, v = _req(b, i)
+    o_alt, _ = attention_ref(q, k, v, heads=heads, **_ref_kw(causal, dict(opts, **override)))
+    tol = O_TOL[dt]
+    excess = np.abs(o_ref - o_alt) - factor * (tol["atol"] + tol["rtol"] * np.abs(o_alt))
+    assert excess.max() > 0, f"{what}: the option barely changes the reference; this case cannot see it"
+
+
+# ---------------------------------------------------------------------------------------
+# Main grid: random batches against the reference.
+# (id, kind, batch, qo_max, kv_max, mode, pin, page_size, hq, hkv, d, dtype, layout, causal, form)
+# kind 'paged' uses page_size/form; 'ragged' ignores them. GQA groups 1 (32/32), 4 (32/8), 8 (32/4).
+# ---------------------------------------------------------------------------------------
+GRID = [
+    ("p-one-big", "paged", 1, 2048, 8192, "append", [(2048, 8192)], 16, 32, 8, 128, "bf16", "NHD", True, "5d"),
+    ("p-4-big", "paged", 4, 2048, 8192, "append", [(1500, 6000)], 64, 32, 4, 128, "fp16", "HND", True, "tuple"),
+    ("p-64-small-mixed", "paged", 64, 64, 1024, "mixed", [], 16, 32, 8, 128, "bf16", "NHD", True, "5d"),
+    ("p-64-ps1", "paged", 64, 128, 2048, "append", [], 1, 32, 32, 64, "fp16", "NHD", False, "tuple"),
+    ("p-16-d256", "paged", 16, 512, 4096, "mixed", [], 64, 32, 8, 256, "bf16", "HND", False, "5d"),
+    ("p-33-views", "paged", 33, 300, 3000, "append", [], 16, 32, 4, 64, "bf16", "HND", True, "tuple_views"),
+    ("p-8-ps1-causal-short-kv", "paged", 8, 1000, 8192, "mixed", [(900, 300)], 1, 32, 8, 128, "fp16", "HND", True,
+     "5d"),
+    ("p-12-d256-causal", "paged", 12, 256, 2048, "append", [], 64, 32, 32, 256, "fp16", "NHD", True, "tuple_views"),
+    ("p-5-noncausal", "paged", 5, 2048, 2048, "mixed", [(2048, 1)], 16, 32, 32, 64, "fp16", "NHD", False, "5d"),
+    ("p-40-decode", "paged", 40, 8, 8192, "decode", [], 16, 32, 8, 128, "bf16", "NHD", True, "5d"),
+    ("p-9-ps24", "paged", 9, 200, 1500, "mixed", [], 24, 32, 8, 128, "bf16", "NHD", True, "tuple"),
+    ("p-3-hnd-ps16", "paged", 3, 777, 5000, "append", [], 16, 32, 4, 256, "bf16", "HND", False, "tuple"),
+    ("r-64-small", "ragged", 64, 128, 1024, "append", [], 0, 32, 8, 128, "bf16", "NHD", True, None),
+    ("r-16-big", "ragged", 16, 2048, 8192, "mixed", [(2048, 4096)], 0, 32, 4, 64, "fp16", "NHD", True, None),
+    ("r-7-d256", "ragged", 7, 700, 3000, "mixed", [], 0, 32, 32, 256, "bf16", "NHD", False, None),
+    ("r-20-hnd", "ragged", 20, 400, 2000, "append", [], 0, 32, 8, 128, "fp16", "HND", True, None),
+    ("r-1-tiny", "ragged", 1, 1, 1, "append", [(1, 1)], 0, 32, 8, 64, "fp16", "NHD", True, None),
+    ("r-30-decode", "ragged", 30, 8, 6000, "decode", [], 0, 32, 4, 128, "fp16", "NHD", False, None),
+]
+
+
+def _build(key, kind, batch, qo_max, kv_max, mode, pin, ps, hq, hkv, d, dtype, layout, form, q_scale=1.0):
+    dt = DTYPES[dtype]
+    seed = _seed(key)
+    qo_lens, kv_lens = _lens(seed, batch, qo_max, kv_max, mode, pin)
+    b = _make_batch(qo_lens, kv_lens, hq, hkv, d, dt, seed + 100, q_scale)
+    if kind == "paged":
+        pg = _paginate(b, ps, layout, form, seed + 200)
+        return b, pg, (pg.cache,)
+    return b, None, _ragged_kv(b, layout)
+
+
+def _wrapper_for(kind, layout):
+    return _paged_wrapper(layout) if kind == "paged" else _ragged_wrapper(layout)
+
+
+def _plan(w, kind, b, pg, causal, **opts):
+    return _plan_paged(w, b, pg, causal, **opts) if kind == "paged" else _plan_ragged(w, b, causal, **opts)
+
+
+@pytest.mark.parametrize("key,kind,batch,qo_max,kv_max,mode,pin,ps,hq,hkv,d,dtype,layout,causal,form",
+                         [pytest.param(*c, id=c[0]) for c in GRID])
+def test_batch_grid(key, kind, batch, qo_max, kv_max, mode, pin, ps, hq, hkv, d, dtype, layout, causal, form):
+    b, pg, kv_args = _build(key, kind, batch, qo_max, kv_max, mode, pin, ps, hq, hkv, d, dtype, layout, form)
+    snap = [x.clone() for x in [b.q] + _tensors(kv_args)]
+    w = _wrapper_for(kind, layout)
+    _plan(w, kind, b, pg, causal)
+    # allocated path
+    o1, lse1 = w.run(b.q, *kv_args, return_lse=True)
+    # out=/lse= path, NaN-poisoned, same plan: same kernel, same inputs -> the same bits
+    o2, lse2 = _run_into(w, b, kv_args)
+    assert o1.shape == b.q.shape and o1.dtype == b.dt and o1.device == b.q.device
+    assert lse1.shape == (b.q.shape[0], hq) and lse1.dtype == torch.float32
+    assert torch.equal(o1, o2) and torch.equal(lse1, lse2), "allocated and out= results differ"
+    now = [b.q] + _tensors(kv_args)
+    assert all(torch.equal(a, s) for a, s in zip(now, snap)), "an input was modified"
+    _check_batch(b, o2, lse2, causal, {}, _seed(key, "heads"), key)
+
+
+# ---------------------------------------------------------------------------------------
+# Options through the batch wrappers (window, soft cap, ALiBi, RoPE, lse_base, sm_scale)
+# ---------------------------------------------------------------------------------------
+OPTION_CASES = [
+    # (id, kind, mode, dtype, layout, causal, opts, visible-override, q_scale)
+    ("window-causal-paged", "paged", "append", "fp16", "NHD", True, dict(window_left=17), dict(window_left=-1), 1.0),
+    ("window-full-ragged", "ragged", "mixed", "bf16", "NHD", False, dict(window_left=200), dict(window_left=-1), 1.0),
+    ("window0-paged-hnd", "paged", "mixed", "bf16", "HND", True, dict(window_left=0), dict(window_left=-1), 1.0),
+    ("softcap-paged", "paged", "append", "bf16", "HND", True, dict(logits_soft_cap=2.0, sm_scale=0.5),
+     dict(logits_soft_cap=None), 1.0),
+    ("softcap-ragged-full", "ragged", "mixed", "fp16", "NHD", False, dict(logits_soft_cap=5.0),
+     dict(logits_soft_cap=None), 3.0),
+    ("alibi-causal-ragged", "ragged", "append", "fp16", "NHD", True, dict(pos_encoding_mode="ALIBI"),
+     dict(pos_encoding_mode="NONE"), 1.0),
+    ("alibi-full-paged", "paged", "mixed", "bf16", "NHD", False, dict(pos_encoding_mode="ALIBI"),
+     dict(pos_encoding_mode="NONE"), 1.0),
+    ("rope-causal-paged", "paged", "append", "fp16", "HND", True,
+     dict(pos_encoding_mode="ROPE_LLAMA", rope_theta=500.0, rope_scale=2.0), dict(pos_encoding_mode="NONE"), 1.0),
+    ("rope-full-ragged", "ragged", "append", "bf16", "NHD", False, dict(pos_encoding_mode="ROPE_LLAMA"),
+     dict(pos_encoding_mode="NONE"), 1.0),
+    ("lse-ln-paged", "paged", "mixed", "bf16", "NHD", True, dict(lse_base="ln"), None, 1.0),
+    ("window-softcap-ln-ragged", "ragged", "append", "fp16", "NHD", True,
+     dict(window_left=64, logits_soft_cap=3.0, lse_base="ln"), dict(window_left=-1), 2.0),
+    ("sm-scale-paged", "paged", "mixed", "fp16", "HND", False, dict(sm_scale=0.3), dict(sm_scale=None), 1.0),
+]
+
+
+@pytest.mark.parametrize("key,kind,mode,dtype,layout,causal,opts,visible,q_scale",
+                         [pytest.param(*c, id=c[0]) for c in OPTION_CASES])
+def test_batch_options(key, kind, mode, dtype, layout, causal, opts, visible, q_scale):
+    ps = {"NHD": 16, "HND": 64}[layout] if kind == "paged" else 0
+    b, pg, kv_args = _build(key, kind, 12, 300, 2500, mode, [], ps, 32, 8, 128, dtype, layout, "5d", q_scale)
+    w = _wrapper_for(kind, layout)
+    _plan(w, kind, b, pg, causal, **opts)
+    o, lse = _run_into(w, b, kv_args)
+    refs = _check_batch(b, o, lse, causal, opts, _seed(key, "heads"), key)
+    if visible is not None:
+        _assert_visible(b, refs, causal, opts, visible, b.dt, key)
+
+
+# ---------------------------------------------------------------------------------------
+# Batch vs single prefill, request by request
+# ---------------------------------------------------------------------------------------
+@pytest.mark.parametrize("kind", ["paged", "ragged"])
+@pytest.mark.parametrize("causal,opts", [
+    (True, {}), (False, {}), (True, dict(window_left=100)), (False, dict(logits_soft_cap=4.0)),
+    (True, dict(pos_encoding_mode="ALIBI")), (True, dict(pos_encoding_mode="ROPE_LLAMA", rope_theta=1e5)),
+], ids=["causal", "full", "window", "softcap", "alibi", "rope"])
+def test_batch_matches_single_prefill(kind, causal, opts):
+    key = ("vs-single", kind, causal, repr(sorted(opts.items())))
+    b, pg, kv_args = _build(key, kind, 10, 600, 4000, "append", [(1, 3000), (600, 600)], 16, 32, 8, 128, "bf16",
+                            "NHD", "5d")
+    w = _wrapper_for(kind, "NHD")
+    _plan(w, kind, b, pg, causal, **opts)
+    o, lse = _run_into(w, b, kv_args)
+    tol = _otol(b.dt, opts)
+    checked = 0
+    for i in range(len(b.qo_lens)):
+        if b.qo_lens[i] == 0 or b.kv_lens[i] == 0:
+            continue
+        q, k, v = _req(b, i)
+        o_s, lse_s = pyflashattn.single_prefill_with_kv_cache_return_lse(q, k, v, causal=causal, **opts)
+        r0, r1 = int(b.qo_indptr[i]), int(b.qo_indptr[i + 1])
+        tag = f"req {i} (qo {b.qo_lens[i]}, kv {b.kv_lens[i]})"
+        assert_close(o[r0:r1], to_numpy_f64(o_s), what=f"{tag} o vs single", **tol)
+        assert_close(lse[r0:r1], to_numpy_f64(lse_s), what=f"{tag} lse vs single", **LSE_TOL[b.dt])
+        checked += 1
+    assert checked >= 5
+
+
+# ---------------------------------------------------------------------------------------
+# Empty requests and rows with no visible key
+# ---------------------------------------------------------------------------------------
+@pytest.mark.parametrize("kind", ["paged", "ragged"])
+def test_empty_requests_and_fully_masked_rows(kind):
+    # (qo, kv): causal kv < qo (the first 30 rows see nothing), no queries, no keys, kv = qo,
+    # one key, and a request with no queries and no keys.
+    pairs = [(50, 20), (0, 100), (10, 0), (64, 64), (3, 1), (0, 0), (7, 200)]
+    b = _make_batch([p[0] for p in pairs], [p[1] for p in pairs], 16, 4, 128, F16, _seed("empty", kind))
+    if kind == "paged":
+        pg = _paginate(b, 16, "NHD", "5d", _seed("empty-pages", kind))
+        kv_args = (pg.cache,)
+    else:
+        pg, kv_args = None, _ragged_kv(b, "NHD")
+    w = _wrapper_for(kind, "NHD")
+    _plan(w, kind, b, pg, True)
+    o, lse = _run_into(w, b, kv_args)
+    _check_batch(b, o, lse, True, {}, 0, "empty/masked")
+    # the explicit contract, independent of the reference
+    r = int(b.qo_indptr[0])
+    assert torch.all(o[r:r + 30] == 0) and torch.all(torch.isneginf(lse[r:r + 30])), "causal rows with no key"
+    assert torch.isfinite(lse[r + 30:r + 50]).all()
+    r = int(b.qo_indptr[2])
+    assert torch.all(o[r:r + 10] == 0) and torch.all(torch.isneginf(lse[r:r + 10])), "kv_len 0 request"
+
+
+@pytest.mark.parametrize("kind", ["paged", "ragged"])
+def test_batch_without_query_tokens(kind):
+    b = _make_batch([0, 0, 0], [5, 0, 40], 8, 8, 64, BF16, _seed("noq", kind))
+    if kind == "paged":
+        pg = _paginate(b, 16, "NHD", "5d", _seed("noq-pages"))
+        kv_args = (pg.cache,)
+    else:
+        pg, kv_args = None, _ragged_kv(b, "NHD")
+    w = _wrapper_for(kind, "NHD")
+    _plan(w, kind, b, pg, False)
+    o, lse = w.run(b.q, *kv_args, return_lse=True)
+    torch.cuda.synchronize()
+    assert o.shape == (0, 8, 64) and lse.shape == (0, 8)
+
+
+# ---------------------------------------------------------------------------------------
+# Split-KV: short queries over long KV (the grid under-fills the GPU, so requests are split)
+# ---------------------------------------------------------------------------------------
+@pytest.mark.parametrize("kind,layout,causal,dtype", [
+    ("paged", "HND", True, "fp16"), ("paged", "NHD", False, "bf16"),
+    ("ragged", "NHD", True, "bf16"), ("ragged", "NHD", False, "fp16"),
+])
+def test_split_kv_batch(kind, layout, causal, dtype):
+    qo_lens = [1, 0, 2, 5, 16, 33, 1, 64]
+    kv_lens = [16384, 3000, 4096, 12000, 8192, 16000, 0, 10000]
+    dt = DTYPES[dtype]
+    b = _make_batch(qo_lens, kv_lens, 32, 8, 128, dt, _seed("split", kind, layout, causal))
+    if kind == "paged":
+        pg = _paginate(b, 16, layout, "5d", _seed("split-pages", kind, layout, causal))
+        kv_args = (pg.cache,)
+    else:
+        pg, kv_args = None, _ragged_kv(b, layout)
+    w = _wrapper_for(kind, layout)
+    _plan(w, kind, b, pg, causal)
+    assert w.workspace_size() > 0, "this batch should be split across CTAs (split-KV is what it tests)"
+    o, lse = _run_into(w, b, kv_args)
+    _check_batch(b, o, lse, causal, {}, _seed("split-heads"), "split-kv")
+
+
+# ---------------------------------------------------------------------------------------
+# Batch invariance: fixed_split_size / disable_split_kv make a request's rows independent of
+# the rest of the batch, bit for bit (semantics notes 2.5).
+# ---------------------------------------------------------------------------------------
+def _others(seed, n, qo_max, kv_max, hq, hkv, d, dt):
+    qo, kv = _lens(seed, n, qo_max, kv_max, "mixed")
+    ob = _make_batch(qo, kv, hq, hkv, d, dt, seed + 1)
+    return [_req(ob, i) for i in range(n)]
+
+
+@pytest.mark.parametrize("kind", ["paged", "ragged"])
+@pytest.mark.parametrize("split", ["fixed_split_size", "disable_split_kv"])
+def test_batch_invariance(kind, split):
+    hq, hkv, d, dt, ps = 32, 8, 128, BF16, 16
+    kw = dict(fixed_split_size=512) if split == "fixed_split_size" else dict(disable_split_kv=True)
+    # the target: a short query over a long KV, which the default scheduler would split
+    # differently depending on how full the GPU is
+    tb = _make_batch([37], [9000], hq, hkv, d, dt, _seed("inv-target", kind, split))
+    target = _req(tb, 0)
+    compositions = [
+        ([], []),
+        ([], [(200, 300), (1, 5000), (1000, 1000)]),
+        (_others(_seed("inv-a", kind, split), 7, 64, 16000, hq, hkv, d, dt),
+         _others(_seed("inv-b", kind, split), 12, 512, 4000, hq, hkv, d, dt)),
+        ([(1024, 4096)], [(5, 12000)]),
+    ]
+    results = []
+    for j, (before, after) in enumerate(compositions):
+        def mk(reqs, tag):
+            out = []
+            for n, r in enumerate(reqs):
+                if isinstance(r, tuple) and isinstance(r[0], int):
+                    rb = _make_batch([r[0]], [r[1]], hq, hkv, d, dt, _seed("inv-fill", kind, split, j, tag, n))
+                    r = _req(rb, 0)
+                out.append(r)
+            return out
+        reqs = mk(before, "b") + [target] + mk(after, "a")
+        pos = len(before)
+        b = _batch_from(reqs, hq, hkv, d, dt)
+        if kind == "paged":
+            pg = _paginate(b, ps, "NHD", "5d", _seed("inv-pages", kind, split, j))
+            kv_args = (pg.cache,)
+        else:
+            pg, kv_args = None, _ragged_kv(b, "NHD")
+        w = _wrapper_for(kind, "NHD")
+        _plan(w, kind, b, pg, True, **kw)
+        if j == 0:
+            if split == "disable_split_kv":
+                assert w.workspace_size() == 0, "disable_split_kv=True must not split"
+            else:
+                assert w.workspace_size() > 0, "fixed_split_size=512 must split a 9000-token KV"
+        o, lse = _run_into(w, b, kv_args)
+        r0, r1 = int(b.qo_indptr[pos]), int(b.qo_indptr[pos + 1])
+        results.append((o[r0:r1].clone(), lse[r0:r1].clone()))
+        if j == 0:
+            _check_batch(b, o, lse, True, {}, 1, f"invariance alone ({split})")
+        del b, pg, kv_args, o, lse
+    o0, lse0 = results[0]
+    for j, (oj, lsej) in enumerate(results[1:], 1):
+        assert torch.equal(oj, o0), f"{split}: output of the request differs in batch {j} from the request alone"
+        assert torch.equal(lsej, lse0), f"{split}: lse of the request differs in batch {j} from the request alone"
+
+
+# ---------------------------------------------------------------------------------------
+# Reuse: one plan, many runs (layers); re-planning to other shapes
+# ---------------------------------------------------------------------------------------
+@pytest.mark.parametrize("kind", ["paged", "ragged"])
+def test_plan_once_run_per_layer_then_replan(kind):
+    w = _wrapper_for(kind, "NHD")
+    for shape_id, (qo_max, kv_max, batch, causal) in enumerate([(200, 2000, 9, True), (50, 6000, 30, False),
+                                                                  (1024, 1024, 2, True)]):
+        qo, kv = _lens(_seed("layers", kind, shape_id), batch, qo_max, kv_max, "append")
+        layers = []
+        for layer in range(3):
+            b = _make_batch(qo, kv, 16, 4, 128, F16, _seed("layers", kind, shape_id, layer))
+            if kind == "paged":
+                pg = _paginate(b, 16, "NHD", "5d", _seed("layers-pages", kind, shape_id))  # same table per layer
+                layers.append((b, pg, (pg.cache,)))
+            else:
+                layers.append((b, None, _ragged_kv(b, "NHD")))
+        b0, pg0, _ = layers[0]
+        _plan(w, kind, b0, pg0, causal)
+        for layer, (b, _pg, kv_args) in enumerate(layers):
+            o, lse = _run_into(w, b, kv_args)
+            _check_batch(b, o, lse, causal, {}, layer, f"shape {shape_id} layer {layer}", budget=1 << 22)
+
+
+# ---------------------------------------------------------------------------------------
+# Index arrays: device tensors, CPU tensors and numpy give the same plan (bitwise results)
+# ---------------------------------------------------------------------------------------
+@pytest.mark.parametrize("kind", ["paged", "ragged"])
+def test_device_and_host_index_arrays_agree(kind):
+    qo, kv = _lens(_seed("idx", kind), 13, 300, 5000, "mixed")
+    b = _make_batch(qo, kv, 32, 8, 128, BF16, _seed("idx-data", kind))
+    if kind == "paged":
+        pg = _paginate(b, 16, "HND", "5d", _seed("idx-pages"))
+        arrays = [b.qo_indptr, pg.kv_indptr, pg.indices, pg.last]
+        kv_args = (pg.cache,)
+        tail = (b.hq, b.hkv, b.d, 16)
+        w = _paged_wrapper("HND")
+    else:
+        arrays = [b.qo_indptr, b.kv_tok_indptr]
+        kv_args = _ragged_kv(b, "NHD")
+        tail = (b.hq, b.hkv, b.d)
+        w = _ragged_wrapper("NHD")
+    variants = {
+        "numpy": arrays,
+        "cuda": [torch.as_tensor(a, dtype=torch.int32, device=DEV) for a in arrays],
+        "cpu": [torch.as_tensor(a, dtype=torch.int32) for a in arrays],
+    }
+    snaps = [a.clone() for a in variants["cuda"]]
+    results = {}
+    for name, arrs in variants.items():
+        w.plan(*arrs, *tail, causal=True, q_data_type=BF16)
+        results[name] = _run_into(w, b, kv_args)
+    assert all(torch.equal(a, s) for a, s in zip(variants["cuda"], snaps)), "plan() modified an index tensor"
+    for name in ("cuda", "cpu"):
+        assert torch.equal(results[name][0], results["numpy"][0]), f"o differs: {name} vs numpy index arrays"
+        assert torch.equal(results[name][1], results["numpy"][1]), f"lse differs: {name} vs numpy index arrays"
+    _check_batch(b, *results["cuda"], True, {}, 3, "device index arrays")
+
+
+# ---------------------------------------------------------------------------------------
+# out= / lse= handling
+# ---------------------------------------------------------------------------------------
+@pytest.mark.parametrize("kind", ["paged", "ragged"])
+def test_out_and_lse_buffers_honoured(kind):
+    b, pg, kv_args = _build(("outbuf", kind), kind, 6, 100, 700, "append", [], 16, 16, 4, 128, "fp16", "NHD",
+                            "5d")
+    w = _wrapper_for(kind, "NHD")
+    _plan(w, kind, b, pg, True)
+    out, lse = _poisoned(b)
+    r = w.run(b.q, *kv_args, out=out)
+    torch.cuda.synchronize()
+    assert r is out
+    _check_batch(b, out, None, True, {}, 0, "out= only")
+
+    r_o, r_lse = w.run(b.q, *kv_args, lse=lse, return_lse=True)
+    torch.cuda.synchronize()
+    assert r_lse is lse
+    _check_batch(b, r_o, lse, True, {}, 0, "lse= only")
+
+    out.fill_(NAN)
+    lse.fill_(NAN)
+    r_o, r_lse = w.run_return_lse(b.q, *kv_args, out=out, lse=lse)
+    torch.cuda.synchronize()
+    assert r_o is out and r_lse is lse
+    _check_batch(b, out, lse, True, {}, 0, "run_return_lse out= and lse=")
+
+    # lse= without return_lse: only o comes back, and the buffer is filled (FlashInfer)
+    out.fill_(NAN)
+    lse.fill_(NAN)
+    r = w.run(b.q, *kv_args, out=out, lse=lse)
+    torch.cuda.synchronize()
+    assert r is out
+    _check_batch(b, out, lse, True, {}, 0, "lse= without return_lse")
+
+
+# ---------------------------------------------------------------------------------------
+# run() rejects inputs that do not match the plan, before launching anything
+# ---------------------------------------------------------------------------------------
+def _paged_bad_runs(b, pg):
+    hq, hkv, d = b.hq, b.hkv, b.d
+    T = b.q.shape[0]
+    few = pg.store[: int(pg.indices.max())]  # one page too few for the highest planned index
+    return [
+        ("q_rows", (_randn((T + 1, hq, d), F16, 1), pg.cache), {}, r"(?i)\bq\b"),
+        ("q_heads", (_randn((T, hq // 2, d), F16, 2), pg.cache), {}, r"(?i)\bq\b"),
+        ("q_head_dim", (_randn((T, hq, 64), F16, 3), pg.cache), {}, r"(?i)\bq\b"),
+        ("q_dtype", (b.q.to(BF16), pg.cache), {}, r"(?i)\bq\b|dtype"),
+        ("q_fp32", (b.q.float(), pg.cache), {}, r"(?i)\bq\b|dtype"),
+        ("q_cpu", (b.q.cpu(), pg.cache), {}, r"(?i)\bq\b|cuda|device"),
+        ("too_few_pages", (b.q, few), {}, r"(?i)page"),
+        ("too_few_pages_tuple", (b.q, (few[:, 0], few[:, 1])), {}, r"(?i)page"),
+        ("page_size", (b.q, _randn((pg.num_pages, 2, 8, hkv, d), F16, 4)), {}, r"(?i)paged_kv_cache|shape"),
+        ("cache_heads", (b.q, _randn((pg.num_pages, 2, 16, hkv * 2, d), F16, 5)), {}, r"(?i)paged_kv_cache|shape"),
+        ("cache_dtype", (b.q, pg.store.to(BF16)), {}, r"(?i)dtype|paged_kv_cache"),
+        ("cache_4d", (b.q, pg.store[:, 0]), {}, r"(?i)paged_kv_cache|shape"),
+        ("tuple_len", (b.q, (pg.store[:, 0],)), {}, r"(?i)tuple|paged_kv_cache"),
+        ("tuple_v_shape", (b.q, (pg.store[:, 0], pg.store[:-1, 1])), {}, r"(?i)v_cache|shape"),
+        ("out_shape", (b.q, pg.cache), {"out": torch.empty((T, hq, d // 2), dtype=F16, device=DEV)}, r"(?i)\bout\b"),
+        ("out_dtype", (b.q, pg.cache), {"out": torch.empty((T, hq, d), dtype=BF16, device=DEV)}, r"(?i)\bout\b"),
+        ("lse_shape", (b.q, pg.cache), {"lse": torch.empty((hq, T), dtype=torch.float32, device=DEV),
+                                        "return_lse": True}, r"(?i)\blse\b"),
+        ("lse_dtype", (b.q, pg.cache), {"lse": torch.empty((T, hq), dtype=F16, device=DEV),
+                                        "return_lse": True}, r"(?i)\blse\b"),
+    ]
+
+
+def test_paged_run_rejects_mismatched_inputs_before_launch():
+    qo, kv = [40, 0, 77, 5], [300, 10, 1000, 0]
+    b = _make_batch(qo, kv, 16, 4, 128, F16, _seed("badrun"))
+    pg = _paginate(b, 16, "NHD", "5d", _seed("badrun-pages"), extra_pages=5)
+    assert int(pg.indices.max()) >= 1
+    w = _paged_wrapper("NHD")
+    _plan_paged(w, b, pg, True)
+    good_o, good_lse = _run_into(w, b, (pg.cache,))
+    _check_batch(b, good_o, good_lse, True, {}, 0, "before bad runs")
+    for name, args, kw, pattern in _paged_bad_runs(b, pg):
+        out, lse = _poisoned(b)
+        kw = dict(kw)
+        kw.setdefault("out", out)
+        if "lse" not in kw:
+            kw["lse"], kw["return_lse"] = lse, True
+        with pytest.raises((ValueError, TypeError), match=pattern):
+            w.run(*args, **kw)
+        torch.cuda.synchronize()
+        # nothing was launched: the (valid) poisoned buffers are untouched
+        assert torch.isnan(out).all() and torch.isnan(lse).all(), f"{name}: a kernel ran before the error"
+        # and the wrapper keeps working with the same plan: the same bits as before
+        o, l2 = _run_into(w, b, (pg.cache,))
+        assert torch.equal(o, good_o) and torch.equal(l2, good_lse), f"after {name}"
+
+
+def test_ragged_run_rejects_mismatched_inputs_before_launch():
+    qo, kv = [40, 0, 77, 5], [300, 10, 1000, 0]
+    b = _make_batch(qo, kv, 16, 4, 128, BF16, _seed("badrun-ragged"))
+    w = _ragged_wrapper("NHD")
+    _plan_ragged(w, b, False)
+    good_o, good_lse = _run_into(w, b, (b.k, b.v))
+    _check_batch(b, good_o, good_lse, False, {}, 0, "before bad runs")
+    T, K = b.q.shape[0], b.k.shape[0]
+    bad = [
+        ("q_rows", (b.q[:-1], b.k, b.v), r"(?i)\bq\b"),
+        ("q_dtype", (b.q.to(F16), b.k, b.v), r"(?i)\bq\b|dtype"),
+        ("k_rows", (b.q, b.k[:-1], b.v), r"(?i)\bk\b"),
+        ("v_rows", (b.q, b.k, torch.cat([b.v, b.v[:1]])), r"(?i)\bv\b"),
+        ("k_heads", (b.q, _randn((K, 8, 128), BF16, 1), b.v), r"(?i)\bk\b"),
+        ("k_dtype", (b.q, b.k.to(F16), b.v), r"(?i)\bk\b|dtype"),
+        ("kv_layout", (b.q, b.k.transpose(0, 1), b.v.transpose(0, 1)), r"(?i)\bk\b"),
+        ("k_cpu", (b.q, b.k.cpu(), b.v), r"(?i)\bk\b|cuda|device"),
+    ]
+    assert T > 0
+    for name, args, pattern in bad:
+        out, lse = _poisoned(b)
+        with pytest.raises((ValueError, TypeError), match=pattern):
+            w.run(*args, out=out, lse=lse, return_lse=True)
+        torch.cuda.synchronize()
+        assert torch.isnan(out).all() and torch.isnan(lse).all(), f"{name}: a kernel ran before the error"
+        o, l2 = _run_into(w, b, (b.k, b.v))
+        assert torch.equal(o, good_o) and torch.equal(l2, good_lse), f"after {name}"
+
+
+def test_run_before_plan_raises():
+    w = _paged_wrapper("NHD")
+    q = _randn((4, 8, 128), F16, 0)
+    with pytest.raises(RuntimeError, match="plan"):
+        w.run(q, _randn((2, 2, 16, 8, 128), F16, 1))
+
+
+# ---------------------------------------------------------------------------------------
+# Float workspace: the exact size, the error naming it, nothing written outside the buffer
+# ---------------------------------------------------------------------------------------
+@pytest.mark.parametrize("kind", ["paged", "ragged"])
+def test_workspace_too_small_names_the_size(kind):
+    qo, kv = [1, 4, 2, 16], [16384, 12000, 9000, 16000]
+    b = _make_batch(qo, kv, 32, 8, 128, F16, _seed("ws", kind))
+    if kind == "paged":
+        pg = _paginate(b, 16, "NHD", "5d", _seed("ws-pages"))
+        kv_args = (pg.cache,)
+        mk = pyflashattn.BatchPrefillWithPagedKVCacheWrapper
+    else:
+        pg, kv_args = None, (b.k, b.v)
+        mk = pyflashattn.BatchPrefillWithRaggedKVCacheWrapper
+
+    big = mk(_workspace(), "NHD")
+    _plan(big, kind, b, pg, True)
+    need = big.workspace_size()
+    assert need > 0, "this batch should be split (it needs a float workspace)"
+    o_big, lse_big = _run_into(big, b, kv_args)
+
+    tiny = mk(torch.empty(4096, dtype=torch.uint8, device=DEV), "NHD")
+    with pytest.raises(ValueError) as e:
+        _plan(tiny, kind, b, pg, True)
+    msg = re.sub(r"(?<=\d)[,_](?=\d)", "", str(e.value))
+    assert str(need) in msg, f"the error should name the needed size {need}: {e.value}"
+    # the same wrapper keeps working: a plan that needs no workspace fits
+    _plan(tiny, kind, b, pg, True, disable_split_kv=True)
+    assert tiny.workspace_size() == 0
+    o_ns, lse_ns = _run_into(tiny, b, kv_args)
+    _check_batch(b, o_ns, lse_ns, True, {}, 0, "disable_split_kv with a tiny workspace")
+
+    # exactly `need` bytes, at an offset inside a sentinel-filled buffer: enough, and nothing is
+    # written outside it
+    pad = 4096
+    backing = torch.full((need + 2 * pad,), 0xA5, dtype=torch.uint8, device=DEV)
+    exact = mk(backing[pad:pad + need], "NHD")
+    _plan(exact, kind, b, pg, True)
+    assert exact.workspace_size() == need
+    o_ex, lse_ex = _run_into(exact, b, kv_args)
+    assert torch.equal(o_ex, o_big) and torch.equal(lse_ex, lse_big), "same plan, another workspace: other bits"
+    assert torch.all(backing[:pad] == 0xA5) and torch.all(backing[pad + need:] == 0xA5), \
+        "the kernel wrote outside the float workspace it was given"
+    _check_batch(b, o_ex, lse_ex, True, {}, 0, "exact workspace")
+
+    # reset_workspace_buffer: too small for the current plan -> ValueError; big enough -> works
+    with pytest.raises(ValueError):
+        exact.reset_workspace_buffer(torch.empty(need // 2, dtype=torch.uint8, device=DEV),
+                                     torch.empty(8 << 20, dtype=torch.uint8, device=DEV))
+    exact.reset_workspace_buffer(torch.empty(need + 512, dtype=torch.uint8, device=DEV),
+                                 torch.empty(8 << 20, dtype=torch.uint8, device=DEV))
+    o_r, lse_r = _run_into(exact, b, kv_args)
+    assert torch.equal(o_r, o_big) and torch.equal(lse_r, lse_big)
+
+
+# ---------------------------------------------------------------------------------------
+# CUDA graphs: capture run() once, re-plan with other lengths (within capacity), replay
+# ---------------------------------------------------------------------------------------
+def _capture(fn):
+    s = torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(s):
+        fn()  # warm-up outside capture (first run after a plan orders after its copy)
+    torch.cuda.current_stream().wait_stream(s)
+    torch.cuda.synchronize()
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        fn()
+    torch.cuda.synchronize()
+    return g
+
+
+def _graph_rounds():
+    """(qo_lens, kv_lens, causal-compatible) per plan; the first fixes the capacity (8 requests,
+    511 query tokens); later ones change batch size, lengths, pages and the split pattern."""
+    return [
+        ([70, 1, 129, 33, 0, 256, 5, 17], [700, 4000, 129, 2000, 50, 300, 9000, 17]),
+        ([3, 200, 1, 100, 2], [12000, 250, 8000, 3000, 0]),  # fewer requests, longer KV
+        ([111, 100, 100, 100, 100], [111, 150, 90, 100, 1]),  # causal kv < qo rows, short KV
+        ([511], [600]),  # one request using the whole token capacity
+        ([60, 61, 62, 63, 64, 65, 66, 70], [1, 2, 3, 4, 5, 6, 7, 8000]),  # full batch again
+    ]
+
+
+def test_cuda_graph_paged_replay_after_replan():
+    hq, hkv, d, ps, dt, layout = 32, 8, 128, 16, F16, "HND"
+    max_batch, max_pages, pool = 8, 2048, 2400
+    causal = True
+    store = _randn((pool, 2, hkv, ps, d), dt, _seed("graph-cache"), GARBAGE_SCALE)
+    nhd_view = store.permute(0, 1, 3, 2, 4)
+    bufs = dict(qo_indptr_buf=torch.empty(max_batch + 1, dtype=torch.int32, device=DEV),
+                paged_kv_indptr_buf=torch.empty(max_batch + 1, dtype=torch.int32, device=DEV),
+                paged_kv_indices_buf=torch.empty(max_pages, dtype=torch.int32, device=DEV),
+                paged_kv_last_page_len_buf=torch.empty(max_batch, dtype=torch.int32, device=DEV))
+    w = pyflashattn.BatchPrefillWithPagedKVCacheWrapper(_workspace(), layout, use_cuda_graph=True, **bufs)
+    rounds = _graph_rounds()
+    T = sum(rounds[0][0])
+    q_static = torch.empty((T, hq, d), dtype=dt, device=DEV)
+    out = torch.full((T, hq, d), NAN, dtype=dt, device=DEV)
+    lse = torch.full((T, hq), NAN, dtype=torch.float32, device=DEV)
+    g = None
+    for j, (qo, kv) in enumerate(rounds):
+        b = _make_batch(qo, kv, hq, hkv, d, dt, _seed("graph-paged", j))
+        rng = np.random.default_rng(_seed("graph-pages", j))
+        kv_indptr, indices, last = _page_table(kv, ps, rng.permutation(pool))
+        assert len(indices) <= max_pages
+        _write_pages(nhd_view, b, ps, kv_indptr, indices)
+        n = b.q.shape[0]
+        q_static[:n].copy_(b.q)
+        w.plan(b.qo_indptr, kv_indptr, indices, last, hq, hkv, d, ps, causal=causal, q_data_type=dt)
+        out.fill_(NAN)
+        lse.fill_(NAN)
+        if g is None:
+            g = _capture(lambda: w.run(q_static, store, out=out, lse=lse, return_lse=True))
+            out.fill_(NAN)
+            lse.fill_(NAN)
+        g.replay()
+        torch.cuda.synchronize()
+        _check_batch(b, out[:n], lse[:n], causal, {}, j, f"graph replay {j}", budget=1 << 23)
+        # and the same as a fresh wrapper without graphs
+        pg = SimpleNamespace(kv_indptr=kv_indptr, indices=indices, last=last, page_size=ps)
+        fresh = _paged_wrapper(layout)
+        _plan_paged(fresh, b, pg, causal)
+        o_f, lse_f = fresh.run(b.q, store, return_lse=True)
+        assert_close(out[:n], to_numpy_f64(o_f), what=f"replay {j} vs fresh o", **O_TOL[dt])
+        assert_close(lse[:n], to_numpy_f64(lse_f), what=f"replay {j} vs fresh lse", **LSE_TOL[dt])
+
+
+def test_cuda_graph_ragged_replay_after_replan():
+    hq, hkv, d, dt = 16, 4, 128, BF16
+    max_batch = 8
+    causal = True
+    w = pyflashattn.BatchPrefillWithRaggedKVCacheWrapper(
+        _workspace(), "NHD", use_cuda_graph=True,
+        qo_indptr_buf=torch.empty(max_batch + 1, dtype=torch.int32, device=DEV),
+        kv_indptr_buf=torch.empty(max_batch + 1, dtype=torch.int32, device=DEV))
+    rounds = _graph_rounds()
+    T = sum(rounds[0][0])
+    K = max(sum(kv) for _, kv in rounds)
+    # the first plan sets k/v's shape (run() checks it), so make its total KV the largest
+    qo0, kv0 = rounds[0]
+    kv0 = kv0[:-1] + [kv0[-1] + K - sum(kv0)]
+    rounds[0] = (qo0, kv0)
+    q_static = torch.empty((T, hq, d), dtype=dt, device=DEV)
+    k_static = _randn((K, hkv, d), dt, _seed("graph-k"), GARBAGE_SCALE)
+    v_static = _randn((K, hkv, d), dt, _seed("graph-v"), GARBAGE_SCALE)
+    out = torch.full((T, hq, d), NAN, dtype=dt, device=DEV)
+    lse = torch.full((T, hq), NAN, dtype=torch.float32, device=DEV)
+    g = None
+    for j, (qo, kv) in enumerate(rounds):
+        b = _make_batch(qo, kv, hq, hkv, d, dt, _seed("graph-ragged", j))
+        n, m = b.q.shape[0], b.k.shape[0]
+        q_static[:n].copy_(b.q)
+        k_static[:m].copy_(b.k)
+        v_static[:m].copy_(b.v)
+        _plan_ragged(w, b, causal)
+        out.fill_(NAN)
+        lse.fill_(NAN)
+        if g is None:
+            g = _capture(lambda: w.run(q_static, k_static, v_static, out=out, lse=lse, return_lse=True))
+            out.fill_(NAN)
+            lse.fill_(NAN)
+        g.replay()
+        torch.cuda.synchronize()
+        _check_batch(b, out[:n], lse[:n], causal, {}, j, f"ragged graph replay {j}", budget=1 << 23)
+        fresh = _ragged_wrapper("NHD")
+        _plan_ragged(fresh, b, causal)
+        o_f, lse_f = fresh.run(b.q, b.k, b.v, return_lse=True)
+        assert_close(out[:n], to_numpy_f64(o_f), what=f"replay {j} vs fresh o", **O_TOL[dt])
+        assert_close(lse[:n], to_numpy_f64(lse_f), what=f"replay {j} vs fresh lse", **LSE_TOL[dt])
+
+
+def _graph_paged_wrapper(max_batch, max_pages):
+    return pyflashattn.BatchPrefillWithPagedKVCacheWrapper(
+        _workspace(), "NHD", use_cuda_graph=True,
+        qo_indptr_buf=torch.empty(max_batch + 1, dtype=torch.int32, device=DEV),
+        paged_kv_indptr_buf=torch.empty(max_batch + 1, dtype=torch.int32, device=DEV),
+        paged_kv_indices_buf=torch.empty(max_pages, dtype=torch.int32, device=DEV),
+        paged_kv_last_page_len_buf=torch.empty(max_batch, dtype=torch.int32, device=DEV))
+
+
+def _graph_plan_args(qo, kv, ps=16, seed=0):
+    rng = np.random.default_rng(seed)
+    kv_indptr, indices, last = _page_table(kv, ps, rng.permutation(4096))
+    return (_indptr(qo), kv_indptr, indices, last, 8, 2, 128, ps)
+
+
+def test_cuda_graph_capacity_errors_then_recover():
+    w = _graph_paged_wrapper(max_batch=4, max_pages=32)
+    # the first plan fixes the token capacity: 100
+    w.plan(*_graph_plan_args([40, 30, 20, 10], [200, 100, 60, 40]), causal=True)  # 13+7+4+3 = 27 pages
+    with pytest.raises(ValueError, match=r"(?i)batch|capacity"):  # 5 requests > 4
+        w.plan(*_graph_plan_args([10, 10, 10, 10, 10], [16, 16, 16, 16, 16]), causal=True)
+    with pytest.raises(ValueError, match=r"(?i)page|indices|capacity"):  # 33 pages > 32
+        w.plan(*_graph_plan_args([1, 1, 1, 1], [16 * 9, 16 * 8, 16 * 8, 16 * 8]), causal=True)
+    with pytest.raises(ValueError, match=r"(?i)token|capacity"):  # 101 query tokens > 100
+        w.plan(*_graph_plan_args([41, 30, 20, 10], [200, 100, 60, 40]), causal=True)
+    # within capacity, after the errors: plan and run, correct
+    qo, kv = [50, 0, 50], [16 * 20, 7, 60]  # 100 tokens, 20 + 1 + 4 = 25 pages
+    b = _make_batch(qo, kv, 8, 2, 128, F16, _seed("graph-recover"))
+    pg = _paginate(b, 16, "NHD", "5d", _seed("graph-recover-pages"))
+    assert len(pg.indices) <= 32
+    _plan_paged(w, b, pg, True)
+    o, lse = _run_into(w, b, (pg.cache,))
+    _check_batch(b, o, lse, True, {}, 0, "graph wrapper after capacity errors")
+
+
+def test_cuda_graph_failed_first_plan_fixes_no_capacity():
+    # A plan() that raised must leave no trace: the capacity is fixed by the first plan that
+    # succeeds, not by a rejected one with fewer tokens.
+    w = _graph_paged_wrapper(max_batch=4, max_pages=32)
+    with pytest.raises(ValueError, match=r"(?i)batch|capacity"):
+        w.plan(*_graph_plan_args([1, 1, 1, 1, 1], [16, 16, 16, 16, 16]), causal=True)  # 5 tokens, 5 requests
+    qo, kv = [50, 0, 50], [16 * 20, 7, 60]
+    b = _make_batch(qo, kv, 8, 2, 128, F16, _seed("graph-first-fail"))
+    pg = _paginate(b, 16, "NHD", "5d", _seed("graph-first-fail-pages"))
+    _plan_paged(w, b, pg, True)
+    o, lse = _run_into(w, b, (pg.cache,))
+    _check_batch(b, o, lse, True, {}, 0, "graph wrapper after a failed first plan")
+
+
+def test_cuda_graph_first_plan_with_more_pages_than_the_buffer_raises():
+    w = _graph_paged_wrapper(max_batch=4, max_pages=32)
+    with pytest.raises(ValueError, match=r"(?i)page|indices|capacity"):
+        w.plan(*_graph_plan_args([1, 1, 1, 1], [16 * 9, 16 * 8, 16 * 8, 16 * 8]), causal=True)  # 33 pages
+
+
+def test_cuda_graph_ragged_batch_capacity():
+    w = pyflashattn.BatchPrefillWithRaggedKVCacheWrapper(
+        _workspace(), "NHD", use_cuda_graph=True,
+        qo_indptr_buf=torch.empty(3, dtype=torch.int32, device=DEV),
+        kv_indptr_buf=torch.empty(3, dtype=torch.int32, device=DEV))
+    w.plan(_indptr([5, 5]), _indptr([5, 5]), 8, 2, 128, causal=True)
+    with pytest.raises(ValueError, match=r"(?i)batch|capacity"):
+        w.plan(_indptr([1, 1, 1]), _indptr([5, 5, 5]), 8, 2, 128, causal=True)
+    with pytest.raises(ValueError, match=r"(?i)token|capacity"):
+        w.plan(_indptr([5, 6]), _indptr([5, 6]), 8, 2, 128, causal=True)
+    b = _make_batch([4, 6], [9, 6], 8, 2, 128, F16, _seed("graph-ragged-cap"))
+    _plan_ragged(w, b, True)
+    o, lse = _run_into(w, b, (b.k, b.v))
+    _check_batch(b, o, lse, True, {}, 0, "ragged graph wrapper after capacity errors")
