@@ -46,7 +46,8 @@ class PrefillVariant:
 
     @property
     def smem_bytes(self):
-        return (self.block_m + 2 * self.stages * self.block_n) * self.head_dim * 2
+        # + the paged kernels' page-id staging (PrefillSm80::MAX_PAGE_IDS int32 entries)
+        return (self.block_m + 2 * self.stages * self.block_n) * self.head_dim * 2 + (2048 * 4 if self.paged else 0)
 
     def source(self):
         return ('#include "pfa/attention/prefill_sm80.cuh"\n'

@@ -243,7 +243,7 @@ class _BatchPrefillBase:
             mi = arrays["merge_indptr"]
             arrays["merge_indptr"] = np.concatenate([mi, np.full(cap["max_total_q"] + 1 - mi.size, mi[-1], np.int32)])
         s = _plan_stream(stream, self._dev)
-        ptrs = self._staging.upload(arrays, s, self._graph_layout(arrays) if cap else None)
+        ptrs = self._staging.upload(arrays, s, self._graph_layout(arrays, cap) if cap else None)
         self._plan_stream, self._pending_copy = s, True
 
         p = la.params
@@ -281,6 +281,8 @@ class _BatchPrefillBase:
         self._shape = (total_q, num_qo_heads, num_kv_heads, head_dim)
         self._point_workspace()
         self._planned = True
+        if cap is not None:
+            self._capacity = cap
         self._fast_key = None  # run()'s validated-signature cache belongs to one plan
         return plan
 
@@ -303,10 +305,12 @@ class _BatchPrefillBase:
     _pending_copy = False
 
     def _graph_capacity(self, B, total_q):
-        if self._capacity is None:
-            self._capacity = {"max_batch": self._max_batch, "max_total_q": max(total_q, self._max_total_q_hint()),
-                              "max_work": None}
+        # The first plan that succeeds fixes the token capacity; a rejected plan leaves no trace
+        # (the dict is only stored on self at the end of a successful plan()).
         cap = self._capacity
+        if cap is None:
+            cap = {"max_batch": self._max_batch, "max_total_q": max(total_q, self._max_total_q_hint()),
+                   "max_work": None}
         if B > cap["max_batch"]:
             raise ValueError(f"batch size {B} exceeds the CUDA-graph capacity {cap['max_batch']} "
                              "(the length of qo_indptr_buf - 1)")
@@ -318,10 +322,9 @@ class _BatchPrefillBase:
     def _max_total_q_hint(self):
         return 0
 
-    def _graph_layout(self, arrays):
+    def _graph_layout(self, arrays, cap):
         """Fixed offsets for CUDA-graph mode: every array gets its capacity's room, so device
         addresses never change between plans."""
-        cap = self._capacity
         if "layout" not in cap:
             sizes = {name: a.size for name, a in arrays.items()}
             # Room for the largest arrays a plan within capacity can produce.
@@ -558,6 +561,9 @@ class BatchPrefillWithPagedKVCacheWrapper(_BatchPrefillBase):
             raise ValueError(f"paged_kv_last_page_len must be in [1, page_size={page_size}] for requests with pages")
         if idx[:ind[-1]].size and idx[:ind[-1]].min() < 0:
             raise ValueError("paged_kv_indices must be >= 0")
+        if self._use_cuda_graph and ind[-1] > self._max_pages:
+            raise ValueError(f"the plan uses {ind[-1]} pages but paged_kv_indices_buf holds {self._max_pages} "
+                             "(the CUDA-graph capacity)")
         kv_lens = np.where(has, (pages - 1) * page_size + np.where(has, last, 0), 0).astype(np.int64)
         self._max_page = int(idx[:ind[-1]].max()) if ind[-1] else -1
         self._page_size = int(page_size)

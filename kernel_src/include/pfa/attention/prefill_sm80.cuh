@@ -29,7 +29,11 @@ struct PrefillSm80 {
   static constexpr int KSTEPS = HEAD_DIM / 16;
   static constexpr int NTILES = BLOCK_N / 8;
   static constexpr int DTILES = HEAD_DIM / 8;
-  static constexpr int SMEM_BYTES = (BLOCK_M + 2 * KV_STAGES * BLOCK_N) * HEAD_DIM * (int)sizeof(T);
+  // Paged KV: the page ids of a CTA's whole KV range are staged in shared memory once, so no
+  // tile load waits on a dependent global read of the page table (falls back beyond this).
+  static constexpr int MAX_PAGE_IDS = 2048;
+  static constexpr int KV_SMEM_BYTES = (BLOCK_M + 2 * KV_STAGES * BLOCK_N) * HEAD_DIM * (int)sizeof(T);
+  static constexpr int SMEM_BYTES = KV_SMEM_BYTES + (PAGED ? MAX_PAGE_IDS * 4 : 0);
   static_assert(KV_STAGES >= 1 && KV_STAGES <= 4, "KV_STAGES: 1 = FA2 interleave, >= 2 = K/V ring");
   static_assert(HEAD_DIM % 64 == 0, "the XOR swizzle needs at least 8 chunks per row");
   static_assert(BLOCK_N % 16 == 0, "BLOCK_N must be a multiple of 16");
@@ -171,13 +175,30 @@ struct PrefillSm80 {
     // Row addresses are recomputed from the (constant-bank) params at each load rather than
     // kept live across the loop: registers are the scarce resource here. Paged KV looks up the
     // page of every row (page_shift: power-of-two page sizes avoid the division).
+    int first_page = 0;
+    bool ids_in_smem = false;
+    const int32_t* s_pages = reinterpret_cast<const int32_t*>(smem + KV_SMEM_BYTES);
+    if constexpr (PAGED) {
+      if (num_tiles > 0) {
+        const int load_end = min(kv_len, tile_start + num_tiles * BLOCK_N);  // rows any tile loads
+        first_page = tile_start / p.page_size;
+        const int n_ids = (load_end - 1) / p.page_size - first_page + 1;
+        ids_in_smem = n_ids <= MAX_PAGE_IDS;
+        if (ids_in_smem) {
+          const int32_t* pages = reinterpret_cast<const int32_t*>(p.kv_page_indices) + page_base + first_page;
+          for (int i = tid; i < n_ids; i += THREADS) reinterpret_cast<int32_t*>(smem + KV_SMEM_BYTES)[i] = pages[i];
+          __syncthreads();
+        }
+      }
+    }
     auto kv_row = [&](const T* base, int64_t stride_page, int64_t stride_n, int t) -> const T* {
       if constexpr (PAGED) {
-        const int32_t* pages = reinterpret_cast<const int32_t*>(p.kv_page_indices) + page_base;
         const int sh = p.page_shift;
         const int pg = sh >= 0 ? t >> sh : t / p.page_size;
         const int slot = sh >= 0 ? t & (p.page_size - 1) : t - pg * p.page_size;
-        return base + (int64_t)pages[pg] * stride_page + (int64_t)slot * stride_n;
+        const int id = ids_in_smem ? s_pages[pg - first_page]
+                                   : reinterpret_cast<const int32_t*>(p.kv_page_indices)[page_base + pg];
+        return base + (int64_t)id * stride_page + (int64_t)slot * stride_n;
       } else {
         return base + (kv_row0 + t) * stride_n;
       }
