@@ -100,6 +100,7 @@ class _Staging:
         self.host = int(_cuda.check(cu.cuMemHostAlloc(size, 0), "cuMemHostAlloc"))
         self.device = _cuda.mem_alloc(size)
         self.size, self.fixed = size, fixed
+        self.host_view = np.ctypeslib.as_array((ctypes.c_uint8 * size).from_address(self.host))
 
     def _wait(self):
         if self.event is not None:
@@ -117,10 +118,10 @@ class _Staging:
             total = layout["__end__"]
         self.reserve(total)
         self._wait()
-        host = np.ctypeslib.as_array((ctypes.c_uint8 * self.size).from_address(self.host))
+        host = self.host_view
         for name, a in arrays.items():
             off = layout[name]
-            host[off:off + a.size * 4] = a.astype(np.int32, copy=False).view(np.uint8)
+            host[off:off + a.size * 4] = a.view(np.uint8) if a.dtype == np.int32 else a.astype(np.int32).view(np.uint8)
         cu = _cuda.driver()
         if total:
             _cuda.check(cu.cuMemcpyHtoDAsync(self.device, self.host, total, stream), "cuMemcpyHtoDAsync")

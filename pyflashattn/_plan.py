@@ -122,18 +122,23 @@ def _int_array(x, name: str) -> np.ndarray:
 
 
 # ---- KV chunk search ---------------------------------------------------------------------------
-def _search_chunk_units(tiles_f: np.ndarray, kv1_f: np.ndarray, limit: int, bn: int, u_min: int, u_max: int) -> int:
+# numpy's Python-level wrappers (np.cumsum, np.repeat, np.clip, ...) cost more than the work at
+# these sizes: the code below calls ndarray methods and ufuncs directly.
+_acc = np.add.accumulate
+_clip = np._core.umath.clip if hasattr(np, "_core") else np.core.umath.clip
+
+
+def _search_chunk_units(tiles_f, kv1_f: np.ndarray, T: int, limit: int, bn: int, u_min: int, u_max: int) -> int:
     """Smallest u in [u_min, u_max] with f(u) = sum(tiles * ceil(kv1 / (u * bn))) <= limit,
-    given f(u_max) <= limit (f is non-increasing in u).
+    given f(u_max) <= limit (f is non-increasing in u). tiles_f None means all ones.
 
     Bounds first (x <= ceil(x) < x + 1): f(u) >= W / (u bn), so u >= W / (limit bn) is
-    necessary; f(u) < W / (u bn) + T, so u >= W / ((limit - T) bn) is sufficient. The range
+    necessary; f(u) < W / (u bn) + T, so u >= W / ((limit - T) bn) is sufficient. What is
     left is searched K-ary: K candidate chunk sizes per numpy pass ([B, K] division + ceil +
-    one mat-vec), exact in float64 (all values < 2**53, and IEEE division of integers is
-    exact whenever the quotient is an integer, so ceil never rounds up a whole quotient).
+    one reduction), exact in float64 (all values < 2**53, and IEEE division of integers is
+    exact whenever the quotient is an integer, so ceil never rounds a whole quotient up).
     """
-    T = int(tiles_f.sum())
-    W = int(tiles_f @ kv1_f)
+    W = int(kv1_f.sum() if tiles_f is None else tiles_f @ kv1_f)
     lo = max(u_min, -(-W // (limit * bn)))
     hi = u_max
     if limit > T:
@@ -142,19 +147,18 @@ def _search_chunk_units(tiles_f: np.ndarray, kv1_f: np.ndarray, limit: int, bn: 
     col = kv1_f[:, None]
     while lo < hi:  # invariant: f(hi) <= limit, and f(u) > limit for every u < lo
         step = -(-(hi - lo) // k)
-        cand = np.arange(lo, hi, step, dtype=np.float64)  # <= k candidates, cand[0] = lo
-        q = np.divide(col, cand * bn)
+        cand = np.arange(lo * bn, hi * bn, step * bn, dtype=np.float64)  # <= k sizes, cand[0] = lo * bn
+        q = col / cand
         np.ceil(q, out=q)
-        f = tiles_f @ q
+        f = q.sum(0) if tiles_f is None else tiles_f @ q
         i = int(np.count_nonzero(f > limit))  # f is non-increasing: the infeasible ones come first
         if i == cand.size:
-            lo = int(cand[-1]) + 1
+            lo = int(cand[-1]) // bn + 1
         else:
-            hi = int(cand[i])
-            if i:
-                lo = int(cand[i - 1]) + 1
-            else:
+            hi = int(cand[i]) // bn
+            if not i:
                 return hi
+            lo = int(cand[i - 1]) // bn + 1
     return hi
 
 
@@ -209,6 +213,7 @@ def plan_prefill(qo_indptr, kv_lens, *, group_size, num_kv_heads, block_m, block
     if fixed_split_size is not None:
         fss = _pos_int(fixed_split_size, "fixed_split_size")
     causal = bool(causal)
+    window = wl >= 0
 
     qo = _int_array(qo_indptr, "qo_indptr")
     kv = _int_array(kv_lens, "kv_lens")
@@ -246,8 +251,11 @@ def plan_prefill(qo_indptr, kv_lens, *, group_size, num_kv_heads, block_m, block
             raise ValueError(f"{total_q} query tokens exceed graph_capacity['max_total_q'] = {cap_q}")
 
     rows = qo_lens * g if g != 1 else qo_lens
-    tiles = (rows + (bm - 1)) // bm
+    tiles = rows + (bm - 1)
+    tiles //= bm
     T = int(tiles.sum())
+    # decode-like: every request has exactly one q tile (then q tile index = 0, item = request)
+    one_tile = T == B and (B == 0 or int(tiles.max()) == 1)
     limit = budget // hkv
     if cap is not None:
         if cap_w is not None:
@@ -273,20 +281,19 @@ def plan_prefill(qo_indptr, kv_lens, *, group_size, num_kv_heads, block_m, block
         if T == 0 or T > search_limit or max_units <= min_units:
             chunk = max_chunk
         else:
-            if T == B:  # every request has exactly one tile
-                t_f, kv_f = tiles.astype(np.float64), kv.astype(np.float64)
-            else:
-                act = tiles > 0
-                t_f, kv_f = tiles[act].astype(np.float64), kv[act].astype(np.float64)
+            # requests without queries weigh 0 (tiles = 0)
+            t_f = None if one_tile else tiles.astype(np.float64)
+            kv_f = kv.astype(np.float64)
             np.maximum(kv_f, 1.0, out=kv_f)
-            chunk = _search_chunk_units(t_f, kv_f, search_limit, bn, min_units, max_units) * bn
+            chunk = _search_chunk_units(t_f, kv_f, T, search_limit, bn, min_units, max_units) * bn
     if chunk >= max_kv:
         nc = None  # one chunk per request
         N = T
     else:
-        nc = np.maximum(kv + (chunk - 1), chunk) // chunk  # ceil(max(kv, 1) / chunk) >= 1
-        items = tiles * nc
-        N = int(items.sum())
+        nc = kv + (chunk - 1)
+        nc //= chunk
+        np.maximum(nc, 1, out=nc)  # ceil(max(kv, 1) / chunk)
+        N = int((nc if one_tile else tiles * nc).sum())
     split = N > T  # some request with queries has > 1 chunk
     if cap is not None and N > grid:
         what = "graph_capacity['max_work']" if cap_w is not None else "the CUDA-graph grid"
@@ -296,97 +303,103 @@ def plan_prefill(qo_indptr, kv_lens, *, group_size, num_kv_heads, block_m, block
     if cap is None:
         grid = N
 
-    # ---- q tiles (request-major), and the key range [lo, hi) of each: hi = causal end of the
-    # tile's last token, lo = window start of its first token (token i of a request sits at
-    # i + shift, shift = kv_len - qo_len; packed row r is token r // g) ----
-    rep = np.repeat
-    one_tile = T == B and (B == 0 or int(tiles.max()) == 1)  # decode-like: tile t = 0 of request = item
+    # ---- per q tile (request-major): the KV tiles [ltile, htile) the tile can see at all.
+    # Token i of a request sits at i + shift (shift = kv_len - qo_len; packed row r is token
+    # r // g): hi = causal end of the tile's last token, lo = window start of its first token;
+    # htile = ceil(min(hi, kv) / bn) >= 0, ltile = floor(max(lo, 0) / bn). ----
+    kvt = kv + (bn - 1)
+    kvt //= bn
+    ltile = None
     if one_tile:
         req_t = first = None
-        kv_t = kv
+        htile = kvt  # the only tile holds the last token, which sees every key up to kv_len
+        if window:
+            ltile = kv - qo_lens
+            ltile -= wl
+            np.maximum(ltile, 0, out=ltile)
+            ltile //= bn
     else:
-        req_t = rep(np.arange(B, dtype=np.int32), tiles)
-        first = np.cumsum(tiles).astype(np.int32)
-        first -= tiles.astype(np.int32)  # first tile of each request
-        kv_t = rep(kv, tiles)
-    window = wl >= 0
-    hi_t, lo_t = kv_t, None
-    if causal or window:
-        shift = kv - qo_lens
-        if one_tile:
-            # the only tile holds the last token, which sees keys up to kv_len: hi = kv
+        req_t = np.arange(B, dtype=np.int32).repeat(tiles)
+        first = _acc(tiles).astype(np.int32)
+        first -= tiles.astype(np.int32)  # first tile of each request (global tile index)
+        kvt_t = kvt.repeat(tiles)
+        if causal or window:
+            shift = kv - qo_lens
+            if bm % g == 0:  # tile t holds tokens [t*s, (t+1)*s), s = bm / g, clipped by qo_len
+                sg = bm // g
+                ts = np.arange(0, T * sg, sg, dtype=np.int64)  # (global tile) * s; own tile = that - first
+                fs = first * sg
+                if causal:
+                    x = ts + (shift + (sg + bn - 1) - fs).repeat(tiles)
+                if window:
+                    lo = ts + (shift - wl - fs).repeat(tiles)
+            else:
+                t = np.arange(T, dtype=np.int64)
+                t -= first.repeat(tiles)
+                r0 = t * bm
+                if causal:
+                    x = np.minimum(r0 + bm, rows.repeat(tiles))
+                    x += g - 1
+                    x //= g
+                    x += (shift + (bn - 1)).repeat(tiles)
+                if window:
+                    lo = r0 // g
+                    lo += (shift - wl).repeat(tiles)
+            if causal:  # x = hi + bn - 1; floor division of negatives rounds down: ceil(hi / bn)
+                x //= bn
+                htile = _clip(x, 0, kvt_t, out=x)
+            else:
+                htile = kvt_t
             if window:
-                lo_t = shift - wl
-        elif bm % g == 0:  # tile t: tokens [t*s, (t+1)*s), s = bm / g (last tile clipped by kv)
-            sg = bm // g
-            ts = np.arange(T, dtype=np.int64)
-            ts *= sg  # (global tile index) * s; the request's own tile index is that - first
-            fs = first * sg
-            if causal:
-                hi_t = ts + rep(shift + sg - fs, tiles)
-                np.clip(hi_t, 0, kv_t, out=hi_t)
-            if window:
-                lo_t = ts + rep(shift - wl - fs, tiles)
+                np.maximum(lo, 0, out=lo)
+                lo //= bn
+                ltile = lo
         else:
-            t = np.arange(T, dtype=np.int64)
-            t -= rep(first, tiles)
-            r0 = t * bm
-            if causal:
-                e = np.minimum(r0 + bm, rep(rows, tiles))
-                e += g - 1
-                e //= g
-                e += rep(shift, tiles)
-                hi_t = np.clip(e, 0, kv_t)
-            if window:
-                lo_t = r0 // g
-                lo_t += rep(shift - wl, tiles)
-        if lo_t is not None:
-            np.maximum(lo_t, 0, out=lo_t)
+            htile = kvt_t
 
     # ---- work items (tile-major, chunk fastest) and the KV tiles the kernel iterates for each:
-    # ceil(hi / bn) - floor(lo / bn) when [lo, hi) is non-empty, else 0 ----
+    # chunk c covers KV tiles [c*cu, (c+1)*cu) (cu = chunk / bn), so an item iterates
+    # max(min((c+1)*cu, htile) - max(c*cu, ltile), 0) tiles (the kernel's tile-aligned count) ----
     if not split:
         it = chk = None
-        ntile = hi_t + (bn - 1)
-        ntile //= bn
-        if lo_t is not None:
-            ntile -= lo_t // bn
-            ntile *= hi_t > lo_t
+        if ltile is None:
+            ntile = htile
+        else:
+            ntile = htile - ltile
+            np.maximum(ntile, 0, out=ntile)
     else:
-        nc_t = nc if one_tile else rep(nc, tiles)
-        it = rep(np.arange(T, dtype=np.int32), nc_t)
-        fi = np.cumsum(nc_t).astype(np.int32)
-        fi -= nc_t.astype(np.int32)
-        chk = np.arange(N, dtype=np.int32)
-        chk -= rep(fi, nc_t)
-        lo = chk.astype(np.int64)
-        lo *= chunk
-        hi = np.minimum(lo + chunk, rep(hi_t, nc_t))
-        if lo_t is not None:
-            np.maximum(lo, rep(lo_t, nc_t), out=lo)
-        ntile = hi + (bn - 1)
-        ntile //= bn
-        ntile -= lo // bn
-        ntile *= hi > lo
+        cu = chunk // bn
+        nc_t = nc if one_tile else nc.repeat(tiles)
+        it = np.arange(T, dtype=np.int32).repeat(nc_t)
+        fi = _acc(nc_t)
+        fi -= nc_t
+        chk = np.arange(N, dtype=np.int64)
+        chk -= fi.take(it)
+        ccu = chk * cu
+        if ltile is None:
+            ntile = htile.take(it)
+            ntile -= ccu
+            _clip(ntile, 0, cu, out=ntile)
+        else:
+            ntile = np.minimum(ccu + cu, htile.take(it))
+            ntile -= np.maximum(ccu, ltile.take(it))
+            np.maximum(ntile, 0, out=ntile)
 
     # ---- LPT order: stable sort by KV tiles descending ----
-    if N == 0:
-        order = np.zeros(0, np.int64)
-    elif N < 256:
-        order = np.argsort(-ntile, kind="stable")
+    if N < 256:
+        order = (-ntile).argsort(kind="stable")
     else:  # numpy's stable sort is a radix sort for <= 16-bit keys
         mx = int(ntile.max())
         key = mx - ntile
-        order = np.argsort(key.astype(np.uint8 if mx < 256 else np.uint16 if mx < 65536 else np.int64),
-                           kind="stable")
-    its = order if it is None else it[order]  # tile of each item, in launch order
+        order = key.astype(np.uint8 if mx < 256 else np.uint16 if mx < 65536 else np.int64).argsort(kind="stable")
+    its = order if it is None else it.take(order)  # q tile of each item, in launch order
     if one_tile:
-        wr = its.astype(np.int32, copy=False)
+        wr = its.astype(np.int32)
         wq = None
     else:
-        wr = req_t[its]
-        wq = its - first[wr] if it is not None else (its - first[wr]).astype(np.int32)
-    wc = chk[order] if chk is not None else None
+        wr = req_t.take(its)
+        wq = its.astype(np.int32) - first.take(wr)
+    wc = chk.take(order).astype(np.int32) if chk is not None else None
     if cap is None:
         work_request = wr
         work_qtile = wq if wq is not None else np.zeros(N, np.int32)
@@ -402,29 +415,35 @@ def plan_prefill(qo_indptr, kv_lens, *, group_size, num_kv_heads, block_m, block
             work_chunk[:N] = wc
 
     # ---- partial rows (token-major, chunk fastest) and merge ranges ----
-    o_indptr = np.zeros(B + 1, np.int32)
-    merge_indptr = np.zeros(total_q + 1, np.int32)
     if split:
         cnt = nc * (nc > 1)  # partial rows per token of each request (0: written directly)
-        cs = np.cumsum(qo_lens * cnt)
-        num_partial_rows = int(cs[-1])
+        o64 = np.zeros(B + 1, np.int64)
+        _acc(qo_lens * cnt, out=o64[1:])
+        num_partial_rows = int(o64[-1])
         if num_partial_rows > _I32_MAX:
             raise ValueError(f"{num_partial_rows} partial rows exceed the int32 range; use a larger "
                              "fixed_split_size or disable_split_kv")
-        o_indptr[1:] = cs
-        # token t of request b: o_indptr[b] + (t - qo_indptr[b]) * cnt[b] (a cumsum over tokens
-        # is several times slower). int32 arithmetic may wrap in the intermediate products, but
-        # two's complement makes the result exact since it fits int32.
-        cnt32 = cnt.astype(np.int32)
-        base = o_indptr[:-1] - qo[:-1].astype(np.int32) * cnt32
-        m = merge_indptr[:-1]
-        m[:] = np.arange(total_q, dtype=np.int32)
-        m *= rep(cnt32, qo_lens)
-        m += rep(base, qo_lens)
-        merge_indptr[-1] = num_partial_rows
+        o_indptr = o64.astype(np.int32)
+        if total_q <= 2048:
+            merge_indptr = np.zeros(total_q + 1, np.int64)
+            _acc(cnt.repeat(qo_lens), out=merge_indptr[1:])
+            merge_indptr = merge_indptr.astype(np.int32)
+        else:
+            # token t of request b: o_indptr[b] + (t - qo_indptr[b]) * cnt[b] (a cumsum over many
+            # tokens is slower). int32 products may wrap, but two's complement keeps the sum exact
+            # because the result fits int32.
+            cnt32 = cnt.astype(np.int32)
+            merge_indptr = np.empty(total_q + 1, np.int32)
+            m = merge_indptr[:-1]
+            m[:] = np.arange(total_q, dtype=np.int32)
+            m *= cnt32.repeat(qo_lens)
+            m += (o_indptr[:-1] - qo[:-1].astype(np.int32) * cnt32).repeat(qo_lens)
+            merge_indptr[-1] = num_partial_rows
         num_chunks = nc.astype(np.int32)
     else:
         num_partial_rows = 0
+        o_indptr = np.zeros(B + 1, np.int32)
+        merge_indptr = np.zeros(total_q + 1, np.int32)
         num_chunks = nc.astype(np.int32) if nc is not None else np.ones(B, np.int32)
 
     # ---- a bound on partial rows for a fixed CUDA-graph workspace layout ----
@@ -459,21 +478,32 @@ def _bench():  # pragma: no cover - prints timings, asserts nothing
         print(f"  B={B:5d} {name:<38s} {best * 1e6:8.1f} us   work={p.num_work:6d} grid={p.grid:6d} "
               f"chunk={p.kv_chunk_size:6d} split={p.split} partial_rows={p.num_partial_rows}")
 
-    print("plan_prefill() microseconds (min over 60 x 50 calls); Hq=32 Hkv=8 128x64 tiles, 132 SMs x 2")
+    print("plan_prefill() microseconds (min over 60 x 50 calls); 128x64 tiles, 132 SMs x 2 CTAs")
+    print(" Hq=32 Hkv=8 (g=4):")
     for B in (64, 1024):
-        case("decode-like qo=1, kv 1K..32K", B, np.ones(B, np.int64), rng.integers(1024, 32768, B))
         case("decode-like qo=1, kv 1K..32K causal", B, np.ones(B, np.int64), rng.integers(1024, 32768, B),
+             causal=True)
+        case("spec-decode qo 1..8, kv 1K..32K causal", B, rng.integers(1, 9, B), rng.integers(1024, 32768, B),
              causal=True)
         case("mixed qo 1..64, kv 256..8K causal", B, rng.integers(1, 65, B), rng.integers(256, 8192, B),
              causal=True)
-        case("chunked prefill qo 1..512 causal", B, rng.integers(1, 513, B), rng.integers(512, 8192, B),
-             causal=True)
-        case("fixed_split_size=4096 qo 1..64 causal", B, rng.integers(1, 65, B), rng.integers(256, 32768, B),
+        case("mixed qo 1..64, kv 256..8K window 1024", B, rng.integers(1, 65, B), rng.integers(256, 8192, B),
+             causal=True, window_left=1024)
+        case("fixed_split_size=4096, qo 1..64 causal", B, rng.integers(1, 65, B), rng.integers(256, 32768, B),
              causal=True, fixed_split_size=4096)
-        case("graph mode qo=1 kv 1K..32K", B, np.ones(B, np.int64), rng.integers(1024, 32768, B),
+        case("graph mode, qo=1 kv 1K..32K", B, np.ones(B, np.int64), rng.integers(1024, 32768, B),
              graph_capacity={"max_batch": B, "max_total_q": 8 * B, "max_work": None})
+    case("chunked prefill qo 1..512 causal (8.5K items)", 1024, rng.integers(1, 513, 1024),
+         rng.integers(512, 8192, 1024), causal=True)
     for B in (1, 8):
-        case("one long decode-ish qo=16 kv 1M", B, np.full(B, 16), np.full(B, 1 << 20))
+        case("long context qo=16 kv 1M causal (split)", B, np.full(B, 16), np.full(B, 1 << 20), causal=True)
+    kw["group_size"], kw["num_kv_heads"] = 8, 1
+    print(" Hq=8 Hkv=1 (MQA-like, splits often):")
+    for B in (64, 1024):
+        case("decode-like qo=1, kv 1K..32K causal", B, np.ones(B, np.int64), rng.integers(1024, 32768, B),
+             causal=True)
+        case("spec-decode qo 1..4, kv 1K..32K causal", B, rng.integers(1, 5, B), rng.integers(1024, 32768, B),
+             causal=True)
 
 
 if __name__ == "__main__":  # pragma: no cover
