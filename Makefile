@@ -71,6 +71,7 @@ gpu-check:
 	$(MAKE) ARCHS=$(LOCAL_ARCH) TUNE=$(TUNE) -j16 2>&1 | tee $(OUT)/build.log
 	set -o pipefail; PYTHONUNBUFFERED=1 $(PYTHON) -m pytest -q -rs tests 2>&1 | tee $(OUT)/tests.log
 	set -o pipefail; PYTHONUNBUFFERED=1 $(PYTHON) -m pyflashattn.bench prefill --quick --json $(OUT)/bench.json 2>&1 | tee $(OUT)/bench.log
+	set -o pipefail; PYTHONUNBUFFERED=1 $(PYTHON) -m pyflashattn.bench_batch --quick --json $(OUT)/bench_batch.json 2>&1 | tee $(OUT)/bench_batch.log
 
 bench:
 	$(PYTHON) -m pyflashattn.bench prefill --json $(OUT)/bench.json
