@@ -223,20 +223,57 @@ struct PrefillSm80 {
       load_kv(reinterpret_cast<const T*>(p.v) + kv_head * p.v_stride_h, p.v_stride_page, p.v_stride_n, n0,
               sKV_u + (2 * stage + 1) * KV_TILE_BYTES);
     };
+    // K and V of one tile. Paged caches whose K and V share strides (one 5-D tensor, or twin
+    // tensors) resolve each row's page once for both: the per-row page arithmetic, not the
+    // bytes, is what separates paged from ragged speed.
+    const bool kv_twin = PAGED && p.k_stride_page == p.v_stride_page && p.k_stride_n == p.v_stride_n;
+    auto load_both = [&](int n0, int stage) {
+      if constexpr (PAGED) {
+        if (kv_twin) {
+          constexpr int ROW_STEP = THREADS / CPR;
+          const int chunk = tid % CPR, row0 = tid / CPR;
+          const T* kb = reinterpret_cast<const T*>(p.k) + kv_head * p.k_stride_h + chunk * 8;
+          const T* vb = reinterpret_cast<const T*>(p.v) + kv_head * p.v_stride_h + chunk * 8;
+          const uint32_t sk = sKV_u + 2 * stage * KV_TILE_BYTES, sv = sk + KV_TILE_BYTES;
+          const int sh = p.page_shift;
+#pragma unroll
+          for (int i = 0; i < BLOCK_N / ROW_STEP; ++i) {
+            const int row = row0 + i * ROW_STEP, t = n0 + row;
+            const bool valid = t < kv_len;
+            int64_t off = 0;
+            if (valid) {
+              const int pg = sh >= 0 ? t >> sh : t / p.page_size;
+              const int slot = sh >= 0 ? t & (p.page_size - 1) : t - pg * p.page_size;
+              const int id = ids_in_smem ? s_pages[pg - first_page]
+                                         : reinterpret_cast<const int32_t*>(p.kv_page_indices)[page_base + pg];
+              off = (int64_t)id * p.k_stride_page + (int64_t)slot * p.k_stride_n;
+            }
+            const uint32_t so = swz(row, chunk) * 16;
+            ptx::cp_async_16(sk + so, valid ? kb + off : reinterpret_cast<const T*>(p.k), valid);
+            ptx::cp_async_16(sv + so, valid ? vb + off : reinterpret_cast<const T*>(p.v), valid);
+          }
+          return;
+        }
+      }
+      load_k(n0, stage);
+      load_v(n0, stage);
+    };
     // Prologue. KV_STAGES == 1: group 0 = Q + K(0); V(j) streams during Q K(j)^T and K(j+1)
     // during P V(j) (FA2's interleave, two barriers a tile). KV_STAGES >= 2: a ring of K/V
     // stages; group j = tile j (Q rides with tile 0), issued KV_STAGES - 1 tiles ahead, so a
     // load has whole tiles of math to land in and each tile costs one barrier.
     if (num_tiles > 0) {
-      load_k(tile_start, 0);
-      if constexpr (KV_STAGES > 1) load_v(tile_start, 0);
+      if constexpr (KV_STAGES > 1) {
+        load_both(tile_start, 0);
+      } else {
+        load_k(tile_start, 0);
+      }
     }
     ptx::cp_async_commit();
 #pragma unroll
     for (int st = 1; st < KV_STAGES - 1; ++st) {
       if (st < num_tiles) {
-        load_k(tile_start + st * BLOCK_N, st);
-        load_v(tile_start + st * BLOCK_N, st);
+        load_both(tile_start + st * BLOCK_N, st);
       }
       ptx::cp_async_commit();
     }
@@ -302,8 +339,7 @@ struct PrefillSm80 {
         __syncthreads();
         const int ahead = it + KV_STAGES - 1;
         if (ahead < num_tiles) {
-          load_k(tile_start + ahead * BLOCK_N, ahead % KV_STAGES);
-          load_v(tile_start + ahead * BLOCK_N, ahead % KV_STAGES);
+          load_both(tile_start + ahead * BLOCK_N, ahead % KV_STAGES);
         }
         ptx::cp_async_commit();
       }
