@@ -125,41 +125,58 @@ def _int_array(x, name: str) -> np.ndarray:
 # numpy's Python-level wrappers (np.cumsum, np.repeat, np.clip, ...) cost more than the work at
 # these sizes: the code below calls ndarray methods and ufuncs directly.
 _acc = np.add.accumulate
-_clip = np._core.umath.clip if hasattr(np, "_core") else np.core.umath.clip
+try:  # the clip ufunc (np.clip is a Python wrapper around it)
+    from numpy._core.umath import clip as _clip
+except ImportError:  # numpy < 2
+    from numpy.core.umath import clip as _clip
 
 
-def _search_chunk_units(tiles_f, kv1_f: np.ndarray, T: int, limit: int, bn: int, u_min: int, u_max: int) -> int:
+def _div(x: np.ndarray, d: int) -> np.ndarray:
+    """x //= d in place (floor division, also of negatives); a shift when d is a power of 2."""
+    if d & (d - 1) == 0:
+        x >>= d.bit_length() - 1
+    else:
+        x //= d
+    return x
+
+
+def _search_chunk_units(tiles_f, kv1_f: np.ndarray, T: int, limit: int, bn: int, u_min: int, u_max: int):
     """Smallest u in [u_min, u_max] with f(u) = sum(tiles * ceil(kv1 / (u * bn))) <= limit,
-    given f(u_max) <= limit (f is non-increasing in u). tiles_f None means all ones.
+    given f(u_max) <= limit (f is non-increasing in u).
+    Returns (u, ceil(kv1 / (u * bn)) as float64 or None when not evaluated).
 
     Bounds first (x <= ceil(x) < x + 1): f(u) >= W / (u bn), so u >= W / (limit bn) is
     necessary; f(u) < W / (u bn) + T, so u >= W / ((limit - T) bn) is sufficient. What is
-    left is searched K-ary: K candidate chunk sizes per numpy pass ([B, K] division + ceil +
-    one reduction), exact in float64 (all values < 2**53, and IEEE division of integers is
-    exact whenever the quotient is an integer, so ceil never rounds a whole quotient up).
+    left is searched K-ary: K candidate chunk sizes per numpy pass ([K, B] division + ceil +
+    one mat-vec), exact in float64: all values are integers < 2**53, an integer quotient is
+    computed exactly, and a non-integer one (at least 1/c away from an integer) never rounds
+    onto an integer at these magnitudes, so ceil is exact.
     """
-    W = int(kv1_f.sum() if tiles_f is None else tiles_f @ kv1_f)
+    W = int(tiles_f @ kv1_f)
     lo = max(u_min, -(-W // (limit * bn)))
     hi = u_max
     if limit > T:
         hi = min(hi, max(lo, -(-W // ((limit - T) * bn))))
     k = min(64, max(8, 8192 // kv1_f.size))
-    col = kv1_f[:, None]
+    row = kv1_f[None, :]
+    best = None
     while lo < hi:  # invariant: f(hi) <= limit, and f(u) > limit for every u < lo
         step = -(-(hi - lo) // k)
         cand = np.arange(lo * bn, hi * bn, step * bn, dtype=np.float64)  # <= k sizes, cand[0] = lo * bn
-        q = col / cand
+        q = row / cand[:, None]  # [K, B]
         np.ceil(q, out=q)
-        f = q.sum(0) if tiles_f is None else tiles_f @ q
-        i = int(np.count_nonzero(f > limit))  # f is non-increasing: the infeasible ones come first
+        f = q @ tiles_f
+        # f is non-increasing: the infeasible ones come first; i = how many
+        i = cand.size - int(f[::-1].searchsorted(limit, "right"))
         if i == cand.size:
             lo = int(cand[-1]) // bn + 1
         else:
             hi = int(cand[i]) // bn
+            best = q[i]
             if not i:
-                return hi
+                return hi, best
             lo = int(cand[i - 1]) // bn + 1
-    return hi
+    return hi, best
 
 
 # ---- the planner -------------------------------------------------------------------------------
@@ -224,9 +241,9 @@ def plan_prefill(qo_indptr, kv_lens, *, group_size, num_kv_heads, block_m, block
         raise ValueError(f"qo_indptr must start at 0, got {int(qo[0])}")
     qo_lens = qo[1:] - qo[:-1]
     if B:
-        if qo_lens.min() < 0:
-            raise ValueError("qo_indptr must be non-decreasing (a request has a negative query length)")
-        if kv.min() < 0:
+        if (qo_lens | kv).min() < 0:  # one reduction: negative iff either is
+            if qo_lens.min() < 0:
+                raise ValueError("qo_indptr must be non-decreasing (a request has a negative query length)")
             raise ValueError("kv_lens must be >= 0 (a request has a negative KV length)")
         max_kv = int(kv.max())
     else:
@@ -250,9 +267,15 @@ def plan_prefill(qo_indptr, kv_lens, *, group_size, num_kv_heads, block_m, block
         if total_q > cap_q:
             raise ValueError(f"{total_q} query tokens exceed graph_capacity['max_total_q'] = {cap_q}")
 
-    rows = qo_lens * g if g != 1 else qo_lens
-    tiles = rows + (bm - 1)
-    tiles //= bm
+    if bm % g == 0:  # a tile holds bm / g whole tokens
+        sg = bm // g
+        tiles = qo_lens + (sg - 1)
+        tiles = _div(tiles, sg)
+    else:
+        sg = 0
+        tiles = qo_lens * g
+        tiles += bm - 1
+        tiles = _div(tiles, bm)
     T = int(tiles.sum())
     # decode-like: every request has exactly one q tile (then q tile index = 0, item = request)
     one_tile = T == B and (B == 0 or int(tiles.max()) == 1)
@@ -269,6 +292,7 @@ def plan_prefill(qo_indptr, kv_lens, *, group_size, num_kv_heads, block_m, block
 
     # ---- chunk size ----
     max_chunk = max(-(-max_kv // bn), 1) * bn
+    nc_f = None
     if disable_split_kv:
         chunk = max_chunk
     elif fixed_split_size is not None:
@@ -280,19 +304,25 @@ def plan_prefill(qo_indptr, kv_lens, *, group_size, num_kv_heads, block_m, block
         max_units = max_chunk // bn
         if T == 0 or T > search_limit or max_units <= min_units:
             chunk = max_chunk
+        elif B == 1:  # closed form: tiles * ceil(kv / c) <= L  <=>  c >= kv / (L // tiles)
+            m = search_limit // T
+            chunk = min(max(min_units, -(-(-(-max(max_kv, 1) // m)) // bn)), max_units) * bn
         else:
             # requests without queries weigh 0 (tiles = 0)
-            t_f = None if one_tile else tiles.astype(np.float64)
-            kv_f = kv.astype(np.float64)
-            np.maximum(kv_f, 1.0, out=kv_f)
-            chunk = _search_chunk_units(t_f, kv_f, T, search_limit, bn, min_units, max_units) * bn
+            t_f = tiles.astype(np.float64)
+            kv_f = np.maximum(kv, 1.0)  # float64
+            u, nc_f = _search_chunk_units(t_f, kv_f, T, search_limit, bn, min_units, max_units)
+            chunk = u * bn
     if chunk >= max_kv:
         nc = None  # one chunk per request
         N = T
     else:
-        nc = kv + (chunk - 1)
-        nc //= chunk
-        np.maximum(nc, 1, out=nc)  # ceil(max(kv, 1) / chunk)
+        if nc_f is not None:  # the search evaluated this chunk size already
+            nc = nc_f.astype(np.int64)
+        else:
+            nc = kv + (chunk - 1)
+            nc //= chunk
+            np.maximum(nc, 1, out=nc)  # ceil(max(kv, 1) / chunk)
         N = int((nc if one_tile else tiles * nc).sum())
     split = N > T  # some request with queries has > 1 chunk
     if cap is not None and N > grid:
@@ -308,7 +338,7 @@ def plan_prefill(qo_indptr, kv_lens, *, group_size, num_kv_heads, block_m, block
     # r // g): hi = causal end of the tile's last token, lo = window start of its first token;
     # htile = ceil(min(hi, kv) / bn) >= 0, ltile = floor(max(lo, 0) / bn). ----
     kvt = kv + (bn - 1)
-    kvt //= bn
+    kvt = _div(kvt, bn)
     ltile = None
     if one_tile:
         req_t = first = None
@@ -317,7 +347,7 @@ def plan_prefill(qo_indptr, kv_lens, *, group_size, num_kv_heads, block_m, block
             ltile = kv - qo_lens
             ltile -= wl
             np.maximum(ltile, 0, out=ltile)
-            ltile //= bn
+            ltile = _div(ltile, bn)
     else:
         req_t = np.arange(B, dtype=np.int32).repeat(tiles)
         first = _acc(tiles).astype(np.int32)
@@ -325,8 +355,7 @@ def plan_prefill(qo_indptr, kv_lens, *, group_size, num_kv_heads, block_m, block
         kvt_t = kvt.repeat(tiles)
         if causal or window:
             shift = kv - qo_lens
-            if bm % g == 0:  # tile t holds tokens [t*s, (t+1)*s), s = bm / g, clipped by qo_len
-                sg = bm // g
+            if sg:  # tile t holds tokens [t*s, (t+1)*s), s = bm / g, clipped by qo_len
                 ts = np.arange(0, T * sg, sg, dtype=np.int64)  # (global tile) * s; own tile = that - first
                 fs = first * sg
                 if causal:
@@ -338,7 +367,7 @@ def plan_prefill(qo_indptr, kv_lens, *, group_size, num_kv_heads, block_m, block
                 t -= first.repeat(tiles)
                 r0 = t * bm
                 if causal:
-                    x = np.minimum(r0 + bm, rows.repeat(tiles))
+                    x = np.minimum(r0 + bm, (qo_lens * g).repeat(tiles))
                     x += g - 1
                     x //= g
                     x += (shift + (bn - 1)).repeat(tiles)
@@ -346,13 +375,13 @@ def plan_prefill(qo_indptr, kv_lens, *, group_size, num_kv_heads, block_m, block
                     lo = r0 // g
                     lo += (shift - wl).repeat(tiles)
             if causal:  # x = hi + bn - 1; floor division of negatives rounds down: ceil(hi / bn)
-                x //= bn
+                x = _div(x, bn)
                 htile = _clip(x, 0, kvt_t, out=x)
             else:
                 htile = kvt_t
             if window:
                 np.maximum(lo, 0, out=lo)
-                lo //= bn
+                lo = _div(lo, bn)
                 ltile = lo
         else:
             htile = kvt_t
@@ -369,12 +398,16 @@ def plan_prefill(qo_indptr, kv_lens, *, group_size, num_kv_heads, block_m, block
             np.maximum(ntile, 0, out=ntile)
     else:
         cu = chunk // bn
-        nc_t = nc if one_tile else nc.repeat(tiles)
-        it = np.arange(T, dtype=np.int32).repeat(nc_t)
-        fi = _acc(nc_t)
-        fi -= nc_t
-        chk = np.arange(N, dtype=np.int64)
-        chk -= fi.take(it)
+        if T == 1 and one_tile:  # a single request with a single q tile: item = chunk
+            it = np.zeros(N, np.int32)
+            chk = np.arange(N, dtype=np.int32)
+        else:
+            nc_t = nc if one_tile else nc.repeat(tiles)
+            it = np.arange(T, dtype=np.int32).repeat(nc_t)
+            fi = _acc(nc_t)
+            fi -= nc_t
+            chk = np.arange(N, dtype=np.int32)
+            chk -= fi.take(it)  # chunk index inside the request
         ccu = chk * cu
         if ltile is None:
             ntile = htile.take(it)
@@ -386,12 +419,12 @@ def plan_prefill(qo_indptr, kv_lens, *, group_size, num_kv_heads, block_m, block
             np.maximum(ntile, 0, out=ntile)
 
     # ---- LPT order: stable sort by KV tiles descending ----
-    if N < 256:
+    mx = -(-max_kv // bn) if not split else min(cu, -(-max_kv // bn))  # ntile <= mx
+    if N < 200 or mx >= 65536:
         order = (-ntile).argsort(kind="stable")
     else:  # numpy's stable sort is a radix sort for <= 16-bit keys
-        mx = int(ntile.max())
-        key = mx - ntile
-        order = key.astype(np.uint8 if mx < 256 else np.uint16 if mx < 65536 else np.int64).argsort(kind="stable")
+        order = np.subtract(mx, ntile, dtype=np.uint8 if mx < 256 else np.uint16, casting="unsafe").argsort(
+            kind="stable")
     its = order if it is None else it.take(order)  # q tile of each item, in launch order
     if one_tile:
         wr = its.astype(np.int32)
@@ -399,7 +432,7 @@ def plan_prefill(qo_indptr, kv_lens, *, group_size, num_kv_heads, block_m, block
     else:
         wr = req_t.take(its)
         wq = its.astype(np.int32) - first.take(wr)
-    wc = chk.take(order).astype(np.int32) if chk is not None else None
+    wc = chk.take(order) if chk is not None else None
     if cap is None:
         work_request = wr
         work_qtile = wq if wq is not None else np.zeros(N, np.int32)
@@ -416,18 +449,23 @@ def plan_prefill(qo_indptr, kv_lens, *, group_size, num_kv_heads, block_m, block
 
     # ---- partial rows (token-major, chunk fastest) and merge ranges ----
     if split:
-        cnt = nc * (nc > 1)  # partial rows per token of each request (0: written directly)
-        o64 = np.zeros(B + 1, np.int64)
-        _acc(qo_lens * cnt, out=o64[1:])
-        num_partial_rows = int(o64[-1])
-        if num_partial_rows > _I32_MAX:
-            raise ValueError(f"{num_partial_rows} partial rows exceed the int32 range; use a larger "
-                             "fixed_split_size or disable_split_kv")
-        o_indptr = o64.astype(np.int32)
-        if total_q <= 2048:
-            merge_indptr = np.zeros(total_q + 1, np.int64)
+        num_chunks = nc.astype(np.int32)
+        cnt = num_chunks * (num_chunks > 1)  # partial rows per token of each request (0: written directly)
+        every_qo_1 = one_tile and total_q == B  # decode-like: token b = request b
+        part = cnt if every_qo_1 else qo_lens * cnt
+        if total_q * -(-max_kv // chunk) > _I32_MAX:  # a bound on the partial rows
+            num_partial_rows = int(part.sum())
+            if num_partial_rows > _I32_MAX:
+                raise ValueError(f"{num_partial_rows} partial rows exceed the int32 range; use a larger "
+                                 "fixed_split_size or disable_split_kv")
+        o_indptr = np.zeros(B + 1, np.int32)
+        _acc(part.astype(np.int32), out=o_indptr[1:])
+        num_partial_rows = int(o_indptr[-1])
+        if every_qo_1:
+            merge_indptr = o_indptr.copy()
+        elif total_q <= 2048:
+            merge_indptr = np.zeros(total_q + 1, np.int32)
             _acc(cnt.repeat(qo_lens), out=merge_indptr[1:])
-            merge_indptr = merge_indptr.astype(np.int32)
         else:
             # token t of request b: o_indptr[b] + (t - qo_indptr[b]) * cnt[b] (a cumsum over many
             # tokens is slower). int32 products may wrap, but two's complement keeps the sum exact
@@ -439,7 +477,6 @@ def plan_prefill(qo_indptr, kv_lens, *, group_size, num_kv_heads, block_m, block
             m *= cnt32.repeat(qo_lens)
             m += (o_indptr[:-1] - qo[:-1].astype(np.int32) * cnt32).repeat(qo_lens)
             merge_indptr[-1] = num_partial_rows
-        num_chunks = nc.astype(np.int32)
     else:
         num_partial_rows = 0
         o_indptr = np.zeros(B + 1, np.int32)
@@ -474,11 +511,11 @@ def _bench():  # pragma: no cover - prints timings, asserts nothing
         kv = np.asarray(kv_lens, np.int32)
         p = plan_prefill(qo, kv, **kw, **extra)
         # min over many short runs: robust against other processes sharing the CPU
-        best = min(timeit.repeat(lambda: plan_prefill(qo, kv, **kw, **extra), number=50, repeat=60)) / 50
+        best = min(timeit.repeat(lambda: plan_prefill(qo, kv, **kw, **extra), number=10, repeat=300)) / 10
         print(f"  B={B:5d} {name:<38s} {best * 1e6:8.1f} us   work={p.num_work:6d} grid={p.grid:6d} "
               f"chunk={p.kv_chunk_size:6d} split={p.split} partial_rows={p.num_partial_rows}")
 
-    print("plan_prefill() microseconds (min over 60 x 50 calls); 128x64 tiles, 132 SMs x 2 CTAs")
+    print("plan_prefill() microseconds (wall time, min over 300 x 10 calls); 128x64 tiles, 132 SMs x 2 CTAs")
     print(" Hq=32 Hkv=8 (g=4):")
     for B in (64, 1024):
         case("decode-like qo=1, kv 1K..32K causal", B, np.ones(B, np.int64), rng.integers(1024, 32768, B),
