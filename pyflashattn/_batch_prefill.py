@@ -211,12 +211,24 @@ class _BatchPrefillBase:
         B = qo_indptr.size - 1
         qo_lens = np.diff(qo_indptr)
         has_mask = custom_mask is not None or packed_custom_mask is not None
-        if has_mask:
-            raise NotImplementedError("custom masks in the batch wrappers are not implemented yet")
+        if has_mask and self._use_cuda_graph:
+            raise NotImplementedError("custom masks with use_cuda_graph=True are not implemented yet")
         group = num_qo_heads // num_kv_heads
+        mask_bytes_indptr = None
+        if has_mask:
+            # FlashInfer's layout: request b's [qo_len, kv_len] boolean matrix, row-major, packed
+            # little-endian into its own byte-aligned segment; a custom mask replaces causal.
+            bits = qo_lens.astype(np.int64) * np.asarray(kv_lens, np.int64)
+            mask_bytes_indptr = np.concatenate([[0], np.cumsum((bits + 7) // 8)]).astype(np.int64)
+            if mask_bytes_indptr[-1] > np.iinfo(np.int32).max:
+                raise ValueError("the packed custom mask exceeds 2 GiB (int32 byte offsets)")
+            self._mask_buf = self._prepare_mask(custom_mask, packed_custom_mask, bits, mask_bytes_indptr)
+            causal = False
+        else:
+            self._mask_buf = None
 
         _cuda.ensure_context(self._dev)
-        general = opts.general
+        general = opts.general or has_mask
         la = self._launcher("prefill", dtype=qdt.short, head_dim=head_dim, general=general, paged=self._paged)
         meta = la.meta
         cap = None
@@ -239,6 +251,8 @@ class _BatchPrefillBase:
         arrays["qo_indptr"] = qo_indptr
         arrays.update(kv_arrays)
         arrays["chunk_size"] = np.asarray([plan.kv_chunk_size], np.int32)
+        if mask_bytes_indptr is not None:
+            arrays["mask_indptr"] = mask_bytes_indptr.astype(np.int32)
         if cap:
             # Rows past this plan's tokens must merge nothing (the merge grid covers the capacity).
             mi = arrays["merge_indptr"]
@@ -254,6 +268,8 @@ class _BatchPrefillBase:
         p.kv_page_indices = ptrs.get("kv_page_indices", 0)
         p.kv_last_page_len = ptrs.get("kv_last_page_len", 0)
         p.kv_chunk_size_dev = ptrs["chunk_size"]
+        p.mask_indptr = ptrs.get("mask_indptr", 0)
+        p.custom_mask = self._mask_buf[1] if self._mask_buf is not None else 0
         p.kv_chunk_size = plan.kv_chunk_size
         p.num_qo_heads, p.num_kv_heads, p.group_size = num_qo_heads, num_kv_heads, group
         p.causal, p.window_left, p.sm_scale_log2 = int(bool(causal)), window_left, sm_scale * LOG2E
@@ -286,6 +302,37 @@ class _BatchPrefillBase:
             self._capacity = cap
         self._fast_key = None  # run()'s validated-signature cache belongs to one plan
         return plan
+
+    def _prepare_mask(self, custom_mask, packed_custom_mask, bits, byte_indptr):
+        """(tensor kept alive, device address) of the packed per-request mask segments.
+
+        packed_custom_mask (uint8, already segment-packed little-endian, FlashInfer's
+        segment_packbits layout) is used in place; a flat boolean custom_mask (the requests'
+        [qo_len, kv_len] matrices concatenated) is packed on the device here, once per plan."""
+        from . import quantization
+        if packed_custom_mask is not None:
+            v = _tensor.view(packed_custom_mask, "packed_custom_mask")
+            if not v.is_cuda or v.device_id != self._dev:
+                raise ValueError(f"packed_custom_mask must be a CUDA tensor on cuda:{self._dev}")
+            if v.dtype != _dtypes.UINT8:
+                raise TypeError(f"packed_custom_mask must be uint8, got {v.dtype.name}")
+            if v.ndim != 1 or (v.shape[0] > 1 and v.strides[0] != 1):
+                raise ValueError(f"packed_custom_mask must be a contiguous 1-D tensor, got shape {v.shape}")
+            if v.shape[0] < byte_indptr[-1]:
+                raise ValueError(f"packed_custom_mask has {v.shape[0]} bytes; the requests' masks need "
+                                 f"{int(byte_indptr[-1])} (segments of ceil(qo_len * kv_len / 8) bytes)")
+            return packed_custom_mask, v.ptr
+        v = _tensor.view(custom_mask, "custom_mask")
+        if not v.is_cuda or v.device_id != self._dev:
+            raise ValueError(f"custom_mask must be a CUDA tensor on cuda:{self._dev}")
+        if v.dtype not in (_dtypes.BOOL, _dtypes.UINT8):
+            raise TypeError(f"custom_mask must be bool (or uint8), got {v.dtype.name}")
+        total = int(bits.sum())
+        if v.ndim != 1 or v.shape[0] != total:
+            raise ValueError(f"custom_mask must be 1-D with sum(qo_len * kv_len) = {total} entries, got shape {v.shape}")
+        seg = np.concatenate([[0], np.cumsum(bits)]).astype(np.int64)
+        packed, _ = quantization.segment_packbits(custom_mask, seg, bitorder="little")
+        return packed, _tensor.view(packed, "packed").ptr
 
     def _launcher(self, family, **match):
         """The wrapper's own Launcher per kernel, reused across plans (creating one costs ~10 us)."""
