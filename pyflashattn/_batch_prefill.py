@@ -145,7 +145,8 @@ class _BatchPrefillBase:
         self._capacity = None
 
     # ---- workspace ---------------------------------------------------------------------
-    def _set_workspace(self, buf):
+    @staticmethod
+    def _workspace_view(buf):
         v = _tensor.view(buf, "float_workspace_buffer")
         if not v.is_cuda:
             raise ValueError("float_workspace_buffer must be a CUDA tensor")
@@ -153,21 +154,23 @@ class _BatchPrefillBase:
             raise ValueError(f"float_workspace_buffer must be a contiguous 1-D tensor, got shape {v.shape}")
         if v.ptr % 16:
             raise ValueError("float_workspace_buffer must be 16-byte aligned")
+        return v, v.shape[0] * max(v.dtype.bits // 8, 1)
+
+    def _set_workspace(self, buf):
+        v, nbytes = self._workspace_view(buf)
         self._ws_buf = buf  # keep the caller's tensor alive with the wrapper
-        self._ws_ptr = v.ptr
-        self._ws_bytes = v.shape[0] * max(v.dtype.bits // 8, 1)
-        self._dev = v.device_id
+        self._ws_ptr, self._ws_bytes, self._dev = v.ptr, nbytes, v.device_id
 
     def reset_workspace_buffer(self, float_workspace_buffer, int_workspace_buffer=None):
         """Swap the float workspace (int metadata lives in the wrapper's own buffers; the
-        int_workspace_buffer argument is accepted for FlashInfer compatibility)."""
-        dev = self._dev
-        self._set_workspace(float_workspace_buffer)
-        if self._dev != dev:
+        int_workspace_buffer argument is accepted for FlashInfer compatibility). A buffer that is
+        refused leaves the wrapper with its old one."""
+        v, nbytes = self._workspace_view(float_workspace_buffer)
+        if v.device_id != self._dev:
             raise ValueError("float_workspace_buffer must stay on the wrapper's device")
-        if self._planned and self._ws_need > self._ws_bytes:
-            raise ValueError(f"float_workspace_buffer holds {self._ws_bytes} bytes; the current plan needs "
-                             f"{self._ws_need}")
+        if self._planned and self._ws_need > nbytes:
+            raise ValueError(f"float_workspace_buffer holds {nbytes} bytes; the current plan needs {self._ws_need}")
+        self._set_workspace(float_workspace_buffer)
         if self._planned:
             self._point_workspace()
 

@@ -176,9 +176,7 @@ def test_plan_uses_the_workspace_device():
 @pytest.mark.parametrize("ws, pattern", [
     pytest.param(lambda: WS(device=(1, 0)), r"float_workspace_buffer.*CUDA", id="cpu"),
     pytest.param(lambda: T((8, 8), U8), r"float_workspace_buffer.*1-D", id="2d"),
-    pytest.param(lambda: WS(device=(2, 1)), r"float_workspace_buffer.*device", id="other_gpu",
-                 marks=pytest.mark.xfail(strict=True, reason="implementation gap: reset_workspace_buffer() swaps "
-                                         "the buffer and device before checking them; remove once fixed")),
+    pytest.param(lambda: WS(device=(2, 1)), r"float_workspace_buffer.*device", id="other_gpu"),
 ])
 def test_refused_reset_workspace_buffer_changes_nothing(cls, ws, pattern):
     w = cls(WS())
