@@ -244,11 +244,12 @@ class _BatchPrefillBase:
                                   window_left=window_left, fixed_split_size=fixed_split_size,
                                   disable_split_kv=disable_split_kv, graph_capacity=cap)
         # Graph mode keeps the partial-LSE offset fixed across plans (max_partial_rows bound).
-        self._ws_rows = plan.max_partial_rows if cap else plan.num_partial_rows
-        self._ws_lse_off, self._ws_need = plan.workspace_layout(num_qo_heads, head_dim, self._ws_rows)
-        if self._ws_need > self._ws_bytes:
+        ws_rows = plan.max_partial_rows if cap else plan.num_partial_rows
+        lse_off, need = plan.workspace_layout(num_qo_heads, head_dim, ws_rows)
+        if need > self._ws_bytes:  # checked before any state changes: a refused plan leaves no trace
             raise ValueError(f"float_workspace_buffer holds {self._ws_bytes} bytes but this plan needs "
-                             f"{self._ws_need}; pass a larger buffer (or disable_split_kv=True)")
+                             f"{need}; pass a larger buffer (or disable_split_kv=True)")
+        self._ws_rows, self._ws_lse_off, self._ws_need = ws_rows, lse_off, need
 
         arrays = dict(plan.int_arrays())
         arrays["qo_indptr"] = qo_indptr
