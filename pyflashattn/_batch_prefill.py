@@ -225,10 +225,10 @@ class _BatchPrefillBase:
             mask_bytes_indptr = np.concatenate([[0], np.cumsum((bits + 7) // 8)]).astype(np.int64)
             if mask_bytes_indptr[-1] > np.iinfo(np.int32).max:
                 raise ValueError("the packed custom mask exceeds 2 GiB (int32 byte offsets)")
-            self._mask_buf = self._prepare_mask(custom_mask, packed_custom_mask, bits, mask_bytes_indptr)
+            mask_buf = self._prepare_mask(custom_mask, packed_custom_mask, bits, mask_bytes_indptr)
             causal = False
         else:
-            self._mask_buf = None
+            mask_buf = None
 
         _cuda.ensure_context(self._dev)
         general = opts.general or has_mask
@@ -273,7 +273,8 @@ class _BatchPrefillBase:
         p.kv_last_page_len = ptrs.get("kv_last_page_len", 0)
         p.kv_chunk_size_dev = ptrs["chunk_size"]
         p.mask_indptr = ptrs.get("mask_indptr", 0)
-        p.custom_mask = self._mask_buf[1] if self._mask_buf is not None else 0
+        self._mask_buf = mask_buf  # the packed mask lives as long as the plan that points at it
+        p.custom_mask = mask_buf[1] if mask_buf is not None else 0
         p.kv_chunk_size = plan.kv_chunk_size
         p.num_qo_heads, p.num_kv_heads, p.group_size = num_qo_heads, num_kv_heads, group
         p.causal, p.window_left, p.sm_scale_log2 = int(bool(causal)), window_left, sm_scale * LOG2E
