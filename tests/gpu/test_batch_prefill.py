@@ -38,6 +38,7 @@ if not torch.cuda.is_available():
 
 import pyflashattn  # noqa: E402  (after the GPU probe: the CPU box must skip, not error)
 from pyflashattn.testing import attention_ref, to_numpy_f64  # noqa: E402
+from pyflashattn.testing.checks import assert_close  # noqa: E402
 
 DEV = "cuda"
 F16, BF16 = torch.float16, torch.bfloat16
@@ -86,28 +87,6 @@ def _randn(shape, dtype, seed, scale=1.0):
     return (torch.randn(shape, device=DEV, dtype=torch.float32, generator=g) * scale).to(dtype)
 
 
-def assert_close(actual, ref, *, atol, rtol, what):
-    """Elementwise |a - ref| <= atol + rtol*|ref|; NaN never passes; -inf must match -inf."""
-    a = to_numpy_f64(actual)
-    ref = to_numpy_f64(ref)
-    assert a.shape == ref.shape, f"{what}: shape {a.shape} != {ref.shape}"
-    n_nan = int(np.isnan(a).sum())
-    assert n_nan == 0, f"{what}: {n_nan} NaN of {a.size} (unwritten or poisoned elements)"
-    ninf_ref = np.isneginf(ref)
-    bad_inf = np.isneginf(a) != ninf_ref
-    assert not bad_inf.any(), f"{what}: -inf pattern differs at {np.argwhere(bad_inf)[:5].tolist()}"
-    fin = ~ninf_ref
-    assert np.isfinite(a[fin]).all(), f"{what}: non-finite values where the reference is finite"
-    err = np.where(fin, np.abs(a - np.where(fin, ref, 0.0)), 0.0)
-    bound = atol + rtol * np.abs(np.where(fin, ref, 0.0))
-    over = err > bound
-    if over.any():
-        idx = np.unravel_index(np.argmax(err - bound), err.shape)
-        rel = np.linalg.norm((a - ref)[fin]) / max(np.linalg.norm(ref[fin]), 1e-300)
-        raise AssertionError(
-            f"{what}: {int(over.sum())}/{a.size} elements out of tolerance "
-            f"(atol={atol}, rtol={rtol}); worst at {tuple(int(i) for i in idx)}: "
-            f"got {a[idx]!r}, want {ref[idx]!r}; max err {err.max():.3e}, rel fro {rel:.3e}")
 
 
 def _draw_lens(rng, n, hi, zero_p=0.0):

@@ -1,0 +1,30 @@
+"""Shared numeric assertions for the GPU tests (numpy only; frameworks converted on the way in)."""
+from __future__ import annotations
+
+import numpy as np
+
+from .reference import to_numpy_f64
+
+
+def assert_close(actual, ref, *, atol, rtol, what):
+    """Elementwise |a - ref| <= atol + rtol*|ref|; NaN never passes; -inf must match -inf."""
+    a = to_numpy_f64(actual)
+    ref = to_numpy_f64(ref)
+    assert a.shape == ref.shape, f"{what}: shape {a.shape} != {ref.shape}"
+    n_nan = int(np.isnan(a).sum())
+    assert n_nan == 0, f"{what}: {n_nan} NaN of {a.size} (unwritten or poisoned elements)"
+    ninf_ref = np.isneginf(ref)
+    bad_inf = np.isneginf(a) != ninf_ref
+    assert not bad_inf.any(), f"{what}: -inf pattern differs at {np.argwhere(bad_inf)[:5].tolist()}"
+    fin = ~ninf_ref
+    assert np.isfinite(a[fin]).all(), f"{what}: non-finite values where the reference is finite"
+    err = np.where(fin, np.abs(a - np.where(fin, ref, 0.0)), 0.0)
+    bound = atol + rtol * np.abs(np.where(fin, ref, 0.0))
+    over = err > bound
+    if over.any():
+        idx = np.unravel_index(np.argmax(err - bound), err.shape)
+        rel = np.linalg.norm((a - ref)[fin]) / max(np.linalg.norm(ref[fin]), 1e-300)
+        raise AssertionError(
+            f"{what}: {int(over.sum())}/{a.size} elements out of tolerance "
+            f"(atol={atol}, rtol={rtol}); worst at {tuple(int(i) for i in idx)}: "
+            f"got {a[idx]!r}, want {ref[idx]!r}; max err {err.max():.3e}, rel fro {rel:.3e}")
