@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import ctypes
 import math
-import operator
 
 import numpy as np
 
@@ -201,16 +200,8 @@ class _BatchPrefillBase:
         if kdt != qdt:
             raise NotImplementedError(f"kv_data_type {kdt.name} with q_data_type {qdt.name}: only equal 16-bit "
                                       "types are implemented (fp8 KV is not yet)")
-        try:
-            window_left = operator.index(window_left)
-        except TypeError:
-            raise TypeError(f"window_left must be an int, got {window_left!r}") from None
-        if window_left < -1:
-            raise ValueError(f"window_left must be >= -1, got {window_left}")
-        if sm_scale is None:
-            sm_scale = 1.0 / math.sqrt(head_dim)
-        if not (math.isfinite(sm_scale) and sm_scale > 0):
-            raise ValueError(f"sm_scale must be a finite positive number, got {sm_scale!r}")
+        window_left = _options.window(window_left)
+        sm_scale = _options.softmax_scale(sm_scale, head_dim)
         B = qo_indptr.size - 1
         qo_lens = np.diff(qo_indptr)
         has_mask = custom_mask is not None or packed_custom_mask is not None
@@ -544,6 +535,17 @@ def _plan_stream(stream, dev):
     return _cuda.library_stream(dev)
 
 
+def _check_pdl(enable_pdl):
+    if enable_pdl:
+        raise NotImplementedError("enable_pdl=True: programmatic dependent launch is not implemented yet")
+
+
+def _check_mask_bufs(custom_mask_buf, qk_indptr_buf):
+    if custom_mask_buf is not None or qk_indptr_buf is not None:
+        raise NotImplementedError("custom_mask_buf / qk_indptr_buf (custom masks under CUDA graphs) are not "
+                                  "implemented yet")
+
+
 def _kv_operand(t, name, dtype, dev):
     if not t.is_cuda or t.device_id != dev:
         raise ValueError(f"{name} must be a CUDA tensor on cuda:{dev}")
@@ -562,6 +564,9 @@ class BatchPrefillWithPagedKVCacheWrapper(_BatchPrefillBase):
     contiguous last dim. Request b owns pages kv_indices[kv_indptr[b]:kv_indptr[b+1]], its last
     page holding kv_last_page_len[b] tokens (1..page_size); a request with no pages has kv_len 0.
 
+    plan(non_blocking=...) is accepted for FlashInfer compatibility: the metadata copy is always
+    asynchronous on the stream and ordered before run(), so the flag has nothing to change.
+
     use_cuda_graph=True: the buffers passed here (qo_indptr_buf, paged_kv_indptr_buf,
     paged_kv_indices_buf, paged_kv_last_page_len_buf) fix the capacity (batch size, pages);
     plan() runs outside capture and later plans may change lengths within that capacity, while
@@ -574,6 +579,7 @@ class BatchPrefillWithPagedKVCacheWrapper(_BatchPrefillBase):
                  qo_indptr_buf=None, paged_kv_indptr_buf=None, paged_kv_indices_buf=None,
                  paged_kv_last_page_len_buf=None, custom_mask_buf=None, qk_indptr_buf=None, backend: str = "auto"):
         super().__init__(float_workspace_buffer, kv_layout, use_cuda_graph)
+        _check_mask_bufs(custom_mask_buf, qk_indptr_buf)
         if backend not in ("auto", "fa2"):
             raise ValueError(f"backend must be 'auto' or 'fa2', got {backend!r}")
         if use_cuda_graph:
@@ -635,6 +641,7 @@ class BatchPrefillWithPagedKVCacheWrapper(_BatchPrefillBase):
             raise TypeError("run() takes q and paged_kv_cache positionally; pass the rest by keyword")
         if k_scale not in (None, 1.0) or v_scale not in (None, 1.0):
             raise NotImplementedError("k_scale / v_scale apply to fp8 KV caches, which are not implemented yet")
+        _check_pdl(enable_pdl)
         kv_parts = tuple(paged_kv_cache) if isinstance(paged_kv_cache, (tuple, list)) else (paged_kv_cache,)
         fast = self._torch_fast(q, kv_parts, out, lse, return_lse, stream)
         if fast is not None:
@@ -694,6 +701,7 @@ class BatchPrefillWithRaggedKVCacheWrapper(_BatchPrefillBase):
                  qo_indptr_buf=None, kv_indptr_buf=None, custom_mask_buf=None, qk_indptr_buf=None,
                  backend: str = "auto"):
         super().__init__(float_workspace_buffer, kv_layout, use_cuda_graph)
+        _check_mask_bufs(custom_mask_buf, qk_indptr_buf)
         if backend not in ("auto", "fa2"):
             raise ValueError(f"backend must be 'auto' or 'fa2', got {backend!r}")
         if use_cuda_graph:
@@ -732,6 +740,7 @@ class BatchPrefillWithRaggedKVCacheWrapper(_BatchPrefillBase):
             raise TypeError("run() takes q, k, v positionally; pass the rest by keyword")
         if k_scale not in (None, 1.0) or v_scale not in (None, 1.0):
             raise NotImplementedError("k_scale / v_scale apply to fp8 KV, which is not implemented yet")
+        _check_pdl(enable_pdl)
         fast = self._torch_fast(q, (k, v), out, lse, return_lse, stream)
         if fast is not None:
             return fast

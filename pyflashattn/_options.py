@@ -63,6 +63,31 @@ def resolve(pos_encoding_mode="NONE", allow_fp16_qk_reduction=False, logits_soft
 PLAIN = resolve()
 
 
+def window(window_left) -> int:
+    """window_left as an int >= -1 (-1 = no window); TypeError/ValueError naming it otherwise."""
+    import operator
+    try:
+        w = operator.index(window_left)
+    except TypeError:
+        raise TypeError(f"window_left must be an int, got {window_left!r}") from None
+    if w < -1:
+        raise ValueError(f"window_left must be >= -1 (-1 = no window), got {w}")
+    return w
+
+
+def softmax_scale(sm_scale, head_dim: int) -> float:
+    """sm_scale, defaulting to 1/sqrt(head_dim); must be finite and > 0."""
+    if sm_scale is None:
+        return 1.0 / math.sqrt(head_dim)
+    try:
+        v = float(sm_scale)  # numpy scalars of any float width are fine
+    except (TypeError, ValueError):
+        raise ValueError(f"sm_scale must be a finite positive number, got {sm_scale!r}") from None
+    if isinstance(sm_scale, (bool, str)) or not (math.isfinite(v) and v > 0):
+        raise ValueError(f"sm_scale must be a finite positive number, got {sm_scale!r}")
+    return v
+
+
 def alibi_slopes(num_heads: int) -> np.ndarray:
     """FlashInfer's (Press et al.) ALiBi slopes, float32 [num_heads]: for n = 2^floor(log2 H),
     2^(-8(i+1)/n) for i < n, then (2^(-4/n))^k for k = 1, 3, 5, ... for the remaining heads."""

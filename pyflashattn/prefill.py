@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import functools
 import math
-import operator
 import threading
 
 from . import _cuda, _dtypes, _options, _registry, _tensor
@@ -216,12 +215,7 @@ class _Plan:
                  mask_kind=None, mv=None):
         if kv_layout not in ("NHD", "HND"):
             raise ValueError(f"kv_layout must be 'NHD' or 'HND', got {kv_layout!r}")
-        try:
-            window_left = operator.index(window_left)
-        except TypeError:
-            raise TypeError(f"window_left must be an int, got {window_left!r}") from None
-        if window_left < -1:
-            raise ValueError(f"window_left must be >= -1 (-1 = no window), got {window_left}")
+        window_left = _options.window(window_left)
         if not qv.is_cuda:
             raise ValueError(f"q must be a CUDA tensor, got a tensor on DLPack device type {qv.device_type}")
         dev = self.dev = qv.device_id
@@ -252,10 +246,7 @@ class _Plan:
             causal = False  # a custom mask replaces causal (FlashInfer)
         if causal and kv_len < qo_len:
             raise ValueError(f"causal attention needs kv_len >= qo_len, got kv_len={kv_len}, qo_len={qo_len}")
-        if sm_scale is None:
-            sm_scale = 1.0 / math.sqrt(head_dim)
-        if not (isinstance(sm_scale, (int, float)) and math.isfinite(sm_scale) and sm_scale > 0):
-            raise ValueError(f"sm_scale must be a finite positive number, got {sm_scale!r}")
+        sm_scale = _options.softmax_scale(sm_scale, head_dim)
         self.o_shape, self.lse_shape = (qo_len, num_qo_heads, head_dim), (qo_len, num_qo_heads)
         # Output strides: the caller's out= (part of the plan's key), else our contiguous allocation.
         self.o_strides = ov.strides if ov is not None else (num_qo_heads * head_dim, head_dim, 1)

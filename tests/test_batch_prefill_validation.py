@@ -397,3 +397,18 @@ def test_non_int_window_left_is_a_type_error(kind, value):
     args = paged_args() if kind == "paged" else ragged_args()
     with pytest.raises(TypeError, match="window_left"):
         w.plan(*args, window_left=value)
+
+
+@pytest.mark.parametrize("cls", [Paged, Ragged])
+@pytest.mark.parametrize("buf", ["custom_mask_buf", "qk_indptr_buf"])
+def test_mask_graph_buffers_are_rejected_not_ignored(cls, buf):
+    with pytest.raises(NotImplementedError, match=buf.split("_buf")[0]):
+        cls(WS(), **{buf: T((16,), U8)})
+
+
+@pytest.mark.parametrize("cls", [Paged, Ragged])
+def test_enable_pdl_is_rejected_not_ignored(cls):
+    w = cls(WS())
+    kv = (T((4, 2, 16, 2, 128)),) if cls is Paged else (T((10, 2, 128)), T((10, 2, 128)))
+    with pytest.raises(NotImplementedError, match="enable_pdl"):
+        w.run(T((8, 8, 128)), *kv, enable_pdl=True)
