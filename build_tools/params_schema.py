@@ -62,6 +62,8 @@ PREFILL = (
         ("page_size", "i32", "paged KV: tokens per page"),
         ("page_shift", "i32", "log2(page_size) when a power of two, else -1"),
         ("v_scale", "f32", "output multiplier (fp8 V dequantisation scale); 1 otherwise"),
+        ("kv_fp8", "i32", "fp8 K/V storage of the kv_dtype=fp8 kernels: 1 = e4m3fn, 2 = e5m2 (0 = K/V in q's dtype); "
+         "strides stay in elements"),
     ],
 )
 

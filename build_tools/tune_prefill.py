@@ -19,9 +19,15 @@ def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--seqs", default="4096,16384")
     ap.add_argument("--json")
+    ap.add_argument("--head-dims", default="64,128,256")
+    ap.add_argument("--causal", default="0,1", help="which of non-causal (0) / causal (1) to time")
     args = ap.parse_args()
+    hds = {int(x) for x in args.head_dims.split(",")}
+    causals = [bool(int(x)) for x in args.causal.split(",")]
+    # Single-prefill candidates only: lean, contiguous, K/V in the query dtype.
     rows = [r for r in _registry.manifest()["kernels"] if r["family"] == "prefill" and r["arch"] == "sm_90a"
-            and r["dtype"] == "bf16"]
+            and r["dtype"] == "bf16" and r["kv_dtype"] == "bf16" and not r["general"] and not r["paged"]
+            and r["head_dim"] in hds]
     results = []
     for r in sorted(rows, key=lambda r: (r["head_dim"], r["name"])):
         d = r["head_dim"]
@@ -29,7 +35,7 @@ def main():
         _registry.force("prefill", r["name"])
         for s in map(int, args.seqs.split(",")):
             q, k, v = (torch.randn(s, h, d, dtype=torch.bfloat16, device="cuda") for _ in range(3))
-            for causal in (False, True):
+            for causal in causals:
                 o = pyflashattn.single_prefill_with_kv_cache(q, k, v, causal=causal)
                 ref = torch.nn.functional.scaled_dot_product_attention(
                     *(x.transpose(0, 1).unsqueeze(0) for x in (q, k, v)), is_causal=causal)[0].transpose(0, 1)

@@ -11,6 +11,9 @@ built only with `make TUNE=1` so the benchmark can compare them.
 from dataclasses import dataclass
 
 DTYPES = {"f16": "half", "bf16": "__nv_bfloat16"}
+# K/V storage types next to the query dtype: "fp8" kernels read one-byte K/V (e4m3fn or e5m2,
+# chosen at run time by PrefillParams.kv_fp8) and widen it to the query dtype in shared memory.
+KV_STORAGE = {"fp8": "pfa::fp8_storage"}
 ARCHS_DEFAULT = ("sm_80", "sm_89", "sm_90a")
 
 
@@ -29,6 +32,11 @@ class PrefillVariant:
     # lean kernel (plain, causal, window) carries none of that code, so it pays nothing for it.
     general: bool = False
     paged: bool = False  # K/V rows gathered through a page table (batch paged wrapper)
+    kv_dtype: str = ""  # "" = K/V in the query dtype; "fp8" = one-byte K/V widened in the kernel
+
+    @property
+    def kv(self):
+        return self.kv_dtype or self.dtype
 
     @property
     def block_m(self):
@@ -36,7 +44,7 @@ class PrefillVariant:
 
     @property
     def name(self):
-        return (f"pfa_prefill_sm80_{self.dtype}_hd{self.head_dim}"
+        return (f"pfa_prefill_sm80_{self.dtype}{'_kv' + self.kv_dtype if self.kv_dtype else ''}_hd{self.head_dim}"
                 f"_m{self.block_m}n{self.block_n}w{self.warps}s{self.stages}{'_qr' if self.q_in_regs else ''}"
                 f"{'_gen' if self.general else ''}{'_paged' if self.paged else ''}")
 
@@ -46,17 +54,22 @@ class PrefillVariant:
 
     @property
     def smem_bytes(self):
-        # + the paged kernels' page-id staging (PrefillSm80::MAX_PAGE_IDS int32 entries)
-        return (self.block_m + 2 * self.stages * self.block_n) * self.head_dim * 2 + (2048 * 4 if self.paged else 0)
+        # Q + the K/V stages (PrefillSm80::KV_SMEM_BYTES); fp8 K/V: the one-byte ring plus one
+        # widened K/V pair; + the paged kernels' page-id staging (MAX_PAGE_IDS int32 entries).
+        kv_tile = self.block_n * self.head_dim
+        kv = 2 * self.stages * kv_tile * 2 if not self.kv_dtype else 2 * self.stages * kv_tile + 2 * kv_tile * 2
+        return self.block_m * self.head_dim * 2 + kv + (2048 * 4 if self.paged else 0)
 
     def source(self):
         return ('#include "pfa/attention/prefill_sm80.cuh"\n'
-                f"PFA_DEFINE_PREFILL_SM80({self.name}, {DTYPES[self.dtype]}, {self.head_dim}, {self.warps}, "
+                f"PFA_DEFINE_PREFILL_SM80({self.name}, {DTYPES[self.dtype]}, "
+                f"{KV_STORAGE[self.kv_dtype] if self.kv_dtype else DTYPES[self.dtype]}, {self.head_dim}, {self.warps}, "
                 f"{self.mq}, {self.block_n}, {'true' if self.q_in_regs else 'false'}, {self.stages}, {self.min_blocks}, "
                 f"{'true' if self.general else 'false'}, {'true' if self.paged else 'false'})\n")
 
     def manifest(self):
-        return {"family": "prefill", "dtype": self.dtype, "head_dim": self.head_dim, "block_m": self.block_m,
+        return {"family": "prefill", "dtype": self.dtype, "kv_dtype": self.kv, "head_dim": self.head_dim,
+                "block_m": self.block_m,
                 "block_n": self.block_n, "threads": self.threads, "smem_bytes": self.smem_bytes,
                 "tune": self.tune, "general": self.general, "paged": self.paged}
 
@@ -102,8 +115,9 @@ PREFILL_TILES = {
 # Alternatives the tuning sweep compares against the defaults.
 PREFILL_TUNE_TILES = {
     64: [(4, 2, 64, True, 3, 2), (8, 2, 64, True, 2, 1)],
-    128: [(8, 1, 64, True, 2, 1), (4, 2, 48, False, 2, 2), (4, 2, 64, False, 3, 2), (4, 2, 32, False, 3, 2)],
-    256: [(8, 1, 48, False, 2, 1), (8, 1, 32, False, 3, 1)],
+    128: [(8, 1, 64, True, 2, 1), (4, 2, 48, False, 2, 2), (4, 2, 64, False, 1, 2), (4, 2, 32, False, 3, 2)],
+    # (4, 1, 64, False, 1, 2) is FA2's hd256 shape: 64-row CTAs, two per SM, one K and one V buffer.
+    256: [(8, 1, 48, False, 2, 1), (4, 1, 64, False, 1, 2), (4, 1, 64, False, 2, 1)],
 }
 
 
@@ -111,9 +125,10 @@ def variants(tune=False):
     out = []
     for dtype in DTYPES:
         for hd, tile in PREFILL_TILES.items():
-            for general in (False, True):
-                for paged in (False, True):
-                    out.append(PrefillVariant(dtype, hd, *tile, general=general, paged=paged))
+            for kv_dtype in ("", "fp8"):
+                for general in (False, True):
+                    for paged in (False, True):
+                        out.append(PrefillVariant(dtype, hd, *tile, general=general, paged=paged, kv_dtype=kv_dtype))
             if tune:
                 out += [PrefillVariant(dtype, hd, *t, tune=True) for t in PREFILL_TUNE_TILES[hd]]
         out.append(MergeVariant(dtype))

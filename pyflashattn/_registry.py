@@ -87,6 +87,8 @@ def find(family: str, device_id: int, **match) -> dict:
                            "(supported: 8.x as sm_80/sm_89, 9.0 as sm_90a)")
     rows = manifest()["kernels"]
     want_name = match.pop("name", None)
+    if family == "prefill" and "dtype" in match:
+        match.setdefault("kv_dtype", match["dtype"])  # K/V in the query dtype unless asked otherwise
     forced = _forced.get(family)
     if forced is not None and want_name is None:
         row = next((r for r in rows if r["name"] == forced and r["arch"] in archs), None)

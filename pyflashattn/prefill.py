@@ -16,28 +16,11 @@ import functools
 import math
 import threading
 
-from . import _cuda, _dtypes, _options, _registry, _tensor
+from . import _cuda, _dtypes, _options, _registry, _split_kv, _tensor
 
 LOG2E = 1.4426950408889634
 HEAD_DIMS = (64, 128, 256)
 _MERGE_ROWS_PER_BLOCK = 4
-
-
-def _plan_splits(row_tiles: int, kv_heads: int, kv_len: int, block_n: int, device_id: int, min_blocks: int):
-    """(num_splits, kv_chunk_size): split KV only when the grid cannot fill the GPU.
-
-    Short queries over long KV give few CTAs; each split is a chunk of whole BLOCK_N tiles
-    (at least 4 of them, so a split amortises its epilogue and the merge stays cheap).
-    """
-    ctas = row_tiles * kv_heads
-    slots = _cuda.properties(device_id)["sm_count"] * min_blocks
-    kv_tiles = -(-kv_len // block_n)
-    if ctas >= slots or kv_tiles < 8:
-        return 1, kv_tiles * block_n if kv_tiles else block_n
-    splits = min(-(-slots // ctas), kv_tiles // 4)
-    chunk_tiles = -(-kv_tiles // splits)
-    splits = -(-kv_tiles // chunk_tiles)
-    return splits, chunk_tiles * block_n
 
 
 def _check_io(name: str, t, dtype, device_id: int):
@@ -266,7 +249,8 @@ class _Plan:
 
         _cuda.ensure_context(dev)
         general = opts.general or mask_kind is not None
-        la = self.attn = _registry.new_launcher("prefill", dev, dtype=dtype.short, head_dim=head_dim,
+        la = self.attn = _registry.new_launcher("prefill", dev, dtype=dtype.short, kv_dtype=dtype.short,
+                                                head_dim=head_dim,
                                                 general=general, paged=False)
         meta = la.meta
         group = num_qo_heads // num_kv_heads
@@ -274,8 +258,9 @@ class _Plan:
         if row_tiles > 65535:
             raise ValueError(f"qo_len * (num_qo_heads / num_kv_heads) = {qo_len * group} rows exceeds the "
                              f"{65535 * meta['block_m']} a single launch covers")
-        splits, chunk = _plan_splits(row_tiles, num_kv_heads, kv_len, meta["block_n"], dev,
-                                     2 if meta["threads"] <= 128 else 1)
+        splits, chunk = _split_kv.plan_splits(qo_len, kv_len, group, num_kv_heads, meta["block_m"], meta["block_n"],
+                                              _cuda.properties(dev)["sm_count"], 2 if meta["threads"] <= 128 else 1,
+                                              causal=causal, window_left=window_left)
         self.splits = splits
         p = la.params
         p.q_stride_n, p.q_stride_h = qv.strides[0], qv.strides[1]

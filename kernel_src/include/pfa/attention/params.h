@@ -57,8 +57,9 @@ struct PrefillParams {
   int32_t page_size;  // paged KV: tokens per page
   int32_t page_shift;  // log2(page_size) when a power of two, else -1
   float v_scale;  // output multiplier (fp8 V dequantisation scale); 1 otherwise
+  int32_t kv_fp8;  // fp8 K/V storage of the kv_dtype=fp8 kernels: 1 = e4m3fn, 2 = e5m2 (0 = K/V in q's dtype); strides stay in elements
 };
-static_assert(sizeof(PrefillParams) == 312, "PrefillParams size drifted from the schema");
+static_assert(sizeof(PrefillParams) == 320, "PrefillParams size drifted from the schema");
 static_assert(offsetof(PrefillParams, q) == 0, "PrefillParams.q offset");
 static_assert(offsetof(PrefillParams, k) == 8, "PrefillParams.k offset");
 static_assert(offsetof(PrefillParams, v) == 16, "PrefillParams.v offset");
@@ -107,6 +108,7 @@ static_assert(offsetof(PrefillParams, lse_scale) == 296, "PrefillParams.lse_scal
 static_assert(offsetof(PrefillParams, page_size) == 300, "PrefillParams.page_size offset");
 static_assert(offsetof(PrefillParams, page_shift) == 304, "PrefillParams.page_shift offset");
 static_assert(offsetof(PrefillParams, v_scale) == 308, "PrefillParams.v_scale offset");
+static_assert(offsetof(PrefillParams, kv_fp8) == 312, "PrefillParams.kv_fp8 offset");
 
 // combine split-KV partials (float32 o, base-2 lse) into the final output
 struct MergeParams {

@@ -9,6 +9,10 @@
 // arrive by cp.async so that V(j) streams in during Q K(j)^T and K(j+1) during P V(j).
 // Softmax is online in the log2 domain (the scale already carries log2 e), P stays in
 // registers (the C fragment of S is exactly the A fragment layout of P V).
+//
+// fp8 K/V (KV = fp8_storage): the ring holds one-byte tiles exactly as they sit in global
+// memory (half the bytes per load); after a tile lands, the CTA widens it once into a 16-bit
+// K/V pair in the swizzled layout, so the MMA path below is the same as for 16-bit K/V.
 #pragma once
 #include <math.h>
 
@@ -20,8 +24,8 @@
 
 namespace pfa {
 
-template <typename T, int HEAD_DIM, int NUM_WARPS, int MQ, int BLOCK_N, bool Q_IN_REGS, int KV_STAGES,
-          bool GENERAL, bool PAGED>
+template <typename T, typename KV, int HEAD_DIM, int NUM_WARPS, int MQ, int BLOCK_N, bool Q_IN_REGS,
+          int KV_STAGES, bool GENERAL, bool PAGED>
 struct PrefillSm80 {
   static constexpr int BLOCK_M = NUM_WARPS * MQ * 16;
   static constexpr int THREADS = NUM_WARPS * 32;
@@ -32,30 +36,62 @@ struct PrefillSm80 {
   // Paged KV: the page ids of a CTA's whole KV range are staged in shared memory once, so no
   // tile load waits on a dependent global read of the page table (falls back beyond this).
   static constexpr int MAX_PAGE_IDS = 2048;
-  static constexpr int KV_SMEM_BYTES = (BLOCK_M + 2 * KV_STAGES * BLOCK_N) * HEAD_DIM * (int)sizeof(T);
+  static constexpr bool KV_FP8 = sizeof(KV) == 1;
+  static_assert(sizeof(KV) == sizeof(T) || KV_FP8, "K/V are in the query dtype or one-byte fp8");
+  static constexpr int KV_CPR = HEAD_DIM * (int)sizeof(KV) / 16;  // 16-byte chunks per K/V row
+  static constexpr int KV_EPC = 16 / (int)sizeof(KV);              // K/V elements per chunk
+  static constexpr int TILE_BYTES = BLOCK_N * HEAD_DIM * (int)sizeof(T);     // a 16-bit K or V tile
+  static constexpr int RING_TILE_BYTES = BLOCK_N * HEAD_DIM * (int)sizeof(KV);  // as loaded
+  // Q, then KV_STAGES (K, V) ring pairs, then (fp8 only) the widened K, V pair.
+  static constexpr int KV_SMEM_BYTES =
+      BLOCK_M * HEAD_DIM * (int)sizeof(T) + 2 * KV_STAGES * RING_TILE_BYTES + (KV_FP8 ? 2 * TILE_BYTES : 0);
   static constexpr int SMEM_BYTES = KV_SMEM_BYTES + (PAGED ? MAX_PAGE_IDS * 4 : 0);
   static_assert(KV_STAGES >= 1 && KV_STAGES <= 4, "KV_STAGES: 1 = FA2 interleave, >= 2 = K/V ring");
+  static_assert(!KV_FP8 || KV_STAGES >= 2, "fp8 K/V widens whole ring stages (K and V together)");
   static_assert(HEAD_DIM % 64 == 0, "the XOR swizzle needs at least 8 chunks per row");
   static_assert(BLOCK_N % 16 == 0, "BLOCK_N must be a multiple of 16");
-  static_assert(THREADS % CPR == 0, "each thread keeps one chunk column in the tile loaders");
+  static_assert(THREADS % CPR == 0 && THREADS % KV_CPR == 0, "each thread keeps one chunk column in the loaders");
 
   // Chunk index of (row, chunk) in a swizzled [rows][HEAD_DIM] tile: XOR with row % 8 puts the
   // eight rows an ldmatrix phase reads into eight different 16-byte bank groups.
   static __device__ __forceinline__ int swz(int row, int chunk) { return row * CPR + (chunk ^ (row & 7)); }
 
-  // Copy ROWS rows of one head into a swizzled tile; row_ptr(row) gives the global address of
+  // Byte offset of K/V chunk (row, chunk) in a ring tile: 16-bit tiles are swizzled for
+  // ldmatrix; fp8 tiles stay linear (the widening pass reads them chunk by chunk, conflict-free).
+  static __device__ __forceinline__ uint32_t ring_off(int row, int chunk) {
+    return KV_FP8 ? (row * KV_CPR + chunk) * 16 : swz(row, chunk) * 16;
+  }
+
+  // Copy BLOCK_N K/V rows of one head into a ring tile; row_ptr(row) gives the global address of
   // (row, this thread's chunk column); rows at or past valid_rows are zero-filled from `safe`.
-  template <int ROWS, typename RowPtr>
-  static __device__ __forceinline__ void load_tile(uint32_t s_tile, RowPtr row_ptr, const T* safe, int valid_rows,
+  template <typename RowPtr>
+  static __device__ __forceinline__ void load_tile(uint32_t s_tile, RowPtr row_ptr, const KV* safe, int valid_rows,
                                                    int tid) {
-    const int chunk = tid % CPR;
-    const int row0 = tid / CPR;
-    constexpr int ROW_STEP = THREADS / CPR;
+    const int chunk = tid % KV_CPR;
+    const int row0 = tid / KV_CPR;
+    constexpr int ROW_STEP = THREADS / KV_CPR;
 #pragma unroll
-    for (int i = 0; i < ROWS / ROW_STEP; ++i) {
+    for (int i = 0; i < BLOCK_N / ROW_STEP; ++i) {
       const int row = row0 + i * ROW_STEP;
       const bool valid = row < valid_rows;
-      ptx::cp_async_16(s_tile + swz(row, chunk) * 16, valid ? row_ptr(row) : safe, valid);
+      ptx::cp_async_16(s_tile + ring_off(row, chunk), valid ? row_ptr(row) : safe, valid);
+    }
+  }
+
+  // fp8 only: widen ring pair `ring` (K then V, one-byte, linear) into the 16-bit swizzled pair
+  // at `wide`. Each raw chunk (16 values) becomes the widened chunks 2c and 2c + 1 of its row.
+  static __device__ __forceinline__ void widen_kv(const char* ring, char* wide, int fmt, int tid) {
+    constexpr int CHUNKS = BLOCK_N * KV_CPR;  // per tile
+#pragma unroll 4
+    for (int i = tid; i < 2 * CHUNKS; i += THREADS) {
+      const int tile = i / CHUNKS, j = i % CHUNKS;
+      const int row = j / KV_CPR, c = j % KV_CPR;
+      const uint4 raw = *reinterpret_cast<const uint4*>(ring + tile * RING_TILE_BYTES + j * 16);
+      const uint2 a = widen_fp8x4<T>(raw.x, fmt), b = widen_fp8x4<T>(raw.y, fmt);
+      const uint2 c2 = widen_fp8x4<T>(raw.z, fmt), d = widen_fp8x4<T>(raw.w, fmt);
+      char* dst = wide + tile * TILE_BYTES;
+      *reinterpret_cast<uint4*>(dst + swz(row, 2 * c) * 16) = make_uint4(a.x, a.y, b.x, b.y);
+      *reinterpret_cast<uint4*>(dst + swz(row, 2 * c + 1) * 16) = make_uint4(c2.x, c2.y, d.x, d.y);
     }
   }
 
@@ -100,9 +136,11 @@ struct PrefillSm80 {
     static_assert(BLOCK_M % (THREADS / CPR) == 0 && BLOCK_N % (THREADS / CPR) == 0, "tile rows vs threads");
     T* sQ = reinterpret_cast<T*>(smem);
     const uint32_t sQ_u = ptx::smem_u32(sQ);
-    // KV_STAGES (K, V) buffer pairs follow Q: stage i holds K at +2i and V at +2i+1 tiles.
-    constexpr uint32_t KV_TILE_BYTES = BLOCK_N * HEAD_DIM * sizeof(T);
+    // KV_STAGES (K, V) ring pairs follow Q: stage i holds K at +2i and V at +2i+1 tiles.
+    constexpr uint32_t KV_TILE_BYTES = RING_TILE_BYTES;
     const uint32_t sKV_u = sQ_u + BLOCK_M * HEAD_DIM * sizeof(T);
+    // fp8: the widened (16-bit) K, V pair every MMA reads, after the ring.
+    const uint32_t sWide_u = sKV_u + 2 * KV_STAGES * RING_TILE_BYTES;
 
     const int tid = threadIdx.x, lane = tid % 32, warp = tid / 32;
     // Grid (kv_head, split, row tile): the row tile varies slowest, so the block scheduler hands
@@ -191,36 +229,61 @@ struct PrefillSm80 {
         }
       }
     }
-    auto kv_row = [&](const T* base, int64_t stride_page, int64_t stride_n, int t) -> const T* {
-      if constexpr (PAGED) {
-        const int sh = p.page_shift;
-        const int pg = sh >= 0 ? t >> sh : t / p.page_size;
-        const int slot = sh >= 0 ? t & (p.page_size - 1) : t - pg * p.page_size;
-        const int id = ids_in_smem ? s_pages[pg - first_page]
-                                   : reinterpret_cast<const int32_t*>(p.kv_page_indices)[page_base + pg];
-        return base + (int64_t)id * stride_page + (int64_t)slot * stride_n;
-      } else {
-        return base + (kv_row0 + t) * stride_n;
+    // Paged KV: byte offset of request row t from the head's base. The fast path (page ids
+    // staged in shared memory, power-of-two page size, a page's rows within 4 GiB) is a shift,
+    // a mask, one LDS and unsigned 32x64 / 32x32 multiplies; the general path divides and may
+    // read the page table from global memory. The choice is uniform per CTA, so each compiles
+    // to its own straight-line loop. Rows past kv_len are clamped to the last row (a valid
+    // address) and zero-filled by cp.async, so no row needs a branch.
+    const bool page_fast =
+        PAGED && ids_in_smem && p.page_shift >= 0 &&
+        (uint64_t)p.page_size * (uint64_t)max(p.k_stride_n, p.v_stride_n) * sizeof(KV) < (1ull << 32);
+    auto page_off = [&](int t, int64_t stride_page, int64_t stride_n, bool fast) -> uint64_t {
+      if (fast) {
+        const uint32_t id = s_pages[(t >> p.page_shift) - first_page];
+        const uint32_t slot = t & (p.page_size - 1);
+        return (uint64_t)id * (uint64_t)(stride_page * (int64_t)sizeof(KV)) +
+               slot * (uint32_t)(stride_n * (int64_t)sizeof(KV));
       }
+      const int pg = t / p.page_size, slot = t - pg * p.page_size;
+      const int id =
+          ids_in_smem ? s_pages[pg - first_page] : reinterpret_cast<const int32_t*>(p.kv_page_indices)[page_base + pg];
+      return ((int64_t)id * stride_page + (int64_t)slot * stride_n) * (int64_t)sizeof(KV);
     };
+    auto at = [](const KV* base, uint64_t byte_off) {
+      return reinterpret_cast<const KV*>(reinterpret_cast<const char*>(base) + byte_off);
+    };
+    constexpr int KV_ROW_STEP = THREADS / KV_CPR;
     // Contiguous KV: one 64-bit base per tile, rows at a constant stride (strength-reduced).
-    auto load_kv = [&](const T* src, int64_t stride_page, int64_t stride_n, int n0, uint32_t s_tile) {
-      const T* base = src + (tid % CPR) * 8;
+    auto load_kv = [&](const KV* src, int64_t stride_page, int64_t stride_n, int n0, uint32_t s_tile) {
+      const int chunk = tid % KV_CPR, row0 = tid / KV_CPR;
+      const KV* base = src + chunk * KV_EPC;
       if constexpr (PAGED) {
-        load_tile<BLOCK_N>(s_tile, [&](int row) { return kv_row(base, stride_page, stride_n, n0 + row); }, src,
-                           kv_len - n0, tid);
+        auto rows = [&](bool fast) {
+#pragma unroll
+          for (int i = 0; i < BLOCK_N / KV_ROW_STEP; ++i) {
+            const int row = row0 + i * KV_ROW_STEP, t = n0 + row;
+            const uint64_t off = page_off(min(t, kv_len - 1), stride_page, stride_n, fast);
+            ptx::cp_async_16(s_tile + ring_off(row, chunk), at(base, off), t < kv_len);
+          }
+        };
+        if (page_fast) {
+          rows(true);
+        } else {
+          rows(false);
+        }
       } else {
-        const T* first = base + (kv_row0 + n0 + tid / CPR) * stride_n;
-        load_tile<BLOCK_N>(s_tile, [&](int row) { return first + (int64_t)(row - tid / CPR) * stride_n; }, src,
-                           kv_len - n0, tid);
+        const KV* first = base + (kv_row0 + n0 + tid / KV_CPR) * stride_n;
+        load_tile(s_tile, [&](int row) { return first + (int64_t)(row - tid / KV_CPR) * stride_n; }, src,
+                  kv_len - n0, tid);
       }
     };
     auto load_k = [&](int n0, int stage) {
-      load_kv(reinterpret_cast<const T*>(p.k) + kv_head * p.k_stride_h, p.k_stride_page, p.k_stride_n, n0,
+      load_kv(reinterpret_cast<const KV*>(p.k) + kv_head * p.k_stride_h, p.k_stride_page, p.k_stride_n, n0,
               sKV_u + 2 * stage * KV_TILE_BYTES);
     };
     auto load_v = [&](int n0, int stage) {
-      load_kv(reinterpret_cast<const T*>(p.v) + kv_head * p.v_stride_h, p.v_stride_page, p.v_stride_n, n0,
+      load_kv(reinterpret_cast<const KV*>(p.v) + kv_head * p.v_stride_h, p.v_stride_page, p.v_stride_n, n0,
               sKV_u + (2 * stage + 1) * KV_TILE_BYTES);
     };
     // K and V of one tile. Paged caches whose K and V share strides (one 5-D tensor, or twin
@@ -230,27 +293,24 @@ struct PrefillSm80 {
     auto load_both = [&](int n0, int stage) {
       if constexpr (PAGED) {
         if (kv_twin) {
-          constexpr int ROW_STEP = THREADS / CPR;
-          const int chunk = tid % CPR, row0 = tid / CPR;
-          const T* kb = reinterpret_cast<const T*>(p.k) + kv_head * p.k_stride_h + chunk * 8;
-          const T* vb = reinterpret_cast<const T*>(p.v) + kv_head * p.v_stride_h + chunk * 8;
+          const int chunk = tid % KV_CPR, row0 = tid / KV_CPR;
+          const KV* kb = reinterpret_cast<const KV*>(p.k) + kv_head * p.k_stride_h + chunk * KV_EPC;
+          const KV* vb = reinterpret_cast<const KV*>(p.v) + kv_head * p.v_stride_h + chunk * KV_EPC;
           const uint32_t sk = sKV_u + 2 * stage * KV_TILE_BYTES, sv = sk + KV_TILE_BYTES;
-          const int sh = p.page_shift;
+          auto rows = [&](bool fast) {
 #pragma unroll
-          for (int i = 0; i < BLOCK_N / ROW_STEP; ++i) {
-            const int row = row0 + i * ROW_STEP, t = n0 + row;
-            const bool valid = t < kv_len;
-            int64_t off = 0;
-            if (valid) {
-              const int pg = sh >= 0 ? t >> sh : t / p.page_size;
-              const int slot = sh >= 0 ? t & (p.page_size - 1) : t - pg * p.page_size;
-              const int id = ids_in_smem ? s_pages[pg - first_page]
-                                         : reinterpret_cast<const int32_t*>(p.kv_page_indices)[page_base + pg];
-              off = (int64_t)id * p.k_stride_page + (int64_t)slot * p.k_stride_n;
+            for (int i = 0; i < BLOCK_N / KV_ROW_STEP; ++i) {
+              const int row = row0 + i * KV_ROW_STEP, t = n0 + row;
+              const uint64_t off = page_off(min(t, kv_len - 1), p.k_stride_page, p.k_stride_n, fast);
+              const uint32_t so = ring_off(row, chunk);
+              ptx::cp_async_16(sk + so, at(kb, off), t < kv_len);
+              ptx::cp_async_16(sv + so, at(vb, off), t < kv_len);
             }
-            const uint32_t so = swz(row, chunk) * 16;
-            ptx::cp_async_16(sk + so, valid ? kb + off : reinterpret_cast<const T*>(p.k), valid);
-            ptx::cp_async_16(sv + so, valid ? vb + off : reinterpret_cast<const T*>(p.v), valid);
+          };
+          if (page_fast) {
+            rows(true);
+          } else {
+            rows(false);
           }
           return;
         }
@@ -327,7 +387,8 @@ struct PrefillSm80 {
     for (int it = 0; it < num_tiles; ++it) {
       const int n0 = tile_start + it * BLOCK_N;
       const int stage = KV_STAGES > 1 ? it % KV_STAGES : 0;
-      const uint32_t sK_u = sKV_u + 2 * stage * KV_TILE_BYTES, sV_u = sK_u + KV_TILE_BYTES;
+      const uint32_t sK_u = KV_FP8 ? sWide_u : sKV_u + 2 * stage * KV_TILE_BYTES;
+      const uint32_t sV_u = sK_u + TILE_BYTES;
       if constexpr (KV_STAGES == 1) {
         ptx::cp_async_wait<0>();
         __syncthreads();  // K(it) landed; every warp is done reading V(it-1)
@@ -342,6 +403,11 @@ struct PrefillSm80 {
           load_both(tile_start + ahead * BLOCK_N, ahead % KV_STAGES);
         }
         ptx::cp_async_commit();
+      }
+      if constexpr (KV_FP8) {
+        // The barrier above also retired every read of the widened pair (tile it-1).
+        widen_kv(smem + (sKV_u - sQ_u) + 2 * stage * KV_TILE_BYTES, smem + (sWide_u - sQ_u), p.kv_fp8, tid);
+        __syncthreads();
       }
 
       if constexpr (GENERAL) {
@@ -590,9 +656,9 @@ struct PrefillSm80 {
 }  // namespace pfa
 
 // One extern "C" entry per variant: a stable name for the manifest and cuLibraryGetKernel.
-#define PFA_DEFINE_PREFILL_SM80(NAME, T, HD, NW, MQ, BN, QREGS, STAGES, MINB, GENERAL, PAGED) \
-  extern "C" __global__ void __launch_bounds__(NW * 32, MINB)                                 \
-      NAME(const __grid_constant__ pfa::PrefillParams p) {                                     \
-    extern __shared__ __align__(128) char smem[];                                              \
-    pfa::PrefillSm80<T, HD, NW, MQ, BN, QREGS, STAGES, GENERAL, PAGED>::run(p, smem);          \
+#define PFA_DEFINE_PREFILL_SM80(NAME, T, KV, HD, NW, MQ, BN, QREGS, STAGES, MINB, GENERAL, PAGED) \
+  extern "C" __global__ void __launch_bounds__(NW * 32, MINB)                                     \
+      NAME(const __grid_constant__ pfa::PrefillParams p) {                                         \
+    extern __shared__ __align__(128) char smem[];                                                  \
+    pfa::PrefillSm80<T, KV, HD, NW, MQ, BN, QREGS, STAGES, GENERAL, PAGED>::run(p, smem);          \
   }

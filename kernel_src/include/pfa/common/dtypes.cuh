@@ -33,4 +33,49 @@ __device__ __forceinline__ __nv_bfloat16 from_float<__nv_bfloat16>(float x) { re
 __device__ __forceinline__ float to_float(half x) { return __half2float(x); }
 __device__ __forceinline__ float to_float(__nv_bfloat16 x) { return __bfloat162float(x); }
 
+// One-byte K/V storage (e4m3fn or e5m2: which one is a runtime field, PrefillParams::kv_fp8).
+struct fp8_storage {
+  uint8_t bits;
+};
+enum Fp8Format : int { kFp8E4M3 = 1, kFp8E5M2 = 2 };
+
+// Four fp8 values (bytes of x, first in the low byte) -> four T values as two packed pairs,
+// exactly (every e4m3/e5m2 value is representable in fp16 and in bf16). Bit moves only: each
+// byte goes to the top of a 16-bit lane, its exponent+mantissa bits are slid into the target
+// format's fields, and one packed multiply by 2^(target bias - source bias) rebases the
+// exponent (subnormals included, since the multiply normalises them). fp8 Inf/NaN encodings
+// are not preserved (as FlashInfer's fast dequantisation): a KV cache never holds them.
+template <typename T>
+__device__ __forceinline__ uint2 widen_fp8x4(uint32_t x, int fmt);
+template <>
+__device__ __forceinline__ uint2 widen_fp8x4<half>(uint32_t x, int fmt) {
+  uint32_t u[2] = {__byte_perm(x, 0u, 0x1404), __byte_perm(x, 0u, 0x3424)};  // byte b -> lane bits 15..8
+  if (fmt == kFp8E5M2) return make_uint2(u[0], u[1]);  // e5m2 is the top byte of an fp16
+#pragma unroll
+  for (int i = 0; i < 2; ++i) {
+    const uint32_t h = (u[i] & 0x80008000u) | ((u[i] >> 1) & 0x3F803F80u);  // e4m3 fields at fp16's, bias 7
+    half2 v = __hmul2(*reinterpret_cast<const half2*>(&h), __halves2half2(__ushort_as_half(0x5C00),
+                                                                         __ushort_as_half(0x5C00)));  // * 2^8
+    u[i] = *reinterpret_cast<uint32_t*>(&v);
+  }
+  return make_uint2(u[0], u[1]);
+}
+template <>
+__device__ __forceinline__ uint2 widen_fp8x4<__nv_bfloat16>(uint32_t x, int fmt) {
+  uint32_t u[2] = {__byte_perm(x, 0u, 0x1404), __byte_perm(x, 0u, 0x3424)};
+  // e4m3 (bias 7): fields at bf16's, then * 2^120; e5m2 (bias 15): fields at bf16's, then * 2^112.
+  const bool e4 = fmt != kFp8E5M2;
+  const int shift = e4 ? 4 : 3;
+  const uint32_t field = e4 ? 0x07F007F0u : 0x0FE00FE0u;
+  const unsigned short rebase = e4 ? 0x7B80 : 0x7780;
+  const __nv_bfloat162 k = __halves2bfloat162(__ushort_as_bfloat16(rebase), __ushort_as_bfloat16(rebase));
+#pragma unroll
+  for (int i = 0; i < 2; ++i) {
+    const uint32_t b = (u[i] & 0x80008000u) | ((u[i] >> shift) & field);
+    __nv_bfloat162 v = __hmul2(*reinterpret_cast<const __nv_bfloat162*>(&b), k);
+    u[i] = *reinterpret_cast<uint32_t*>(&v);
+  }
+  return make_uint2(u[0], u[1]);
+}
+
 }  // namespace pfa
