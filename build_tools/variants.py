@@ -8,6 +8,7 @@ Prefill tile shapes (BLOCK_M = warps * mq * 16 packed rows, BLOCK_N keys per til
 chosen by measurement on an H100/H200 (see NOTES.md); rows marked tune=True are alternatives
 built only with `make TUNE=1` so the benchmark can compare them.
 """
+import dataclasses
 from dataclasses import dataclass
 
 DTYPES = {"f16": "half", "bf16": "__nv_bfloat16"}
@@ -27,6 +28,9 @@ class PrefillVariant:
     q_in_regs: bool
     stages: int  # K/V shared-memory stages: 1 = FA2 interleave, 2 = double-buffered K and V
     min_blocks: int  # __launch_bounds__ min CTAs per SM (caps registers)
+    # Rescale O only when a row max of the warp moved (a warp vote per tile). A register-
+    # allocation lever as much as an arithmetic one: measured per shape (NOTES.md).
+    lazy_rescale: bool = False
     tune: bool = False
     # general = custom mask, soft cap, ALiBi, RoPE compiled in (runtime fields pick them); the
     # lean kernel (plain, causal, window) carries none of that code, so it pays nothing for it.
@@ -45,7 +49,7 @@ class PrefillVariant:
     @property
     def name(self):
         return (f"pfa_prefill_sm80_{self.dtype}{'_kv' + self.kv_dtype if self.kv_dtype else ''}_hd{self.head_dim}"
-                f"_m{self.block_m}n{self.block_n}w{self.warps}s{self.stages}{'_qr' if self.q_in_regs else ''}"
+                f"_m{self.block_m}n{self.block_n}w{self.warps}s{self.stages}{'_qr' if self.q_in_regs else ''}{'_lr' if self.lazy_rescale else ''}"
                 f"{'_gen' if self.general else ''}{'_paged' if self.paged else ''}")
 
     @property
@@ -65,7 +69,8 @@ class PrefillVariant:
                 f"PFA_DEFINE_PREFILL_SM80({self.name}, {DTYPES[self.dtype]}, "
                 f"{KV_STORAGE[self.kv_dtype] if self.kv_dtype else DTYPES[self.dtype]}, {self.head_dim}, {self.warps}, "
                 f"{self.mq}, {self.block_n}, {'true' if self.q_in_regs else 'false'}, {self.stages}, {self.min_blocks}, "
-                f"{'true' if self.general else 'false'}, {'true' if self.paged else 'false'})\n")
+                f"{'true' if self.general else 'false'}, {'true' if self.paged else 'false'}, "
+                f"{'true' if self.lazy_rescale else 'false'})\n")
 
     def manifest(self):
         return {"family": "prefill", "dtype": self.dtype, "kv_dtype": self.kv, "head_dim": self.head_dim,
@@ -106,18 +111,20 @@ class PackbitsVariant:
         return {"family": "packbits", "threads": 256, "smem_bytes": 0, "tune": self.tune}
 
 
-# head_dim -> (warps, mq, block_n, q_in_regs, stages, min_blocks): the shipped default per head dim.
+# head_dim -> (warps, mq, block_n, q_in_regs, stages, min_blocks, lazy_rescale): the shipped default
+# per head dim. lazy_rescale applies to the lean kernels only (it made the general ones spill more);
+# it took hd128 from 40 B of spills to none (+8-12 %) but cost hd64/hd256 ~8 % (H100, NOTES.md).
 PREFILL_TILES = {
-    64: (4, 2, 64, True, 2, 2),
-    128: (4, 2, 64, False, 2, 2),
-    256: (8, 1, 64, False, 2, 1),
+    64: (4, 2, 64, True, 2, 2, False),
+    128: (4, 2, 64, False, 2, 2, True),
+    256: (8, 1, 64, False, 2, 1, False),
 }
 # Alternatives the tuning sweep compares against the defaults.
 PREFILL_TUNE_TILES = {
     64: [(4, 2, 64, True, 3, 2), (8, 2, 64, True, 2, 1)],
     128: [(8, 1, 64, True, 2, 1), (4, 2, 48, False, 2, 2), (4, 2, 64, False, 1, 2), (4, 2, 32, False, 3, 2)],
     # (4, 1, 64, False, 1, 2) is FA2's hd256 shape: 64-row CTAs, two per SM, one K and one V buffer.
-    256: [(8, 1, 48, False, 2, 1), (4, 1, 64, False, 1, 2), (4, 1, 64, False, 2, 1)],
+    256: [(8, 1, 48, False, 2, 1), (4, 1, 64, False, 1, 2), (4, 1, 32, False, 2, 2), (4, 1, 32, True, 2, 2)],
 }
 
 
@@ -128,7 +135,8 @@ def variants(tune=False):
             for kv_dtype in ("", "fp8"):
                 for general in (False, True):
                     for paged in (False, True):
-                        out.append(PrefillVariant(dtype, hd, *tile, general=general, paged=paged, kv_dtype=kv_dtype))
+                        v = PrefillVariant(dtype, hd, *tile, general=general, paged=paged, kv_dtype=kv_dtype)
+                        out.append(dataclasses.replace(v, lazy_rescale=False) if general else v)
             if tune:
                 out += [PrefillVariant(dtype, hd, *t, tune=True) for t in PREFILL_TUNE_TILES[hd]]
         out.append(MergeVariant(dtype))

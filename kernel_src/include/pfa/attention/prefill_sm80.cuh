@@ -25,7 +25,7 @@
 namespace pfa {
 
 template <typename T, typename KV, int HEAD_DIM, int NUM_WARPS, int MQ, int BLOCK_N, bool Q_IN_REGS,
-          int KV_STAGES, bool GENERAL, bool PAGED>
+          int KV_STAGES, bool GENERAL, bool PAGED, bool LAZY_RESCALE = false>
 struct PrefillSm80 {
   static constexpr int BLOCK_M = NUM_WARPS * MQ * 16;
   static constexpr int THREADS = NUM_WARPS * 32;
@@ -507,6 +507,8 @@ struct PrefillSm80 {
 
       // ---- online softmax, base 2 ----
       uint32_t pp[MQ][NTILES][2];
+      float corr[MQ][2];
+      bool moved = false;  // did any row max of this thread move (corr != 1)?
 #pragma unroll
       for (int mt = 0; mt < MQ; ++mt)
 #pragma unroll
@@ -519,7 +521,8 @@ struct PrefillSm80 {
           const float m_new = fmaxf(m[mt][hf], mx * scale_eff);
           // A row that has seen only masked keys keeps m = -inf; use 0 so exp2 gives 0, not NaN.
           const float m_use = m_new == -INFINITY ? 0.f : m_new;
-          const float corr = ptx::exp2_approx(m[mt][hf] - m_use);
+          corr[mt][hf] = ptx::exp2_approx(m[mt][hf] - m_use);  // exactly 1 when the max held
+          moved |= corr[mt][hf] != 1.f;
           m[mt][hf] = m_new;
           float rs = 0.f;
 #pragma unroll
@@ -528,17 +531,34 @@ struct PrefillSm80 {
             s[mt][nt][2 * hf + 1] = ptx::exp2_approx(fmaf(s[mt][nt][2 * hf + 1], scale_eff, -m_use));
             rs += s[mt][nt][2 * hf] + s[mt][nt][2 * hf + 1];
           }
-          l[mt][hf] = l[mt][hf] * corr + rs;
+          l[mt][hf] = l[mt][hf] * corr[mt][hf] + rs;
           // Round P to 16 bits now: the packed copy is all P V needs, so the fp32 S registers
           // die here instead of living through the P V loop.
 #pragma unroll
           for (int nt = 0; nt < NTILES; ++nt) pp[mt][nt][hf] = Pack2<T>::from(s[mt][nt][2 * hf], s[mt][nt][2 * hf + 1]);
+          if constexpr (!LAZY_RESCALE) {
 #pragma unroll
-          for (int d = 0; d < DTILES; ++d) {
-            o[mt][d][2 * hf] *= corr;
-            o[mt][d][2 * hf + 1] *= corr;
+            for (int d = 0; d < DTILES; ++d) {
+              o[mt][d][2 * hf] *= corr[mt][hf];
+              o[mt][d][2 * hf + 1] *= corr[mt][hf];
+            }
           }
         }
+      // LAZY_RESCALE: rescale O only when some row max of the warp moved; past the first few
+      // tiles of a long row it rarely does, and the multiplies (one per O register) are ~10 % of
+      // a tile's issue. Whether the vote and branch pay off depends on the register allocation
+      // they lead to, so the variant table decides per shape.
+      if (LAZY_RESCALE && __any_sync(0xffffffff, moved)) {
+#pragma unroll
+        for (int mt = 0; mt < MQ; ++mt)
+#pragma unroll
+          for (int d = 0; d < DTILES; ++d) {
+            o[mt][d][0] *= corr[mt][0];
+            o[mt][d][1] *= corr[mt][0];
+            o[mt][d][2] *= corr[mt][1];
+            o[mt][d][3] *= corr[mt][1];
+          }
+      }
 
       if constexpr (KV_STAGES == 1) {
         ptx::cp_async_wait<0>();
@@ -656,9 +676,9 @@ struct PrefillSm80 {
 }  // namespace pfa
 
 // One extern "C" entry per variant: a stable name for the manifest and cuLibraryGetKernel.
-#define PFA_DEFINE_PREFILL_SM80(NAME, T, KV, HD, NW, MQ, BN, QREGS, STAGES, MINB, GENERAL, PAGED) \
+#define PFA_DEFINE_PREFILL_SM80(NAME, T, KV, HD, NW, MQ, BN, QREGS, STAGES, MINB, GENERAL, PAGED, LAZY) \
   extern "C" __global__ void __launch_bounds__(NW * 32, MINB)                                     \
       NAME(const __grid_constant__ pfa::PrefillParams p) {                                         \
     extern __shared__ __align__(128) char smem[];                                                  \
-    pfa::PrefillSm80<T, KV, HD, NW, MQ, BN, QREGS, STAGES, GENERAL, PAGED>::run(p, smem);          \
+    pfa::PrefillSm80<T, KV, HD, NW, MQ, BN, QREGS, STAGES, GENERAL, PAGED, LAZY>::run(p, smem);    \
   }
