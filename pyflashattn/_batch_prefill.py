@@ -11,17 +11,26 @@ every int array of the plan through one pinned host buffer with one async copy o
 run() checks q/KV against the plan, refills a few pointers and launches: it allocates nothing
 when out= (and lse=) are given and never synchronises, so it can be captured in a CUDA graph
 (use_cuda_graph=True keeps every device address and the grid fixed across plans).
+
+K/V may be fp8 (kv_data_type float8_e4m3fn / float8_e5m2 with fp16/bf16 queries): the kernels
+widen it to q's dtype in shared memory. run()'s k_scale / v_scale apply to every KV dtype, in
+the kernel: logits use sm_scale * k_scale (so the LSE includes k_scale, as FlashInfer's folded
+sm_scale does), the output is multiplied by v_scale.
 """
 from __future__ import annotations
 
 import ctypes
 import math
+import sys
 
 import numpy as np
 
 from . import _cuda, _dtypes, _options, _plan, _registry, _tensor
 from .prefill import HEAD_DIMS, LOG2E, _MERGE_ROWS_PER_BLOCK, _alibi_buffer
 
+_I32_MAX = 2**31 - 1
+_MASK_MIN_BYTES = 64 << 10  # smallest library-owned packed-mask buffer
+_PACK_THREADS, _PACK_MAX_SEGMENTS = 256, 65535  # the packbits kernel: bytes per CTA, grid.y limit
 
 
 def _host_int(x, name):
@@ -41,7 +50,7 @@ def _host_int(x, name):
         if v.dtype not in (_dtypes.INT32, _dtypes.INT64):
             raise TypeError(f"{name} must be int32 (or int64), got {v.dtype.name}")
         if v.is_cuda:
-            a = _device_to_host(v, name)
+            a = _device_to_host(x, v, name)
         else:
             a = np.from_dlpack(x)
     if a.ndim != 1:
@@ -53,7 +62,10 @@ def _host_int(x, name):
     return a.astype(np.int32, copy=False)
 
 
-def _device_to_host(v, name):
+def _device_to_host(x, v, name):
+    """Copy a 1-D device index array to the host, ordered after its producer's pending writes:
+    on torch's / CuPy's current stream, or (JAX, others) on the library stream after the DLPack
+    handshake; then wait for that stream (this is the one sync a device index array costs)."""
     n = v.shape[0] if v.ndim == 1 else None
     if n is None:
         raise ValueError(f"{name} must be 1-D, got shape {v.shape}")
@@ -62,18 +74,63 @@ def _device_to_host(v, name):
     itemsize = v.dtype.bits // 8
     out = np.empty(n, dtype=np.int32 if itemsize == 4 else np.int64)
     if n:
-        _cuda.ensure_context(v.device_id)
-        _cuda.check(_cuda.driver().cuMemcpyDtoH(out.ctypes.data, v.ptr, n * itemsize), f"copy {name} to host")
+        dev = v.device_id
+        _cuda.ensure_context(dev)
+        if v.framework in ("torch", "cupy"):
+            s = _tensor.current_stream(v.framework, dev)
+        else:
+            s = _cuda.library_stream(dev)
+            v = _tensor.view(x, name, stream=s)
+        cu = _cuda.driver()
+        _cuda.check(cu.cuMemcpyDtoHAsync(out.ctypes.data, v.ptr, n * itemsize, s), f"copy {name} to host")
+        _cuda.check(cu.cuStreamSynchronize(s), f"cuStreamSynchronize (copy of {name})")
     return out
+
+
+def _dtype_arg(x, name):
+    try:
+        return _dtypes.normalize(x)
+    except TypeError:
+        raise TypeError(f"{name}: unsupported dtype {x!r}") from None
+
+
+def _plan_dtypes(q_data_type, kv_data_type):
+    """(q dtype, K/V dtype, PrefillParams.kv_fp8): q fp16/bf16; K/V in q's dtype or fp8."""
+    # DTypes are table singletons: identity tests (the dataclass __eq__ / __hash__ cost ~1 us each)
+    qdt = _dtype_arg(q_data_type, "q_data_type")
+    if qdt is not _dtypes.FLOAT16 and qdt is not _dtypes.BFLOAT16:
+        raise TypeError(f"q_data_type must be float16 or bfloat16, got {qdt.name}")
+    kdt = qdt if kv_data_type is None else _dtype_arg(kv_data_type, "kv_data_type")
+    fp8 = 1 if kdt is _dtypes.FLOAT8_E4M3 else 2 if kdt is _dtypes.FLOAT8_E5M2 else 0  # PrefillParams.kv_fp8
+    if kdt is not qdt and not fp8:
+        raise TypeError(f"kv_data_type {kdt.name} with q_data_type {qdt.name}: K/V must be in q's dtype or fp8 "
+                        "(float8_e4m3fn, float8_e5m2)")
+    return qdt, kdt, fp8
+
+
+def _scale_arg(x, name) -> float:
+    """k_scale / v_scale: None -> 1.0; an int, float or numpy real scalar, finite and > 0."""
+    if x is None:
+        return 1.0
+    if type(x) is not float:
+        if isinstance(x, bool) or not isinstance(x, (int, float, np.integer, np.floating)):
+            raise TypeError(f"{name} must be a number (int, float or numpy real scalar) or None, "
+                            f"got {type(x).__name__}")
+        x = float(x)
+    if not (0.0 < x < math.inf):  # NaN fails too
+        raise ValueError(f"{name} must be a finite number > 0, got {x!r}")
+    return x
 
 
 class _Staging:
     """One pinned host buffer and one device buffer for all int metadata of a plan.
 
-    plan() lays the arrays out (16-byte aligned), writes them into the pinned buffer and issues
-    one cuMemcpyHtoDAsync on the stream; an event guards the pinned buffer so a later plan never
-    overwrites bytes an earlier copy has not read yet. With fixed=True (CUDA graphs) the device
-    buffer never moves, so captured launches keep pointing at valid metadata.
+    plan() writes the arrays into the pinned buffer and issues one cuMemcpyHtoDAsync on the
+    stream; an event guards the pinned buffer so a later plan never overwrites bytes an earlier
+    copy has not read yet. Without a layout the arrays go back to back (the kernels read them
+    as int32, 4-byte alignment is all they need) with one numpy concatenate; with fixed=True
+    (CUDA graphs) every array has its own fixed room, so the device addresses captured launches
+    point at never move.
     """
 
     def __init__(self, device_id: int):
@@ -95,53 +152,81 @@ class _Staging:
         if self.host:
             _cuda.check(cu.cuMemFreeHost(self.host), "cuMemFreeHost")
             _cuda.mem_free(self.device)
-        size = max(nbytes, 2 * self.size, 4096)
+        size = (max(nbytes, 2 * self.size, 4096) + 15) // 16 * 16
         self.host = int(_cuda.check(cu.cuMemHostAlloc(size, 0), "cuMemHostAlloc"))
         self.device = _cuda.mem_alloc(size)
         self.size, self.fixed = size, fixed
-        self.host_view = np.ctypeslib.as_array((ctypes.c_uint8 * size).from_address(self.host))
+        self.host32 = np.ctypeslib.as_array((ctypes.c_int32 * (size // 4)).from_address(self.host))
 
     def _wait(self):
         if self.event is not None:
             _cuda.check(_cuda.driver().cuEventSynchronize(self.event), "cuEventSynchronize")
 
     def upload(self, arrays: dict, stream: int, layout: dict | None = None) -> dict:
-        """Copy int32 arrays to the device in one async copy; returns name -> device address."""
+        """Copy int32 arrays to the device in one async copy; returns name -> device address.
+        layout: name -> fixed byte offset (+ "__end__"), else back to back."""
         if layout is None:
-            layout, off = {}, 0
+            offs, n = {}, 0
             for name, a in arrays.items():
-                layout[name] = off
-                off += (a.size * 4 + 15) // 16 * 16
-            total = off
+                offs[name] = n
+                n += a.size
+            self.reserve(4 * n)
+            self._wait()
+            if n:
+                np.concatenate(tuple(arrays.values()), out=self.host32[:n])
+            total, base = 4 * n, self.device
+            ptrs = {name: base + 4 * o for name, o in offs.items()}
         else:
             total = layout["__end__"]
-        self.reserve(total)
-        self._wait()
-        host = self.host_view
-        for name, a in arrays.items():
-            off = layout[name]
-            host[off:off + a.size * 4] = a.view(np.uint8) if a.dtype == np.int32 else a.astype(np.int32).view(np.uint8)
+            self.reserve(total)
+            self._wait()
+            host32, base = self.host32, self.device
+            ptrs = {}
+            for name, a in arrays.items():
+                o = layout[name]
+                host32[o // 4:o // 4 + a.size] = a
+                ptrs[name] = base + o
         cu = _cuda.driver()
         if total:
             _cuda.check(cu.cuMemcpyHtoDAsync(self.device, self.host, total, stream), "cuMemcpyHtoDAsync")
         if self.event is None:
             self.event = _cuda.check(cu.cuEventCreate(cu.CUevent_flags.CU_EVENT_DISABLE_TIMING), "cuEventCreate")
         _cuda.check(cu.cuEventRecord(self.event, stream), "cuEventRecord")
-        return {name: self.device + layout[name] for name in arrays}
+        return ptrs
+
+
+class _MaskPlan:
+    """What plan() validated about a custom mask (no driver touched yet) and where it goes."""
+
+    __slots__ = ("kind", "obj", "view", "need", "byte_indptr", "elem_indptr", "seg_bytes", "dst")
+
+    def __init__(self, **kw):
+        for k, v in kw.items():
+            setattr(self, k, v)
 
 
 class _BatchPrefillBase:
     _paged: bool
 
-    def __init__(self, float_workspace_buffer, kv_layout: str = "NHD", use_cuda_graph: bool = False):
+    def __init__(self, float_workspace_buffer, kv_layout: str = "NHD", use_cuda_graph: bool = False,
+                 custom_mask_buf=None, qk_indptr_buf=None):
         if kv_layout not in ("NHD", "HND"):
             raise ValueError(f"kv_layout must be 'NHD' or 'HND', got {kv_layout!r}")
         self._kv_layout = kv_layout
         self._use_cuda_graph = bool(use_cuda_graph)
         self._set_workspace(float_workspace_buffer)
+        # FlashInfer's mask buffers for CUDA graphs: plan() writes the packed mask / its byte
+        # offsets there (in any mode, so they are never silently ignored).
+        self._mask_user = self._aux_buffer(custom_mask_buf, "custom_mask_buf", _dtypes.UINT8)
+        self._qk_user = self._aux_buffer(qk_indptr_buf, "qk_indptr_buf", _dtypes.INT32)
         self._staging = _Staging(self._dev)
         self._planned = False
         self._capacity = None
+        self._launchers = {}
+        self._mask_dev = self._mask_cap = 0  # library-owned packed-mask buffer
+        self._mask_keep = None  # the caller's mask tensor a plan reads (asynchronously) or points at
+        self._captured = None  # graph mode: the plan settings a captured run() baked in (sig in _plan_common)
+        self._graph_probe = self._use_cuda_graph
 
     # ---- workspace ---------------------------------------------------------------------
     @staticmethod
@@ -160,6 +245,19 @@ class _BatchPrefillBase:
         self._ws_buf = buf  # keep the caller's tensor alive with the wrapper
         self._ws_ptr, self._ws_bytes, self._dev = v.ptr, nbytes, v.device_id
 
+    def _aux_buffer(self, buf, name, dtype):
+        """(tensor, address, elements) of a constructor buffer on the wrapper's device, or None."""
+        if buf is None:
+            return None
+        v = _tensor.view(buf, name)
+        if not v.is_cuda or v.device_id != self._dev:
+            raise ValueError(f"{name} must be a CUDA tensor on cuda:{self._dev} (the float workspace's device)")
+        if v.dtype != dtype:
+            raise TypeError(f"{name} must be {dtype.name}, got {v.dtype.name}")
+        if v.ndim != 1 or (v.shape[0] > 1 and v.strides[0] != 1):
+            raise ValueError(f"{name} must be a contiguous 1-D tensor, got shape {v.shape} strides {v.strides}")
+        return buf, v.ptr, v.shape[0]
+
     def reset_workspace_buffer(self, float_workspace_buffer, int_workspace_buffer=None):
         """Swap the float workspace (int metadata lives in the wrapper's own buffers; the
         int_workspace_buffer argument is accepted for FlashInfer compatibility). A buffer that is
@@ -169,6 +267,9 @@ class _BatchPrefillBase:
             raise ValueError("float_workspace_buffer must stay on the wrapper's device")
         if self._planned and self._ws_need > nbytes:
             raise ValueError(f"float_workspace_buffer holds {nbytes} bytes; the current plan needs {self._ws_need}")
+        if self._captured is not None and v.ptr != self._ws_ptr:
+            raise ValueError("float_workspace_buffer: run() was captured in a CUDA graph that reads the current "
+                             "workspace; it cannot be swapped for another buffer")
         self._set_workspace(float_workspace_buffer)
         if self._planned:
             self._point_workspace()
@@ -180,12 +281,19 @@ class _BatchPrefillBase:
         return self._ws_need
 
     # ---- plan --------------------------------------------------------------------------
-    def _plan_common(self, qo_indptr, kv_lens, kv_arrays: dict, num_qo_heads, num_kv_heads, head_dim,
-                     custom_mask, packed_custom_mask, causal, pos_encoding_mode, allow_fp16_qk_reduction,
+    def _plan_common(self, qo_indptr, qo_lens, kv_lens, kv_arrays: dict, state: dict, num_qo_heads, num_kv_heads,
+                     head_dim, custom_mask, packed_custom_mask, causal, pos_encoding_mode, allow_fp16_qk_reduction,
                      sm_scale, window_left, logits_soft_cap, rope_scale, rope_theta, q_data_type, kv_data_type,
                      fixed_split_size, disable_split_kv, page_size, lse_base, stream):
-        opts = _options.resolve(pos_encoding_mode, allow_fp16_qk_reduction, logits_soft_cap, rope_scale,
-                                rope_theta, lse_base)
+        """Everything after the wrapper-specific index checks. `state` holds the wrapper fields
+        the plan sets (page size, ...): they are committed only when the whole plan succeeded,
+        so a refused plan leaves the previous one usable."""
+        if (pos_encoding_mode == "NONE" and not allow_fp16_qk_reduction and logits_soft_cap is None
+                and rope_scale is None and rope_theta is None and lse_base == "log2"):
+            opts = _options.PLAIN
+        else:
+            opts = _options.resolve(pos_encoding_mode, allow_fp16_qk_reduction, logits_soft_cap, rope_scale,
+                                    rope_theta, lse_base)
         for name, val in (("num_qo_heads", num_qo_heads), ("num_kv_heads", num_kv_heads), ("head_dim", head_dim)):
             if not isinstance(val, (int, np.integer)) or val <= 0:
                 raise ValueError(f"{name} must be a positive int, got {val!r}")
@@ -193,37 +301,20 @@ class _BatchPrefillBase:
             raise ValueError(f"num_qo_heads ({num_qo_heads}) must be a multiple of num_kv_heads ({num_kv_heads})")
         if head_dim not in HEAD_DIMS:
             raise ValueError(f"head_dim {head_dim} is not supported (supported: {HEAD_DIMS})")
-        qdt = _dtypes.normalize(q_data_type)
-        if qdt not in (_dtypes.FLOAT16, _dtypes.BFLOAT16):
-            raise TypeError(f"q_data_type must be float16 or bfloat16, got {qdt.name}")
-        kdt = qdt if kv_data_type is None else _dtypes.normalize(kv_data_type)
-        if kdt != qdt:
-            raise NotImplementedError(f"kv_data_type {kdt.name} with q_data_type {qdt.name}: only equal 16-bit "
-                                      "types are implemented (fp8 KV is not yet)")
+        qdt, kdt, kv_fp8 = _plan_dtypes(q_data_type, kv_data_type)
         window_left = _options.window(window_left)
         sm_scale = _options.softmax_scale(sm_scale, head_dim)
-        B = qo_indptr.size - 1
-        qo_lens = np.diff(qo_indptr)
-        has_mask = custom_mask is not None or packed_custom_mask is not None
-        if has_mask and self._use_cuda_graph:
-            raise NotImplementedError("custom masks with use_cuda_graph=True are not implemented yet")
+        B = qo_lens.size
+        mask = None
+        if custom_mask is not None or packed_custom_mask is not None:
+            mask = self._mask_plan(custom_mask, packed_custom_mask, qo_lens, kv_lens)
+            causal = False  # a custom mask replaces causal (FlashInfer)
+        causal = int(bool(causal))
         group = num_qo_heads // num_kv_heads
-        mask_bytes_indptr = None
-        if has_mask:
-            # FlashInfer's layout: request b's [qo_len, kv_len] boolean matrix, row-major, packed
-            # little-endian into its own byte-aligned segment; a custom mask replaces causal.
-            bits = qo_lens.astype(np.int64) * np.asarray(kv_lens, np.int64)
-            mask_bytes_indptr = np.concatenate([[0], np.cumsum((bits + 7) // 8)]).astype(np.int64)
-            if mask_bytes_indptr[-1] > np.iinfo(np.int32).max:
-                raise ValueError("the packed custom mask exceeds 2 GiB (int32 byte offsets)")
-            mask_buf = self._prepare_mask(custom_mask, packed_custom_mask, bits, mask_bytes_indptr)
-            causal = False
-        else:
-            mask_buf = None
 
         _cuda.ensure_context(self._dev)
-        general = opts.general or has_mask
-        la = self._launcher("prefill", dtype=qdt.short, head_dim=head_dim, general=general, paged=self._paged)
+        general = opts.general or mask is not None
+        la = self._launcher("prefill", qdt.short, "fp8" if kv_fp8 else qdt.short, head_dim, general)
         meta = la.meta
         cap = None
         if self._use_cuda_graph:
@@ -240,103 +331,227 @@ class _BatchPrefillBase:
         if need > self._ws_bytes:  # checked before any state changes: a refused plan leaves no trace
             raise ValueError(f"float_workspace_buffer holds {self._ws_bytes} bytes but this plan needs "
                              f"{need}; pass a larger buffer (or disable_split_kv=True)")
-        self._ws_rows, self._ws_lse_off, self._ws_need = ws_rows, lse_off, need
+        total_q = int(qo_indptr[-1])
+        merge = self._launcher("merge", qdt.short) if plan.split or cap else None
 
-        arrays = dict(plan.int_arrays())
+        arrays = plan.int_arrays()  # a fresh dict per plan: extended here
+        if merge is None:
+            # Nothing split: every request has one chunk, so the kernel reads no o_indptr and no
+            # merge runs; merge_indptr (total_q + 1 entries) is the plan's largest array.
+            del arrays["merge_indptr"], arrays["o_indptr"]
         arrays["qo_indptr"] = qo_indptr
         arrays.update(kv_arrays)
-        arrays["chunk_size"] = np.asarray([plan.kv_chunk_size], np.int32)
-        if mask_bytes_indptr is not None:
-            arrays["mask_indptr"] = mask_bytes_indptr.astype(np.int32)
+        arrays["chunk_size"] = np.array((plan.kv_chunk_size,), np.int32)
+        if mask is not None:
+            arrays["mask_indptr"] = mask.byte_indptr
+            if mask.kind == "bool":
+                arrays["mask_in_indptr"] = mask.elem_indptr
+        layout = None
         if cap:
             # Rows past this plan's tokens must merge nothing (the merge grid covers the capacity).
             mi = arrays["merge_indptr"]
             arrays["merge_indptr"] = np.concatenate([mi, np.full(cap["max_total_q"] + 1 - mi.size, mi[-1], np.int32)])
+            layout = self._graph_layout(arrays, cap)
+            sig = {"num_qo_heads": num_qo_heads, "num_kv_heads": num_kv_heads, "head_dim": head_dim,
+                   "q_data_type": qdt.name, "kv_data_type": kdt.name, "page_size": page_size, "causal": causal,
+                   "window_left": window_left, "sm_scale": sm_scale, "logits_soft_cap": opts.soft_cap,
+                   "pos_encoding_mode": opts.pos, "rope_scale": opts.rope_scale, "rope_theta": opts.rope_theta,
+                   "lse_base": opts.lse_scale, "custom_mask": mask is not None,
+                   "float workspace layout": (self._ws_ptr, lse_off), "kernel": (la.name, plan.grid)}
+            if self._captured is not None:
+                self._check_graph_sig(sig)
+
+        # ---- nothing below refuses the plan: commit ----
         s = _plan_stream(stream, self._dev)
-        ptrs = self._staging.upload(arrays, s, self._graph_layout(arrays, cap) if cap else None)
+        ptrs = self._staging.upload(arrays, s, layout)
         self._plan_stream, self._pending_copy = s, True
 
         p = la.params
         p.work_request, p.work_qtile, p.work_chunk = ptrs["work_request"], ptrs["work_qtile"], ptrs["work_chunk"]
-        p.num_chunks, p.o_indptr = ptrs["num_chunks"], ptrs["o_indptr"]
+        p.num_chunks, p.o_indptr = ptrs["num_chunks"], ptrs.get("o_indptr", 0)
         p.qo_indptr, p.kv_indptr = ptrs["qo_indptr"], ptrs["kv_indptr"]
         p.kv_page_indices = ptrs.get("kv_page_indices", 0)
         p.kv_last_page_len = ptrs.get("kv_last_page_len", 0)
         p.kv_chunk_size_dev = ptrs["chunk_size"]
-        p.mask_indptr = ptrs.get("mask_indptr", 0)
-        self._mask_buf = mask_buf  # the packed mask lives as long as the plan that points at it
-        p.custom_mask = mask_buf[1] if mask_buf is not None else 0
+        if mask is not None:
+            p.custom_mask, p.mask_indptr = self._write_mask(mask, ptrs, s)
+        else:
+            p.custom_mask = p.mask_indptr = 0
+            self._mask_keep = None
         p.kv_chunk_size = plan.kv_chunk_size
-        p.num_qo_heads, p.num_kv_heads, p.group_size = num_qo_heads, num_kv_heads, group
-        p.causal, p.window_left, p.sm_scale_log2 = int(bool(causal)), window_left, sm_scale * LOG2E
-        p.lse_scale, p.logits_soft_cap, p.v_scale = opts.lse_scale, opts.soft_cap, 1.0
-        p.rope = int(opts.pos == "ROPE_LLAMA")
-        p.rope_rcp_scale, p.rope_log2_theta = 1.0 / opts.rope_scale, math.log2(opts.rope_theta)
-        p.alibi_slopes = _alibi_buffer(self._dev, num_qo_heads) if opts.pos == "ALIBI" else 0
-        p.page_size = page_size
-        p.page_shift = int(math.log2(page_size)) if page_size & (page_size - 1) == 0 else -1
+        self._sm_log2 = sm_log2 = sm_scale * LOG2E
+        consts = (la, num_qo_heads, num_kv_heads, causal, window_left, sm_log2, opts, kv_fp8, page_size)
+        if consts != self._consts or self._scaled:
+            # Option fields, written only when they change (a serving loop re-plans with the same
+            # options every step); the launcher's struct is this wrapper's own.
+            p.num_qo_heads, p.num_kv_heads, p.group_size = num_qo_heads, num_kv_heads, group
+            p.causal, p.window_left, p.sm_scale_log2 = causal, window_left, sm_log2
+            p.lse_scale, p.logits_soft_cap, p.v_scale = opts.lse_scale, opts.soft_cap, 1.0
+            p.kv_fp8 = kv_fp8
+            p.rope = int(opts.pos == "ROPE_LLAMA")
+            p.rope_rcp_scale, p.rope_log2_theta = 1.0 / opts.rope_scale, math.log2(opts.rope_theta)
+            p.alibi_slopes = _alibi_buffer(self._dev, num_qo_heads) if opts.pos == "ALIBI" else 0
+            p.page_size = page_size
+            p.page_shift = page_size.bit_length() - 1 if page_size & (page_size - 1) == 0 else -1
+            self._consts = consts
+        self._ks = self._vs = 1.0  # run()'s k_scale / v_scale currently in the struct
+        self._scaled = False
         la.configure((num_kv_heads, 1, plan.grid))
         self._attn = la
-        self._merge = None
-        total_q = int(qo_indptr[-1])
-        if plan.split or cap:  # a captured graph always holds the merge (a no-op for unsplit rows)
-            mg = self._launcher("merge", dtype=qdt.short)
-            mp = mg.params
+        if merge is not None:  # a captured graph always holds the merge (a no-op for unsplit rows)
+            mp = merge.params
             rows = cap["max_total_q"] if cap else total_q
             mp.merge_indptr = ptrs["merge_indptr"]
             mp.rows, mp.num_heads, mp.head_dim, mp.num_splits = rows, num_qo_heads, head_dim, 0
             mp.lse_scale = opts.lse_scale
-            mg.configure((max(1, -(-rows * num_qo_heads // _MERGE_ROWS_PER_BLOCK)), 1, 1))
-            self._merge = mg
+            merge.configure((max(1, -(-rows * num_qo_heads // _MERGE_ROWS_PER_BLOCK)), 1, 1))
+        self._merge = merge
+        self._ws_rows, self._ws_lse_off, self._ws_need = ws_rows, lse_off, need
         self._plan = plan
         self._opts = opts
-        self._dtype = qdt
+        self._dtype, self._kv_dtype = qdt, kdt
+        self._kv_epc = 16 // (kdt.bits // 8)  # K/V elements per 16-byte chunk (alignment unit)
         self._shape = (total_q, num_qo_heads, num_kv_heads, head_dim)
+        self.__dict__.update(state)
         self._point_workspace()
         self._planned = True
         if cap is not None:
             self._capacity = cap
+            self._sig = sig
         self._fast_key = None  # run()'s validated-signature cache belongs to one plan
         return plan
 
-    def _prepare_mask(self, custom_mask, packed_custom_mask, bits, byte_indptr):
-        """(tensor kept alive, device address) of the packed per-request mask segments.
+    def _mask_plan(self, custom_mask, packed_custom_mask, qo_lens, kv_lens) -> _MaskPlan:
+        """Validate a per-request custom mask and decide where its packed bits go (no driver).
 
-        packed_custom_mask (uint8, already segment-packed little-endian, FlashInfer's
-        segment_packbits layout) is used in place; a flat boolean custom_mask (the requests'
-        [qo_len, kv_len] matrices concatenated) is packed on the device here, once per plan."""
-        from . import quantization
+        FlashInfer's layout: request b's [qo_len, kv_len] boolean matrix, row-major, packed
+        little-endian into its own byte-aligned segment. packed_custom_mask (FlashInfer's
+        segment_packbits(..., bitorder="little") output) wins when both are given; a flat
+        boolean custom_mask (the matrices concatenated) is packed on the device at plan time.
+        """
+        bits = qo_lens.astype(np.int64)
+        bits *= kv_lens
+        seg_bytes = bits + 7
+        seg_bytes >>= 3
+        byte_indptr = np.zeros(bits.size + 1, np.int64)
+        np.cumsum(seg_bytes, out=byte_indptr[1:])
+        need = int(byte_indptr[-1])
+        if need > _I32_MAX:
+            raise ValueError(f"the packed custom mask would take {need} bytes: more than 2 GiB (int32 byte offsets)")
+        elem_indptr = None
         if packed_custom_mask is not None:
-            v = _tensor.view(packed_custom_mask, "packed_custom_mask")
-            if not v.is_cuda or v.device_id != self._dev:
-                raise ValueError(f"packed_custom_mask must be a CUDA tensor on cuda:{self._dev}")
+            kind, obj, name = "packed", packed_custom_mask, "packed_custom_mask"
+            v = _tensor.view(obj, name)
+            self._require_here(v, name)
             if v.dtype != _dtypes.UINT8:
                 raise TypeError(f"packed_custom_mask must be uint8, got {v.dtype.name}")
             if v.ndim != 1 or (v.shape[0] > 1 and v.strides[0] != 1):
                 raise ValueError(f"packed_custom_mask must be a contiguous 1-D tensor, got shape {v.shape}")
-            if v.shape[0] < byte_indptr[-1]:
-                raise ValueError(f"packed_custom_mask has {v.shape[0]} bytes; the requests' masks need "
-                                 f"{int(byte_indptr[-1])} (segments of ceil(qo_len * kv_len / 8) bytes)")
-            return packed_custom_mask, v.ptr
-        v = _tensor.view(custom_mask, "custom_mask")
-        if not v.is_cuda or v.device_id != self._dev:
-            raise ValueError(f"custom_mask must be a CUDA tensor on cuda:{self._dev}")
-        if v.dtype not in (_dtypes.BOOL, _dtypes.UINT8):
-            raise TypeError(f"custom_mask must be bool (or uint8), got {v.dtype.name}")
-        total = int(bits.sum())
-        if v.ndim != 1 or v.shape[0] != total:
-            raise ValueError(f"custom_mask must be 1-D with sum(qo_len * kv_len) = {total} entries, got shape {v.shape}")
-        seg = np.concatenate([[0], np.cumsum(bits)]).astype(np.int64)
-        packed, _ = quantization.segment_packbits(custom_mask, seg, bitorder="little")
-        return packed, _tensor.view(packed, "packed").ptr
+            if v.shape[0] < need:
+                raise ValueError(f"packed_custom_mask has {v.shape[0]} bytes; the requests' masks need {need} "
+                                 "(segments of ceil(qo_len * kv_len / 8) bytes)")
+        else:
+            kind, obj, name = "bool", custom_mask, "custom_mask"
+            v = _tensor.view(obj, name)
+            self._require_here(v, name)
+            if v.dtype not in (_dtypes.BOOL, _dtypes.UINT8):
+                raise TypeError(f"custom_mask must be bool (or uint8), got {v.dtype.name}")
+            elem_indptr = np.zeros(bits.size + 1, np.int64)
+            np.cumsum(bits, out=elem_indptr[1:])
+            total = int(elem_indptr[-1])
+            if v.ndim != 1 or v.shape[0] != total:
+                raise ValueError(f"custom_mask must be 1-D with sum(qo_len * kv_len) = {total} entries, got shape "
+                                 f"{v.shape}")
+            if total > 1 and v.strides[0] != 1:
+                raise ValueError(f"custom_mask must be contiguous, got strides {v.strides}")
+            if total > _I32_MAX:
+                raise ValueError(f"custom_mask has {total} entries, more than the device packer's int32 offsets "
+                                 "take; pass packed_custom_mask")
+        # Where the packed bits go: custom_mask_buf, else the library's fixed buffer (CUDA graphs:
+        # sized once, at the first plan with a mask), else in place (packed) or a grow-only buffer.
+        dst = None
+        if self._mask_user is not None:
+            dst, cap = self._mask_user[1], self._mask_user[2]
+            if need > cap:
+                raise ValueError(f"the packed custom mask of this plan needs {need} bytes but custom_mask_buf holds "
+                                 f"{cap}")
+        elif self._use_cuda_graph and self._mask_cap:
+            dst, cap = self._mask_dev, self._mask_cap
+            if need > cap:
+                raise ValueError(f"the packed custom mask of this plan needs {need} bytes but the CUDA-graph mask "
+                                 f"buffer (sized at the first plan with a mask) holds {cap}; pass custom_mask_buf "
+                                 f"with at least {need} bytes to the constructor")
+        if self._qk_user is not None and self._qk_user[2] < bits.size + 1:
+            raise ValueError(f"qk_indptr_buf holds {self._qk_user[2]} entries; this plan needs batch size + 1 = "
+                             f"{bits.size + 1}")
+        return _MaskPlan(kind=kind, obj=obj, view=v, need=need, byte_indptr=byte_indptr.astype(np.int32),
+                         elem_indptr=None if elem_indptr is None else elem_indptr.astype(np.int32),
+                         seg_bytes=seg_bytes, dst=dst)
 
-    def _launcher(self, family, **match):
+    def _require_here(self, v, name):
+        if not v.is_cuda or v.device_id != self._dev:
+            raise ValueError(f"{name} must be a CUDA tensor on cuda:{self._dev}")
+
+    def _write_mask(self, m: _MaskPlan, ptrs, s):
+        """Put the plan's packed mask and byte offsets where the kernel reads them, on the plan
+        stream s (async: a device-to-device copy or the packbits kernel, no sync). Returns the
+        (custom_mask, mask_indptr) addresses."""
+        cu = _cuda.driver()
+        v = m.view
+        if v.framework not in ("torch", "cupy"):
+            # JAX & co.: the plan stream waits for the producer's pending writes (DLPack handshake)
+            v = _tensor.view(m.obj, "packed_custom_mask" if m.kind == "packed" else "custom_mask", stream=s)
+        dst = m.dst
+        if dst is None:
+            if self._use_cuda_graph:
+                # Fixed for the wrapper's lifetime: captured graphs keep this address.
+                self._mask_cap = max(2 * m.need, _MASK_MIN_BYTES)
+                self._mask_dev = dst = _cuda.mem_alloc(self._mask_cap)
+            elif m.kind == "packed":
+                dst = v.ptr  # used in place
+            else:
+                if m.need > self._mask_cap:
+                    size = max(m.need, 2 * self._mask_cap, _MASK_MIN_BYTES)
+                    new = _cuda.mem_alloc_async(size, s)
+                    if self._mask_dev:
+                        _cuda.check(cu.cuMemFreeAsync(self._mask_dev, s), "cuMemFreeAsync")
+                    self._mask_dev, self._mask_cap = new, size
+                dst = self._mask_dev
+        if m.kind == "packed":
+            if dst != v.ptr and m.need:
+                _cuda.check(cu.cuMemcpyDtoDAsync(dst, v.ptr, m.need, s), "cuMemcpyDtoDAsync (packed_custom_mask)")
+        elif m.need:
+            la = _registry.launcher("packbits", self._dev)
+            p = la.params
+            nseg = m.seg_bytes.size
+            for first in range(0, nseg, _PACK_MAX_SEGMENTS):
+                count = min(_PACK_MAX_SEGMENTS, nseg - first)
+                most = int(m.seg_bytes[first:first + count].max())
+                if not most:
+                    continue
+                p.x, p.y = v.ptr, dst
+                p.in_indptr, p.out_indptr = ptrs["mask_in_indptr"] + 4 * first, ptrs["mask_indptr"] + 4 * first
+                p.n, p.num_segments, p.little = 0, count, 1
+                la.launch((-(-most // _PACK_THREADS), count, 1), s)
+        self._mask_keep = m.obj  # read asynchronously (or in place): alive as long as the plan
+        indptr = ptrs["mask_indptr"]
+        if self._qk_user is not None:
+            nbytes = 4 * m.byte_indptr.size
+            _cuda.check(cu.cuMemcpyDtoDAsync(self._qk_user[1], indptr, nbytes, s), "cuMemcpyDtoDAsync (qk_indptr_buf)")
+            indptr = self._qk_user[1]
+        return dst, indptr
+
+    def _launcher(self, family, dtype, kv_dtype=None, head_dim=None, general=None):
         """The wrapper's own Launcher per kernel, reused across plans (creating one costs ~10 us)."""
-        cache = self.__dict__.setdefault("_launchers", {})
-        key = (family, tuple(sorted(match.items())))
-        la = cache.get(key)
+        key = (family, dtype, kv_dtype, head_dim, general)
+        la = self._launchers.get(key)
         if la is None:
-            la = cache[key] = _registry.new_launcher(family, self._dev, **match)
+            if family == "merge":
+                la = _registry.new_launcher("merge", self._dev, dtype=dtype)
+            else:
+                la = _registry.new_launcher("prefill", self._dev, dtype=dtype, kv_dtype=kv_dtype, head_dim=head_dim,
+                                            general=general, paged=self._paged)
+            self._launchers[key] = la
         return la
 
     def _point_workspace(self):
@@ -347,6 +562,7 @@ class _BatchPrefillBase:
             mp.o_partial, mp.lse_partial = p.o_partial, p.lse_partial
 
     _pending_copy = False
+    _consts = None  # the option fields last written into the attention launcher's struct
 
     def _graph_capacity(self, B, total_q):
         # The first plan that succeeds fixes the token capacity; a rejected plan leaves no trace
@@ -368,51 +584,96 @@ class _BatchPrefillBase:
 
     def _graph_layout(self, arrays, cap):
         """Fixed offsets for CUDA-graph mode: every array gets its capacity's room, so device
-        addresses never change between plans."""
+        addresses never change between plans (the mask arrays have room whether or not the first
+        plan has a mask)."""
         if "layout" not in cap:
-            sizes = {name: a.size for name, a in arrays.items()}
-            # Room for the largest arrays a plan within capacity can produce.
             B, TQ = cap["max_batch"], cap["max_total_q"]
             bound = {"qo_indptr": B + 1, "kv_indptr": B + 1, "kv_last_page_len": B, "num_chunks": B,
                      "o_indptr": B + 1, "merge_indptr": TQ + 1, "chunk_size": 1,
-                     "kv_page_indices": self._max_pages}
-            layout, off = {}, 0
+                     "kv_page_indices": self._max_pages, "mask_indptr": B + 1, "mask_in_indptr": B + 1}
+            sizes = {name: a.size for name, a in arrays.items()}
+            sizes.setdefault("mask_indptr", 0)
+            sizes.setdefault("mask_in_indptr", 0)
+            layout, off, room = {}, 0, {}
             for name, n in sizes.items():
-                room = max(n, bound.get(name, n))
+                room[name] = max(n, bound.get(name, n))
                 layout[name] = off
-                off += (room * 4 + 15) // 16 * 16
+                off += (room[name] * 4 + 15) // 16 * 16
             layout["__end__"] = off
-            cap["layout"] = layout
-            cap["sizes"] = {name: max(n, bound.get(name, n)) for name, n in sizes.items()}
+            # Reserve first: a refused reserve must not leave a layout behind.
             self._staging.reserve(off, fixed=True)
+            cap["layout"], cap["sizes"] = layout, room
+        sizes = cap["sizes"]
         for name, a in arrays.items():
-            if a.size > cap["sizes"][name]:
+            if a.size > sizes[name]:
                 raise ValueError(f"{name} has {a.size} entries, more than the CUDA-graph buffers hold "
-                                 f"({cap['sizes'][name]})")
+                                 f"({sizes[name]})")
         return cap["layout"]
 
+    def _check_graph_sig(self, sig):
+        """A captured graph replays the params struct, kernel and grid it was captured with; only
+        device-resident metadata follows new plans. Refuse a plan the replay would not honour."""
+        old = self._captured
+        for key, val in sig.items():
+            if old[key] == val:
+                continue
+            if key == "custom_mask":
+                raise ValueError(
+                    f"custom_mask / packed_custom_mask: run() was captured in a CUDA graph "
+                    f"{'with' if old[key] else 'without'} a custom mask and replays that kernel as captured, so a "
+                    f"plan {'without' if old[key] else 'with'} one would not be honoured; use another wrapper (and "
+                    "graph) for it" + (", or pass an all-True mask" if old[key] else ""))
+            raise ValueError(f"{key}: run() was captured in a CUDA graph with {key} = {old[key]!r}; the replay keeps "
+                             f"it, so a plan with {val!r} would not be honoured; use another wrapper (and graph) "
+                             "for it")
+
+    def _note_capture(self, s):
+        """Graph mode: the first run() recorded into a CUDA graph freezes the plan settings it
+        baked in (checked by later plans)."""
+        cu = _cuda.driver()
+        err, status = cu.cuStreamIsCapturing(s)
+        if err == cu.CUresult.CUDA_SUCCESS and status != cu.CUstreamCaptureStatus.CU_STREAM_CAPTURE_STATUS_NONE:
+            self._captured = self._sig
+            self._graph_probe = False
+
     # ---- run ---------------------------------------------------------------------------
+    def _apply_scales(self, k_scale, v_scale):
+        """k_scale folds into the logit scale, v_scale into the output multiplier (both in the
+        kernel, split-KV partials included). The struct is only written when a value changes."""
+        ks, vs = _scale_arg(k_scale, "k_scale"), _scale_arg(v_scale, "v_scale")
+        if ks != self._ks or vs != self._vs:
+            p = self._attn.params
+            p.sm_scale_log2 = self._sm_log2 * ks
+            p.v_scale = vs
+            self._ks, self._vs = ks, vs
+            self._scaled = ks != 1.0 or vs != 1.0
+
     def _check_q(self, q, out, lse, return_lse, stream):
-        if not self._planned:
-            raise RuntimeError("call plan() before run()")
         qv = _tensor.view(q, "q")
         total_q, Hq, Hkv, D = self._shape
         if qv.shape != (total_q, Hq, D):
             raise ValueError(f"q must have shape {(total_q, Hq, D)} (qo_indptr[-1], num_qo_heads, head_dim) "
                              f"as planned, got {qv.shape}")
-        if qv.dtype != self._dtype:
-            raise ValueError(f"q has dtype {qv.dtype.name} but plan() was told q_data_type={self._dtype.name}")
+        if qv.dtype is not self._dtype:
+            raise TypeError(f"q has dtype {qv.dtype.name} but plan() was told q_data_type={self._dtype.name}")
         if not qv.is_cuda or qv.device_id != self._dev:
             raise ValueError(f"q must be a CUDA tensor on cuda:{self._dev}")
         if qv.strides[2] != 1 or qv.ptr % 16 or qv.strides[0] % 8 or qv.strides[1] % 8:
             raise ValueError(f"q must have a contiguous last dim and 16-byte aligned rows, got strides {qv.strides}")
-        fw = _tensor.framework_of(q)
+        fw = qv.framework
         s = _tensor.stream_handle(stream) if stream is not None else _tensor.current_stream(fw, self._dev)
+        # DLPack handshake for producers with their own streams (JAX): views taken with the
+        # launch stream make it wait for the producer's pending writes. torch needs none.
+        hs = None if fw == "torch" else s
+        if hs is not None and fw != "cupy":
+            qv = _tensor.view(q, "q", stream=hs)
         if out is None:
             out, ov = _tensor.empty(qv, (total_q, Hq, D), self._dtype, s)
         else:
             ov = _tensor.view(out, "out")
-            if ov.shape != (total_q, Hq, D) or ov.dtype != self._dtype or ov.device_id != self._dev:
+            if ov.dtype is not self._dtype:
+                raise TypeError(f"out must be {self._dtype.name} (q's dtype), got {ov.dtype.name}")
+            if ov.shape != (total_q, Hq, D) or not ov.is_cuda or ov.device_id != self._dev:
                 raise ValueError(f"out must be {self._dtype.name} {(total_q, Hq, D)} on cuda:{self._dev}, got "
                                  f"{ov.dtype.name} {ov.shape}")
             if ov.strides[2] != 1 or ov.ptr % 16 or ov.strides[0] % 8 or ov.strides[1] % 8:
@@ -420,19 +681,39 @@ class _BatchPrefillBase:
         lv = None
         if lse is not None:
             lv = _tensor.view(lse, "lse")
-            if lv.shape != (total_q, Hq) or lv.dtype != _dtypes.FLOAT32 or lv.device_id != self._dev:
+            if lv.shape != (total_q, Hq) or lv.dtype != _dtypes.FLOAT32 or not lv.is_cuda or lv.device_id != self._dev:
                 raise ValueError(f"lse must be float32 {(total_q, Hq)} on cuda:{self._dev}")
             if total_q * Hq > 1 and lv.strides != (Hq, 1):
                 raise ValueError("lse must be contiguous")
         elif return_lse:
             lse, lv = _tensor.empty(qv, (total_q, Hq), _dtypes.FLOAT32, s)
-        return qv, out, ov, lse, lv, s
+        return qv, out, ov, lse, lv, s, hs
+
+    def _kv_operand(self, x, name, hs):
+        """View one K/V tensor (with the launch stream for producers that need the handshake)
+        and check it against the plan: device, kv dtype, 16-byte aligned rows."""
+        t = _tensor.view(x, name, stream=hs)
+        if not t.is_cuda or t.device_id != self._dev:
+            raise ValueError(f"{name} must be a CUDA tensor on cuda:{self._dev}")
+        if t.dtype is not self._kv_dtype:
+            raise TypeError(f"{name} has dtype {t.dtype.name} but plan() was told kv_data_type="
+                            f"{self._kv_dtype.name}")
+        # The kernel copies 16-byte chunks: every row start must be 16-byte aligned, i.e. the
+        # strides multiples of 16 / itemsize elements (8 for 16-bit K/V, 16 for fp8).
+        epc = self._kv_epc
+        if t.strides[-1] != 1 or t.ptr % 16 or any(st % epc for st in t.strides[:-1]):
+            raise ValueError(f"{name} must have a contiguous last dim and 16-byte aligned rows (strides multiples "
+                             f"of {epc} elements, data pointer 16-byte aligned), got strides {t.strides}, address "
+                             f"%16 = {t.ptr % 16}")
+        return t
 
     def _launch(self, qv, ov, lv, s):
         if self._pending_copy:
             # The plan's metadata copy went on the plan's stream; order this stream after it once.
             _cuda.stream_wait(s, self._plan_stream)
             self._pending_copy = False
+        if self._graph_probe:
+            self._note_capture(s)
         p = self._attn.params
         p.q, p.o = qv.ptr, ov.ptr
         p.q_stride_n, p.q_stride_h = qv.strides[0], qv.strides[1]
@@ -453,25 +734,33 @@ class _BatchPrefillBase:
     _kv_ptr_offsets = None
 
     @staticmethod
-    def _sig(t):
-        return None if t is None else (t.shape, t.stride(), t.dtype, t.get_device())
-
-    def _key(self, q, kv_parts, out, lse, return_lse):
-        if _tensor.framework_of(q) != "torch":
-            return None
+    def _key(q, kv_parts, out, lse, return_lse):
+        """The torch attributes a validated run depends on (shapes, strides, dtypes, devices of
+        every tensor); None for a tensor torch's attributes cannot describe. A flat tuple: no
+        per-tensor helper calls (this is most of the fast path's own cost)."""
         try:
-            return (self._sig(q), tuple(self._sig(t) for t in kv_parts), self._sig(out), self._sig(lse),
-                    bool(return_lse))
+            key = (q.shape, q.stride(), q.dtype, q.get_device(), return_lse)
+            for t in kv_parts:
+                key += (t.shape, t.stride(), t.dtype, t.get_device())
+            key += (None,) if out is None else (out.shape, out.stride(), out.dtype, out.get_device())
+            key += (None,) if lse is None else (lse.shape, lse.stride(), lse.dtype, lse.get_device())
+            return key
         except Exception:  # noqa: BLE001 - not a plain strided torch tensor
             return None
 
     def _remember(self, q, kv_parts, out, lse, return_lse):
-        # `out`/`lse` here are what the caller passed (None when we allocated).
-        self._fast_key = self._key(q, kv_parts, self._caller_out, self._caller_lse, return_lse)
+        # `out`/`lse` are what the caller passed (None when we allocated).
+        cls = q.__class__
+        if cls not in _TORCH_TYPES:
+            if _tensor.framework_of(q) != "torch":
+                self._fast_key = None
+                return
+            _TORCH_TYPES.add(cls)
+        self._fast_key = self._key(q, kv_parts, out, lse, bool(return_lse))
 
     def _torch_fast(self, q, kv_parts, out, lse, return_lse, stream):
-        self._caller_out, self._caller_lse = out, lse
-        if self._fast_key is None or self._key(q, kv_parts, out, lse, return_lse) != self._fast_key:
+        fk = self._fast_key
+        if fk is None or q.__class__ not in _TORCH_TYPES or self._key(q, kv_parts, out, lse, bool(return_lse)) != fk:
             return None
         qp = q.data_ptr()
         kp = kv_parts[0].data_ptr()
@@ -482,7 +771,7 @@ class _BatchPrefillBase:
         op = out.data_ptr() if out is not None else 0
         if (qp | kp | vp | op) & 15:
             return None  # the full path raises the precise error
-        s = _tensor.stream_handle(stream) if stream is not None else _tensor.current_stream("torch", self._dev)
+        s = _tensor.stream_handle(stream) if stream is not None else _torch_stream(self._dev)
         total_q, Hq = self._shape[0], self._shape[1]
         if out is None:
             out = q.new_empty((total_q, Hq, self._shape[3]))
@@ -491,16 +780,19 @@ class _BatchPrefillBase:
             lse = q.new_empty((total_q, Hq), dtype=_tensor.torch_float32())
         p = self._attn.params
         p.q, p.k, p.v, p.o = qp, kp, vp, op
-        p.lse = lse.data_ptr() if lse is not None else 0
+        p.lse = lp = lse.data_ptr() if lse is not None else 0
         if self._pending_copy:
             _cuda.stream_wait(s, self._plan_stream)
             self._pending_copy = False
+        if self._graph_probe:
+            self._note_capture(s)
         if total_q:
             self._attn(s)
-            if self._merge is not None:
-                mp = self._merge.params
-                mp.o, mp.lse = op, p.lse
-                self._merge(s)
+            merge = self._merge
+            if merge is not None:
+                mp = merge.params
+                mp.o, mp.lse = op, lp
+                merge(s)
         if lse is None:
             return out
         return (out, lse) if return_lse else out
@@ -513,6 +805,13 @@ class _BatchPrefillBase:
         lse = _tensor.finalize(lse)
         return (out, lse) if return_lse else out
 
+    def _refuse_run(self, args, enable_pdl):
+        if args:
+            raise TypeError(f"run() takes {self._run_positional} positionally; pass the rest by keyword")
+        if enable_pdl:
+            raise NotImplementedError("enable_pdl=True: programmatic dependent launch is not implemented yet")
+        raise RuntimeError("call plan() before run()")
+
     def run_return_lse(self, *args, **kwargs):
         kwargs["return_lse"] = True
         return self.run(*args, **kwargs)
@@ -520,12 +819,28 @@ class _BatchPrefillBase:
     begin_forward = None  # set per class to plan (FlashInfer's old name)
 
 
+_TORCH_TYPES: set = set()  # classes seen to be torch tensors (framework_of, once per class)
+
+
+def _torch_stream(dev):
+    """torch's current raw stream (what _tensor.current_stream("torch") reads), with the getter
+    looked up once per torch module."""
+    global _torch_getter
+    mod = sys.modules["torch"]
+    if _torch_getter[0] is not mod:
+        _torch_getter = (mod, getattr(mod._C, "_cuda_getCurrentRawStream", None))
+    raw = _torch_getter[1]
+    return raw(dev) if raw is not None else _tensor.current_stream("torch", dev)
+
+
+_torch_getter = (None, None)
+
+
 def _plan_stream(stream, dev):
     """plan()'s copy stream: stream= if given, else torch's / CuPy's current stream when that
     framework is loaded (what run() will use by default), else the library stream."""
     if stream is not None:
         return _tensor.stream_handle(stream)
-    import sys
     for fw in ("torch", "cupy"):
         if fw in sys.modules:
             try:
@@ -535,34 +850,19 @@ def _plan_stream(stream, dev):
     return _cuda.library_stream(dev)
 
 
-def _check_pdl(enable_pdl):
-    if enable_pdl:
-        raise NotImplementedError("enable_pdl=True: programmatic dependent launch is not implemented yet")
-
-
-def _check_mask_bufs(custom_mask_buf, qk_indptr_buf):
-    if custom_mask_buf is not None or qk_indptr_buf is not None:
-        raise NotImplementedError("custom_mask_buf / qk_indptr_buf (custom masks under CUDA graphs) are not "
-                                  "implemented yet")
-
-
-def _kv_operand(t, name, dtype, dev):
-    if not t.is_cuda or t.device_id != dev:
-        raise ValueError(f"{name} must be a CUDA tensor on cuda:{dev}")
-    if t.dtype != dtype:
-        raise ValueError(f"{name} has dtype {t.dtype.name} but the plan expects {dtype.name}")
-    if t.strides[-1] != 1 or t.ptr % 16 or any(st % 8 for st in t.strides[:-1]):
-        raise ValueError(f"{name} must have a contiguous last dim and 16-byte aligned rows, got strides {t.strides}")
-
-
 class BatchPrefillWithPagedKVCacheWrapper(_BatchPrefillBase):
     """Prefill/append attention over a paged KV cache for a batch of requests (FlashInfer's API).
 
     paged_kv_cache: one tensor [num_pages, 2, page_size, Hkv, D] (NHD) or
     [num_pages, 2, Hkv, page_size, D] (HND), or a tuple (k_cache, v_cache) of
     [num_pages, page_size, Hkv, D] / [num_pages, Hkv, page_size, D]; any strides with a
-    contiguous last dim. Request b owns pages kv_indices[kv_indptr[b]:kv_indptr[b+1]], its last
-    page holding kv_last_page_len[b] tokens (1..page_size); a request with no pages has kv_len 0.
+    contiguous last dim and 16-byte aligned rows. Request b owns pages
+    kv_indices[kv_indptr[b]:kv_indptr[b+1]], its last page holding kv_last_page_len[b] tokens
+    (1..page_size); a request with no pages has kv_len 0.
+
+    K/V dtype: q's (plan's q_data_type), or fp8 (kv_data_type=float8_e4m3fn / float8_e5m2).
+    run(k_scale=, v_scale=) (default 1.0) scale the logits (sm_scale * k_scale, also in the LSE)
+    and the output (times v_scale) inside the kernel, for every KV dtype.
 
     plan(non_blocking=...) is accepted for FlashInfer compatibility: the metadata copy is always
     asynchronous on the stream and ordered before run(), so the flag has nothing to change.
@@ -571,15 +871,20 @@ class BatchPrefillWithPagedKVCacheWrapper(_BatchPrefillBase):
     paged_kv_indices_buf, paged_kv_last_page_len_buf) fix the capacity (batch size, pages);
     plan() runs outside capture and later plans may change lengths within that capacity, while
     the captured run() stays valid (fixed grid with padding items, metadata at fixed addresses).
+    custom_mask_buf (uint8) / qk_indptr_buf (int32, >= batch size + 1 entries) receive each
+    plan's packed custom mask and its byte offsets (in any mode); without them graph mode uses a
+    library buffer sized at the first plan with a mask (twice that mask, at least 64 KiB). A
+    captured run() keeps the kernel, options and k_scale / v_scale it was captured with: later
+    plans that would change them (e.g. add or drop the custom mask) raise ValueError.
     """
 
     _paged = True
+    _run_positional = "q and paged_kv_cache"
 
     def __init__(self, float_workspace_buffer, kv_layout: str = "NHD", use_cuda_graph: bool = False,
                  qo_indptr_buf=None, paged_kv_indptr_buf=None, paged_kv_indices_buf=None,
                  paged_kv_last_page_len_buf=None, custom_mask_buf=None, qk_indptr_buf=None, backend: str = "auto"):
-        super().__init__(float_workspace_buffer, kv_layout, use_cuda_graph)
-        _check_mask_bufs(custom_mask_buf, qk_indptr_buf)
+        super().__init__(float_workspace_buffer, kv_layout, use_cuda_graph, custom_mask_buf, qk_indptr_buf)
         if backend not in ("auto", "fa2"):
             raise ValueError(f"backend must be 'auto' or 'fa2', got {backend!r}")
         if use_cuda_graph:
@@ -602,76 +907,108 @@ class BatchPrefillWithPagedKVCacheWrapper(_BatchPrefillBase):
         ind = _host_int(paged_kv_indptr, "paged_kv_indptr")
         idx = _host_int(paged_kv_indices, "paged_kv_indices")
         last = _host_int(paged_kv_last_page_len, "paged_kv_last_page_len")
-        if not isinstance(page_size, (int, np.integer)) or page_size <= 0:
+        if not isinstance(page_size, (int, np.integer)) or isinstance(page_size, bool) or page_size <= 0:
             raise ValueError(f"page_size must be a positive int, got {page_size!r}")
+        page_size = int(page_size)
         B = qo.size - 1
         if B < 0 or ind.size != B + 1 or last.size != B:
             raise ValueError(f"qo_indptr ({qo.size}), paged_kv_indptr ({ind.size}) and paged_kv_last_page_len "
                              f"({last.size}) must describe the same batch (B+1, B+1, B)")
-        if (qo[0] != 0 if qo.size else True) or np.any(np.diff(qo) < 0):
-            raise ValueError("qo_indptr must start at 0 and be non-decreasing")
-        if ind[0] != 0 or np.any(np.diff(ind) < 0):
-            raise ValueError("paged_kv_indptr must start at 0 and be non-decreasing")
-        if ind[-1] > idx.size:
-            raise ValueError(f"paged_kv_indptr[-1] = {ind[-1]} exceeds len(paged_kv_indices) = {idx.size}")
-        pages = np.diff(ind)
+        qo_lens = qo[1:] - qo[:-1]
+        pages = ind[1:] - ind[:-1]
         has = pages > 0
-        if np.any((last[has] < 1) | (last[has] > page_size)):
-            raise ValueError(f"paged_kv_last_page_len must be in [1, page_size={page_size}] for requests with pages")
-        if idx[:ind[-1]].size and idx[:ind[-1]].min() < 0:
-            raise ValueError("paged_kv_indices must be >= 0")
-        if self._use_cuda_graph and ind[-1] > self._max_pages:
-            raise ValueError(f"the plan uses {ind[-1]} pages but paged_kv_indices_buf holds {self._max_pages} "
+        # One reduction for three checks (numpy's per-call cost dominates at these sizes):
+        # lm = last_page_len - 1 where a request has pages (must lie in [0, page_size)), 0 where
+        # it has none (FlashInfer ignores its last_page_len), all bits set where a length is
+        # negative; as unsigned, anything invalid is >= page_size.
+        lm = last - 1
+        lm *= has
+        neg = qo_lens | pages
+        neg >>= 31
+        lm |= neg
+        if B and int(lm.view(np.uint32).max()) >= page_size:
+            if qo_lens.min() < 0:
+                raise ValueError("qo_indptr must start at 0 and be non-decreasing")
+            if pages.min() < 0:
+                raise ValueError("paged_kv_indptr must start at 0 and be non-decreasing")
+            raise ValueError(f"paged_kv_last_page_len must be in [1, page_size={page_size}] for requests with "
+                             "pages")
+        if qo[0] != 0:
+            raise ValueError("qo_indptr must start at 0 and be non-decreasing")
+        if ind[0] != 0:
+            raise ValueError("paged_kv_indptr must start at 0 and be non-decreasing")
+        n_used = int(ind[-1])
+        if n_used > idx.size:
+            raise ValueError(f"paged_kv_indptr[-1] = {n_used} exceeds len(paged_kv_indices) = {idx.size}")
+        max_page = -1
+        if n_used:
+            # One reduction for both checks: negative ids become huge as unsigned.
+            max_page = int(idx[:n_used].view(np.uint32).max())
+            if max_page > _I32_MAX:
+                raise ValueError("paged_kv_indices must be >= 0")
+        if self._use_cuda_graph and n_used > self._max_pages:
+            raise ValueError(f"the plan uses {n_used} pages but paged_kv_indices_buf holds {self._max_pages} "
                              "(the CUDA-graph capacity)")
-        kv_lens = np.where(has, (pages - 1) * page_size + np.where(has, last, 0), 0).astype(np.int64)
-        self._max_page = int(idx[:ind[-1]].max()) if ind[-1] else -1
-        self._page_size = int(page_size)
-        return self._plan_common(qo, kv_lens, {"kv_indptr": ind, "kv_page_indices": idx[:max(ind[-1], 1)],
-                                               "kv_last_page_len": last},
+        # kv_len = (pages - 1) * page_size + last_page_len, 0 without pages; int32 unless a
+        # request could reach 2^31 tokens (the scheduler rejects that with a clear error).
+        kv_lens = pages - 1 if n_used * page_size <= _I32_MAX else pages.astype(np.int64) - 1
+        kv_lens *= page_size
+        kv_lens += last
+        kv_lens *= has
+        return self._plan_common(qo, qo_lens, kv_lens,
+                                 {"kv_indptr": ind, "kv_page_indices": idx[:n_used], "kv_last_page_len": last},
+                                 {"_max_page": max_page, "_page_size": page_size},
                                  num_qo_heads, num_kv_heads, head_dim, custom_mask, packed_custom_mask, causal,
                                  pos_encoding_mode, allow_fp16_qk_reduction, sm_scale, window_left, logits_soft_cap,
                                  rope_scale, rope_theta, q_data_type, kv_data_type, fixed_split_size,
-                                 disable_split_kv, int(page_size), lse_base, stream)
+                                 disable_split_kv, page_size, lse_base, stream)
 
     begin_forward = plan
 
     def run(self, q, paged_kv_cache, *args, k_scale=None, v_scale=None, out=None, lse=None,
             return_lse: bool = False, stream=None, enable_pdl=None):
-        if args:
-            raise TypeError("run() takes q and paged_kv_cache positionally; pass the rest by keyword")
-        if k_scale not in (None, 1.0) or v_scale not in (None, 1.0):
-            raise NotImplementedError("k_scale / v_scale apply to fp8 KV caches, which are not implemented yet")
-        _check_pdl(enable_pdl)
-        kv_parts = tuple(paged_kv_cache) if isinstance(paged_kv_cache, (tuple, list)) else (paged_kv_cache,)
-        fast = self._torch_fast(q, kv_parts, out, lse, return_lse, stream)
+        """Attention of q over the paged cache for the planned batch. k_scale / v_scale (float,
+        default 1.0): see the class docstring; under a CUDA graph they are baked into the
+        captured launch (a replay uses the values of the captured run())."""
+        if args or enable_pdl or not self._planned:
+            self._refuse_run(args, enable_pdl)
+        if k_scale is not None or v_scale is not None or self._scaled:
+            self._apply_scales(k_scale, v_scale)
+        if isinstance(paged_kv_cache, (tuple, list)):
+            kv_parts = tuple(paged_kv_cache)
+            # only a (k_cache, v_cache) pair may take the fast path (a 1-tuple must not pass as
+            # the bare 5-D cache it holds: the full path refuses it)
+            fast = self._torch_fast(q, kv_parts, out, lse, return_lse, stream) if len(kv_parts) == 2 else None
+        else:
+            kv_parts = (paged_kv_cache,)
+            fast = self._torch_fast(q, kv_parts, out, lse, return_lse, stream)
         if fast is not None:
             return fast
-        qv, out, ov, lse, lv, s = self._check_q(q, out, lse, return_lse, stream)
+        qv, out_, ov, lse_, lv, s, hs = self._check_q(q, out, lse, return_lse, stream)
         _, Hq, Hkv, D = self._shape
         ps = self._page_size
         if isinstance(paged_kv_cache, (tuple, list)):
-            if len(paged_kv_cache) != 2:
+            if len(kv_parts) != 2:
                 raise ValueError("paged_kv_cache tuple must be (k_cache, v_cache)")
-            kc, vc = (_tensor.view(t, n) for t, n in zip(paged_kv_cache, ("k_cache", "v_cache")))
+            kc, vc = (self._kv_operand(t, n, hs) for t, n in zip(kv_parts, ("k_cache", "v_cache")))
             want = (kc.shape[0], ps, Hkv, D) if self._kv_layout == "NHD" else (kc.shape[0], Hkv, ps, D)
             for t, n in ((kc, "k_cache"), (vc, "v_cache")):
                 if t.ndim != 4 or t.shape != want:
                     raise ValueError(f"{n} must have shape {want} ({self._kv_layout}), got {t.shape}")
-                _kv_operand(t, n, self._dtype, self._dev)
             k_ptr, v_ptr, ks, vs = kc.ptr, vc.ptr, kc.strides, vc.strides
             num_pages = kc.shape[0]
         else:
-            c = _tensor.view(paged_kv_cache, "paged_kv_cache")
+            c = self._kv_operand(paged_kv_cache, "paged_kv_cache", hs)
             want = (c.shape[0], 2, ps, Hkv, D) if self._kv_layout == "NHD" else (c.shape[0], 2, Hkv, ps, D)
             if c.ndim != 5 or c.shape != want:
                 raise ValueError(f"paged_kv_cache must have shape {want} ({self._kv_layout}), got {c.shape}")
-            _kv_operand(c, "paged_kv_cache", self._dtype, self._dev)
             item = c.dtype.bits // 8
             k_ptr, v_ptr = c.ptr, c.ptr + c.strides[1] * item
             ks = vs = (c.strides[0],) + c.strides[2:]
             num_pages = c.shape[0]
         if self._max_page >= num_pages:
-            raise ValueError(f"paged_kv_indices refers to page {self._max_page} but paged_kv_cache has {num_pages} pages")
+            raise ValueError(f"paged_kv_indices refers to page {self._max_page} but paged_kv_cache has {num_pages} "
+                             "pages")
         self._kv_ptr_offsets = (0, v_ptr - k_ptr) if len(kv_parts) == 1 else None
         p = self._attn.params
         p.k, p.v = k_ptr, v_ptr
@@ -683,25 +1020,27 @@ class BatchPrefillWithPagedKVCacheWrapper(_BatchPrefillBase):
             p.v_stride_page, p.v_stride_h, p.v_stride_n = vs[0], vs[1], vs[2]
         self._launch(qv, ov, lv, s)
         self._remember(q, kv_parts, out, lse, return_lse)
-        return self._finish(out, lse, return_lse)
+        return self._finish(out_, lse_, return_lse)
 
 
 class BatchPrefillWithRaggedKVCacheWrapper(_BatchPrefillBase):
     """Prefill attention over ragged (packed) K/V for a batch of requests (FlashInfer's API).
 
     k, v: [kv_indptr[-1], Hkv, D] (NHD) or [Hkv, kv_indptr[-1], D] (HND); request b owns key rows
-    kv_indptr[b]:kv_indptr[b+1]. use_cuda_graph=True: qo_indptr_buf and kv_indptr_buf fix the
-    batch capacity.
+    kv_indptr[b]:kv_indptr[b+1]. K/V in q's dtype or fp8 (kv_data_type); run()'s k_scale / v_scale
+    apply in the kernel for every KV dtype (FlashInfer's ragged wrapper ignores them: not here).
+    use_cuda_graph=True: qo_indptr_buf and kv_indptr_buf fix the batch capacity; custom masks
+    and the mask buffers as in BatchPrefillWithPagedKVCacheWrapper.
     """
 
     _paged = False
     _max_pages = 0
+    _run_positional = "q, k, v"
 
     def __init__(self, float_workspace_buffer, kv_layout: str = "NHD", use_cuda_graph: bool = False,
                  qo_indptr_buf=None, kv_indptr_buf=None, custom_mask_buf=None, qk_indptr_buf=None,
                  backend: str = "auto"):
-        super().__init__(float_workspace_buffer, kv_layout, use_cuda_graph)
-        _check_mask_bufs(custom_mask_buf, qk_indptr_buf)
+        super().__init__(float_workspace_buffer, kv_layout, use_cuda_graph, custom_mask_buf, qk_indptr_buf)
         if backend not in ("auto", "fa2"):
             raise ValueError(f"backend must be 'auto' or 'fa2', got {backend!r}")
         if use_cuda_graph:
@@ -721,13 +1060,18 @@ class BatchPrefillWithRaggedKVCacheWrapper(_BatchPrefillBase):
         B = qo.size - 1
         if B < 0 or kvi.size != B + 1:
             raise ValueError(f"qo_indptr ({qo.size}) and kv_indptr ({kvi.size}) must both have B+1 entries")
-        if qo[0] != 0 or np.any(np.diff(qo) < 0):
-            raise ValueError("qo_indptr must start at 0 and be non-decreasing")
-        if kvi[0] != 0 or np.any(np.diff(kvi) < 0):
+        qo_lens = qo[1:] - qo[:-1]
+        kv_lens = kvi[1:] - kvi[:-1]
+        if B and (qo_lens | kv_lens).min() < 0:
+            if qo_lens.min() < 0:
+                raise ValueError("qo_indptr must start at 0 and be non-decreasing")
             raise ValueError("kv_indptr must start at 0 and be non-decreasing")
-        self._total_kv = int(kvi[-1])
-        return self._plan_common(qo, np.diff(kvi).astype(np.int64), {"kv_indptr": kvi}, num_qo_heads, num_kv_heads,
-                                 head_dim, custom_mask, packed_custom_mask, causal, pos_encoding_mode,
+        if qo[0] != 0:
+            raise ValueError("qo_indptr must start at 0 and be non-decreasing")
+        if kvi[0] != 0:
+            raise ValueError("kv_indptr must start at 0 and be non-decreasing")
+        return self._plan_common(qo, qo_lens, kv_lens, {"kv_indptr": kvi}, {"_total_kv": int(kvi[-1])}, num_qo_heads,
+                                 num_kv_heads, head_dim, custom_mask, packed_custom_mask, causal, pos_encoding_mode,
                                  allow_fp16_qk_reduction, sm_scale, window_left, logits_soft_cap, rope_scale,
                                  rope_theta, q_data_type, kv_data_type, fixed_split_size, disable_split_kv, 1,
                                  lse_base, stream)
@@ -736,30 +1080,32 @@ class BatchPrefillWithRaggedKVCacheWrapper(_BatchPrefillBase):
 
     def run(self, q, k, v, *args, k_scale=None, v_scale=None, out=None, lse=None, return_lse: bool = False,
             stream=None, enable_pdl=None):
-        if args:
-            raise TypeError("run() takes q, k, v positionally; pass the rest by keyword")
-        if k_scale not in (None, 1.0) or v_scale not in (None, 1.0):
-            raise NotImplementedError("k_scale / v_scale apply to fp8 KV, which is not implemented yet")
-        _check_pdl(enable_pdl)
+        """Attention of q over the ragged k, v for the planned batch. k_scale / v_scale (float,
+        default 1.0) scale the logits and the output in the kernel, for every KV dtype; under a
+        CUDA graph they are baked into the captured launch."""
+        if args or enable_pdl or not self._planned:
+            self._refuse_run(args, enable_pdl)
+        if k_scale is not None or v_scale is not None or self._scaled:
+            self._apply_scales(k_scale, v_scale)
         fast = self._torch_fast(q, (k, v), out, lse, return_lse, stream)
         if fast is not None:
             return fast
-        qv, out, ov, lse, lv, s = self._check_q(q, out, lse, return_lse, stream)
+        qv, out_, ov, lse_, lv, s, hs = self._check_q(q, out, lse, return_lse, stream)
         _, Hq, Hkv, D = self._shape
-        kv, vv = _tensor.view(k, "k"), _tensor.view(v, "v")
+        kv, vv = self._kv_operand(k, "k", hs), self._kv_operand(v, "v", hs)
         want = (self._total_kv, Hkv, D) if self._kv_layout == "NHD" else (Hkv, self._total_kv, D)
         for t, n in ((kv, "k"), (vv, "v")):
             if t.shape != want:
                 raise ValueError(f"{n} must have shape {want} (kv_indptr[-1], num_kv_heads, head_dim in "
                                  f"{self._kv_layout}), got {t.shape}")
-            _kv_operand(t, n, self._dtype, self._dev)
         p = self._attn.params
         p.k, p.v = kv.ptr, vv.ptr
+        ks, vs = kv.strides, vv.strides
         if self._kv_layout == "NHD":
-            p.k_stride_n, p.k_stride_h, p.v_stride_n, p.v_stride_h = kv.strides[0], kv.strides[1], vv.strides[0], vv.strides[1]
+            p.k_stride_n, p.k_stride_h, p.v_stride_n, p.v_stride_h = ks[0], ks[1], vs[0], vs[1]
         else:
-            p.k_stride_n, p.k_stride_h, p.v_stride_n, p.v_stride_h = kv.strides[1], kv.strides[0], vv.strides[1], vv.strides[0]
+            p.k_stride_n, p.k_stride_h, p.v_stride_n, p.v_stride_h = ks[1], ks[0], vs[1], vs[0]
         self._kv_ptr_offsets = None
         self._launch(qv, ov, lv, s)
         self._remember(q, (k, v), out, lse, return_lse)
-        return self._finish(out, lse, return_lse)
+        return self._finish(out_, lse_, return_lse)

@@ -8,7 +8,8 @@ bf16, head_dim 128, 32 q heads / 8 kv heads (GQA 4), causal and non-causal, pref
 
 Each batch runs through BatchPrefillWithRaggedKVCacheWrapper and, with the same tensors
 scattered into a paged cache (page_size 16, pages in random order), through
-BatchPrefillWithPagedKVCacheWrapper. Columns:
+BatchPrefillWithPagedKVCacheWrapper, and once more with the paged cache in fp8 (e4m3, the bf16
+cache cast once, k_scale = v_scale = 1). Columns:
 
 * TFLOP/s. FLOPs are counted per request and summed: ``4 * qo * kv * Hq * D`` non-causal; causal
   (bottom-right, qo <= kv) ``4 * Hq * D * (qo * kv - qo^2 / 2)``, i.e. half of it when
@@ -18,6 +19,9 @@ BatchPrefillWithPagedKVCacheWrapper. Columns:
   so only the TFLOP/s *rates* compare: ``ragged/single`` says how much of the big-request
   efficiency the batch path keeps on short, ragged requests;
 * ``paged/ragged``: the cost of the page-table indirection;
+* ``fp8 paged`` and ``fp8/paged``: the e4m3 paged cache against the bf16 one (half the K/V bytes,
+  plus the widening to bf16 in shared memory). Its check is against our bf16 paged kernel on the
+  same (widened) fp8 values, since fp8 rounding alone moves the output ~3% from SDPA's;
 * ``sdpa loop``: torch SDPA (flash backend where it takes the shape) called once per request
   in a Python loop, K/V expanded to 32 heads beforehand (outside the timed region). There is no
   varlen SDPA in torch, so this is what a torch user would do; reported for scale, launch gaps
@@ -200,7 +204,7 @@ def _bench_batch(ctx: _Ctx, name, lens, causal, warmup, rep):
         row["sdpa_loop_ms"] = None
         row["errors"].append(f"sdpa: {_short_err(e)}")
 
-    for kind in ("ragged", "paged"):
+    for kind in ("ragged", "paged", "fp8_paged"):
         row[f"{kind}_ms"] = None
         if ctx.pfa is None:
             row["errors"].append(f"pfa {kind}: {ctx.pfa_error}")
@@ -211,19 +215,34 @@ def _bench_batch(ctx: _Ctx, name, lens, causal, warmup, rep):
                 w = ctx.pfa.BatchPrefillWithRaggedKVCacheWrapper(ctx.ws, "NHD")
                 w.plan(qo_indptr, qo_indptr, HQ, HKV, HEAD_DIM, causal=causal, q_data_type=torch.bfloat16)
                 kv_args = (k, v)
+                check = refs
             else:
                 cache, kv_indptr, indices, last = _paged_cache(ctx, lens, k, v, seed + 7)
+                kv_dtype = None
+                check = refs
+                if kind == "fp8_paged":
+                    cache8 = cache.float().to(torch.float8_e4m3fn)
+                    # the reference: our bf16 paged kernel on the widened fp8 values
+                    wide = cache8.float().to(torch.bfloat16)
+                    w16 = ctx.pfa.BatchPrefillWithPagedKVCacheWrapper(ctx.ws, "NHD")
+                    w16.plan(qo_indptr, kv_indptr, indices, last, HQ, HKV, HEAD_DIM, PAGE_SIZE, causal=causal,
+                             q_data_type=torch.bfloat16)
+                    o16 = w16.run(q, wide)
+                    check = [o16[int(qo_indptr[i]):int(qo_indptr[i + 1])] for i in range(len(lens))]
+                    del wide, cache
+                    cache, kv_dtype = cache8, torch.float8_e4m3fn
                 w = ctx.pfa.BatchPrefillWithPagedKVCacheWrapper(ctx.ws, "NHD")
                 w.plan(qo_indptr, kv_indptr, indices, last, HQ, HKV, HEAD_DIM, PAGE_SIZE, causal=causal,
-                       q_data_type=torch.bfloat16)
+                       q_data_type=torch.bfloat16, kv_data_type=kv_dtype)
                 kv_args = (cache,)
             row[f"{kind}_workspace_bytes"] = w.workspace_size()
             w.run(q, *kv_args, out=out)
             torch.cuda.synchronize()
-            rel = _check_per_request(ctx, out, refs, qo_indptr)
+            rel = _check_per_request(ctx, out, check, qo_indptr)
             row[f"{kind}_rel_err"] = rel
             if not rel <= REL_TOL:  # NaN fails too
-                row["errors"].append(f"pfa {kind}: output mismatch vs SDPA, worst request rel {rel:.3g} > {REL_TOL}")
+                row["errors"].append(f"pfa {kind}: output mismatch vs {'bf16 paged' if kind == 'fp8_paged' else 'SDPA'}"
+                                     f", worst request rel {rel:.3g} > {REL_TOL}")
             else:
                 row[f"{kind}_ms"] = ctx.bench_ms(lambda: w.run(q, *kv_args, out=out), warmup=warmup, rep=rep)
         except Exception as e:
@@ -260,11 +279,12 @@ def _bench_batch(ctx: _Ctx, name, lens, causal, warmup, rep):
         except Exception as e:
             row["errors"].append(f"pfa single: {_short_err(e)}")
 
-    for key in ("ragged", "paged", "sdpa_loop"):
+    for key in ("ragged", "paged", "fp8_paged", "sdpa_loop"):
         row[f"{key}_tflops"] = _tflops(flops, row.get(f"{key}_ms"))
     row["single_tflops"] = _tflops(row["single_flops"], row["single_ms"])
     row["ragged_over_single"] = _ratio(row["ragged_tflops"], row["single_tflops"])
     row["paged_over_ragged"] = _ratio(row["paged_tflops"], row["ragged_tflops"])
+    row["fp8_over_bf16_paged"] = _ratio(row["fp8_paged_tflops"], row["paged_tflops"])
     row["ragged_over_sdpa_loop"] = _ratio(row["ragged_tflops"], row["sdpa_loop_tflops"])
     torch.cuda.empty_cache()
     return row
@@ -336,15 +356,16 @@ def _host_run_us(ctx: _Ctx, calls):
 
 
 def _table(rows) -> str:
-    head = (f"{'batch':>10} {'causal':>6} {'reqs':>4} {'tokens':>6} | {'ragged':>7} {'paged':>7} {'single':>7} "
-            f"{'sdpa*n':>7} | {'rag/sgl':>7} {'pag/rag':>7} {'rag/sdpa':>8}")
-    lines = ["TFLOP/s (bf16, head_dim 128, 32/8 heads; single = one request of the batch's total length, "
-             "sdpa*n = SDPA once per request)", head, "-" * len(head)]
+    head = (f"{'batch':>10} {'causal':>6} {'reqs':>4} {'tokens':>6} | {'ragged':>7} {'paged':>7} {'fp8pag':>7} "
+            f"{'single':>7} {'sdpa*n':>7} | {'rag/sgl':>7} {'pag/rag':>7} {'fp8/pag':>7} {'rag/sdpa':>8}")
+    lines = ["TFLOP/s (bf16, head_dim 128, 32/8 heads; fp8pag = the paged cache in e4m3; single = one request of "
+             "the batch's total length, sdpa*n = SDPA once per request)", head, "-" * len(head)]
     for r in rows:
         line = (f"{r['batch']:>10} {str(r['causal']):>6} {r['num_requests']:>4} {r['total_tokens']:>6} | "
-                f"{_fmt(r.get('ragged_tflops'))} {_fmt(r.get('paged_tflops'))} {_fmt(r.get('single_tflops'))} "
-                f"{_fmt(r.get('sdpa_loop_tflops'))} | {_fmt(r.get('ragged_over_single'), '.2f')} "
-                f"{_fmt(r.get('paged_over_ragged'), '.2f')} {_fmt(r.get('ragged_over_sdpa_loop'), '.2f', 8)}")
+                f"{_fmt(r.get('ragged_tflops'))} {_fmt(r.get('paged_tflops'))} {_fmt(r.get('fp8_paged_tflops'))} "
+                f"{_fmt(r.get('single_tflops'))} {_fmt(r.get('sdpa_loop_tflops'))} | "
+                f"{_fmt(r.get('ragged_over_single'), '.2f')} {_fmt(r.get('paged_over_ragged'), '.2f')} "
+                f"{_fmt(r.get('fp8_over_bf16_paged'), '.2f')} {_fmt(r.get('ragged_over_sdpa_loop'), '.2f', 8)}")
         if r["errors"]:
             line += "  !"
         lines.append(line)
@@ -373,7 +394,8 @@ def run(args) -> int:
             r = _bench_batch(ctx, name, lens, causal, warmup, rep)
             rows.append(r)
             print(f"# {name} causal={causal}: ragged {_fmt(r['ragged_tflops']).strip()} paged "
-                  f"{_fmt(r['paged_tflops']).strip()} single {_fmt(r['single_tflops']).strip()} sdpa*n "
+                  f"{_fmt(r['paged_tflops']).strip()} fp8 paged {_fmt(r['fp8_paged_tflops']).strip()} single "
+                  f"{_fmt(r['single_tflops']).strip()} sdpa*n "
                   f"{_fmt(r['sdpa_loop_tflops']).strip()} TFLOP/s", flush=True)
     host_plan, host_run = [], None
     if ctx.pfa is not None:

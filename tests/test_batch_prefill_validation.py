@@ -199,13 +199,14 @@ def test_run_and_workspace_size_before_plan(cls):
 
 
 @pytest.mark.parametrize("cls", [Paged, Ragged])
-def test_fp8_scales_not_implemented(cls):
+@pytest.mark.parametrize("scales", [dict(k_scale=0.5), dict(v_scale="x"), dict(k_scale=float("nan"))])
+def test_run_before_plan_is_a_runtime_error_whatever_the_scales(cls, scales):
+    # k_scale / v_scale are run() arguments of every KV dtype now; before plan() the missing plan
+    # is the error (the scale checks themselves: tests/test_batch_prefill_host.py)
     w = cls(WS())
     kv = (T((4, 2, 16, 2, 128)),) if cls is Paged else (T((35, 2, 128)), T((35, 2, 128)))
-    with pytest.raises(NotImplementedError):
-        w.run(T((17, 8, 128)), *kv, k_scale=0.5)
-    with pytest.raises(NotImplementedError):
-        w.run(T((17, 8, 128)), *kv, v_scale=2.0)
+    with pytest.raises(RuntimeError, match="plan"):
+        w.run(T((17, 8, 128)), *kv, **scales)
 
 
 # ---------------------------------------------------------------------------------------
@@ -228,6 +229,15 @@ def test_fp8_scales_not_implemented(cls):
     pytest.param({"fixed_split_size": 512}, id="fixed_split"),
     pytest.param({"disable_split_kv": True}, id="no_split"),
     pytest.param({"allow_fp16_qk_reduction": False}, id="fp16_qk_reduction_false"),
+    # fp8 KV with 16-bit queries, every spelling _dtypes.normalize takes
+    pytest.param({"kv_data_type": "float8_e4m3fn"}, id="fp8_e4m3"),
+    pytest.param({"q_data_type": "bfloat16", "kv_data_type": "float8_e5m2"}, id="fp8_e5m2_bf16"),
+    pytest.param({"kv_data_type": "fp8_e4m3"}, id="fp8_alias"),
+    pytest.param({"kv_data_type": "e5m2"}, id="fp8_short"),
+    pytest.param({"kv_data_type": _dtypes.FLOAT8_E4M3}, id="fp8_dtype_object"),
+    pytest.param({"kv_data_type": "float8_e4m3fn", "pos_encoding_mode": "ROPE_LLAMA"}, id="fp8_rope"),
+    pytest.param({"kv_data_type": "float8_e5m2", "logits_soft_cap": 20.0, "window_left": 7, "causal": True},
+                 id="fp8_softcap_window"),
 ])
 def test_valid_plan_reaches_the_driver(kind, kw):
     with pytest.raises(ReachedDriver):
@@ -368,10 +378,15 @@ OPTION_BAD = [
     ("q_dtype_fp32", {"q_data_type": "float32"}, TypeError, r"q_data_type"),
     ("q_dtype_unknown", {"q_data_type": "float17"}, TypeError, r"float17"),
     ("fp16_qk_reduction", {"allow_fp16_qk_reduction": True}, NotImplementedError, r"allow_fp16_qk_reduction"),
-    # not implemented yet in the batch wrappers: a clear NotImplementedError, before the driver
-    ("fp8_kv", {"kv_data_type": "float8_e4m3fn"}, NotImplementedError, r"kv_data_type|fp8"),
-    ("kv_dtype_mismatch", {"q_data_type": "float16", "kv_data_type": "bfloat16"}, NotImplementedError,
-     r"kv_data_type"),
+    # K/V in q's dtype or fp8; anything else is a TypeError naming the argument
+    ("kv_dtype_mismatch", {"q_data_type": "float16", "kv_data_type": "bfloat16"}, TypeError, r"kv_data_type"),
+    ("kv_dtype_fp32", {"kv_data_type": "float32"}, TypeError, r"kv_data_type"),
+    ("kv_dtype_int8", {"kv_data_type": "int8"}, TypeError, r"kv_data_type"),
+    ("kv_dtype_e8m0", {"kv_data_type": "float8_e8m0fnu"}, TypeError, r"kv_data_type"),
+    ("kv_dtype_fnuz", {"kv_data_type": "float8_e4m3fnuz"}, TypeError, r"kv_data_type"),
+    ("kv_dtype_unknown", {"kv_data_type": "float9"}, TypeError, r"kv_data_type.*float9"),
+    ("q_dtype_fp8", {"q_data_type": "float8_e4m3fn", "kv_data_type": "float8_e4m3fn"}, TypeError, r"q_data_type"),
+    ("q_dtype_fp8_kv_default", {"q_data_type": "float8_e5m2"}, TypeError, r"q_data_type"),
     # masks are implemented; they must live on the wrapper's GPU (host arrays are rejected by name)
     ("custom_mask", {"custom_mask": np.ones(5 * 19 + 12 * 0, dtype=bool)}, ValueError, r"custom_mask.*CUDA"),
     ("packed_custom_mask", {"packed_custom_mask": np.ones(16, dtype=np.uint8)}, ValueError,
@@ -400,10 +415,102 @@ def test_non_int_window_left_is_a_type_error(kind, value):
 
 
 @pytest.mark.parametrize("cls", [Paged, Ragged])
-@pytest.mark.parametrize("buf", ["custom_mask_buf", "qk_indptr_buf"])
-def test_mask_graph_buffers_are_rejected_not_ignored(cls, buf):
-    with pytest.raises(NotImplementedError, match=buf.split("_buf")[0]):
-        cls(WS(), **{buf: T((16,), U8)})
+def test_mask_buffers_are_accepted(cls):
+    # FlashInfer's custom_mask_buf / qk_indptr_buf: honoured (plan() writes the packed mask there)
+    cls(WS(), custom_mask_buf=T((1 << 16,), U8), qk_indptr_buf=T((9,), I32))
+    cls(WS(), custom_mask_buf=T((16,), U8))
+    cls(WS(), qk_indptr_buf=T((1,), I32))
+
+
+@pytest.mark.parametrize("cls", [Paged, Ragged])
+@pytest.mark.parametrize("kw, exc, pattern", [
+    pytest.param(dict(custom_mask_buf=T((64,), I32)), TypeError, r"custom_mask_buf.*uint8", id="mask_int32"),
+    pytest.param(dict(custom_mask_buf=T((64,), _dtypes.BOOL)), TypeError, r"custom_mask_buf", id="mask_bool"),
+    pytest.param(dict(custom_mask_buf=T((64,), U8, device=(1, 0))), ValueError, r"custom_mask_buf.*CUDA",
+                 id="mask_cpu"),
+    pytest.param(dict(custom_mask_buf=T((64,), U8, device=(2, 1))), ValueError, r"custom_mask_buf.*cuda:0",
+                 id="mask_other_gpu"),
+    pytest.param(dict(custom_mask_buf=T((8, 8), U8)), ValueError, r"custom_mask_buf.*1-D", id="mask_2d"),
+    pytest.param(dict(custom_mask_buf=T((64,), U8, strides=(2,))), ValueError, r"custom_mask_buf.*contiguous",
+                 id="mask_strided"),
+    pytest.param(dict(custom_mask_buf=bytearray(64)), TypeError, r"custom_mask_buf", id="mask_not_a_tensor"),
+    pytest.param(dict(qk_indptr_buf=T((16,), U8)), TypeError, r"qk_indptr_buf.*int32", id="qk_uint8"),
+    pytest.param(dict(qk_indptr_buf=T((16,), _dtypes.INT64)), TypeError, r"qk_indptr_buf.*int32", id="qk_int64"),
+    pytest.param(dict(qk_indptr_buf=T((16,), I32, device=(1, 0))), ValueError, r"qk_indptr_buf.*CUDA",
+                 id="qk_cpu"),
+    pytest.param(dict(qk_indptr_buf=T((4, 4), I32)), ValueError, r"qk_indptr_buf.*1-D", id="qk_2d"),
+])
+def test_bad_mask_buffers(cls, kw, exc, pattern):
+    with pytest.raises(exc, match=pattern):
+        cls(WS(), **kw)
+
+
+# The valid batch has masks of 5*19 + 0*16 + 12*0 = 95 bits (paged) / 5*19 + 0 + 0 (ragged): 12 bytes
+MASK_BYTES = 12
+
+
+@pytest.mark.parametrize("kind", ["paged", "ragged"])
+@pytest.mark.parametrize("graph", [False, True])
+def test_mask_larger_than_custom_mask_buf_names_it(kind, graph):
+    bufs = dict(custom_mask_buf=T((MASK_BYTES - 1,), U8))
+    if graph:
+        bufs.update(_paged_bufs() if kind == "paged" else dict(qo_indptr_buf=T((9,), I32), kv_indptr_buf=T((9,), I32)))
+    w = (Paged if kind == "paged" else Ragged)(WS(), "NHD", graph, **bufs)
+    args = paged_args() if kind == "paged" else ragged_args()
+    packed = T((64,), U8)
+    with pytest.raises(ValueError, match=rf"custom_mask_buf.*{MASK_BYTES - 1}|{MASK_BYTES}.*custom_mask_buf"):
+        w.plan(*args, packed_custom_mask=packed)
+    with pytest.raises(ValueError, match=r"custom_mask_buf"):
+        w.plan(*args, custom_mask=T((95,), _dtypes.BOOL))
+    # a mask that fits, and no mask at all, get past validation
+    w2 = (Paged if kind == "paged" else Ragged)(WS(), "NHD", graph, **dict(bufs, custom_mask_buf=T((MASK_BYTES,), U8)))
+    with pytest.raises(ReachedDriver):
+        w2.plan(*args, packed_custom_mask=packed)
+    with pytest.raises(ReachedDriver):
+        w.plan(*args)
+
+
+@pytest.mark.parametrize("kind", ["paged", "ragged"])
+def test_qk_indptr_buf_shorter_than_the_batch_names_it(kind):
+    w = (Paged if kind == "paged" else Ragged)(WS(), qk_indptr_buf=T((3,), I32))  # batch 3 needs 4
+    args = paged_args() if kind == "paged" else ragged_args()
+    with pytest.raises(ValueError, match=r"qk_indptr_buf"):
+        w.plan(*args, packed_custom_mask=T((64,), U8))
+    with pytest.raises(ReachedDriver):  # without a mask the buffer is not used
+        w.plan(*args)
+
+
+@pytest.mark.parametrize("kind", ["paged", "ragged"])
+@pytest.mark.parametrize("mask, exc, pattern", [
+    pytest.param(lambda: T((95,), I32), TypeError, r"custom_mask.*bool", id="bool_mask_int32"),
+    pytest.param(lambda: T((96,), _dtypes.BOOL), ValueError, r"custom_mask.*95", id="bool_mask_length"),
+    pytest.param(lambda: T((95,), _dtypes.BOOL, strides=(2,)), ValueError, r"custom_mask.*contiguous",
+                 id="bool_mask_strided"),
+    pytest.param(lambda: T((95,), _dtypes.BOOL, device=(2, 1)), ValueError, r"custom_mask.*cuda:0",
+                 id="bool_mask_other_gpu"),
+])
+def test_bad_custom_mask(kind, mask, exc, pattern):
+    w = Paged(WS()) if kind == "paged" else Ragged(WS())
+    args = paged_args() if kind == "paged" else ragged_args()
+    with pytest.raises(exc, match=pattern):
+        w.plan(*args, custom_mask=mask())
+    with pytest.raises(ReachedDriver):
+        w.plan(*args, custom_mask=T((95,), _dtypes.BOOL))
+
+
+@pytest.mark.parametrize("kind", ["paged", "ragged"])
+@pytest.mark.parametrize("mask, exc, pattern", [
+    pytest.param(lambda: T((64,), _dtypes.BOOL), TypeError, r"packed_custom_mask.*uint8", id="packed_bool"),
+    pytest.param(lambda: T((11,), U8), ValueError, r"packed_custom_mask.*11.*12", id="packed_short"),
+    pytest.param(lambda: T((8, 8), U8), ValueError, r"packed_custom_mask.*1-D", id="packed_2d"),
+])
+def test_bad_packed_custom_mask(kind, mask, exc, pattern):
+    w = Paged(WS()) if kind == "paged" else Ragged(WS())
+    args = paged_args() if kind == "paged" else ragged_args()
+    with pytest.raises(exc, match=pattern):
+        w.plan(*args, packed_custom_mask=mask())
+    with pytest.raises(ReachedDriver):
+        w.plan(*args, packed_custom_mask=T((12,), U8))
 
 
 @pytest.mark.parametrize("cls", [Paged, Ragged])
