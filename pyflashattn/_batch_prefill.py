@@ -123,22 +123,28 @@ def _scale_arg(x, name) -> float:
 
 
 class _Staging:
-    """One pinned host buffer and one device buffer for all int metadata of a plan.
+    """The device buffer for all int metadata of a plan, filled by one async copy per plan from
+    a small pool of pinned host buffers.
 
-    plan() writes the arrays into the pinned buffer and issues one cuMemcpyHtoDAsync on the
-    stream; an event guards the pinned buffer so a later plan never overwrites bytes an earlier
-    copy has not read yet. Without a layout the arrays go back to back (the kernels read them
-    as int32, 4-byte alignment is all they need) with one numpy concatenate; with fixed=True
-    (CUDA graphs) every array has its own fixed room, so the device addresses captured launches
-    point at never move.
+    plan() fills a pinned buffer and issues one cuMemcpyHtoDAsync on the plan stream; the copy's
+    event guards that buffer. The next plan takes a pinned buffer whose copy has finished
+    (cuEventQuery, no wait) or, while the GPU lags behind the host, adds one to the pool (up to
+    MAX_PINNED): plan() never waits for the GPU to drain the stream its copy was queued on. The
+    device buffer is one: copies and the runs that read it are ordered on the stream. Without a
+    layout the arrays go back to back (the kernels read them as int32, 4-byte alignment is all
+    they need) with one numpy concatenate; with fixed=True (CUDA graphs) every array has its own
+    fixed room, so the device addresses captured launches point at never move.
     """
+
+    MAX_PINNED = 4
 
     def __init__(self, device_id: int):
         self.dev = device_id
-        self.host = self.device = 0
+        self.device = 0
         self.size = 0
-        self.event = None
         self.fixed = False
+        self.pinned = []  # [host address, int32 view, event or None]
+        self.next = 0
 
     def reserve(self, nbytes: int, fixed: bool = False):
         if nbytes <= self.size:
@@ -148,19 +154,36 @@ class _Staging:
                              f"{self.size}; construct the wrapper with larger buffers")
         cu = _cuda.driver()
         _cuda.ensure_context(self.dev)
-        self._wait()
-        if self.host:
-            _cuda.check(cu.cuMemFreeHost(self.host), "cuMemFreeHost")
+        for host, _, event in self.pinned:  # rare (growth): let pending copies read their bytes first
+            if event is not None:
+                _cuda.check(cu.cuEventSynchronize(event), "cuEventSynchronize")
+                _cuda.check(cu.cuEventDestroy(event), "cuEventDestroy")
+            _cuda.check(cu.cuMemFreeHost(host), "cuMemFreeHost")
+        self.pinned, self.next = [], 0
+        if self.device:
             _cuda.mem_free(self.device)
         size = (max(nbytes, 2 * self.size, 4096) + 15) // 16 * 16
-        self.host = int(_cuda.check(cu.cuMemHostAlloc(size, 0), "cuMemHostAlloc"))
         self.device = _cuda.mem_alloc(size)
         self.size, self.fixed = size, fixed
-        self.host32 = np.ctypeslib.as_array((ctypes.c_int32 * (size // 4)).from_address(self.host))
 
-    def _wait(self):
-        if self.event is not None:
-            _cuda.check(_cuda.driver().cuEventSynchronize(self.event), "cuEventSynchronize")
+    def _pinned_buffer(self):
+        """A pinned buffer no pending copy reads (see the class docstring)."""
+        cu = _cuda.driver()
+        if self.pinned:
+            entry = self.pinned[self.next]
+            event = entry[2]
+            if event is None or cu.cuEventQuery(event)[0] == cu.CUresult.CUDA_SUCCESS:
+                self.next = (self.next + 1) % len(self.pinned)
+                return entry
+            if len(self.pinned) >= self.MAX_PINNED:  # the GPU is MAX_PINNED plans behind: wait
+                _cuda.check(cu.cuEventSynchronize(event), "cuEventSynchronize")
+                self.next = (self.next + 1) % len(self.pinned)
+                return entry
+        host = int(_cuda.check(cu.cuMemHostAlloc(self.size, 0), "cuMemHostAlloc"))
+        entry = [host, np.ctypeslib.as_array((ctypes.c_int32 * (self.size // 4)).from_address(host)), None]
+        self.pinned.insert(self.next, entry)
+        self.next = (self.next + 1) % len(self.pinned)
+        return entry
 
     def upload(self, arrays: dict, stream: int, layout: dict | None = None) -> dict:
         """Copy int32 arrays to the device in one async copy; returns name -> device address.
@@ -171,16 +194,16 @@ class _Staging:
                 offs[name] = n
                 n += a.size
             self.reserve(4 * n)
-            self._wait()
+            entry = self._pinned_buffer()
             if n:
-                np.concatenate(tuple(arrays.values()), out=self.host32[:n])
+                np.concatenate(tuple(arrays.values()), out=entry[1][:n])
             total, base = 4 * n, self.device
             ptrs = {name: base + 4 * o for name, o in offs.items()}
         else:
             total = layout["__end__"]
             self.reserve(total)
-            self._wait()
-            host32, base = self.host32, self.device
+            entry = self._pinned_buffer()
+            host32, base = entry[1], self.device
             ptrs = {}
             for name, a in arrays.items():
                 o = layout[name]
@@ -188,10 +211,10 @@ class _Staging:
                 ptrs[name] = base + o
         cu = _cuda.driver()
         if total:
-            _cuda.check(cu.cuMemcpyHtoDAsync(self.device, self.host, total, stream), "cuMemcpyHtoDAsync")
-        if self.event is None:
-            self.event = _cuda.check(cu.cuEventCreate(cu.CUevent_flags.CU_EVENT_DISABLE_TIMING), "cuEventCreate")
-        _cuda.check(cu.cuEventRecord(self.event, stream), "cuEventRecord")
+            _cuda.check(cu.cuMemcpyHtoDAsync(self.device, entry[0], total, stream), "cuMemcpyHtoDAsync")
+        if entry[2] is None:
+            entry[2] = _cuda.check(cu.cuEventCreate(cu.CUevent_flags.CU_EVENT_DISABLE_TIMING), "cuEventCreate")
+        _cuda.check(cu.cuEventRecord(entry[2], stream), "cuEventRecord")
         return ptrs
 
 

@@ -50,7 +50,8 @@ class _LaunchConfig:
 class FakeDriver:
     """The subset of cuda.bindings.driver the batch wrappers call, on host memory."""
 
-    CUresult = _Enum(CUDA_SUCCESS=0)
+    CUresult = _Enum(CUDA_SUCCESS=0, CUDA_ERROR_NOT_READY=600)
+    lagging = False  # cuEventQuery says "not ready": a GPU that has not reached the copies yet
     CUevent_flags = _Enum(CU_EVENT_DISABLE_TIMING=2)
     CUstreamCaptureStatus = _Enum(CU_STREAM_CAPTURE_STATUS_NONE=0, CU_STREAM_CAPTURE_STATUS_ACTIVE=1)
     CUlaunchConfig = _LaunchConfig
@@ -121,7 +122,12 @@ class FakeDriver:
         return (0,)
 
     def cuEventSynchronize(self, ev):
+        self.log.append(("event_sync",))
         return (0,)
+
+    def cuEventQuery(self, ev):
+        self.log.append(("query",))
+        return (self.CUresult.CUDA_ERROR_NOT_READY if self.lagging else self.CUresult.CUDA_SUCCESS,)
 
     def cuEventDestroy(self, ev):
         return (0,)
@@ -899,3 +905,28 @@ def _bench():  # pragma: no cover - prints timings, asserts nothing
 
 if __name__ == "__main__":  # pragma: no cover
     _bench()
+
+
+# ---------------------------------------------------------------------------------------------
+# metadata staging: plan() never waits for the GPU to drain its stream
+# ---------------------------------------------------------------------------------------------
+def test_plan_does_not_wait_while_the_gpu_lags_and_reuses_finished_buffers(fake):
+    w = ragged(fake)
+    plan_ragged(w)
+    st = w._staging
+    assert len(st.pinned) == 1
+    fake.cu.lagging = True  # no copy has run yet: every plan takes a fresh pinned buffer ...
+    for n in range(2, st.MAX_PINNED + 1):
+        fake.cu.log.clear()
+        plan_ragged(w)
+        assert len(st.pinned) == n
+        assert not [e for e in fake.cu.log if e[0] in ("sync", "event_sync")], "plan() blocked on the GPU"
+    hosts = {e[0] for e in st.pinned}
+    assert len(hosts) == st.MAX_PINNED  # distinct buffers: no copy's bytes were overwritten
+    fake.cu.log.clear()
+    plan_ragged(w)  # ... up to MAX_PINNED, then it waits for the oldest copy instead of growing
+    assert len(st.pinned) == st.MAX_PINNED and ("event_sync",) in fake.cu.log
+    fake.cu.lagging = False  # copies done: buffers are reused, none added
+    for _ in range(3):
+        plan_ragged(w)
+    assert len(st.pinned) == st.MAX_PINNED and {e[0] for e in st.pinned} == hosts

@@ -44,7 +44,9 @@ U8 = torch.uint8
 # The 16-bit batch tests' tolerances (tests/gpu/test_batch_prefill.py, FlashInfer's).
 O_TOL = {F16: dict(atol=1e-3, rtol=1e-3), BF16: dict(atol=1e-2, rtol=1e-2)}
 LSE_TOL = {F16: dict(atol=2e-3, rtol=1e-4), BF16: dict(atol=1e-2, rtol=1e-4)}
-ROPE_O_TOL = {F16: dict(atol=2e-3, rtol=1e-3), BF16: O_TOL[BF16]}
+# bf16: the rotated q and k are rounded to bf16 (2^-9 relative) before the MMA, as FlashInfer does;
+# with the scaled fp8 keys' logits (|x| up to ~10) that moves a softmax weight by up to ~1 %.
+ROPE_O_TOL = {F16: dict(atol=2e-3, rtol=1e-3), BF16: dict(atol=2e-2, rtol=1e-2)}
 # ROPE_LLAMA rounds the rotated q and k to 16 bits before the MMA, so a logit's error grows with
 # its size: relative, not absolute, for the LSE (bf16: 2^-9 per operand).
 ROPE_LSE_TOL = {F16: LSE_TOL[F16], BF16: dict(atol=1e-2, rtol=1e-3)}
