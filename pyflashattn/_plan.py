@@ -1,7 +1,10 @@
 """Batch prefill scheduler: work items (request, q tile, KV chunk), split-KV sizing, LPT order.
 
 Pure numpy, host only (no CUDA import), vectorised: plan_prefill() has no per-work-item Python
-loop. ``python -m pyflashattn._plan`` prints its cost in microseconds.
+loop. At serving batch sizes its cost is mostly numpy's fixed cost per call (0.5-1 us on a slow
+host) times a few dozen calls, so the code keeps that count small (see the numpy helpers); large
+batches add a dozen or so memory-bound passes over the per-tile / per-item arrays.
+``python -m pyflashattn._plan`` prints its cost in microseconds.
 
 Reference design: FlashInfer's FA2 prefill scheduler (``PrefillSplitQOKVIndptr`` /
 ``PrefillPlanImpl`` in include/flashinfer/attention/scheduler.cuh). Differences:
@@ -112,47 +115,75 @@ def _pos_int(v, name: str) -> int:
 
 
 def _int_array(x, name: str) -> np.ndarray:
+    """x as a 1-D integer ndarray, not copied (an empty array of another dtype becomes int64)."""
     a = x if isinstance(x, np.ndarray) else np.asarray(x)
     if a.ndim != 1:
         raise ValueError(f"{name} must be 1-D, got shape {a.shape}")
     if a.dtype.kind not in "iu":
         if a.size:
             raise TypeError(f"{name} must hold integers, got dtype {a.dtype}")
-    return a.astype(np.int64, copy=False)
+        a = a.astype(np.int64)
+    return a
 
 
-# ---- KV chunk search ---------------------------------------------------------------------------
-# numpy's Python-level wrappers (np.cumsum, np.repeat, np.clip, ...) cost more than the work at
-# these sizes: the code below calls ndarray methods and ufuncs directly.
+# ---- numpy helpers -------------------------------------------------------------------------------
+# At batch sizes up to a few thousand, numpy's fixed cost per call (0.5-1 us on a slow host) is
+# most of the planner's time: the code below keeps the number of numpy calls small, calls
+# ufuncs and ndarray methods directly (np.cumsum, np.clip, np.ones, a.sum() and a.max() are
+# Python wrappers or slow reductions; argmax has no ufunc machinery), updates in place, and
+# passes its per-configuration constants as cached 0-d arrays (_k).
 _acc = np.add.accumulate
-try:  # the clip ufunc (np.clip is a Python wrapper around it)
-    from numpy._core.umath import clip as _clip
-except ImportError:  # numpy < 2
-    from numpy.core.umath import clip as _clip
+_CONSTS: dict = {}
+
+
+def _k(v: int) -> np.ndarray:
+    """v as a cached 0-d int64 array, for operands of int64 arrays: numpy resolves a Python int
+    operand (a "weak" scalar) at about the cost of a whole small-array operation, a 0-d array of
+    the same dtype gives the same result cheaply. Only for values set by the configuration
+    (block sizes, window), so the cache stays small (it is bounded anyway)."""
+    a = _CONSTS.get(v)
+    if a is None:
+        if len(_CONSTS) >= 256:
+            _CONSTS.clear()
+        a = _CONSTS[v] = np.array(v, np.int64)
+        a.flags.writeable = False
+    return a
 
 
 def _div(x: np.ndarray, d: int) -> np.ndarray:
-    """x //= d in place (floor division, also of negatives); a shift when d is a power of 2."""
+    """x //= d in place, x int64, d a block size (floor division, also of negatives); a shift when
+    d is a power of 2."""
     if d & (d - 1) == 0:
-        x >>= d.bit_length() - 1
+        x >>= _k(d.bit_length() - 1)
     else:
-        x //= d
+        x //= _k(d)
     return x
 
 
+def _lpt_order(neg: np.ndarray, mx: int) -> np.ndarray:
+    """Longest first: the stable argsort of neg = -(KV tiles of each item), values in [-mx, 0].
+    numpy's stable sort is a radix sort for keys of at most 16 bits, which beats its merge sort
+    beyond ~160 items: the key is then mx + neg, computed wrapped in uint8/uint16 (exact, as it
+    lies in [0, mx])."""
+    if neg.size > 160 and mx < 65536:
+        neg = np.add(neg, mx, dtype=np.uint8 if mx < 256 else np.uint16, casting="unsafe")
+    return neg.argsort(kind="stable")
+
+
+# ---- KV chunk search ---------------------------------------------------------------------------
 def _search_chunk_units(tiles_f, kv1_f: np.ndarray, T: int, limit: int, bn: int, u_min: int, u_max: int):
     """Smallest u in [u_min, u_max] with f(u) = sum(tiles * ceil(kv1 / (u * bn))) <= limit,
-    given f(u_max) <= limit (f is non-increasing in u).
+    given f(u_max) <= limit (f is non-increasing in u); tiles_f None means all ones.
     Returns (u, ceil(kv1 / (u * bn)) as float64 or None when not evaluated).
 
     Bounds first (x <= ceil(x) < x + 1): f(u) >= W / (u bn), so u >= W / (limit bn) is
     necessary; f(u) < W / (u bn) + T, so u >= W / ((limit - T) bn) is sufficient. What is
     left is searched K-ary: K candidate chunk sizes per numpy pass ([K, B] division + ceil +
-    one mat-vec), exact in float64: all values are integers < 2**53, an integer quotient is
+    one row sum), exact in float64: all values are integers < 2**53, an integer quotient is
     computed exactly, and a non-integer one (at least 1/c away from an integer) never rounds
     onto an integer at these magnitudes, so ceil is exact.
     """
-    W = int(tiles_f @ kv1_f)
+    W = int(np.add.reduce(kv1_f) if tiles_f is None else tiles_f @ kv1_f)
     lo = max(u_min, -(-W // (limit * bn)))
     hi = u_max
     if limit > T:
@@ -165,7 +196,7 @@ def _search_chunk_units(tiles_f, kv1_f: np.ndarray, T: int, limit: int, bn: int,
         cand = np.arange(lo * bn, hi * bn, step * bn, dtype=np.float64)  # <= k sizes, cand[0] = lo * bn
         q = row / cand[:, None]  # [K, B]
         np.ceil(q, out=q)
-        f = q @ tiles_f
+        f = np.add.reduce(q, 1) if tiles_f is None else q @ tiles_f
         # f is non-increasing: the infeasible ones come first; i = how many
         i = cand.size - int(f[::-1].searchsorted(limit, "right"))
         if i == cand.size:
@@ -177,6 +208,89 @@ def _search_chunk_units(tiles_f, kv1_f: np.ndarray, T: int, limit: int, bn: int,
                 return hi, best
             lo = int(cand[i - 1]) // bn + 1
     return hi, best
+
+
+# ---- the KV tiles each q tile / work item iterates -------------------------------------------------
+def _tile_spans(qo_lens, kv, tiles, first, req, g, bm, bn, causal, wl):
+    """Per q tile of the batch (request-major), [l, h): the KV tiles its rows can see at all,
+    returned as (-h, l), l None without a window. Token i of a request sits at i + shift (shift =
+    kv_len - qo_len; packed row r is token r // g): h = clip(ceil(hi / bn), 0, ceil(kv / bn))
+    with hi the causal end of the tile's last token (-h computed as floor(-hi / bn)), and
+    l = floor(max(lo, 0) / bn) with lo the window start of its first token. tiles None: one
+    tile per request; else ``first`` is each request's first tile and ``req`` each tile's
+    request."""
+    nkvt = np.floor_divide(kv, _k(-bn))  # -ceil(kv / bn)
+    if tiles is None:  # the tile holds the request's last token, which sees every key
+        if wl < 0:
+            return nkvt, None
+        lo = kv - qo_lens
+        lo -= _k(wl)
+        np.maximum(lo, _k(0), out=lo)
+        return nkvt, _div(lo, bn)
+    T = req.size
+    # per-request values, per tile: a repeat costs per request, a gather per tile
+    expand = (lambda x: x.repeat(tiles)) if T > 4 * kv.size else (lambda x: x[req])
+    if not (causal or wl >= 0):
+        return expand(nkvt), None
+    shift = kv - qo_lens
+    nh = l = None
+    if bm % g == 0:  # tile t holds tokens [t*s, (t+1)*s) (s = bm / g), clipped by qo_len
+        s = bm // g
+        js = np.arange(s, (T + 1) * s, s)  # (global tile index + 1) * s = (t+1)*s + first*s
+        d = expand(first * _k(s) - shift)  # so that js - d = (t+1)*s + shift
+        if causal:  # -hi = -((t+1)*s + shift)
+            nh = d - js
+        if wl >= 0:  # lo = t*s + shift - wl
+            l = np.subtract(js, d, out=js)
+            l -= _k(s + wl)
+    else:
+        r0 = np.arange(T)
+        r0 -= expand(first)
+        r0 *= _k(bm)  # the tile's first packed row
+        sh = expand(shift)
+        if causal:  # -hi = -ceil(min(r0 + bm, qo_len * g) / g) - shift
+            nh = np.minimum(r0 + _k(bm), expand(qo_lens * _k(g)))
+            np.floor_divide(nh, _k(-g), out=nh)
+            nh -= sh
+        if wl >= 0:  # lo = r0 // g + shift - wl
+            l = r0
+            l //= _k(g)
+            l += sh
+            l -= _k(wl)
+    if nh is None:
+        nh = expand(nkvt)
+    else:
+        _div(nh, bn)
+        np.maximum(nh, expand(nkvt), out=nh)
+        np.minimum(nh, _k(0), out=nh)
+    if l is not None:
+        np.maximum(l, _k(0), out=l)
+        _div(l, bn)
+    return nh, l
+
+
+def _split_items(nh, l, nc_t, item_end, N, cu):
+    """Items of split q tiles (tile-major, chunk fastest): (LPT order, chunk index of each item).
+    Chunk c of a tile covers KV tiles [c*cu, (c+1)*cu) (cu = chunk / bn), so an item iterates
+    max(min((c+1)*cu, h) - max(c*cu, l), 0) of them, at most cu (cu < the longest request's
+    tiles, as it is split). nh = -h per tile; item_end: one past each tile's last item."""
+    c = np.arange(N, dtype=np.int32)  # int32: the largest arrays here, memory-bound
+    if nc_t.size == 1 and l is None:  # one q tile: its items' tiles never grow with c
+        return c, c
+    c -= (item_end - nc_t).astype(np.int32).repeat(nc_t)
+    neg = c * cu
+    if l is None:  # -tiles = clip(c*cu - h, -cu, 0)
+        neg += nh.astype(np.int32).repeat(nc_t)
+        np.minimum(neg, 0, out=neg)
+        np.maximum(neg, -cu, out=neg)
+    else:  # -tiles = min(max(c*cu, l) - min((c+1)*cu, h), 0)
+        lo = np.maximum(neg, l.astype(np.int32).repeat(nc_t))
+        neg += cu
+        np.negative(neg, out=neg)
+        np.maximum(neg, nh.astype(np.int32).repeat(nc_t), out=neg)
+        neg += lo
+        np.minimum(neg, 0, out=neg)
+    return _lpt_order(neg, cu), c
 
 
 # ---- the planner -------------------------------------------------------------------------------
@@ -230,27 +344,29 @@ def plan_prefill(qo_indptr, kv_lens, *, group_size, num_kv_heads, block_m, block
     if fixed_split_size is not None:
         fss = _pos_int(fixed_split_size, "fixed_split_size")
     causal = bool(causal)
-    window = wl >= 0
 
-    qo = _int_array(qo_indptr, "qo_indptr")
-    kv = _int_array(kv_lens, "kv_lens")
-    B = kv.size
+    qo = _int_array(qo_indptr, "qo_indptr").astype(np.int64, copy=False)
+    kv_in = _int_array(kv_lens, "kv_lens")
+    B = kv_in.size
     if qo.size != B + 1:
         raise ValueError(f"qo_indptr has {qo.size} entries but kv_lens has {B}: qo_indptr needs len(kv_lens) + 1")
     if qo[0] != 0:
         raise ValueError(f"qo_indptr must start at 0, got {int(qo[0])}")
     qo_lens = qo[1:] - qo[:-1]
-    if B:
-        if (qo_lens | kv).min() < 0:  # one reduction: negative iff either is
-            if qo_lens.min() < 0:
+    kv = kv_in.astype(np.int64, copy=False)
+    max_qo = max_kv = 0
+    if B:  # maxima by argmax (cheaper than a reduction) over uint64 views: a negative is >= 2**63
+        qu, ku = qo_lens.view(np.uint64), kv.view(np.uint64)
+        max_qo, max_kv = int(qu[qu.argmax()]), int(ku[ku.argmax()])
+        if (max_qo | max_kv) >> 63:
+            if max_qo >> 63:
                 raise ValueError("qo_indptr must be non-decreasing (a request has a negative query length)")
             raise ValueError("kv_lens must be >= 0 (a request has a negative KV length)")
-        max_kv = int(kv.max())
-    else:
-        max_kv = 0
     total_q = int(qo[-1])
     if total_q > _I32_MAX or max_kv > _I32_MAX:
         raise ValueError("qo_indptr / kv_lens exceed the int32 range of the kernel metadata")
+    if wl >= max_kv:  # every window starts before key 0: the KV tiles are those without a window
+        wl = -1
 
     cap = graph_capacity
     if cap is not None:
@@ -267,18 +383,20 @@ def plan_prefill(qo_indptr, kv_lens, *, group_size, num_kv_heads, block_m, block
         if total_q > cap_q:
             raise ValueError(f"{total_q} query tokens exceed graph_capacity['max_total_q'] = {cap_q}")
 
-    if bm % g == 0:  # a tile holds bm / g whole tokens
-        sg = bm // g
-        tiles = qo_lens + (sg - 1)
-        tiles = _div(tiles, sg)
+    # ---- q tiles: ceil(qo_len * g / bm) per request. Decode-like batches (every request exactly
+    # one tile) skip the per-tile arrays: tile = request (tiles = ends = None). ----
+    if max_qo * g <= bm and np.count_nonzero(qo_lens) == B:
+        tiles = ends = None
+        T = B
     else:
-        sg = 0
-        tiles = qo_lens * g
-        tiles += bm - 1
-        tiles = _div(tiles, bm)
-    T = int(tiles.sum())
-    # decode-like: every request has exactly one q tile (then q tile index = 0, item = request)
-    one_tile = T == B and (B == 0 or int(tiles.max()) == 1)
+        if bm % g == 0:  # a tile holds bm / g whole tokens
+            tiles = _div(qo_lens + _k(bm // g - 1), bm // g)
+        else:
+            tiles = qo_lens * g
+            tiles += bm - 1
+            _div(tiles, bm)
+        ends = _acc(tiles)  # one past each request's last tile (global tile index)
+        T = int(ends[-1])
     limit = budget // hkv
     if cap is not None:
         if cap_w is not None:
@@ -309,9 +427,9 @@ def plan_prefill(qo_indptr, kv_lens, *, group_size, num_kv_heads, block_m, block
             chunk = min(max(min_units, -(-(-(-max(max_kv, 1) // m)) // bn)), max_units) * bn
         else:
             # requests without queries weigh 0 (tiles = 0)
-            t_f = tiles.astype(np.float64)
             kv_f = np.maximum(kv, 1.0)  # float64
-            u, nc_f = _search_chunk_units(t_f, kv_f, T, search_limit, bn, min_units, max_units)
+            u, nc_f = _search_chunk_units(None if tiles is None else tiles.astype(np.float64), kv_f, T,
+                                          search_limit, bn, min_units, max_units)
             chunk = u * bn
     if chunk >= max_kv:
         nc = None  # one chunk per request
@@ -323,7 +441,9 @@ def plan_prefill(qo_indptr, kv_lens, *, group_size, num_kv_heads, block_m, block
             nc = kv + (chunk - 1)
             nc //= chunk
             np.maximum(nc, 1, out=nc)  # ceil(max(kv, 1) / chunk)
-        N = int((nc if one_tile else tiles * nc).sum())
+        nc_t = nc if tiles is None else nc.repeat(tiles)  # chunks of each q tile
+        item_end = _acc(nc_t)  # one past each q tile's last item
+        N = int(item_end[-1]) if T else 0
     split = N > T  # some request with queries has > 1 chunk
     if cap is not None and N > grid:
         what = "graph_capacity['max_work']" if cap_w is not None else "the CUDA-graph grid"
@@ -333,155 +453,74 @@ def plan_prefill(qo_indptr, kv_lens, *, group_size, num_kv_heads, block_m, block
     if cap is None:
         grid = N
 
-    # ---- per q tile (request-major): the KV tiles [ltile, htile) the tile can see at all.
-    # Token i of a request sits at i + shift (shift = kv_len - qo_len; packed row r is token
-    # r // g): hi = causal end of the tile's last token, lo = window start of its first token;
-    # htile = ceil(min(hi, kv) / bn) >= 0, ltile = floor(max(lo, 0) / bn). ----
-    kvt = kv + (bn - 1)
-    kvt = _div(kvt, bn)
-    ltile = None
-    if one_tile:
-        req_t = first = None
-        htile = kvt  # the only tile holds the last token, which sees every key up to kv_len
-        if window:
-            ltile = kv - qo_lens
-            ltile -= wl
-            np.maximum(ltile, 0, out=ltile)
-            ltile = _div(ltile, bn)
-    else:
-        req_t = np.arange(B, dtype=np.int32).repeat(tiles)
-        first = _acc(tiles).astype(np.int32)
-        first -= tiles.astype(np.int32)  # first tile of each request (global tile index)
-        kvt_t = kvt.repeat(tiles)
-        if causal or window:
-            shift = kv - qo_lens
-            if sg:  # tile t holds tokens [t*s, (t+1)*s), s = bm / g, clipped by qo_len
-                ts = np.arange(0, T * sg, sg, dtype=np.int64)  # (global tile) * s; own tile = that - first
-                fs = first * sg
-                if causal:
-                    x = ts + (shift + (sg + bn - 1) - fs).repeat(tiles)
-                if window:
-                    lo = ts + (shift - wl - fs).repeat(tiles)
-            else:
-                t = np.arange(T, dtype=np.int64)
-                t -= first.repeat(tiles)
-                r0 = t * bm
-                if causal:
-                    x = np.minimum(r0 + bm, (qo_lens * g).repeat(tiles))
-                    x += g - 1
-                    x //= g
-                    x += (shift + (bn - 1)).repeat(tiles)
-                if window:
-                    lo = r0 // g
-                    lo += (shift - wl).repeat(tiles)
-            if causal:  # x = hi + bn - 1; floor division of negatives rounds down: ceil(hi / bn)
-                x = _div(x, bn)
-                htile = _clip(x, 0, kvt_t, out=x)
-            else:
-                htile = kvt_t
-            if window:
-                np.maximum(lo, 0, out=lo)
-                lo = _div(lo, bn)
-                ltile = lo
-        else:
-            htile = kvt_t
+    # Every int32 output is a slice of one zeroed buffer: one allocation, and what stays 0 is
+    # written already.
+    buf = np.zeros(3 * grid + 2 * B + total_q + 2, np.int32)
+    work_request, work_qtile, work_chunk = buf[:grid], buf[grid:2 * grid], buf[2 * grid:3 * grid]
+    num_chunks = buf[3 * grid:3 * grid + B]
+    o_indptr = buf[3 * grid + B:3 * grid + 2 * B + 1]
+    merge_indptr = buf[3 * grid + 2 * B + 1:]
+    if grid > N:
+        work_request[N:] = -1  # padding of a fixed CUDA-graph grid
 
-    # ---- work items (tile-major, chunk fastest) and the KV tiles the kernel iterates for each:
-    # chunk c covers KV tiles [c*cu, (c+1)*cu) (cu = chunk / bn), so an item iterates
-    # max(min((c+1)*cu, htile) - max(c*cu, ltile), 0) tiles (the kernel's tile-aligned count) ----
-    if not split:
-        it = chk = None
-        if ltile is None:
-            ntile = htile
+    # ---- work items (q tile-major, chunk fastest) in LPT order: a stable sort by the KV tiles the
+    # kernel iterates for each item, descending (ties keep the item order) ----
+    first = req = None
+    if tiles is not None:
+        first = ends - tiles  # each request's first q tile
+        req = np.arange(B).repeat(tiles)  # the request of each q tile
+    nh, l = _tile_spans(qo_lens, kv, tiles, first, req, g, bm, bn, causal, wl)
+    if not split:  # item = q tile; it iterates h - l KV tiles (>= 0: a tile's lo < its hi)
+        order = _lpt_order(nh if l is None else np.add(nh, l, out=nh), -(-max_kv // bn))
+        if tiles is None:  # q tile = request
+            work_request[:N] = order
         else:
-            ntile = htile - ltile
-            np.maximum(ntile, 0, out=ntile)
+            req = req[order]
+            work_request[:N] = req
+            order -= first[req]  # the tile's index inside its request
+            work_qtile[:N] = order
     else:
-        cu = chunk // bn
-        if T == 1 and one_tile:  # a single request with a single q tile: item = chunk
-            it = np.zeros(N, np.int32)
-            chk = np.arange(N, dtype=np.int32)
+        order, c = _split_items(nh, l, nc_t, item_end, N, chunk // bn)
+        work_chunk[:N] = c[order]
+        # the request (and the tile's index inside it) of each item, in launch order
+        if tiles is None:
+            req = np.arange(B, dtype=np.int32).repeat(nc)
         else:
-            nc_t = nc if one_tile else nc.repeat(tiles)
-            it = np.arange(T, dtype=np.int32).repeat(nc_t)
-            fi = _acc(nc_t)
-            fi -= nc_t
-            chk = np.arange(N, dtype=np.int32)
-            chk -= fi.take(it)  # chunk index inside the request
-        ccu = chk * cu
-        if ltile is None:
-            ntile = htile.take(it)
-            ntile -= ccu
-            _clip(ntile, 0, cu, out=ntile)
-        else:
-            ntile = np.minimum(ccu + cu, htile.take(it))
-            ntile -= np.maximum(ccu, ltile.take(it))
-            np.maximum(ntile, 0, out=ntile)
-
-    # ---- LPT order: stable sort by KV tiles descending ----
-    mx = -(-max_kv // bn) if not split else min(cu, -(-max_kv // bn))  # ntile <= mx
-    if N < 200 or mx >= 65536:
-        order = (-ntile).argsort(kind="stable")
-    else:  # numpy's stable sort is a radix sort for <= 16-bit keys
-        order = np.subtract(mx, ntile, dtype=np.uint8 if mx < 256 else np.uint16, casting="unsafe").argsort(
-            kind="stable")
-    its = order if it is None else it.take(order)  # q tile of each item, in launch order
-    if one_tile:
-        wr = its.astype(np.int32)
-        wq = None
-    else:
-        wr = req_t.take(its)
-        wq = its.astype(np.int32) - first.take(wr)
-    wc = chk.take(order) if chk is not None else None
-    if cap is None:
-        work_request = wr
-        work_qtile = wq if wq is not None else np.zeros(N, np.int32)
-        work_chunk = wc if wc is not None else np.zeros(N, np.int32)
-    else:
-        work_request = np.full(grid, -1, np.int32)
-        work_qtile = np.zeros(grid, np.int32)
-        work_chunk = np.zeros(grid, np.int32)
-        work_request[:N] = wr
-        if wq is not None:
-            work_qtile[:N] = wq
-        if wc is not None:
-            work_chunk[:N] = wc
+            tq = np.arange(T)
+            tq -= first[req]
+            work_qtile[:N] = tq.astype(np.int32).repeat(nc_t)[order]
+            req = req.astype(np.int32).repeat(nc_t)
+        work_request[:N] = req[order]
 
     # ---- partial rows (token-major, chunk fastest) and merge ranges ----
     if split:
-        num_chunks = nc.astype(np.int32)
-        cnt = num_chunks * (num_chunks > 1)  # partial rows per token of each request (0: written directly)
-        every_qo_1 = one_tile and total_q == B  # decode-like: token b = request b
+        num_chunks[:] = nc
+        cnt = nc * (nc > 1)  # partial rows per token of each request (0: written directly)
+        every_qo_1 = tiles is None and total_q == B  # decode-like: token b = request b
         part = cnt if every_qo_1 else qo_lens * cnt
         if total_q * -(-max_kv // chunk) > _I32_MAX:  # a bound on the partial rows
             num_partial_rows = int(part.sum())
             if num_partial_rows > _I32_MAX:
                 raise ValueError(f"{num_partial_rows} partial rows exceed the int32 range; use a larger "
                                  "fixed_split_size or disable_split_kv")
-        o_indptr = np.zeros(B + 1, np.int32)
         _acc(part.astype(np.int32), out=o_indptr[1:])
         num_partial_rows = int(o_indptr[-1])
         if every_qo_1:
-            merge_indptr = o_indptr.copy()
+            merge_indptr[:] = o_indptr
         elif total_q <= 2048:
-            merge_indptr = np.zeros(total_q + 1, np.int32)
             _acc(cnt.repeat(qo_lens), out=merge_indptr[1:])
         else:
             # token t of request b: o_indptr[b] + (t - qo_indptr[b]) * cnt[b] (a cumsum over many
             # tokens is slower). int32 products may wrap, but two's complement keeps the sum exact
             # because the result fits int32.
             cnt32 = cnt.astype(np.int32)
-            merge_indptr = np.empty(total_q + 1, np.int32)
             m = merge_indptr[:-1]
-            m[:] = np.arange(total_q, dtype=np.int32)
-            m *= cnt32.repeat(qo_lens)
+            np.multiply(np.arange(total_q, dtype=np.int32), cnt32.repeat(qo_lens), out=m)
             m += (o_indptr[:-1] - qo[:-1].astype(np.int32) * cnt32).repeat(qo_lens)
             merge_indptr[-1] = num_partial_rows
     else:
         num_partial_rows = 0
-        o_indptr = np.zeros(B + 1, np.int32)
-        merge_indptr = np.zeros(total_q + 1, np.int32)
-        num_chunks = nc.astype(np.int32) if nc is not None else np.ones(B, np.int32)
+        num_chunks[:] = 1 if nc is None else nc
 
     # ---- a bound on partial rows for a fixed CUDA-graph workspace layout ----
     max_partial_rows = num_partial_rows
