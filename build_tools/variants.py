@@ -124,7 +124,7 @@ PREFILL_TUNE_TILES = {
     64: [(4, 2, 64, True, 3, 2), (8, 2, 64, True, 2, 1)],
     128: [(8, 1, 64, True, 2, 1), (4, 2, 48, False, 2, 2), (4, 2, 64, False, 1, 2), (4, 2, 32, False, 3, 2)],
     # (4, 1, 64, False, 1, 2) is FA2's hd256 shape: 64-row CTAs, two per SM, one K and one V buffer.
-    256: [(4, 1, 64, False, 1, 2, True), (8, 1, 32, True, 3, 1), (8, 1, 32, True, 2, 1), (8, 1, 32, False, 3, 1)],
+    256: [(4, 1, 64, False, 1, 2, True), (8, 1, 64, True, 2, 1), (8, 1, 32, False, 3, 1)],
 }
 
 
