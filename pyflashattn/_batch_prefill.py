@@ -311,12 +311,8 @@ class _BatchPrefillBase:
         """Everything after the wrapper-specific index checks. `state` holds the wrapper fields
         the plan sets (page size, ...): they are committed only when the whole plan succeeded,
         so a refused plan leaves the previous one usable."""
-        if (pos_encoding_mode == "NONE" and not allow_fp16_qk_reduction and logits_soft_cap is None
-                and rope_scale is None and rope_theta is None and lse_base == "log2"):
-            opts = _options.PLAIN
-        else:
-            opts = _options.resolve(pos_encoding_mode, allow_fp16_qk_reduction, logits_soft_cap, rope_scale,
-                                    rope_theta, lse_base)
+        opts = _options.resolve(pos_encoding_mode, allow_fp16_qk_reduction, logits_soft_cap, rope_scale, rope_theta,
+                                lse_base)
         for name, val in (("num_qo_heads", num_qo_heads), ("num_kv_heads", num_kv_heads), ("head_dim", head_dim)):
             if not isinstance(val, (int, np.integer)) or val <= 0:
                 raise ValueError(f"{name} must be a positive int, got {val!r}")

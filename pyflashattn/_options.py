@@ -43,6 +43,9 @@ def _positive(name, value, default):
 
 def resolve(pos_encoding_mode="NONE", allow_fp16_qk_reduction=False, logits_soft_cap=None, rope_scale=None,
             rope_theta=None, lse_base="log2") -> Options:
+    if (pos_encoding_mode == "NONE" and not allow_fp16_qk_reduction and logits_soft_cap is None
+            and rope_scale is None and rope_theta is None and lse_base == "log2"):
+        return PLAIN  # the common call (no option given): nothing to validate
     if pos_encoding_mode not in POS_ENCODINGS:
         raise ValueError(f"pos_encoding_mode must be one of {POS_ENCODINGS}, got {pos_encoding_mode!r}")
     if allow_fp16_qk_reduction:
@@ -60,7 +63,7 @@ def resolve(pos_encoding_mode="NONE", allow_fp16_qk_reduction=False, logits_soft
                    _positive("rope_theta", rope_theta, 1e4), LSE_BASES[lse_base])
 
 
-PLAIN = resolve()
+PLAIN = Options(0.0, "NONE", 1.0, 1e4, LSE_BASES["log2"])  # what resolve() gives with no option
 
 
 def window(window_left) -> int:

@@ -58,12 +58,8 @@ def single_prefill_with_kv_cache(q, k, v, custom_mask=None, packed_custom_mask=N
     Returns o [qo_len, num_qo_heads, head_dim] in q's dtype and framework, and with
     ``return_lse`` also lse [qo_len, num_qo_heads] float32.
     """
-    if (pos_encoding_mode == "NONE" and not allow_fp16_qk_reduction and logits_soft_cap is None
-            and rope_scale is None and rope_theta is None and lse_base == "log2"):
-        opts = _options.PLAIN
-    else:
-        opts = _options.resolve(pos_encoding_mode, allow_fp16_qk_reduction, logits_soft_cap, rope_scale,
-                                rope_theta, lse_base)
+    opts = _options.resolve(pos_encoding_mode, allow_fp16_qk_reduction, logits_soft_cap, rope_scale, rope_theta,
+                            lse_base)
     has_mask = custom_mask is not None or packed_custom_mask is not None
     framework = _tensor.framework_of(q)
     if framework == "torch" and opts is _options.PLAIN and not has_mask:

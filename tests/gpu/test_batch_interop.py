@@ -23,6 +23,7 @@ if not torch.cuda.is_available():
 import pyflashattn  # noqa: E402
 from pyflashattn import _dtypes, _tensor  # noqa: E402
 from pyflashattn.testing import attention_ref, to_numpy_f64  # noqa: E402
+from pyflashattn.testing.frameworks import bits, to_cupy, to_jax  # noqa: E402
 from pyflashattn.testing.checks import assert_close  # noqa: E402
 
 DEV = "cuda"
@@ -100,26 +101,11 @@ def _torch_result(kind, dtype):
     return q, kv_args, kv_tok, arrays, o, lse
 
 
-def _bits(t):
-    """Raw bits of a torch tensor as a host numpy array (uint16 for 16-bit, uint8 for fp8)."""
-    t = t.contiguous()
-    if t.element_size() == 2:
-        return t.view(torch.int16).cpu().numpy().view(np.uint16)
-    return t.view(torch.uint8).cpu().numpy()
 
 
 # ---------------------------------------------------------------------------------------
 # CuPy
 # ---------------------------------------------------------------------------------------
-def _to_cupy(cupy, t, dtype):
-    bits = _bits(t)
-    if dtype == "fp16":
-        return cupy.asarray(bits.view(np.float16))
-    ml_dtypes = pytest.importorskip("ml_dtypes", reason="CuPy bf16 arrays need ml_dtypes")
-    try:
-        return cupy.asarray(bits.view(ml_dtypes.bfloat16))
-    except Exception as e:  # older CuPy without bf16
-        pytest.skip(f"this CuPy has no bfloat16 arrays: {type(e).__name__}: {e}")
 
 
 @pytest.mark.parametrize("index_fw", ["numpy", "cupy"])
@@ -128,8 +114,8 @@ def _to_cupy(cupy, t, dtype):
 def test_cupy_inputs(kind, dtype, index_fw):
     cupy = pytest.importorskip("cupy")
     q_t, kv_t, kv_tok, arrays, o_t, lse_t = _torch_result(kind, dtype)
-    q = _to_cupy(cupy, q_t, dtype)
-    kv = [_to_cupy(cupy, t, dtype) for t in kv_t]
+    q = to_cupy(cupy, q_t, dtype)
+    kv = [to_cupy(cupy, t, dtype) for t in kv_t]
     if index_fw == "cupy":
         arrays = [cupy.asarray(a) for a in arrays]
     w = _wrapper(kind)
@@ -139,7 +125,7 @@ def test_cupy_inputs(kind, dtype, index_fw):
     assert isinstance(o, cupy.ndarray) and isinstance(lse, cupy.ndarray)
     assert o.dtype == q.dtype and o.shape == q.shape and lse.dtype == np.float32
     assert o.device.id == q.device.id
-    assert np.array_equal(o.view(cupy.uint16).get(), _bits(o_t)), "cupy and torch o differ"
+    assert np.array_equal(o.view(cupy.uint16).get(), bits(o_t)), "cupy and torch o differ"
     assert np.array_equal(lse.get(), lse_t.cpu().numpy()), "cupy and torch lse differ"
     _check_ref(o_t, lse.get(), q_t, kv_tok, dtype, "cupy (bitwise the torch o)")
 
@@ -150,7 +136,7 @@ def test_cupy_inputs(kind, dtype, index_fw):
     r_o, r_lse = w.run(q, *kv, out=out, lse=lse_buf, return_lse=True)
     cupy.cuda.get_current_stream().synchronize()
     assert r_o is out and r_lse is lse_buf
-    assert np.array_equal(out.view(cupy.uint16).get(), _bits(o_t))
+    assert np.array_equal(out.view(cupy.uint16).get(), bits(o_t))
     assert np.array_equal(lse_buf.get(), lse_t.cpu().numpy())
 
 
@@ -161,12 +147,12 @@ def test_cupy_on_a_non_default_stream():
     w = _wrapper("ragged")
     s = cupy.cuda.Stream(non_blocking=True)
     with s:
-        q = _to_cupy(cupy, q_t, "fp16")
-        kv = [_to_cupy(cupy, t, "fp16") for t in kv_t]
+        q = to_cupy(cupy, q_t, "fp16")
+        kv = [to_cupy(cupy, t, "fp16") for t in kv_t]
         _plan(w, "ragged", [cupy.asarray(a) for a in arrays], "fp16")
         o, lse = w.run(q, *kv, return_lse=True)
         s.synchronize()
-    assert np.array_equal(o.view(cupy.uint16).get(), _bits(o_t))
+    assert np.array_equal(o.view(cupy.uint16).get(), bits(o_t))
     assert np.array_equal(lse.get(), lse_t.cpu().numpy())
 
 
@@ -183,9 +169,6 @@ def _jax():
     return jax, jnp, gpu
 
 
-def _to_jax(jax, jnp, gpu, t, jdt):
-    raw = jax.device_put(jnp.asarray(_bits(t)), gpu)
-    return jax.lax.bitcast_convert_type(raw, jdt)
 
 
 @pytest.mark.parametrize("index_fw", ["numpy", "jax"])
@@ -195,8 +178,8 @@ def test_jax_inputs(kind, dtype, index_fw):
     jax, jnp, gpu = _jax()
     jdt = jnp.float16 if dtype == "fp16" else jnp.bfloat16
     q_t, kv_t, kv_tok, arrays, o_t, lse_t = _torch_result(kind, dtype)
-    q = _to_jax(jax, jnp, gpu, q_t, jdt)
-    kv = [_to_jax(jax, jnp, gpu, t, jdt) for t in kv_t]
+    q = to_jax(jax, jnp, gpu, q_t, jdt)
+    kv = [to_jax(jax, jnp, gpu, t, jdt) for t in kv_t]
     if index_fw == "jax":
         arrays = [jax.device_put(jnp.asarray(a), gpu) for a in arrays]
     w = _wrapper(kind)
@@ -206,12 +189,12 @@ def test_jax_inputs(kind, dtype, index_fw):
     assert o.dtype == jdt and o.shape == q.shape and lse.dtype == jnp.float32
     assert gpu in o.devices() and gpu in lse.devices()
     o_bits = np.asarray(jax.lax.bitcast_convert_type(o, jnp.uint16))
-    assert np.array_equal(o_bits, _bits(o_t)), "jax and torch o differ"
+    assert np.array_equal(o_bits, bits(o_t)), "jax and torch o differ"
     assert np.array_equal(np.asarray(lse), lse_t.cpu().numpy()), "jax and torch lse differ"
     _check_ref(o_t, np.asarray(lse), q_t, kv_tok, dtype, "jax")
     # a second run on the same plan (the output buffers are fresh JAX arrays each time)
     o2 = w.run(q, *kv)
-    assert np.array_equal(np.asarray(jax.lax.bitcast_convert_type(o2, jnp.uint16)), _bits(o_t))
+    assert np.array_equal(np.asarray(jax.lax.bitcast_convert_type(o2, jnp.uint16)), bits(o_t))
 
 
 def test_jax_inputs_computed_right_before_the_call():
@@ -219,8 +202,8 @@ def test_jax_inputs_computed_right_before_the_call():
     # after it (a missing wait reads stale or partial data and gives another answer than torch).
     jax, jnp, gpu = _jax()
     q_t, kv_t, kv_tok, arrays, o_t, lse_t = _torch_result("ragged", "bf16")
-    q0 = _to_jax(jax, jnp, gpu, q_t, jnp.bfloat16)
-    k0, v0 = (_to_jax(jax, jnp, gpu, t, jnp.bfloat16) for t in kv_t)
+    q0 = to_jax(jax, jnp, gpu, q_t, jnp.bfloat16)
+    k0, v0 = (to_jax(jax, jnp, gpu, t, jnp.bfloat16) for t in kv_t)
     big = jax.device_put(jnp.ones((4096, 4096), jnp.float32), gpu)
     w = _wrapper("ragged")
     _plan(w, "ragged", arrays, "bf16")
@@ -231,7 +214,7 @@ def test_jax_inputs_computed_right_before_the_call():
         k = (k0.astype(jnp.float32) + z).astype(jnp.bfloat16)
         v = (v0.astype(jnp.float32) + z).astype(jnp.bfloat16)
         o = w.run(q, k, v)
-        assert np.array_equal(np.asarray(jax.lax.bitcast_convert_type(o, jnp.uint16)), _bits(o_t))
+        assert np.array_equal(np.asarray(jax.lax.bitcast_convert_type(o, jnp.uint16)), bits(o_t))
 
 
 def test_jax_fp8_kv():
@@ -244,8 +227,8 @@ def test_jax_fp8_kv():
     _plan(w, "paged", arrays, "fp16", kv_data_type="float8_e4m3fn")
     o_t, lse_t = w.run(q_t, cache8, k_scale=4.0, v_scale=4.0, return_lse=True)
     torch.cuda.synchronize()
-    q = _to_jax(jax, jnp, gpu, q_t, jnp.float16)
-    c = jax.lax.bitcast_convert_type(jax.device_put(jnp.asarray(_bits(cache8)), gpu), jnp.float8_e4m3fn)
+    q = to_jax(jax, jnp, gpu, q_t, jnp.float16)
+    c = jax.lax.bitcast_convert_type(jax.device_put(jnp.asarray(bits(cache8)), gpu), jnp.float8_e4m3fn)
     try:
         exported = _tensor.view(c, "probe").dtype
     except Exception as e:  # noqa: BLE001 - a JAX that cannot export fp8 through DLPack
@@ -253,7 +236,7 @@ def test_jax_fp8_kv():
     if exported is not _dtypes.FLOAT8_E4M3:
         pytest.skip(f"this JAX exports float8_e4m3fn through DLPack as {exported.name}")
     o, lse = w.run(q, c, k_scale=4.0, v_scale=4.0, return_lse=True)
-    assert np.array_equal(np.asarray(jax.lax.bitcast_convert_type(o, jnp.uint16)), _bits(o_t))
+    assert np.array_equal(np.asarray(jax.lax.bitcast_convert_type(o, jnp.uint16)), bits(o_t))
     assert np.array_equal(np.asarray(lse), lse_t.cpu().numpy())
     # and the torch result is right: the reference on the dequantised cache of the same bits
     pages = [-(-n // PS) for n in KV]

@@ -20,6 +20,7 @@ if not torch.cuda.is_available():
 
 import pyflashattn  # noqa: E402
 from pyflashattn.testing import attention_ref, to_numpy_f64  # noqa: E402
+from pyflashattn.testing.frameworks import bits, to_cupy, to_jax  # noqa: E402
 
 O_TOL = {"fp16": dict(atol=1e-3, rtol=1e-3), "bf16": dict(atol=1e-2, rtol=1e-2)}
 LSE_TOL = {"fp16": dict(atol=2e-3, rtol=1e-4), "bf16": dict(atol=1e-2, rtol=1e-4)}
@@ -40,9 +41,6 @@ def _problem(case, dtype):
             for s in ((qo_len, hq, d), kshape, kshape)]
 
 
-def _bits(t):
-    """Raw 16-bit pattern of a torch fp16/bf16 tensor as a host uint16 array."""
-    return t.contiguous().view(torch.int16).cpu().numpy().view(np.uint16)
 
 
 def _check(o, lse, ref, dtype, what):
@@ -75,15 +73,6 @@ def test_torch(case, dtype):
     _check(o, lse, _ref(q, k, v, case), dtype, "torch")
 
 
-def _to_cupy(cupy, t, dtype):
-    bits = _bits(t)
-    if dtype == "fp16":
-        return cupy.asarray(bits.view(np.float16))
-    ml_dtypes = pytest.importorskip("ml_dtypes", reason="CuPy bf16 arrays need ml_dtypes")
-    try:
-        return cupy.asarray(bits.view(ml_dtypes.bfloat16))
-    except Exception as e:  # older CuPy without bf16
-        pytest.skip(f"this CuPy has no bfloat16 arrays: {type(e).__name__}: {e}")
 
 
 @pytest.mark.parametrize("dtype", ["fp16", "bf16"])
@@ -91,7 +80,7 @@ def _to_cupy(cupy, t, dtype):
 def test_cupy(case, dtype):
     cupy = pytest.importorskip("cupy")
     qt, kt, vt = _problem(case, dtype)
-    q, k, v = (_to_cupy(cupy, t, dtype) for t in (qt, kt, vt))
+    q, k, v = (to_cupy(cupy, t, dtype) for t in (qt, kt, vt))
     o, lse = pyflashattn.single_prefill_with_kv_cache_return_lse(
         q, k, v, causal=case[5], kv_layout=case[6])
     cupy.cuda.get_current_stream().synchronize()
@@ -100,7 +89,7 @@ def test_cupy(case, dtype):
     ref = _ref(qt, kt, vt, case)
     _check(o, lse, ref, dtype, "cupy")
     o_t, lse_t = _torch_result(qt, kt, vt, case)
-    assert np.array_equal(o.view(cupy.uint16).get(), _bits(o_t)), "cupy and torch o differ"
+    assert np.array_equal(o.view(cupy.uint16).get(), bits(o_t)), "cupy and torch o differ"
     assert np.array_equal(lse.get(), lse_t.cpu().numpy()), "cupy and torch lse differ"
 
     # out=/lse= with CuPy buffers, poisoned first
@@ -111,7 +100,7 @@ def test_cupy(case, dtype):
         q, k, v, causal=case[5], kv_layout=case[6], out=out, lse=lse_buf, return_lse=True)
     cupy.cuda.get_current_stream().synchronize()
     assert r_o is out and r_lse is lse_buf
-    assert np.array_equal(out.view(cupy.uint16).get(), _bits(o_t))
+    assert np.array_equal(out.view(cupy.uint16).get(), bits(o_t))
     assert np.array_equal(lse_buf.get(), lse_t.cpu().numpy())
 
 
@@ -127,11 +116,7 @@ def test_jax(case, dtype):
     qt, kt, vt = _problem(case, dtype)
     jdt = jnp.float16 if dtype == "fp16" else jnp.bfloat16
 
-    def to_jax(t):
-        raw = jax.device_put(jnp.asarray(_bits(t)), gpu)
-        return jax.lax.bitcast_convert_type(raw, jdt)
-
-    q, k, v = (to_jax(t) for t in (qt, kt, vt))
+    q, k, v = (to_jax(jax, jnp, gpu, t, jdt) for t in (qt, kt, vt))
     o, lse = pyflashattn.single_prefill_with_kv_cache_return_lse(
         q, k, v, causal=case[5], kv_layout=case[6])
     assert isinstance(o, jax.Array) and isinstance(lse, jax.Array)
@@ -141,5 +126,5 @@ def test_jax(case, dtype):
     _check(o, lse, ref, dtype, "jax")
     o_t, lse_t = _torch_result(qt, kt, vt, case)
     o_bits = np.asarray(jax.lax.bitcast_convert_type(o, jnp.uint16))
-    assert np.array_equal(o_bits, _bits(o_t)), "jax and torch o differ"
+    assert np.array_equal(o_bits, bits(o_t)), "jax and torch o differ"
     assert np.array_equal(np.asarray(lse), lse_t.cpu().numpy()), "jax and torch lse differ"

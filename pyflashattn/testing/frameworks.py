@@ -1,0 +1,38 @@
+"""Moving test tensors between frameworks bit for bit (torch -> host bits -> CuPy / JAX), so
+interop tests compare results across frameworks exactly. torch/CuPy/JAX come in as arguments:
+importing this module imports none of them."""
+from __future__ import annotations
+
+import numpy as np
+
+__all__ = ["bits", "to_cupy", "to_jax"]
+
+
+def bits(t) -> np.ndarray:
+    """Raw bits of a torch tensor as a host numpy array (uint16 for 16-bit, uint8 for fp8)."""
+    import torch
+
+    t = t.contiguous()
+    if t.element_size() == 2:
+        return t.view(torch.int16).cpu().numpy().view(np.uint16)
+    return t.view(torch.uint8).cpu().numpy()
+
+
+def to_cupy(cupy, t, dtype: str):
+    """The same bits as a CuPy array of dtype "fp16" or "bf16" (bf16 needs ml_dtypes; skips the
+    calling test when this CuPy or environment cannot hold bf16)."""
+    import pytest
+
+    b = bits(t)
+    if dtype == "fp16":
+        return cupy.asarray(b.view(np.float16))
+    ml_dtypes = pytest.importorskip("ml_dtypes", reason="CuPy bf16 arrays need ml_dtypes")
+    try:
+        return cupy.asarray(b.view(ml_dtypes.bfloat16))
+    except Exception as e:  # older CuPy without bf16
+        pytest.skip(f"this CuPy has no bfloat16 arrays: {type(e).__name__}: {e}")
+
+
+def to_jax(jax, jnp, gpu, t, jdt):
+    """The same bits as a JAX array of dtype jdt on device gpu."""
+    return jax.lax.bitcast_convert_type(jax.device_put(jnp.asarray(bits(t)), gpu), jdt)
