@@ -903,8 +903,6 @@ def _bench():  # pragma: no cover - prints timings, asserts nothing
           f"-> Python side {t_run - t_launch:.2f} us")
 
 
-if __name__ == "__main__":  # pragma: no cover
-    _bench()
 
 
 # ---------------------------------------------------------------------------------------------
@@ -930,3 +928,7 @@ def test_plan_does_not_wait_while_the_gpu_lags_and_reuses_finished_buffers(fake)
     for _ in range(3):
         plan_ragged(w)
     assert len(st.pinned) == st.MAX_PINNED and {e[0] for e in st.pinned} == hosts
+
+
+if __name__ == "__main__":  # pragma: no cover
+    _bench()
