@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import numpy as np
 
-__all__ = ["bits", "to_cupy", "to_jax"]
+__all__ = ["bits", "to_cupy", "to_jax", "jax_gpu", "capture_torch_graph"]
 
 
 def bits(t) -> np.ndarray:
@@ -31,6 +31,36 @@ def to_cupy(cupy, t, dtype: str):
         return cupy.asarray(b.view(ml_dtypes.bfloat16))
     except Exception as e:  # older CuPy without bf16
         pytest.skip(f"this CuPy has no bfloat16 arrays: {type(e).__name__}: {e}")
+
+
+def jax_gpu():
+    """(jax, jax.numpy, the first JAX GPU device); skips the calling test without JAX or its GPU."""
+    import pytest
+
+    jax = pytest.importorskip("jax")
+    jnp = pytest.importorskip("jax.numpy")
+    try:
+        return jax, jnp, jax.devices("gpu")[0]
+    except RuntimeError:
+        pytest.skip("JAX sees no GPU")
+
+
+def capture_torch_graph(fn):
+    """fn() once on a side stream (warm-up: the first run after a plan orders itself after the
+    plan's copy), then captured into a torch CUDA graph, which is returned."""
+    import torch
+
+    s = torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(s):
+        fn()
+    torch.cuda.current_stream().wait_stream(s)
+    torch.cuda.synchronize()
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        fn()
+    torch.cuda.synchronize()
+    return g
 
 
 def to_jax(jax, jnp, gpu, t, jdt):

@@ -26,6 +26,7 @@ if not torch.cuda.is_available():
 import pyflashattn  # noqa: E402
 from pyflashattn.quantization import segment_packbits  # noqa: E402
 from pyflashattn.testing import attention_ref, to_numpy_f64  # noqa: E402
+from pyflashattn.testing.frameworks import capture_torch_graph as _capture  # noqa: E402
 from pyflashattn.testing.checks import assert_close  # noqa: E402
 
 DEV = "cuda"
@@ -89,18 +90,6 @@ def _check(q, k, v, qo, kv, masks, out, lse, dt, what):
         assert_close(lse_np[qi[i]:qi[i + 1]], lse_ref, what=f"{what} req {i} lse", **LSE_TOL[dt])
 
 
-def _capture(fn):
-    s = torch.cuda.Stream()
-    s.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(s):
-        fn()  # warm-up outside capture (the first run after a plan orders after its copy)
-    torch.cuda.current_stream().wait_stream(s)
-    torch.cuda.synchronize()
-    g = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(g):
-        fn()
-    torch.cuda.synchronize()
-    return g
 
 
 class _Paged:

@@ -23,7 +23,7 @@ if not torch.cuda.is_available():
 import pyflashattn  # noqa: E402
 from pyflashattn import _dtypes, _tensor  # noqa: E402
 from pyflashattn.testing import attention_ref, to_numpy_f64  # noqa: E402
-from pyflashattn.testing.frameworks import bits, to_cupy, to_jax  # noqa: E402
+from pyflashattn.testing.frameworks import bits, jax_gpu, to_cupy, to_jax  # noqa: E402
 from pyflashattn.testing.checks import assert_close  # noqa: E402
 
 DEV = "cuda"
@@ -159,23 +159,13 @@ def test_cupy_on_a_non_default_stream():
 # ---------------------------------------------------------------------------------------
 # JAX
 # ---------------------------------------------------------------------------------------
-def _jax():
-    jax = pytest.importorskip("jax")
-    jnp = pytest.importorskip("jax.numpy")
-    try:
-        gpu = jax.devices("gpu")[0]
-    except RuntimeError:
-        pytest.skip("JAX sees no GPU")
-    return jax, jnp, gpu
-
-
 
 
 @pytest.mark.parametrize("index_fw", ["numpy", "jax"])
 @pytest.mark.parametrize("dtype", ["fp16", "bf16"])
 @pytest.mark.parametrize("kind", ["ragged", "paged"])
 def test_jax_inputs(kind, dtype, index_fw):
-    jax, jnp, gpu = _jax()
+    jax, jnp, gpu = jax_gpu()
     jdt = jnp.float16 if dtype == "fp16" else jnp.bfloat16
     q_t, kv_t, kv_tok, arrays, o_t, lse_t = _torch_result(kind, dtype)
     q = to_jax(jax, jnp, gpu, q_t, jdt)
@@ -200,7 +190,7 @@ def test_jax_inputs(kind, dtype, index_fw):
 def test_jax_inputs_computed_right_before_the_call():
     # Inputs produced by a JAX computation still in flight: the handshake must order the kernel
     # after it (a missing wait reads stale or partial data and gives another answer than torch).
-    jax, jnp, gpu = _jax()
+    jax, jnp, gpu = jax_gpu()
     q_t, kv_t, kv_tok, arrays, o_t, lse_t = _torch_result("ragged", "bf16")
     q0 = to_jax(jax, jnp, gpu, q_t, jnp.bfloat16)
     k0, v0 = (to_jax(jax, jnp, gpu, t, jnp.bfloat16) for t in kv_t)
@@ -218,7 +208,7 @@ def test_jax_inputs_computed_right_before_the_call():
 
 
 def test_jax_fp8_kv():
-    jax, jnp, gpu = _jax()
+    jax, jnp, gpu = jax_gpu()
     if not hasattr(jnp, "float8_e4m3fn") or not hasattr(torch, "float8_e4m3fn"):
         pytest.skip("no float8_e4m3fn in this JAX / torch")
     q_t, kv_t, kv_tok, arrays = _problem("paged", "fp16")

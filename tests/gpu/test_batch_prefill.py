@@ -38,6 +38,7 @@ if not torch.cuda.is_available():
 
 import pyflashattn  # noqa: E402  (after the GPU probe: the CPU box must skip, not error)
 from pyflashattn.testing import attention_ref, to_numpy_f64  # noqa: E402
+from pyflashattn.testing.frameworks import capture_torch_graph as _capture  # noqa: E402
 from pyflashattn.testing.checks import assert_close  # noqa: E402
 
 DEV = "cuda"
@@ -849,18 +850,6 @@ def test_workspace_too_small_names_the_size(kind):
 # ---------------------------------------------------------------------------------------
 # CUDA graphs: capture run() once, re-plan with other lengths (within capacity), replay
 # ---------------------------------------------------------------------------------------
-def _capture(fn):
-    s = torch.cuda.Stream()
-    s.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(s):
-        fn()  # warm-up outside capture (first run after a plan orders after its copy)
-    torch.cuda.current_stream().wait_stream(s)
-    torch.cuda.synchronize()
-    g = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(g):
-        fn()
-    torch.cuda.synchronize()
-    return g
 
 
 def _graph_rounds():

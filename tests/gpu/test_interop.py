@@ -20,7 +20,7 @@ if not torch.cuda.is_available():
 
 import pyflashattn  # noqa: E402
 from pyflashattn.testing import attention_ref, to_numpy_f64  # noqa: E402
-from pyflashattn.testing.frameworks import bits, to_cupy, to_jax  # noqa: E402
+from pyflashattn.testing.frameworks import bits, jax_gpu, to_cupy, to_jax  # noqa: E402
 
 O_TOL = {"fp16": dict(atol=1e-3, rtol=1e-3), "bf16": dict(atol=1e-2, rtol=1e-2)}
 LSE_TOL = {"fp16": dict(atol=2e-3, rtol=1e-4), "bf16": dict(atol=1e-2, rtol=1e-4)}
@@ -107,12 +107,7 @@ def test_cupy(case, dtype):
 @pytest.mark.parametrize("dtype", ["fp16", "bf16"])
 @pytest.mark.parametrize("case", CASES, ids=lambda c: "q{}-kv{}-h{}_{}-d{}-{}-{}".format(*c))
 def test_jax(case, dtype):
-    jax = pytest.importorskip("jax")
-    jnp = pytest.importorskip("jax.numpy")
-    try:
-        gpu = jax.devices("gpu")[0]
-    except RuntimeError:
-        pytest.skip("JAX sees no GPU")
+    jax, jnp, gpu = jax_gpu()
     qt, kt, vt = _problem(case, dtype)
     jdt = jnp.float16 if dtype == "fp16" else jnp.bfloat16
 
