@@ -21,11 +21,11 @@ from types import SimpleNamespace
 import numpy as np
 import pytest
 
+from pyflashattn.testing.gpu import require_cuda_torch
+
 pytestmark = pytest.mark.gpu
 
-torch = pytest.importorskip("torch")
-if not torch.cuda.is_available():
-    pytest.skip("no CUDA GPU visible", allow_module_level=True)
+torch = require_cuda_torch()
 if not hasattr(torch, "float8_e4m3fn"):
     pytest.skip("this torch has no float8 dtypes", allow_module_level=True)
 

@@ -8,9 +8,10 @@ import pytest
 
 import pyflashattn
 from pyflashattn.quantization import segment_packbits
+from pyflashattn.testing.gpu import require_cuda_torch
 from pyflashattn.testing.reference import attention_ref
 
-torch = pytest.importorskip("torch")
+torch = require_cuda_torch()
 pytestmark = pytest.mark.gpu
 
 

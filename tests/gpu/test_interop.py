@@ -12,11 +12,11 @@ import zlib
 import numpy as np
 import pytest
 
+from pyflashattn.testing.gpu import require_cuda_torch
+
 pytestmark = pytest.mark.gpu
 
-torch = pytest.importorskip("torch")
-if not torch.cuda.is_available():
-    pytest.skip("no CUDA GPU visible", allow_module_level=True)
+torch = require_cuda_torch()
 
 import pyflashattn  # noqa: E402
 from pyflashattn.testing import attention_ref, to_numpy_f64  # noqa: E402

@@ -32,11 +32,11 @@ from types import SimpleNamespace
 import numpy as np
 import pytest
 
+from pyflashattn.testing.gpu import require_cuda_torch
+
 pytestmark = pytest.mark.gpu
 
-torch = pytest.importorskip("torch")
-if not torch.cuda.is_available():
-    pytest.skip("no CUDA GPU visible", allow_module_level=True)
+torch = require_cuda_torch()
 
 import pyflashattn  # noqa: E402  (after the GPU probe: the CPU box must skip, not error)
 from pyflashattn.testing import alibi_slopes, attention_ref, to_numpy, to_numpy_f64  # noqa: E402

@@ -6,11 +6,11 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
+from pyflashattn.testing.gpu import require_cuda_torch
+
 pytestmark = pytest.mark.gpu
 
-torch = pytest.importorskip("torch")
-if not torch.cuda.is_available():
-    pytest.skip("no CUDA GPU visible", allow_module_level=True)
+torch = require_cuda_torch()
 
 from pyflashattn import _tensor  # noqa: E402
 from pyflashattn.quantization import pack_mask_into, packbits, segment_packbits  # noqa: E402
