@@ -61,6 +61,15 @@ def _ints(text: str) -> tuple[int, ...]:
     return vals
 
 
+def _pfa_version() -> str | None:
+    """pyflashattn's version for the JSON metadata; None when it does not import."""
+    try:
+        import pyflashattn
+    except Exception:
+        return None
+    return getattr(pyflashattn, "__version__", "unknown")
+
+
 def _tflops(flops: float, ms: float | None) -> float | None:
     return None if not ms else flops / (ms * 1e-3) / 1e12
 
@@ -279,12 +288,7 @@ def run_prefill(args) -> int:
         "warmup": args.warmup, "rep": args.rep, "l2_flush": True, "rel_tol": REL_TOL,
         "time": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
     }
-    try:
-        import pyflashattn
-
-        meta["pyflashattn"] = getattr(pyflashattn, "__version__", "unknown")
-    except Exception:
-        meta["pyflashattn"] = None
+    meta["pyflashattn"] = _pfa_version()
     print(f"# {meta['device']} ({meta['sm_count']} SMs), torch {meta['torch']}, "
           f"cuDNN {meta['cudnn']}, {args.dtype}", flush=True)
     if ctx.pfa_error:
@@ -552,12 +556,7 @@ def run_prefill_features(args) -> int:
             "features": FEATURES, "window_left": FEATURE_WINDOW_LEFT, "logits_soft_cap": FEATURE_SOFT_CAP,
             "q_std": FEATURE_Q_STD, "warmup": args.warmup, "rep": args.rep, "l2_flush": True,
             "rel_tol": REL_TOL, "min_effect": FEATURE_MIN_EFFECT, "time": time.strftime("%Y-%m-%dT%H:%M:%S%z")}
-    try:
-        import pyflashattn
-
-        meta["pyflashattn"] = getattr(pyflashattn, "__version__", "unknown")
-    except Exception:
-        meta["pyflashattn"] = None
+    meta["pyflashattn"] = _pfa_version()
     print(f"# {meta['device']} ({meta['sm_count']} SMs), torch {meta['torch']}, bf16, "
           f"head_dim {FEATURE_HEAD_DIM}", flush=True)
     if ctx.pfa_error:

@@ -25,7 +25,8 @@ import pytest
 import pyflashattn
 from pyflashattn import _cuda, _dtypes, _registry, _tensor
 from pyflashattn._params_gen import MergeParams, PackbitsParams, PrefillParams
-from pyflashattn.testing.fake_tensors import FakeProducer
+from pyflashattn.testing.fake_tensors import FakeProducer, fake_cuda_tensor
+from pyflashattn.testing.fake_tensors import compact_strides as _compact
 
 Paged = pyflashattn.BatchPrefillWithPagedKVCacheWrapper
 Ragged = pyflashattn.BatchPrefillWithRaggedKVCacheWrapper
@@ -227,23 +228,13 @@ class FakeEnv:
         return [x for x in self.cu.launches if x[0].startswith("prefill")]
 
 
-def _compact(shape):
-    out, acc = [], 1
-    for n in reversed(shape):
-        out.insert(0, acc)
-        acc *= n
-    return tuple(out)
-
-
 @pytest.fixture
 def fake(monkeypatch):
     return FakeEnv(monkeypatch)
 
 
 def T(shape, dtype=F16, strides=None, data=0x100000):
-    """A fake CUDA tensor at an arbitrary address (never dereferenced: pointers only)."""
-    return FakeProducer(shape=tuple(shape), strides=tuple(strides or _compact(shape)), dtype=dtype, data=data,
-                        device=(2, 0))
+    return fake_cuda_tensor(shape, dtype, strides, data=data)
 
 
 def i32(*xs):

@@ -11,7 +11,7 @@ import pytest
 
 import pyflashattn
 from pyflashattn import _cuda, _dtypes
-from pyflashattn.testing.fake_tensors import FakeProducer
+from pyflashattn.testing.fake_tensors import fake_cuda_tensor
 
 Paged = pyflashattn.BatchPrefillWithPagedKVCacheWrapper
 Ragged = pyflashattn.BatchPrefillWithRaggedKVCacheWrapper
@@ -33,12 +33,7 @@ def no_driver(monkeypatch):
 
 
 def T(shape, dtype=F16, strides=None, device=(2, 0), data=0x100000):
-    if strides is None:
-        strides, acc = [], 1
-        for n in reversed(shape):
-            strides.insert(0, acc)
-            acc *= n
-    return FakeProducer(shape=tuple(shape), strides=tuple(strides), dtype=dtype, data=data, device=device)
+    return fake_cuda_tensor(shape, dtype, strides, device, data)
 
 
 def WS(nbytes=128 << 20, **kw):

@@ -4,7 +4,7 @@ import pytest
 
 import pyflashattn
 from pyflashattn import _cuda, _dtypes
-from pyflashattn.testing.fake_tensors import FakeProducer
+from pyflashattn.testing.fake_tensors import fake_cuda_tensor
 
 F16, BF16 = _dtypes.FLOAT16, _dtypes.BFLOAT16
 
@@ -22,12 +22,7 @@ def no_driver(monkeypatch):
 
 
 def T(shape, dtype=F16, strides=None, device=(2, 0), data=0x10000):
-    if strides is None:
-        strides, acc = [], 1
-        for n in reversed(shape):
-            strides.insert(0, acc)
-            acc *= n
-    return FakeProducer(shape=tuple(shape), strides=tuple(strides), dtype=dtype, data=data, device=device)
+    return fake_cuda_tensor(shape, dtype, strides, device, data)
 
 
 def qkv(qo=16, kv=32, hq=8, hkv=2, d=128, dtype=F16, layout="NHD"):

@@ -58,3 +58,19 @@ class FakeProducer:
         return c.capsule
 
 
+
+
+def compact_strides(shape) -> tuple:
+    """Row-major (C-contiguous) strides of `shape`, in elements."""
+    out, acc = [], 1
+    for n in reversed(shape):
+        out.insert(0, acc)
+        acc *= n
+    return tuple(out)
+
+
+def fake_cuda_tensor(shape, dtype, strides=None, device=(2, 0), data=0x100000) -> FakeProducer:
+    """A fake CUDA tensor at an arbitrary address (never dereferenced: pointers only);
+    contiguous unless strides are given."""
+    strides = compact_strides(shape) if strides is None else strides
+    return FakeProducer(shape=tuple(shape), strides=tuple(strides), dtype=dtype, data=data, device=device)
