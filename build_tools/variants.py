@@ -58,8 +58,9 @@ class PrefillVariant:
 
     @property
     def smem_bytes(self):
-        # Q + the K/V stages (PrefillSm80::KV_SMEM_BYTES); fp8 K/V: the one-byte ring plus one
-        # widened K/V pair; + the paged kernels' page-id staging (MAX_PAGE_IDS int32 entries).
+        # PrefillSm80::SMEM_BYTES (the generated source static_asserts the two agree): Q + the K/V
+        # stages; fp8 K/V: the one-byte ring plus one widened K/V pair; + the paged kernels'
+        # page-id staging (MAX_PAGE_IDS int32 entries).
         kv_tile = self.block_n * self.head_dim
         kv = 2 * self.stages * kv_tile * 2 if not self.kv_dtype else 2 * self.stages * kv_tile + 2 * kv_tile * 2
         return self.block_m * self.head_dim * 2 + kv + (2048 * 4 if self.paged else 0)
@@ -70,7 +71,7 @@ class PrefillVariant:
                 f"{KV_STORAGE[self.kv_dtype] if self.kv_dtype else DTYPES[self.dtype]}, {self.head_dim}, {self.warps}, "
                 f"{self.mq}, {self.block_n}, {'true' if self.q_in_regs else 'false'}, {self.stages}, {self.min_blocks}, "
                 f"{'true' if self.general else 'false'}, {'true' if self.paged else 'false'}, "
-                f"{'true' if self.lazy_rescale else 'false'})\n")
+                f"{'true' if self.lazy_rescale else 'false'}, {self.smem_bytes})\n")
 
     def manifest(self):
         return {"family": "prefill", "dtype": self.dtype, "kv_dtype": self.kv, "head_dim": self.head_dim,

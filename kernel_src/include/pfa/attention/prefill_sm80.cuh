@@ -676,9 +676,13 @@ struct PrefillSm80 {
 }  // namespace pfa
 
 // One extern "C" entry per variant: a stable name for the manifest and cuLibraryGetKernel.
-#define PFA_DEFINE_PREFILL_SM80(NAME, T, KV, HD, NW, MQ, BN, QREGS, STAGES, MINB, GENERAL, PAGED, LAZY) \
-  extern "C" __global__ void __launch_bounds__(NW * 32, MINB)                                     \
-      NAME(const __grid_constant__ pfa::PrefillParams p) {                                         \
-    extern __shared__ __align__(128) char smem[];                                                  \
-    pfa::PrefillSm80<T, KV, HD, NW, MQ, BN, QREGS, STAGES, GENERAL, PAGED, LAZY>::run(p, smem);    \
+// SMEM is the dynamic shared memory the host launches with (variants.py's smem_bytes): checked
+// against the kernel's own layout at compile time, so the two can never drift apart.
+#define PFA_DEFINE_PREFILL_SM80(NAME, T, KV, HD, NW, MQ, BN, QREGS, STAGES, MINB, GENERAL, PAGED, LAZY, SMEM) \
+  static_assert(pfa::PrefillSm80<T, KV, HD, NW, MQ, BN, QREGS, STAGES, GENERAL, PAGED, LAZY>::SMEM_BYTES == (SMEM), \
+                #NAME ": variants.py smem_bytes differs from the kernel's shared-memory layout");             \
+  extern "C" __global__ void __launch_bounds__(NW * 32, MINB)                                                \
+      NAME(const __grid_constant__ pfa::PrefillParams p) {                                                    \
+    extern __shared__ __align__(128) char smem[];                                                             \
+    pfa::PrefillSm80<T, KV, HD, NW, MQ, BN, QREGS, STAGES, GENERAL, PAGED, LAZY>::run(p, smem);               \
   }
