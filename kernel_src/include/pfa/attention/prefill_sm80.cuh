@@ -37,6 +37,9 @@ struct PrefillSm80 {
   // tile load waits on a dependent global read of the page table (falls back beyond this).
   static constexpr int MAX_PAGE_IDS = 2048;
   static constexpr bool KV_FP8 = sizeof(KV) == 1;
+  // Lazy rescale: how far (log2 units) the running max may lag the true one; P <= 2^8 = 256
+  // fits fp16/bf16 and fp32 sums with room to spare.
+  static constexpr float RESCALE_SLACK = 8.f;
   static_assert(sizeof(KV) == sizeof(T) || KV_FP8, "K/V are in the query dtype or one-byte fp8");
   static constexpr int KV_CPR = HEAD_DIM * (int)sizeof(KV) / 16;  // 16-byte chunks per K/V row
   static constexpr int KV_EPC = 16 / (int)sizeof(KV);              // K/V elements per chunk
@@ -518,7 +521,14 @@ struct PrefillSm80 {
           for (int nt = 0; nt < NTILES; ++nt) mx = fmaxf(mx, fmaxf(s[mt][nt][2 * hf], s[mt][nt][2 * hf + 1]));
           mx = fmaxf(mx, __shfl_xor_sync(0xffffffff, mx, 1));
           mx = fmaxf(mx, __shfl_xor_sync(0xffffffff, mx, 2));
-          const float m_new = fmaxf(m[mt][hf], mx * scale_eff);
+          float m_new = fmaxf(m[mt][hf], mx * scale_eff);
+          // LAZY_RESCALE also keeps a stale row max until the true one exceeds it by more than
+          // RESCALE_SLACK (log2 units): P = exp2(s - m) then stays <= 2^RESCALE_SLACK, and the
+          // result is exact all the same, since l is summed against the same max and O / l
+          // cancels it. A row's max rarely jumps that far after its first tile, so most tiles
+          // skip the O rescale even on short rows (~10-20 tiles), where a strict max still moves
+          // on most tiles. (-inf - -inf is NaN: a row that saw only masked keys keeps -inf.)
+          if (LAZY_RESCALE && m_new - m[mt][hf] <= RESCALE_SLACK) m_new = m[mt][hf];
           // A row that has seen only masked keys keeps m = -inf; use 0 so exp2 gives 0, not NaN.
           const float m_use = m_new == -INFINITY ? 0.f : m_new;
           corr[mt][hf] = ptx::exp2_approx(m[mt][hf] - m_use);  // exactly 1 when the max held
