@@ -29,6 +29,8 @@ from . import _cuda, _dtypes, _options, _plan, _registry, _tensor
 from .prefill import HEAD_DIMS, LOG2E, _MERGE_ROWS_PER_BLOCK, _alibi_buffer
 
 _I32_MAX = 2**31 - 1
+# numpy's descriptors: `is` tests them, and numpy takes them faster than the scalar types
+_INT32, _INT64, _UINT32 = np.dtype(np.int32), np.dtype(np.int64), np.dtype(np.uint32)
 _MASK_MIN_BYTES = 64 << 10  # smallest library-owned packed-mask buffer
 _PACK_THREADS, _PACK_MAX_SEGMENTS = 256, 65535  # the packbits kernel: bytes per CTA, grid.y limit
 
@@ -37,7 +39,7 @@ def _host_int(x, name):
     """A host int32 numpy copy of an index array (numpy, list, or a device tensor: a sync)."""
     if x is None:
         raise ValueError(f"{name} is required")
-    if type(x) is np.ndarray and x.dtype == np.int32 and x.ndim == 1:
+    if type(x) is np.ndarray and x.dtype is _INT32 and x.ndim == 1:
         return x  # the common case, kept cheap: plan() is on the serving loop's critical path
     if isinstance(x, np.ndarray):
         a = x
@@ -60,6 +62,15 @@ def _host_int(x, name):
     if a.size and (a.min() < np.iinfo(np.int32).min or a.max() > np.iinfo(np.int32).max):
         raise ValueError(f"{name} has values outside int32")
     return a.astype(np.int32, copy=False)
+
+
+def _lengths(indptr):
+    """(lengths as int64, their maximum as uint64): a negative length, i.e. an indptr that
+    decreases, gives a maximum >= 2**63 (int64: the differences of int32 entries never wrap;
+    a conversion first is cheaper than a mixed-type subtraction)."""
+    a = indptr.astype(_INT64)
+    lens = a[1:] - a[:-1]
+    return lens, _plan.unsigned_max(lens)
 
 
 def _device_to_host(x, v, name):
@@ -132,8 +143,8 @@ class _Staging:
     MAX_PINNED): plan() never waits for the GPU to drain the stream its copy was queued on. The
     device buffer is one: copies and the runs that read it are ordered on the stream. Without a
     layout the arrays go back to back (the kernels read them as int32, 4-byte alignment is all
-    they need) with one numpy concatenate; with fixed=True (CUDA graphs) every array has its own
-    fixed room, so the device addresses captured launches point at never move.
+    they need); with fixed=True (CUDA graphs) every array has its own fixed room, so the device
+    addresses captured launches point at never move.
     """
 
     MAX_PINNED = 4
@@ -185,37 +196,33 @@ class _Staging:
         self.next = (self.next + 1) % len(self.pinned)
         return entry
 
-    def upload(self, arrays: dict, stream: int, layout: dict | None = None) -> dict:
-        """Copy int32 arrays to the device in one async copy; returns name -> device address.
-        layout: name -> fixed byte offset (+ "__end__"), else back to back."""
-        if layout is None:
-            offs, n = {}, 0
-            for name, a in arrays.items():
-                offs[name] = n
-                n += a.size
-            self.reserve(4 * n)
-            entry = self._pinned_buffer()
-            if n:
-                np.concatenate(tuple(arrays.values()), out=entry[1][:n])
-            total, base = 4 * n, self.device
-            ptrs = {name: base + 4 * o for name, o in offs.items()}
-        else:
-            total = layout["__end__"]
-            self.reserve(total)
-            entry = self._pinned_buffer()
-            host32, base = entry[1], self.device
-            ptrs = {}
-            for name, a in arrays.items():
-                o = layout[name]
-                host32[o // 4:o // 4 + a.size] = a
-                ptrs[name] = base + o
+    def upload(self, arrays, stream: int, offsets=None, nbytes: int = 0) -> list:
+        """Copy int32 arrays (an int stands for a one-element array) to the device in one async
+        copy, written straight into a pinned buffer; returns each one's device address.
+        offsets: each one's fixed int32 offset and nbytes the bytes to copy (the CUDA-graph
+        layout), else back to back."""
+        if offsets is None:
+            offsets, n = [], 0
+            for a in arrays:
+                offsets.append(n)
+                n += 1 if type(a) is int else a.size
+            nbytes = 4 * n
+        self.reserve(nbytes)
+        entry = self._pinned_buffer()
+        host32 = entry[1]
+        for a, o in zip(arrays, offsets):
+            if type(a) is int:
+                host32[o] = a
+            else:
+                host32[o:o + a.size] = a
         cu = _cuda.driver()
-        if total:
-            _cuda.check(cu.cuMemcpyHtoDAsync(self.device, entry[0], total, stream), "cuMemcpyHtoDAsync")
+        if nbytes:
+            _cuda.check(cu.cuMemcpyHtoDAsync(self.device, entry[0], nbytes, stream), "cuMemcpyHtoDAsync")
         if entry[2] is None:
             entry[2] = _cuda.check(cu.cuEventCreate(cu.CUevent_flags.CU_EVENT_DISABLE_TIMING), "cuEventCreate")
         _cuda.check(cu.cuEventRecord(entry[2], stream), "cuEventRecord")
-        return ptrs
+        base = self.device
+        return [base + 4 * o for o in offsets]
 
 
 class _MaskPlan:
@@ -304,18 +311,27 @@ class _BatchPrefillBase:
         return self._ws_need
 
     # ---- plan --------------------------------------------------------------------------
-    def _plan_common(self, qo_indptr, qo_lens, kv_lens, kv_arrays: dict, state: dict, num_qo_heads, num_kv_heads,
-                     head_dim, custom_mask, packed_custom_mask, causal, pos_encoding_mode, allow_fp16_qk_reduction,
-                     sm_scale, window_left, logits_soft_cap, rope_scale, rope_theta, q_data_type, kv_data_type,
-                     fixed_split_size, disable_split_kv, page_size, lse_base, stream):
-        """Everything after the wrapper-specific index checks. `state` holds the wrapper fields
+    # The plan's arrays as the kernels name them; the wrapper's index arrays follow (_KV_ARRAYS).
+    _PLAN_ARRAYS = ("work_request", "work_qtile", "work_chunk", "num_chunks", "o_indptr", "merge_indptr")
+    _KV_ARRAYS: tuple
+
+    def _plan_common(self, qo, qo_lens, kv_lens, max_qo, max_kv, kv_arrays: tuple, state: dict, num_qo_heads,
+                     num_kv_heads, head_dim, custom_mask, packed_custom_mask, causal, pos_encoding_mode,
+                     allow_fp16_qk_reduction, sm_scale, window_left, logits_soft_cap, rope_scale, rope_theta,
+                     q_data_type, kv_data_type, fixed_split_size, disable_split_kv, page_size, lse_base, stream):
+        """Everything after the wrapper-specific index checks: qo = the host int32 qo_indptr,
+        qo_lens / kv_lens int64, checked >= 0, with their maxima max_qo / max_kv; kv_arrays = the
+        int32 index arrays the kernel reads, in _KV_ARRAYS order. `state` holds the wrapper fields
         the plan sets (page size, ...): they are committed only when the whole plan succeeded,
         so a refused plan leaves the previous one usable."""
         opts = _options.resolve(pos_encoding_mode, allow_fp16_qk_reduction, logits_soft_cap, rope_scale, rope_theta,
                                 lse_base)
-        for name, val in (("num_qo_heads", num_qo_heads), ("num_kv_heads", num_kv_heads), ("head_dim", head_dim)):
-            if not isinstance(val, (int, np.integer)) or val <= 0:
-                raise ValueError(f"{name} must be a positive int, got {val!r}")
+        if not (type(num_qo_heads) is int and type(num_kv_heads) is int and type(head_dim) is int
+                and num_qo_heads > 0 and num_kv_heads > 0 and head_dim > 0):  # else: which one, precisely
+            for name, val in (("num_qo_heads", num_qo_heads), ("num_kv_heads", num_kv_heads),
+                              ("head_dim", head_dim)):
+                if not isinstance(val, (int, np.integer)) or val <= 0:
+                    raise ValueError(f"{name} must be a positive int, got {val!r}")
         if num_qo_heads % num_kv_heads:
             raise ValueError(f"num_qo_heads ({num_qo_heads}) must be a multiple of num_kv_heads ({num_kv_heads})")
         if head_dim not in HEAD_DIMS:
@@ -323,12 +339,13 @@ class _BatchPrefillBase:
         qdt, kdt, kv_fp8 = _plan_dtypes(q_data_type, kv_data_type)
         window_left = _options.window(window_left)
         sm_scale = _options.softmax_scale(sm_scale, head_dim)
+        fss = None if fixed_split_size is None else _plan._pos_int(fixed_split_size, "fixed_split_size")
         B = qo_lens.size
         mask = None
         if custom_mask is not None or packed_custom_mask is not None:
             mask = self._mask_plan(custom_mask, packed_custom_mask, qo_lens, kv_lens)
             causal = False  # a custom mask replaces causal (FlashInfer)
-        causal = int(bool(causal))
+        causal = 1 if causal else 0
         group = num_qo_heads // num_kv_heads
 
         _cuda.ensure_context(self._dev)
@@ -337,40 +354,45 @@ class _BatchPrefillBase:
         meta = la.meta
         cap = None
         if self._use_cuda_graph:
-            cap = self._graph_capacity(B, int(qo_indptr[-1]))
-        plan = _plan.plan_prefill(qo_indptr, kv_lens, group_size=group, num_kv_heads=num_kv_heads,
-                                  block_m=meta["block_m"], block_n=meta["block_n"],
-                                  num_sms=_cuda.properties(self._dev)["sm_count"],
-                                  ctas_per_sm=2 if meta["threads"] <= 128 else 1, causal=bool(causal),
-                                  window_left=window_left, fixed_split_size=fixed_split_size,
-                                  disable_split_kv=disable_split_kv, graph_capacity=cap)
+            cap = self._graph_capacity(B, int(qo[-1]))
+        num_sms = _cuda.properties(self._dev)["sm_count"]
+        budget = num_sms * (2 if meta["threads"] <= 128 else 1)  # CTAs per wave
+        plan = _plan.schedule_prefill(qo, qo_lens, kv_lens, max_qo, max_kv, group, num_kv_heads, meta["block_m"],
+                                      meta["block_n"], budget, bool(causal), window_left, fss, disable_split_kv, cap)
         # Graph mode keeps the partial-LSE offset fixed across plans (max_partial_rows bound).
         ws_rows = plan.max_partial_rows if cap else plan.num_partial_rows
-        lse_off, need = plan.workspace_layout(num_qo_heads, head_dim, ws_rows)
+        lse_off, need = plan.workspace_layout(num_qo_heads, head_dim, ws_rows) if ws_rows else (0, 0)
         if need > self._ws_bytes:  # checked before any state changes: a refused plan leaves no trace
             raise ValueError(f"float_workspace_buffer holds {self._ws_bytes} bytes but this plan needs "
                              f"{need}; pass a larger buffer (or disable_split_kv=True)")
-        total_q = int(qo_indptr[-1])
+        total_q = plan.total_q
         merge = self._launcher("merge", qdt.short) if plan.split or cap else None
 
-        arrays = plan.int_arrays()  # a fresh dict per plan: extended here
-        if merge is None:
-            # Nothing split: every request has one chunk, so the kernel reads no o_indptr and no
-            # merge runs; merge_indptr (total_q + 1 entries) is the plan's largest array.
-            del arrays["merge_indptr"], arrays["o_indptr"]
-        arrays["qo_indptr"] = qo_indptr
-        arrays.update(kv_arrays)
-        arrays["chunk_size"] = np.array((plan.kv_chunk_size,), np.int32)
+        # What goes to the device, in this order: the plan's arrays, qo_indptr, the wrapper's
+        # index arrays, the chunk size, the mask's offsets.
+        tail = [qo, *kv_arrays, plan.kv_chunk_size]
         if mask is not None:
-            arrays["mask_indptr"] = mask.byte_indptr
+            tail.append(mask.byte_indptr)
             if mask.kind == "bool":
-                arrays["mask_in_indptr"] = mask.elem_indptr
-        layout = None
-        if cap:
+                tail.append(mask.elem_indptr)
+        if cap is None:
+            # Back to back, the plan's arrays in one piece (they are consecutive in plan.buffer).
+            # Nothing merged: every request has one chunk, the kernel reads no o_indptr and no
+            # merge runs, so o_indptr and merge_indptr (total_q + 1 entries, the largest) stay home.
+            buf = plan.buffer
+            staged = [buf if merge is not None else buf[:3 * plan.grid + B], *tail]
+            offsets = nbytes = None
+        else:
             # Rows past this plan's tokens must merge nothing (the merge grid covers the capacity).
-            mi = arrays["merge_indptr"]
-            arrays["merge_indptr"] = np.concatenate([mi, np.full(cap["max_total_q"] + 1 - mi.size, mi[-1], np.int32)])
-            layout = self._graph_layout(arrays, cap)
+            mi = plan.merge_indptr
+            staged = [plan.work_request, plan.work_qtile, plan.work_chunk, plan.num_chunks, plan.o_indptr,
+                      np.concatenate([mi, np.full(cap["max_total_q"] + 1 - mi.size, mi[-1], np.int32)]), *tail]
+            names = (*self._PLAN_ARRAYS, "qo_indptr", *self._KV_ARRAYS, "chunk_size",
+                     "mask_indptr", "mask_in_indptr")
+            layout = self._graph_layout({name: 1 if type(a) is int else a.size for name, a in zip(names, staged)},
+                                        cap)
+            offsets = [layout[name] // 4 for name in names[:len(staged)]]
+            nbytes = layout["__end__"]
             sig = {"num_qo_heads": num_qo_heads, "num_kv_heads": num_kv_heads, "head_dim": head_dim,
                    "q_data_type": qdt.name, "kv_data_type": kdt.name, "page_size": page_size, "causal": causal,
                    "window_left": window_left, "sm_scale": sm_scale, "logits_soft_cap": opts.soft_cap,
@@ -382,18 +404,27 @@ class _BatchPrefillBase:
 
         # ---- nothing below refuses the plan: commit ----
         s = _plan_stream(stream, self._dev)
-        ptrs = self._staging.upload(arrays, s, layout)
+        ptrs = self._staging.upload(staged, s, offsets, nbytes)
         self._plan_stream, self._pending_copy = s, True
-
+        if cap is None:  # the plan's arrays follow each other from where plan.buffer landed
+            wr, rest = ptrs[0], ptrs[1:]
+            wq, wc, nc = wr + 4 * plan.grid, wr + 8 * plan.grid, wr + 12 * plan.grid
+            o_ptr = m_ptr = 0
+            if merge is not None:
+                o_ptr = nc + 4 * B
+                m_ptr = o_ptr + 4 * (B + 1)
+        else:
+            (wr, wq, wc, nc, o_ptr, m_ptr), rest = ptrs[:6], ptrs[6:]
+        # rest: qo_indptr, the wrapper's index arrays, the chunk size, the mask's offsets
+        nkv = len(kv_arrays)
         p = la.params
-        p.work_request, p.work_qtile, p.work_chunk = ptrs["work_request"], ptrs["work_qtile"], ptrs["work_chunk"]
-        p.num_chunks, p.o_indptr = ptrs["num_chunks"], ptrs.get("o_indptr", 0)
-        p.qo_indptr, p.kv_indptr = ptrs["qo_indptr"], ptrs["kv_indptr"]
-        p.kv_page_indices = ptrs.get("kv_page_indices", 0)
-        p.kv_last_page_len = ptrs.get("kv_last_page_len", 0)
-        p.kv_chunk_size_dev = ptrs["chunk_size"]
+        p.work_request, p.work_qtile, p.work_chunk, p.num_chunks, p.o_indptr = wr, wq, wc, nc, o_ptr
+        p.qo_indptr = rest[0]
+        for name, ptr in zip(self._KV_ARRAYS, rest[1:1 + nkv]):
+            setattr(p, name, ptr)
+        p.kv_chunk_size_dev = rest[1 + nkv]
         if mask is not None:
-            p.custom_mask, p.mask_indptr = self._write_mask(mask, ptrs, s)
+            p.custom_mask, p.mask_indptr = self._write_mask(mask, rest[2 + nkv:], s)
         else:
             p.custom_mask = p.mask_indptr = 0
             self._mask_keep = None
@@ -420,7 +451,7 @@ class _BatchPrefillBase:
         if merge is not None:  # a captured graph always holds the merge (a no-op for unsplit rows)
             mp = merge.params
             rows = cap["max_total_q"] if cap else total_q
-            mp.merge_indptr = ptrs["merge_indptr"]
+            mp.merge_indptr = m_ptr
             mp.rows, mp.num_heads, mp.head_dim, mp.num_splits = rows, num_qo_heads, head_dim, 0
             mp.lse_scale = opts.lse_scale
             merge.configure((max(1, -(-rows * num_qo_heads // _MERGE_ROWS_PER_BLOCK)), 1, 1))
@@ -513,7 +544,8 @@ class _BatchPrefillBase:
 
     def _write_mask(self, m: _MaskPlan, ptrs, s):
         """Put the plan's packed mask and byte offsets where the kernel reads them, on the plan
-        stream s (async: a device-to-device copy or the packbits kernel, no sync). Returns the
+        stream s (async: a device-to-device copy or the packbits kernel, no sync). ptrs: the
+        device addresses of m.byte_indptr (and m.elem_indptr for a bool mask). Returns the
         (custom_mask, mask_indptr) addresses."""
         cu = _cuda.driver()
         v = m.view
@@ -549,11 +581,11 @@ class _BatchPrefillBase:
                 if not most:
                     continue
                 p.x, p.y = v.ptr, dst
-                p.in_indptr, p.out_indptr = ptrs["mask_in_indptr"] + 4 * first, ptrs["mask_indptr"] + 4 * first
+                p.in_indptr, p.out_indptr = ptrs[1] + 4 * first, ptrs[0] + 4 * first
                 p.n, p.num_segments, p.little = 0, count, 1
                 la.launch((-(-most // _PACK_THREADS), count, 1), s)
         self._mask_keep = m.obj  # read asynchronously (or in place): alive as long as the plan
-        indptr = ptrs["mask_indptr"]
+        indptr = ptrs[0]
         if self._qk_user is not None:
             nbytes = 4 * m.byte_indptr.size
             _cuda.check(cu.cuMemcpyDtoDAsync(self._qk_user[1], indptr, nbytes, s), "cuMemcpyDtoDAsync (qk_indptr_buf)")
@@ -601,20 +633,20 @@ class _BatchPrefillBase:
     def _max_total_q_hint(self):
         return 0
 
-    def _graph_layout(self, arrays, cap):
-        """Fixed offsets for CUDA-graph mode: every array gets its capacity's room, so device
-        addresses never change between plans (the mask arrays have room whether or not the first
-        plan has a mask)."""
+    def _graph_layout(self, sizes, cap):
+        """Fixed offsets for CUDA-graph mode (sizes: name -> entries of each array this plan
+        stages): every array gets its capacity's room, so device addresses never change between
+        plans (the mask arrays have room whether or not the first plan has a mask)."""
         if "layout" not in cap:
             B, TQ = cap["max_batch"], cap["max_total_q"]
             bound = {"qo_indptr": B + 1, "kv_indptr": B + 1, "kv_last_page_len": B, "num_chunks": B,
                      "o_indptr": B + 1, "merge_indptr": TQ + 1, "chunk_size": 1,
                      "kv_page_indices": self._max_pages, "mask_indptr": B + 1, "mask_in_indptr": B + 1}
-            sizes = {name: a.size for name, a in arrays.items()}
-            sizes.setdefault("mask_indptr", 0)
-            sizes.setdefault("mask_in_indptr", 0)
+            first = dict(sizes)
+            first.setdefault("mask_indptr", 0)
+            first.setdefault("mask_in_indptr", 0)
             layout, off, room = {}, 0, {}
-            for name, n in sizes.items():
+            for name, n in first.items():
                 room[name] = max(n, bound.get(name, n))
                 layout[name] = off
                 off += (room[name] * 4 + 15) // 16 * 16
@@ -622,11 +654,10 @@ class _BatchPrefillBase:
             # Reserve first: a refused reserve must not leave a layout behind.
             self._staging.reserve(off, fixed=True)
             cap["layout"], cap["sizes"] = layout, room
-        sizes = cap["sizes"]
-        for name, a in arrays.items():
-            if a.size > sizes[name]:
-                raise ValueError(f"{name} has {a.size} entries, more than the CUDA-graph buffers hold "
-                                 f"({sizes[name]})")
+        room = cap["sizes"]
+        for name, n in sizes.items():
+            if n > room[name]:
+                raise ValueError(f"{name} has {n} entries, more than the CUDA-graph buffers hold ({room[name]})")
         return cap["layout"]
 
     def _check_graph_sig(self, sig):
@@ -863,7 +894,7 @@ def _plan_stream(stream, dev):
     for fw in ("torch", "cupy"):
         if fw in sys.modules:
             try:
-                return _tensor.current_stream(fw, dev)
+                return _torch_stream(dev) if fw == "torch" else _tensor.current_stream(fw, dev)
             except Exception:  # noqa: BLE001 - framework without CUDA: fall through
                 pass
     return _cuda.library_stream(dev)
@@ -899,6 +930,7 @@ class BatchPrefillWithPagedKVCacheWrapper(_BatchPrefillBase):
 
     _paged = True
     _run_positional = "q and paged_kv_cache"
+    _KV_ARRAYS = ("kv_indptr", "kv_page_indices", "kv_last_page_len")
 
     def __init__(self, float_workspace_buffer, kv_layout: str = "NHD", use_cuda_graph: bool = False,
                  qo_indptr_buf=None, paged_kv_indptr_buf=None, paged_kv_indices_buf=None,
@@ -926,56 +958,53 @@ class BatchPrefillWithPagedKVCacheWrapper(_BatchPrefillBase):
         ind = _host_int(paged_kv_indptr, "paged_kv_indptr")
         idx = _host_int(paged_kv_indices, "paged_kv_indices")
         last = _host_int(paged_kv_last_page_len, "paged_kv_last_page_len")
-        if not isinstance(page_size, (int, np.integer)) or isinstance(page_size, bool) or page_size <= 0:
-            raise ValueError(f"page_size must be a positive int, got {page_size!r}")
-        page_size = int(page_size)
+        if type(page_size) is not int or page_size <= 0:
+            if not isinstance(page_size, (int, np.integer)) or isinstance(page_size, bool) or page_size <= 0:
+                raise ValueError(f"page_size must be a positive int, got {page_size!r}")
+            page_size = int(page_size)
         B = qo.size - 1
         if B < 0 or ind.size != B + 1 or last.size != B:
             raise ValueError(f"qo_indptr ({qo.size}), paged_kv_indptr ({ind.size}) and paged_kv_last_page_len "
                              f"({last.size}) must describe the same batch (B+1, B+1, B)")
-        qo_lens = qo[1:] - qo[:-1]
-        pages = ind[1:] - ind[:-1]
-        has = pages > 0
-        # One reduction for three checks (numpy's per-call cost dominates at these sizes):
-        # lm = last_page_len - 1 where a request has pages (must lie in [0, page_size)), 0 where
-        # it has none (FlashInfer ignores its last_page_len), all bits set where a length is
-        # negative; as unsigned, anything invalid is >= page_size.
-        lm = last - 1
-        lm *= has
-        neg = qo_lens | pages
-        neg >>= 31
-        lm |= neg
-        if B and int(lm.view(np.uint32).max()) >= page_size:
-            if qo_lens.min() < 0:
-                raise ValueError("qo_indptr must start at 0 and be non-decreasing")
-            if pages.min() < 0:
-                raise ValueError("paged_kv_indptr must start at 0 and be non-decreasing")
+        qo_lens, max_qo = _lengths(qo)
+        if max_qo >> 63:
+            raise ValueError("qo_indptr must start at 0 and be non-decreasing")
+        pages, max_pages = _lengths(ind)
+        if max_pages >> 63:
+            raise ValueError("paged_kv_indptr must start at 0 and be non-decreasing")
+        # kv_len = (pages - 1) * page_size + last_page_len, 0 without pages (FlashInfer ignores
+        # that request's last_page_len), in few numpy calls (their fixed cost dominates here).
+        has = pages != _plan._k(0)
+        full = pages * _plan._k(page_size)
+        kv_lens = full + last
+        kv_lens -= _plan._k(page_size)
+        kv_lens *= has
+        # full - kv_len = page_size - last_page_len, 0 without pages, must lie in [0, page_size):
+        # as unsigned, anything else is >= page_size, so one argmax checks every request.
+        if _plan.unsigned_max(full - kv_lens) >= page_size:
             raise ValueError(f"paged_kv_last_page_len must be in [1, page_size={page_size}] for requests with "
                              "pages")
+        max_kv = kv_lens.item(kv_lens.argmax()) if B else 0
         if qo[0] != 0:
             raise ValueError("qo_indptr must start at 0 and be non-decreasing")
         if ind[0] != 0:
             raise ValueError("paged_kv_indptr must start at 0 and be non-decreasing")
-        n_used = int(ind[-1])
+        n_used = ind.item(-1)
         if n_used > idx.size:
             raise ValueError(f"paged_kv_indptr[-1] = {n_used} exceeds len(paged_kv_indices) = {idx.size}")
+        used = idx[:n_used]
         max_page = -1
         if n_used:
-            # One reduction for both checks: negative ids become huge as unsigned.
-            max_page = int(idx[:n_used].view(np.uint32).max())
+            # One pass for both checks: negative ids become huge as unsigned (argmax + one index
+            # are cheaper than a max reduction).
+            u = used.view(_UINT32)
+            max_page = u.item(u.argmax())
             if max_page > _I32_MAX:
                 raise ValueError("paged_kv_indices must be >= 0")
         if self._use_cuda_graph and n_used > self._max_pages:
             raise ValueError(f"the plan uses {n_used} pages but paged_kv_indices_buf holds {self._max_pages} "
                              "(the CUDA-graph capacity)")
-        # kv_len = (pages - 1) * page_size + last_page_len, 0 without pages; int32 unless a
-        # request could reach 2^31 tokens (the scheduler rejects that with a clear error).
-        kv_lens = pages - 1 if n_used * page_size <= _I32_MAX else pages.astype(np.int64) - 1
-        kv_lens *= page_size
-        kv_lens += last
-        kv_lens *= has
-        return self._plan_common(qo, qo_lens, kv_lens,
-                                 {"kv_indptr": ind, "kv_page_indices": idx[:n_used], "kv_last_page_len": last},
+        return self._plan_common(qo, qo_lens, kv_lens, max_qo, max_kv, (ind, used, last),
                                  {"_max_page": max_page, "_page_size": page_size},
                                  num_qo_heads, num_kv_heads, head_dim, custom_mask, packed_custom_mask, causal,
                                  pos_encoding_mode, allow_fp16_qk_reduction, sm_scale, window_left, logits_soft_cap,
@@ -1055,6 +1084,7 @@ class BatchPrefillWithRaggedKVCacheWrapper(_BatchPrefillBase):
     _paged = False
     _max_pages = 0
     _run_positional = "q, k, v"
+    _KV_ARRAYS = ("kv_indptr",)
 
     def __init__(self, float_workspace_buffer, kv_layout: str = "NHD", use_cuda_graph: bool = False,
                  qo_indptr_buf=None, kv_indptr_buf=None, custom_mask_buf=None, qk_indptr_buf=None,
@@ -1079,21 +1109,21 @@ class BatchPrefillWithRaggedKVCacheWrapper(_BatchPrefillBase):
         B = qo.size - 1
         if B < 0 or kvi.size != B + 1:
             raise ValueError(f"qo_indptr ({qo.size}) and kv_indptr ({kvi.size}) must both have B+1 entries")
-        qo_lens = qo[1:] - qo[:-1]
-        kv_lens = kvi[1:] - kvi[:-1]
-        if B and (qo_lens | kv_lens).min() < 0:
-            if qo_lens.min() < 0:
+        qo_lens, max_qo = _lengths(qo)
+        kv_lens, max_kv = _lengths(kvi)
+        if (max_qo | max_kv) >> 63:
+            if max_qo >> 63:
                 raise ValueError("qo_indptr must start at 0 and be non-decreasing")
             raise ValueError("kv_indptr must start at 0 and be non-decreasing")
         if qo[0] != 0:
             raise ValueError("qo_indptr must start at 0 and be non-decreasing")
         if kvi[0] != 0:
             raise ValueError("kv_indptr must start at 0 and be non-decreasing")
-        return self._plan_common(qo, qo_lens, kv_lens, {"kv_indptr": kvi}, {"_total_kv": int(kvi[-1])}, num_qo_heads,
-                                 num_kv_heads, head_dim, custom_mask, packed_custom_mask, causal, pos_encoding_mode,
-                                 allow_fp16_qk_reduction, sm_scale, window_left, logits_soft_cap, rope_scale,
-                                 rope_theta, q_data_type, kv_data_type, fixed_split_size, disable_split_kv, 1,
-                                 lse_base, stream)
+        return self._plan_common(qo, qo_lens, kv_lens, max_qo, max_kv, (kvi,), {"_total_kv": kvi.item(-1)},
+                                 num_qo_heads, num_kv_heads, head_dim, custom_mask, packed_custom_mask, causal,
+                                 pos_encoding_mode, allow_fp16_qk_reduction, sm_scale, window_left, logits_soft_cap,
+                                 rope_scale, rope_theta, q_data_type, kv_data_type, fixed_split_size,
+                                 disable_split_kv, 1, lse_base, stream)
 
     begin_forward = plan
 

@@ -68,6 +68,8 @@ PLAIN = Options(0.0, "NONE", 1.0, 1e4, LSE_BASES["log2"])  # what resolve() give
 
 def window(window_left) -> int:
     """window_left as an int >= -1 (-1 = no window); TypeError/ValueError naming it otherwise."""
+    if type(window_left) is int and window_left >= -1:
+        return window_left  # the common call, cheaply (plan() runs every serving step)
     import operator
     try:
         w = operator.index(window_left)

@@ -80,6 +80,11 @@ class PrefillPlan:
     total_q: int
     max_partial_rows: int = -1
 
+    # Not a field: the int32 buffer the six arrays are consecutive views of, in int_arrays()
+    # order (set by plan_prefill; None for a plan built otherwise), so that a caller can copy
+    # all of them in one piece.
+    buffer = None
+
     def __post_init__(self):
         if self.max_partial_rows < 0:
             self.max_partial_rows = self.num_partial_rows
@@ -134,6 +139,7 @@ def _int_array(x, name: str) -> np.ndarray:
 # passes its per-configuration constants as cached 0-d arrays (_k).
 _acc = np.add.accumulate
 _CONSTS: dict = {}
+_U64 = np.dtype(np.uint64)  # a descriptor: numpy takes it faster than the scalar type
 
 
 def _k(v: int) -> np.ndarray:
@@ -158,6 +164,16 @@ def _div(x: np.ndarray, d: int) -> np.ndarray:
     else:
         x //= _k(d)
     return x
+
+
+def unsigned_max(a: np.ndarray) -> int:
+    """The largest entry of an int64 array read as uint64, 0 when empty: a negative entry reads as
+    >= 2**63, so one pass both finds the maximum and checks the signs (argmax + one index are
+    cheaper than a max reduction)."""
+    if not a.size:
+        return 0
+    u = a.view(_U64)
+    return u.item(u.argmax())
 
 
 def _lpt_order(neg: np.ndarray, mx: int) -> np.ndarray:
@@ -211,16 +227,16 @@ def _search_chunk_units(tiles_f, kv1_f: np.ndarray, T: int, limit: int, bn: int,
 
 
 # ---- the KV tiles each q tile / work item iterates -------------------------------------------------
-def _tile_spans(qo_lens, kv, tiles, first, req, g, bm, bn, causal, wl):
+def _tile_spans(qo_lens, kv, tiles, first, ends, req, g, bm, bn, causal, wl):
     """Per q tile of the batch (request-major), [l, h): the KV tiles its rows can see at all,
     returned as (-h, l), l None without a window. Token i of a request sits at i + shift (shift =
     kv_len - qo_len; packed row r is token r // g): h = clip(ceil(hi / bn), 0, ceil(kv / bn))
     with hi the causal end of the tile's last token (-h computed as floor(-hi / bn)), and
     l = floor(max(lo, 0) / bn) with lo the window start of its first token. tiles None: one
-    tile per request; else ``first`` is each request's first tile and ``req`` each tile's
-    request."""
-    nkvt = np.floor_divide(kv, _k(-bn))  # -ceil(kv / bn)
+    tile per request; else ``first`` / ``ends`` are each request's first / one past its last
+    tile and ``req`` each tile's request."""
     if tiles is None:  # the tile holds the request's last token, which sees every key
+        nkvt = np.floor_divide(kv, _k(-bn))  # -ceil(kv / bn)
         if wl < 0:
             return nkvt, None
         lo = kv - qo_lens
@@ -231,7 +247,7 @@ def _tile_spans(qo_lens, kv, tiles, first, req, g, bm, bn, causal, wl):
     # per-request values, per tile: a repeat costs per request, a gather per tile
     expand = (lambda x: x.repeat(tiles)) if T > 4 * kv.size else (lambda x: x[req])
     if not (causal or wl >= 0):
-        return expand(nkvt), None
+        return expand(np.floor_divide(kv, _k(-bn))), None
     shift = kv - qo_lens
     nh = l = None
     if bm % g == 0:  # tile t holds tokens [t*s, (t+1)*s) (s = bm / g), clipped by qo_len
@@ -240,6 +256,15 @@ def _tile_spans(qo_lens, kv, tiles, first, req, g, bm, bn, causal, wl):
         d = expand(first * _k(s) - shift)  # so that js - d = (t+1)*s + shift
         if causal:  # -hi = -((t+1)*s + shift)
             nh = d - js
+            _div(nh, bn)
+            # Only a request's last tile (it holds its last token, which sees every key) can
+            # reach past kv: its -h is -ceil(kv / bn), written per request when every request
+            # has a tile (else `ends - 1` would name another request's tile: clip every tile).
+            nkvt = np.floor_divide(kv, _k(-bn))
+            if np.count_nonzero(tiles) == kv.size:
+                nh[ends - _k(1)] = nkvt
+            else:
+                np.maximum(nh, expand(nkvt), out=nh)
         if wl >= 0:  # lo = t*s + shift - wl
             l = np.subtract(js, d, out=js)
             l -= _k(s + wl)
@@ -248,21 +273,20 @@ def _tile_spans(qo_lens, kv, tiles, first, req, g, bm, bn, causal, wl):
         r0 -= expand(first)
         r0 *= _k(bm)  # the tile's first packed row
         sh = expand(shift)
-        if causal:  # -hi = -ceil(min(r0 + bm, qo_len * g) / g) - shift
+        if causal:  # -hi = -ceil(min(r0 + bm, qo_len * g) / g) - shift: hi <= qo_len + shift = kv
             nh = np.minimum(r0 + _k(bm), expand(qo_lens * _k(g)))
             np.floor_divide(nh, _k(-g), out=nh)
             nh -= sh
+            _div(nh, bn)
         if wl >= 0:  # lo = r0 // g + shift - wl
             l = r0
             l //= _k(g)
             l += sh
             l -= _k(wl)
     if nh is None:
-        nh = expand(nkvt)
+        nh = expand(np.floor_divide(kv, _k(-bn)))
     else:
-        _div(nh, bn)
-        np.maximum(nh, expand(nkvt), out=nh)
-        np.minimum(nh, _k(0), out=nh)
+        np.minimum(nh, _k(0), out=nh)  # hi >= 0
     if l is not None:
         np.maximum(l, _k(0), out=l)
         _div(l, bn)
@@ -341,9 +365,7 @@ def plan_prefill(qo_indptr, kv_lens, *, group_size, num_kv_heads, block_m, block
     wl = operator.index(window_left)
     if wl < -1:
         raise ValueError(f"window_left must be >= -1, got {wl}")
-    if fixed_split_size is not None:
-        fss = _pos_int(fixed_split_size, "fixed_split_size")
-    causal = bool(causal)
+    fss = None if fixed_split_size is None else _pos_int(fixed_split_size, "fixed_split_size")
 
     qo = _int_array(qo_indptr, "qo_indptr").astype(np.int64, copy=False)
     kv_in = _int_array(kv_lens, "kv_lens")
@@ -354,21 +376,28 @@ def plan_prefill(qo_indptr, kv_lens, *, group_size, num_kv_heads, block_m, block
         raise ValueError(f"qo_indptr must start at 0, got {int(qo[0])}")
     qo_lens = qo[1:] - qo[:-1]
     kv = kv_in.astype(np.int64, copy=False)
-    max_qo = max_kv = 0
-    if B:  # maxima by argmax (cheaper than a reduction) over uint64 views: a negative is >= 2**63
-        qu, ku = qo_lens.view(np.uint64), kv.view(np.uint64)
-        max_qo, max_kv = int(qu[qu.argmax()]), int(ku[ku.argmax()])
-        if (max_qo | max_kv) >> 63:
-            if max_qo >> 63:
-                raise ValueError("qo_indptr must be non-decreasing (a request has a negative query length)")
-            raise ValueError("kv_lens must be >= 0 (a request has a negative KV length)")
-    total_q = int(qo[-1])
+    max_qo, max_kv = unsigned_max(qo_lens), unsigned_max(kv)
+    if (max_qo | max_kv) >> 63:
+        if max_qo >> 63:
+            raise ValueError("qo_indptr must be non-decreasing (a request has a negative query length)")
+        raise ValueError("kv_lens must be >= 0 (a request has a negative KV length)")
+    return schedule_prefill(qo, qo_lens, kv, max_qo, max_kv, g, hkv, bm, bn, budget, bool(causal), wl, fss,
+                            disable_split_kv, graph_capacity)
+
+
+def schedule_prefill(qo, qo_lens, kv, max_qo, max_kv, g, hkv, bm, bn, budget, causal, wl, fss, disable_split_kv,
+                     cap):
+    """plan_prefill() after its argument checks, for callers that validated the lengths already
+    (the batch wrappers): qo = the int32/int64 qo_indptr, qo_lens / kv the int64 lengths (>= 0,
+    not modified), max_qo / max_kv their maxima (0 for an empty batch), the scalars checked ints
+    (fss = fixed_split_size or None), cap = graph_capacity."""
+    B = kv.size
+    total_q = qo.item(-1)
     if total_q > _I32_MAX or max_kv > _I32_MAX:
         raise ValueError("qo_indptr / kv_lens exceed the int32 range of the kernel metadata")
     if wl >= max_kv:  # every window starts before key 0: the KV tiles are those without a window
         wl = -1
 
-    cap = graph_capacity
     if cap is not None:
         try:
             cap_b = _pos_int(cap["max_batch"], "graph_capacity['max_batch']")
@@ -396,7 +425,7 @@ def plan_prefill(qo_indptr, kv_lens, *, group_size, num_kv_heads, block_m, block
             tiles += bm - 1
             _div(tiles, bm)
         ends = _acc(tiles)  # one past each request's last tile (global tile index)
-        T = int(ends[-1])
+        T = ends.item(-1)
     limit = budget // hkv
     if cap is not None:
         if cap_w is not None:
@@ -413,7 +442,7 @@ def plan_prefill(qo_indptr, kv_lens, *, group_size, num_kv_heads, block_m, block
     nc_f = None
     if disable_split_kv:
         chunk = max_chunk
-    elif fixed_split_size is not None:
+    elif fss is not None:
         chunk = -(-fss // bn) * bn
         if chunk > _I32_MAX:
             raise ValueError(f"fixed_split_size {fss} exceeds the int32 range")
@@ -449,7 +478,7 @@ def plan_prefill(qo_indptr, kv_lens, *, group_size, num_kv_heads, block_m, block
         what = "graph_capacity['max_work']" if cap_w is not None else "the CUDA-graph grid"
         raise ValueError(f"this batch needs {N} work items but {what} is {grid}"
                          + (f" (fixed_split_size={fss} makes chunk counts unbounded)"
-                            if fixed_split_size is not None else ""))
+                            if fss is not None else ""))
     if cap is None:
         grid = N
 
@@ -469,7 +498,7 @@ def plan_prefill(qo_indptr, kv_lens, *, group_size, num_kv_heads, block_m, block
     if tiles is not None:
         first = ends - tiles  # each request's first q tile
         req = np.arange(B).repeat(tiles)  # the request of each q tile
-    nh, l = _tile_spans(qo_lens, kv, tiles, first, req, g, bm, bn, causal, wl)
+    nh, l = _tile_spans(qo_lens, kv, tiles, first, ends, req, g, bm, bn, causal, wl)
     if not split:  # item = q tile; it iterates h - l KV tiles (>= 0: a tile's lo < its hi)
         order = _lpt_order(nh if l is None else np.add(nh, l, out=nh), -(-max_kv // bn))
         if tiles is None:  # q tile = request
@@ -520,7 +549,10 @@ def plan_prefill(qo_indptr, kv_lens, *, group_size, num_kv_heads, block_m, block
             merge_indptr[-1] = num_partial_rows
     else:
         num_partial_rows = 0
-        num_chunks[:] = 1 if nc is None else nc
+        if nc is None:
+            num_chunks.fill(1)
+        else:
+            num_chunks[:] = nc
 
     # ---- a bound on partial rows for a fixed CUDA-graph workspace layout ----
     max_partial_rows = num_partial_rows
@@ -530,11 +562,13 @@ def plan_prefill(qo_indptr, kv_lens, *, group_size, num_kv_heads, block_m, block
         else:
             # A CTA (item x kv head) covers at most block_m packed rows = block_m / g tokens of
             # its head group, so (split tokens x chunks) <= items * block_m / g.
-            items_bound = grid if fixed_split_size is not None else min(search_limit, grid)
+            items_bound = grid if fss is not None else min(search_limit, grid)
             max_partial_rows = min(items_bound * bm // g, cap_q * items_bound)
 
-    return PrefillPlan(bm, bn, N, grid, int(chunk), split, work_request, work_qtile, work_chunk, num_chunks,
+    plan = PrefillPlan(bm, bn, N, grid, int(chunk), split, work_request, work_qtile, work_chunk, num_chunks,
                        o_indptr, merge_indptr, num_partial_rows, total_q, max_partial_rows)
+    plan.buffer = buf
+    return plan
 
 
 # ---- benchmark: python -m pyflashattn._plan ---------------------------------------------------

@@ -845,6 +845,75 @@ def test_refused_plan_keeps_the_previous_paged_state(fake):
 
 
 # ---------------------------------------------------------------------------------------------
+# metadata staging: what the kernels read through the params pointers is plan_prefill()'s plan
+# ---------------------------------------------------------------------------------------------
+def _staging_batches(rng, max_batch, max_q):
+    """Random batches within a capacity: split and unsplit, requests without queries or pages."""
+    for step in range(10):
+        B = int(rng.integers(1, max_batch + 1))
+        qo = rng.multinomial(max_q, np.ones(B) / B) if step == 0 else rng.integers(0, max_q // B + 1, B)
+        # few tiles and long KV: split; KV shorter than a minimum chunk: not split
+        kv = qo + rng.integers(0, 20000, B) if step % 3 else rng.integers(0, 250, B)
+        if step % 4 == 3:
+            kv[rng.integers(0, B)] = 0
+        yield qo.astype(np.int64), kv.astype(np.int64)
+
+
+@pytest.mark.parametrize("graph", [False, True])
+@pytest.mark.parametrize("kind", ["paged", "ragged"])
+def test_staged_metadata_is_the_plan(fake, kind, graph):
+    from pyflashattn._plan import plan_prefill
+
+    max_batch, max_q, max_pages = 12, 600, 30000
+    bufs = {}
+    if graph and kind == "paged":
+        bufs = dict(qo_indptr_buf=T((max_batch + 1,), I32), paged_kv_indptr_buf=T((max_batch + 1,), I32),
+                    paged_kv_indices_buf=T((max_pages,), I32), paged_kv_last_page_len_buf=T((max_batch,), I32))
+    elif graph:
+        bufs = dict(qo_indptr_buf=T((max_batch + 1,), I32), kv_indptr_buf=T((max_batch + 1,), I32))
+    w = (paged if kind == "paged" else ragged)(fake, use_cuda_graph=graph, **bufs)
+    ind = lambda x: np.concatenate([[0], np.cumsum(x)]).astype(np.int32)  # noqa: E731
+    rng = np.random.default_rng(11)
+    for qo, kv in _staging_batches(rng, max_batch, max_q):
+        qi = ind(qo)
+        if kind == "paged":
+            pages = -(-kv // PS)
+            last = np.where(pages > 0, kv - (pages - 1) * PS, rng.integers(0, PS + 5, kv.size)).astype(np.int32)
+            idx = rng.permutation(int(pages.sum()) + 3).astype(np.int32)  # longer than used
+            plan = w.plan(qi, ind(pages), idx, last, HQ, HKV, D, PS, causal=True)
+        else:
+            plan = w.plan(qi, ind(kv), HQ, HKV, D, causal=True)
+        meta = w._attn.meta
+        want = plan_prefill(qi, kv, group_size=HQ // HKV, num_kv_heads=HKV, block_m=meta["block_m"],
+                            block_n=meta["block_n"], num_sms=132, ctas_per_sm=2 if meta["threads"] <= 128 else 1,
+                            causal=True, graph_capacity=w._capacity)
+        for name, a in want.int_arrays().items():
+            np.testing.assert_array_equal(getattr(plan, name), a, err_msg=name)
+        assert (plan.grid, plan.kv_chunk_size, plan.split) == (want.grid, want.kv_chunk_size, want.split)
+
+        p, B, G = w._attn.params, qo.size, plan.grid
+        dev = {"work_request": (p.work_request, G), "work_qtile": (p.work_qtile, G),
+               "work_chunk": (p.work_chunk, G), "num_chunks": (p.num_chunks, B), "qo_indptr": (p.qo_indptr, B + 1),
+               "kv_indptr": (p.kv_indptr, B + 1), "kv_chunk_size_dev": (p.kv_chunk_size_dev, 1)}
+        host = dict(plan.int_arrays(), qo_indptr=qi, kv_chunk_size_dev=[plan.kv_chunk_size],
+                    kv_indptr=ind(pages) if kind == "paged" else ind(kv))
+        if kind == "paged":
+            dev.update(kv_page_indices=(p.kv_page_indices, idx.size - 3), kv_last_page_len=(p.kv_last_page_len, B))
+            host.update(kv_page_indices=idx[:-3], kv_last_page_len=last)
+        merged = w._merge is not None
+        assert merged == (plan.split or graph)
+        if merged:
+            rows = w._capacity["max_total_q"] if graph else plan.total_q
+            mi = plan.merge_indptr
+            dev.update(o_indptr=(p.o_indptr, B + 1), merge_indptr=(w._merge.params.merge_indptr, rows + 1))
+            host["merge_indptr"] = np.concatenate([mi, np.full(rows + 1 - mi.size, mi[-1], np.int32)])
+        else:
+            assert p.o_indptr == 0
+        for name, (addr, n) in dev.items():
+            np.testing.assert_array_equal(fake.read(addr, n, np.int32), host[name], err_msg=name)
+
+
+# ---------------------------------------------------------------------------------------------
 # host time (not a test): PYTHONPATH=. python tests/test_batch_prefill_host.py
 # ---------------------------------------------------------------------------------------------
 def _bench():  # pragma: no cover - prints timings, asserts nothing
