@@ -80,6 +80,20 @@ def arch_candidates(cc: tuple[int, int]) -> list[str]:
 
 def find(family: str, device_id: int, **match) -> dict:
     """The manifest row of the shipped (non-tuning) kernel matching `match` for this device."""
+    row = _find(family, device_id, dict(match))
+    props = _cuda.properties(device_id)
+    limit = props.get("smem_optin")
+    if limit is not None and row["smem_bytes"] > limit:
+        # e.g. fp8 K/V at head_dim 256 (~200 KiB) on sm_80 (163 KiB), head_dim 256 on sm_89 (99 KiB):
+        # refused here, before the driver would reject the launch with a bare error code
+        what = ", ".join(f"{k}={v}" for k, v in match.items() if k != "name")
+        raise ValueError(f"{family} kernel {row['name']} ({what}) needs {row['smem_bytes']} bytes of shared memory "
+                         f"per block, but this GPU (compute capability {props['cc'][0]}.{props['cc'][1]}) allows "
+                         f"{limit}: that configuration is not supported on this device")
+    return row
+
+
+def _find(family: str, device_id: int, match: dict) -> dict:
     cc = _cuda.properties(device_id)["cc"]
     archs = arch_candidates(cc)
     if not archs:

@@ -37,6 +37,19 @@ def test_generated_sources_match_table():
     assert out == [v.name for v in variants.variants()]
 
 
+def test_kernel_needing_more_shared_memory_than_the_gpu_is_refused(monkeypatch):
+    # fp8 K/V at head_dim 256 needs ~200 KiB of shared memory per block: more than sm_80's 163 KiB
+    row = {"name": "pfa_prefill_x", "arch": "sm_80", "family": "prefill", "dtype": "bf16", "kv_dtype": "fp8",
+           "head_dim": 256, "smem_bytes": 204800, "tune": False}
+    monkeypatch.setattr(_registry, "manifest", lambda: {"kernels": [row]})
+    monkeypatch.setattr(_registry._cuda, "properties", lambda dev: {"cc": (8, 0), "smem_optin": 166912})
+    with pytest.raises(ValueError, match=r"204800 bytes of shared memory .* allows 166912"):
+        _registry.find("prefill", 0, dtype="bf16", kv_dtype="fp8", head_dim=256)
+    monkeypatch.setattr(_registry._cuda, "properties", lambda dev: {"cc": (9, 0), "smem_optin": 232448})
+    row["arch"] = "sm_90a"
+    assert _registry.find("prefill", 0, dtype="bf16", kv_dtype="fp8", head_dim=256) is row
+
+
 def test_arch_candidates():
     assert _registry.arch_candidates((9, 0)) == ["sm_90a"]
     assert _registry.arch_candidates((8, 9)) == ["sm_89", "sm_80"]
