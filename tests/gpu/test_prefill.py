@@ -188,6 +188,32 @@ def test_peaked_softmax_large_logits():
             _check(o, lse, o_ref, lse_ref, dt, what=f"sm_scale={sm_scale}")
 
 
+@pytest.mark.parametrize("dtype", ["fp16", "bf16"])
+@pytest.mark.parametrize("d", [64, 128, 256])
+def test_running_max_jumps(dtype, d):
+    # Small logits everywhere except planted keys in later KV tiles that lift one row's max by
+    # a chosen amount: below the lazy rescale's slack (8 in log2 units: the stale max is kept),
+    # just above it, and far above it (O and l must be rescaled), rising and then falling again.
+    dt = DTYPES[dtype]
+    qo_len, kv_len, h = 64, 1024, 2
+    q, k, v = _make_qkv(qo_len, kv_len, h, h, d, torch.float32, "NHD", _seed("jumps", dtype, d))
+    k *= 0.05
+    scale = 1.0 / math.sqrt(d)
+    plants = [(5, 200, 3.0), (5, 450, 9.0), (5, 700, 40.0), (20, 300, 6.5), (20, 900, 60.0), (40, 130, 50.0),
+              (40, 800, 20.0)]  # (row, key, logit in natural units)
+    for hd in range(h):
+        for row, key, logit in plants:
+            qr = q[row, hd]
+            k[key, hd] = qr * (logit / (scale * float(qr @ qr)))
+    q, k, v = q.to(dt), k.to(dt), v.to(dt)
+    for causal in (False, True):
+        out = torch.full_like(q, float("nan"))
+        lse = torch.full((qo_len, h), float("nan"), dtype=torch.float32, device=DEV)
+        pyflashattn.single_prefill_with_kv_cache(q, k, v, causal=causal, out=out, lse=lse, return_lse=True)
+        o_ref, lse_ref = _ref(q, k, v, causal=causal)
+        _check(out, lse, o_ref, lse_ref, dt, what=f"causal={causal}")
+
+
 def test_lse_single_key_is_scaled_logit_times_log2e():
     q, k, v = _make_qkv(1, 1, 4, 1, 64, F16, "NHD", _seed("onekey"))
     o, lse = pyflashattn.single_prefill_with_kv_cache_return_lse(q, k, v)
