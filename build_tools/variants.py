@@ -60,10 +60,10 @@ class PrefillVariant:
     def smem_bytes(self):
         # PrefillSm80::SMEM_BYTES (the generated source static_asserts the two agree): Q + the K/V
         # stages; fp8 K/V: the one-byte ring plus one widened K/V pair; + the paged kernels'
-        # page-id staging (MAX_PAGE_IDS int32 entries).
+        # page-id staging (MAX_PAGE_IDS int32 entries), the others' row map (8 bytes per packed row).
         kv_tile = self.block_n * self.head_dim
         kv = 2 * self.stages * kv_tile * 2 if not self.kv_dtype else 2 * self.stages * kv_tile + 2 * kv_tile * 2
-        return self.block_m * self.head_dim * 2 + kv + (2048 * 4 if self.paged else 0)
+        return self.block_m * self.head_dim * 2 + kv + (2048 * 4 if self.paged else self.block_m * 8)
 
     def source(self):
         return ('#include "pfa/attention/prefill_sm80.cuh"\n'

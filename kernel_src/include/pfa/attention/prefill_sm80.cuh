@@ -48,7 +48,14 @@ struct PrefillSm80 {
   // Q, then KV_STAGES (K, V) ring pairs, then (fp8 only) the widened K, V pair.
   static constexpr int KV_SMEM_BYTES =
       BLOCK_M * HEAD_DIM * (int)sizeof(T) + 2 * KV_STAGES * RING_TILE_BYTES + (KV_FP8 ? 2 * TILE_BYTES : 0);
-  static constexpr int SMEM_BYTES = KV_SMEM_BYTES + (PAGED ? MAX_PAGE_IDS * 4 : 0);
+  // Each packed row's (token, q head), written by the Q gather, read by the epilogue: the output
+  // scatter, LSE and partial stores then need no division by the runtime group size per row
+  // (~1K instructions per warp per CTA, a visible share of a short batch CTA). Not in the paged
+  // kernels: there it moved the tile loop's register allocation (hd128: 8 -> 56 B of spills,
+  // local loads inside the loop, paged -7 %), so they keep the divisions.
+  static constexpr bool ROW_MAP = !PAGED;
+  static constexpr int ROW_MAP_OFFSET = KV_SMEM_BYTES + (PAGED ? MAX_PAGE_IDS * 4 : 0);
+  static constexpr int SMEM_BYTES = ROW_MAP_OFFSET + (ROW_MAP ? BLOCK_M * 8 : 0);
   static_assert(KV_STAGES >= 1 && KV_STAGES <= 4, "KV_STAGES: 1 = FA2 interleave, >= 2 = K/V ring");
   static_assert(!KV_FP8 || KV_STAGES >= 2, "fp8 K/V widens whole ring stages (K and V together)");
   static_assert(HEAD_DIM % 64 == 0, "the XOR swizzle needs at least 8 chunks per row");
@@ -203,6 +210,7 @@ struct PrefillSm80 {
       const T* q = reinterpret_cast<const T*>(p.q);
       const int chunk = tid % CPR;
       constexpr int ROW_STEP = THREADS / CPR;
+      int2* row_map = reinterpret_cast<int2*>(smem + ROW_MAP_OFFSET);
 #pragma unroll 4
       for (int row = tid / CPR; row < BLOCK_M; row += ROW_STEP) {
         const int r = r0 + row;
@@ -211,6 +219,7 @@ struct PrefillSm80 {
         const int qi = rr / group, h = kv_head * group + rr % group;
         ptx::cp_async_16(sQ_u + swz(row, chunk) * 16, q + (q_row0 + qi) * p.q_stride_n + h * p.q_stride_h + chunk * 8,
                          valid);
+        if (ROW_MAP && chunk == 0) row_map[row] = make_int2(qi, h);  // read after the tile loop's last barrier
       }
     }
     // Row addresses are recomputed from the (constant-bank) params at each load rather than
@@ -622,6 +631,7 @@ struct PrefillSm80 {
       }
 
     const int Hq = p.num_qo_heads;
+    const int2* row_map = reinterpret_cast<const int2*>(smem + ROW_MAP_OFFSET);  // (token, q head)
     if (num_splits == 1) {
       // Stage this warp's rows through its own slice of sQ (no other warp touches it), then
       // write 16-byte chunks so the global stores are coalesced along each row.
@@ -643,8 +653,8 @@ struct PrefillSm80 {
         const int row = warp_row0 + i / CPR, chunk = i % CPR;
         const int r = r0 + row;
         if (r < rows_total) {
-          const int qi = r / group, h = kv_head * group + r % group;
-          *reinterpret_cast<uint4*>(out + (q_row0 + qi) * p.o_stride_n + h * p.o_stride_h + chunk * 8) =
+          const int2 th = ROW_MAP ? row_map[row] : make_int2(r / group, kv_head * group + r % group);
+          *reinterpret_cast<uint4*>(out + (q_row0 + th.x) * p.o_stride_n + th.y * p.o_stride_h + chunk * 8) =
               *reinterpret_cast<const uint4*>(reinterpret_cast<char*>(sQ) + swz(row, chunk) * 16);
         }
       }
@@ -654,9 +664,12 @@ struct PrefillSm80 {
         for (int mt = 0; mt < MQ; ++mt)
 #pragma unroll
           for (int hf = 0; hf < 2; ++hf) {
-            const int r = r0 + warp_row0 + mt * 16 + lane / 4 + hf * 8;
-            if (r < rows_total)
-              lse[(q_row0 + r / group) * Hq + kv_head * group + r % group] = lse_v[mt][hf] * p.lse_scale;
+            const int row = warp_row0 + mt * 16 + lane / 4 + hf * 8;
+            if (r0 + row < rows_total) {
+              const int r = r0 + row;
+              const int2 th = ROW_MAP ? row_map[row] : make_int2(r / group, kv_head * group + r % group);
+              lse[(q_row0 + th.x) * Hq + th.y] = lse_v[mt][hf] * p.lse_scale;
+            }
           }
       }
     } else {
@@ -667,12 +680,14 @@ struct PrefillSm80 {
       for (int mt = 0; mt < MQ; ++mt)
 #pragma unroll
         for (int hf = 0; hf < 2; ++hf) {
-          const int r = r0 + warp_row0 + mt * 16 + lane / 4 + hf * 8;
-          if (r >= rows_total) continue;
+          const int row = warp_row0 + mt * 16 + lane / 4 + hf * 8;
+          if (r0 + row >= rows_total) continue;
+          const int r = r0 + row;
+          const int2 th = ROW_MAP ? row_map[row] : make_int2(r / group, kv_head * group + r % group);
           // Partial row: single request [split][qo_len]; batch plan token-major, chunk fastest.
-          const int64_t prow = part_base >= 0 ? part_base + (int64_t)(r / group) * num_splits + split
-                                              : (int64_t)split * qo_len + r / group;
-          const int64_t idx = prow * Hq + kv_head * group + r % group;
+          const int64_t prow = part_base >= 0 ? part_base + (int64_t)th.x * num_splits + split
+                                              : (int64_t)split * qo_len + th.x;
+          const int64_t idx = prow * Hq + th.y;
 #pragma unroll
           for (int d = 0; d < DTILES; ++d)
             *reinterpret_cast<float2*>(op + idx * HEAD_DIM + d * 8 + (lane % 4) * 2) =
