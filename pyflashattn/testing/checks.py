@@ -6,6 +6,23 @@ import numpy as np
 from .reference import to_numpy_f64
 
 
+def batch_heads_to_check(qo_lens, kv_lens, hq: int, seed: int, budget: int) -> list:
+    """Per request of a batch: None (compare every q head) or the sorted q heads to compare, so
+    that the float64 reference computes at most ~budget logits per request (the first and last
+    head always, GQA group edges included, plus seeded random ones)."""
+    logits = sum(qo * kv for qo, kv in zip(qo_lens, kv_lens))
+    n = budget // max(1, logits)
+    if n >= hq:
+        return [None] * len(qo_lens)
+    n = max(2, int(n))
+    rng = np.random.default_rng(seed)
+    out = []
+    for _ in qo_lens:
+        extra = rng.choice(np.arange(1, hq - 1), size=min(hq - 2, n - 2), replace=False)
+        out.append(np.unique(np.concatenate([[0, hq - 1], extra])).astype(np.int64))
+    return out
+
+
 def assert_close(actual, ref, *, atol, rtol, what):
     """Elementwise |a - ref| <= atol + rtol*|ref|; NaN never passes; -inf must match -inf."""
     a = to_numpy_f64(actual)

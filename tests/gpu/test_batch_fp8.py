@@ -32,7 +32,7 @@ if not hasattr(torch, "float8_e4m3fn"):
 import pyflashattn  # noqa: E402
 from pyflashattn.quantization import segment_packbits  # noqa: E402
 from pyflashattn.testing import attention_ref, to_numpy_f64  # noqa: E402
-from pyflashattn.testing.checks import assert_close  # noqa: E402
+from pyflashattn.testing.checks import assert_close, batch_heads_to_check  # noqa: E402
 
 DEV = "cuda"
 F16, BF16 = torch.float16, torch.bfloat16
@@ -185,18 +185,6 @@ def _wrapper(kind, layout):
 _REF_KEYS = ("sm_scale", "window_left", "logits_soft_cap", "pos_encoding_mode", "rope_scale", "rope_theta")
 
 
-def _heads_for(b, seed):
-    logits = sum(qo * kv for qo, kv in zip(b.qo_lens, b.kv_lens))
-    n = REF_LOGIT_BUDGET // max(1, logits)
-    if n >= b.hq:
-        return [None] * len(b.qo_lens)
-    n = max(2, int(n))
-    rng = np.random.default_rng(seed)
-    return [np.unique(np.concatenate([[0, b.hq - 1], rng.choice(np.arange(1, b.hq - 1), min(b.hq - 2, n - 2),
-                                                                 replace=False)])).astype(np.int64)
-            for _ in b.qo_lens]
-
-
 def _dequant(t8, scale):
     """float64 numpy of an fp8 tensor times its scale (fp8 -> fp32 on the GPU is exact)."""
     return t8.float().cpu().double().numpy() * scale
@@ -205,7 +193,7 @@ def _dequant(t8, scale):
 def _refs(b, causal, opts, ks, vs, masks=None, seed=0):
     """{request: (o_ref, lse_ref, heads)} on the dequantised K/V."""
     K, V, Q = _dequant(b.k8, ks), _dequant(b.v8, vs), to_numpy_f64(b.q)
-    heads = _heads_for(b, seed)
+    heads = batch_heads_to_check(b.qo_lens, b.kv_lens, b.hq, seed, REF_LOGIT_BUDGET)
     kw = dict({k: opts[k] for k in _REF_KEYS if k in opts}, causal=causal)
     out = {}
     for i in range(len(b.qo_lens)):

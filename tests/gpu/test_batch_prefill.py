@@ -39,7 +39,7 @@ torch = require_cuda_torch()
 import pyflashattn  # noqa: E402  (after the GPU probe: the CPU box must skip, not error)
 from pyflashattn.testing import attention_ref, to_numpy_f64  # noqa: E402
 from pyflashattn.testing.frameworks import capture_torch_graph as _capture  # noqa: E402
-from pyflashattn.testing.checks import assert_close  # noqa: E402
+from pyflashattn.testing.checks import assert_close, batch_heads_to_check  # noqa: E402
 
 DEV = "cuda"
 F16, BF16 = torch.float16, torch.bfloat16
@@ -282,25 +282,10 @@ def _otol(dt, opts):
     return (ROPE_O_TOL if opts.get("pos_encoding_mode") == "ROPE_LLAMA" else O_TOL)[dt]
 
 
-def _heads_for(b, seed, budget=REF_LOGIT_BUDGET):
-    """Per request: None (all heads) or the sorted q heads to compare."""
-    logits = sum(qo * kv for qo, kv in zip(b.qo_lens, b.kv_lens))
-    n = budget // max(1, logits)
-    if n >= b.hq:
-        return [None] * len(b.qo_lens)
-    n = max(2, int(n))
-    rng = np.random.default_rng(seed)
-    out = []
-    for _ in b.qo_lens:
-        extra = rng.choice(np.arange(1, b.hq - 1), size=min(b.hq - 2, n - 2), replace=False)
-        out.append(np.unique(np.concatenate([[0, b.hq - 1], extra])).astype(np.int64))
-    return out
-
-
 def _check_batch(b, o, lse, causal, opts, seed, what, budget=REF_LOGIT_BUDGET):
     """Every request's rows of o (and lse) against the float64 reference on its own slices.
     Returns the per-request references {i: (o_ref, lse_ref, heads)}."""
-    heads = _heads_for(b, seed, budget)
+    heads = batch_heads_to_check(b.qo_lens, b.kv_lens, b.hq, seed, budget)
     o_np = to_numpy_f64(o)
     lse_np = to_numpy_f64(lse) if lse is not None else None
     refs = {}
