@@ -181,6 +181,13 @@ class _Staging:
         """A pinned buffer no pending copy reads (see the class docstring)."""
         cu = _cuda.driver()
         if self.pinned:
+            # The last plan's buffer first: its copy is usually done by now, and its pages are
+            # still in the CPU cache (a large page table is copied at half the speed otherwise).
+            entry = self.pinned[self.next - 1]
+            event = entry[2]
+            if len(self.pinned) > 1 and (event is None
+                                         or cu.cuEventQuery(event)[0] == cu.CUresult.CUDA_SUCCESS):
+                return entry
             entry = self.pinned[self.next]
             event = entry[2]
             if event is None or cu.cuEventQuery(event)[0] == cu.CUresult.CUDA_SUCCESS:
@@ -200,7 +207,8 @@ class _Staging:
         """Copy int32 arrays (an int stands for a one-element array) to the device in one async
         copy, written straight into a pinned buffer; returns each one's device address.
         offsets: each one's fixed int32 offset and nbytes the bytes to copy (the CUDA-graph
-        layout), else back to back."""
+        layout), else back to back (a slice assignment per array: cheaper than one concatenate
+        at these sizes)."""
         if offsets is None:
             offsets, n = [], 0
             for a in arrays:
@@ -253,6 +261,7 @@ class _BatchPrefillBase:
         self._planned = False
         self._capacity = None
         self._launchers = {}
+        self._configs = {}  # plan() settings -> _resolve_config() (see _plan_common)
         self._mask_dev = self._mask_cap = 0  # library-owned packed-mask buffer
         self._mask_keep = None  # the caller's mask tensor a plan reads (asynchronously) or points at
         self._captured = None  # graph mode: the plan settings a captured run() baked in (sig in _plan_common)
@@ -324,39 +333,35 @@ class _BatchPrefillBase:
         int32 index arrays the kernel reads, in _KV_ARRAYS order. `state` holds the wrapper fields
         the plan sets (page size, ...): they are committed only when the whole plan succeeded,
         so a refused plan leaves the previous one usable."""
-        opts = _options.resolve(pos_encoding_mode, allow_fp16_qk_reduction, logits_soft_cap, rope_scale, rope_theta,
-                                lse_base)
-        if not (type(num_qo_heads) is int and type(num_kv_heads) is int and type(head_dim) is int
-                and num_qo_heads > 0 and num_kv_heads > 0 and head_dim > 0):  # else: which one, precisely
-            for name, val in (("num_qo_heads", num_qo_heads), ("num_kv_heads", num_kv_heads),
-                              ("head_dim", head_dim)):
-                if not isinstance(val, (int, np.integer)) or val <= 0:
-                    raise ValueError(f"{name} must be a positive int, got {val!r}")
-        if num_qo_heads % num_kv_heads:
-            raise ValueError(f"num_qo_heads ({num_qo_heads}) must be a multiple of num_kv_heads ({num_kv_heads})")
-        if head_dim not in HEAD_DIMS:
-            raise ValueError(f"head_dim {head_dim} is not supported (supported: {HEAD_DIMS})")
-        qdt, kdt, kv_fp8 = _plan_dtypes(q_data_type, kv_data_type)
-        window_left = _options.window(window_left)
-        sm_scale = _options.softmax_scale(sm_scale, head_dim)
-        fss = None if fixed_split_size is None else _plan._pos_int(fixed_split_size, "fixed_split_size")
+        has_mask = custom_mask is not None or packed_custom_mask is not None
+        args = (num_qo_heads, num_kv_heads, head_dim, pos_encoding_mode, allow_fp16_qk_reduction, logits_soft_cap,
+                rope_scale, rope_theta, lse_base, q_data_type, kv_data_type, window_left, sm_scale, fixed_split_size,
+                has_mask)
+        # A serving loop re-plans with the same settings every step: their validation and the
+        # kernel choice are cached per wrapper, keyed by the values and their types (so 128.0 or
+        # True never pass where 128 or 1 did).
+        # The mask is checked first (before the driver is touched, like every argument).
+        mask = self._mask_plan(custom_mask, packed_custom_mask, qo_lens, kv_lens) if has_mask else None
+        key = (args, tuple(map(type, args)))
+        try:
+            cfg = self._configs.get(key)
+        except TypeError:  # an unhashable argument: resolve it every time (and reject it there)
+            key = cfg = None
+        if cfg is None:
+            cfg = self._resolve_config(*args)
+            if key is not None:
+                if len(self._configs) >= 64:
+                    self._configs.clear()
+                self._configs[key] = cfg
+        opts, qdt, kdt, kv_fp8, window_left, sm_scale, fss, group, la, budget = cfg
+        causal = 1 if causal and not has_mask else 0  # a custom mask replaces causal (FlashInfer)
         B = qo_lens.size
-        mask = None
-        if custom_mask is not None or packed_custom_mask is not None:
-            mask = self._mask_plan(custom_mask, packed_custom_mask, qo_lens, kv_lens)
-            causal = False  # a custom mask replaces causal (FlashInfer)
-        causal = 1 if causal else 0
-        group = num_qo_heads // num_kv_heads
 
         _cuda.ensure_context(self._dev)
-        general = opts.general or mask is not None
-        la = self._launcher("prefill", qdt.short, "fp8" if kv_fp8 else qdt.short, head_dim, general)
         meta = la.meta
         cap = None
         if self._use_cuda_graph:
             cap = self._graph_capacity(B, int(qo[-1]))
-        num_sms = _cuda.properties(self._dev)["sm_count"]
-        budget = num_sms * (2 if meta["threads"] <= 128 else 1)  # CTAs per wave
         plan = _plan.schedule_prefill(qo, qo_lens, kv_lens, max_qo, max_kv, group, num_kv_heads, meta["block_m"],
                                       meta["block_n"], budget, bool(causal), window_left, fss, disable_split_kv, cap)
         # Graph mode keeps the partial-LSE offset fixed across plans (max_partial_rows bound).
@@ -369,24 +374,23 @@ class _BatchPrefillBase:
         merge = self._launcher("merge", qdt.short) if plan.split or cap else None
 
         # What goes to the device, in this order: the plan's arrays, qo_indptr, the wrapper's
-        # index arrays, the chunk size, the mask's offsets.
-        tail = [qo, *kv_arrays, plan.kv_chunk_size]
-        if mask is not None:
-            tail.append(mask.byte_indptr)
-            if mask.kind == "bool":
-                tail.append(mask.elem_indptr)
+        # index arrays, the chunk size (graph mode only: elsewhere the kernel takes the by-value
+        # kv_chunk_size), the mask's offsets.
+        mask_arrays = () if mask is None else (
+            (mask.byte_indptr, mask.elem_indptr) if mask.kind == "bool" else (mask.byte_indptr,))
         if cap is None:
             # Back to back, the plan's arrays in one piece (they are consecutive in plan.buffer).
             # Nothing merged: every request has one chunk, the kernel reads no o_indptr and no
             # merge runs, so o_indptr and merge_indptr (total_q + 1 entries, the largest) stay home.
             buf = plan.buffer
-            staged = [buf if merge is not None else buf[:3 * plan.grid + B], *tail]
+            staged = [buf if merge is not None else buf[:3 * plan.grid + B], qo, *kv_arrays, *mask_arrays]
             offsets = nbytes = None
         else:
             # Rows past this plan's tokens must merge nothing (the merge grid covers the capacity).
             mi = plan.merge_indptr
             staged = [plan.work_request, plan.work_qtile, plan.work_chunk, plan.num_chunks, plan.o_indptr,
-                      np.concatenate([mi, np.full(cap["max_total_q"] + 1 - mi.size, mi[-1], np.int32)]), *tail]
+                      np.concatenate([mi, np.full(cap["max_total_q"] + 1 - mi.size, mi[-1], np.int32)]),
+                      qo, *kv_arrays, plan.kv_chunk_size, *mask_arrays]
             names = (*self._PLAN_ARRAYS, "qo_indptr", *self._KV_ARRAYS, "chunk_size",
                      "mask_indptr", "mask_in_indptr")
             layout = self._graph_layout({name: 1 if type(a) is int else a.size for name, a in zip(names, staged)},
@@ -406,25 +410,27 @@ class _BatchPrefillBase:
         s = _plan_stream(stream, self._dev)
         ptrs = self._staging.upload(staged, s, offsets, nbytes)
         self._plan_stream, self._pending_copy = s, True
+        nkv = len(kv_arrays)
         if cap is None:  # the plan's arrays follow each other from where plan.buffer landed
             wr, rest = ptrs[0], ptrs[1:]
             wq, wc, nc = wr + 4 * plan.grid, wr + 8 * plan.grid, wr + 12 * plan.grid
-            o_ptr = m_ptr = 0
+            o_ptr = m_ptr = chunk_ptr = 0
             if merge is not None:
                 o_ptr = nc + 4 * B
                 m_ptr = o_ptr + 4 * (B + 1)
+            mask_ptrs = rest[1 + nkv:]
         else:
             (wr, wq, wc, nc, o_ptr, m_ptr), rest = ptrs[:6], ptrs[6:]
-        # rest: qo_indptr, the wrapper's index arrays, the chunk size, the mask's offsets
-        nkv = len(kv_arrays)
+            chunk_ptr, mask_ptrs = rest[1 + nkv], rest[2 + nkv:]
+        # rest: qo_indptr, the wrapper's index arrays, (graph mode) the chunk size, the mask's offsets
         p = la.params
         p.work_request, p.work_qtile, p.work_chunk, p.num_chunks, p.o_indptr = wr, wq, wc, nc, o_ptr
         p.qo_indptr = rest[0]
         for name, ptr in zip(self._KV_ARRAYS, rest[1:1 + nkv]):
             setattr(p, name, ptr)
-        p.kv_chunk_size_dev = rest[1 + nkv]
+        p.kv_chunk_size_dev = chunk_ptr
         if mask is not None:
-            p.custom_mask, p.mask_indptr = self._write_mask(mask, rest[2 + nkv:], s)
+            p.custom_mask, p.mask_indptr = self._write_mask(mask, mask_ptrs, s)
         else:
             p.custom_mask = p.mask_indptr = 0
             self._mask_keep = None
@@ -470,6 +476,31 @@ class _BatchPrefillBase:
             self._sig = sig
         self._fast_key = None  # run()'s validated-signature cache belongs to one plan
         return plan
+
+    def _resolve_config(self, num_qo_heads, num_kv_heads, head_dim, pos_encoding_mode, allow_fp16_qk_reduction,
+                        logits_soft_cap, rope_scale, rope_theta, lse_base, q_data_type, kv_data_type, window_left,
+                        sm_scale, fixed_split_size, has_mask):
+        """plan()'s settings validated (errors name the argument), and the kernel they select:
+        (opts, q dtype, kv dtype, kv_fp8, window_left, sm_scale, fixed_split_size or None,
+        group size, attention launcher, CTAs per wave). Cached by _plan_common."""
+        opts = _options.resolve(pos_encoding_mode, allow_fp16_qk_reduction, logits_soft_cap, rope_scale, rope_theta,
+                                lse_base)
+        for name, val in (("num_qo_heads", num_qo_heads), ("num_kv_heads", num_kv_heads), ("head_dim", head_dim)):
+            if not isinstance(val, (int, np.integer)) or isinstance(val, bool) or val <= 0:
+                raise ValueError(f"{name} must be a positive int, got {val!r}")
+        num_qo_heads, num_kv_heads, head_dim = int(num_qo_heads), int(num_kv_heads), int(head_dim)
+        if num_qo_heads % num_kv_heads:
+            raise ValueError(f"num_qo_heads ({num_qo_heads}) must be a multiple of num_kv_heads ({num_kv_heads})")
+        if head_dim not in HEAD_DIMS:
+            raise ValueError(f"head_dim {head_dim} is not supported (supported: {HEAD_DIMS})")
+        qdt, kdt, kv_fp8 = _plan_dtypes(q_data_type, kv_data_type)
+        window_left = _options.window(window_left)
+        sm_scale = _options.softmax_scale(sm_scale, head_dim)
+        fss = None if fixed_split_size is None else _plan._pos_int(fixed_split_size, "fixed_split_size")
+        _cuda.ensure_context(self._dev)
+        la = self._launcher("prefill", qdt.short, "fp8" if kv_fp8 else qdt.short, head_dim, opts.general or has_mask)
+        budget = _cuda.properties(self._dev)["sm_count"] * (2 if la.meta["threads"] <= 128 else 1)  # CTAs per wave
+        return opts, qdt, kdt, kv_fp8, window_left, sm_scale, fss, num_qo_heads // num_kv_heads, la, budget
 
     def _mask_plan(self, custom_mask, packed_custom_mask, qo_lens, kv_lens) -> _MaskPlan:
         """Validate a per-request custom mask and decide where its packed bits go (no driver).

@@ -80,9 +80,10 @@ class PrefillPlan:
     total_q: int
     max_partial_rows: int = -1
 
-    # Not a field: the int32 buffer the six arrays are consecutive views of, in int_arrays()
-    # order (set by plan_prefill; None for a plan built otherwise), so that a caller can copy
-    # all of them in one piece.
+    # Not a field: the int32 buffer the arrays are consecutive views of, in int_arrays() order
+    # (set by plan_prefill; None for a plan built otherwise), so that a caller can copy all of
+    # them in one piece. Without a split it ends after o_indptr (merge_indptr is then a shared
+    # read-only zero view).
     buffer = None
 
     def __post_init__(self):
@@ -156,6 +157,22 @@ def _k(v: int) -> np.ndarray:
     return a
 
 
+_SHARED = {"zeros": np.zeros(0, np.int32), "iota": np.arange(0, dtype=np.intp)}
+
+
+def _shared(name: str, n: int) -> np.ndarray:
+    """A read-only view of n int32 zeros ("zeros") or of 0..n-1 as intp ("iota": index arrays
+    of intp take numpy's fast gather path, int32 ones a slower one), sliced from a cached array
+    that grows by doubling: no allocation (and no fresh pages to fault in) per plan."""
+    a = _SHARED[name]
+    if a.size < n:
+        size = max(n, 2 * a.size, 1024)
+        a = np.zeros(size, np.int32) if name == "zeros" else np.arange(size, dtype=np.intp)
+        a.flags.writeable = False
+        _SHARED[name] = a
+    return a[:n]
+
+
 def _div(x: np.ndarray, d: int) -> np.ndarray:
     """x //= d in place, x int64, d a block size (floor division, also of negatives); a shift when
     d is a power of 2."""
@@ -227,14 +244,14 @@ def _search_chunk_units(tiles_f, kv1_f: np.ndarray, T: int, limit: int, bn: int,
 
 
 # ---- the KV tiles each q tile / work item iterates -------------------------------------------------
-def _tile_spans(qo_lens, kv, tiles, first, ends, req, g, bm, bn, causal, wl):
+def _tile_spans(qo_lens, kv, tiles, first, req, g, bm, bn, causal, wl):
     """Per q tile of the batch (request-major), [l, h): the KV tiles its rows can see at all,
     returned as (-h, l), l None without a window. Token i of a request sits at i + shift (shift =
     kv_len - qo_len; packed row r is token r // g): h = clip(ceil(hi / bn), 0, ceil(kv / bn))
     with hi the causal end of the tile's last token (-h computed as floor(-hi / bn)), and
     l = floor(max(lo, 0) / bn) with lo the window start of its first token. tiles None: one
-    tile per request; else ``first`` / ``ends`` are each request's first / one past its last
-    tile and ``req`` each tile's request."""
+    tile per request; else ``first`` is each request's first tile and ``req`` each tile's
+    request."""
     if tiles is None:  # the tile holds the request's last token, which sees every key
         nkvt = np.floor_divide(kv, _k(-bn))  # -ceil(kv / bn)
         if wl < 0:
@@ -258,13 +275,9 @@ def _tile_spans(qo_lens, kv, tiles, first, ends, req, g, bm, bn, causal, wl):
             nh = d - js
             _div(nh, bn)
             # Only a request's last tile (it holds its last token, which sees every key) can
-            # reach past kv: its -h is -ceil(kv / bn), written per request when every request
-            # has a tile (else `ends - 1` would name another request's tile: clip every tile).
-            nkvt = np.floor_divide(kv, _k(-bn))
-            if np.count_nonzero(tiles) == kv.size:
-                nh[ends - _k(1)] = nkvt
-            else:
-                np.maximum(nh, expand(nkvt), out=nh)
+            # reach past kv: clip every tile at -ceil(kv / bn) (3 numpy calls; writing the last
+            # tiles alone needs as many plus a check that every request has one).
+            np.maximum(nh, expand(np.floor_divide(kv, _k(-bn))), out=nh)
         if wl >= 0:  # lo = t*s + shift - wl
             l = np.subtract(js, d, out=js)
             l -= _k(s + wl)
@@ -483,12 +496,13 @@ def schedule_prefill(qo, qo_lens, kv, max_qo, max_kv, g, hkv, bm, bn, budget, ca
         grid = N
 
     # Every int32 output is a slice of one zeroed buffer: one allocation, and what stays 0 is
-    # written already.
-    buf = np.zeros(3 * grid + 2 * B + total_q + 2, np.int32)
+    # written already. Without a split, merge_indptr (total_q + 1 entries, the largest) is all
+    # zeros: a shared read-only view instead.
+    buf = np.zeros(3 * grid + 2 * B + 1 + (total_q + 1 if split else 0), np.int32)
     work_request, work_qtile, work_chunk = buf[:grid], buf[grid:2 * grid], buf[2 * grid:3 * grid]
     num_chunks = buf[3 * grid:3 * grid + B]
     o_indptr = buf[3 * grid + B:3 * grid + 2 * B + 1]
-    merge_indptr = buf[3 * grid + 2 * B + 1:]
+    merge_indptr = buf[3 * grid + 2 * B + 1:] if split else _shared("zeros", total_q + 1)
     if grid > N:
         work_request[N:] = -1  # padding of a fixed CUDA-graph grid
 
@@ -497,8 +511,8 @@ def schedule_prefill(qo, qo_lens, kv, max_qo, max_kv, g, hkv, bm, bn, budget, ca
     first = req = None
     if tiles is not None:
         first = ends - tiles  # each request's first q tile
-        req = np.arange(B).repeat(tiles)  # the request of each q tile
-    nh, l = _tile_spans(qo_lens, kv, tiles, first, ends, req, g, bm, bn, causal, wl)
+        req = _shared("iota", B).repeat(tiles)  # the request of each q tile
+    nh, l = _tile_spans(qo_lens, kv, tiles, first, req, g, bm, bn, causal, wl)
     if not split:  # item = q tile; it iterates h - l KV tiles (>= 0: a tile's lo < its hi)
         order = _lpt_order(nh if l is None else np.add(nh, l, out=nh), -(-max_kv // bn))
         if tiles is None:  # q tile = request
@@ -513,7 +527,7 @@ def schedule_prefill(qo, qo_lens, kv, max_qo, max_kv, g, hkv, bm, bn, budget, ca
         work_chunk[:N] = c[order]
         # the request (and the tile's index inside it) of each item, in launch order
         if tiles is None:
-            req = np.arange(B, dtype=np.int32).repeat(nc)
+            req = _shared("iota", B).repeat(nc)
         else:
             tq = np.arange(T)
             tq -= first[req]

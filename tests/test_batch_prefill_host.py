@@ -894,9 +894,14 @@ def test_staged_metadata_is_the_plan(fake, kind, graph):
         p, B, G = w._attn.params, qo.size, plan.grid
         dev = {"work_request": (p.work_request, G), "work_qtile": (p.work_qtile, G),
                "work_chunk": (p.work_chunk, G), "num_chunks": (p.num_chunks, B), "qo_indptr": (p.qo_indptr, B + 1),
-               "kv_indptr": (p.kv_indptr, B + 1), "kv_chunk_size_dev": (p.kv_chunk_size_dev, 1)}
-        host = dict(plan.int_arrays(), qo_indptr=qi, kv_chunk_size_dev=[plan.kv_chunk_size],
-                    kv_indptr=ind(pages) if kind == "paged" else ind(kv))
+               "kv_indptr": (p.kv_indptr, B + 1)}
+        host = dict(plan.int_arrays(), qo_indptr=qi, kv_indptr=ind(pages) if kind == "paged" else ind(kv))
+        assert p.kv_chunk_size == plan.kv_chunk_size
+        if graph:  # a replay reads the chunk size of the latest plan from the device
+            dev["kv_chunk_size_dev"] = (p.kv_chunk_size_dev, 1)
+            host["kv_chunk_size_dev"] = [plan.kv_chunk_size]
+        else:  # the kernel takes the by-value field
+            assert p.kv_chunk_size_dev == 0
         if kind == "paged":
             dev.update(kv_page_indices=(p.kv_page_indices, idx.size - 3), kv_last_page_len=(p.kv_last_page_len, B))
             host.update(kv_page_indices=idx[:-3], kv_last_page_len=last)
