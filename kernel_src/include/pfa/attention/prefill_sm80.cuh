@@ -72,19 +72,34 @@ struct PrefillSm80 {
     return KV_FP8 ? (row * KV_CPR + chunk) * 16 : swz(row, chunk) * 16;
   }
 
-  // Copy BLOCK_N K/V rows of one head into a ring tile; row_ptr(row) gives the global address of
-  // (row, this thread's chunk column); rows at or past valid_rows are zero-filled from `safe`.
-  template <typename RowPtr>
-  static __device__ __forceinline__ void load_tile(uint32_t s_tile, RowPtr row_ptr, const KV* safe, int valid_rows,
-                                                   int tid) {
+  // Copy BLOCK_N rows of one K/V head into a ring tile (contiguous KV): this thread's chunk
+  // column of rows row0, row0 + ROW_STEP, ... where `src` points at (row0, chunk) and
+  // `step_bytes` = ROW_STEP rows; rows at or past valid_rows are zero-filled. A full tile (all
+  // but a range's last) is one 64-bit add and one cp.async per row; the shared-memory offsets are
+  // one or two registers plus compile-time immediates (the XOR swizzle repeats every 8 rows).
+  static __device__ __forceinline__ void load_rows(uint32_t s_tile, const char* src, int64_t step_bytes,
+                                                   const KV* safe, int valid_rows, int tid) {
+    constexpr int ROW_STEP = THREADS / KV_CPR;
+    constexpr int PERIOD = ROW_STEP >= 8 || KV_FP8 ? 1 : 8 / ROW_STEP;  // distinct swizzles
     const int chunk = tid % KV_CPR;
     const int row0 = tid / KV_CPR;
-    constexpr int ROW_STEP = THREADS / KV_CPR;
+    uint32_t so[PERIOD];
 #pragma unroll
-    for (int i = 0; i < BLOCK_N / ROW_STEP; ++i) {
-      const int row = row0 + i * ROW_STEP;
-      const bool valid = row < valid_rows;
-      ptx::cp_async_16(s_tile + ring_off(row, chunk), valid ? row_ptr(row) : safe, valid);
+    for (int j = 0; j < PERIOD; ++j) so[j] = s_tile + ring_off(row0 + j * ROW_STEP, chunk) - j * ROW_STEP * KV_CPR * 16;
+    if (valid_rows >= BLOCK_N) {
+#pragma unroll
+      for (int i = 0; i < BLOCK_N / ROW_STEP; ++i) {
+        ptx::cp_async_16(so[i % PERIOD] + i * ROW_STEP * KV_CPR * 16, src, true);
+        src += step_bytes;
+      }
+    } else {
+#pragma unroll
+      for (int i = 0; i < BLOCK_N / ROW_STEP; ++i) {
+        const bool valid = row0 + i * ROW_STEP < valid_rows;
+        ptx::cp_async_16(so[i % PERIOD] + i * ROW_STEP * KV_CPR * 16, valid ? src : reinterpret_cast<const char*>(safe),
+                         valid);
+        src += step_bytes;
+      }
     }
   }
 
@@ -285,9 +300,8 @@ struct PrefillSm80 {
           rows(false);
         }
       } else {
-        const KV* first = base + (kv_row0 + n0 + tid / KV_CPR) * stride_n;
-        load_tile(s_tile, [&](int row) { return first + (int64_t)(row - tid / KV_CPR) * stride_n; }, src,
-                  kv_len - n0, tid);
+        load_rows(s_tile, reinterpret_cast<const char*>(base + (kv_row0 + n0 + tid / KV_CPR) * stride_n),
+                  stride_n * (int64_t)(KV_ROW_STEP * sizeof(KV)), src, kv_len - n0, tid);
       }
     };
     auto load_k = [&](int n0, int stage) {
