@@ -31,6 +31,7 @@ from .prefill import HEAD_DIMS, LOG2E, _MERGE_ROWS_PER_BLOCK, _alibi_buffer
 _I32_MAX = 2**31 - 1
 # numpy's descriptors: `is` tests them, and numpy takes them faster than the scalar types
 _INT32, _INT64, _UINT32 = np.dtype(np.int32), np.dtype(np.int64), np.dtype(np.uint32)
+_PLAIN = frozenset((type(None), bool, int, float))  # immutable option types plan() may cache by value
 _MASK_MIN_BYTES = 64 << 10  # smallest library-owned packed-mask buffer
 _PACK_THREADS, _PACK_MAX_SEGMENTS = 256, 65535  # the packbits kernel: bytes per CTA, grid.y limit
 
@@ -337,16 +338,20 @@ class _BatchPrefillBase:
         args = (num_qo_heads, num_kv_heads, head_dim, pos_encoding_mode, allow_fp16_qk_reduction, logits_soft_cap,
                 rope_scale, rope_theta, lse_base, q_data_type, kv_data_type, window_left, sm_scale, fixed_split_size,
                 has_mask)
-        # A serving loop re-plans with the same settings every step: their validation and the
-        # kernel choice are cached per wrapper, keyed by the values and their types (so 128.0 or
-        # True never pass where 128 or 1 did).
         # The mask is checked first (before the driver is touched, like every argument).
         mask = self._mask_plan(custom_mask, packed_custom_mask, qo_lens, kv_lens) if has_mask else None
-        key = (args, tuple(map(type, args)))
-        try:
-            cfg = self._configs.get(key)
-        except TypeError:  # an unhashable argument: resolve it every time (and reject it there)
-            key = cfg = None
+        # A serving loop re-plans with the same settings every step: their validation and the
+        # kernel choice are cached per wrapper, keyed by the values and their types (so 128.0 or
+        # True never pass where 128 or 1 did), and only with plain scalars in the numeric options
+        # (a tensor there hashes by identity and could change value between plans).
+        types = tuple(map(type, args))
+        key = cfg = None
+        if _PLAIN.issuperset((types[4], types[5], types[6], types[7], types[11], types[12], types[13])):
+            key = (args, types)
+            try:
+                cfg = self._configs.get(key)
+            except TypeError:  # an unhashable argument: resolve it every time (and reject it there)
+                key = None
         if cfg is None:
             cfg = self._resolve_config(*args)
             if key is not None:

@@ -456,6 +456,46 @@ def test_bad_scales_raise_before_launch_and_change_nothing(fake, kind, kw, exc, 
     assert bytes(last_attn(fake)[3]) == bytes(good)
 
 
+# ---------------------------------------------------------------------------------------------
+# plan()'s settings cache: the same checks and results as resolving every time
+# ---------------------------------------------------------------------------------------------
+class _Knob:
+    """A mutable number (like a 0-d tensor): float() reads its current value."""
+
+    def __init__(self, v):
+        self.v = v
+
+    def __float__(self):
+        return self.v
+
+
+@pytest.mark.parametrize("kind", ["paged", "ragged"])
+def test_cached_settings_still_check_types_and_follow_mutable_values(fake, kind):
+    w = paged(fake) if kind == "paged" else ragged(fake)
+    plan = plan_paged if kind == "paged" else plan_ragged
+    plan(w, sm_scale=0.5)
+    plan(w, sm_scale=0.5)  # cached
+    assert w._attn.params.sm_scale_log2 == pytest.approx(0.5 * LOG2E)
+    # equal values of other types are checked as such, not served from the cache
+    args = (QO, KV_INDPTR, KV_INDICES, LAST) if kind == "paged" else (QO, RAGGED_KV)
+    tail = (PS,) if kind == "paged" else ()
+    with pytest.raises(ValueError, match="head_dim"):
+        w.plan(*args, HQ, HKV, float(D), *tail, sm_scale=0.5)
+    with pytest.raises(TypeError, match="window_left"):
+        plan(w, sm_scale=0.5, window_left=-1.0)
+    with pytest.raises(ValueError, match="sm_scale"):
+        plan(w, sm_scale=True)
+    # a mutable scale is read again at every plan
+    knob = _Knob(0.25)
+    plan(w, sm_scale=knob)
+    assert w._attn.params.sm_scale_log2 == pytest.approx(0.25 * LOG2E)
+    knob.v = 0.125
+    plan(w, sm_scale=knob)
+    assert w._attn.params.sm_scale_log2 == pytest.approx(0.125 * LOG2E)
+    plan(w, sm_scale=np.float64(0.75))  # numpy scalars work (resolved each time)
+    assert w._attn.params.sm_scale_log2 == pytest.approx(0.75 * LOG2E)
+
+
 def test_scales_stay_per_run_and_reset_at_plan(fake):
     w = ragged(fake)
     plan_ragged(w, sm_scale=0.5)
