@@ -281,7 +281,7 @@ struct PrefillSm80 {
       return reinterpret_cast<const KV*>(reinterpret_cast<const char*>(base) + byte_off);
     };
     constexpr int KV_ROW_STEP = THREADS / KV_CPR;
-    // Contiguous KV: one 64-bit base per tile, rows at a constant stride (strength-reduced).
+    // Paged KV: a page lookup per row; contiguous KV: load_rows (a byte pointer stepped per row).
     auto load_kv = [&](const KV* src, int64_t stride_page, int64_t stride_n, int n0, uint32_t s_tile) {
       const int chunk = tid % KV_CPR, row0 = tid / KV_CPR;
       const KV* base = src + chunk * KV_EPC;
