@@ -182,8 +182,8 @@ class _Staging:
         """A pinned buffer no pending copy reads (see the class docstring)."""
         cu = _cuda.driver()
         if self.pinned:
-            # The last plan's buffer first: its copy is usually done by now, and its pages are
-            # still in the CPU cache (a large page table is copied at half the speed otherwise).
+            # The last plan's buffer first: its copy is usually done by now, and its lines may
+            # still be in the CPU cache (round-robin over the pool would write a cold buffer).
             entry = self.pinned[self.next - 1]
             event = entry[2]
             if len(self.pinned) > 1 and (event is None
