@@ -1010,10 +1010,10 @@ class BatchPrefillWithPagedKVCacheWrapper(_BatchPrefillBase):
             raise ValueError("paged_kv_indptr must start at 0 and be non-decreasing")
         # kv_len = (pages - 1) * page_size + last_page_len, 0 without pages (FlashInfer ignores
         # that request's last_page_len), in few numpy calls (their fixed cost dominates here).
-        has = pages != _plan._k(0)
-        full = pages * _plan._k(page_size)
+        has = pages != _plan._k[0]
+        full = pages * _plan._k[page_size]
         kv_lens = full + last
-        kv_lens -= _plan._k(page_size)
+        kv_lens -= _plan._k[page_size]
         kv_lens *= has
         # full - kv_len = page_size - last_page_len, 0 without pages, must lie in [0, page_size):
         # as unsigned, anything else is >= page_size, so one argmax checks every request.

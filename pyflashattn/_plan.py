@@ -139,22 +139,25 @@ def _int_array(x, name: str) -> np.ndarray:
 # Python wrappers or slow reductions; argmax has no ufunc machinery), updates in place, and
 # passes its per-configuration constants as cached 0-d arrays (_k).
 _acc = np.add.accumulate
-_CONSTS: dict = {}
 _U64 = np.dtype(np.uint64)  # a descriptor: numpy takes it faster than the scalar type
 
 
-def _k(v: int) -> np.ndarray:
-    """v as a cached 0-d int64 array, for operands of int64 arrays: numpy resolves a Python int
-    operand (a "weak" scalar) at about the cost of a whole small-array operation, a 0-d array of
-    the same dtype gives the same result cheaply. Only for values set by the configuration
-    (block sizes, window), so the cache stays small (it is bounded anyway)."""
-    a = _CONSTS.get(v)
-    if a is None:
-        if len(_CONSTS) >= 256:
-            _CONSTS.clear()
-        a = _CONSTS[v] = np.array(v, np.int64)
+class _Consts(dict):
+    """_k[v]: v as a cached 0-d int64 array, for operands of int64 arrays: numpy resolves a
+    Python int operand (a "weak" scalar) at about the cost of a whole small-array operation, a 0-d
+    array of the same dtype gives the same result cheaply; a subscript (not a function call) keeps
+    the lookup itself at dict speed. Only for values set by the configuration (block sizes,
+    window), so the cache stays small (it is bounded anyway)."""
+
+    def __missing__(self, v: int) -> np.ndarray:
+        if len(self) >= 256:
+            self.clear()
+        a = self[v] = np.array(v, np.int64)
         a.flags.writeable = False
-    return a
+        return a
+
+
+_k = _Consts()
 
 
 _SHARED = {"zeros": np.zeros(0, np.int32), "iota": np.arange(0, dtype=np.intp)}
@@ -177,9 +180,9 @@ def _div(x: np.ndarray, d: int) -> np.ndarray:
     """x //= d in place, x int64, d a block size (floor division, also of negatives); a shift when
     d is a power of 2."""
     if d & (d - 1) == 0:
-        x >>= _k(d.bit_length() - 1)
+        x >>= _k[d.bit_length() - 1]
     else:
-        x //= _k(d)
+        x //= _k[d]
     return x
 
 
@@ -253,55 +256,55 @@ def _tile_spans(qo_lens, kv, tiles, first, req, g, bm, bn, causal, wl):
     tile per request; else ``first`` is each request's first tile and ``req`` each tile's
     request."""
     if tiles is None:  # the tile holds the request's last token, which sees every key
-        nkvt = np.floor_divide(kv, _k(-bn))  # -ceil(kv / bn)
+        nkvt = np.floor_divide(kv, _k[-bn])  # -ceil(kv / bn)
         if wl < 0:
             return nkvt, None
         lo = kv - qo_lens
-        lo -= _k(wl)
-        np.maximum(lo, _k(0), out=lo)
+        lo -= _k[wl]
+        np.maximum(lo, _k[0], out=lo)
         return nkvt, _div(lo, bn)
     T = req.size
     # per-request values, per tile: a repeat costs per request, a gather per tile
     expand = (lambda x: x.repeat(tiles)) if T > 4 * kv.size else (lambda x: x[req])
     if not (causal or wl >= 0):
-        return expand(np.floor_divide(kv, _k(-bn))), None
+        return expand(np.floor_divide(kv, _k[-bn])), None
     shift = kv - qo_lens
     nh = l = None
     if bm % g == 0:  # tile t holds tokens [t*s, (t+1)*s) (s = bm / g), clipped by qo_len
         s = bm // g
         js = np.arange(s, (T + 1) * s, s)  # (global tile index + 1) * s = (t+1)*s + first*s
-        d = expand(first * _k(s) - shift)  # so that js - d = (t+1)*s + shift
+        d = expand(first * _k[s] - shift)  # so that js - d = (t+1)*s + shift
         if causal:  # -hi = -((t+1)*s + shift)
             nh = d - js
             _div(nh, bn)
             # Only a request's last tile (it holds its last token, which sees every key) can
             # reach past kv: clip every tile at -ceil(kv / bn) (3 numpy calls; writing the last
             # tiles alone needs as many plus a check that every request has one).
-            np.maximum(nh, expand(np.floor_divide(kv, _k(-bn))), out=nh)
+            np.maximum(nh, expand(np.floor_divide(kv, _k[-bn])), out=nh)
         if wl >= 0:  # lo = t*s + shift - wl
             l = np.subtract(js, d, out=js)
-            l -= _k(s + wl)
+            l -= _k[s + wl]
     else:
         r0 = np.arange(T)
         r0 -= expand(first)
-        r0 *= _k(bm)  # the tile's first packed row
+        r0 *= _k[bm]  # the tile's first packed row
         sh = expand(shift)
         if causal:  # -hi = -ceil(min(r0 + bm, qo_len * g) / g) - shift: hi <= qo_len + shift = kv
-            nh = np.minimum(r0 + _k(bm), expand(qo_lens * _k(g)))
-            np.floor_divide(nh, _k(-g), out=nh)
+            nh = np.minimum(r0 + _k[bm], expand(qo_lens * _k[g]))
+            np.floor_divide(nh, _k[-g], out=nh)
             nh -= sh
             _div(nh, bn)
         if wl >= 0:  # lo = r0 // g + shift - wl
             l = r0
-            l //= _k(g)
+            l //= _k[g]
             l += sh
-            l -= _k(wl)
+            l -= _k[wl]
     if nh is None:
-        nh = expand(np.floor_divide(kv, _k(-bn)))
+        nh = expand(np.floor_divide(kv, _k[-bn]))
     else:
-        np.minimum(nh, _k(0), out=nh)  # hi >= 0
+        np.minimum(nh, _k[0], out=nh)  # hi >= 0
     if l is not None:
-        np.maximum(l, _k(0), out=l)
+        np.maximum(l, _k[0], out=l)
         _div(l, bn)
     return nh, l
 
@@ -432,7 +435,7 @@ def schedule_prefill(qo, qo_lens, kv, max_qo, max_kv, g, hkv, bm, bn, budget, ca
         T = B
     else:
         if bm % g == 0:  # a tile holds bm / g whole tokens
-            tiles = _div(qo_lens + _k(bm // g - 1), bm // g)
+            tiles = _div(qo_lens + _k[bm // g - 1], bm // g)
         else:
             tiles = qo_lens * g
             tiles += bm - 1
