@@ -645,7 +645,12 @@ struct PrefillSm80 {
       }
 
     const int Hq = p.num_qo_heads;
-    const int2* row_map = reinterpret_cast<const int2*>(smem + ROW_MAP_OFFSET);  // (token, q head)
+    // Packed row of this CTA -> (token, q head): the Q gather's row map, or (paged) divided out.
+    const int2* row_map = reinterpret_cast<const int2*>(smem + ROW_MAP_OFFSET);
+    auto token_head = [&](int row) {
+      const int r = r0 + row;
+      return ROW_MAP ? row_map[row] : make_int2(r / group, kv_head * group + r % group);
+    };
     if (num_splits == 1) {
       // Stage this warp's rows through its own slice of sQ (no other warp touches it), then
       // write 16-byte chunks so the global stores are coalesced along each row.
@@ -665,9 +670,8 @@ struct PrefillSm80 {
       T* out = reinterpret_cast<T*>(p.o);
       for (int i = lane; i < MQ * 16 * CPR; i += 32) {
         const int row = warp_row0 + i / CPR, chunk = i % CPR;
-        const int r = r0 + row;
-        if (r < rows_total) {
-          const int2 th = ROW_MAP ? row_map[row] : make_int2(r / group, kv_head * group + r % group);
+        if (r0 + row < rows_total) {
+          const int2 th = token_head(row);
           *reinterpret_cast<uint4*>(out + (q_row0 + th.x) * p.o_stride_n + th.y * p.o_stride_h + chunk * 8) =
               *reinterpret_cast<const uint4*>(reinterpret_cast<char*>(sQ) + swz(row, chunk) * 16);
         }
@@ -680,8 +684,7 @@ struct PrefillSm80 {
           for (int hf = 0; hf < 2; ++hf) {
             const int row = warp_row0 + mt * 16 + lane / 4 + hf * 8;
             if (r0 + row < rows_total) {
-              const int r = r0 + row;
-              const int2 th = ROW_MAP ? row_map[row] : make_int2(r / group, kv_head * group + r % group);
+              const int2 th = token_head(row);
               lse[(q_row0 + th.x) * Hq + th.y] = lse_v[mt][hf] * p.lse_scale;
             }
           }
@@ -696,8 +699,7 @@ struct PrefillSm80 {
         for (int hf = 0; hf < 2; ++hf) {
           const int row = warp_row0 + mt * 16 + lane / 4 + hf * 8;
           if (r0 + row >= rows_total) continue;
-          const int r = r0 + row;
-          const int2 th = ROW_MAP ? row_map[row] : make_int2(r / group, kv_head * group + r % group);
+          const int2 th = token_head(row);
           // Partial row: single request [split][qo_len]; batch plan token-major, chunk fastest.
           const int64_t prow = part_base >= 0 ? part_base + (int64_t)th.x * num_splits + split
                                               : (int64_t)split * qo_len + th.x;
