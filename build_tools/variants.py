@@ -31,6 +31,9 @@ class PrefillVariant:
     # Rescale O only when a row max of the warp moved (a warp vote per tile). A register-
     # allocation lever as much as an arithmetic one: measured per shape (NOTES.md).
     lazy_rescale: bool = False
+    # Warp pairs share their rows: each computes S for half of a tile's keys and O for half of
+    # the head dim (prefill_sm80.cuh, PAIR). BLOCK_M counts rows, so it is warps / 2 * mq * 16.
+    pair: bool = False
     tune: bool = False
     # general = custom mask, soft cap, ALiBi, RoPE compiled in (runtime fields pick them); the
     # lean kernel (plain, causal, window) carries none of that code, so it pays nothing for it.
@@ -44,12 +47,12 @@ class PrefillVariant:
 
     @property
     def block_m(self):
-        return self.warps * self.mq * 16
+        return self.warps // (2 if self.pair else 1) * self.mq * 16
 
     @property
     def name(self):
         return (f"pfa_prefill_sm80_{self.dtype}{'_kv' + self.kv_dtype if self.kv_dtype else ''}_hd{self.head_dim}"
-                f"_m{self.block_m}n{self.block_n}w{self.warps}s{self.stages}{'_qr' if self.q_in_regs else ''}{'_lr' if self.lazy_rescale else ''}"
+                f"_m{self.block_m}n{self.block_n}w{self.warps}s{self.stages}{'_qr' if self.q_in_regs else ''}{'_lr' if self.lazy_rescale else ''}{'_pr' if self.pair else ''}"
                 f"{'_gen' if self.general else ''}{'_paged' if self.paged else ''}")
 
     @property
@@ -60,10 +63,12 @@ class PrefillVariant:
     def smem_bytes(self):
         # PrefillSm80::SMEM_BYTES (the generated source static_asserts the two agree): Q + the K/V
         # stages; fp8 K/V: the one-byte ring plus one widened K/V pair; + the paged kernels'
-        # page-id staging (MAX_PAGE_IDS int32 entries), the others' row map (8 bytes per packed row).
+        # page-id staging (MAX_PAGE_IDS int32 entries), the others' row map (8 bytes per packed row);
+        # + (pair) per warp and lane a float4 of row maxes and the warp's P words (mq * block_n / 8).
         kv_tile = self.block_n * self.head_dim
         kv = 2 * self.stages * kv_tile * 2 if not self.kv_dtype else 2 * self.stages * kv_tile + 2 * kv_tile * 2
-        return self.block_m * self.head_dim * 2 + kv + (2048 * 4 if self.paged else self.block_m * 8)
+        xch = self.warps * 32 * (16 + self.mq * self.block_n // 8 * 4) if self.pair else 0
+        return self.block_m * self.head_dim * 2 + kv + (2048 * 4 if self.paged else self.block_m * 8) + xch
 
     def source(self):
         return ('#include "pfa/attention/prefill_sm80.cuh"\n'
@@ -71,7 +76,7 @@ class PrefillVariant:
                 f"{KV_STORAGE[self.kv_dtype] if self.kv_dtype else DTYPES[self.dtype]}, {self.head_dim}, {self.warps}, "
                 f"{self.mq}, {self.block_n}, {'true' if self.q_in_regs else 'false'}, {self.stages}, {self.min_blocks}, "
                 f"{'true' if self.general else 'false'}, {'true' if self.paged else 'false'}, "
-                f"{'true' if self.lazy_rescale else 'false'}, {self.smem_bytes})\n")
+                f"{'true' if self.lazy_rescale else 'false'}, {'true' if self.pair else 'false'}, {self.smem_bytes})\n")
 
     def manifest(self):
         return {"family": "prefill", "dtype": self.dtype, "kv_dtype": self.kv, "head_dim": self.head_dim,
@@ -112,20 +117,22 @@ class PackbitsVariant:
         return {"family": "packbits", "threads": 256, "smem_bytes": 0, "tune": self.tune}
 
 
-# head_dim -> (warps, mq, block_n, q_in_regs, stages, min_blocks, lazy_rescale): the shipped default
-# per head dim. lazy_rescale applies to the lean kernels only (it made the general ones spill more);
-# it took hd128 from 40 B of spills to none (+8-12 %) but cost hd64/hd256 ~8 % (H100, NOTES.md).
+# head_dim -> (warps, mq, block_n, q_in_regs, stages, min_blocks, lazy_rescale[, pair]): the shipped
+# default per head dim. lazy_rescale applies to the lean kernels only (it made the general ones spill
+# more); it took hd128 from 40 B of spills to none (+8-12 %) but cost hd64 ~8 % (H100, NOTES.md).
+# hd256 runs warp pairs (8 warps, 128 rows, 2 row tiles per pair): +3 % over 8 single-row-tile warps.
 PREFILL_TILES = {
     64: (4, 2, 64, True, 2, 2, False),
     128: (4, 2, 64, False, 2, 2, True),
-    256: (8, 1, 64, False, 2, 1, False),
+    256: (8, 2, 64, False, 2, 1, True, True),
 }
 # Alternatives the tuning sweep compares against the defaults.
 PREFILL_TUNE_TILES = {
     64: [(4, 2, 64, True, 3, 2), (8, 2, 64, True, 2, 1)],
     128: [(8, 1, 64, True, 2, 1), (4, 2, 48, False, 2, 2), (4, 2, 64, False, 1, 2), (4, 2, 32, False, 3, 2)],
     # (4, 1, 64, False, 1, 2) is FA2's hd256 shape: 64-row CTAs, two per SM, one K and one V buffer.
-    256: [(4, 1, 64, False, 1, 2, True), (8, 1, 64, True, 2, 1), (8, 1, 32, False, 3, 1)],
+    256: [(4, 1, 64, False, 1, 2, True), (8, 1, 64, False, 2, 1), (8, 1, 32, False, 3, 1),
+          (8, 2, 64, False, 2, 1, False, True)],
 }
 
 

@@ -10,6 +10,13 @@
 // Softmax is online in the log2 domain (the scale already carries log2 e), P stays in
 // registers (the C fragment of S is exactly the A fragment layout of P V).
 //
+// PAIR (head dims where a warp cannot hold two m16 row tiles of O, i.e. hd256): warps 2i and
+// 2i+1 share MQ row tiles. For S = Q K^T each takes half of the tile's keys over the whole head
+// dim; for O += P V each takes half of the head dim over all keys. The row max and the other
+// half's P cross between the two through shared memory (two 64-thread barriers a tile). Every
+// K/V ldmatrix then feeds 2*MQ row tiles instead of one: shared-memory reads per MMA drop ~30 %,
+// and shared memory, not the tensor pipe, is what bounds the one-row-tile hd256 kernel.
+//
 // fp8 K/V (KV = fp8_storage): the ring holds one-byte tiles exactly as they sit in global
 // memory (half the bytes per load); after a tile lands, the CTA widens it once into a 16-bit
 // K/V pair in the swizzled layout, so the MMA path below is the same as for 16-bit K/V.
@@ -25,14 +32,19 @@
 namespace pfa {
 
 template <typename T, typename KV, int HEAD_DIM, int NUM_WARPS, int MQ, int BLOCK_N, bool Q_IN_REGS,
-          int KV_STAGES, bool GENERAL, bool PAGED, bool LAZY_RESCALE = false>
+          int KV_STAGES, bool GENERAL, bool PAGED, bool LAZY_RESCALE = false, bool PAIR = false>
 struct PrefillSm80 {
-  static constexpr int BLOCK_M = NUM_WARPS * MQ * 16;
+  static constexpr int ROW_WARPS = PAIR ? NUM_WARPS / 2 : NUM_WARPS;  // warps with distinct rows
+  static constexpr int BLOCK_M = ROW_WARPS * MQ * 16;
   static constexpr int THREADS = NUM_WARPS * 32;
   static constexpr int CPR = HEAD_DIM / 8;  // 16-byte chunks per row
   static constexpr int KSTEPS = HEAD_DIM / 16;
   static constexpr int NTILES = BLOCK_N / 8;
   static constexpr int DTILES = HEAD_DIM / 8;
+  static constexpr int S_NT = PAIR ? NTILES / 2 : NTILES;  // n8 tiles of S per warp (its keys)
+  static constexpr int O_DT = PAIR ? DTILES / 2 : DTILES;  // n8 tiles of O per warp (its head dims)
+  static_assert(!PAIR || (NUM_WARPS % 2 == 0 && MQ <= 2 && !Q_IN_REGS && BLOCK_N % 32 == 0),
+                "PAIR: warp pairs, at most 4 row maxes per lane, Q from shared memory, whole k16 steps per half");
   // Paged KV: the page ids of a CTA's whole KV range are staged in shared memory once, so no
   // tile load waits on a dependent global read of the page table (falls back beyond this).
   static constexpr int MAX_PAGE_IDS = 2048;
@@ -55,7 +67,12 @@ struct PrefillSm80 {
   // local loads inside the loop, paged -7 %), so they keep the divisions.
   static constexpr bool ROW_MAP = !PAGED;
   static constexpr int ROW_MAP_OFFSET = KV_SMEM_BYTES + (PAGED ? MAX_PAGE_IDS * 4 : 0);
-  static constexpr int SMEM_BYTES = ROW_MAP_OFFSET + (ROW_MAP ? BLOCK_M * 8 : 0);
+  // PAIR exchange area, one slot per warp written only by that warp, lane-major so every access
+  // is conflict-free: a float4 of row maxes (row sums in the epilogue), then its P words.
+  static constexpr int XCH_OFFSET = ROW_MAP_OFFSET + (ROW_MAP ? BLOCK_M * 8 : 0);
+  static constexpr int XCH_P_WORDS = MQ * S_NT * 2;
+  static constexpr int XCH_P_OFFSET = XCH_OFFSET + NUM_WARPS * 32 * 16;
+  static constexpr int SMEM_BYTES = XCH_OFFSET + (PAIR ? NUM_WARPS * 32 * (16 + XCH_P_WORDS * 4) : 0);
   static_assert(KV_STAGES >= 1 && KV_STAGES <= 4, "KV_STAGES: 1 = FA2 interleave, >= 2 = K/V ring");
   static_assert(!KV_FP8 || KV_STAGES >= 2, "fp8 K/V widens whole ring stages (K and V together)");
   static_assert(HEAD_DIM % 64 == 0, "the XOR swizzle needs at least 8 chunks per row");
@@ -364,14 +381,22 @@ struct PrefillSm80 {
       ptx::cp_async_commit();
     }
 
-    const int warp_row0 = warp * MQ * 16;
+    // PAIR: `half` picks this warp's keys of each tile (S) and its head dims (O); 0 otherwise.
+    const int half = PAIR ? warp % 2 : 0;
+    const int warp_row0 = (PAIR ? warp / 2 : warp) * MQ * 16;
+    const int col0 = half * (BLOCK_N / 2);   // first key column of this warp's S
+    const int dcol0 = half * (HEAD_DIM / 2);  // first head dim of this warp's O
+    const int partner = warp ^ 1;
+    const int pair_bar = 1 + warp / 2;  // named barrier of the pair (0 is __syncthreads)
+    float4* xch_max = reinterpret_cast<float4*>(smem + XCH_OFFSET);
+    uint4* xch_p = reinterpret_cast<uint4*>(smem + XCH_P_OFFSET);
 
-    float o[MQ][DTILES][4];
+    float o[MQ][O_DT][4];
     float m[MQ][2], l[MQ][2];
 #pragma unroll
     for (int mt = 0; mt < MQ; ++mt) {
 #pragma unroll
-      for (int d = 0; d < DTILES; ++d) o[mt][d][0] = o[mt][d][1] = o[mt][d][2] = o[mt][d][3] = 0.f;
+      for (int d = 0; d < O_DT; ++d) o[mt][d][0] = o[mt][d][1] = o[mt][d][2] = o[mt][d][3] = 0.f;
       m[mt][0] = m[mt][1] = -INFINITY;
       l[mt][0] = l[mt][1] = 0.f;
     }
@@ -387,7 +412,7 @@ struct PrefillSm80 {
       for (int mt = 0; mt < MQ; ++mt)
 #pragma unroll
         for (int hf = 0; hf < 2; ++hf) {
-          const int r = min(r0 + warp * MQ * 16 + mt * 16 + lane / 4 + hf * 8, rows_total - 1);
+          const int r = min(r0 + warp_row0 + mt * 16 + lane / 4 + hf * 8, rows_total - 1);
           alibi_q[mt][hf] = r / group;
           alibi_slope[mt][hf] = xf.kind == LogitTransform::kAlibi
                                     ? reinterpret_cast<const float*>(p.alibi_slopes)[kv_head * group + r % group] * kLog2e
@@ -406,8 +431,10 @@ struct PrefillSm80 {
     for (int j = 0; j < 4; ++j) {
       const int r = lane % 8;
       q_off[j] = (warp_row0 + lane % 16) * ROW_BYTES + 16 * ((2 * j + lane / 16) ^ r);
-      k_off[j] = ((lane / 16) * 8 + r) * ROW_BYTES + 16 * ((2 * j + (lane / 8) % 2) ^ r);
-      v_off[j] = (((lane / 8) % 2) * 8 + r) * ROW_BYTES + 16 * ((2 * j + lane / 16) ^ r);
+      // PAIR: K rows start at this warp's keys, V columns at its head dims (a multiple of 8
+      // chunks, which the swizzle leaves alone).
+      k_off[j] = (col0 + (lane / 16) * 8 + r) * ROW_BYTES + 16 * ((2 * j + (lane / 8) % 2) ^ r);
+      v_off[j] = (((lane / 8) % 2) * 8 + r) * ROW_BYTES + 16 * ((2 * j + lane / 16) ^ r) + dcol0 * (int)sizeof(T);
     }
 
     for (int it = 0; it < num_tiles; ++it) {
@@ -457,11 +484,11 @@ struct PrefillSm80 {
       }
 
       // ---- S = Q K^T ----
-      float s[MQ][NTILES][4];
+      float s[MQ][S_NT][4];
 #pragma unroll
       for (int mt = 0; mt < MQ; ++mt)
 #pragma unroll
-        for (int nt = 0; nt < NTILES; ++nt) s[mt][nt][0] = s[mt][nt][1] = s[mt][nt][2] = s[mt][nt][3] = 0.f;
+        for (int nt = 0; nt < S_NT; ++nt) s[mt][nt][0] = s[mt][nt][1] = s[mt][nt][2] = s[mt][nt][3] = 0.f;
 #pragma unroll
       for (int ks = 0; ks < KSTEPS; ++ks) {
         uint32_t a[MQ][4];
@@ -475,7 +502,7 @@ struct PrefillSm80 {
           }
         }
 #pragma unroll
-        for (int np = 0; np < NTILES / 2; ++np) {
+        for (int np = 0; np < S_NT / 2; ++np) {
           uint32_t b[4];
           ptx::ldmatrix_x4(b, sK_u + k_off[ks % 4] + np * 16 * ROW_BYTES + (ks / 4) * 128);
 #pragma unroll
@@ -491,11 +518,11 @@ struct PrefillSm80 {
 #pragma unroll
           for (int mt = 0; mt < MQ; ++mt)
 #pragma unroll
-            for (int nt = 0; nt < NTILES; ++nt)
+            for (int nt = 0; nt < S_NT; ++nt)
 #pragma unroll
               for (int e = 0; e < 4; ++e)
                 s[mt][nt][e] = xf.apply(s[mt][nt][e], alibi_slope[mt][e >> 1],
-                                        n0 + nt * 8 + (lane % 4) * 2 + (e & 1) - alibi_q[mt][e >> 1]);
+                                        n0 + col0 + nt * 8 + (lane % 4) * 2 + (e & 1) - alibi_q[mt][e >> 1]);
         }
       }
 
@@ -513,18 +540,18 @@ struct PrefillSm80 {
               static_assert(BLOCK_N <= 64, "row_bits covers 64 keys");
               const uint64_t w = rule.row_bits(qi, n0);
 #pragma unroll
-              for (int nt = 0; nt < NTILES; ++nt)
+              for (int nt = 0; nt < S_NT; ++nt)
 #pragma unroll
                 for (int e = 0; e < 2; ++e) {
-                  const int c = nt * 8 + (lane % 4) * 2 + e;
+                  const int c = col0 + nt * 8 + (lane % 4) * 2 + e;
                   if (!(rule.keep_structural(qi, n0 + c) && ((w >> c) & 1))) s[mt][nt][2 * hf + e] = -INFINITY;
                 }
             } else {
 #pragma unroll
-              for (int nt = 0; nt < NTILES; ++nt)
+              for (int nt = 0; nt < S_NT; ++nt)
 #pragma unroll
                 for (int e = 0; e < 2; ++e) {
-                  const int kv = n0 + nt * 8 + (lane % 4) * 2 + e;
+                  const int kv = n0 + col0 + nt * 8 + (lane % 4) * 2 + e;
                   if (!rule.keep(qi, kv)) s[mt][nt][2 * hf + e] = -INFINITY;
                 }
             }
@@ -532,18 +559,37 @@ struct PrefillSm80 {
       }
 
       // ---- online softmax, base 2 ----
-      uint32_t pp[MQ][NTILES][2];
+      uint32_t pp[MQ][S_NT][2];
       float corr[MQ][2];
       bool moved = false;  // did any row max of this thread move (corr != 1)?
+      auto row_max = [&](int mt, int hf) {
+        float mx = -INFINITY;
+#pragma unroll
+        for (int nt = 0; nt < S_NT; ++nt) mx = fmaxf(mx, fmaxf(s[mt][nt][2 * hf], s[mt][nt][2 * hf + 1]));
+        mx = fmaxf(mx, __shfl_xor_sync(0xffffffff, mx, 1));
+        return fmaxf(mx, __shfl_xor_sync(0xffffffff, mx, 2));
+      };
+      // PAIR: a warp's row max covers its own keys; both warps of the pair take the larger of
+      // the two (fmaxf is symmetric, so they agree bit for bit and their halves of O match).
+      float pair_mx[4] = {0.f, 0.f, 0.f, 0.f};
+      if constexpr (PAIR) {
+#pragma unroll
+        for (int mt = 0; mt < MQ; ++mt)
+#pragma unroll
+          for (int hf = 0; hf < 2; ++hf) pair_mx[2 * mt + hf] = row_max(mt, hf);
+        xch_max[warp * 32 + lane] = make_float4(pair_mx[0], pair_mx[1], pair_mx[2], pair_mx[3]);
+        ptx::bar_sync(pair_bar, 64);
+        const float4 x = xch_max[partner * 32 + lane];
+        pair_mx[0] = fmaxf(pair_mx[0], x.x);
+        pair_mx[1] = fmaxf(pair_mx[1], x.y);
+        pair_mx[2] = fmaxf(pair_mx[2], x.z);
+        pair_mx[3] = fmaxf(pair_mx[3], x.w);
+      }
 #pragma unroll
       for (int mt = 0; mt < MQ; ++mt)
 #pragma unroll
         for (int hf = 0; hf < 2; ++hf) {
-          float mx = -INFINITY;
-#pragma unroll
-          for (int nt = 0; nt < NTILES; ++nt) mx = fmaxf(mx, fmaxf(s[mt][nt][2 * hf], s[mt][nt][2 * hf + 1]));
-          mx = fmaxf(mx, __shfl_xor_sync(0xffffffff, mx, 1));
-          mx = fmaxf(mx, __shfl_xor_sync(0xffffffff, mx, 2));
+          const float mx = PAIR ? pair_mx[2 * mt + hf] : row_max(mt, hf);
           float m_new = fmaxf(m[mt][hf], mx * scale_eff);
           // LAZY_RESCALE also keeps a stale row max until the true one exceeds it by more than
           // RESCALE_SLACK (log2 units): P = exp2(s - m) then stays <= 2^RESCALE_SLACK, and the
@@ -559,7 +605,7 @@ struct PrefillSm80 {
           m[mt][hf] = m_new;
           float rs = 0.f;
 #pragma unroll
-          for (int nt = 0; nt < NTILES; ++nt) {
+          for (int nt = 0; nt < S_NT; ++nt) {
             s[mt][nt][2 * hf] = ptx::exp2_approx(fmaf(s[mt][nt][2 * hf], scale_eff, -m_use));
             s[mt][nt][2 * hf + 1] = ptx::exp2_approx(fmaf(s[mt][nt][2 * hf + 1], scale_eff, -m_use));
             rs += s[mt][nt][2 * hf] + s[mt][nt][2 * hf + 1];
@@ -568,10 +614,10 @@ struct PrefillSm80 {
           // Round P to 16 bits now: the packed copy is all P V needs, so the fp32 S registers
           // die here instead of living through the P V loop.
 #pragma unroll
-          for (int nt = 0; nt < NTILES; ++nt) pp[mt][nt][hf] = Pack2<T>::from(s[mt][nt][2 * hf], s[mt][nt][2 * hf + 1]);
+          for (int nt = 0; nt < S_NT; ++nt) pp[mt][nt][hf] = Pack2<T>::from(s[mt][nt][2 * hf], s[mt][nt][2 * hf + 1]);
           if constexpr (!LAZY_RESCALE) {
 #pragma unroll
-            for (int d = 0; d < DTILES; ++d) {
+            for (int d = 0; d < O_DT; ++d) {
               o[mt][d][2 * hf] *= corr[mt][hf];
               o[mt][d][2 * hf + 1] *= corr[mt][hf];
             }
@@ -585,12 +631,25 @@ struct PrefillSm80 {
 #pragma unroll
         for (int mt = 0; mt < MQ; ++mt)
 #pragma unroll
-          for (int d = 0; d < DTILES; ++d) {
+          for (int d = 0; d < O_DT; ++d) {
             o[mt][d][0] *= corr[mt][0];
             o[mt][d][1] *= corr[mt][0];
             o[mt][d][2] *= corr[mt][1];
             o[mt][d][3] *= corr[mt][1];
           }
+      }
+
+      // PAIR: hand this warp's P to its partner (same lane, same rows, the other keys), so both
+      // can run P V over the whole tile for their own head dims. The partner's P is read only
+      // when its half of P V starts, so it never lives next to this warp's own P.
+      auto ppw = [&](uint32_t(&a)[MQ][S_NT][2], int k) -> uint32_t& { return a[k / (2 * S_NT)][(k / 2) % S_NT][k % 2]; };
+      uint32_t pq[MQ][S_NT][2];
+      if constexpr (PAIR) {
+#pragma unroll
+        for (int i = 0; i < XCH_P_WORDS / 4; ++i)
+          xch_p[(warp * (XCH_P_WORDS / 4) + i) * 32 + lane] =
+              make_uint4(ppw(pp, 4 * i), ppw(pp, 4 * i + 1), ppw(pp, 4 * i + 2), ppw(pp, 4 * i + 3));
+        ptx::bar_sync(pair_bar, 64);
       }
 
       if constexpr (KV_STAGES == 1) {
@@ -600,25 +659,41 @@ struct PrefillSm80 {
         ptx::cp_async_commit();
       }
 
-      // ---- O += P V ----
+      // ---- O += P V (PAIR: this warp's keys with its own P, then the partner's) ----
+      constexpr int HALVES = PAIR ? 2 : 1;
 #pragma unroll
-      for (int kk = 0; kk < BLOCK_N / 16; ++kk) {
-        uint32_t a[MQ][4];
+      for (int hv = 0; hv < HALVES; ++hv) {
+        const uint32_t sVh = PAIR ? sV_u + (hv == 0 ? col0 : BLOCK_N / 2 - col0) * ROW_BYTES : sV_u;
+        if (PAIR && hv == 1) {
 #pragma unroll
-        for (int mt = 0; mt < MQ; ++mt) {
-          a[mt][0] = pp[mt][2 * kk][0];
-          a[mt][1] = pp[mt][2 * kk][1];
-          a[mt][2] = pp[mt][2 * kk + 1][0];
-          a[mt][3] = pp[mt][2 * kk + 1][1];
+          for (int i = 0; i < XCH_P_WORDS / 4; ++i) {
+            const uint4 x = xch_p[(partner * (XCH_P_WORDS / 4) + i) * 32 + lane];
+            ppw(pq, 4 * i) = x.x;
+            ppw(pq, 4 * i + 1) = x.y;
+            ppw(pq, 4 * i + 2) = x.z;
+            ppw(pq, 4 * i + 3) = x.w;
+          }
         }
 #pragma unroll
-        for (int dp = 0; dp < DTILES / 2; ++dp) {
-          uint32_t b[4];
-          ptx::ldmatrix_x4_trans(b, sV_u + v_off[dp % 4] + kk * 16 * ROW_BYTES + (dp / 4) * 128);
+        for (int kk = 0; kk < BLOCK_N / HALVES / 16; ++kk) {
+          uint32_t a[MQ][4];
 #pragma unroll
           for (int mt = 0; mt < MQ; ++mt) {
-            ptx::mma_16816<T>(o[mt][2 * dp], a[mt], b[0], b[1]);
-            ptx::mma_16816<T>(o[mt][2 * dp + 1], a[mt], b[2], b[3]);
+            const uint32_t(&src)[S_NT][2] = hv == 0 ? pp[mt] : pq[mt];
+            a[mt][0] = src[2 * kk][0];
+            a[mt][1] = src[2 * kk][1];
+            a[mt][2] = src[2 * kk + 1][0];
+            a[mt][3] = src[2 * kk + 1][1];
+          }
+#pragma unroll
+          for (int dp = 0; dp < O_DT / 2; ++dp) {
+            uint32_t b[4];
+            ptx::ldmatrix_x4_trans(b, sVh + v_off[dp % 4] + kk * 16 * ROW_BYTES + (dp / 4) * 128);
+#pragma unroll
+            for (int mt = 0; mt < MQ; ++mt) {
+              ptx::mma_16816<T>(o[mt][2 * dp], a[mt], b[0], b[1]);
+              ptx::mma_16816<T>(o[mt][2 * dp + 1], a[mt], b[2], b[3]);
+            }
           }
         }
       }
@@ -627,6 +702,19 @@ struct PrefillSm80 {
     __syncthreads();  // with zero tiles, other threads' Q copies may still target this warp's rows
 
     // ---- epilogue ----
+    if constexpr (PAIR) {
+      // Each warp summed P over its own keys: add the partner's (same lane, same rows) before
+      // the quad reduction, in an order-free way so both warps hold the same row sums.
+      xch_max[warp * 32 + lane] = make_float4(l[0][0], l[0][1], l[MQ - 1][0], l[MQ - 1][1]);
+      ptx::bar_sync(pair_bar, 64);
+      const float4 x = xch_max[partner * 32 + lane];
+      l[0][0] += x.x;
+      l[0][1] += x.y;
+      if (MQ > 1) {
+        l[MQ - 1][0] += x.z;
+        l[MQ - 1][1] += x.w;
+      }
+    }
     float lse_v[MQ][2];
 #pragma unroll
     for (int mt = 0; mt < MQ; ++mt)
@@ -638,7 +726,7 @@ struct PrefillSm80 {
         const float inv = sum > 0.f ? p.v_scale / sum : 0.f;  // fully masked row: o = 0
         lse_v[mt][hf] = sum > 0.f ? m[mt][hf] + __log2f(sum) : -INFINITY;
 #pragma unroll
-        for (int d = 0; d < DTILES; ++d) {
+        for (int d = 0; d < O_DT; ++d) {
           o[mt][d][2 * hf] *= inv;
           o[mt][d][2 * hf + 1] *= inv;
         }
@@ -652,8 +740,9 @@ struct PrefillSm80 {
       return ROW_MAP ? row_map[row] : make_int2(r / group, kv_head * group + r % group);
     };
     if (num_splits == 1) {
-      // Stage this warp's rows through its own slice of sQ (no other warp touches it), then
-      // write 16-byte chunks so the global stores are coalesced along each row.
+      // Stage this warp's rows through its own slice of sQ (no other warp touches it; PAIR: the
+      // pair's two warps write disjoint chunks), then write 16-byte chunks so the global stores
+      // are coalesced along each row.
       __syncwarp();
 #pragma unroll
       for (int mt = 0; mt < MQ; ++mt)
@@ -661,22 +750,23 @@ struct PrefillSm80 {
         for (int hf = 0; hf < 2; ++hf) {
           const int row = warp_row0 + mt * 16 + lane / 4 + hf * 8;
 #pragma unroll
-          for (int d = 0; d < DTILES; ++d) {
+          for (int d = 0; d < O_DT; ++d) {
             const uint32_t v = Pack2<T>::from(o[mt][d][2 * hf], o[mt][d][2 * hf + 1]);
-            *reinterpret_cast<uint32_t*>(reinterpret_cast<char*>(sQ) + swz(row, d) * 16 + (lane % 4) * 4) = v;
+            *reinterpret_cast<uint32_t*>(reinterpret_cast<char*>(sQ) + swz(row, dcol0 / 8 + d) * 16 + (lane % 4) * 4) =
+                v;
           }
         }
       __syncwarp();
       T* out = reinterpret_cast<T*>(p.o);
-      for (int i = lane; i < MQ * 16 * CPR; i += 32) {
-        const int row = warp_row0 + i / CPR, chunk = i % CPR;
+      for (int i = lane; i < MQ * 16 * O_DT; i += 32) {
+        const int row = warp_row0 + i / O_DT, chunk = dcol0 / 8 + i % O_DT;
         if (r0 + row < rows_total) {
           const int2 th = token_head(row);
           *reinterpret_cast<uint4*>(out + (q_row0 + th.x) * p.o_stride_n + th.y * p.o_stride_h + chunk * 8) =
               *reinterpret_cast<const uint4*>(reinterpret_cast<char*>(sQ) + swz(row, chunk) * 16);
         }
       }
-      if (p.lse != 0 && lane % 4 == 0) {
+      if (p.lse != 0 && lane % 4 == 0 && half == 0) {
         float* lse = reinterpret_cast<float*>(p.lse);
 #pragma unroll
         for (int mt = 0; mt < MQ; ++mt)
@@ -705,10 +795,10 @@ struct PrefillSm80 {
                                               : (int64_t)split * qo_len + th.x;
           const int64_t idx = prow * Hq + th.y;
 #pragma unroll
-          for (int d = 0; d < DTILES; ++d)
-            *reinterpret_cast<float2*>(op + idx * HEAD_DIM + d * 8 + (lane % 4) * 2) =
+          for (int d = 0; d < O_DT; ++d)
+            *reinterpret_cast<float2*>(op + idx * HEAD_DIM + dcol0 + d * 8 + (lane % 4) * 2) =
                 make_float2(o[mt][d][2 * hf], o[mt][d][2 * hf + 1]);
-          if (lane % 4 == 0) lp[idx] = lse_v[mt][hf];
+          if (lane % 4 == 0 && half == 0) lp[idx] = lse_v[mt][hf];
         }
     }
   }
@@ -719,11 +809,11 @@ struct PrefillSm80 {
 // One extern "C" entry per variant: a stable name for the manifest and cuLibraryGetKernel.
 // SMEM is the dynamic shared memory the host launches with (variants.py's smem_bytes): checked
 // against the kernel's own layout at compile time, so the two can never drift apart.
-#define PFA_DEFINE_PREFILL_SM80(NAME, T, KV, HD, NW, MQ, BN, QREGS, STAGES, MINB, GENERAL, PAGED, LAZY, SMEM) \
-  static_assert(pfa::PrefillSm80<T, KV, HD, NW, MQ, BN, QREGS, STAGES, GENERAL, PAGED, LAZY>::SMEM_BYTES == (SMEM), \
+#define PFA_DEFINE_PREFILL_SM80(NAME, T, KV, HD, NW, MQ, BN, QREGS, STAGES, MINB, GENERAL, PAGED, LAZY, PAIR, SMEM) \
+  static_assert(pfa::PrefillSm80<T, KV, HD, NW, MQ, BN, QREGS, STAGES, GENERAL, PAGED, LAZY, PAIR>::SMEM_BYTES == (SMEM), \
                 #NAME ": variants.py smem_bytes differs from the kernel's shared-memory layout");             \
   extern "C" __global__ void __launch_bounds__(NW * 32, MINB)                                                \
       NAME(const __grid_constant__ pfa::PrefillParams p) {                                                    \
     extern __shared__ __align__(128) char smem[];                                                             \
-    pfa::PrefillSm80<T, KV, HD, NW, MQ, BN, QREGS, STAGES, GENERAL, PAGED, LAZY>::run(p, smem);               \
+    pfa::PrefillSm80<T, KV, HD, NW, MQ, BN, QREGS, STAGES, GENERAL, PAGED, LAZY, PAIR>::run(p, smem);               \
   }
