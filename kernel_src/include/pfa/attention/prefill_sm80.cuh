@@ -640,8 +640,10 @@ struct PrefillSm80 {
       }
 
       // PAIR: hand this warp's P to its partner (same lane, same rows, the other keys), so both
-      // can run P V over the whole tile for their own head dims. The partner's P is read only
-      // when its half of P V starts, so it never lives next to this warp's own P.
+      // can run P V over the whole tile for their own head dims. The pair meets only when the
+      // partner's half of P V starts (the own half hides the wait), and the partner's P never
+      // lives next to this warp's own. The slot is rewritten next tile only after the tile's
+      // __syncthreads, which the partner reaches after reading it.
       auto ppw = [&](uint32_t(&a)[MQ][S_NT][2], int k) -> uint32_t& { return a[k / (2 * S_NT)][(k / 2) % S_NT][k % 2]; };
       uint32_t pq[MQ][S_NT][2];
       if constexpr (PAIR) {
@@ -649,7 +651,6 @@ struct PrefillSm80 {
         for (int i = 0; i < XCH_P_WORDS / 4; ++i)
           xch_p[(warp * (XCH_P_WORDS / 4) + i) * 32 + lane] =
               make_uint4(ppw(pp, 4 * i), ppw(pp, 4 * i + 1), ppw(pp, 4 * i + 2), ppw(pp, 4 * i + 3));
-        ptx::bar_sync(pair_bar, 64);
       }
 
       if constexpr (KV_STAGES == 1) {
@@ -665,6 +666,7 @@ struct PrefillSm80 {
       for (int hv = 0; hv < HALVES; ++hv) {
         const uint32_t sVh = PAIR ? sV_u + (hv == 0 ? col0 : BLOCK_N / 2 - col0) * ROW_BYTES : sV_u;
         if (PAIR && hv == 1) {
+          ptx::bar_sync(pair_bar, 64);
 #pragma unroll
           for (int i = 0; i < XCH_P_WORDS / 4; ++i) {
             const uint4 x = xch_p[(partner * (XCH_P_WORDS / 4) + i) * 32 + lane];
