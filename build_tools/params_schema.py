@@ -50,6 +50,9 @@ PREFILL = (
         ("num_kv_heads", "i32", ""),
         ("group_size", "i32", "num_qo_heads / num_kv_heads; packed row r = q_idx * group_size + head_in_group"),
         ("num_splits", "i32", "KV chunks per (row tile, kv head); 1 = write o/lse directly"),
+        ("rows_fastest", "i32", "single request: 1 = grid (row tiles, splits, kv heads), a head's row tiles run "
+         "together so its K/V stays in L2 (non-causal: every tile costs the same); 0 = grid (kv heads, splits, "
+         "row tiles), heaviest row tiles first"),
         ("kv_chunk_size", "i32", "keys per split, a multiple of the kernel's BLOCK_N"),
         ("causal", "i32", "bottom-right aligned causal mask"),
         ("window_left", "i32", "inclusive left window, -1 = none"),

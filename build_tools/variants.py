@@ -82,7 +82,9 @@ class PrefillVariant:
         return {"family": "prefill", "dtype": self.dtype, "kv_dtype": self.kv, "head_dim": self.head_dim,
                 "block_m": self.block_m,
                 "block_n": self.block_n, "threads": self.threads, "smem_bytes": self.smem_bytes,
-                "tune": self.tune, "general": self.general, "paged": self.paged}
+                "tune": self.tune, "general": self.general, "paged": self.paged,
+                # honours PrefillParams.rows_fastest (PrefillSm80::ROWS_FASTEST)
+                "rows_fastest": self.pair and not self.paged}
 
 
 @dataclass(frozen=True)

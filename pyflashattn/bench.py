@@ -21,7 +21,11 @@ What is timed, and why:
   API gets; the batch wrappers are the right tool for batches.
 
 Timing: CUDA-event medians (``pyflashattn.testing.bench_util.bench_ms``), 256 MiB L2 flush
-before every repetition, fresh random inputs per shape (never zeros). Before any number is
+before every repetition, fresh random inputs per shape (never zeros). The single-request
+columns are timed in ``ROUNDS`` interleaved rounds whose order rotates (flash, cudnn, pfa; then
+cudnn, pfa, flash; ...), the median over all their repetitions: no backend always runs right
+after the most power-hungry one, whose clock and power state would carry over into its
+successor's time. Before any number is
 posted, the pyflashattn output is checked against SDPA's on the same inputs; a row whose
 relative error ``||o - o_sdpa|| / ||o_sdpa||`` exceeds ``REL_TOL`` (or is NaN) posts no
 pyflashattn number, so a broken kernel cannot post a fast time.
@@ -38,6 +42,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import statistics
 import sys
 import time
 import zlib
@@ -101,9 +106,10 @@ class _Ctx:
         except Exception as e:  # keep benchmarking SDPA so the anchors can still be checked
             self.pfa = None
             self.pfa_error = _short_err(e)
-        from pyflashattn.testing.bench_util import bench_ms, host_overhead_us
+        from pyflashattn.testing.bench_util import bench_ms, bench_samples_ms, host_overhead_us
 
         self.bench_ms = bench_ms
+        self.bench_samples_ms = bench_samples_ms
         self.host_overhead_us = host_overhead_us
 
     def sdpa(self, backend, q, k, v, causal):
@@ -116,6 +122,36 @@ class _Ctx:
         with self.sdpa_kernel(self.backends[backend]):
             return self.bench_ms(lambda: F.scaled_dot_product_attention(q, k, v, is_causal=causal),
                                  warmup=warmup, rep=rep)
+
+    def sdpa_samples(self, backend, q, k, v, causal, warmup, rep):
+        """Per-repetition times (ms) of one SDPA backend (see time_sdpa)."""
+        F = self.torch.nn.functional
+        with self.sdpa_kernel(self.backends[backend]):
+            return self.bench_samples_ms(lambda: F.scaled_dot_product_attention(q, k, v, is_causal=causal),
+                                         warmup=warmup, rep=rep)
+
+
+ROUNDS = 3
+
+
+def _interleaved_ms(timers: dict, warmup: int, rep: int, errors: list, rounds: int = ROUNDS) -> dict:
+    """Median time (ms) per candidate of ``timers`` (name -> fn(warmup, rep) returning per-rep
+    times), measured in ``rounds`` rounds of about rep / rounds repetitions each, the order rotated
+    every round. A candidate that raises is dropped (its error noted), the others go on."""
+    names = list(timers)
+    samples = {n: [] for n in names}
+    per = max(1, -(-rep // rounds))
+    for r in range(rounds):
+        k = r % len(names) if names else 0
+        for n in names[k:] + names[:k]:
+            if n not in samples:
+                continue
+            try:
+                samples[n] += timers[n](warmup, per)
+            except Exception as e:
+                errors.append(f"{n}: {_short_err(e)}")
+                del samples[n]
+    return {n: statistics.median(s) for n, s in samples.items()}
 
 
 def _check(torch, o, ref) -> tuple[float, float]:
@@ -142,17 +178,19 @@ def _bench_row(ctx: _Ctx, hd, seq, causal, dtype, hidden, tokens, batch, warmup,
     q, k, v = rand(seq, h, hd), rand(seq, h, hd), rand(seq, h, hd)  # NHD, one request
     qs, ks, vs = (x.transpose(0, 1).unsqueeze(0) for x in (q, k, v))  # [1, h, s, d] views
 
+    # Correctness first (every backend that runs), then the timing rounds of those that passed.
     ref = None
+    timers = {}
     for be in ("flash", "cudnn"):
+        row[f"{be}_ms"] = None
         try:
             out = ctx.sdpa(be, qs, ks, vs, causal)[0].transpose(0, 1)
             if ref is None:
                 ref = out
             else:
                 row[f"{be}_vs_ref_rel"] = _check(torch, out, ref)[0]
-            row[f"{be}_ms"] = ctx.time_sdpa(be, qs, ks, vs, causal, warmup, rep)
+            timers[be] = (lambda be: lambda w, r: ctx.sdpa_samples(be, qs, ks, vs, causal, w, r))(be)
         except Exception as e:
-            row[f"{be}_ms"] = None
             row["errors"].append(f"{be}: {_short_err(e)}")
     if ref is None:  # no SDPA backend ran: fall back to upcast math for the check
         ref = torch.nn.functional.scaled_dot_product_attention(
@@ -170,11 +208,13 @@ def _bench_row(ctx: _Ctx, hd, seq, causal, dtype, hidden, tokens, batch, warmup,
             if not rel <= REL_TOL:  # NaN fails too
                 row["errors"].append(f"pfa: output mismatch vs SDPA, rel {rel:.3g} > {REL_TOL}")
             else:
-                row["pfa_ms"] = ctx.bench_ms(lambda: ctx.pfa(q, k, v, causal=causal),
-                                             warmup=warmup, rep=rep)
+                timers["pfa"] = lambda w, r: ctx.bench_samples_ms(lambda: ctx.pfa(q, k, v, causal=causal),
+                                                                  warmup=w, rep=r)
         except Exception as e:
             row["errors"].append(f"pfa: {_short_err(e)}")
     del ref
+    for key, ms in _interleaved_ms(timers, warmup, rep, row["errors"]).items():
+        row[f"{key}_ms"] = ms
 
     for key in ("pfa", "flash", "cudnn"):
         row[f"{key}_tflops"] = _tflops(flops, row.get(f"{key}_ms"))
@@ -285,7 +325,7 @@ def run_prefill(args) -> int:
         "device": props.name, "sm_count": props.multi_processor_count,
         "torch": torch.__version__, "cudnn": torch.backends.cudnn.version(),
         "dtype": args.dtype, "tokens": args.tokens, "hidden": args.hidden,
-        "warmup": args.warmup, "rep": args.rep, "l2_flush": True, "rel_tol": REL_TOL,
+        "warmup": args.warmup, "rep": args.rep, "rounds": ROUNDS, "l2_flush": True, "rel_tol": REL_TOL,
         "time": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
     }
     meta["pyflashattn"] = _pfa_version()

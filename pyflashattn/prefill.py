@@ -268,7 +268,11 @@ class _Plan:
         p.rope = int(opts.pos == "ROPE_LLAMA")
         p.rope_rcp_scale, p.rope_log2_theta = 1.0 / opts.rope_scale, math.log2(opts.rope_theta)
         p.alibi_slopes = _alibi_buffer(dev, num_qo_heads) if opts.pos == "ALIBI" else 0
-        la.configure((num_kv_heads, splits, row_tiles))
+        # Equal-cost tiles (no causal/window range), in a kernel that supports it (hd256): a head's row
+        # tiles run together, for L2 reuse of its K/V; otherwise heads vary fastest so every head's
+        # heaviest row tiles go first.
+        p.rows_fastest = rows_fastest = int(meta.get("rows_fastest", False) and not causal and window_left < 0)
+        la.configure((row_tiles, splits, num_kv_heads) if rows_fastest else (num_kv_heads, splits, row_tiles))
         # Workspace: [packed bool mask, 16-byte padded] [split partial o] [split partial lse].
         self.ws_mask_bytes = (-(-self.mask_bits // 8) + 15) // 16 * 16 if mask_kind == "bool" else 0
         self.ws_o_bytes = self.ws_bytes = self.ws_mask_bytes

@@ -45,6 +45,7 @@ struct PrefillParams {
   int32_t num_kv_heads;
   int32_t group_size;  // num_qo_heads / num_kv_heads; packed row r = q_idx * group_size + head_in_group
   int32_t num_splits;  // KV chunks per (row tile, kv head); 1 = write o/lse directly
+  int32_t rows_fastest;  // single request: 1 = grid (row tiles, splits, kv heads), a head's row tiles run together so its K/V stays in L2 (non-causal: every tile costs the same); 0 = grid (kv heads, splits, row tiles), heaviest row tiles first
   int32_t kv_chunk_size;  // keys per split, a multiple of the kernel's BLOCK_N
   int32_t causal;  // bottom-right aligned causal mask
   int32_t window_left;  // inclusive left window, -1 = none
@@ -96,19 +97,20 @@ static_assert(offsetof(PrefillParams, num_qo_heads) == 248, "PrefillParams.num_q
 static_assert(offsetof(PrefillParams, num_kv_heads) == 252, "PrefillParams.num_kv_heads offset");
 static_assert(offsetof(PrefillParams, group_size) == 256, "PrefillParams.group_size offset");
 static_assert(offsetof(PrefillParams, num_splits) == 260, "PrefillParams.num_splits offset");
-static_assert(offsetof(PrefillParams, kv_chunk_size) == 264, "PrefillParams.kv_chunk_size offset");
-static_assert(offsetof(PrefillParams, causal) == 268, "PrefillParams.causal offset");
-static_assert(offsetof(PrefillParams, window_left) == 272, "PrefillParams.window_left offset");
-static_assert(offsetof(PrefillParams, sm_scale_log2) == 276, "PrefillParams.sm_scale_log2 offset");
-static_assert(offsetof(PrefillParams, logits_soft_cap) == 280, "PrefillParams.logits_soft_cap offset");
-static_assert(offsetof(PrefillParams, rope) == 284, "PrefillParams.rope offset");
-static_assert(offsetof(PrefillParams, rope_rcp_scale) == 288, "PrefillParams.rope_rcp_scale offset");
-static_assert(offsetof(PrefillParams, rope_log2_theta) == 292, "PrefillParams.rope_log2_theta offset");
-static_assert(offsetof(PrefillParams, lse_scale) == 296, "PrefillParams.lse_scale offset");
-static_assert(offsetof(PrefillParams, page_size) == 300, "PrefillParams.page_size offset");
-static_assert(offsetof(PrefillParams, page_shift) == 304, "PrefillParams.page_shift offset");
-static_assert(offsetof(PrefillParams, v_scale) == 308, "PrefillParams.v_scale offset");
-static_assert(offsetof(PrefillParams, kv_fp8) == 312, "PrefillParams.kv_fp8 offset");
+static_assert(offsetof(PrefillParams, rows_fastest) == 264, "PrefillParams.rows_fastest offset");
+static_assert(offsetof(PrefillParams, kv_chunk_size) == 268, "PrefillParams.kv_chunk_size offset");
+static_assert(offsetof(PrefillParams, causal) == 272, "PrefillParams.causal offset");
+static_assert(offsetof(PrefillParams, window_left) == 276, "PrefillParams.window_left offset");
+static_assert(offsetof(PrefillParams, sm_scale_log2) == 280, "PrefillParams.sm_scale_log2 offset");
+static_assert(offsetof(PrefillParams, logits_soft_cap) == 284, "PrefillParams.logits_soft_cap offset");
+static_assert(offsetof(PrefillParams, rope) == 288, "PrefillParams.rope offset");
+static_assert(offsetof(PrefillParams, rope_rcp_scale) == 292, "PrefillParams.rope_rcp_scale offset");
+static_assert(offsetof(PrefillParams, rope_log2_theta) == 296, "PrefillParams.rope_log2_theta offset");
+static_assert(offsetof(PrefillParams, lse_scale) == 300, "PrefillParams.lse_scale offset");
+static_assert(offsetof(PrefillParams, page_size) == 304, "PrefillParams.page_size offset");
+static_assert(offsetof(PrefillParams, page_shift) == 308, "PrefillParams.page_shift offset");
+static_assert(offsetof(PrefillParams, v_scale) == 312, "PrefillParams.v_scale offset");
+static_assert(offsetof(PrefillParams, kv_fp8) == 316, "PrefillParams.kv_fp8 offset");
 
 // combine split-KV partials (float32 o, base-2 lse) into the final output
 struct MergeParams {

@@ -41,6 +41,8 @@ struct PrefillSm80 {
   static constexpr int KSTEPS = HEAD_DIM / 16;
   static constexpr int NTILES = BLOCK_N / 8;
   static constexpr int DTILES = HEAD_DIM / 8;
+  // Whether the kernel honours PrefillParams::rows_fastest (variants.py puts it in the manifest).
+  static constexpr bool ROWS_FASTEST = PAIR && !PAGED;
   static constexpr int S_NT = PAIR ? NTILES / 2 : NTILES;  // n8 tiles of S per warp (its keys)
   static constexpr int O_DT = PAIR ? DTILES / 2 : DTILES;  // n8 tiles of O per warp (its head dims)
   static_assert(!PAIR || (NUM_WARPS % 2 == 0 && MQ <= 2 && !Q_IN_REGS && BLOCK_N % 32 == 0),
@@ -186,13 +188,19 @@ struct PrefillSm80 {
 
     const int tid = threadIdx.x, lane = tid % 32, warp = tid / 32;
     // Grid (kv_head, split, row tile): the row tile varies slowest, so the block scheduler hands
-    // out every head's heaviest tiles before any light one (longest-first balancing).
-    const int kv_head = blockIdx.x;
+    // out every head's heaviest tiles before any light one (longest-first balancing). A single
+    // request without causal/window masking (every tile the same cost) runs (row tile, split,
+    // kv_head) instead: the CTAs in flight then share one or two heads' K/V, which stays in L2
+    // (with heads fastest, every head's K/V is live at once: 128 MB at 16K keys, hd256). Only the
+    // pair kernels (hd256, the largest K/V per head) read the flag: in the others, kv_head =
+    // blockIdx.x is re-read rather than kept in a register, and losing that cost hd64 ~5 %.
+    const bool rows_fastest = ROWS_FASTEST && p.rows_fastest != 0;
+    const int kv_head = rows_fastest ? blockIdx.z : blockIdx.x;
     const int group = p.group_size;
     // ---- the problem this CTA works on: the single request (grid z = row tile), or one work
     // item of a batch plan (request, row tile, KV chunk) ----
     int qo_len = p.qo_len, kv_len = p.kv_len, split = blockIdx.y, num_splits = p.num_splits;
-    int tile_m = gridDim.z - 1 - blockIdx.z;  // heaviest row tiles first: causal rows grow down
+    int tile_m = rows_fastest ? blockIdx.x : gridDim.z - 1 - blockIdx.z;  // heaviest first: causal rows grow down
     int64_t q_row0 = 0, kv_row0 = 0, part_base = -1;
     int page_base = 0;
     const uint8_t* mask_bits = GENERAL ? reinterpret_cast<const uint8_t*>(p.custom_mask) : nullptr;
