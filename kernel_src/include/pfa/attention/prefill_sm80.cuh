@@ -14,8 +14,9 @@
 // 2i+1 share MQ row tiles. For S = Q K^T each takes half of the tile's keys over the whole head
 // dim; for O += P V each takes half of the head dim over all keys. The row max and the other
 // half's P cross between the two through shared memory (two 64-thread barriers a tile). Every
-// K/V ldmatrix then feeds 2*MQ row tiles instead of one: shared-memory reads per MMA drop ~30 %,
-// and shared memory, not the tensor pipe, is what bounds the one-row-tile hd256 kernel.
+// K/V ldmatrix then feeds 2*MQ row tiles instead of one: shared-memory reads per MMA drop by a
+// third (the one-row-tile kernel ran shared memory at 80 % with its warps stalled on ldmatrix);
+// measured +3 % (NOTES.md).
 //
 // fp8 K/V (KV = fp8_storage): the ring holds one-byte tiles exactly as they sit in global
 // memory (half the bytes per load); after a tile lands, the CTA widens it once into a 16-bit
