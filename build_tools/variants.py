@@ -70,21 +70,26 @@ class PrefillVariant:
         xch = self.warps * 32 * (16 + self.mq * self.block_n // 8 * 4) if self.pair else 0
         return self.block_m * self.head_dim * 2 + kv + (2048 * 4 if self.paged else self.block_m * 8) + xch
 
+    @property
+    def rows_fastest(self):
+        # honours PrefillParams.rows_fastest (PrefillSm80::ROWS_FASTEST, static_assert'ed equal)
+        return self.pair and not self.paged
+
     def source(self):
         return ('#include "pfa/attention/prefill_sm80.cuh"\n'
                 f"PFA_DEFINE_PREFILL_SM80({self.name}, {DTYPES[self.dtype]}, "
                 f"{KV_STORAGE[self.kv_dtype] if self.kv_dtype else DTYPES[self.dtype]}, {self.head_dim}, {self.warps}, "
                 f"{self.mq}, {self.block_n}, {'true' if self.q_in_regs else 'false'}, {self.stages}, {self.min_blocks}, "
                 f"{'true' if self.general else 'false'}, {'true' if self.paged else 'false'}, "
-                f"{'true' if self.lazy_rescale else 'false'}, {'true' if self.pair else 'false'}, {self.smem_bytes})\n")
+                f"{'true' if self.lazy_rescale else 'false'}, {'true' if self.pair else 'false'}, {self.smem_bytes}, "
+                f"{'true' if self.rows_fastest else 'false'})\n")
 
     def manifest(self):
         return {"family": "prefill", "dtype": self.dtype, "kv_dtype": self.kv, "head_dim": self.head_dim,
                 "block_m": self.block_m,
                 "block_n": self.block_n, "threads": self.threads, "smem_bytes": self.smem_bytes,
                 "tune": self.tune, "general": self.general, "paged": self.paged,
-                # honours PrefillParams.rows_fastest (PrefillSm80::ROWS_FASTEST)
-                "rows_fastest": self.pair and not self.paged}
+                "rows_fastest": self.rows_fastest}
 
 
 @dataclass(frozen=True)

@@ -1037,3 +1037,27 @@ def test_plan_does_not_wait_while_the_gpu_lags_and_reuses_finished_buffers(fake)
 
 if __name__ == "__main__":  # pragma: no cover
     _bench()
+
+
+# ---------------------------------------------------------------------------------------------
+# single prefill: launch order (heads fastest, or a head's row tiles together for L2 reuse)
+# ---------------------------------------------------------------------------------------------
+@pytest.mark.parametrize("supports, causal, window, rows_fastest", [
+    (True, False, -1, True),     # equal-cost tiles in a kernel that reads the flag
+    (True, True, -1, False),     # causal: longest-first order across heads
+    (True, False, 300, False),   # window: tile costs differ too
+    (False, False, -1, False),   # a kernel that ignores the flag never gets the other grid
+])
+def test_single_prefill_grid_order(fake, monkeypatch, supports, causal, window, rows_fastest):
+    meta = dict(_META[256], rows_fastest=True) if supports else dict(_META[256])
+    monkeypatch.setitem(_META, 256, meta)
+    monkeypatch.setattr(pyflashattn.prefill._tls, "plans", {}, raising=False)  # no plan from another fake
+    n, h = 4096, 8  # 32 row tiles x 8 heads: a full wave, no KV split
+    q, k, v, out = (T((n, h, 256), data=a) for a in (0x100000, 0x200000, 0x300000, 0x400000))
+    pyflashattn.single_prefill_with_kv_cache(q, k, v, causal=causal, window_left=window, out=out)
+    (name, grid, _, p), = fake.attn_launches()
+    assert p.num_splits == 1
+    if rows_fastest:
+        assert grid == (32, 1, h) and p.rows_fastest == 1
+    else:
+        assert grid == (h, 1, 32) and p.rows_fastest == 0

@@ -818,11 +818,15 @@ struct PrefillSm80 {
 }  // namespace pfa
 
 // One extern "C" entry per variant: a stable name for the manifest and cuLibraryGetKernel.
-// SMEM is the dynamic shared memory the host launches with (variants.py's smem_bytes): checked
-// against the kernel's own layout at compile time, so the two can never drift apart.
-#define PFA_DEFINE_PREFILL_SM80(NAME, T, KV, HD, NW, MQ, BN, QREGS, STAGES, MINB, GENERAL, PAGED, LAZY, PAIR, SMEM) \
+// SMEM is the dynamic shared memory the host launches with (variants.py's smem_bytes) and ROWSF
+// the manifest's rows_fastest: both checked against the kernel at compile time, so the two sides
+// can never drift apart.
+#define PFA_DEFINE_PREFILL_SM80(NAME, T, KV, HD, NW, MQ, BN, QREGS, STAGES, MINB, GENERAL, PAGED, LAZY, PAIR, SMEM, \
+                                ROWSF)                                                                       \
   static_assert(pfa::PrefillSm80<T, KV, HD, NW, MQ, BN, QREGS, STAGES, GENERAL, PAGED, LAZY, PAIR>::SMEM_BYTES == (SMEM), \
                 #NAME ": variants.py smem_bytes differs from the kernel's shared-memory layout");             \
+  static_assert(pfa::PrefillSm80<T, KV, HD, NW, MQ, BN, QREGS, STAGES, GENERAL, PAGED, LAZY, PAIR>::ROWS_FASTEST == (ROWSF), \
+                #NAME ": the manifest's rows_fastest differs from what the kernel honours");                  \
   extern "C" __global__ void __launch_bounds__(NW * 32, MINB)                                                \
       NAME(const __grid_constant__ pfa::PrefillParams p) {                                                    \
     extern __shared__ __align__(128) char smem[];                                                             \
