@@ -123,6 +123,18 @@ struct PrefillSm80 {
     }
   }
 
+  // acc[mt][2j], acc[mt][2j+1] += a[mt] x (the two n8 halves of one ldmatrix.x4), every row tile:
+  // the inner step of both S = Q K^T and O += P V.
+  template <int N>
+  static __device__ __forceinline__ void mma_n16(float (&acc)[MQ][N][4], int j, const uint32_t (&a)[MQ][4],
+                                                 const uint32_t (&b)[4]) {
+#pragma unroll
+    for (int mt = 0; mt < MQ; ++mt) {
+      ptx::mma_16816<T>(acc[mt][2 * j], a[mt], b[0], b[1]);
+      ptx::mma_16816<T>(acc[mt][2 * j + 1], a[mt], b[2], b[3]);
+    }
+  }
+
   // fp8 only: widen ring pair `ring` (K then V, one-byte, linear) into the 16-bit swizzled pair
   // at `wide`. Each raw chunk (16 values) becomes the widened chunks 2c and 2c + 1 of its row.
   static __device__ __forceinline__ void widen_kv(const char* ring, char* wide, int fmt, int tid) {
@@ -514,11 +526,7 @@ struct PrefillSm80 {
         for (int np = 0; np < S_NT / 2; ++np) {
           uint32_t b[4];
           ptx::ldmatrix_x4(b, sK_u + k_off[ks % 4] + np * 16 * ROW_BYTES + (ks / 4) * 128);
-#pragma unroll
-          for (int mt = 0; mt < MQ; ++mt) {
-            ptx::mma_16816<T>(s[mt][2 * np], a[mt], b[0], b[1]);
-            ptx::mma_16816<T>(s[mt][2 * np + 1], a[mt], b[2], b[3]);
-          }
+          mma_n16(s, np, a, b);
         }
       }
 
@@ -700,11 +708,7 @@ struct PrefillSm80 {
           for (int dp = 0; dp < O_DT / 2; ++dp) {
             uint32_t b[4];
             ptx::ldmatrix_x4_trans(b, sVh + v_off[dp % 4] + kk * 16 * ROW_BYTES + (dp / 4) * 128);
-#pragma unroll
-            for (int mt = 0; mt < MQ; ++mt) {
-              ptx::mma_16816<T>(o[mt][2 * dp], a[mt], b[0], b[1]);
-              ptx::mma_16816<T>(o[mt][2 * dp + 1], a[mt], b[2], b[3]);
-            }
+            mma_n16(o, dp, a, b);
           }
         }
       }
