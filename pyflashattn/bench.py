@@ -117,14 +117,12 @@ class _Ctx:
             return self.torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=causal)
 
     def time_sdpa(self, backend, q, k, v, causal, warmup, rep):
-        F = self.torch.nn.functional
-        # Enter the backend context once: its cost is host-side and belongs to no backend.
-        with self.sdpa_kernel(self.backends[backend]):
-            return self.bench_ms(lambda: F.scaled_dot_product_attention(q, k, v, is_causal=causal),
-                                 warmup=warmup, rep=rep)
+        """Median time (ms) of one SDPA backend (see sdpa_samples)."""
+        return statistics.median(self.sdpa_samples(backend, q, k, v, causal, warmup, rep))
 
     def sdpa_samples(self, backend, q, k, v, causal, warmup, rep):
-        """Per-repetition times (ms) of one SDPA backend (see time_sdpa)."""
+        """Per-repetition times (ms) of one SDPA backend. The backend context is entered once: its
+        cost is host-side and belongs to no backend."""
         F = self.torch.nn.functional
         with self.sdpa_kernel(self.backends[backend]):
             return self.bench_samples_ms(lambda: F.scaled_dot_product_attention(q, k, v, is_causal=causal),
