@@ -155,7 +155,7 @@ class _Staging:
         self.device = 0
         self.size = 0
         self.fixed = False
-        self.pinned = []  # [host address, int32 view, event or None, the event as _cuda.hot() takes it]
+        self.pinned = []  # [host address, int32 view, event or None]
         self.next = 0
 
     def reserve(self, nbytes: int, fixed: bool = False):
@@ -166,7 +166,7 @@ class _Staging:
                              f"{self.size}; construct the wrapper with larger buffers")
         cu = _cuda.driver()
         _cuda.ensure_context(self.dev)
-        for host, _, event, _ in self.pinned:  # rare (growth): let pending copies read their bytes first
+        for host, _, event in self.pinned:  # rare (growth): let pending copies read their bytes first
             if event is not None:
                 _cuda.check(cu.cuEventSynchronize(event), "cuEventSynchronize")
                 _cuda.check(cu.cuEventDestroy(event), "cuEventDestroy")
@@ -178,28 +178,28 @@ class _Staging:
         self.device = _cuda.mem_alloc(size)
         self.size, self.fixed = size, fixed
 
-    def _pinned_buffer(self, h):
-        """A pinned buffer no pending copy reads (see the class docstring); h = _cuda.hot()."""
+    def _pinned_buffer(self):
+        """A pinned buffer no pending copy reads (see the class docstring)."""
+        cu = _cuda.driver()
         if self.pinned:
             # The last plan's buffer first: its copy is usually done by now, and its lines may
             # still be in the CPU cache (round-robin over the pool would write a cold buffer).
             entry = self.pinned[self.next - 1]
-            event = entry[3]
-            if len(self.pinned) > 1 and (event is None or not h.event_query(event)):
+            event = entry[2]
+            if len(self.pinned) > 1 and (event is None
+                                         or cu.cuEventQuery(event)[0] == cu.CUresult.CUDA_SUCCESS):
                 return entry
             entry = self.pinned[self.next]
-            event = entry[3]
-            if event is None or not h.event_query(event):
+            event = entry[2]
+            if event is None or cu.cuEventQuery(event)[0] == cu.CUresult.CUDA_SUCCESS:
                 self.next = (self.next + 1) % len(self.pinned)
                 return entry
             if len(self.pinned) >= self.MAX_PINNED:  # the GPU is MAX_PINNED plans behind: wait
-                _cuda.check(_cuda.driver().cuEventSynchronize(entry[2]), "cuEventSynchronize")
+                _cuda.check(cu.cuEventSynchronize(event), "cuEventSynchronize")
                 self.next = (self.next + 1) % len(self.pinned)
                 return entry
-        cu = _cuda.driver()
         host = int(_cuda.check(cu.cuMemHostAlloc(self.size, 0), "cuMemHostAlloc"))
-        # [host address, int32 view, event (cuda.bindings object), the event as h takes it]
-        entry = [host, np.ctypeslib.as_array((ctypes.c_int32 * (self.size // 4)).from_address(host)), None, None]
+        entry = [host, np.ctypeslib.as_array((ctypes.c_int32 * (self.size // 4)).from_address(host)), None]
         self.pinned.insert(self.next, entry)
         self.next = (self.next + 1) % len(self.pinned)
         return entry
@@ -217,25 +217,19 @@ class _Staging:
                 n += 1 if type(a) is int else a.size
             nbytes = 4 * n
         self.reserve(nbytes)
-        h = _cuda.hot()
-        entry = self._pinned_buffer(h)
+        entry = self._pinned_buffer()
         host32 = entry[1]
         for a, o in zip(arrays, offsets):
             if type(a) is int:
                 host32[o] = a
             else:
                 host32[o:o + a.size] = a
+        cu = _cuda.driver()
         if nbytes:
-            err = h.memcpy_htod_async(self.device, entry[0], nbytes, stream)
-            if err:
-                raise _cuda.CudaError(f"cuMemcpyHtoDAsync failed: {_cuda.error_name(err)}")
+            _cuda.check(cu.cuMemcpyHtoDAsync(self.device, entry[0], nbytes, stream), "cuMemcpyHtoDAsync")
         if entry[2] is None:
-            cu = _cuda.driver()
             entry[2] = _cuda.check(cu.cuEventCreate(cu.CUevent_flags.CU_EVENT_DISABLE_TIMING), "cuEventCreate")
-            entry[3] = h.handle(entry[2])
-        err = h.event_record(entry[3], stream)
-        if err:
-            raise _cuda.CudaError(f"cuEventRecord failed: {_cuda.error_name(err)}")
+        _cuda.check(cu.cuEventRecord(entry[2], stream), "cuEventRecord")
         base = self.device
         return [base + 4 * o for o in offsets]
 

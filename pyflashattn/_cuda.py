@@ -57,38 +57,6 @@ def check(result, what: str):
     return result[1] if len(result) == 2 else result[1:]
 
 
-def error_name(err: int) -> str:
-    """The driver's name for a CUresult given as an int (the hot calls return ints)."""
-    cu = driver()
-    try:
-        return _err_name(cu, cu.CUresult(err))
-    except Exception:  # noqa: BLE001 - a test double's CUresult, or an unknown code
-        return str(err)
-
-
-_hot = None
-
-
-def hot():
-    """The per-call driver calls (launch, HtoD copy, event record / query), see _hot_driver:
-    ctypes into libcuda over the real cuda.bindings, else through driver() itself (a test's
-    simulated driver, or a libcuda that ctypes cannot open)."""
-    global _hot
-    cu = driver()
-    h = _hot
-    if h is None or h.cu is not cu:
-        from . import _hot_driver
-
-        h = None
-        if getattr(cu, "__name__", None) == "cuda.bindings.driver":
-            try:
-                h = _hot_driver.CtypesHot(cu)
-            except (OSError, AttributeError):
-                h = None
-        _hot = h = h or _hot_driver.BindingsHot(cu)
-    return h
-
-
 def device_count() -> int:
     try:
         return check(driver().cuDeviceGetCount(), "cuDeviceGetCount")
@@ -164,26 +132,24 @@ class Launcher:
     """One kernel launched with one by-value params struct.
 
     The struct and the void*[1] that points at it are allocated once; a launch refills the
-    struct's fields (the caller does that) and hands the array's address to cuLaunchKernelEx
-    through :func:`hot` (ctypes straight into libcuda when it can), so no argument packing
-    happens per call.
+    struct's fields (the caller does that) and hands the array's address to cuLaunchKernelEx,
+    so no argument packing happens per call.
     """
 
-    __slots__ = ("name", "func", "params", "_argv", "_argv_addr", "_config", "_config_arg", "_hot", "_func_arg",
-                 "threads", "smem", "meta")
+    __slots__ = ("name", "func", "params", "_argv", "_argv_addr", "_config", "_cu", "threads", "smem", "meta")
 
     def __init__(self, name: str, func, params_type, threads: int, smem: int):
-        self._hot = h = hot()
+        cu = driver()
+        self._cu = cu
         self.name = name
         self.func = func
-        self._func_arg = h.handle(func)
         self.params = params_type()
         self._argv = (ctypes.c_void_p * 1)(ctypes.addressof(self.params))
         self._argv_addr = ctypes.addressof(self._argv)
         self.threads = threads
         self.smem = smem
         self.meta = None  # the manifest row, set by the registry
-        cfg, self._config_arg = h.launch_config()
+        cfg = cu.CUlaunchConfig()
         cfg.blockDimX, cfg.blockDimY, cfg.blockDimZ = threads, 1, 1
         cfg.sharedMemBytes = smem
         cfg.numAttrs = 0
@@ -199,10 +165,10 @@ class Launcher:
         """Launch with the configured grid and the current params struct on `stream`."""
         cfg = self._config
         cfg.hStream = stream
-        err = self._hot.launch(self._config_arg, self._func_arg, self._argv_addr)
-        if err:
+        err, = self._cu.cuLaunchKernelEx(cfg, self.func, self._argv_addr, 0)
+        if err != self._cu.CUresult.CUDA_SUCCESS:
             raise CudaError(f"launch of {self.name} grid=({cfg.gridDimX}, {cfg.gridDimY}, {cfg.gridDimZ}) "
-                            f"block={self.threads} smem={self.smem} failed: {error_name(err)}")
+                            f"block={self.threads} smem={self.smem} failed: {_err_name(self._cu, err)}")
 
     def launch(self, grid: tuple[int, int, int], stream: int) -> None:
         self.configure(grid)(stream)
