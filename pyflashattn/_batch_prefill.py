@@ -860,10 +860,10 @@ class _BatchPrefillBase:
         s = _tensor.stream_handle(stream) if stream is not None else _torch_stream(self._dev)
         total_q, Hq = self._shape[0], self._shape[1]
         if out is None:
-            out = q.new_empty((total_q, Hq, self._shape[3]))
+            out = _tensor.torch_empty_like(q)  # o has q's shape (the plan's key fixed it)
             op = out.data_ptr()
         if lse is None and return_lse:
-            lse = q.new_empty((total_q, Hq), dtype=_tensor.torch_float32())
+            lse = _tensor.torch_empty_f32(q, (total_q, Hq))
         p = self._attn.params
         p.q, p.k, p.v, p.o = qp, kp, vp, op
         p.lse = lp = lse.data_ptr() if lse is not None else 0

@@ -160,10 +160,10 @@ def _torch_fast_path(q, k, v, causal, kv_layout, window_left, sm_scale, return_l
     _cuda.ensure_context(dev)
     s = _tensor.stream_handle(stream) if stream is not None else _tensor.current_stream("torch", dev)
     if out is None:
-        out = q.new_empty(plan.o_shape)
+        out = _tensor.torch_empty_like(q)  # o has q's shape (the plan's key fixed it)
         op = out.data_ptr()
     if lse is None and return_lse:
-        lse = q.new_empty(plan.lse_shape, dtype=_tensor.torch_float32())
+        lse = _tensor.torch_empty_f32(q, plan.lse_shape)
     if plan.attn is not None:
         plan.run(qp, kp, vp, op, lse.data_ptr() if lse is not None else 0, s)
     if lse is None:

@@ -43,11 +43,6 @@ class _Enum:
         self.__dict__.update(kw)
 
 
-class _LaunchConfig:
-    gridDimX = gridDimY = gridDimZ = blockDimX = blockDimY = blockDimZ = sharedMemBytes = numAttrs = 0
-    hStream = 0
-
-
 class FakeDriver:
     """The subset of cuda.bindings.driver the batch wrappers call, on host memory."""
 
@@ -55,7 +50,6 @@ class FakeDriver:
     lagging = False  # cuEventQuery says "not ready": a GPU that has not reached the copies yet
     CUevent_flags = _Enum(CU_EVENT_DISABLE_TIMING=2)
     CUstreamCaptureStatus = _Enum(CU_STREAM_CAPTURE_STATUS_NONE=0, CU_STREAM_CAPTURE_STATUS_ACTIVE=1)
-    CUlaunchConfig = _LaunchConfig
 
     def __init__(self):
         self.mem = {}  # address -> ctypes buffer (device and pinned host alike)
@@ -145,13 +139,14 @@ class FakeDriver:
         return 0, int(s in self.capturing)
 
     # kernels
-    def cuLaunchKernelEx(self, cfg, func, argv_addr, extra):
+    def cuLaunchKernel(self, func, gx, gy, gz, bx, by, bz, smem, stream, argv_addr, extra):
         name, ptype = func
+        assert (by, bz, extra) == (1, 1, 0) and bx in (128, 256) and smem >= 0
         argv = ctypes.cast(argv_addr, ctypes.POINTER(ctypes.c_void_p))
         p = ptype.from_buffer_copy(ctypes.string_at(argv[0], ctypes.sizeof(ptype)))
-        grid = (cfg.gridDimX, cfg.gridDimY, cfg.gridDimZ)
-        self.launches.append((name, grid, cfg.hStream, p))
-        self.log.append(("launch", name, cfg.hStream))
+        grid = (gx, gy, gz)
+        self.launches.append((name, grid, stream, p))
+        self.log.append(("launch", name, stream))
         if ptype is PackbitsParams:
             _simulate_packbits(p, grid)
         return (0,)
@@ -744,6 +739,21 @@ class FakeTorch:
         self.dtypes = {n: _TorchDtype(n) for n in ("float16", "bfloat16", "float8_e4m3fn", "float8_e5m2", "float32")}
         for n, dt in self.dtypes.items():
             setattr(self.module, n, dt)
+        # the fast paths' output allocators (see _tensor.torch_empty_like / torch_empty_f32)
+        self.module.contiguous_format = "torch.contiguous_format"
+        self.allocs = []
+
+        def empty_like(t, memory_format=None):
+            assert memory_format == "torch.contiguous_format"
+            self.allocs.append(("empty_like", tuple(t.shape), t.dtype))
+            return FakeTorchTensor(self, tuple(t.shape), t.dtype, 0xE00000)
+
+        def empty(shape, dtype=None, device=None):
+            assert device == "cuda:0"
+            self.allocs.append(("empty", tuple(shape), dtype))
+            return FakeTorchTensor(self, tuple(shape), dtype, 0xE10000)
+
+        self.module.empty_like, self.module.empty = empty_like, empty
 
     def tensor(self, shape, dtype, ptr=None):
         dt = self.dtypes[dtype] if isinstance(dtype, str) else dtype
@@ -755,7 +765,7 @@ class FakeTorchTensor:
     def __init__(self, torch, shape, dtype, ptr):
         self._torch, self.shape, self.dtype, self._ptr = torch, shape, dtype, ptr
         self._strides = _compact(shape)
-        self.is_cuda, self.is_cpu, self.layout = True, False, "torch.strided"
+        self.is_cuda, self.is_cpu, self.layout, self.device = True, False, "torch.strided", "cuda:0"
 
     def stride(self):
         return self._strides
@@ -780,6 +790,25 @@ def fake_torch(fake, monkeypatch):
     monkeypatch.setitem(sys.modules, "torch", ft.module)
     monkeypatch.setattr(_tensor, "_TORCH_STRIDED", {"torch.strided"})
     return ft
+
+
+def test_torch_fast_path_allocates_contiguous_outputs(fake, fake_torch):
+    """run() without out= on the fast path: o like q (contiguous), lse float32 [total_q, Hq], and
+    the kernel writes where they are."""
+    w = ragged(fake)
+    plan_ragged(w)
+    ft = fake_torch
+    q, k, v = ft.tensor((TQ, HQ, D), "float16"), ft.tensor((TKV, HKV, D), "float16"), ft.tensor((TKV, HKV, D), "float16")
+    w.run(q, k, v, return_lse=True)  # the full path validates and remembers the signature
+    assert w._fast_key is not None
+    ft.allocs.clear()
+    o, lse = w.run(q, k, v, return_lse=True)
+    assert ft.allocs == [("empty_like", (TQ, HQ, D), ft.dtypes["float16"]),
+                         ("empty", (TQ, HQ), ft.dtypes["float32"])]
+    assert o.stride() == _compact((TQ, HQ, D)) and lse.shape == (TQ, HQ)
+    p = last_attn(fake)[3]
+    assert (p.o, p.lse) == (o._ptr, lse._ptr)
+    assert (p.o_stride_n, p.o_stride_h) == (HQ * D, D)
 
 
 @pytest.mark.parametrize("kvdt", ["float16", "float8_e4m3fn"])

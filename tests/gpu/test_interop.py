@@ -123,3 +123,18 @@ def test_jax(case, dtype):
     o_bits = np.asarray(jax.lax.bitcast_convert_type(o, jnp.uint16))
     assert np.array_equal(o_bits, bits(o_t)), "jax and torch o differ"
     assert np.array_equal(np.asarray(lse), lse_t.cpu().numpy()), "jax and torch lse differ"
+
+
+def test_failed_launch_raises_and_the_library_keeps_working():
+    """A launch the driver refuses raises CudaError naming the kernel, its grid and the driver's
+    error; later calls work (the refused launch left no state behind)."""
+    from pyflashattn import _cuda, _registry
+
+    q = torch.randn(33, 8, 128, dtype=torch.float16, device="cuda")
+    o = pyflashattn.single_prefill_with_kv_cache(q, q, q)
+    la = _registry.launcher("merge", torch.cuda.current_device(), dtype="f16")
+    with pytest.raises(_cuda.CudaError, match=r"launch of .*merge.*grid=\(0, 1, 1\).*CUDA_ERROR_INVALID_VALUE"):
+        la.launch((0, 1, 1), torch.cuda.current_stream().cuda_stream)  # an empty grid: refused by the driver
+    o2 = pyflashattn.single_prefill_with_kv_cache(q, q, q)
+    torch.cuda.synchronize()
+    assert torch.equal(o, o2)
