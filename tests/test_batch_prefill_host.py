@@ -789,6 +789,7 @@ def fake_torch(fake, monkeypatch):
     ft = FakeTorch(fake)
     monkeypatch.setitem(sys.modules, "torch", ft.module)
     monkeypatch.setattr(_tensor, "_TORCH_STRIDED", {"torch.strided"})
+    monkeypatch.setattr(_tensor, "_TORCH_BY_NAME", {})  # dtypes cached from a real torch imported earlier
     return ft
 
 
