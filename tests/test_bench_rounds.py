@@ -1,4 +1,6 @@
 """The benchmark's interleaved timing rounds (CPU: the candidates are plain functions)."""
+import pytest
+
 from pyflashattn import bench
 
 
@@ -36,3 +38,29 @@ def test_a_failing_candidate_is_dropped_with_its_error_and_the_rest_go_on():
     assert ms == {"pfa": 1.5}
     assert len(errors) == 1 and errors[0].startswith("flash:") and "out of memory" in errors[0]
     assert len(calls) == bench.ROUNDS  # pfa still ran every round
+
+
+def test_host_overhead_rounds_interleave_and_take_the_median(monkeypatch):
+    from pyflashattn.testing import bench_util
+
+    now = [0.0]  # a fake clock that only the candidates advance
+    monkeypatch.setattr(bench_util.time, "perf_counter", lambda: now[0])
+    log, syncs = [], []
+    # pfa's per-call cost: 1 us in its warmup call, then 5, 100 (an outlier round), 7 us per round
+    pfa_cost = iter([1e-6] + [5e-6] * 2 + [100e-6] * 2 + [7e-6] * 2)
+
+    def cand(name, cost):
+        def fn():
+            log.append(name)
+            now[0] += cost()
+        return fn
+
+    fns = {"sdpa": cand("sdpa", lambda: 20e-6), "pfa": cand("pfa", lambda: next(pfa_cost)),
+           "pfa_out": cand("pfa_out", lambda: 3e-6)}
+    us = bench_util.host_overhead_interleaved_us(fns, 2, warmup=1, rounds=3, sync=lambda: syncs.append(1))
+    # warmup once each, then n=2 calls per candidate and round, the order rotated every round
+    assert log[:3] == ["sdpa", "pfa", "pfa_out"]
+    assert log[3::2] == ["sdpa", "pfa", "pfa_out", "pfa", "pfa_out", "sdpa", "pfa_out", "sdpa", "pfa"]
+    assert len(syncs) == 1 + 9
+    assert us["sdpa"] == pytest.approx(20.0) and us["pfa_out"] == pytest.approx(3.0)
+    assert us["pfa"] == pytest.approx(7.0)  # the median of 5, 100, 7

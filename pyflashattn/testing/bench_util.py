@@ -76,17 +76,31 @@ def host_overhead_us(fn, n: int = 1000, *, warmup: int = 20, rounds: int = 5, sy
     given should be tiny so the device keeps up and a full launch queue never blocks the host.
     ``sync`` defaults to ``torch.cuda.synchronize``.
     """
+    return host_overhead_interleaved_us({"fn": fn}, n, warmup=warmup, rounds=rounds, sync=sync)["fn"]
+
+
+def host_overhead_interleaved_us(fns: dict, n: int = 1000, *, warmup: int = 20, rounds: int = 5,
+                                 sync=None) -> dict:
+    """:func:`host_overhead_us` of several callables (name -> fn), measured in ``rounds``
+    interleaved rounds whose order rotates: the host's speed drifts by up to 2x over seconds on
+    the test VMs, and one candidate measured after the other would carry that drift into the
+    comparison. Returns the median per name."""
     if sync is None:
         sync = _torch().cuda.synchronize
-    for _ in range(warmup):
-        fn()
+    names = list(fns)
+    for name in names:
+        for _ in range(warmup):
+            fns[name]()
     sync()
-    per_call = []
-    for _ in range(rounds):
-        t0 = time.perf_counter()
-        for _ in range(n):
-            fn()
-        t1 = time.perf_counter()
-        sync()
-        per_call.append((t1 - t0) / n * 1e6)
-    return statistics.median(per_call)
+    per_call = {name: [] for name in names}
+    for r in range(rounds):
+        k = r % len(names)
+        for name in names[k:] + names[:k]:
+            fn = fns[name]
+            t0 = time.perf_counter()
+            for _ in range(n):
+                fn()
+            t1 = time.perf_counter()
+            sync()
+            per_call[name].append((t1 - t0) / n * 1e6)
+    return {name: statistics.median(v) for name, v in per_call.items()}
