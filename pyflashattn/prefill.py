@@ -256,7 +256,7 @@ class _Plan:
                              f"{65535 * meta['block_m']} a single launch covers")
         splits, chunk = _split_kv.plan_splits(qo_len, kv_len, group, num_kv_heads, meta["block_m"], meta["block_n"],
                                               _cuda.properties(dev)["sm_count"], 2 if meta["threads"] <= 128 else 1,
-                                              causal=causal, window_left=window_left)
+                                              causal=causal, window_left=window_left, head_dim=head_dim)
         self.splits = splits
         p = la.params
         p.q_stride_n, p.q_stride_h = qv.strides[0], qv.strides[1]
