@@ -358,7 +358,7 @@ class _BatchPrefillBase:
                 if len(self._configs) >= 64:
                     self._configs.clear()
                 self._configs[key] = cfg
-        opts, qdt, kdt, kv_fp8, window_left, sm_scale, fss, group, la, budget = cfg
+        opts, qdt, kdt, kv_fp8, window_left, sm_scale, fss, group, la, budget, ctas_per_sm = cfg
         causal = 1 if causal and not has_mask else 0  # a custom mask replaces causal (FlashInfer)
         B = qo_lens.size
 
@@ -368,7 +368,8 @@ class _BatchPrefillBase:
         if self._use_cuda_graph:
             cap = self._graph_capacity(B, int(qo[-1]))
         plan = _plan.schedule_prefill(qo, qo_lens, kv_lens, max_qo, max_kv, group, num_kv_heads, meta["block_m"],
-                                      meta["block_n"], budget, bool(causal), window_left, fss, disable_split_kv, cap)
+                                      meta["block_n"], budget, bool(causal), window_left, fss, disable_split_kv, cap,
+                                      ctas_per_sm)
         # Graph mode keeps the partial-LSE offset fixed across plans (max_partial_rows bound).
         ws_rows = plan.max_partial_rows if cap else plan.num_partial_rows
         lse_off, need = plan.workspace_layout(num_qo_heads, head_dim, ws_rows) if ws_rows else (0, 0)
@@ -504,8 +505,10 @@ class _BatchPrefillBase:
         fss = None if fixed_split_size is None else _plan._pos_int(fixed_split_size, "fixed_split_size")
         _cuda.ensure_context(self._dev)
         la = self._launcher("prefill", qdt.short, "fp8" if kv_fp8 else qdt.short, head_dim, opts.general or has_mask)
-        budget = _cuda.properties(self._dev)["sm_count"] * (2 if la.meta["threads"] <= 128 else 1)  # CTAs per wave
-        return opts, qdt, kdt, kv_fp8, window_left, sm_scale, fss, num_qo_heads // num_kv_heads, la, budget
+        ctas_per_sm = 2 if la.meta["threads"] <= 128 else 1
+        budget = _cuda.properties(self._dev)["sm_count"] * ctas_per_sm  # CTAs per wave
+        return (opts, qdt, kdt, kv_fp8, window_left, sm_scale, fss, num_qo_heads // num_kv_heads, la, budget,
+                ctas_per_sm)
 
     def _mask_plan(self, custom_mask, packed_custom_mask, qo_lens, kv_lens) -> _MaskPlan:
         """Validate a per-request custom mask and decide where its packed bits go (no driver).

@@ -42,10 +42,16 @@ from dataclasses import dataclass
 
 import numpy as np
 
-__all__ = ["PrefillPlan", "plan_prefill", "MIN_CHUNK_TOKENS", "MIN_CHUNK_TILES", "WORKSPACE_ALIGN"]
+__all__ = ["PrefillPlan", "plan_prefill", "MIN_CHUNK_TOKENS", "MIN_CHUNK_TILES", "SHORT_KV_TILES", "WORKSPACE_ALIGN"]
 
 MIN_CHUNK_TOKENS = 256  # automatic split: a chunk is never shorter than this many keys ...
 MIN_CHUNK_TILES = 4  # ... nor than this many BLOCK_N tiles (amortises the epilogue + merge)
+# Two-CTA-per-SM kernels with about a CTA per SM already: no automatic split unless the longest
+# request has at least this many KV tiles. Splitting then only fills the second CTA slot, which
+# pays on long walks, while on short ones the merge launch and the fp32 partials cost more than
+# the halved walk saves (H100, one 512-token causal request, 32/8 heads: hd128 27.5 us unsplit
+# vs 33.8 split in two, hd64 19.8 vs 27.8; 128 KV tiles: 111.7 split vs 124.9).
+SHORT_KV_TILES = 16
 WORKSPACE_ALIGN = 256
 _I32_MAX = 2**31 - 1
 
@@ -357,6 +363,10 @@ def plan_prefill(qo_indptr, kv_lens, *, group_size, num_kv_heads, block_m, block
       ``sum_b tiles_b * ceil(max(kv_b, 1) / chunk) <= L``: the most parallelism that still fits
       one wave. Chunk counts use the full kv_len (chunks a causal/window mask hides from a tile
       are still launched and write lse = -inf; see the module docstring).
+      Exception (``ctas_per_sm > 1``, i.e. kernels that run two CTAs per SM): when the unsplit
+      grid already has a CTA for every other SM (``2 * T * num_kv_heads >= num_sms``) and the
+      longest request has fewer than ``SHORT_KV_TILES`` KV tiles, nothing is split (see
+      SHORT_KV_TILES).
 
     LPT order: items sorted by cost descending, stable (ties keep (request, tile, chunk)
     order, so the plan is a deterministic function of its inputs). cost = block_n * (KV tiles
@@ -377,7 +387,8 @@ def plan_prefill(qo_indptr, kv_lens, *, group_size, num_kv_heads, block_m, block
     hkv = _pos_int(num_kv_heads, "num_kv_heads")
     bm = _pos_int(block_m, "block_m")
     bn = _pos_int(block_n, "block_n")
-    budget = _pos_int(num_sms, "num_sms") * _pos_int(ctas_per_sm, "ctas_per_sm")
+    cps = _pos_int(ctas_per_sm, "ctas_per_sm")
+    budget = _pos_int(num_sms, "num_sms") * cps
     wl = operator.index(window_left)
     if wl < -1:
         raise ValueError(f"window_left must be >= -1, got {wl}")
@@ -398,15 +409,15 @@ def plan_prefill(qo_indptr, kv_lens, *, group_size, num_kv_heads, block_m, block
             raise ValueError("qo_indptr must be non-decreasing (a request has a negative query length)")
         raise ValueError("kv_lens must be >= 0 (a request has a negative KV length)")
     return schedule_prefill(qo, qo_lens, kv, max_qo, max_kv, g, hkv, bm, bn, budget, bool(causal), wl, fss,
-                            disable_split_kv, graph_capacity)
+                            disable_split_kv, graph_capacity, cps)
 
 
 def schedule_prefill(qo, qo_lens, kv, max_qo, max_kv, g, hkv, bm, bn, budget, causal, wl, fss, disable_split_kv,
-                     cap):
+                     cap, ctas_per_sm=1):
     """plan_prefill() after its argument checks, for callers that validated the lengths already
     (the batch wrappers): qo = the int32/int64 qo_indptr, qo_lens / kv the int64 lengths (>= 0,
     not modified), max_qo / max_kv their maxima (0 for an empty batch), the scalars checked ints
-    (fss = fixed_split_size or None), cap = graph_capacity."""
+    (fss = fixed_split_size or None), cap = graph_capacity, budget = num_sms * ctas_per_sm."""
     B = kv.size
     total_q = qo.item(-1)
     if total_q > _I32_MAX or max_kv > _I32_MAX:
@@ -465,7 +476,8 @@ def schedule_prefill(qo, qo_lens, kv, max_qo, max_kv, g, hkv, bm, bn, budget, ca
     else:
         min_units = -(-max(MIN_CHUNK_TILES * bn, MIN_CHUNK_TOKENS) // bn)
         max_units = max_chunk // bn
-        if T == 0 or T > search_limit or max_units <= min_units:
+        if (T == 0 or T > search_limit or max_units <= min_units
+                or (ctas_per_sm > 1 and max_units < SHORT_KV_TILES and 2 * T * hkv * ctas_per_sm >= budget)):
             chunk = max_chunk
         elif B == 1:  # closed form: tiles * ceil(kv / c) <= L  <=>  c >= kv / (L // tiles)
             m = search_limit // T

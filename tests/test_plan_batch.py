@@ -12,7 +12,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from pyflashattn._plan import MIN_CHUNK_TILES, MIN_CHUNK_TOKENS, PrefillPlan, plan_prefill
+from pyflashattn._plan import MIN_CHUNK_TILES, MIN_CHUNK_TOKENS, SHORT_KV_TILES, PrefillPlan, plan_prefill
 
 SETTINGS = settings(max_examples=200, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 
@@ -28,7 +28,7 @@ def ntiles(qo, g, bm):
     return -(-qo * g // bm)
 
 
-def ref_chunk(qo_lens, kv_lens, g, hkv, bm, bn, budget, limit=None):
+def ref_chunk(qo_lens, kv_lens, g, hkv, bm, bn, budget, limit=None, ctas=1):
     """The automatic split rule, by linear scan over every candidate chunk."""
     L = budget // hkv if limit is None else limit
     tiles = np.array([ntiles(q, g, bm) for q in qo_lens], np.int64)
@@ -37,6 +37,9 @@ def ref_chunk(qo_lens, kv_lens, g, hkv, bm, bn, budget, limit=None):
     max_c = max(-(-max_kv // bn), 1) * bn
     min_c = -(-max(MIN_CHUNK_TILES * bn, MIN_CHUNK_TOKENS) // bn) * bn
     if T == 0 or T > L or max_c <= min_c:
+        return max_c
+    # two-CTA kernels with a CTA for every other SM and short KV: the merge would not pay
+    if ctas > 1 and max_c < SHORT_KV_TILES * bn and T * hkv >= (budget // ctas) / 2:
         return max_c
     kv1 = np.maximum(np.asarray(kv_lens, np.int64), 1)
     for c in range(min_c, max_c + 1, bn):
@@ -58,7 +61,8 @@ def item_kv_tiles(qo, kv, t, c, chunk, g, bm, bn, causal, wl):
     return (hi - lo // bn * bn + bn - 1) // bn if hi > lo else 0
 
 
-def check_plan(p: PrefillPlan, qo_lens, kv_lens, *, g, hkv, bm, bn, budget, causal, wl, mode, graph=None):
+def check_plan(p: PrefillPlan, qo_lens, kv_lens, *, g, hkv, bm, bn, budget, causal, wl, mode, graph=None,
+               ctas=1):
     """Every structural property of a plan, against brute force."""
     B = len(qo_lens)
     qo_lens = [int(x) for x in qo_lens]
@@ -139,7 +143,7 @@ def check_plan(p: PrefillPlan, qo_lens, kv_lens, *, g, hkv, bm, bn, budget, caus
         limit = budget // hkv
         if graph is not None:
             limit = min(limit, p.grid)
-        assert chunk == ref_chunk(qo_lens, kv_lens, g, hkv, bm, bn, budget, limit)
+        assert chunk == ref_chunk(qo_lens, kv_lens, g, hkv, bm, bn, budget, limit, ctas)
         if p.split:
             assert N * hkv <= budget  # within one wave
             assert chunk >= max(4 * bn, 256)
@@ -163,7 +167,7 @@ def run_plan(qo_lens, kv_lens, *, g, hkv, bm, bn, sms, ctas, causal, wl, mode, g
         kw["fixed_split_size"] = mode
     p = plan_prefill(indptr(qo_lens), np.asarray(kv_lens, np.int64), **kw)
     check_plan(p, qo_lens, kv_lens, g=g, hkv=hkv, bm=bm, bn=bn, budget=sms * ctas, causal=causal, wl=wl,
-               mode=mode, graph=graph)
+               mode=mode, graph=graph, ctas=ctas)
     return p
 
 
@@ -499,6 +503,18 @@ def test_decode_like_split_fills_one_wave():
     # a big batch is not split
     p = plan_prefill(indptr([512] * 64), [4096] * 64, **KW)
     assert not p.split and p.num_work == 64 * 16 and p.kv_chunk_size == 4096
+
+
+def test_short_kv_two_cta_kernels_do_not_split():
+    # one 512-token causal request, 32/8 heads, 128-row tiles: 16 q tiles x 8 kv heads = 128 CTAs
+    p = plan_prefill(indptr([512]), [512], **KW, causal=True)
+    assert not p.split and p.num_work == 16 and p.kv_chunk_size == 512
+    # a one-CTA-per-SM kernel (hd256, 16/4 heads: 64 CTAs) still splits (measured 35.6 vs 37.6 us)
+    p = plan_prefill(indptr([512]), [512], **dict(KW, num_kv_heads=4, ctas_per_sm=1), causal=True)
+    assert p.split
+    # long enough KV (SHORT_KV_TILES tiles) splits as before, and so does a near-empty grid
+    assert plan_prefill(indptr([512]), [SHORT_KV_TILES * 64], **KW, causal=True).split
+    assert plan_prefill(indptr([16]), [512], **KW, causal=True).split
 
 
 def test_accepts_lists_and_int32():

@@ -15,7 +15,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from pyflashattn._plan import PrefillPlan, plan_prefill
+from pyflashattn._plan import SHORT_KV_TILES, PrefillPlan, plan_prefill
 
 # ---- the frozen reference: pyflashattn/_plan.py at 4c05d11, verbatim but for the _ref_ names and
 # the returned dict (do not edit) ----------------------------------------------------------------
@@ -445,9 +445,36 @@ def outcome(fn, qo_indptr, kv_lens, kw):
     return d
 
 
+def _short_kv_rule(qo_indptr, kv_lens, kw, want) -> bool:
+    """Does the one deliberate change since the reference apply (pyflashattn._plan.SHORT_KV_TILES):
+    a two-CTA-per-SM kernel, an automatic split the reference would search for, about a CTA per
+    SM already and the longest request under SHORT_KV_TILES KV tiles: then nothing is split."""
+    if not isinstance(want, dict) or kw.get("disable_split_kv") or kw.get("fixed_split_size") is not None:
+        return False
+    cps, sms, hkv = kw["ctas_per_sm"], kw["num_sms"], kw["num_kv_heads"]
+    g, bm, bn = kw["group_size"], kw["block_m"], kw["block_n"]
+    qo = np.asarray(qo_indptr, np.int64)
+    kv = np.asarray(kv_lens, np.int64)
+    T = int((-(-(qo[1:] - qo[:-1]) * g // bm)).sum())
+    limit = sms * cps // hkv
+    if kw.get("graph_capacity") is not None:
+        limit = min(limit, want["grid"])
+    max_units = max(-(-int(kv.max(initial=0)) // bn), 1)
+    min_units = -(-max(MIN_CHUNK_TILES * bn, MIN_CHUNK_TOKENS) // bn)
+    return (cps > 1 and 0 < T <= limit and min_units < max_units < SHORT_KV_TILES
+            and 2 * T * hkv >= sms)
+
+
 def assert_same(qo_indptr, kv_lens, kw):
-    """New plan == frozen reference, bit for bit; outputs own their memory."""
+    """New plan == frozen reference, bit for bit; outputs own their memory. Where the short-KV
+    rule applies, the reference is the frozen one with the split disabled (the CUDA-graph
+    partial-row bound stays the automatic mode's)."""
     want = outcome(_plan_prefill_reference, qo_indptr, kv_lens, kw)
+    if _short_kv_rule(qo_indptr, kv_lens, kw, want):
+        bound = want["max_partial_rows"]
+        want = outcome(_plan_prefill_reference, qo_indptr, kv_lens, dict(kw, disable_split_kv=True))
+        if kw.get("graph_capacity") is not None:
+            want["max_partial_rows"] = bound
     got = outcome(plan_prefill, qo_indptr, kv_lens, kw)
     if isinstance(want, tuple):
         assert got == want
@@ -589,6 +616,9 @@ KW = dict(group_size=4, num_kv_heads=8, block_m=128, block_n=64, num_sms=132, ct
     ([0, 3], [10], {"num_sms": 1.5}),
     ([0, 3], [10], {"block_m": True}),  # a bool is an int to operator.index
     ([0, 3], [10], {"causal": 1, "window_left": np.int64(5)}),
+    ([0, 512], [512], {"causal": True}),  # the short-KV rule: not split (the reference splits)
+    ([0, 512], [512], {"causal": True, "graph_capacity": {"max_batch": 2, "max_total_q": 600}}),
+    ([0, 512], [1024], {"causal": True}),  # 16 KV tiles: split as before
 ])
 def test_edge_cases_match_reference(qo, kv, extra):
     assert_same(qo, kv, dict(KW, **extra))
