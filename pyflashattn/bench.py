@@ -47,6 +47,8 @@ import sys
 import time
 import zlib
 
+from pyflashattn.testing.bench_util import interleaved_median_ms, short_error
+
 # Two correct bf16 kernels differ by ~1e-3..1e-2 relative (bf16 P before PV); a wrong mask,
 # a dropped tile or garbage lands far above.
 REL_TOL = 2e-2
@@ -84,8 +86,7 @@ def _ratio(a, b):
 
 
 def _short_err(e: BaseException) -> str:
-    msg = f"{type(e).__name__}: {e}".replace("\n", " ")
-    return msg[:160]
+    return short_error(e, 160)
 
 
 class _Ctx:
@@ -135,23 +136,8 @@ ROUNDS = 3
 
 
 def _interleaved_ms(timers: dict, warmup: int, rep: int, errors: list, rounds: int = ROUNDS) -> dict:
-    """Median time (ms) per candidate of ``timers`` (name -> fn(warmup, rep) returning per-rep
-    times), measured in ``rounds`` rounds of about rep / rounds repetitions each, the order rotated
-    every round. A candidate that raises is dropped (its error noted), the others go on."""
-    names = list(timers)
-    samples = {n: [] for n in names}
-    per = max(1, -(-rep // rounds))
-    for r in range(rounds):
-        k = r % len(names) if names else 0
-        for n in names[k:] + names[:k]:
-            if n not in samples:
-                continue
-            try:
-                samples[n] += timers[n](warmup, per)
-            except Exception as e:
-                errors.append(f"{n}: {_short_err(e)}")
-                del samples[n]
-    return {n: statistics.median(s) for n, s in samples.items()}
+    """bench_util.interleaved_median_ms with this benchmark's number of rounds."""
+    return interleaved_median_ms(timers, warmup, rep, errors, rounds)
 
 
 def _check(torch, o, ref) -> tuple[float, float]:

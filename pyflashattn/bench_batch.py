@@ -27,15 +27,18 @@ cache cast once, k_scale = v_scale = 1). Columns:
   varlen SDPA in torch, so this is what a torch user would do; reported for scale, launch gaps
   included.
 
-Timing: CUDA-event medians with an L2 flush before each repetition
-(``pyflashattn.testing.bench_util.bench_ms``); plan() outside the timed region. Before a number
-is posted, the batch output of every request is compared with SDPA's on the same inputs
-(relative Frobenius error <= REL_TOL); a failing row posts no time.
+Timing: CUDA-event medians with an L2 flush before each repetition; plan() outside the timed
+region. Before a number is posted, the batch output of every request is compared with SDPA's on
+the same inputs (relative Frobenius error <= REL_TOL); a failing row posts no time. All columns
+of a row are then timed in three interleaved rounds whose order rotates
+(``bench_util.interleaved_median_ms``): timed one after the other, each column carried the power
+and clock state its predecessor left (the same ragged batch measured 298-325 TFLOP/s after the
+SDPA loop and 351-365 with fewer repetitions, H100).
 
 Host costs: plan() in microseconds at batch 64 and 1024 (numpy index arrays; qo 1..256,
-kv qo..4096; median of repeated plans, each a full plan including its metadata copy), and run()
-per call (wall time per call of back-to-back runs with out= given, on a tiny batch of 4 x 16
-tokens; ``host_overhead_us``).
+kv qo..4096; median of repeated plans, each a full plan including its metadata copy; ragged and
+paged alternating), and run() per call (wall time per call of back-to-back runs with out= given,
+on a tiny batch of 4 x 16 tokens; ragged and paged in interleaved rounds).
 """
 
 from __future__ import annotations
@@ -49,6 +52,8 @@ import time
 import zlib
 
 import numpy as np
+
+from pyflashattn.testing.bench_util import interleaved_median_ms, short_error
 
 REL_TOL = 2e-2  # bf16: two correct kernels differ by ~1e-3..1e-2; a wrong mask or tile lands far above
 HQ, HKV, HEAD_DIM = 32, 8, 128
@@ -64,8 +69,7 @@ def _ratio(a, b):
     return None if (a is None or not b) else a / b
 
 
-def _short_err(e: BaseException) -> str:
-    return f"{type(e).__name__}: {e}".replace("\n", " ")[:200]
+_short_err = short_error
 
 
 def _fmt(x, spec=".1f", width=7):
@@ -98,10 +102,12 @@ class _Ctx:
     def __init__(self):
         import torch
 
-        from pyflashattn.testing.bench_util import bench_ms, host_overhead_interleaved_us, host_overhead_us
+        from pyflashattn.testing.bench_util import (bench_ms, bench_samples_ms, host_overhead_interleaved_us,
+                                                    host_overhead_us)
 
         self.torch = torch
         self.bench_ms = bench_ms
+        self.bench_samples_ms = bench_samples_ms
         self.host_overhead_us = host_overhead_us
         self.host_overhead_interleaved_us = host_overhead_interleaved_us
         try:
@@ -199,11 +205,10 @@ def _bench_batch(ctx: _Ctx, name, lens, causal, warmup, rep):
         for qs, ks, vs in views:
             ctx.sdpa(qs, ks, vs, causal)
 
-    try:
-        row["sdpa_loop_ms"] = ctx.bench_ms(sdpa_loop, warmup=warmup, rep=rep)
-    except Exception as e:
-        row["sdpa_loop_ms"] = None
-        row["errors"].append(f"sdpa: {_short_err(e)}")
+    # Every candidate is checked first, then all are timed in interleaved rounds (the order rotated
+    # each round: bench_util.interleaved_median_ms), so none always runs after the most power-hungry one.
+    timers = {"sdpa_loop": lambda w, r: ctx.bench_samples_ms(sdpa_loop, warmup=w, rep=r)}
+    row["sdpa_loop_ms"] = None
 
     for kind in ("ragged", "paged", "fp8_paged"):
         row[f"{kind}_ms"] = None
@@ -245,11 +250,11 @@ def _bench_batch(ctx: _Ctx, name, lens, causal, warmup, rep):
                 row["errors"].append(f"pfa {kind}: output mismatch vs {'bf16 paged' if kind == 'fp8_paged' else 'SDPA'}"
                                      f", worst request rel {rel:.3g} > {REL_TOL}")
             else:
-                row[f"{kind}_ms"] = ctx.bench_ms(lambda: w.run(q, *kv_args, out=out), warmup=warmup, rep=rep)
+                timers[kind] = (lambda w, kv_args, out: lambda wu, r: ctx.bench_samples_ms(
+                    lambda: w.run(q, *kv_args, out=out), warmup=wu, rep=r))(w, kv_args, out)
         except Exception as e:
             row["errors"].append(f"pfa {kind}: {_short_err(e)}")
-    refs.clear()  # free the references and expanded K/V before the single-request run
-    views.clear()
+    refs.clear()  # free the references before the single-request run (the views stay: SDPA's timer)
 
     # one request of the batch's total length through single prefill (a rate to compare)
     row["single_ms"] = None
@@ -274,12 +279,16 @@ def _bench_batch(ctx: _Ctx, name, lens, causal, warmup, rep):
             if not rel <= REL_TOL:
                 row["errors"].append(f"pfa single: output mismatch vs SDPA, rel {rel:.3g}")
             else:
-                row["single_ms"] = ctx.bench_ms(
-                    lambda: ctx.pfa.single_prefill_with_kv_cache(qs, ks, vs, causal=causal), warmup=warmup, rep=rep)
-            del qs, ks, vs, o
+                timers["single"] = lambda wu, r: ctx.bench_samples_ms(
+                    lambda: ctx.pfa.single_prefill_with_kv_cache(qs, ks, vs, causal=causal), warmup=wu, rep=r)
+            del o
         except Exception as e:
             row["errors"].append(f"pfa single: {_short_err(e)}")
 
+    for key, ms in interleaved_median_ms(timers, warmup, rep, row["errors"]).items():
+        row[f"{key}_ms"] = ms
+    views.clear()
+    timers.clear()
     for key in ("ragged", "paged", "fp8_paged", "sdpa_loop"):
         row[f"{key}_tflops"] = _tflops(flops, row.get(f"{key}_ms"))
     row["single_tflops"] = _tflops(row["single_flops"], row["single_ms"])

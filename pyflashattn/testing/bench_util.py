@@ -11,7 +11,8 @@ from __future__ import annotations
 import statistics
 import time
 
-__all__ = ["bench_ms", "bench_samples_ms", "host_overhead_us", "L2_FLUSH_BYTES"]
+__all__ = ["bench_ms", "bench_samples_ms", "host_overhead_us", "host_overhead_interleaved_us",
+           "interleaved_median_ms", "short_error", "L2_FLUSH_BYTES"]
 
 L2_FLUSH_BYTES = 256 << 20
 
@@ -104,3 +105,28 @@ def host_overhead_interleaved_us(fns: dict, n: int = 1000, *, warmup: int = 20, 
             sync()
             per_call[name].append((t1 - t0) / n * 1e6)
     return {name: statistics.median(v) for name, v in per_call.items()}
+
+
+def short_error(e: BaseException, limit: int = 200) -> str:
+    """One line naming an exception, for a benchmark row's error list."""
+    return f"{type(e).__name__}: {e}".replace("\n", " ")[:limit]
+
+
+def interleaved_median_ms(timers: dict, warmup: int, rep: int, errors: list, rounds: int = 3) -> dict:
+    """Median time (ms) per candidate of ``timers`` (name -> fn(warmup, rep) returning per-rep
+    times), measured in ``rounds`` rounds of about rep / rounds repetitions each, the order rotated
+    every round. A candidate that raises is dropped (its error noted), the others go on."""
+    names = list(timers)
+    samples = {n: [] for n in names}
+    per = max(1, -(-rep // rounds))
+    for r in range(rounds):
+        k = r % len(names) if names else 0
+        for n in names[k:] + names[:k]:
+            if n not in samples:
+                continue
+            try:
+                samples[n] += timers[n](warmup, per)
+            except Exception as e:
+                errors.append(f"{n}: {short_error(e)}")
+                del samples[n]
+    return {n: statistics.median(s) for n, s in samples.items()}
