@@ -47,7 +47,7 @@ import sys
 import time
 import zlib
 
-from pyflashattn.testing.bench_util import interleaved_median_ms, short_error
+from pyflashattn.testing.bench_util import gpu_warmup, interleaved_median_ms, short_error
 
 # Two correct bf16 kernels differ by ~1e-3..1e-2 relative (bf16 P before PV); a wrong mask,
 # a dropped tile or garbage lands far above.
@@ -324,6 +324,7 @@ def run_prefill(args) -> int:
     if ctx.pfa_error:
         print(f"# pyflashattn unavailable: {ctx.pfa_error}", flush=True)
 
+    gpu_warmup()  # the first row must not pay for an idle GPU's clock ramp
     rows = []
     for hd in head_dims:
         for seq in seqs:

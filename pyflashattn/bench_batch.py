@@ -32,8 +32,9 @@ region. Before a number is posted, the batch output of every request is compared
 the same inputs (relative Frobenius error <= REL_TOL); a failing row posts no time. All columns
 of a row are then timed in three interleaved rounds whose order rotates
 (``bench_util.interleaved_median_ms``): timed one after the other, each column carried the power
-and clock state its predecessor left (the same ragged batch measured 298-325 TFLOP/s after the
-SDPA loop and 351-365 with fewer repetitions, H100).
+and clock state its predecessor left (H100: the uniform16 causal ragged batch read 298-325 TFLOP/s
+in full sequential runs, 351-365 in quick runs and alone). The GPU is warmed up for a second
+before the first row (``bench_util.gpu_warmup``).
 
 Host costs: plan() in microseconds at batch 64 and 1024 (numpy index arrays; qo 1..256,
 kv qo..4096; median of repeated plans, each a full plan including its metadata copy; ragged and
@@ -53,7 +54,7 @@ import zlib
 
 import numpy as np
 
-from pyflashattn.testing.bench_util import interleaved_median_ms, short_error
+from pyflashattn.testing.bench_util import gpu_warmup, interleaved_median_ms, short_error
 
 REL_TOL = 2e-2  # bf16: two correct kernels differ by ~1e-3..1e-2; a wrong mask or tile lands far above
 HQ, HKV, HEAD_DIM = 32, 8, 128
@@ -410,6 +411,7 @@ def run(args) -> int:
           f"{HQ}/{HKV} heads", flush=True)
     if ctx.pfa_error:
         print(f"# pyflashattn unavailable: {ctx.pfa_error}", flush=True)
+    gpu_warmup()
     rows = []
     for name in ("uniform16", "skewed"):
         lens = batch_lengths(name, args.quick)

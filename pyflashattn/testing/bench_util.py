@@ -12,7 +12,7 @@ import statistics
 import time
 
 __all__ = ["bench_ms", "bench_samples_ms", "host_overhead_us", "host_overhead_interleaved_us",
-           "interleaved_median_ms", "short_error", "L2_FLUSH_BYTES"]
+           "interleaved_median_ms", "short_error", "gpu_warmup", "L2_FLUSH_BYTES"]
 
 L2_FLUSH_BYTES = 256 << 20
 
@@ -105,6 +105,20 @@ def host_overhead_interleaved_us(fns: dict, n: int = 1000, *, warmup: int = 20, 
             sync()
             per_call[name].append((t1 - t0) / n * 1e6)
     return {name: statistics.median(v) for name, v in per_call.items()}
+
+
+def gpu_warmup(seconds: float = 1.0, device=None) -> None:
+    """Keep the GPU busy with bf16 matmuls for about ``seconds``: an idle GPU takes a while to reach
+    its working clocks, and the first row of a benchmark would pay for it (H100: the first ragged
+    batch of bench_batch read ~10 % below the same batch timed later in the run)."""
+    torch = _torch()
+    device = torch.device("cuda", torch.cuda.current_device()) if device is None else device
+    a = torch.randn(4096, 4096, dtype=torch.bfloat16, device=device)
+    t0 = time.perf_counter()
+    while time.perf_counter() - t0 < seconds:
+        for _ in range(20):
+            a = (a @ a).clamp_(-1, 1)
+        torch.cuda.synchronize(device)
 
 
 def short_error(e: BaseException, limit: int = 200) -> str:
