@@ -19,7 +19,10 @@ causal and not): the mean slowdown against the best split count went from 5.5 % 
 tile-only model, which let a lone CTA of a two-per-SM kernel run at 0.8 of an SM and charged
 no fixed merge cost) to 1.8 %; the worst from 37 % (hd64 seq 512 causal, split in two) to 20 %
 (two long-KV GQA shapes where filling the second CTA slot of every SM pays and the model,
-counting a lone CTA as a whole SM, calls it a tie). NOTES.md has the table.
+counting a lone CTA as a whole SM, calls it a tie). On 37 shapes (17 more: decode-like and
+chunked-prefill GQA over 8K-128K keys, MQA, the sweep's 1536-4096): mean 4.6 %, worst 25 %, every
+miss a long-KV GQA shape that wants about two CTAs per SM; the sweep's seq >= 2048 rows all pick
+the best count. NOTES.md has the tables and the variant that was not kept.
 """
 from __future__ import annotations
 
