@@ -140,14 +140,6 @@ class _UnsupportedDtype(TypeError):
     pass
 
 
-def torch_float32():
-    """torch.float32, cached (for allocating LSE outputs next to a torch query)."""
-    t = _TORCH_BY_NAME.get("float32")
-    if t is None:
-        t = _TORCH_BY_NAME["float32"] = sys.modules["torch"].float32
-    return t
-
-
 def torch_empty_like(q):
     """A contiguous uninitialised tensor with q's shape, dtype and device (the outputs of the torch
     fast paths, whose shape is q's). torch.empty_like with contiguous_format measured 3.7 us a
