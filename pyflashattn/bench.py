@@ -107,12 +107,10 @@ class _Ctx:
         except Exception as e:  # keep benchmarking SDPA so the anchors can still be checked
             self.pfa = None
             self.pfa_error = _short_err(e)
-        from pyflashattn.testing.bench_util import (bench_ms, bench_samples_ms, host_overhead_interleaved_us,
-                                                    host_overhead_us)
+        from pyflashattn.testing.bench_util import bench_ms, bench_samples_ms, host_overhead_interleaved_us
 
         self.bench_ms = bench_ms
         self.bench_samples_ms = bench_samples_ms
-        self.host_overhead_us = host_overhead_us
         self.host_overhead_interleaved_us = host_overhead_interleaved_us
 
     def sdpa(self, backend, q, k, v, causal):

@@ -109,8 +109,9 @@ def host_overhead_interleaved_us(fns: dict, n: int = 1000, *, warmup: int = 20, 
 
 def gpu_warmup(seconds: float = 1.0, device=None) -> None:
     """Keep the GPU busy with bf16 matmuls for about ``seconds``: an idle GPU takes a while to reach
-    its working clocks, and the first row of a benchmark would pay for it (H100: the first ragged
-    batch of bench_batch read ~10 % below the same batch timed later in the run)."""
+    its working clocks, and the first row of a benchmark would pay for it (H100, bench_batch without
+    it: the first row's ragged column read 338-346 TFLOP/s, 346-360 with it; within the noise, but
+    a second of matmuls is cheap insurance)."""
     torch = _torch()
     device = torch.device("cuda", torch.cuda.current_device()) if device is None else device
     a = torch.randn(4096, 4096, dtype=torch.bfloat16, device=device)
