@@ -103,10 +103,9 @@ class _Ctx:
     def __init__(self):
         import torch
 
-        from pyflashattn.testing.bench_util import bench_ms, bench_samples_ms, host_overhead_interleaved_us
+        from pyflashattn.testing.bench_util import bench_samples_ms, host_overhead_interleaved_us
 
         self.torch = torch
-        self.bench_ms = bench_ms
         self.bench_samples_ms = bench_samples_ms
         self.host_overhead_interleaved_us = host_overhead_interleaved_us
         try:
