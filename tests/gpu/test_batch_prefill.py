@@ -517,6 +517,26 @@ def test_split_kv_batch(kind, layout, causal, dtype):
     _check_batch(b, o, lse, causal, {}, _seed("split-heads"), "split-kv")
 
 
+@pytest.mark.parametrize("kind", ["paged", "ragged"])
+@pytest.mark.parametrize("hq,hkv,d", [(8, 2, 64), (32, 8, 128), (8, 8, 256)])
+def test_merge_of_many_chunks(kind, hq, hkv, d):
+    # One-tile chunks: 1 .. 130 partial states per row, around the merge kernel's 32-split
+    # weight batches and its 4-split unrolled loads (and every head_dim's column stripes).
+    kv_lens = [64, 100, 1984, 2048, 2049, 2350, 4096, 5000, 8300]
+    qo_lens = [1, 3, 1, 2, 5, 1, 1, 4, 2]
+    b = _make_batch(qo_lens, kv_lens, hq, hkv, d, BF16, _seed("many-chunks", kind, d))
+    if kind == "paged":
+        pg = _paginate(b, 16, "NHD", "5d", _seed("many-chunks-pages", d))
+        kv_args = (pg.cache,)
+    else:
+        pg, kv_args = None, _ragged_kv(b, "NHD")
+    w = _wrapper_for(kind, "NHD")
+    _plan(w, kind, b, pg, True, fixed_split_size=64)
+    assert int(w._plan.num_chunks.max()) == 130, "the longest request should merge 130 one-tile chunks"
+    o, lse = _run_into(w, b, kv_args)
+    _check_batch(b, o, lse, True, {}, _seed("many-chunks-heads"), "many-chunks")
+
+
 # ---------------------------------------------------------------------------------------
 # Batch invariance: fixed_split_size / disable_split_kv make a request's rows independent of
 # the rest of the batch, bit for bit (semantics notes 2.5).

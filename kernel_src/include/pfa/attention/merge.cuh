@@ -11,17 +11,116 @@ namespace pfa {
 template <typename T>
 struct MergeStates {
   static constexpr int WARPS = 4;
-  // One warp per (row, head); each lane owns 4 consecutive columns per 128-column stripe.
+  static constexpr unsigned FULL = 0xffffffffu;
+  // Partial rows (float4 per lane) in flight per lane: UNROLL_ROWS / STRIPES splits at a time.
+  // A merge is a short chain of dependent loads (merge_indptr -> LSE -> weights -> partial
+  // rows) more than a stream, so the first splits are requested together with the LSE, before
+  // the weights are known. 6 fits in 88 registers (8 spills at 96, 12 needs 122). H100, the
+  // merge alone (ncu, A/B in one process): batch plans 5.6-6.1 -> 3.8-4.1 us, hd256 seq 512
+  // (4 splits, 16.8 MB of partials) 7.2-7.5 -> 6.6-7.0, the rest unchanged (NOTES.md).
+  static constexpr int UNROLL_ROWS = 6;  // float4 partial rows in flight per lane (/ stripes)
+
+  static __device__ __forceinline__ void add(float4& a, float w, const float4& v) {
+    a.x += w * v.x;
+    a.y += w * v.y;
+    a.z += w * v.z;
+    a.w += w * v.w;
+  }
+
+  // One warp per (row, head); lane l owns columns [4l, 4l + 4) of each of the STRIPES
+  // 128-column stripes (head_dim 256: two; 64: lanes 16-31 idle). Lane s also holds the LSE of
+  // split s (32 at a time), so the weights take one load per lane and two warp reductions,
+  // then a shuffle per split. Partial state s sits at (first + s * stride) (row, head) units.
+  // Loads use the read-only path (__ldg): nothing here writes what it reads.
+  template <int STRIPES>
+  static __device__ __forceinline__ void merge(const MergeParams& p, int lane, int row, int head, int64_t first,
+                                               int64_t stride, int count) {
+    constexpr int UNROLL = UNROLL_ROWS / STRIPES;
+    const float* lp = reinterpret_cast<const float*>(p.lse_partial);
+    const int hd = p.head_dim;
+    const int c0 = lane * 4;
+    const float* base = reinterpret_cast<const float*>(p.o_partial) + first * hd + c0;
+    const int64_t step = stride * hd;  // floats from one split's partial row to the next
+    auto has = [&](int st) { return c0 + 128 * st < hd; };
+    auto load = [&](int s, int st) { return __ldg(reinterpret_cast<const float4*>(base + s * step + 128 * st)); };
+
+    float4 v[UNROLL][STRIPES];
+#pragma unroll
+    for (int u = 0; u < UNROLL; ++u)
+#pragma unroll
+      for (int st = 0; st < STRIPES; ++st)
+        if (u < count && has(st)) v[u][st] = load(u, st);
+
+    const float l0 = lane < count ? __ldg(lp + first + lane * stride) : -INFINITY;
+    float mx = l0;
+    for (int s = lane + 32; s < count; s += 32) mx = fmaxf(mx, __ldg(lp + first + s * stride));
+#pragma unroll
+    for (int off = 16; off > 0; off /= 2) mx = fmaxf(mx, __shfl_xor_sync(FULL, mx, off));
+    const float m_use = mx == -INFINITY ? 0.f : mx;
+    const float w0 = lane < count ? exp2f(l0 - m_use) : 0.f;
+    float denom = w0;
+    for (int s = lane + 32; s < count; s += 32) denom += exp2f(__ldg(lp + first + s * stride) - m_use);
+#pragma unroll
+    for (int off = 16; off > 0; off /= 2) denom += __shfl_xor_sync(FULL, denom, off);
+    const float inv = denom > 0.f ? 1.f / denom : 0.f;
+
+    float4 acc[STRIPES];
+#pragma unroll
+    for (int st = 0; st < STRIPES; ++st) acc[st] = make_float4(0.f, 0.f, 0.f, 0.f);
+#pragma unroll
+    for (int u = 0; u < UNROLL; ++u) {
+      const float w = __shfl_sync(FULL, w0, u);
+#pragma unroll
+      for (int st = 0; st < STRIPES; ++st)
+        if (u < count && has(st)) add(acc[st], w, v[u][st]);
+    }
+    for (int s0 = 0; s0 < count; s0 += 32) {
+      const int n = min(32, count - s0);
+      const float wl = s0 == 0 ? w0 : lane < n ? exp2f(__ldg(lp + first + (s0 + lane) * stride) - m_use) : 0.f;
+      int j = s0 == 0 ? UNROLL : 0;  // the first UNROLL splits are in already
+      for (; j + UNROLL <= n; j += UNROLL) {
+#pragma unroll
+        for (int u = 0; u < UNROLL; ++u)
+#pragma unroll
+          for (int st = 0; st < STRIPES; ++st)
+            if (has(st)) v[u][st] = load(s0 + j + u, st);
+#pragma unroll
+        for (int u = 0; u < UNROLL; ++u) {
+          const float w = __shfl_sync(FULL, wl, j + u);
+#pragma unroll
+          for (int st = 0; st < STRIPES; ++st)
+            if (has(st)) add(acc[st], w, v[u][st]);
+        }
+      }
+      for (; j < n; ++j) {
+        const float w = __shfl_sync(FULL, wl, j);
+#pragma unroll
+        for (int st = 0; st < STRIPES; ++st)
+          if (has(st)) add(acc[st], w, load(s0 + j, st));
+      }
+    }
+
+    T* out = reinterpret_cast<T*>(p.o) + row * p.o_stride_n + head * p.o_stride_h;
+#pragma unroll
+    for (int st = 0; st < STRIPES; ++st) {
+      if (!has(st)) continue;
+      uint2 packed;
+      packed.x = Pack2<T>::from(acc[st].x * inv, acc[st].y * inv);
+      packed.y = Pack2<T>::from(acc[st].z * inv, acc[st].w * inv);
+      *reinterpret_cast<uint2*>(out + c0 + 128 * st) = packed;
+    }
+    if (p.lse != 0 && lane == 0)
+      reinterpret_cast<float*>(p.lse)[(int64_t)row * p.num_heads + head] =
+          denom > 0.f ? (m_use + log2f(denom)) * p.lse_scale : -INFINITY;
+  }
+
   static __device__ __forceinline__ void run(const MergeParams& p) {
     const int lane = threadIdx.x % 32;
     const int64_t pair = (int64_t)blockIdx.x * WARPS + threadIdx.x / 32;
     const int64_t pairs = (int64_t)p.rows * p.num_heads;
-    if (pair >= pairs) return;
-    const float* lp = reinterpret_cast<const float*>(p.lse_partial);
-    const float* op = reinterpret_cast<const float*>(p.o_partial);
+    if (pair >= pairs) return;  // whole warps: the shuffles below see every lane
     const int row = pair / p.num_heads, head = pair % p.num_heads;
-    // Partial state s of this (row, head) lives at index first + s * stride (in (row, head) units).
-    int64_t first = pair, stride = pairs;
+    int64_t first = pair, stride = pairs;  // single request: [num_splits, rows, heads]
     int count = p.num_splits;
     if (p.merge_indptr != 0) {
       const int32_t* mi = reinterpret_cast<const int32_t*>(p.merge_indptr);
@@ -30,29 +129,12 @@ struct MergeStates {
       first = (int64_t)mi[row] * p.num_heads + head;
       stride = p.num_heads;
     }
-
-    float mx = -INFINITY;
-    for (int s = 0; s < count; ++s) mx = fmaxf(mx, lp[first + s * stride]);
-    const float m_use = mx == -INFINITY ? 0.f : mx;
-    float denom = 0.f;
-    for (int s = 0; s < count; ++s) denom += exp2f(lp[first + s * stride] - m_use);
-    const float inv = denom > 0.f ? 1.f / denom : 0.f;
-
-    T* out = reinterpret_cast<T*>(p.o) + row * p.o_stride_n + head * p.o_stride_h;
-    for (int c = lane * 4; c < p.head_dim; c += 128) {
-      float4 acc = make_float4(0.f, 0.f, 0.f, 0.f);
-      for (int s = 0; s < count; ++s) {
-        const float w = exp2f(lp[first + s * stride] - m_use);
-        const float4 v = *reinterpret_cast<const float4*>(op + (first + s * stride) * p.head_dim + c);
-        acc.x += w * v.x; acc.y += w * v.y; acc.z += w * v.z; acc.w += w * v.w;
-      }
-      uint2 packed;
-      packed.x = Pack2<T>::from(acc.x * inv, acc.y * inv);
-      packed.y = Pack2<T>::from(acc.z * inv, acc.w * inv);
-      *reinterpret_cast<uint2*>(out + c) = packed;
+    // head_dim <= 256 (the host's HEAD_DIMS): one or two column stripes
+    if (p.head_dim > 128) {
+      merge<2>(p, lane, row, head, first, stride, count);
+    } else {
+      merge<1>(p, lane, row, head, first, stride, count);
     }
-    if (p.lse != 0 && lane == 0)
-      reinterpret_cast<float*>(p.lse)[(int64_t)row * p.num_heads + head] = denom > 0.f ? (m_use + log2f(denom)) * p.lse_scale : -INFINITY;
   }
 };
 
