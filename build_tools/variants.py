@@ -105,8 +105,10 @@ class MergeVariant:
         return f'#include "pfa/attention/merge.cuh"\nPFA_DEFINE_MERGE({self.name}, {DTYPES[self.dtype]})\n'
 
     def manifest(self):
+        # programmatic_launch: it follows the attention kernel on the stream and waits for it in
+        # griddepcontrol.wait before reading a partial (sm_90+; launched plainly elsewhere).
         return {"family": "merge", "dtype": self.dtype, "threads": 128, "smem_bytes": 0, "rows_per_block": 4,
-                "tune": self.tune}
+                "programmatic_launch": True, "tune": self.tune}
 
 
 @dataclass(frozen=True)

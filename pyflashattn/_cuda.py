@@ -134,9 +134,9 @@ class Launcher:
     The struct and the void*[1] that points at it are allocated once; a launch refills the
     struct's fields (the caller does that) and hands the array's address to cuLaunchKernel
     with the grid and block fixed by configure(), so no argument packing happens per call.
-    cuLaunchKernel, not cuLaunchKernelEx: no launch attributes are used, and on the H100 VM it
-    cost 5.1 us a launch against 5.7 for the Ex form with a prebuilt CUlaunchConfig (the
-    driver's own time: a ctypes call of either measured the same as cuda.bindings).
+    cuLaunchKernel, not cuLaunchKernelEx: on the H100 VM it cost 5.1 us a launch against 5.7 for
+    the Ex form with a prebuilt CUlaunchConfig (the driver's own time: a ctypes call of either
+    measured the same as cuda.bindings). Launch attributes need the Ex form: ProgrammaticLauncher.
     """
 
     __slots__ = ("name", "func", "params", "_argv", "_argv_addr", "_head", "grid", "_cu", "threads", "smem", "meta")
@@ -169,6 +169,45 @@ class Launcher:
 
     def launch(self, grid: tuple[int, int, int], stream: int) -> None:
         self.configure(grid)(stream)
+
+
+class ProgrammaticLauncher(Launcher):
+    """A Launcher whose kernel may start before the kernel ahead of it on the stream has
+    finished (programmatic dependent launch, compute capability 9.0+): its CTAs are scheduled
+    as soon as every CTA of that kernel has started and park in griddepcontrol.wait
+    (pfa/ptx/pdl.cuh) until it completes, so the launch latency overlaps its tail. Only for
+    kernels that wait before reading anything (the split-KV merge). cuLaunchKernelEx with a
+    prebuilt CUlaunchConfig carrying the attribute (~0.6 us more host time than cuLaunchKernel).
+    """
+
+    __slots__ = ("_config",)
+
+    def __init__(self, name: str, func, params_type, threads: int, smem: int):
+        cu = driver()
+        cfg = cu.CUlaunchConfig()
+        cfg.blockDimX, cfg.blockDimY, cfg.blockDimZ = threads, 1, 1
+        cfg.sharedMemBytes = smem
+        attr = cu.CUlaunchAttribute()
+        attr.id = cu.CUlaunchAttributeID.CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION
+        attr.value.programmaticStreamSerializationAllowed = 1
+        cfg.attrs = [attr]
+        cfg.numAttrs = 1
+        self._config = cfg
+        super().__init__(name, func, params_type, threads, smem)
+
+    def configure(self, grid: tuple[int, int, int]) -> "Launcher":
+        super().configure(grid)
+        cfg = self._config
+        cfg.gridDimX, cfg.gridDimY, cfg.gridDimZ = self.grid
+        return self
+
+    def __call__(self, stream: int) -> None:
+        cfg = self._config
+        cfg.hStream = stream
+        err, = self._cu.cuLaunchKernelEx(cfg, self.func, self._argv_addr, 0)
+        if err != self._cu.CUresult.CUDA_SUCCESS:
+            raise CudaError(f"launch of {self.name} grid={self.grid} block={self.threads} smem={self.smem} "
+                            f"(programmatic) failed: {_err_name(self._cu, err)}")
 
 
 # ---------------------------------------------------------------- streams, events, memory

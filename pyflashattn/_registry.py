@@ -148,7 +148,10 @@ def new_launcher(family: str, device_id: int, **match) -> _cuda.Launcher:
     if func is None:
         func = _functions[fkey] = _cuda.get_function(_library(row, device_id), row["name"], device_id,
                                                      row["smem_bytes"])
-    la = _cuda.Launcher(row["name"], func, FAMILIES[family], row["threads"], row["smem_bytes"])
+    cls = _cuda.Launcher
+    if row.get("programmatic_launch") and _cuda.properties(device_id)["cc"] >= (9, 0):
+        cls = _cuda.ProgrammaticLauncher  # the kernel waits for the one before it (sm_90 cubins)
+    la = cls(row["name"], func, FAMILIES[family], row["threads"], row["smem_bytes"])
     la.meta = row
     return la
 

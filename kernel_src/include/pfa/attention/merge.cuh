@@ -5,6 +5,7 @@
 
 #include "pfa/attention/params.h"
 #include "pfa/common/dtypes.cuh"
+#include "pfa/ptx/pdl.cuh"
 
 namespace pfa {
 
@@ -115,6 +116,7 @@ struct MergeStates {
   }
 
   static __device__ __forceinline__ void run(const MergeParams& p) {
+    ptx::wait_prior_grids();  // launched programmatically after the attention kernel (sm_90)
     const int lane = threadIdx.x % 32;
     const int64_t pair = (int64_t)blockIdx.x * WARPS + threadIdx.x / 32;
     const int64_t pairs = (int64_t)p.rows * p.num_heads;

@@ -29,6 +29,7 @@
 #include "pfa/attention/variant.cuh"
 #include "pfa/common/dtypes.cuh"
 #include "pfa/ptx/mma_sm80.cuh"
+#include "pfa/ptx/pdl.cuh"
 
 namespace pfa {
 
@@ -190,6 +191,12 @@ struct PrefillSm80 {
   }
 
   static __device__ __forceinline__ void run(const PrefillParams& p, char* smem) {
+    // The split-KV merge after this kernel is launched programmatically: it may start (and
+    // park in wait_prior_grids) as soon as every CTA here has started, hiding its launch.
+    // And when this kernel itself was launched that way, nothing is read before the kernel
+    // ahead of it on the stream is done.
+    ptx::allow_dependents();
+    ptx::wait_prior_grids();
     static_assert(BLOCK_M % (THREADS / CPR) == 0 && BLOCK_N % (THREADS / CPR) == 0, "tile rows vs threads");
     T* sQ = reinterpret_cast<T*>(smem);
     const uint32_t sQ_u = ptx::smem_u32(sQ);
