@@ -796,7 +796,7 @@ class _BatchPrefillBase:
                              f"%16 = {t.ptr % 16}")
         return t
 
-    def _launch(self, qv, ov, lv, s):
+    def _launch(self, qv, ov, lv, s, pdl):
         if self._pending_copy:
             # The plan's metadata copy went on the plan's stream; order this stream after it once.
             _cuda.stream_wait(s, self._plan_stream)
@@ -810,7 +810,7 @@ class _BatchPrefillBase:
         p.lse = lv.ptr if lv is not None else 0
         if self._shape[0] == 0:
             return
-        self._attn(s)
+        self._attention(pdl)(s)
         if self._merge is not None:
             mp = self._merge.params
             mp.o, mp.lse = ov.ptr, (lv.ptr if lv is not None else 0)
@@ -847,7 +847,7 @@ class _BatchPrefillBase:
             _TORCH_TYPES.add(cls)
         self._fast_key = self._key(q, kv_parts, out, lse, bool(return_lse))
 
-    def _torch_fast(self, q, kv_parts, out, lse, return_lse, stream):
+    def _torch_fast(self, q, kv_parts, out, lse, return_lse, stream, pdl):
         fk = self._fast_key
         if fk is None or q.__class__ not in _TORCH_TYPES or self._key(q, kv_parts, out, lse, bool(return_lse)) != fk:
             return None
@@ -876,7 +876,7 @@ class _BatchPrefillBase:
         if self._graph_probe:
             self._note_capture(s)
         if total_q:
-            self._attn(s)
+            self._attention(pdl)(s)
             merge = self._merge
             if merge is not None:
                 mp = merge.params
@@ -894,12 +894,29 @@ class _BatchPrefillBase:
         lse = _tensor.finalize(lse)
         return (out, lse) if return_lse else out
 
-    def _refuse_run(self, args, enable_pdl):
+    def _refuse_run(self, args):
         if args:
             raise TypeError(f"run() takes {self._run_positional} positionally; pass the rest by keyword")
-        if enable_pdl:
-            raise NotImplementedError("enable_pdl=True: programmatic dependent launch is not implemented yet")
         raise RuntimeError("call plan() before run()")
+
+    _attn_pdl = None  # the attention kernel's programmatic launcher (enable_pdl=True), built on first use
+
+    def _attention(self, pdl):
+        """The attention launcher for this run: with enable_pdl, one launched programmatically
+        (sm_90+: it may start while the kernel ahead of it on the stream finishes, and waits for
+        it in griddepcontrol.wait before reading anything), over the same params struct. GPUs
+        without programmatic launch (sm_8x) take the plain launch: the results are the same."""
+        la = self._attn
+        if not pdl:
+            return la
+        pl = self._attn_pdl
+        if pl is None or pl.params is not la.params:
+            if _cuda.properties(self._dev)["cc"] < (9, 0):
+                return la
+            pl = self._attn_pdl = _cuda.ProgrammaticLauncher.sharing(la)
+        if pl.grid != la.grid:
+            pl.configure(la.grid)
+        return pl
 
     def run_return_lse(self, *args, **kwargs):
         kwargs["return_lse"] = True
@@ -1056,19 +1073,22 @@ class BatchPrefillWithPagedKVCacheWrapper(_BatchPrefillBase):
             return_lse: bool = False, stream=None, enable_pdl=None):
         """Attention of q over the paged cache for the planned batch. k_scale / v_scale (float,
         default 1.0): see the class docstring; under a CUDA graph they are baked into the
-        captured launch (a replay uses the values of the captured run())."""
-        if args or enable_pdl or not self._planned:
-            self._refuse_run(args, enable_pdl)
+        captured launch (a replay uses the values of the captured run()). enable_pdl=True
+        launches the attention kernel programmatically (sm_90+, see _attention); None / False:
+        a plain launch (FlashInfer's None means "if supported": here it means off)."""
+        if args or not self._planned:
+            self._refuse_run(args)
         if k_scale is not None or v_scale is not None or self._scaled:
             self._apply_scales(k_scale, v_scale)
         if isinstance(paged_kv_cache, (tuple, list)):
             kv_parts = tuple(paged_kv_cache)
             # only a (k_cache, v_cache) pair may take the fast path (a 1-tuple must not pass as
             # the bare 5-D cache it holds: the full path refuses it)
-            fast = self._torch_fast(q, kv_parts, out, lse, return_lse, stream) if len(kv_parts) == 2 else None
+            fast = (self._torch_fast(q, kv_parts, out, lse, return_lse, stream, enable_pdl)
+                    if len(kv_parts) == 2 else None)
         else:
             kv_parts = (paged_kv_cache,)
-            fast = self._torch_fast(q, kv_parts, out, lse, return_lse, stream)
+            fast = self._torch_fast(q, kv_parts, out, lse, return_lse, stream, enable_pdl)
         if fast is not None:
             return fast
         qv, out_, ov, lse_, lv, s, hs = self._check_q(q, out, lse, return_lse, stream)
@@ -1105,7 +1125,7 @@ class BatchPrefillWithPagedKVCacheWrapper(_BatchPrefillBase):
         else:
             p.k_stride_page, p.k_stride_h, p.k_stride_n = ks[0], ks[1], ks[2]
             p.v_stride_page, p.v_stride_h, p.v_stride_n = vs[0], vs[1], vs[2]
-        self._launch(qv, ov, lv, s)
+        self._launch(qv, ov, lv, s, enable_pdl)
         self._remember(q, kv_parts, out, lse, return_lse)
         return self._finish(out_, lse_, return_lse)
 
@@ -1170,12 +1190,12 @@ class BatchPrefillWithRaggedKVCacheWrapper(_BatchPrefillBase):
             stream=None, enable_pdl=None):
         """Attention of q over the ragged k, v for the planned batch. k_scale / v_scale (float,
         default 1.0) scale the logits and the output in the kernel, for every KV dtype; under a
-        CUDA graph they are baked into the captured launch."""
-        if args or enable_pdl or not self._planned:
-            self._refuse_run(args, enable_pdl)
+        CUDA graph they are baked into the captured launch. enable_pdl: as in the paged run()."""
+        if args or not self._planned:
+            self._refuse_run(args)
         if k_scale is not None or v_scale is not None or self._scaled:
             self._apply_scales(k_scale, v_scale)
-        fast = self._torch_fast(q, (k, v), out, lse, return_lse, stream)
+        fast = self._torch_fast(q, (k, v), out, lse, return_lse, stream, enable_pdl)
         if fast is not None:
             return fast
         qv, out_, ov, lse_, lv, s, hs = self._check_q(q, out, lse, return_lse, stream)
@@ -1194,6 +1214,6 @@ class BatchPrefillWithRaggedKVCacheWrapper(_BatchPrefillBase):
         else:
             p.k_stride_n, p.k_stride_h, p.v_stride_n, p.v_stride_h = ks[1], ks[0], vs[1], vs[0]
         self._kv_ptr_offsets = None
-        self._launch(qv, ov, lv, s)
+        self._launch(qv, ov, lv, s, enable_pdl)
         self._remember(q, (k, v), out, lse, return_lse)
         return self._finish(out_, lse_, return_lse)

@@ -195,6 +195,14 @@ class ProgrammaticLauncher(Launcher):
         self._config = cfg
         super().__init__(name, func, params_type, threads, smem)
 
+    @classmethod
+    def sharing(cls, la: Launcher) -> "ProgrammaticLauncher":
+        """A programmatic launcher of la's kernel over la's own params struct (whatever la's
+        owner writes there is launched) with la's grid."""
+        pl = cls(la.name, la.func, type(la.params), la.threads, la.smem)
+        pl.params, pl._argv, pl._argv_addr, pl.meta = la.params, la._argv, la._argv_addr, la.meta
+        return pl.configure(la.grid)
+
     def configure(self, grid: tuple[int, int, int]) -> "Launcher":
         super().configure(grid)
         cfg = self._config

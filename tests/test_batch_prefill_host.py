@@ -151,6 +151,26 @@ class FakeDriver:
             _simulate_packbits(p, grid)
         return (0,)
 
+    # programmatic (PDL) launches: cuLaunchKernelEx with one attribute, logged as "launch_pdl"
+    CUlaunchAttributeID = _Enum(CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION=6)
+
+    class CUlaunchAttribute:
+        def __init__(self):
+            self.id, self.value = None, _Enum(programmaticStreamSerializationAllowed=0)
+
+    @staticmethod
+    def CUlaunchConfig():
+        return _Enum(gridDimX=0, gridDimY=0, gridDimZ=0, blockDimX=0, blockDimY=0, blockDimZ=0,
+                     sharedMemBytes=0, hStream=None, attrs=[], numAttrs=0)
+
+    def cuLaunchKernelEx(self, cfg, func, argv_addr, extra):
+        assert cfg.numAttrs == 1 and cfg.attrs[0].id == 6
+        assert cfg.attrs[0].value.programmaticStreamSerializationAllowed == 1
+        r = self.cuLaunchKernel(func, cfg.gridDimX, cfg.gridDimY, cfg.gridDimZ, cfg.blockDimX, cfg.blockDimY,
+                                cfg.blockDimZ, cfg.sharedMemBytes, cfg.hStream, argv_addr, extra)
+        self.log[-1] = ("launch_pdl",) + self.log[-1][1:]
+        return r
+
 
 def _simulate_packbits(p, grid):
     """The packbits kernel (kernel_src/include/pfa/misc/packbits.cuh), segment mode, little."""
@@ -854,6 +874,47 @@ def test_paged_fast_path_keeps_the_cache_form_checks(fake, fake_torch):
     assert len(fake.attn_launches()) == n + 2
     p = last_attn(fake)[3]
     assert (p.k, p.v) == (kc._ptr, vc._ptr)
+
+
+@pytest.mark.parametrize("kind", ["paged", "ragged"])
+def test_enable_pdl_launches_the_attention_programmatically(fake, fake_torch, kind):
+    """enable_pdl=True: the attention kernel goes through cuLaunchKernelEx with programmatic
+    stream serialization, over the plan's own params struct and grid (full and fast paths,
+    across a re-plan that changes the grid); None / False: the plain launch."""
+    w = paged(fake) if kind == "paged" else ragged(fake)
+    plan = plan_paged if kind == "paged" else plan_ragged
+    plan(w)
+    ft = fake_torch
+    q, o = ft.tensor((TQ, HQ, D), "float16"), ft.tensor((TQ, HQ, D), "float16")
+    kv = ((ft.tensor((NPAGES, 2, PS, HKV, D), "float16"),) if kind == "paged"
+          else (ft.tensor((TKV, HKV, D), "float16"), ft.tensor((TKV, HKV, D), "float16")))
+
+    def attn_log():
+        return [e[0] for e in fake.cu.log if e[0].startswith("launch") and "prefill" in e[1]]
+
+    for pdl in (True, True, None, False, True):  # full path, then the fast path
+        fake.cu.log.clear()
+        w.run(q, *kv, out=o, enable_pdl=pdl)
+        assert attn_log() == ["launch_pdl" if pdl else "launch"]
+        name, grid, stream, p = last_attn(fake)
+        assert grid == w._attn.grid and (p.q, p.o) == (q._ptr, o._ptr)
+    before = w._attn.grid
+    if kind == "paged":  # the same tokens as one request: one work item, another grid
+        w.plan(i32(0, TQ), i32(0, 3), KV_INDICES, i32(3), HQ, HKV, D, PS)
+    else:
+        w.plan(i32(0, TQ), i32(0, TKV), HQ, HKV, D)
+    assert w._attn.grid != before
+    fake.cu.log.clear()
+    w.run(q, *kv, out=o, enable_pdl=True)
+    assert attn_log() == ["launch_pdl"] and last_attn(fake)[1] == w._attn.grid
+
+
+def test_enable_pdl_before_sm90_is_the_plain_launch(fake, monkeypatch):
+    monkeypatch.setattr(_cuda, "properties", lambda dev: {"sm_count": 108, "cc": (8, 0)})
+    w = ragged(fake)
+    plan_ragged(w)
+    w.run(q_t(), kv_t(), kv_t(data=0x380000), out=out_t(), enable_pdl=True)
+    assert [e[0] for e in fake.cu.log if e[0].startswith("launch")] == ["launch"]
 
 
 # ---------------------------------------------------------------------------------------------

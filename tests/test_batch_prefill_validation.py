@@ -509,8 +509,9 @@ def test_bad_packed_custom_mask(kind, mask, exc, pattern):
 
 
 @pytest.mark.parametrize("cls", [Paged, Ragged])
-def test_enable_pdl_is_rejected_not_ignored(cls):
+def test_run_before_plan_raises_whatever_enable_pdl_says(cls):
     w = cls(WS())
     kv = (T((4, 2, 16, 2, 128)),) if cls is Paged else (T((10, 2, 128)), T((10, 2, 128)))
-    with pytest.raises(NotImplementedError, match="enable_pdl"):
-        w.run(T((8, 8, 128)), *kv, enable_pdl=True)
+    for pdl in (None, True):
+        with pytest.raises(RuntimeError, match="plan"):
+            w.run(T((8, 8, 128)), *kv, enable_pdl=pdl)

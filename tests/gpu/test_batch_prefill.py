@@ -538,6 +538,52 @@ def test_merge_of_many_chunks(kind, hq, hkv, d):
 
 
 # ---------------------------------------------------------------------------------------
+# enable_pdl=True: the attention kernel is launched programmatically (sm_90). Run 2 reads run
+# 1's output as its q right behind it; run 1's kernel lets dependents start at once, so only run
+# 2's griddepcontrol.wait keeps it from reading a half-written q. "few_long": 32 CTAs walking
+# 16K keys each, so run 2's CTAs find free SMs at once (without the wait it reads NaN: checked
+# by removing it); "split": run 1's merge sits between the two (launched programmatically too).
+# ---------------------------------------------------------------------------------------
+@pytest.mark.parametrize("kind", ["paged", "ragged"])
+@pytest.mark.parametrize("case", ["few_long", "split"])
+def test_enable_pdl_chain_reads_the_finished_previous_output(kind, case):
+    split = case == "split"
+    qo_lens, kv_lens = ([1, 2, 5, 16], [16384, 9000, 12000, 8192]) if split else ([128], [16384])
+    b = _make_batch(qo_lens, kv_lens, 32, 8, 128, BF16, _seed("pdl", kind, case))
+    if kind == "paged":
+        pg = _paginate(b, 16, "NHD", "5d", _seed("pdl-pages", kind, case))
+        kv_args = (pg.cache,)
+    else:
+        pg, kv_args = None, _ragged_kv(b, "NHD")
+    w = _wrapper_for(kind, "NHD")
+    _plan(w, kind, b, pg, True, **({} if split else {"disable_split_kv": True}))
+    assert (w.workspace_size() > 0) is split
+
+    def chain(pdl):
+        o1, o2 = torch.empty_like(b.q), torch.empty_like(b.q)
+        for _ in range(3):  # back to back, so run 2 really is launched while run 1 is in flight
+            o1.fill_(float("nan"))  # what run 2 would read without its wait
+            o2.fill_(float("nan"))
+            w.run(b.q, *kv_args, out=o1, enable_pdl=pdl)
+            w.run(o1, *kv_args, out=o2, enable_pdl=pdl)
+        torch.cuda.synchronize()
+        return o1, o2
+
+    plain, pdl = chain(False), chain(True)
+    assert not torch.isnan(pdl[1]).any()
+    assert torch.equal(pdl[0], plain[0]) and torch.equal(pdl[1], plain[1]), "enable_pdl changed the result"
+    # and captured in a CUDA graph (programmatic edges), replayed
+    o1, o2 = torch.full_like(b.q, float("nan")), torch.full_like(b.q, float("nan"))
+    g = _capture(lambda: (w.run(b.q, *kv_args, out=o1, enable_pdl=True),
+                          w.run(o1, *kv_args, out=o2, enable_pdl=True)))
+    o1.fill_(float("nan"))
+    o2.fill_(float("nan"))
+    g.replay()
+    torch.cuda.synchronize()
+    assert torch.equal(o1, plain[0]) and torch.equal(o2, plain[1]), "graph replay with enable_pdl differs"
+
+
+# ---------------------------------------------------------------------------------------
 # Batch invariance: fixed_split_size / disable_split_kv make a request's rows independent of
 # the rest of the batch, bit for bit (semantics notes 2.5).
 # ---------------------------------------------------------------------------------------
