@@ -40,6 +40,10 @@ class PrefillVariant:
     general: bool = False
     paged: bool = False  # K/V rows gathered through a page table (batch paged wrapper)
     kv_dtype: str = ""  # "" = K/V in the query dtype; "fp8" = one-byte K/V widened in the kernel
+    # Decode tile: one warp, 16 packed rows, for batches whose every request fits 16 rows (decode,
+    # speculative decode: qo_len * group <= 16). KV streaming is what such a batch costs; the
+    # 128-row kernels spend 7/8 of their MMAs on padding rows there (NOTES.md).
+    decode: bool = False
 
     @property
     def kv(self):
@@ -88,7 +92,7 @@ class PrefillVariant:
         return {"family": "prefill", "dtype": self.dtype, "kv_dtype": self.kv, "head_dim": self.head_dim,
                 "block_m": self.block_m,
                 "block_n": self.block_n, "threads": self.threads, "smem_bytes": self.smem_bytes,
-                "tune": self.tune, "general": self.general, "paged": self.paged,
+                "tune": self.tune, "general": self.general, "paged": self.paged, "decode": self.decode,
                 "rows_fastest": self.rows_fastest}
 
 
@@ -135,6 +139,16 @@ PREFILL_TILES = {
     128: (4, 2, 64, False, 2, 2, True),
     256: (8, 2, 64, False, 2, 1, True, True),
 }
+# head_dim -> the decode tile (same fields; warps 1, mq 1 = 16 rows). Lean kernels only (masks, soft
+# cap, ALiBi, RoPE take the 128-row general kernels); lazy rescale and no Q in registers: the
+# variants that ptxas fits without spills (hd256 needs 32-key tiles). min_blocks 1: one warp never
+# runs out of registers; the CTAs per SM the scheduler plans with come from the shared memory
+# (the batch wrapper computes them per GPU: 6 / 3 / 3 ragged, 5 / 2 / 2 paged on an H100).
+DECODE_TILES = {
+    64: (1, 1, 64, False, 2, 1, True),
+    128: (1, 1, 64, False, 2, 1, True),
+    256: (1, 1, 32, False, 2, 1, True),
+}
 # Alternatives the tuning sweep compares against the defaults.
 PREFILL_TUNE_TILES = {
     64: [(4, 2, 64, True, 3, 2), (8, 2, 64, True, 2, 1)],
@@ -154,6 +168,9 @@ def variants(tune=False):
                     for paged in (False, True):
                         v = PrefillVariant(dtype, hd, *tile, general=general, paged=paged, kv_dtype=kv_dtype)
                         out.append(dataclasses.replace(v, lazy_rescale=False) if general else v)
+                for paged in (False, True):
+                    out.append(PrefillVariant(dtype, hd, *DECODE_TILES[hd], paged=paged, kv_dtype=kv_dtype,
+                                              decode=True))
             if tune:
                 out += [PrefillVariant(dtype, hd, *t, tune=True) for t in PREFILL_TUNE_TILES[hd]]
         out.append(MergeVariant(dtype))

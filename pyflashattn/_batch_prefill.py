@@ -358,15 +358,19 @@ class _BatchPrefillBase:
                 if len(self._configs) >= 64:
                     self._configs.clear()
                 self._configs[key] = cfg
-        opts, qdt, kdt, kv_fp8, window_left, sm_scale, fss, group, la, budget, ctas_per_sm = cfg
+        opts, qdt, kdt, kv_fp8, window_left, sm_scale, fss, group, la, budget, ctas_per_sm, dec = cfg
         causal = 1 if causal and not has_mask else 0  # a custom mask replaces causal (FlashInfer)
         B = qo_lens.size
 
         _cuda.ensure_context(self._dev)
-        meta = la.meta
         cap = None
         if self._use_cuda_graph:
             cap = self._graph_capacity(B, int(qo[-1]))
+        elif dec is not None and max_qo * group <= dec[0].meta["block_m"]:
+            # Every request fits one 16-row tile (decode, speculative decode). Not under CUDA
+            # graphs: a captured kernel stays fixed while later plans may need the 128-row one.
+            la, budget, ctas_per_sm = dec
+        meta = la.meta
         plan = _plan.schedule_prefill(qo, qo_lens, kv_lens, max_qo, max_kv, group, num_kv_heads, meta["block_m"],
                                       meta["block_n"], budget, bool(causal), window_left, fss, disable_split_kv, cap,
                                       ctas_per_sm)
@@ -504,11 +508,21 @@ class _BatchPrefillBase:
         sm_scale = _options.softmax_scale(sm_scale, head_dim)
         fss = None if fixed_split_size is None else _plan._pos_int(fixed_split_size, "fixed_split_size")
         _cuda.ensure_context(self._dev)
-        la = self._launcher("prefill", qdt.short, "fp8" if kv_fp8 else qdt.short, head_dim, opts.general or has_mask)
+        general = opts.general or has_mask
+        kvs = "fp8" if kv_fp8 else qdt.short
+        props = _cuda.properties(self._dev)
+        la = self._launcher("prefill", qdt.short, kvs, head_dim, general)
         ctas_per_sm = 2 if la.meta["threads"] <= 128 else 1
-        budget = _cuda.properties(self._dev)["sm_count"] * ctas_per_sm  # CTAs per wave
+        budget = props["sm_count"] * ctas_per_sm  # CTAs per wave
+        # The decode tile (16 rows, one warp) for batches where every request fits it; lean
+        # options only. Its CTAs per SM are what the shared memory allows (1 KB each reserved).
+        dec = None
+        if not general:
+            ld = self._launcher("prefill", qdt.short, kvs, head_dim, False, decode=True)
+            cps = max(1, min(8, props["smem_per_sm"] // (ld.smem + 1024)))
+            dec = (ld, props["sm_count"] * cps, cps)
         return (opts, qdt, kdt, kv_fp8, window_left, sm_scale, fss, num_qo_heads // num_kv_heads, la, budget,
-                ctas_per_sm)
+                ctas_per_sm, dec)
 
     def _mask_plan(self, custom_mask, packed_custom_mask, qo_lens, kv_lens) -> _MaskPlan:
         """Validate a per-request custom mask and decide where its packed bits go (no driver).
@@ -631,16 +645,16 @@ class _BatchPrefillBase:
             indptr = self._qk_user[1]
         return dst, indptr
 
-    def _launcher(self, family, dtype, kv_dtype=None, head_dim=None, general=None):
+    def _launcher(self, family, dtype, kv_dtype=None, head_dim=None, general=None, decode=False):
         """The wrapper's own Launcher per kernel, reused across plans (creating one costs ~10 us)."""
-        key = (family, dtype, kv_dtype, head_dim, general)
+        key = (family, dtype, kv_dtype, head_dim, general, decode)
         la = self._launchers.get(key)
         if la is None:
             if family == "merge":
                 la = _registry.new_launcher("merge", self._dev, dtype=dtype)
             else:
                 la = _registry.new_launcher("prefill", self._dev, dtype=dtype, kv_dtype=kv_dtype, head_dim=head_dim,
-                                            general=general, paged=self._paged)
+                                            general=general, paged=self._paged, decode=decode)
             self._launchers[key] = la
         return la
 

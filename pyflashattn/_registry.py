@@ -103,6 +103,8 @@ def _find(family: str, device_id: int, match: dict) -> dict:
     want_name = match.pop("name", None)
     if family == "prefill" and "dtype" in match:
         match.setdefault("kv_dtype", match["dtype"])  # K/V in the query dtype unless asked otherwise
+    if family == "prefill" and want_name is None:
+        match.setdefault("decode", False)  # the 16-row decode tiles only when asked for
     forced = _forced.get(family)
     if forced is not None and want_name is None:
         row = next((r for r in rows if r["name"] == forced and r["arch"] in archs), None)

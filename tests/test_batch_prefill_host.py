@@ -141,7 +141,7 @@ class FakeDriver:
     # kernels
     def cuLaunchKernel(self, func, gx, gy, gz, bx, by, bz, smem, stream, argv_addr, extra):
         name, ptype = func
-        assert (by, bz, extra) == (1, 1, 0) and bx in (128, 256) and smem >= 0
+        assert (by, bz, extra) == (1, 1, 0) and bx in (32, 128, 256) and smem >= 0
         argv = ctypes.cast(argv_addr, ctypes.POINTER(ctypes.c_void_p))
         p = ptype.from_buffer_copy(ctypes.string_at(argv[0], ctypes.sizeof(ptype)))
         grid = (gx, gy, gz)
@@ -200,15 +200,20 @@ class FakeEnv:
         self.cu = cu = FakeDriver()
         monkeypatch.setattr(_cuda, "driver", lambda: cu)
         monkeypatch.setattr(_cuda, "ensure_context", lambda dev: None)
-        monkeypatch.setattr(_cuda, "properties", lambda dev: {"sm_count": 132, "cc": (9, 0)})
+        monkeypatch.setattr(_cuda, "properties", lambda dev: {"sm_count": 132, "cc": (9, 0), "smem_per_sm": 233472})
         monkeypatch.setattr(_cuda, "_streams", {0: 0x5100})
         monkeypatch.setattr(_cuda, "library_stream", lambda dev: 0x5100)
 
         def new_launcher(family, dev, **match):
             ptype = {"prefill": PrefillParams, "merge": MergeParams, "packbits": PackbitsParams}[family]
             name = family + "".join(f"_{k}={v}" for k, v in sorted(match.items()))
-            meta = dict(_META.get(match.get("head_dim"), dict(block_m=0, block_n=0, threads=256)), **match)
-            la = _cuda.Launcher(name, (name, ptype), ptype, meta["threads"], 0)
+            if match.get("decode"):  # the 16-row one-warp tiles (smem as the H100 build has it)
+                meta = dict(block_m=16, block_n=32 if match["head_dim"] == 256 else 64, threads=32,
+                            smem_bytes={64: 34944, 128: 69760, 256: 73856}[match["head_dim"]], **match)
+            else:
+                meta = dict(_META.get(match.get("head_dim"), dict(block_m=0, block_n=0, threads=256)), smem_bytes=0,
+                            **match)
+            la = _cuda.Launcher(name, (name, ptype), ptype, meta["threads"], meta["smem_bytes"])
             la.meta = meta
             return la
 
@@ -909,8 +914,32 @@ def test_enable_pdl_launches_the_attention_programmatically(fake, fake_torch, ki
     assert attn_log() == ["launch_pdl"] and last_attn(fake)[1] == w._attn.grid
 
 
+def test_decode_tile_only_when_every_request_fits_16_rows(fake):
+    """The one-warp 16-row kernel for batches whose requests all fit it (qo_len * group <= 16),
+    with a plan on its tile and its CTAs per SM; the 128-row kernel otherwise, with options
+    only the general kernels carry, and in CUDA-graph mode."""
+    w = ragged(fake)  # 8 / 2 heads: group 4
+    w.plan(i32(0, 4, 5, 5, 7), i32(0, 900, 1700, 1800, 3000), HQ, HKV, D, causal=True)
+    la = w._attn
+    assert la.meta["decode"] and la.meta["block_m"] == 16 and la.threads == 32
+    assert w._plan.block_m == 16
+    assert last_cfg_ctas(w) == 233472 // (69760 + 1024)  # 3 on an H100's 228 KB
+    w.plan(i32(0, 5, 6), i32(0, 900, 1700), HQ, HKV, D, causal=True)  # 5 x 4 = 20 rows
+    assert not w._attn.meta["decode"] and w._plan.block_m == 128
+    w.plan(i32(0, 4, 5), i32(0, 900, 1700), HQ, HKV, D, causal=True, logits_soft_cap=3.0)
+    assert not w._attn.meta["decode"], "soft cap lives in the general kernels"
+    g = Ragged(WS(fake), "NHD", use_cuda_graph=True, qo_indptr_buf=T((9,), _dtypes.INT32, data=0x700000),
+               kv_indptr_buf=T((9,), _dtypes.INT32, data=0x710000))
+    g.plan(i32(0, 4, 5), i32(0, 900, 1700), HQ, HKV, D, causal=True)
+    assert not g._attn.meta["decode"], "a captured kernel must serve every later plan"
+
+
+def last_cfg_ctas(w):
+    return next(iter(w._configs.values()))[-1][2]
+
+
 def test_enable_pdl_before_sm90_is_the_plain_launch(fake, monkeypatch):
-    monkeypatch.setattr(_cuda, "properties", lambda dev: {"sm_count": 108, "cc": (8, 0)})
+    monkeypatch.setattr(_cuda, "properties", lambda dev: {"sm_count": 108, "cc": (8, 0), "smem_per_sm": 167936})
     w = ragged(fake)
     plan_ragged(w)
     w.run(q_t(), kv_t(), kv_t(data=0x380000), out=out_t(), enable_pdl=True)

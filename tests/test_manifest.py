@@ -40,7 +40,7 @@ def test_generated_sources_match_table():
 def test_kernel_needing_more_shared_memory_than_the_gpu_is_refused(monkeypatch):
     # fp8 K/V at head_dim 256 needs ~200 KiB of shared memory per block: more than sm_80's 163 KiB
     row = {"name": "pfa_prefill_x", "arch": "sm_80", "family": "prefill", "dtype": "bf16", "kv_dtype": "fp8",
-           "head_dim": 256, "smem_bytes": 204800, "tune": False}
+           "head_dim": 256, "smem_bytes": 204800, "tune": False, "decode": False}
     monkeypatch.setattr(_registry, "manifest", lambda: {"kernels": [row]})
     monkeypatch.setattr(_registry._cuda, "properties", lambda dev: {"cc": (8, 0), "smem_optin": 166912})
     with pytest.raises(ValueError, match=r"204800 bytes of shared memory .* allows 166912"):
@@ -74,3 +74,15 @@ def test_built_manifest_is_consistent():
         built.setdefault(row["arch"], set()).add(row["name"])
     for arch in m["archs"]:
         assert names <= built[arch], f"{arch} lacks {names - built[arch]}"
+
+
+def test_decode_tiles_exist_for_every_lean_kernel():
+    vs = [v for v in variants.variants() if isinstance(v, variants.PrefillVariant)]
+    lean = {(v.dtype, v.head_dim, v.kv, v.paged) for v in vs if not v.general and not v.decode}
+    assert {(v.dtype, v.head_dim, v.kv, v.paged) for v in vs if v.decode} == lean
+    for v in vs:
+        if v.decode:
+            assert (v.block_m, v.warps, v.general, v.pair) == (16, 1, False, False), v.name
+            # several CTAs per SM on an H100 (228 KB, 1 KB reserved each): the point of the tile
+            assert 228 * 1024 // (v.smem_bytes + 1024) >= 2, v.name
+            assert v.manifest()["decode"] is True

@@ -241,6 +241,12 @@ GRID = [
     ("r-e4m3-bf16-nhd-d256-g1", "ragged", 5, 200, 800, "mixed", 0, 32, 32, 256, "bf16", "e4m3", "NHD", True, None),
     ("r-e5m2-f16-nhd-decode", "ragged", 20, 4, 3000, "mixed", 0, 32, 4, 128, "fp16", "e5m2", "NHD", True, None),
     ("r-e4m3-f16-hnd-full-g8", "ragged", 9, 300, 1200, "append", 0, 32, 4, 128, "fp16", "e4m3", "HND", False, None),
+    # decode tiles (qo_len * group <= 16)
+    ("r-e4m3-bf16-nhd-dec16", "ragged", 24, 4, 5000, "mixed", 0, 32, 8, 128, "bf16", "e4m3", "NHD", True, None),
+    ("p-e5m2-f16-ps16-dec16-d256", "paged", 16, 2, 3000, "mixed", 16, 32, 4, 256, "fp16", "e5m2", "NHD", False,
+     "5d"),
+    ("p-e4m3-bf16-ps1-hnd-dec16-d64", "paged", 12, 1, 2500, "mixed", 1, 32, 2, 64, "bf16", "e4m3", "HND", True,
+     "tuple"),
 ]
 
 
@@ -261,6 +267,7 @@ def test_fp8_batch_grid(key, kind, batch, qo_max, kv_max, mode, ps, hq, hkv, d, 
     ks, vs = _scales(_seed(key, "scales"))
     w = _wrapper(kind, layout)
     _plan(w, kind, b, pg, causal)
+    assert w._attn.meta["decode"] is (max(b.qo_lens) * (hq // hkv) <= 16), w._attn.name
     o, lse = _run_into(w, b, kv_args, k_scale=ks, v_scale=vs)
     _check(b, o, lse, _refs(b, causal, {}, ks, vs, seed=_seed(key, "heads")), vs, {}, key)
     # the allocated path, same plan and scales: the same bits

@@ -341,6 +341,13 @@ GRID = [
     ("r-20-hnd", "ragged", 20, 400, 2000, "append", [], 0, 32, 8, 128, "fp16", "HND", True, None),
     ("r-1-tiny", "ragged", 1, 1, 1, "append", [(1, 1)], 0, 32, 8, 64, "fp16", "NHD", True, None),
     ("r-30-decode", "ragged", 30, 8, 6000, "decode", [], 0, 32, 4, 128, "fp16", "NHD", False, None),
+    # every request within 16 packed rows (qo_len * group <= 16): the one-warp decode tiles
+    ("p-40-dec16-g4", "paged", 40, 4, 8192, "mixed", [], 16, 32, 8, 128, "bf16", "NHD", True, "5d"),
+    ("p-24-dec16-ps1-g8", "paged", 24, 2, 3000, "mixed", [], 1, 32, 4, 64, "fp16", "HND", False, "tuple"),
+    ("p-12-dec16-ps64-g1-d256", "paged", 12, 16, 4000, "append", [], 64, 32, 32, 256, "bf16", "NHD", True, "5d"),
+    ("r-20-dec16-d256", "ragged", 20, 4, 6000, "mixed", [], 0, 32, 8, 256, "fp16", "NHD", True, None),
+    ("r-16-dec16-g1-hnd", "ragged", 16, 16, 2000, "append", [], 0, 16, 16, 64, "bf16", "HND", False, None),
+    ("r-64-dec16-long", "ragged", 64, 1, 16384, "append", [(1, 16384)], 0, 32, 4, 128, "bf16", "NHD", True, None),
 ]
 
 
@@ -370,6 +377,8 @@ def test_batch_grid(key, kind, batch, qo_max, kv_max, mode, pin, ps, hq, hkv, d,
     snap = [x.clone() for x in [b.q] + _tensors(kv_args)]
     w = _wrapper_for(kind, layout)
     _plan(w, kind, b, pg, causal)
+    # the 16-row decode tile exactly when every request fits it
+    assert w._attn.meta["decode"] is (max(b.qo_lens) * (hq // hkv) <= 16), w._attn.name
     # allocated path
     o1, lse1 = w.run(b.q, *kv_args, return_lse=True)
     # out=/lse= path, NaN-poisoned, same plan: same kernel, same inputs -> the same bits
