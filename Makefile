@@ -72,6 +72,7 @@ gpu-check:
 	set -o pipefail; PYTHONUNBUFFERED=1 $(PYTHON) -m pytest -q -rs tests 2>&1 | tee $(OUT)/tests.log
 	set -o pipefail; PYTHONUNBUFFERED=1 $(PYTHON) -m pyflashattn.bench prefill --quick --json $(OUT)/bench.json 2>&1 | tee $(OUT)/bench.log
 	set -o pipefail; PYTHONUNBUFFERED=1 $(PYTHON) -m pyflashattn.bench_batch --quick --json $(OUT)/bench_batch.json 2>&1 | tee $(OUT)/bench_batch.log
+	set -o pipefail; PYTHONUNBUFFERED=1 $(PYTHON) -m pyflashattn.bench_decode --quick --json $(OUT)/bench_decode.json 2>&1 | tee $(OUT)/bench_decode.log
 
 bench:
 	$(PYTHON) -m pyflashattn.bench prefill --json $(OUT)/bench.json

@@ -64,3 +64,10 @@ def test_host_overhead_rounds_interleave_and_take_the_median(monkeypatch):
     assert len(syncs) == 1 + 9
     assert us["sdpa"] == pytest.approx(20.0) and us["pfa_out"] == pytest.approx(3.0)
     assert us["pfa"] == pytest.approx(7.0)  # the median of 5, 100, 7
+
+
+def test_decode_benchmark_cases_run_on_the_decode_tile():
+    # every case must fit the 16-row decode tile, or the benchmark measures the 128-row path
+    from pyflashattn import bench_decode as bd
+    for name, B, qo, (lo, hi) in bd.CASES:
+        assert qo * (bd.HQ // bd.HKV) <= 16 and 0 < lo <= hi, name

@@ -1,0 +1,168 @@
+"""Decode benchmark: ``python -m pyflashattn.bench_decode [--quick] [--json PATH]``.
+
+Decode-like batches (every request 1 to 4 query tokens over a long KV cache) through the batch
+wrappers, which run them on the one-warp 16-row decode tiles. Such a batch is a stream over its
+K/V, so it is judged against memory bandwidth: KV bytes read per second (K and V of every
+request once, at 2 bytes an element) next to the device-to-device copy bandwidth torch gets on
+the same GPU in the same run (a 1 GiB ``copy_``, read + write counted), the practical ceiling.
+
+bf16, 32 q heads / 8 kv heads (GQA 4), causal (a query token sees its whole cache), head_dim 128
+(and 64 / 256 without ``--quick``); ragged and paged (page_size 16, pages in random order) K/V.
+Before a time is posted, a few requests' outputs are compared with torch SDPA on the same inputs.
+Timing: CUDA-event medians with an L2 flush before each repetition, ragged and paged in rotating
+interleaved rounds (``bench_util.interleaved_median_ms``).
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import sys
+import time
+
+import numpy as np
+
+from pyflashattn.testing.bench_util import bench_samples_ms, gpu_warmup, interleaved_median_ms, short_error
+
+HQ, HKV, PAGE_SIZE = 32, 8, 16
+REL_TOL = 2e-2
+CHECKED_REQUESTS = 4
+# (name, requests, query tokens per request, kv_len range): decode at a few batch sizes and
+# cache lengths, and a speculative-decode batch (4 tokens x group 4 = 16 packed rows).
+CASES = [("decode B=64 kv 1K-4K", 64, 1, (1024, 4096)),
+         ("decode B=16 kv 8K-32K", 16, 1, (8192, 32768)),
+         ("decode B=128 kv 2K-8K", 128, 1, (2048, 8192)),
+         ("spec-decode B=32 qo 4 kv 2K-16K", 32, 4, (2048, 16384))]
+
+
+def _indptr(lens):
+    return np.concatenate([[0], np.cumsum(lens)]).astype(np.int32)
+
+
+def copy_bandwidth_tbps(torch, nbytes: int = 1 << 30) -> float:
+    """torch's device-to-device copy rate (read + write bytes per second, TB/s): the practical
+    memory-bandwidth ceiling of this GPU, measured the same way as the kernels (median)."""
+    x = torch.empty(nbytes // 2, dtype=torch.bfloat16, device="cuda")
+    y = torch.empty_like(x)
+    ms = statistics.median(bench_samples_ms(lambda: y.copy_(x), warmup=3, rep=10))
+    return 2 * nbytes / ms / 1e9
+
+
+def _case(torch, pfa, ws, name, B, qo, kv_range, head_dim, seed, warmup, rep):
+    rng = np.random.default_rng(seed)
+    kv_lens = rng.integers(kv_range[0], kv_range[1] + 1, B)
+    qo_lens = np.full(B, qo)
+    gen = torch.Generator(device="cuda").manual_seed(seed)
+
+    def rand(*shape):
+        return torch.randn(*shape, dtype=torch.bfloat16, device="cuda", generator=gen)
+
+    q = rand(int(qo_lens.sum()), HQ, head_dim)
+    k, v = rand(int(kv_lens.sum()), HKV, head_dim), rand(int(kv_lens.sum()), HKV, head_dim)
+    qi, ki = _indptr(qo_lens), _indptr(kv_lens)
+    pages = -(-kv_lens // PAGE_SIZE)
+    pi = _indptr(pages)
+    perm = rng.permutation(int(pi[-1])).astype(np.int32)
+    cache = torch.zeros(int(pi[-1]), 2, PAGE_SIZE, HKV, head_dim, dtype=torch.bfloat16, device="cuda")
+    tok_page = np.concatenate([perm[pi[b] + np.arange(n) // PAGE_SIZE] for b, n in enumerate(kv_lens)])
+    tok_slot = np.concatenate([np.arange(n) % PAGE_SIZE for n in kv_lens])
+    tp, ts = (torch.as_tensor(a.astype(np.int64), device="cuda") for a in (tok_page, tok_slot))
+    cache[:, 0][tp, ts] = k
+    cache[:, 1][tp, ts] = v
+    last = (kv_lens - (pages - 1) * PAGE_SIZE).astype(np.int32)
+    row = {"case": name, "head_dim": head_dim, "batch": B, "qo_len": qo, "kv_tokens": int(kv_lens.sum()),
+           "kv_bytes": 2 * k.numel() * 2, "errors": []}
+    wr = pfa.BatchPrefillWithRaggedKVCacheWrapper(ws, "NHD")
+    wr.plan(qi, ki, HQ, HKV, head_dim, causal=True, q_data_type=torch.bfloat16)
+    wp = pfa.BatchPrefillWithPagedKVCacheWrapper(ws, "NHD")
+    wp.plan(qi, pi, perm, last, HQ, HKV, head_dim, PAGE_SIZE, causal=True, q_data_type=torch.bfloat16)
+    row["kernel"] = wr._attn.name
+    out = torch.empty_like(q)
+    timers = {}
+    for kind, fn in (("ragged", lambda: wr.run(q, k, v, out=out)), ("paged", lambda: wp.run(q, cache, out=out))):
+        try:
+            o = fn().clone()
+            worst = 0.0
+            for b in range(min(CHECKED_REQUESTS, B)):
+                qs = q[qi[b]:qi[b + 1]].transpose(0, 1)[None].float()
+                ks = k[ki[b]:ki[b + 1]].repeat_interleave(HQ // HKV, 1).transpose(0, 1)[None].float()
+                vs = v[ki[b]:ki[b + 1]].repeat_interleave(HQ // HKV, 1).transpose(0, 1)[None].float()
+                n_q, n_k = int(qo_lens[b]), int(kv_lens[b])  # causal, bottom-right: token i sees n_k - n_q + i + 1
+                mask = torch.arange(n_k, device="cuda")[None, :] <= (n_k - n_q + torch.arange(n_q, device="cuda"))[:, None]
+                ref = torch.nn.functional.scaled_dot_product_attention(qs, ks, vs, attn_mask=mask)[0].transpose(0, 1)
+                got = o[qi[b]:qi[b + 1]].float()
+                worst = max(worst, ((got - ref).norm() / ref.norm()).item())
+            if not worst <= REL_TOL:
+                row["errors"].append(f"pfa {kind}: mismatch vs SDPA, rel {worst:.3g}")
+                continue
+            timers[kind] = lambda wu, r, fn=fn: bench_samples_ms(fn, warmup=wu, rep=r)
+        except Exception as e:
+            row["errors"].append(f"pfa {kind}: {short_error(e)}")
+    ms = interleaved_median_ms(timers, warmup, rep, row["errors"]) if timers else {}
+    for kind in ("ragged", "paged"):
+        t = ms.get(kind)
+        row[f"{kind}_us"] = None if t is None else t * 1e3
+        row[f"{kind}_tbps"] = None if t is None else row["kv_bytes"] / t / 1e9
+    return row
+
+
+def run(args) -> int:
+    import torch
+
+    import pyflashattn as pfa
+
+    warmup, rep = (2, 6) if args.quick else (args.warmup, args.rep)
+    props = torch.cuda.get_device_properties(torch.cuda.current_device())
+    ws = torch.empty(256 << 20, dtype=torch.uint8, device="cuda")
+    print(f"# {props.name} ({props.multi_processor_count} SMs), torch {torch.__version__}, bf16, {HQ}/{HKV} heads",
+          flush=True)
+    gpu_warmup()
+    copy = copy_bandwidth_tbps(torch)
+    rows = []
+    head_dims = (128,) if args.quick else (64, 128, 256)
+    for hd in head_dims:
+        for i, (name, B, qo, kv_range) in enumerate(CASES[:2] if args.quick else CASES):
+            r = _case(torch, pfa, ws, name, B, qo, kv_range, hd, 1000 + 10 * i + hd, warmup, rep)
+            for kind in ("ragged", "paged"):
+                r[f"{kind}_over_copy"] = None if r[f"{kind}_tbps"] is None else r[f"{kind}_tbps"] / copy
+            rows.append(r)
+    meta = {"device": props.name, "torch": torch.__version__, "copy_tbps": copy, "page_size": PAGE_SIZE,
+            "num_qo_heads": HQ, "num_kv_heads": HKV, "warmup": warmup, "rep": rep, "quick": bool(args.quick),
+            "time": time.strftime("%Y-%m-%dT%H:%M:%S%z")}
+    if args.json:
+        os.makedirs(os.path.dirname(os.path.abspath(args.json)), exist_ok=True)
+        with open(args.json, "w") as f:
+            json.dump({"meta": meta, "rows": rows}, f, indent=1)
+    print(f"KV bytes read per second (TB/s) against torch's device copy, {copy:.2f} TB/s (read + write) in this run")
+    head = f"{'case':<34} {'hd':>3} {'kernel':<34} | {'ragged':>6} {'paged':>6} | {'rag/copy':>8} {'pag/copy':>8}"
+    print(head)
+    print("-" * len(head))
+    for r in rows:
+        f = lambda x, s=".2f": "   -" if x is None else format(x, s)  # noqa: E731
+        print(f"{r['case']:<34} {r['head_dim']:>3} {r.get('kernel', '-')[16:]:<34} | {f(r['ragged_tbps']):>6} "
+              f"{f(r['paged_tbps']):>6} | {f(r['ragged_over_copy']):>8} {f(r['paged_over_copy']):>8}"
+              + ("  ! " + "; ".join(r["errors"]) if r["errors"] else ""))
+    return 1 if any("mismatch" in e for r in rows for e in r["errors"]) else 0
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(prog="python -m pyflashattn.bench_decode", description=__doc__.split("\n\n")[0])
+    p.add_argument("--quick", action="store_true", help="head_dim 128 and two cases only")
+    p.add_argument("--json", metavar="PATH", help="write all numbers here")
+    p.add_argument("--warmup", type=int, default=3)
+    p.add_argument("--rep", type=int, default=15)
+    args = p.parse_args(argv)
+    try:
+        import torch
+    except ImportError:
+        print("torch is needed for the benchmark", file=sys.stderr)
+        return 2
+    if not torch.cuda.is_available():
+        print("no CUDA device visible to torch", file=sys.stderr)
+        return 2
+    return run(args)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
