@@ -67,12 +67,17 @@ class PrefillVariant:
     def smem_bytes(self):
         # PrefillSm80::SMEM_BYTES (the generated source static_asserts the two agree): Q + the K/V
         # stages; fp8 K/V: the one-byte ring plus one widened K/V pair; + the paged kernels'
-        # page-id staging (MAX_PAGE_IDS int32 entries), the others' row map (8 bytes per packed row);
+        # page-id staging (max_page_ids int32 entries), the others' row map (8 bytes per packed row);
         # + (pair) per warp and lane a float4 of row maxes and the warp's P words (mq * block_n / 8).
         kv_tile = self.block_n * self.head_dim
         kv = 2 * self.stages * kv_tile * 2 if not self.kv_dtype else 2 * self.stages * kv_tile + 2 * kv_tile * 2
         xch = self.warps * 32 * (16 + self.mq * self.block_n // 8 * 4) if self.pair else 0
-        return self.block_m * self.head_dim * 2 + kv + (2048 * 4 if self.paged else self.block_m * 8) + xch
+        return self.block_m * self.head_dim * 2 + kv + (self.max_page_ids * 4 if self.paged else self.block_m * 8) + xch
+
+    @property
+    def max_page_ids(self):
+        # PrefillSm80::MAX_PAGE_IDS: the decode tiles stage fewer page ids (3 CTAs per SM)
+        return 2048 if self.block_m > 16 or self.head_dim > 128 else 1024
 
     @property
     def rows_fastest(self):
@@ -143,7 +148,7 @@ PREFILL_TILES = {
 # cap, ALiBi, RoPE take the 128-row general kernels); lazy rescale and no Q in registers: the
 # variants that ptxas fits without spills (hd256 needs 32-key tiles). min_blocks 1: one warp never
 # runs out of registers; the CTAs per SM the scheduler plans with come from the shared memory
-# (the batch wrapper computes them per GPU: 6 / 3 / 3 ragged, 5 / 2 / 2 paged on an H100).
+# (the batch wrapper computes them per GPU: 6 / 3 / 3 ragged, 5 / 3 / 2 paged on an H100).
 DECODE_TILES = {
     64: (1, 1, 64, False, 2, 1, True),
     128: (1, 1, 64, False, 2, 1, True),

@@ -51,7 +51,11 @@ struct PrefillSm80 {
                 "PAIR: warp pairs, at most 4 row maxes per lane, Q from shared memory, whole k16 steps per half");
   // Paged KV: the page ids of a CTA's whole KV range are staged in shared memory once, so no
   // tile load waits on a dependent global read of the page table (falls back beyond this).
-  static constexpr int MAX_PAGE_IDS = 2048;
+  // The 16-row decode tiles at head_dim <= 128 stage 1024, so that three CTAs fit an SM (H100,
+  // hd128 paged decode 2.22 -> 2.70 TB/s on the spec-decode batch); at 256 only 256 would, and
+  // the page-table fallback beyond them cost more than the third CTA gave (2.35 -> 2.00).
+  // variants.py mirrors the rule.
+  static constexpr int MAX_PAGE_IDS = BLOCK_M > 16 || HEAD_DIM > 128 ? 2048 : 1024;
   static constexpr bool KV_FP8 = sizeof(KV) == 1;
   // Lazy rescale: how far (log2 units) the running max may lag the true one; P <= 2^8 = 256
   // fits fp16/bf16 and fp32 sums with room to spare.
