@@ -364,11 +364,15 @@ class _BatchPrefillBase:
 
         _cuda.ensure_context(self._dev)
         cap = None
+        fits = dec is not None and max_qo * group <= dec[0].meta["block_m"]
         if self._use_cuda_graph:
             cap = self._graph_capacity(B, int(qo[-1]))
-        elif dec is not None and max_qo * group <= dec[0].meta["block_m"]:
-            # Every request fits one 16-row tile (decode, speculative decode). Not under CUDA
-            # graphs: a captured kernel stays fixed while later plans may need the 128-row one.
+            # A captured kernel serves every later plan, so the first plan picks the tile for
+            # good: the decode tile if it fits then (decode graphs). It stays correct for any
+            # later lengths (more 16-row tiles per request), only slower on long prefills.
+            if cap.get("decode", fits) and dec is not None:
+                la, budget, ctas_per_sm = dec
+        elif fits:  # every request fits one 16-row tile (decode, speculative decode)
             la, budget, ctas_per_sm = dec
         meta = la.meta
         plan = _plan.schedule_prefill(qo, qo_lens, kv_lens, max_qo, max_kv, group, num_kv_heads, meta["block_m"],
@@ -482,6 +486,7 @@ class _BatchPrefillBase:
         self._point_workspace()
         self._planned = True
         if cap is not None:
+            cap.setdefault("decode", fits)  # the first successful plan's tile, for good
             self._capacity = cap
             self._sig = sig
         self._fast_key = None  # run()'s validated-signature cache belongs to one plan

@@ -916,8 +916,8 @@ def test_enable_pdl_launches_the_attention_programmatically(fake, fake_torch, ki
 
 def test_decode_tile_only_when_every_request_fits_16_rows(fake):
     """The one-warp 16-row kernel for batches whose requests all fit it (qo_len * group <= 16),
-    with a plan on its tile and its CTAs per SM; the 128-row kernel otherwise, with options
-    only the general kernels carry, and in CUDA-graph mode."""
+    with a plan on its tile and its CTAs per SM; the 128-row kernel otherwise and with options
+    only the general kernels carry. In CUDA-graph mode the first plan picks for good."""
     w = ragged(fake)  # 8 / 2 heads: group 4
     w.plan(i32(0, 4, 5, 5, 7), i32(0, 900, 1700, 1800, 3000), HQ, HKV, D, causal=True)
     la = w._attn
@@ -928,10 +928,22 @@ def test_decode_tile_only_when_every_request_fits_16_rows(fake):
     assert not w._attn.meta["decode"] and w._plan.block_m == 128
     w.plan(i32(0, 4, 5), i32(0, 900, 1700), HQ, HKV, D, causal=True, logits_soft_cap=3.0)
     assert not w._attn.meta["decode"], "soft cap lives in the general kernels"
-    g = Ragged(WS(fake), "NHD", use_cuda_graph=True, qo_indptr_buf=T((9,), _dtypes.INT32, data=0x700000),
-               kv_indptr_buf=T((9,), _dtypes.INT32, data=0x710000))
+    def graph_wrapper():
+        return Ragged(WS(fake), "NHD", use_cuda_graph=True, qo_indptr_buf=T((9,), _dtypes.INT32, data=0x700000),
+                      kv_indptr_buf=T((9,), _dtypes.INT32, data=0x710000))
+
+    g = graph_wrapper()  # a decode graph: the decode tile, kept for a later plan that does not fit
+    g.plan(i32(0, 4, 5, 9), i32(0, 900, 1700, 1800), HQ, HKV, D, causal=True)
+    assert g._attn.meta["decode"]
+    grid = g._attn.grid
+    g.plan(i32(0, 9), i32(0, 900), HQ, HKV, D, causal=True)  # 9 x 4 = 36 rows: three 16-row tiles
+    assert g._attn.meta["decode"] and g._attn.grid == grid and g._plan.block_m == 16
+    assert set(g._plan.work_qtile[:g._plan.num_work].tolist()) == {0, 1, 2}
+    g = graph_wrapper()  # a prefill graph: the 128-row tile, also for a later decode plan
+    g.plan(i32(0, 9), i32(0, 900), HQ, HKV, D, causal=True)
+    assert not g._attn.meta["decode"]
     g.plan(i32(0, 4, 5), i32(0, 900, 1700), HQ, HKV, D, causal=True)
-    assert not g._attn.meta["decode"], "a captured kernel must serve every later plan"
+    assert not g._attn.meta["decode"]
 
 
 def last_cfg_ctas(w):

@@ -968,7 +968,19 @@ def test_cuda_graph_paged_replay_after_replan():
         assert_close(lse[:n], to_numpy_f64(lse_f), what=f"replay {j} vs fresh lse", **LSE_TOL[dt])
 
 
-def test_cuda_graph_ragged_replay_after_replan():
+def _graph_rounds_decode():
+    """A decode graph (16 / 4 heads: the first plan's requests fit the 16-row decode tile, which
+    the graph then keeps), replanned with decode, speculative and prefill-sized requests."""
+    return [
+        ([4, 4, 4, 4, 4, 4, 4, 4], [900, 4000, 129, 2000, 50, 300, 9000, 17]),
+        ([1, 2, 3, 4, 1, 1, 1], [12000, 250, 8000, 3000, 7, 1, 600]),
+        ([20, 12], [500, 2600]),  # 80 and 48 rows: several 16-row tiles per request
+        ([0, 1, 4, 27], [0, 5, 4000, 27]),
+    ]
+
+
+@pytest.mark.parametrize("decode", [False, True])
+def test_cuda_graph_ragged_replay_after_replan(decode):
     hq, hkv, d, dt = 16, 4, 128, BF16
     max_batch = 8
     causal = True
@@ -976,7 +988,7 @@ def test_cuda_graph_ragged_replay_after_replan():
         _workspace(), "NHD", use_cuda_graph=True,
         qo_indptr_buf=torch.empty(max_batch + 1, dtype=torch.int32, device=DEV),
         kv_indptr_buf=torch.empty(max_batch + 1, dtype=torch.int32, device=DEV))
-    rounds = _graph_rounds()
+    rounds = _graph_rounds_decode() if decode else _graph_rounds()
     T = sum(rounds[0][0])
     K = max(sum(kv) for _, kv in rounds)
     # the first plan sets k/v's shape (run() checks it), so make its total KV the largest
@@ -996,6 +1008,7 @@ def test_cuda_graph_ragged_replay_after_replan():
         k_static[:m].copy_(b.k)
         v_static[:m].copy_(b.v)
         _plan_ragged(w, b, causal)
+        assert w._attn.meta["decode"] is decode, "the graph keeps its first plan's tile"
         out.fill_(NAN)
         lse.fill_(NAN)
         if g is None:
