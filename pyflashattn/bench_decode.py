@@ -3,14 +3,16 @@
 Decode-like batches (every request 1 to 4 query tokens over a long KV cache) through the batch
 wrappers, which run them on the one-warp 16-row decode tiles. Such a batch is a stream over its
 K/V, so it is judged against memory bandwidth: KV bytes read per second (K and V of every
-request once, at 2 bytes an element) next to the device-to-device copy bandwidth torch gets on
-the same GPU in the same run (a 1 GiB ``copy_``, read + write counted), the practical ceiling.
+request once, 2 bytes an element, 1 in the fp8 cache) next to the device-to-device copy
+bandwidth torch gets on the same GPU in the same run (a 1 GiB ``copy_``, read + write counted),
+the practical ceiling.
 
 bf16, 32 q heads / 8 kv heads (GQA 4), causal (a query token sees its whole cache), head_dim 128
-(and 64 / 256 without ``--quick``); ragged and paged (page_size 16, pages in random order) K/V.
+(and 64 / 256 without ``--quick``); ragged and paged (page_size 16, pages in random order) K/V,
+and the paged cache in fp8 e4m3 (``fp8 x``: its speedup over the bf16 paged cache).
 Before a time is posted, a few requests' outputs are compared with torch SDPA on the same inputs.
-Timing: CUDA-event medians with an L2 flush before each repetition, ragged and paged in rotating
-interleaved rounds (``bench_util.interleaved_median_ms``).
+Timing: CUDA-event medians with an L2 flush before each repetition, the three columns in
+rotating interleaved rounds (``bench_util.interleaved_median_ms``).
 """
 from __future__ import annotations
 
@@ -78,18 +80,36 @@ def _case(torch, pfa, ws, name, B, qo, kv_range, head_dim, seed, warmup, rep):
     wp = pfa.BatchPrefillWithPagedKVCacheWrapper(ws, "NHD")
     wp.plan(qi, pi, perm, last, HQ, HKV, head_dim, PAGE_SIZE, causal=True, q_data_type=torch.bfloat16)
     row["kernel"] = wr._attn.name
+    # fp8 (e4m3) paged cache: half the bytes; checked against the bf16 paged kernel on the same
+    # widened values (fp8 rounding alone moves the output ~3 % from the bf16 inputs' result)
+    cache8 = cache.to(torch.float8_e4m3fn)
+    w8 = pfa.BatchPrefillWithPagedKVCacheWrapper(ws, "NHD")
+    w8.plan(qi, pi, perm, last, HQ, HKV, head_dim, PAGE_SIZE, causal=True, q_data_type=torch.bfloat16,
+            kv_data_type=torch.float8_e4m3fn)
+    wide = cache8.to(torch.bfloat16)
     out = torch.empty_like(q)
     timers = {}
-    for kind, fn in (("ragged", lambda: wr.run(q, k, v, out=out)), ("paged", lambda: wp.run(q, cache, out=out))):
+    for kind, fn in (("ragged", lambda: wr.run(q, k, v, out=out)), ("paged", lambda: wp.run(q, cache, out=out)),
+                     ("fp8_paged", lambda: w8.run(q, cache8, out=out))):
         try:
             o = fn().clone()
+            if kind == "fp8_paged":
+                ref = wp.run(q, wide)
+                rel = ((o.float() - ref.float()).norm() / ref.float().norm()).item()
+                if not rel <= REL_TOL:
+                    row["errors"].append(f"pfa {kind}: mismatch vs bf16 paged on the widened cache, rel {rel:.3g}")
+                    continue
+                timers[kind] = lambda wu, r, fn=fn: bench_samples_ms(fn, warmup=wu, rep=r)
+                continue
             worst = 0.0
             for b in range(min(CHECKED_REQUESTS, B)):
                 qs = q[qi[b]:qi[b + 1]].transpose(0, 1)[None].float()
                 ks = k[ki[b]:ki[b + 1]].repeat_interleave(HQ // HKV, 1).transpose(0, 1)[None].float()
                 vs = v[ki[b]:ki[b + 1]].repeat_interleave(HQ // HKV, 1).transpose(0, 1)[None].float()
-                n_q, n_k = int(qo_lens[b]), int(kv_lens[b])  # causal, bottom-right: token i sees n_k - n_q + i + 1
-                mask = torch.arange(n_k, device="cuda")[None, :] <= (n_k - n_q + torch.arange(n_q, device="cuda"))[:, None]
+                # causal, bottom-right: query token i sees keys 0 .. n_k - n_q + i
+                n_q, n_k = int(qo_lens[b]), int(kv_lens[b])
+                last_key = n_k - n_q + torch.arange(n_q, device="cuda")
+                mask = torch.arange(n_k, device="cuda")[None, :] <= last_key[:, None]
                 ref = torch.nn.functional.scaled_dot_product_attention(qs, ks, vs, attn_mask=mask)[0].transpose(0, 1)
                 got = o[qi[b]:qi[b + 1]].float()
                 worst = max(worst, ((got - ref).norm() / ref.norm()).item())
@@ -100,10 +120,11 @@ def _case(torch, pfa, ws, name, B, qo, kv_range, head_dim, seed, warmup, rep):
         except Exception as e:
             row["errors"].append(f"pfa {kind}: {short_error(e)}")
     ms = interleaved_median_ms(timers, warmup, rep, row["errors"]) if timers else {}
-    for kind in ("ragged", "paged"):
+    for kind in ("ragged", "paged", "fp8_paged"):
         t = ms.get(kind)
+        nbytes = row["kv_bytes"] // 2 if kind == "fp8_paged" else row["kv_bytes"]
         row[f"{kind}_us"] = None if t is None else t * 1e3
-        row[f"{kind}_tbps"] = None if t is None else row["kv_bytes"] / t / 1e9
+        row[f"{kind}_tbps"] = None if t is None else nbytes / t / 1e9
     return row
 
 
@@ -124,7 +145,7 @@ def run(args) -> int:
     for hd in head_dims:
         for i, (name, B, qo, kv_range) in enumerate(CASES[:2] if args.quick else CASES):
             r = _case(torch, pfa, ws, name, B, qo, kv_range, hd, 1000 + 10 * i + hd, warmup, rep)
-            for kind in ("ragged", "paged"):
+            for kind in ("ragged", "paged", "fp8_paged"):
                 r[f"{kind}_over_copy"] = None if r[f"{kind}_tbps"] is None else r[f"{kind}_tbps"] / copy
             rows.append(r)
     meta = {"device": props.name, "torch": torch.__version__, "copy_tbps": copy, "page_size": PAGE_SIZE,
@@ -135,13 +156,16 @@ def run(args) -> int:
         with open(args.json, "w") as f:
             json.dump({"meta": meta, "rows": rows}, f, indent=1)
     print(f"KV bytes read per second (TB/s) against torch's device copy, {copy:.2f} TB/s (read + write) in this run")
-    head = f"{'case':<34} {'hd':>3} {'kernel':<34} | {'ragged':>6} {'paged':>6} | {'rag/copy':>8} {'pag/copy':>8}"
+    head = (f"{'case':<34} {'hd':>3} {'kernel':<27} | {'ragged':>6} {'paged':>6} {'fp8pag':>6} | {'rag/copy':>8} "
+            f"{'pag/copy':>8} {'fp8/copy':>8} | {'fp8 x':>5}")
     print(head)
     print("-" * len(head))
     for r in rows:
         f = lambda x, s=".2f": "   -" if x is None else format(x, s)  # noqa: E731
-        print(f"{r['case']:<34} {r['head_dim']:>3} {r.get('kernel', '-')[16:]:<34} | {f(r['ragged_tbps']):>6} "
-              f"{f(r['paged_tbps']):>6} | {f(r['ragged_over_copy']):>8} {f(r['paged_over_copy']):>8}"
+        speed = (None if r["paged_us"] is None or r["fp8_paged_us"] is None else r["paged_us"] / r["fp8_paged_us"])
+        print(f"{r['case']:<34} {r['head_dim']:>3} {r.get('kernel', '-')[16:]:<27} | {f(r['ragged_tbps']):>6} "
+              f"{f(r['paged_tbps']):>6} {f(r['fp8_paged_tbps']):>6} | {f(r['ragged_over_copy']):>8} "
+              f"{f(r['paged_over_copy']):>8} {f(r['fp8_paged_over_copy']):>8} | {f(speed):>5}"
               + ("  ! " + "; ".join(r["errors"]) if r["errors"] else ""))
     return 1 if any("mismatch" in e for r in rows for e in r["errors"]) else 0
 
