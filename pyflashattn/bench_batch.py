@@ -54,7 +54,7 @@ import zlib
 
 import numpy as np
 
-from pyflashattn.testing.bench_util import gpu_warmup, interleaved_median_ms, short_error
+from pyflashattn.testing.bench_util import gpu_warmup, interleaved_median_ms, run_if_cuda, short_error
 
 REL_TOL = 2e-2  # bf16: two correct kernels differ by ~1e-3..1e-2; a wrong mask or tile lands far above
 HQ, HKV, HEAD_DIM = 32, 8, 128
@@ -450,16 +450,7 @@ def main(argv=None) -> int:
     p.add_argument("--json", metavar="PATH", help="write all numbers here")
     p.add_argument("--warmup", type=int, default=3)
     p.add_argument("--rep", type=int, default=20)
-    args = p.parse_args(argv)
-    try:
-        import torch
-    except ImportError:
-        print("torch is needed for the benchmark", file=sys.stderr)
-        return 2
-    if not torch.cuda.is_available():
-        print("no CUDA device visible to torch", file=sys.stderr)
-        return 2
-    return run(args)
+    return run_if_cuda(run, p.parse_args(argv))
 
 
 if __name__ == "__main__":

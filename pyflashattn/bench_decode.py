@@ -25,7 +25,8 @@ import time
 
 import numpy as np
 
-from pyflashattn.testing.bench_util import bench_samples_ms, gpu_warmup, interleaved_median_ms, short_error
+from pyflashattn.testing.bench_util import (bench_samples_ms, gpu_warmup, interleaved_median_ms, run_if_cuda,
+                                            short_error)
 
 HQ, HKV, PAGE_SIZE = 32, 8, 16
 REL_TOL = 2e-2
@@ -176,16 +177,7 @@ def main(argv=None) -> int:
     p.add_argument("--json", metavar="PATH", help="write all numbers here")
     p.add_argument("--warmup", type=int, default=3)
     p.add_argument("--rep", type=int, default=15)
-    args = p.parse_args(argv)
-    try:
-        import torch
-    except ImportError:
-        print("torch is needed for the benchmark", file=sys.stderr)
-        return 2
-    if not torch.cuda.is_available():
-        print("no CUDA device visible to torch", file=sys.stderr)
-        return 2
-    return run(args)
+    return run_if_cuda(run, p.parse_args(argv))
 
 
 if __name__ == "__main__":

@@ -145,3 +145,19 @@ def interleaved_median_ms(timers: dict, warmup: int, rep: int, errors: list, rou
                 errors.append(f"{n}: {short_error(e)}")
                 del samples[n]
     return {n: statistics.median(s) for n, s in samples.items()}
+
+
+def run_if_cuda(run, args) -> int:
+    """``run(args)`` when torch is installed and sees a CUDA device; else a one-line reason on
+    stderr and exit code 2 (the benchmarks' common entry)."""
+    import sys
+
+    try:
+        import torch
+    except ImportError:
+        print("torch is needed for the benchmark", file=sys.stderr)
+        return 2
+    if not torch.cuda.is_available():
+        print("no CUDA device visible to torch", file=sys.stderr)
+        return 2
+    return run(args)

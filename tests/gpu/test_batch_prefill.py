@@ -370,6 +370,15 @@ def _plan(w, kind, b, pg, causal, **opts):
     return _plan_paged(w, b, pg, causal, **opts) if kind == "paged" else _plan_ragged(w, b, causal, **opts)
 
 
+def _kv_inputs(kind, b, layout, seed):
+    """run()'s K/V arguments for batch b: (page table or None, args) -- a 5-D paged cache with
+    page_size 16 (pages in the order seed gives) or the ragged k, v."""
+    if kind == "paged":
+        pg = _paginate(b, 16, layout, "5d", seed)
+        return pg, (pg.cache,)
+    return None, _ragged_kv(b, layout)
+
+
 @pytest.mark.parametrize("key,kind,batch,qo_max,kv_max,mode,pin,ps,hq,hkv,d,dtype,layout,causal,form",
                          [pytest.param(*c, id=c[0]) for c in GRID])
 def test_batch_grid(key, kind, batch, qo_max, kv_max, mode, pin, ps, hq, hkv, d, dtype, layout, causal, form):
@@ -470,11 +479,7 @@ def test_empty_requests_and_fully_masked_rows(kind):
     # one key, and a request with no queries and no keys.
     pairs = [(50, 20), (0, 100), (10, 0), (64, 64), (3, 1), (0, 0), (7, 200)]
     b = _make_batch([p[0] for p in pairs], [p[1] for p in pairs], 16, 4, 128, F16, _seed("empty", kind))
-    if kind == "paged":
-        pg = _paginate(b, 16, "NHD", "5d", _seed("empty-pages", kind))
-        kv_args = (pg.cache,)
-    else:
-        pg, kv_args = None, _ragged_kv(b, "NHD")
+    pg, kv_args = _kv_inputs(kind, b, "NHD", _seed("empty-pages", kind))
     w = _wrapper_for(kind, "NHD")
     _plan(w, kind, b, pg, True)
     o, lse = _run_into(w, b, kv_args)
@@ -490,11 +495,7 @@ def test_empty_requests_and_fully_masked_rows(kind):
 @pytest.mark.parametrize("kind", ["paged", "ragged"])
 def test_batch_without_query_tokens(kind):
     b = _make_batch([0, 0, 0], [5, 0, 40], 8, 8, 64, BF16, _seed("noq", kind))
-    if kind == "paged":
-        pg = _paginate(b, 16, "NHD", "5d", _seed("noq-pages"))
-        kv_args = (pg.cache,)
-    else:
-        pg, kv_args = None, _ragged_kv(b, "NHD")
+    pg, kv_args = _kv_inputs(kind, b, "NHD", _seed("noq-pages"))
     w = _wrapper_for(kind, "NHD")
     _plan(w, kind, b, pg, False)
     o, lse = w.run(b.q, *kv_args, return_lse=True)
@@ -514,11 +515,7 @@ def test_split_kv_batch(kind, layout, causal, dtype):
     kv_lens = [16384, 3000, 4096, 12000, 8192, 16000, 0, 10000]
     dt = DTYPES[dtype]
     b = _make_batch(qo_lens, kv_lens, 32, 8, 128, dt, _seed("split", kind, layout, causal))
-    if kind == "paged":
-        pg = _paginate(b, 16, layout, "5d", _seed("split-pages", kind, layout, causal))
-        kv_args = (pg.cache,)
-    else:
-        pg, kv_args = None, _ragged_kv(b, layout)
+    pg, kv_args = _kv_inputs(kind, b, layout, _seed("split-pages", kind, layout, causal))
     w = _wrapper_for(kind, layout)
     _plan(w, kind, b, pg, causal)
     assert w.workspace_size() > 0, "this batch should be split across CTAs (split-KV is what it tests)"
@@ -534,11 +531,7 @@ def test_merge_of_many_chunks(kind, hq, hkv, d):
     kv_lens = [64, 100, 1984, 2048, 2049, 2350, 4096, 5000, 8300]
     qo_lens = [1, 3, 1, 2, 5, 1, 1, 4, 2]
     b = _make_batch(qo_lens, kv_lens, hq, hkv, d, BF16, _seed("many-chunks", kind, d))
-    if kind == "paged":
-        pg = _paginate(b, 16, "NHD", "5d", _seed("many-chunks-pages", d))
-        kv_args = (pg.cache,)
-    else:
-        pg, kv_args = None, _ragged_kv(b, "NHD")
+    pg, kv_args = _kv_inputs(kind, b, "NHD", _seed("many-chunks-pages", d))
     w = _wrapper_for(kind, "NHD")
     _plan(w, kind, b, pg, True, fixed_split_size=64)
     assert int(w._plan.num_chunks.max()) == 130, "the longest request should merge 130 one-tile chunks"
@@ -559,11 +552,7 @@ def test_enable_pdl_chain_reads_the_finished_previous_output(kind, case):
     split = case == "split"
     qo_lens, kv_lens = ([1, 2, 5, 16], [16384, 9000, 12000, 8192]) if split else ([128], [16384])
     b = _make_batch(qo_lens, kv_lens, 32, 8, 128, BF16, _seed("pdl", kind, case))
-    if kind == "paged":
-        pg = _paginate(b, 16, "NHD", "5d", _seed("pdl-pages", kind, case))
-        kv_args = (pg.cache,)
-    else:
-        pg, kv_args = None, _ragged_kv(b, "NHD")
+    pg, kv_args = _kv_inputs(kind, b, "NHD", _seed("pdl-pages", kind, case))
     w = _wrapper_for(kind, "NHD")
     _plan(w, kind, b, pg, True, **({} if split else {"disable_split_kv": True}))
     assert (w.workspace_size() > 0) is split
