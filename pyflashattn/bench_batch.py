@@ -44,7 +44,6 @@ on a tiny batch of 4 x 16 tokens; ragged and paged in interleaved rounds).
 
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import statistics
@@ -54,7 +53,7 @@ import zlib
 
 import numpy as np
 
-from pyflashattn.testing.bench_util import gpu_warmup, interleaved_median_ms, run_if_cuda, short_error
+from pyflashattn.testing.bench_util import bench_main, gpu_warmup, interleaved_median_ms, short_error
 
 REL_TOL = 2e-2  # bf16: two correct kernels differ by ~1e-3..1e-2; a wrong mask or tile lands far above
 HQ, HKV, HEAD_DIM = 32, 8, 128
@@ -445,12 +444,8 @@ def run(args) -> int:
 
 
 def main(argv=None) -> int:
-    p = argparse.ArgumentParser(prog="python -m pyflashattn.bench_batch", description=__doc__.split("\n\n")[0])
-    p.add_argument("--quick", action="store_true", help="fewer repetitions, a smaller skewed batch")
-    p.add_argument("--json", metavar="PATH", help="write all numbers here")
-    p.add_argument("--warmup", type=int, default=3)
-    p.add_argument("--rep", type=int, default=20)
-    return run_if_cuda(run, p.parse_args(argv))
+    return bench_main(run, argv, prog="python -m pyflashattn.bench_batch", doc=__doc__,
+                      quick_help="fewer repetitions, a smaller skewed batch", rep=20)
 
 
 if __name__ == "__main__":

@@ -16,7 +16,6 @@ rotating interleaved rounds (``bench_util.interleaved_median_ms``).
 """
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import statistics
@@ -25,7 +24,7 @@ import time
 
 import numpy as np
 
-from pyflashattn.testing.bench_util import (bench_samples_ms, gpu_warmup, interleaved_median_ms, run_if_cuda,
+from pyflashattn.testing.bench_util import (bench_main, bench_samples_ms, gpu_warmup, interleaved_median_ms,
                                             short_error)
 
 HQ, HKV, PAGE_SIZE = 32, 8, 16
@@ -172,12 +171,8 @@ def run(args) -> int:
 
 
 def main(argv=None) -> int:
-    p = argparse.ArgumentParser(prog="python -m pyflashattn.bench_decode", description=__doc__.split("\n\n")[0])
-    p.add_argument("--quick", action="store_true", help="head_dim 128 and two cases only")
-    p.add_argument("--json", metavar="PATH", help="write all numbers here")
-    p.add_argument("--warmup", type=int, default=3)
-    p.add_argument("--rep", type=int, default=15)
-    return run_if_cuda(run, p.parse_args(argv))
+    return bench_main(run, argv, prog="python -m pyflashattn.bench_decode", doc=__doc__,
+                      quick_help="head_dim 128 and two cases only", rep=15)
 
 
 if __name__ == "__main__":

@@ -161,3 +161,15 @@ def run_if_cuda(run, args) -> int:
         print("no CUDA device visible to torch", file=sys.stderr)
         return 2
     return run(args)
+
+
+def bench_main(run, argv, *, prog: str, doc: str, quick_help: str, rep: int) -> int:
+    """The batch benchmarks' command line (--quick, --json, --warmup, --rep), then run_if_cuda."""
+    import argparse
+
+    p = argparse.ArgumentParser(prog=prog, description=doc.split("\n\n")[0])
+    p.add_argument("--quick", action="store_true", help=quick_help)
+    p.add_argument("--json", metavar="PATH", help="write all numbers here")
+    p.add_argument("--warmup", type=int, default=3)
+    p.add_argument("--rep", type=int, default=rep)
+    return run_if_cuda(run, p.parse_args(argv))
