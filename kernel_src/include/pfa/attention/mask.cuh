@@ -26,6 +26,15 @@ struct MaskRule {
     return ok;
   }
 
+  // The same structural test as the key range of row q: keep_structural(q, kv) == (lo <= kv < hi)
+  // (empty when hi <= lo). A masked tile then costs two compares per element, the range once per
+  // row (the kernels choose the form per head dim, see PrefillSm80::ROW_RANGE_MASK).
+  __device__ __forceinline__ void row_range(int q, int& lo, int& hi) const {
+    const int p = pos(q);
+    hi = causal ? min(kv_len, p + 1) : kv_len;
+    lo = window_left >= 0 ? max(0, p - window_left) : 0;
+  }
+
   // Custom-mask bits of row q for keys [kv0, kv0 + 64) as one word (bit j = key kv0 + j),
   // gathered with at most 9 byte loads that never leave the row's own bits. Tiles test a
   // whole row with shifts instead of one global load per element.
@@ -56,9 +65,18 @@ struct MaskRule {
     return ok;
   }
 
-  // A custom mask is arbitrary, so no rectangle is known to be fully kept.
+  // A custom mask is arbitrary, so no rectangle is known to be fully kept. RANGE: the same test
+  // through row_range (the form the ROW_RANGE_MASK kernels use everywhere).
+  template <bool RANGE = false>
   __device__ __forceinline__ bool keeps_all(int q0, int q1, int k0, int k1) const {
-    return bits == nullptr && keep(q0, k1) && keep(q1, k0);
+    if constexpr (RANGE) {
+      int lo0, hi0, lo1, hi1;
+      row_range(q0, lo0, hi0);
+      row_range(q1, lo1, hi1);
+      return bits == nullptr && k1 >= lo0 && k1 < hi0 && k0 >= lo1 && k0 < hi1;
+    } else {
+      return bits == nullptr && keep(q0, k1) && keep(q1, k0);
+    }
   }
 
   // Half-open key range [begin, end) that rows [q0, q1] can see at all (may be empty).

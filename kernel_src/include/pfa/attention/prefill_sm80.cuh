@@ -57,6 +57,14 @@ struct PrefillSm80 {
   // variants.py mirrors the rule.
   static constexpr int MAX_PAGE_IDS = BLOCK_M > 16 || HEAD_DIM > 128 ? 2048 : 1024;
   static constexpr bool KV_FP8 = sizeof(KV) == 1;
+  // Masked tiles: test each element against its row's key range (MaskRule::row_range, computed
+  // once per row; the tile test too) rather than the per-element predicate (MaskRule::keep).
+  // H100, A/B of the cubins in one machine session, 3 rounds (NOTES.md): hd64 single causal 2K /
+  // 8K +10 / +6 %, non-causal 8K +2 %, causal ragged batch +6 %; hd256 +3..6 % causal, +3 %
+  // non-causal. hd128 lost 5 % everywhere with it, non-causal included (where no tile is masked):
+  // the range form moved that 253-register kernel's allocation of the whole loop (16 -> 32 B of
+  // spills). hd128 keeps keep(), i.e. the same code as before.
+  static constexpr bool ROW_RANGE_MASK = HEAD_DIM != 128;
   // Lazy rescale: how far (log2 units) the running max may lag the true one; P <= 2^8 = 256
   // fits fp16/bf16 and fp32 sums with room to spare.
   static constexpr float RESCALE_SLACK = 8.f;
@@ -555,13 +563,21 @@ struct PrefillSm80 {
       }
 
       // ---- mask: only tiles that are not fully kept pay for the per-element predicate ----
-      if (!rule.keeps_all(q_lo, q_hi, n0, n0 + BLOCK_N - 1)) {
+      if (!rule.template keeps_all<ROW_RANGE_MASK>(q_lo, q_hi, n0, n0 + BLOCK_N - 1)) {
 #pragma unroll
         for (int mt = 0; mt < MQ; ++mt)
 #pragma unroll
           for (int hf = 0; hf < 2; ++hf) {
             // Query index of the C-fragment row this thread holds (only masked tiles need it).
             const int qi = (r0 + warp_row0 + mt * 16 + lane / 4 + hf * 8) / group;
+            // ROW_RANGE_MASK: the row's key range relative to this thread's first column.
+            int lo = 0, hi = 0;
+            if constexpr (ROW_RANGE_MASK) {
+              rule.row_range(qi, lo, hi);
+              const int cbase = n0 + col0 + (lane % 4) * 2;
+              lo -= cbase;
+              hi -= cbase;
+            }
             if (GENERAL && rule.bits != nullptr) {
               // keep() split in its two parts: the structural test per element, the custom bits
               // from one per-row word (same predicate, far fewer global loads).
@@ -572,15 +588,20 @@ struct PrefillSm80 {
 #pragma unroll
                 for (int e = 0; e < 2; ++e) {
                   const int c = col0 + nt * 8 + (lane % 4) * 2 + e;
-                  if (!(rule.keep_structural(qi, n0 + c) && ((w >> c) & 1))) s[mt][nt][2 * hf + e] = -INFINITY;
+                  const bool in = ROW_RANGE_MASK ? nt * 8 + e >= lo && nt * 8 + e < hi : rule.keep_structural(qi, n0 + c);
+                  if (!(in && ((w >> c) & 1))) s[mt][nt][2 * hf + e] = -INFINITY;
                 }
             } else {
 #pragma unroll
               for (int nt = 0; nt < S_NT; ++nt)
 #pragma unroll
                 for (int e = 0; e < 2; ++e) {
-                  const int kv = n0 + col0 + nt * 8 + (lane % 4) * 2 + e;
-                  if (!rule.keep(qi, kv)) s[mt][nt][2 * hf + e] = -INFINITY;
+                  if constexpr (ROW_RANGE_MASK) {
+                    if (nt * 8 + e < lo || nt * 8 + e >= hi) s[mt][nt][2 * hf + e] = -INFINITY;
+                  } else {
+                    const int kv = n0 + col0 + nt * 8 + (lane % 4) * 2 + e;
+                    if (!rule.keep(qi, kv)) s[mt][nt][2 * hf + e] = -INFINITY;
+                  }
                 }
             }
           }
