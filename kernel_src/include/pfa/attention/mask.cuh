@@ -31,9 +31,12 @@ struct MaskRule {
   // row (the kernels choose the form per head dim, see PrefillSm80::ROW_RANGE_MASK).
   __device__ __forceinline__ void row_range(int q, int& lo, int& hi) const {
     const int p = pos(q);
-    hi = causal ? min(kv_len, p + 1) : kv_len;
+    hi = causal ? min(kv_len, p + 1) : kv_len;  // row_end(q), spelled out: the form measured
     lo = window_left >= 0 ? max(0, p - window_left) : 0;
   }
+  // End of row q's range: without a window, keep_structural(q, kv) == (kv < row_end(q)) for
+  // every kv >= 0.
+  __device__ __forceinline__ int row_end(int q) const { return causal ? min(kv_len, pos(q) + 1) : kv_len; }
 
   // Custom-mask bits of row q for keys [kv0, kv0 + 64) as one word (bit j = key kv0 + j),
   // gathered with at most 9 byte loads that never leave the row's own bits. Tiles test a
