@@ -57,15 +57,18 @@ struct PrefillSm80 {
   // variants.py mirrors the rule.
   static constexpr int MAX_PAGE_IDS = BLOCK_M > 16 || HEAD_DIM > 128 ? 2048 : 1024;
   static constexpr bool KV_FP8 = sizeof(KV) == 1;
-  // Masked tiles: test each element against its row's key range (MaskRule::row_range, computed
-  // once per row; the tile test too) rather than the per-element predicate (MaskRule::keep).
-  // H100, A/B of the cubins in one machine session, 3 rounds (NOTES.md): hd64 single causal 2K /
-  // 8K +10 / +6 %, non-causal 8K +2 %, causal ragged batch +6 %; hd256 +3..6 % causal, +3 %
-  // non-causal. hd128 lost 5 % everywhere with it, non-causal included (where no tile is masked):
-  // the range form moved that 253-register kernel's allocation of the whole loop (16 -> 32 B of
-  // spills). hd128 instead tests only the row's end when there is no window (MaskRule::row_end;
-  // keep() with one), 8 B of spills: single causal 2K +6 %, the rest within noise or better.
-  static constexpr bool ROW_RANGE_MASK = HEAD_DIM != 128;
+  // Masked tiles of the lean kernels. H100, A/B of the cubins in one machine session, 3 rounds
+  // each (NOTES.md, session 8): hd64 / hd256 test each element against its row's key range
+  // (MaskRule::row_range, computed once per row; the tile test too): hd64 single causal 2K / 8K
+  // +10 / +6 %, non-causal 8K +2 %, causal ragged batch +6 %; hd256 +3..6 % causal, +3 %
+  // non-causal. In hd128 that form cost 5 % everywhere, non-causal included (where no tile is
+  // masked): it moved the allocation of that 253-register loop (16 -> 32 B of spills). hd128
+  // tests only the row's end when there is no window (MaskRule::row_end, keep() with one): 8 B of
+  // spills, single causal 2K +6 %, the rest within noise or better. The general kernels (soft
+  // cap, ALiBi, custom masks) keep the per-element keep(): with the new forms the hd128 ones lost
+  // 4-16 % (their loops already spill 70-90 B).
+  static constexpr bool ROW_RANGE_MASK = !GENERAL && HEAD_DIM != 128;
+  static constexpr bool ROW_END_MASK = !GENERAL && HEAD_DIM == 128;
   // Lazy rescale: how far (log2 units) the running max may lag the true one; P <= 2^8 = 256
   // fits fp16/bf16 and fp32 sums with room to spare.
   static constexpr float RESCALE_SLACK = 8.f;
@@ -589,8 +592,7 @@ struct PrefillSm80 {
 #pragma unroll
                 for (int e = 0; e < 2; ++e) {
                   const int c = col0 + nt * 8 + (lane % 4) * 2 + e;
-                  const bool in = ROW_RANGE_MASK ? nt * 8 + e >= lo && nt * 8 + e < hi : rule.keep_structural(qi, n0 + c);
-                  if (!(in && ((w >> c) & 1))) s[mt][nt][2 * hf + e] = -INFINITY;
+                  if (!(rule.keep_structural(qi, n0 + c) && ((w >> c) & 1))) s[mt][nt][2 * hf + e] = -INFINITY;
                 }
             } else {
 #pragma unroll
@@ -601,7 +603,7 @@ struct PrefillSm80 {
                     if (nt * 8 + e < lo || nt * 8 + e >= hi) s[mt][nt][2 * hf + e] = -INFINITY;
                   } else {
                     const int kv = n0 + col0 + nt * 8 + (lane % 4) * 2 + e;
-                    if (rule.window_left < 0) {  // no window: only the row's end matters (kv >= 0)
+                    if (ROW_END_MASK && rule.window_left < 0) {  // no window: only the row's end (kv >= 0)
                       if (kv >= rule.row_end(qi)) s[mt][nt][2 * hf + e] = -INFINITY;
                     } else if (!rule.keep(qi, kv)) {
                       s[mt][nt][2 * hf + e] = -INFINITY;
