@@ -178,9 +178,8 @@ class _Staging:
         self.device = _cuda.mem_alloc(size)
         self.size, self.fixed = size, fixed
 
-    def _pinned_buffer(self):
-        """A pinned buffer no pending copy reads (see the class docstring)."""
-        cu = _cuda.driver()
+    def _pinned_buffer(self, cu):
+        """A pinned buffer no pending copy reads (see the class docstring); cu = the driver."""
         if self.pinned:
             # The last plan's buffer first: its copy is usually done by now, and its lines may
             # still be in the CPU cache (round-robin over the pool would write a cold buffer).
@@ -216,20 +215,28 @@ class _Staging:
                 offsets.append(n)
                 n += 1 if type(a) is int else a.size
             nbytes = 4 * n
-        self.reserve(nbytes)
-        entry = self._pinned_buffer()
+        if nbytes > self.size:  # (reserve's own test, without a method call per plan)
+            self.reserve(nbytes)
+        cu = _cuda.driver()
+        entry = self._pinned_buffer(cu)
         host32 = entry[1]
         for a, o in zip(arrays, offsets):
             if type(a) is int:
                 host32[o] = a
             else:
                 host32[o:o + a.size] = a
-        cu = _cuda.driver()
+        # The two driver calls of every plan test their status inline (_cuda.check raises the
+        # error; on success it only costs a call and another driver() lookup).
+        ok = cu.CUresult.CUDA_SUCCESS
         if nbytes:
-            _cuda.check(cu.cuMemcpyHtoDAsync(self.device, entry[0], nbytes, stream), "cuMemcpyHtoDAsync")
+            r = cu.cuMemcpyHtoDAsync(self.device, entry[0], nbytes, stream)
+            if r[0] != ok:
+                _cuda.check(r, "cuMemcpyHtoDAsync")
         if entry[2] is None:
             entry[2] = _cuda.check(cu.cuEventCreate(cu.CUevent_flags.CU_EVENT_DISABLE_TIMING), "cuEventCreate")
-        _cuda.check(cu.cuEventRecord(entry[2], stream), "cuEventRecord")
+        r = cu.cuEventRecord(entry[2], stream)
+        if r[0] != ok:
+            _cuda.check(r, "cuEventRecord")
         base = self.device
         return [base + 4 * o for o in offsets]
 
@@ -344,17 +351,17 @@ class _BatchPrefillBase:
         # kernel choice are cached per wrapper, keyed by the values and their types (so 128.0 or
         # True never pass where 128 or 1 did), and only with plain scalars in the numeric options
         # (a tensor there hashes by identity and could change value between plans).
-        types = tuple(map(type, args))
-        key = cfg = None
-        if _PLAIN.issuperset((types[4], types[5], types[6], types[7], types[11], types[12], types[13])):
-            key = (args, types)
-            try:
-                cfg = self._configs.get(key)
-            except TypeError:  # an unhashable argument: resolve it every time (and reject it there)
-                key = None
+        # Only plain keys are ever stored and the key holds every type, so a hit is a plain key:
+        # the plainness test is only needed before storing (off the hot path).
+        key = (args, tuple(map(type, args)))
+        try:
+            cfg = self._configs.get(key)
+        except TypeError:  # an unhashable argument: resolve it every time (and reject it there)
+            cfg = key = None
         if cfg is None:
             cfg = self._resolve_config(*args)
-            if key is not None:
+            types = key[1] if key is not None else ()
+            if types and _PLAIN.issuperset((types[4], types[5], types[6], types[7], types[11], types[12], types[13])):
                 if len(self._configs) >= 64:
                     self._configs.clear()
                 self._configs[key] = cfg
