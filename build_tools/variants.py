@@ -148,11 +148,29 @@ PREFILL_TILES = {
 # cap, ALiBi, RoPE take the 128-row general kernels); lazy rescale and no Q in registers: the
 # variants that ptxas fits without spills (hd256 needs 32-key tiles). min_blocks 1: one warp never
 # runs out of registers; the CTAs per SM the scheduler plans with come from the shared memory
-# (the batch wrapper computes them per GPU: 6 / 3 / 3 ragged, 5 / 3 / 2 paged on an H100).
+# (the batch wrapper computes them per GPU). hd128 runs 32-key tiles: five CTAs per SM instead of
+# three (H100, bench_decode, paged TB/s 64 -> 32 keys: 2.58-2.61 -> 2.66-2.67, 2.80-2.84 -> 2.89-2.90,
+# 2.98 -> 2.98-2.99, spec-decode 2.69-2.72 -> 2.83-2.84; ragged unchanged). hd64 / hd256 keep theirs (32 / 16 keys there: hd64
+# within noise or lower; hd256 paged spec-decode 2.36 -> 2.87 but B=64 2.80 -> 2.54).
 DECODE_TILES = {
     64: (1, 1, 64, False, 2, 1, True),
-    128: (1, 1, 64, False, 2, 1, True),
+    128: (1, 1, 32, False, 2, 1, True),
     256: (1, 1, 32, False, 2, 1, True),
+}
+# The decode tile over an fp8 K/V cache. Its warps widen every K/V tile into a 16-bit copy in
+# shared memory (~2 instructions an element), which with the bf16 tiles above ran at 0.23-0.62 of
+# the copy bandwidth in fp8 bytes, slower than the bf16 cache at hd128 / hd256: latency-bound
+# with 2-3 warps per SM. Smaller tiles fit more CTAs per SM, and at hd128 a warp pair (2 warps,
+# the same 16 rows: PAIR) halves each warp's widening. H100, bench_decode fp8 paged TB/s (fp8
+# bytes), the four cases B=64 / B=16 / B=128 / spec-decode, two rounds each, base -> shipped:
+# hd64 (32 keys) 1.16 / 1.47 / 1.87 / 1.58 -> 1.60 / 2.08 / 1.73 / 1.96; hd128 (pair, 32 keys)
+# 1.13 / 1.23 / 1.38 / 0.99 -> 1.70 / 1.41 / 2.07 / 1.91 (one warp, 32 keys: 1.28 / 1.57 / 1.82 /
+# 1.64; pair, 3 stages: 1.40 / 1.87 / 2.05 / 1.63); hd256 (16 keys) 0.99 / 0.85 / 1.08 / 0.69 ->
+# 1.10 / 1.64 / 1.73 / 1.44 (pair, 32 keys: 1.55 / 1.37 / 1.75 / 1.14).
+DECODE_TILES_FP8 = {
+    64: (1, 1, 32, False, 2, 1, True),
+    128: (2, 1, 32, False, 2, 1, True, True),
+    256: (1, 1, 16, False, 2, 1, True),
 }
 # Alternatives the tuning sweep compares against the defaults.
 PREFILL_TUNE_TILES = {
@@ -174,8 +192,8 @@ def variants(tune=False):
                         v = PrefillVariant(dtype, hd, *tile, general=general, paged=paged, kv_dtype=kv_dtype)
                         out.append(dataclasses.replace(v, lazy_rescale=False) if general else v)
                 for paged in (False, True):
-                    out.append(PrefillVariant(dtype, hd, *DECODE_TILES[hd], paged=paged, kv_dtype=kv_dtype,
-                                              decode=True))
+                    dec = (DECODE_TILES_FP8 if kv_dtype else DECODE_TILES)[hd]
+                    out.append(PrefillVariant(dtype, hd, *dec, paged=paged, kv_dtype=kv_dtype, decode=True))
             if tune:
                 out += [PrefillVariant(dtype, hd, *t, tune=True) for t in PREFILL_TUNE_TILES[hd]]
         out.append(MergeVariant(dtype))

@@ -526,7 +526,7 @@ class _BatchPrefillBase:
         la = self._launcher("prefill", qdt.short, kvs, head_dim, general)
         ctas_per_sm = 2 if la.meta["threads"] <= 128 else 1
         budget = props["sm_count"] * ctas_per_sm  # CTAs per wave
-        # The decode tile (16 rows, one warp) for batches where every request fits it; lean
+        # The decode tile (16 rows, one warp or a pair) for batches where every request fits it; lean
         # options only. Its CTAs per SM are what the shared memory allows (1 KB each reserved).
         dec = None
         if not general:

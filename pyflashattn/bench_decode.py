@@ -1,7 +1,7 @@
 """Decode benchmark: ``python -m pyflashattn.bench_decode [--quick] [--json PATH]``.
 
 Decode-like batches (every request 1 to 4 query tokens over a long KV cache) through the batch
-wrappers, which run them on the one-warp 16-row decode tiles. Such a batch is a stream over its
+wrappers, which run them on the 16-row decode tiles. Such a batch is a stream over its
 K/V, so it is judged against memory bandwidth: KV bytes read per second (K and V of every
 request once, 2 bytes an element, 1 in the fp8 cache) next to the device-to-device copy
 bandwidth torch gets on the same GPU in the same run (a 1 GiB ``copy_``, read + write counted),

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import ctypes
 import math
+import pathlib
 import sys
 import time
 import types
@@ -27,6 +28,9 @@ from pyflashattn import _cuda, _dtypes, _registry, _tensor
 from pyflashattn._params_gen import MergeParams, PackbitsParams, PrefillParams
 from pyflashattn.testing.fake_tensors import FakeProducer, fake_cuda_tensor
 from pyflashattn.testing.fake_tensors import compact_strides as _compact
+
+sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent.parent / "build_tools"))
+import variants  # noqa: E402
 
 Paged = pyflashattn.BatchPrefillWithPagedKVCacheWrapper
 Ragged = pyflashattn.BatchPrefillWithRaggedKVCacheWrapper
@@ -189,6 +193,13 @@ def _simulate_packbits(p, grid):
         ctypes.memmove(p.y + int(oi[seg]), packed.tobytes(), nbytes)
 
 
+def _decode_variant(match):
+    """The decode-tile row of build_tools/variants.py that the registry would pick for `match`."""
+    kv = match.get("kv_dtype") or match["dtype"]
+    return next(v for v in variants.variants() if getattr(v, "decode", False) and v.dtype == match["dtype"]
+                and v.kv == kv and v.head_dim == match["head_dim"] and v.paged == bool(match.get("paged")))
+
+
 _META = {64: dict(block_m=128, block_n=64, threads=128), 128: dict(block_m=128, block_n=64, threads=128),
          256: dict(block_m=128, block_n=64, threads=256)}
 
@@ -207,9 +218,9 @@ class FakeEnv:
         def new_launcher(family, dev, **match):
             ptype = {"prefill": PrefillParams, "merge": MergeParams, "packbits": PackbitsParams}[family]
             name = family + "".join(f"_{k}={v}" for k, v in sorted(match.items()))
-            if match.get("decode"):  # the 16-row one-warp tiles (smem as the H100 build has it)
-                meta = dict(block_m=16, block_n=32 if match["head_dim"] == 256 else 64, threads=32,
-                            smem_bytes={64: 34944, 128: 69760, 256: 73856}[match["head_dim"]], **match)
+            if match.get("decode"):  # the 16-row decode tiles, as variants.py builds them
+                v = _decode_variant(match)
+                meta = dict(block_m=v.block_m, block_n=v.block_n, threads=v.threads, smem_bytes=v.smem_bytes, **match)
             else:
                 meta = dict(_META.get(match.get("head_dim"), dict(block_m=0, block_n=0, threads=256)), smem_bytes=0,
                             **match)
@@ -923,7 +934,7 @@ def test_decode_tile_only_when_every_request_fits_16_rows(fake):
     la = w._attn
     assert la.meta["decode"] and la.meta["block_m"] == 16 and la.threads == 32
     assert w._plan.block_m == 16
-    assert last_cfg_ctas(w) == 233472 // (69760 + 1024)  # 3 on an H100's 228 KB
+    assert last_cfg_ctas(w) == 233472 // (36992 + 1024)  # 6 on an H100's 228 KB (hd128, 32-key tiles)
     w.plan(i32(0, 5, 6), i32(0, 900, 1700), HQ, HKV, D, causal=True)  # 5 x 4 = 20 rows
     assert not w._attn.meta["decode"] and w._plan.block_m == 128
     w.plan(i32(0, 4, 5), i32(0, 900, 1700), HQ, HKV, D, causal=True, logits_soft_cap=3.0)

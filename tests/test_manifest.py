@@ -76,13 +76,25 @@ def test_built_manifest_is_consistent():
         assert names <= built[arch], f"{arch} lacks {names - built[arch]}"
 
 
+def test_prefill_tiles_are_the_tables_rows():
+    """Every shipped kernel has its table's tile (the decode tiles theirs, by K/V storage)."""
+    for v in variants.variants():
+        if not isinstance(v, variants.PrefillVariant):
+            continue
+        table = (variants.DECODE_TILES_FP8 if v.kv_dtype else variants.DECODE_TILES) if v.decode else variants.PREFILL_TILES
+        row = table[v.head_dim]
+        assert (v.warps, v.mq, v.block_n, v.q_in_regs, v.stages, v.min_blocks) == row[:6], v.name
+        assert v.pair == (len(row) > 7 and row[7]), v.name
+
+
 def test_decode_tiles_exist_for_every_lean_kernel():
     vs = [v for v in variants.variants() if isinstance(v, variants.PrefillVariant)]
     lean = {(v.dtype, v.head_dim, v.kv, v.paged) for v in vs if not v.general and not v.decode}
     assert {(v.dtype, v.head_dim, v.kv, v.paged) for v in vs if v.decode} == lean
     for v in vs:
         if v.decode:
-            assert (v.block_m, v.warps, v.general, v.pair) == (16, 1, False, False), v.name
+            # 16 rows: one warp, or a warp pair sharing them (the hd128 fp8 tile)
+            assert (v.block_m, v.general) == (16, False) and v.warps == (2 if v.pair else 1), v.name
             # several CTAs per SM on an H100 (228 KB, 1 KB reserved each): the point of the tile
             assert 228 * 1024 // (v.smem_bytes + 1024) >= 2, v.name
             assert v.manifest()["decode"] is True

@@ -10,7 +10,8 @@
 // Softmax is online in the log2 domain (the scale already carries log2 e), P stays in
 // registers (the C fragment of S is exactly the A fragment layout of P V).
 //
-// PAIR (head dims where a warp cannot hold two m16 row tiles of O, i.e. hd256): warps 2i and
+// PAIR (head dims where a warp cannot hold two m16 row tiles of O, i.e. hd256; also the hd128
+// fp8 decode tile, where two warps share the widening of each K/V tile): warps 2i and
 // 2i+1 share MQ row tiles. For S = Q K^T each takes half of the tile's keys over the whole head
 // dim; for O += P V each takes half of the head dim over all keys. The row max and the other
 // half's P cross between the two through shared memory (two 64-thread barriers a tile). Every
@@ -49,6 +50,9 @@ struct PrefillSm80 {
   static constexpr int O_DT = PAIR ? DTILES / 2 : DTILES;  // n8 tiles of O per warp (its head dims)
   static_assert(!PAIR || (NUM_WARPS % 2 == 0 && MQ <= 2 && !Q_IN_REGS && BLOCK_N % 32 == 0),
                 "PAIR: warp pairs, at most 4 row maxes per lane, Q from shared memory, whole k16 steps per half");
+  // A warp's half of the head dims must start at a multiple of 8 chunks, where the XOR swizzle
+  // leaves the offset alone (v_off below): hd64 pairs computed wrong outputs.
+  static_assert(!PAIR || HEAD_DIM >= 128, "PAIR: each half of the head dims spans whole swizzle periods");
   // Paged KV: the page ids of a CTA's whole KV range are staged in shared memory once, so no
   // tile load waits on a dependent global read of the page table (falls back beyond this).
   // The 16-row decode tiles at head_dim <= 128 stage 1024, so that three CTAs fit an SM (H100,
