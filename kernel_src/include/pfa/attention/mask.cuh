@@ -58,6 +58,18 @@ struct MaskRule {
     return w;
   }
 
+  // keep(q, kv) for keys [kv0, kv0 + 64) of row q as one word (bit j = key kv0 + j): the custom
+  // bits ANDed with the row's structural range. The masked tiles then test one bit per element
+  // at a compile-time position instead of the whole predicate.
+  __device__ __forceinline__ uint64_t row_keep_bits(int q, int kv0) const {
+    int lo, hi;
+    row_range(q, lo, hi);
+    const int a = min(max(lo - kv0, 0), 64), b = min(max(hi - kv0, 0), 64);
+    const uint64_t below_b = b >= 64 ? ~0ull : (1ull << b) - 1;
+    const uint64_t below_a = a >= 64 ? ~0ull : (1ull << a) - 1;
+    return row_bits(q, kv0) & below_b & ~below_a;
+  }
+
   __device__ __forceinline__ bool keep(int q, int kv) const {
     bool ok = keep_structural(q, kv);
     if (bits != nullptr) {

@@ -587,16 +587,17 @@ struct PrefillSm80 {
               hi -= cbase;
             }
             if (GENERAL && rule.bits != nullptr) {
-              // keep() split in its two parts: the structural test per element, the custom bits
-              // from one per-row word (same predicate, far fewer global loads).
-              static_assert(BLOCK_N <= 64, "row_bits covers 64 keys");
-              const uint64_t w = rule.row_bits(qi, n0);
+              // keep() for the row's 64 keys as one word (custom bits AND structural range), shifted
+              // so that this thread's element (nt, e) is bit 8 nt + e: a constant position.
+              static_assert(BLOCK_N <= 64, "row_keep_bits covers 64 keys");
+              const uint64_t w = rule.row_keep_bits(qi, n0) >> (col0 + (lane % 4) * 2);
+              const uint32_t w_lo = (uint32_t)w, w_hi = (uint32_t)(w >> 32);
 #pragma unroll
               for (int nt = 0; nt < S_NT; ++nt)
 #pragma unroll
                 for (int e = 0; e < 2; ++e) {
-                  const int c = col0 + nt * 8 + (lane % 4) * 2 + e;
-                  if (!(rule.keep_structural(qi, n0 + c) && ((w >> c) & 1))) s[mt][nt][2 * hf + e] = -INFINITY;
+                  const uint32_t word = nt < 4 ? w_lo : w_hi;
+                  if (!((word >> ((nt % 4) * 8 + e)) & 1u)) s[mt][nt][2 * hf + e] = -INFINITY;
                 }
             } else {
 #pragma unroll
