@@ -69,8 +69,11 @@ class PrefillVariant:
         # stages; fp8 K/V: the one-byte ring plus one widened K/V pair; + the paged kernels'
         # page-id staging (max_page_ids int32 entries), the others' row map (8 bytes per packed row);
         # + (pair) per warp and lane a float4 of row maxes and the warp's P words (mq * block_n / 8).
+        # (the hd256 fp8 decode tile widens K and V one after the other into one tile:
+        # PrefillSm80::SPLIT_WIDEN)
         kv_tile = self.block_n * self.head_dim
-        kv = 2 * self.stages * kv_tile * 2 if not self.kv_dtype else 2 * self.stages * kv_tile + 2 * kv_tile * 2
+        wide = (1 if self.block_m == 16 and self.head_dim >= 256 else 2) * kv_tile * 2
+        kv = 2 * self.stages * kv_tile * 2 if not self.kv_dtype else 2 * self.stages * kv_tile + wide
         xch = self.warps * 32 * (16 + self.mq * self.block_n // 8 * 4) if self.pair else 0
         return self.block_m * self.head_dim * 2 + kv + (self.max_page_ids * 4 if self.paged else self.block_m * 8) + xch
 

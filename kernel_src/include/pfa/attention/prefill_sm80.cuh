@@ -81,9 +81,17 @@ struct PrefillSm80 {
   static constexpr int KV_EPC = 16 / (int)sizeof(KV);              // K/V elements per chunk
   static constexpr int TILE_BYTES = BLOCK_N * HEAD_DIM * (int)sizeof(T);     // a 16-bit K or V tile
   static constexpr int RING_TILE_BYTES = BLOCK_N * HEAD_DIM * (int)sizeof(KV);  // as loaded
-  // Q, then KV_STAGES (K, V) ring pairs, then (fp8 only) the widened K, V pair.
-  static constexpr int KV_SMEM_BYTES =
-      BLOCK_M * HEAD_DIM * (int)sizeof(T) + 2 * KV_STAGES * RING_TILE_BYTES + (KV_FP8 ? 2 * TILE_BYTES : 0);
+  // The hd256 fp8 decode tile (16 rows) widens K, runs S = Q K^T, then widens V into the same
+  // 16-bit tile: one widened tile instead of a pair (paged 49 -> 41 KB), five CTAs per SM instead
+  // of four for a latency-bound widening stream. H100, bench_decode fp8 paged TB/s, base / split,
+  // two rounds: hd256 B=64 1.06-1.09 / 1.27-1.30, B=16 1.60 / 1.54-1.55, B=128 1.71 / 1.82,
+  // spec-decode 1.42 / 1.62-1.63. At hd64 / hd128 the extra barrier cost more than the CTAs gave
+  // (hd64 -2..-4 % everywhere; the hd128 pair: B=16 1.40 -> 1.62 but spec-decode 1.87 -> 1.49),
+  // and the 128-row kernels' shared memory holds two CTAs either way. variants.py mirrors the rule.
+  static constexpr bool SPLIT_WIDEN = KV_FP8 && BLOCK_M == 16 && HEAD_DIM >= 256;
+  // Q, then KV_STAGES (K, V) ring pairs, then (fp8 only) the widened K, V pair (or one tile).
+  static constexpr int KV_SMEM_BYTES = BLOCK_M * HEAD_DIM * (int)sizeof(T) + 2 * KV_STAGES * RING_TILE_BYTES +
+                                       (KV_FP8 ? (SPLIT_WIDEN ? 1 : 2) * TILE_BYTES : 0);
   // Each packed row's (token, q head), written by the Q gather, read by the epilogue: the output
   // scatter, LSE and partial stores then need no division by the runtime group size per row
   // (~1K instructions per warp per CTA, a visible share of a short batch CTA). Not in the paged
@@ -156,12 +164,13 @@ struct PrefillSm80 {
     }
   }
 
-  // fp8 only: widen ring pair `ring` (K then V, one-byte, linear) into the 16-bit swizzled pair
-  // at `wide`. Each raw chunk (16 values) becomes the widened chunks 2c and 2c + 1 of its row.
+  // fp8 only: widen TILES ring tiles at `ring` (K then V, one-byte, linear) into 16-bit swizzled
+  // tiles at `wide`. Each raw chunk (16 values) becomes the widened chunks 2c and 2c + 1 of its row.
+  template <int TILES>
   static __device__ __forceinline__ void widen_kv(const char* ring, char* wide, int fmt, int tid) {
     constexpr int CHUNKS = BLOCK_N * KV_CPR;  // per tile
 #pragma unroll 4
-    for (int i = tid; i < 2 * CHUNKS; i += THREADS) {
+    for (int i = tid; i < TILES * CHUNKS; i += THREADS) {
       const int tile = i / CHUNKS, j = i % CHUNKS;
       const int row = j / KV_CPR, c = j % KV_CPR;
       const uint4 raw = *reinterpret_cast<const uint4*>(ring + tile * RING_TILE_BYTES + j * 16);
@@ -489,7 +498,7 @@ struct PrefillSm80 {
       const int n0 = tile_start + it * BLOCK_N;
       const int stage = KV_STAGES > 1 ? it % KV_STAGES : 0;
       const uint32_t sK_u = KV_FP8 ? sWide_u : sKV_u + 2 * stage * KV_TILE_BYTES;
-      const uint32_t sV_u = sK_u + TILE_BYTES;
+      const uint32_t sV_u = SPLIT_WIDEN ? sK_u : sK_u + TILE_BYTES;
       if constexpr (KV_STAGES == 1) {
         ptx::cp_async_wait<0>();
         __syncthreads();  // K(it) landed; every warp is done reading V(it-1)
@@ -507,7 +516,8 @@ struct PrefillSm80 {
       }
       if constexpr (KV_FP8) {
         // The barrier above also retired every read of the widened pair (tile it-1).
-        widen_kv(smem + (sKV_u - sQ_u) + 2 * stage * KV_TILE_BYTES, smem + (sWide_u - sQ_u), p.kv_fp8, tid);
+        widen_kv<SPLIT_WIDEN ? 1 : 2>(smem + (sKV_u - sQ_u) + 2 * stage * KV_TILE_BYTES, smem + (sWide_u - sQ_u),
+                                      p.kv_fp8, tid);
         __syncthreads();
       }
 
@@ -719,6 +729,11 @@ struct PrefillSm80 {
         __syncthreads();  // V(it) landed; every warp is done reading K(it)
         if (it + 1 < num_tiles) load_k(n0 + BLOCK_N, 0);
         ptx::cp_async_commit();
+      }
+      if constexpr (SPLIT_WIDEN) {
+        __syncthreads();  // every warp is done reading the widened K
+        widen_kv<1>(smem + (sKV_u - sQ_u) + (2 * stage + 1) * KV_TILE_BYTES, smem + (sWide_u - sQ_u), p.kv_fp8, tid);
+        __syncthreads();
       }
 
       // ---- O += P V (PAIR: this warp's keys with its own P, then the partner's) ----
