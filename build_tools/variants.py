@@ -163,17 +163,23 @@ DECODE_TILES = {
 # The decode tile over an fp8 K/V cache. Its warps widen every K/V tile into a 16-bit copy in
 # shared memory (~2 instructions an element), which with the bf16 tiles above ran at 0.23-0.62 of
 # the copy bandwidth in fp8 bytes, slower than the bf16 cache at hd128 / hd256: latency-bound
-# with 2-3 warps per SM. Smaller tiles fit more CTAs per SM, and at hd128 a warp pair (2 warps,
-# the same 16 rows: PAIR) halves each warp's widening. H100, bench_decode fp8 paged TB/s (fp8
-# bytes), the four cases B=64 / B=16 / B=128 / spec-decode, two rounds each, base -> shipped:
-# hd64 (32 keys) 1.16 / 1.47 / 1.87 / 1.58 -> 1.60 / 2.08 / 1.73 / 1.96; hd128 (pair, 32 keys)
-# 1.13 / 1.23 / 1.38 / 0.99 -> 1.70 / 1.41 / 2.07 / 1.91 (one warp, 32 keys: 1.28 / 1.57 / 1.82 /
-# 1.64; pair, 3 stages: 1.40 / 1.87 / 2.05 / 1.63); hd256 (16 keys) 0.99 / 0.85 / 1.08 / 0.69 ->
-# 1.10 / 1.64 / 1.73 / 1.44 (pair, 32 keys: 1.55 / 1.37 / 1.75 / 1.14).
+# with 2-3 warps per SM. Smaller tiles fit more CTAs per SM, and a warp pair (2 warps, the same 16
+# rows: PAIR) halves each warp's widening. H100, bench_decode fp8 paged TB/s (fp8 bytes), the
+# four cases B=64 / B=16 / B=128 / spec-decode, one-wave split budget, base (the bf16 tiles) ->
+# one warp 32 keys (hd256: 16) / pair 32 keys: hd64 1.16 / 1.47 / 1.87 / 1.58 -> 1.60 / 2.08 /
+# 1.73 / 1.96 (pair: wrong outputs, see PrefillSm80's PAIR assert); hd128 1.13 / 1.23 / 1.38 /
+# 0.99 -> 1.28 / 1.57 / 1.82 / 1.64, pair 1.70 / 1.41 / 2.07 / 1.91; hd256 0.99 / 0.85 / 1.08 /
+# 0.69 -> 1.10 / 1.64 / 1.73 / 1.44, pair 1.55 / 1.37 / 1.75 / 1.14. With the two-wave split
+# budget (_batch_prefill._FP8_DECODE_WAVES) the ranking moved; H200, two rounds: hd128 pair 32
+# keys 1.87-1.89 / 1.84-1.85 / 2.06-2.08 / 1.75-1.76, one warp 32 keys 1.61-1.62 / 1.65-1.66 /
+# 1.79-1.80 / 1.75-1.77, one warp 16 keys 1.87 / 2.11-2.12 / 1.97 / 2.03-2.04 (shipped); hd256
+# one warp 16 keys 1.61-1.62 / 1.67-1.68 / 1.74-1.75 / 1.74, pair 32 keys 1.76-1.78 / 1.77-1.79 /
+# 2.00-2.01 / 1.88-1.89 (shipped); hd64 16 keys 1.99-2.00 / 1.88-1.89 / 2.05 / 2.19-2.20 against
+# 32 keys 1.84-1.85 / 2.13-2.14 / 2.15-2.16 / 2.01-2.02 (kept).
 DECODE_TILES_FP8 = {
     64: (1, 1, 32, False, 2, 1, True),
-    128: (2, 1, 32, False, 2, 1, True, True),
-    256: (1, 1, 16, False, 2, 1, True),
+    128: (1, 1, 16, False, 2, 1, True),
+    256: (2, 1, 32, False, 2, 1, True, True),
 }
 # Alternatives the tuning sweep compares against the defaults.
 PREFILL_TUNE_TILES = {

@@ -247,7 +247,9 @@ GRID = [
      "5d"),
     ("p-e4m3-bf16-ps1-hnd-dec16-d64", "paged", 12, 1, 2500, "mixed", 1, 32, 2, 64, "bf16", "e4m3", "HND", True,
      "tuple"),
-    # hd128: the warp-pair decode tile
+    # hd128 (16-key tiles) and the hd256 warp-pair decode tile, ragged too
+    ("r-e4m3-bf16-hnd-dec16-d256", "ragged", 12, 4, 3000, "mixed", 0, 32, 8, 256, "bf16", "e4m3", "HND", True,
+     None),
     ("p-e4m3-bf16-ps16-nhd-dec16-d128", "paged", 16, 4, 4000, "mixed", 16, 32, 8, 128, "bf16", "e4m3", "NHD", True,
      "5d"),
     ("p-e5m2-f16-ps64-hnd-dec16-d128", "paged", 10, 2, 3000, "append", 64, 32, 4, 128, "fp16", "e5m2", "HND", False,

@@ -10,7 +10,7 @@
 // Softmax is online in the log2 domain (the scale already carries log2 e), P stays in
 // registers (the C fragment of S is exactly the A fragment layout of P V).
 //
-// PAIR (head dims where a warp cannot hold two m16 row tiles of O, i.e. hd256; also the hd128
+// PAIR (head dims where a warp cannot hold two m16 row tiles of O, i.e. hd256; also the hd256
 // fp8 decode tile, where two warps share the widening of each K/V tile): warps 2i and
 // 2i+1 share MQ row tiles. For S = Q K^T each takes half of the tile's keys over the whole head
 // dim; for O += P V each takes half of the head dim over all keys. The row max and the other
@@ -82,12 +82,14 @@ struct PrefillSm80 {
   static constexpr int TILE_BYTES = BLOCK_N * HEAD_DIM * (int)sizeof(T);     // a 16-bit K or V tile
   static constexpr int RING_TILE_BYTES = BLOCK_N * HEAD_DIM * (int)sizeof(KV);  // as loaded
   // The hd256 fp8 decode tile (16 rows) widens K, runs S = Q K^T, then widens V into the same
-  // 16-bit tile: one widened tile instead of a pair (paged 49 -> 41 KB), five CTAs per SM instead
-  // of four for a latency-bound widening stream. H100, bench_decode fp8 paged TB/s, base / split,
-  // two rounds: hd256 B=64 1.06-1.09 / 1.27-1.30, B=16 1.60 / 1.54-1.55, B=128 1.71 / 1.82,
-  // spec-decode 1.42 / 1.62-1.63. At hd64 / hd128 the extra barrier cost more than the CTAs gave
-  // (hd64 -2..-4 % everywhere; the hd128 pair: B=16 1.40 -> 1.62 but spec-decode 1.87 -> 1.49),
-  // and the 128-row kernels' shared memory holds two CTAs either way. variants.py mirrors the rule.
+  // 16-bit tile: one widened tile instead of a pair, more CTAs per SM for a latency-bound
+  // widening stream. H100, bench_decode fp8 paged TB/s, B=64 / B=16 / B=128 / spec-decode:
+  // first on the one-warp 16-key tile (one-wave split budget, paged 49 -> 41 KB) 1.06 / 1.60 /
+  // 1.71 / 1.42 -> 1.27 / 1.54 / 1.82 / 1.62; then on the shipped warp-pair 32-key tile (two-wave
+  // budget) 1.49 / 1.53 / 1.74 / 1.37 -> 1.74 / 1.80 / 2.07 / 1.93. At hd64 / hd128 the extra
+  // barrier cost more than the CTAs gave (hd64 -2..-4 % everywhere; the hd128 pair: B=16 1.40 ->
+  // 1.62 but spec-decode 1.87 -> 1.49), and the 128-row kernels' shared memory holds two CTAs
+  // either way. variants.py mirrors the rule.
   static constexpr bool SPLIT_WIDEN = KV_FP8 && BLOCK_M == 16 && HEAD_DIM >= 256;
   // Q, then KV_STAGES (K, V) ring pairs, then (fp8 only) the widened K, V pair (or one tile).
   static constexpr int KV_SMEM_BYTES = BLOCK_M * HEAD_DIM * (int)sizeof(T) + 2 * KV_STAGES * RING_TILE_BYTES +
