@@ -26,7 +26,7 @@ import sys
 import numpy as np
 
 from . import _cuda, _dtypes, _options, _plan, _registry, _tensor
-from .prefill import HEAD_DIMS, LOG2E, _MERGE_ROWS_PER_BLOCK, _alibi_buffer
+from .prefill import HEAD_DIMS, LOG2E, _MERGE_ROWS_PER_BLOCK, _alibi_buffer, _decode_ctas_per_sm
 
 _I32_MAX = 2**31 - 1
 # numpy's descriptors: `is` tests them, and numpy takes them faster than the scalar types
@@ -530,11 +530,11 @@ class _BatchPrefillBase:
         ctas_per_sm = 2 if la.meta["threads"] <= 128 else 1
         budget = props["sm_count"] * ctas_per_sm  # CTAs per wave
         # The decode tile (16 rows, one warp or a pair) for batches where every request fits it; lean
-        # options only. Its CTAs per SM are what the shared memory allows (1 KB each reserved).
+        # options only. Its CTAs per SM are what the shared memory allows (single prefill's rule).
         dec = None
         if not general:
             ld = self._launcher("prefill", qdt.short, kvs, head_dim, False, decode=True)
-            cps = max(1, min(8, props["smem_per_sm"] // (ld.smem + 1024)))
+            cps = _decode_ctas_per_sm(ld, props)
             # fp8 K/V: split KV for two waves of CTAs, not one. The fp8 tiles widen every K/V tile
             # (latency-bound), and one wave of equal chunks streamed slower than twice as many
             # half chunks (H200, hd128, 16 requests of 8K-32K keys: 1.42 TB/s with the chunks of

@@ -10,6 +10,12 @@ the practical ceiling.
 bf16, 32 q heads / 8 kv heads (GQA 4), causal (a query token sees its whole cache), head_dim 128
 (and 64 / 256 without ``--quick``); ragged and paged (page_size 16, pages in random order) K/V,
 and the paged cache in fp8 e4m3 (``fp8 x``: its speedup over the bf16 paged cache).
+Single-request rows: ``single_prefill_with_kv_cache`` on one request of 1 or 4 query tokens
+(it runs requests of <= 16 packed rows on the same decode tile) next to torch SDPA
+(``enable_gqa``, torch's own backend choice) on the same tensors. SDPA gets the bottom-right
+causal mask as an explicit boolean mask, which keeps it off its flash / cuDNN kernels: its
+column is what a torch user gets for that mask (for qo=1 the mask hides nothing, and a
+maskless call could be faster).
 Before a time is posted, a few requests' outputs are compared with torch SDPA on the same inputs.
 Timing: CUDA-event medians with an L2 flush before each repetition, the three columns in
 rotating interleaved rounds (``bench_util.interleaved_median_ms``).
@@ -36,6 +42,11 @@ CASES = [("decode B=64 kv 1K-4K", 64, 1, (1024, 4096)),
          ("decode B=16 kv 8K-32K", 16, 1, (8192, 32768)),
          ("decode B=128 kv 2K-8K", 128, 1, (2048, 8192)),
          ("spec-decode B=32 qo 4 kv 2K-16K", 32, 4, (2048, 16384))]
+
+
+# (name, query tokens, kv_len): one request through single_prefill_with_kv_cache
+SINGLE_CASES = [("single qo=1 kv 32K", 1, 32768), ("single qo=1 kv 4K", 1, 4096),
+                ("single spec qo=4 kv 16K", 4, 16384)]
 
 
 def _indptr(lens):
@@ -128,6 +139,47 @@ def _case(torch, pfa, ws, name, B, qo, kv_range, head_dim, seed, warmup, rep):
     return row
 
 
+def _single_case(torch, pfa, name, qo, kv_len, head_dim, seed, warmup, rep):
+    """One request, NHD, causal: pfa's single prefill vs torch SDPA, KV bytes per second."""
+    gen = torch.Generator(device="cuda").manual_seed(seed)
+    q = torch.randn(qo, HQ, head_dim, dtype=torch.bfloat16, device="cuda", generator=gen)
+    k = torch.randn(kv_len, HKV, head_dim, dtype=torch.bfloat16, device="cuda", generator=gen)
+    v = torch.randn(kv_len, HKV, head_dim, dtype=torch.bfloat16, device="cuda", generator=gen)
+    row = {"case": name, "head_dim": head_dim, "batch": 1, "qo_len": qo, "kv_tokens": kv_len,
+           "kv_bytes": 2 * k.numel() * 2, "errors": []}
+    # SDPA: [1, heads, tokens, D]; causal bottom-right as an explicit mask (query i sees kv - qo + i)
+    qs, ks, vs = (t.transpose(0, 1)[None] for t in (q, k, v))
+    mask = (torch.arange(kv_len, device="cuda")[None, :]
+            <= (kv_len - qo + torch.arange(qo, device="cuda"))[:, None])
+    sdpa = torch.nn.functional.scaled_dot_product_attention
+    out = torch.empty_like(q)
+    timers = {}
+    try:
+        o = pfa.single_prefill_with_kv_cache(q, k, v, causal=True, out=out).float()
+        ref = sdpa(qs.float(), ks.float(), vs.float(), attn_mask=mask, enable_gqa=True)[0].transpose(0, 1)
+        rel = ((o - ref).norm() / ref.norm()).item()
+        if not rel <= REL_TOL:
+            row["errors"].append(f"pfa single: mismatch vs SDPA, rel {rel:.3g}")
+        else:
+            row["kernel"] = pfa.prefill._tls.plans[next(reversed(pfa.prefill._tls.plans))].attn.name
+            timers["pfa"] = lambda wu, r: bench_samples_ms(
+                lambda: pfa.single_prefill_with_kv_cache(q, k, v, causal=True, out=out), warmup=wu, rep=r)
+    except Exception as e:
+        row["errors"].append(f"pfa single: {short_error(e)}")
+    try:
+        sdpa(qs, ks, vs, attn_mask=mask, enable_gqa=True)
+        timers["sdpa"] = lambda wu, r: bench_samples_ms(lambda: sdpa(qs, ks, vs, attn_mask=mask, enable_gqa=True),
+                                                        warmup=wu, rep=r)
+    except Exception as e:
+        row["errors"].append(f"sdpa: {short_error(e)}")
+    ms = interleaved_median_ms(timers, warmup, rep, row["errors"]) if timers else {}
+    for kind in ("pfa", "sdpa"):
+        t = ms.get(kind)
+        row[f"{kind}_us"] = None if t is None else t * 1e3
+        row[f"{kind}_tbps"] = None if t is None else row["kv_bytes"] / t / 1e9
+    return row
+
+
 def run(args) -> int:
     import torch
 
@@ -148,13 +200,19 @@ def run(args) -> int:
             for kind in ("ragged", "paged", "fp8_paged"):
                 r[f"{kind}_over_copy"] = None if r[f"{kind}_tbps"] is None else r[f"{kind}_tbps"] / copy
             rows.append(r)
+    singles = []
+    for hd in head_dims:
+        for i, (name, qo, kv_len) in enumerate(SINGLE_CASES[:1] if args.quick else SINGLE_CASES):
+            r = _single_case(torch, pfa, name, qo, kv_len, hd, 2000 + 10 * i + hd, warmup, rep)
+            r["pfa_over_copy"] = None if r["pfa_tbps"] is None else r["pfa_tbps"] / copy
+            singles.append(r)
     meta = {"device": props.name, "torch": torch.__version__, "copy_tbps": copy, "page_size": PAGE_SIZE,
             "num_qo_heads": HQ, "num_kv_heads": HKV, "warmup": warmup, "rep": rep, "quick": bool(args.quick),
             "time": time.strftime("%Y-%m-%dT%H:%M:%S%z")}
     if args.json:
         os.makedirs(os.path.dirname(os.path.abspath(args.json)), exist_ok=True)
         with open(args.json, "w") as f:
-            json.dump({"meta": meta, "rows": rows}, f, indent=1)
+            json.dump({"meta": meta, "rows": rows, "single": singles}, f, indent=1)
     print(f"KV bytes read per second (TB/s) against torch's device copy, {copy:.2f} TB/s (read + write) in this run")
     head = (f"{'case':<34} {'hd':>3} {'kernel':<27} | {'ragged':>6} {'paged':>6} {'fp8pag':>6} | {'rag/copy':>8} "
             f"{'pag/copy':>8} {'fp8/copy':>8} | {'fp8 x':>5}")
@@ -167,7 +225,17 @@ def run(args) -> int:
               f"{f(r['paged_tbps']):>6} {f(r['fp8_paged_tbps']):>6} | {f(r['ragged_over_copy']):>8} "
               f"{f(r['paged_over_copy']):>8} {f(r['fp8_paged_over_copy']):>8} | {f(speed):>5}"
               + ("  ! " + "; ".join(r["errors"]) if r["errors"] else ""))
-    return 1 if any("mismatch" in e for r in rows for e in r["errors"]) else 0
+    head = (f"{'one request (single_prefill)':<34} {'hd':>3} {'kernel':<27} | {'pfa':>6} {'sdpa':>6} | "
+            f"{'pfa/copy':>8} {'pfa/sdpa':>8}")
+    print(head)
+    print("-" * len(head))
+    for r in singles:
+        f = lambda x, s=".2f": "   -" if x is None else format(x, s)  # noqa: E731
+        ratio = None if r["pfa_us"] is None or r["sdpa_us"] is None else r["sdpa_us"] / r["pfa_us"]
+        print(f"{r['case']:<34} {r['head_dim']:>3} {r.get('kernel', '-')[16:]:<27} | {f(r['pfa_tbps']):>6} "
+              f"{f(r['sdpa_tbps']):>6} | {f(r['pfa_over_copy']):>8} {f(ratio):>8}"
+              + ("  ! " + "; ".join(r["errors"]) if r["errors"] else ""))
+    return 1 if any("mismatch" in e for r in rows + singles for e in r["errors"]) else 0
 
 
 def main(argv=None) -> int:

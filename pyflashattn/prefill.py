@@ -16,7 +16,9 @@ import functools
 import math
 import threading
 
-from . import _cuda, _dtypes, _options, _registry, _split_kv, _tensor
+import numpy as np
+
+from . import _cuda, _dtypes, _options, _plan, _registry, _split_kv, _tensor
 
 LOG2E = 1.4426950408889634
 HEAD_DIMS = (64, 128, 256)
@@ -245,18 +247,37 @@ class _Plan:
 
         _cuda.ensure_context(dev)
         general = opts.general or mask_kind is not None
-        la = self.attn = _registry.new_launcher("prefill", dev, dtype=dtype.short, kv_dtype=dtype.short,
-                                                head_dim=head_dim,
-                                                general=general, paged=False)
-        meta = la.meta
         group = num_qo_heads // num_kv_heads
+        props = _cuda.properties(dev)
+        la = None
+        if not general and qo_len * group <= DECODE_ROWS:
+            la = _decode_launcher(dev, dtype.short, head_dim, qo_len * group)
+        if la is not None:
+            # Decode / speculative decode / a short append: the request's packed rows fit one
+            # 16-row decode tile, and the launch is a stream over K/V (the 128-row kernel would
+            # spend at least 7/8 of its MMAs on padding rows). KV is chunked the way the batch
+            # planner chunks a one-request decode batch on this tile (one wave of CTAs), so the
+            # same request gives the same chunks, hence the same bits, in both APIs.
+            ctas_per_sm = _decode_ctas_per_sm(la, props)
+            one = _plan.plan_prefill(np.array([0, qo_len]), np.array([kv_len]), group_size=group,
+                                     num_kv_heads=num_kv_heads, block_m=la.meta["block_m"],
+                                     block_n=la.meta["block_n"], num_sms=props["sm_count"],
+                                     ctas_per_sm=ctas_per_sm, causal=causal, window_left=window_left)
+            splits, chunk = int(one.num_chunks[0]), one.kv_chunk_size
+        else:
+            la = _registry.new_launcher("prefill", dev, dtype=dtype.short, kv_dtype=dtype.short, head_dim=head_dim,
+                                        general=general, paged=False)
+        self.attn = la
+        meta = la.meta
         row_tiles = -(-qo_len * group // meta["block_m"])
         if row_tiles > 65535:
             raise ValueError(f"qo_len * (num_qo_heads / num_kv_heads) = {qo_len * group} rows exceeds the "
                              f"{65535 * meta['block_m']} a single launch covers")
-        splits, chunk = _split_kv.plan_splits(qo_len, kv_len, group, num_kv_heads, meta["block_m"], meta["block_n"],
-                                              _cuda.properties(dev)["sm_count"], 2 if meta["threads"] <= 128 else 1,
-                                              causal=causal, window_left=window_left, head_dim=head_dim)
+        if not meta.get("decode"):
+            splits, chunk = _split_kv.plan_splits(qo_len, kv_len, group, num_kv_heads, meta["block_m"],
+                                                  meta["block_n"], props["sm_count"],
+                                                  2 if meta["threads"] <= 128 else 1, causal=causal,
+                                                  window_left=window_left, head_dim=head_dim)
         self.splits = splits
         p = la.params
         p.q_stride_n, p.q_stride_h = qv.strides[0], qv.strides[1]
@@ -308,6 +329,25 @@ class _Plan:
         mp.o_partial, mp.lse_partial, mp.o, mp.lse = p.o_partial, p.lse_partial, o, lse
         mp.o_stride_n, mp.o_stride_h = self.o_strides[0], self.o_strides[1]
         self.merge(stream)
+
+
+# Requests whose packed rows (qo_len * num_qo_heads / num_kv_heads) fit this many run on the
+# decode tile (variants.py DECODE_TILES: one warp, 16 rows), like the batch wrappers' decode plans.
+DECODE_ROWS = 16
+
+
+def _decode_launcher(dev: int, dtype: str, head_dim: int, rows: int):
+    """A launcher for the 16-row decode tile of this dtype / head_dim, or None when its tile
+    holds fewer than `rows` packed rows (the table could change)."""
+    la = _registry.new_launcher("prefill", dev, dtype=dtype, kv_dtype=dtype, head_dim=head_dim, general=False,
+                                paged=False, decode=True)
+    return la if rows <= la.meta["block_m"] else None
+
+
+def _decode_ctas_per_sm(la, props) -> int:
+    """CTAs of a decode tile per SM: what its shared memory allows (1 KB each reserved), at most 8;
+    the batch wrappers plan their decode tiles with the same count."""
+    return max(1, min(8, props["smem_per_sm"] // (la.smem + 1024)))
 
 
 def _check_mask(kind, mv, qo_len, kv_len, dev):

@@ -1204,3 +1204,36 @@ def test_single_prefill_grid_order(fake, monkeypatch, supports, causal, window, 
         assert grid == (32, 1, h) and p.rows_fastest == 1
     else:
         assert grid == (h, 1, 32) and p.rows_fastest == 0
+
+
+# ---------------------------------------------------------------------------------------------
+# single prefill: requests whose packed rows fit the 16-row decode tile run on it
+# ---------------------------------------------------------------------------------------------
+@pytest.mark.parametrize("qo, hq, hkv, D, kw, decode", [
+    (1, 32, 8, 128, {}, True),                          # decode, GQA 4: 4 packed rows
+    (4, 32, 8, 128, {"causal": True}, True),            # speculative decode: exactly 16 rows
+    (5, 32, 8, 128, {"causal": True}, False),           # 20 rows: the 128-row kernel
+    (7, 8, 8, 64, {"window_left": 300}, True),          # MHA append with a window
+    (2, 64, 8, 256, {"causal": True}, True),            # GQA 8, hd256
+    (1, 32, 8, 128, {"logits_soft_cap": 30.0}, False),  # general options: the 128-row general kernel
+])
+def test_single_prefill_decode_tile(fake, monkeypatch, qo, hq, hkv, D, kw, decode):
+    monkeypatch.setattr(pyflashattn.prefill._tls, "plans", {}, raising=False)
+    kv_len = 20000
+    q, k, v = T((qo, hq, D), data=0x100000), T((kv_len, hkv, D), data=0x200000), T((kv_len, hkv, D), data=0x300000)
+    pyflashattn.single_prefill_with_kv_cache(q, k, v, out=T((qo, hq, D), data=0x400000), **kw)
+    (name, grid, _, p), = fake.attn_launches()
+    assert ("decode=True" in name) == decode and (("general=True" in name) == ("logits_soft_cap" in kw))
+    merges = [x for x in fake.cu.launches if x[0].startswith("merge")]
+    assert len(merges) == (p.num_splits > 1)
+    if not decode:
+        return
+    # grid (kv heads, splits, one row tile), split exactly like a one-request ragged batch plan
+    assert grid == (hkv, p.num_splits, 1) and p.rows_fastest == 0
+    assert p.num_splits > 1 and p.kv_chunk_size * p.num_splits >= kv_len > p.kv_chunk_size * (p.num_splits - 1)
+    w = ragged(fake)
+    w.plan(i32(0, qo), i32(0, kv_len), hq, hkv, D, causal=kw.get("causal", False),
+           window_left=kw.get("window_left", -1))
+    bp = w._attn.params
+    assert w._attn.name == name and bp.kv_chunk_size == p.kv_chunk_size
+    assert fake.read(bp.num_chunks, 1, np.int32)[0] == p.num_splits

@@ -470,6 +470,35 @@ def test_batch_matches_single_prefill(kind, causal, opts):
     assert checked >= 5
 
 
+@pytest.mark.parametrize("qo,hq,hkv,hd,dtype,causal,window,kv_len", [
+    (1, 32, 8, 128, "bf16", True, -1, 9000),    # decode, GQA 4
+    (4, 32, 8, 64, "fp16", True, -1, 7001),     # speculative decode: 16 packed rows
+    (2, 64, 8, 256, "bf16", True, 500, 6000),   # GQA 8 with a window
+    (13, 8, 8, 128, "fp16", False, -1, 3333),   # a short MHA append, not causal
+    (1, 32, 32, 64, "bf16", False, -1, 100),    # too short to split
+])
+def test_single_decode_tile_matches_one_request_batch(qo, hq, hkv, hd, dtype, causal, window, kv_len):
+    """single_prefill runs requests of <= 16 packed rows on the batch's decode tile with the
+    one-request batch plan's KV chunks: the same kernel, chunks and merge order give the same
+    bits. Both are also checked against the float64 reference."""
+    dt = DTYPES[dtype]
+    seed = _seed("single-decode", qo, hq, hkv, hd, dtype, causal, window, kv_len)
+    q = _randn((qo, hq, hd), dt, seed)
+    k, v = _randn((kv_len, hkv, hd), dt, seed + 1), _randn((kv_len, hkv, hd), dt, seed + 2)
+    o_s = torch.full_like(q, NAN)
+    lse_s = torch.full((qo, hq), NAN, dtype=torch.float32, device=DEV)
+    pyflashattn.single_prefill_with_kv_cache(q, k, v, causal=causal, window_left=window, out=o_s, lse=lse_s)
+    w = _wrapper_for("ragged", "NHD")
+    w.plan(np.array([0, qo], np.int32), np.array([0, kv_len], np.int32), hq, hkv, hd, causal=causal,
+           window_left=window, q_data_type=dt)
+    o_b, lse_b = w.run(q, k, v, return_lse=True)
+    torch.cuda.synchronize()
+    assert torch.equal(o_s, o_b) and torch.equal(lse_s, lse_b), "single vs one-request batch differ"
+    ref_o, ref_lse = attention_ref(q, k, v, causal=causal, window_left=window)
+    assert_close(o_s, ref_o, what="single decode-tile o", **O_TOL[dt])
+    assert_close(lse_s, ref_lse, what="single decode-tile lse", **LSE_TOL[dt])
+
+
 # ---------------------------------------------------------------------------------------
 # Empty requests and rows with no visible key
 # ---------------------------------------------------------------------------------------
