@@ -180,6 +180,36 @@ def _single_case(torch, pfa, name, qo, kv_len, head_dim, seed, warmup, rep):
     return row
 
 
+def _fmt(x, spec=".2f"):
+    return "   -" if x is None else format(x, spec)
+
+
+def _errors(r):
+    return "  ! " + "; ".join(r["errors"]) if r["errors"] else ""
+
+
+def _print_tables(rows, singles, copy):
+    """The batch rows, then the single-request rows (TB/s and ratios; '-' where not measured)."""
+    print(f"KV bytes read per second (TB/s) against torch's device copy, {copy:.2f} TB/s (read + write) in this run")
+    head = (f"{'case':<34} {'hd':>3} {'kernel':<27} | {'ragged':>6} {'paged':>6} {'fp8pag':>6} | {'rag/copy':>8} "
+            f"{'pag/copy':>8} {'fp8/copy':>8} | {'fp8 x':>5}")
+    print(head)
+    print("-" * len(head))
+    for r in rows:
+        speed = (None if r["paged_us"] is None or r["fp8_paged_us"] is None else r["paged_us"] / r["fp8_paged_us"])
+        print(f"{r['case']:<34} {r['head_dim']:>3} {r.get('kernel', '-')[16:]:<27} | {_fmt(r['ragged_tbps']):>6} "
+              f"{_fmt(r['paged_tbps']):>6} {_fmt(r['fp8_paged_tbps']):>6} | {_fmt(r['ragged_over_copy']):>8} "
+              f"{_fmt(r['paged_over_copy']):>8} {_fmt(r['fp8_paged_over_copy']):>8} | {_fmt(speed):>5}" + _errors(r))
+    head = (f"{'one request (single_prefill)':<34} {'hd':>3} {'kernel':<27} | {'pfa':>6} {'sdpa':>6} | "
+            f"{'pfa/copy':>8} {'pfa/sdpa':>8}")
+    print(head)
+    print("-" * len(head))
+    for r in singles:
+        ratio = None if r["pfa_us"] is None or r["sdpa_us"] is None else r["sdpa_us"] / r["pfa_us"]
+        print(f"{r['case']:<34} {r['head_dim']:>3} {r.get('kernel', '-')[16:]:<27} | {_fmt(r['pfa_tbps']):>6} "
+              f"{_fmt(r['sdpa_tbps']):>6} | {_fmt(r['pfa_over_copy']):>8} {_fmt(ratio):>8}" + _errors(r))
+
+
 def run(args) -> int:
     import torch
 
@@ -213,28 +243,7 @@ def run(args) -> int:
         os.makedirs(os.path.dirname(os.path.abspath(args.json)), exist_ok=True)
         with open(args.json, "w") as f:
             json.dump({"meta": meta, "rows": rows, "single": singles}, f, indent=1)
-    print(f"KV bytes read per second (TB/s) against torch's device copy, {copy:.2f} TB/s (read + write) in this run")
-    head = (f"{'case':<34} {'hd':>3} {'kernel':<27} | {'ragged':>6} {'paged':>6} {'fp8pag':>6} | {'rag/copy':>8} "
-            f"{'pag/copy':>8} {'fp8/copy':>8} | {'fp8 x':>5}")
-    print(head)
-    print("-" * len(head))
-    for r in rows:
-        f = lambda x, s=".2f": "   -" if x is None else format(x, s)  # noqa: E731
-        speed = (None if r["paged_us"] is None or r["fp8_paged_us"] is None else r["paged_us"] / r["fp8_paged_us"])
-        print(f"{r['case']:<34} {r['head_dim']:>3} {r.get('kernel', '-')[16:]:<27} | {f(r['ragged_tbps']):>6} "
-              f"{f(r['paged_tbps']):>6} {f(r['fp8_paged_tbps']):>6} | {f(r['ragged_over_copy']):>8} "
-              f"{f(r['paged_over_copy']):>8} {f(r['fp8_paged_over_copy']):>8} | {f(speed):>5}"
-              + ("  ! " + "; ".join(r["errors"]) if r["errors"] else ""))
-    head = (f"{'one request (single_prefill)':<34} {'hd':>3} {'kernel':<27} | {'pfa':>6} {'sdpa':>6} | "
-            f"{'pfa/copy':>8} {'pfa/sdpa':>8}")
-    print(head)
-    print("-" * len(head))
-    for r in singles:
-        f = lambda x, s=".2f": "   -" if x is None else format(x, s)  # noqa: E731
-        ratio = None if r["pfa_us"] is None or r["sdpa_us"] is None else r["sdpa_us"] / r["pfa_us"]
-        print(f"{r['case']:<34} {r['head_dim']:>3} {r.get('kernel', '-')[16:]:<27} | {f(r['pfa_tbps']):>6} "
-              f"{f(r['sdpa_tbps']):>6} | {f(r['pfa_over_copy']):>8} {f(ratio):>8}"
-              + ("  ! " + "; ".join(r["errors"]) if r["errors"] else ""))
+    _print_tables(rows, singles, copy)
     return 1 if any("mismatch" in e for r in rows + singles for e in r["errors"]) else 0
 
 

@@ -71,3 +71,19 @@ def test_decode_benchmark_cases_run_on_the_decode_tile():
     from pyflashattn import bench_decode as bd
     for name, B, qo, (lo, hi) in bd.CASES:
         assert qo * (bd.HQ // bd.HKV) <= 16 and 0 < lo <= hi, name
+
+
+def test_decode_tables_print_measured_and_missing_values(capsys):
+    from pyflashattn import bench_decode
+    batch = {"case": "decode B=64", "head_dim": 128, "kernel": "pfa_prefill_sm80_bf16_hd128_m16n32w1s2_lr",
+             "ragged_tbps": 2.5, "paged_tbps": 2.4, "fp8_paged_tbps": None, "ragged_over_copy": 0.8,
+             "paged_over_copy": 0.75, "fp8_paged_over_copy": None, "paged_us": 10.0, "fp8_paged_us": None,
+             "errors": ["pfa fp8_paged: boom"]}
+    single = {"case": "single qo=1", "head_dim": 64, "pfa_tbps": 1.5, "sdpa_tbps": 1.0, "pfa_over_copy": 0.5,
+              "pfa_us": 20.0, "sdpa_us": 30.0, "errors": []}
+    bench_decode._print_tables([batch], [single], 3.0)
+    out = capsys.readouterr().out.splitlines()
+    row = next(line for line in out if line.startswith("decode B=64"))
+    assert "2.50" in row and "0.80" in row and "   -" in row and "! pfa fp8_paged: boom" in row
+    row = next(line for line in out if line.startswith("single qo=1"))
+    assert "1.50" in row and "1.00" in row and row.rstrip().endswith("1.50")  # pfa/sdpa = 30 / 20
