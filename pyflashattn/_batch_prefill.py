@@ -26,7 +26,7 @@ import sys
 import numpy as np
 
 from . import _cuda, _dtypes, _options, _plan, _registry, _tensor
-from .prefill import HEAD_DIMS, LOG2E, _MERGE_ROWS_PER_BLOCK, _alibi_buffer, _decode_ctas_per_sm
+from .prefill import DECODE_MAX_ROWS, HEAD_DIMS, LOG2E, _MERGE_ROWS_PER_BLOCK, _alibi_buffer, _decode_ctas_per_sm
 
 _I32_MAX = 2**31 - 1
 # numpy's descriptors: `is` tests them, and numpy takes them faster than the scalar types
@@ -374,7 +374,7 @@ class _BatchPrefillBase:
 
         _cuda.ensure_context(self._dev)
         cap = None
-        fits = dec is not None and max_qo * group <= dec[0].meta["block_m"]
+        fits = dec is not None and max_qo * group <= DECODE_MAX_ROWS[head_dim]
         if self._use_cuda_graph:
             cap = self._graph_capacity(B, int(qo[-1]))
             # A captured kernel serves every later plan, so the first plan picks the tile for
@@ -382,7 +382,7 @@ class _BatchPrefillBase:
             # later lengths (more 16-row tiles per request), only slower on long prefills.
             if cap.get("decode", fits) and dec is not None:
                 la, budget, ctas_per_sm = dec
-        elif fits:  # every request fits one 16-row tile (decode, speculative decode)
+        elif fits:  # every request within DECODE_MAX_ROWS (decode, speculative decode, short appends)
             la, budget, ctas_per_sm = dec
         meta = la.meta
         plan = _plan.schedule_prefill(qo, qo_lens, kv_lens, max_qo, max_kv, group, num_kv_heads, meta["block_m"],
@@ -529,8 +529,8 @@ class _BatchPrefillBase:
         la = self._launcher("prefill", qdt.short, kvs, head_dim, general)
         ctas_per_sm = 2 if la.meta["threads"] <= 128 else 1
         budget = props["sm_count"] * ctas_per_sm  # CTAs per wave
-        # The decode tile (16 rows, one warp or a pair) for batches where every request fits it; lean
-        # options only. Its CTAs per SM are what the shared memory allows (single prefill's rule).
+        # The decode tile (16 rows, one warp or a pair) for batches whose every request has at most
+        # DECODE_MAX_ROWS packed rows (one or two row tiles of it); lean options only. Its CTAs per SM are what the shared memory allows (single prefill's rule).
         dec = None
         if not general:
             ld = self._launcher("prefill", qdt.short, kvs, head_dim, False, decode=True)

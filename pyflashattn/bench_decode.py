@@ -1,7 +1,8 @@
 """Decode benchmark: ``python -m pyflashattn.bench_decode [--quick] [--json PATH]``.
 
-Decode-like batches (every request 1 to 4 query tokens over a long KV cache) through the batch
-wrappers, which run them on the 16-row decode tiles. Such a batch is a stream over its
+Decode-like batches (every request 1 to 8 query tokens over a long KV cache) through the batch
+wrappers, which run them on the 16-row decode tiles (a request of up to 32 packed rows as two
+row tiles at head_dim 64 / 128: ``prefill.DECODE_MAX_ROWS``). Such a batch is a stream over its
 K/V, so it is judged against memory bandwidth: KV bytes read per second (K and V of every
 request once, 2 bytes an element, 1 in the fp8 cache) next to the device-to-device copy
 bandwidth torch gets on the same GPU in the same run (a 1 GiB ``copy_``, read + write counted),
@@ -10,8 +11,8 @@ the practical ceiling.
 bf16, 32 q heads / 8 kv heads (GQA 4), causal (a query token sees its whole cache), head_dim 128
 (and 64 / 256 without ``--quick``); ragged and paged (page_size 16, pages in random order) K/V,
 and the paged cache in fp8 e4m3 (``fp8 x``: its speedup over the bf16 paged cache).
-Single-request rows: ``single_prefill_with_kv_cache`` on one request of 1 or 4 query tokens
-(it runs requests of <= 16 packed rows on the same decode tile) next to torch SDPA
+Single-request rows: ``single_prefill_with_kv_cache`` on one request of 1, 4 or 8 query tokens
+(it routes requests to the same decode tile by the same rule) next to torch SDPA
 (``enable_gqa``, torch's own backend choice) on the same tensors. SDPA gets the bottom-right
 causal mask as an explicit boolean mask, which keeps it off its flash / cuDNN kernels: its
 column is what a torch user gets for that mask (for qo=1 the mask hides nothing, and a
@@ -37,16 +38,18 @@ HQ, HKV, PAGE_SIZE = 32, 8, 16
 REL_TOL = 2e-2
 CHECKED_REQUESTS = 4
 # (name, requests, query tokens per request, kv_len range): decode at a few batch sizes and
-# cache lengths, and a speculative-decode batch (4 tokens x group 4 = 16 packed rows).
+# cache lengths, and speculative-decode batches (4 tokens x group 4 = 16 packed rows: one decode
+# row tile; 8 tokens = 32 rows: two at hd64 / hd128, the 128-row kernel at hd256).
 CASES = [("decode B=64 kv 1K-4K", 64, 1, (1024, 4096)),
          ("decode B=16 kv 8K-32K", 16, 1, (8192, 32768)),
          ("decode B=128 kv 2K-8K", 128, 1, (2048, 8192)),
-         ("spec-decode B=32 qo 4 kv 2K-16K", 32, 4, (2048, 16384))]
+         ("spec-decode B=32 qo 4 kv 2K-16K", 32, 4, (2048, 16384)),
+         ("spec-decode B=32 qo 8 kv 2K-16K", 32, 8, (2048, 16384))]
 
 
 # (name, query tokens, kv_len): one request through single_prefill_with_kv_cache
 SINGLE_CASES = [("single qo=1 kv 32K", 1, 32768), ("single qo=1 kv 4K", 1, 4096),
-                ("single spec qo=4 kv 16K", 4, 16384)]
+                ("single spec qo=4 kv 16K", 4, 16384), ("single spec qo=8 kv 32K", 8, 32768)]
 
 
 def _indptr(lens):

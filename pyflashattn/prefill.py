@@ -250,12 +250,12 @@ class _Plan:
         group = num_qo_heads // num_kv_heads
         props = _cuda.properties(dev)
         la = None
-        if not general and qo_len * group <= DECODE_ROWS:
-            la = _decode_launcher(dev, dtype.short, head_dim, qo_len * group)
+        if not general and qo_len * group <= DECODE_MAX_ROWS[head_dim]:
+            la = _decode_launcher(dev, dtype.short, head_dim)
         if la is not None:
-            # Decode / speculative decode / a short append: the request's packed rows fit one
-            # 16-row decode tile, and the launch is a stream over K/V (the 128-row kernel would
-            # spend at least 7/8 of its MMAs on padding rows). KV is chunked the way the batch
+            # Decode / speculative decode / a short append: the request's packed rows fit one or
+            # two 16-row decode tiles (DECODE_MAX_ROWS), and the launch is a stream over K/V (the
+            # 128-row kernel would spend at least 3/4 of its MMAs on padding rows). KV is chunked the way the batch
             # planner chunks a one-request decode batch on this tile (one wave of CTAs), so the
             # same request gives the same chunks, hence the same bits, in both APIs.
             ctas_per_sm = _decode_ctas_per_sm(la, props)
@@ -331,17 +331,25 @@ class _Plan:
         self.merge(stream)
 
 
-# Requests whose packed rows (qo_len * num_qo_heads / num_kv_heads) fit this many run on the
-# decode tile (variants.py DECODE_TILES: one warp, 16 rows), like the batch wrappers' decode plans.
-DECODE_ROWS = 16
+# head_dim -> the most packed rows (qo_len * num_qo_heads / num_kv_heads) a request may have to run
+# on the 16-row decode tile (variants.py DECODE_TILES), as ceil(rows / 16) row tiles of it; both
+# APIs use it (a batch goes there when its longest request fits). Above 16 rows a request's row
+# tiles each stream its K/V, but they run side by side (adjacent in the LPT order, equal cost), so
+# the second read mostly hits L2, while the 128-row kernel spends 3/4 of its MMAs on padding at 32
+# rows. H100 A/B, causal, 32/8 heads, K/V TB/s 128-row -> decode tiles (NOTES.md, session 11):
+# 8-token speculative decode (32 rows), B=32 kv 2K-16K, ragged / paged / fp8 paged: hd64 1.75 ->
+# 2.51, 1.63 -> 2.08-2.15, 0.67 -> 0.71-1.13; hd128 2.02-2.05 -> 2.66, 1.89-1.93 -> 2.27-2.29, 0.73 ->
+# 1.03; B=16 kv 8K-32K hd64 1.93 -> 2.63, 1.85 -> 2.43, 0.76 -> 1.09; hd128 paged 2.19 -> 2.57, fp8
+# 0.84 -> 1.05; single qo=8 kv 32K hd64 1.28 -> 1.49, hd128 1.63 -> 1.92. hd256 stays at one tile
+# (paged 2.38 -> 1.97, 1.74 -> 1.49; single 2.23 -> 2.12), and 64 rows lost almost everywhere (hd128
+# paged 1.92 -> 1.71, fp8 0.73 -> 0.51; hd256 paged 2.48 -> 1.10).
+DECODE_MAX_ROWS = {64: 32, 128: 32, 256: 16}
 
 
-def _decode_launcher(dev: int, dtype: str, head_dim: int, rows: int):
-    """A launcher for the 16-row decode tile of this dtype / head_dim, or None when its tile
-    holds fewer than `rows` packed rows (the table could change)."""
-    la = _registry.new_launcher("prefill", dev, dtype=dtype, kv_dtype=dtype, head_dim=head_dim, general=False,
-                                paged=False, decode=True)
-    return la if rows <= la.meta["block_m"] else None
+def _decode_launcher(dev: int, dtype: str, head_dim: int):
+    """A launcher for the 16-row decode tile of this dtype / head_dim."""
+    return _registry.new_launcher("prefill", dev, dtype=dtype, kv_dtype=dtype, head_dim=head_dim, general=False,
+                                  paged=False, decode=True)
 
 
 def _decode_ctas_per_sm(la, props) -> int:

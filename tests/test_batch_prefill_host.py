@@ -925,17 +925,24 @@ def test_enable_pdl_launches_the_attention_programmatically(fake, fake_torch, ki
     assert attn_log() == ["launch_pdl"] and last_attn(fake)[1] == w._attn.grid
 
 
-def test_decode_tile_only_when_every_request_fits_16_rows(fake):
-    """The one-warp 16-row kernel for batches whose requests all fit it (qo_len * group <= 16),
-    with a plan on its tile and its CTAs per SM; the 128-row kernel otherwise and with options
-    only the general kernels carry. In CUDA-graph mode the first plan picks for good."""
+def test_decode_tile_only_when_every_request_fits_decode_max_rows(fake):
+    """The one-warp 16-row kernel for batches whose requests all have at most
+    DECODE_MAX_ROWS[head_dim] packed rows (qo_len * group: 32 at hd128, i.e. one or two of its row
+    tiles), with a plan on its tile and its CTAs per SM; the 128-row kernel otherwise and with
+    options only the general kernels carry. In CUDA-graph mode the first plan picks for good."""
+    assert pyflashattn.prefill.DECODE_MAX_ROWS == {64: 32, 128: 32, 256: 16}
     w = ragged(fake)  # 8 / 2 heads: group 4
     w.plan(i32(0, 4, 5, 5, 7), i32(0, 900, 1700, 1800, 3000), HQ, HKV, D, causal=True)
     la = w._attn
     assert la.meta["decode"] and la.meta["block_m"] == 16 and la.threads == 32
     assert w._plan.block_m == 16
     assert last_cfg_ctas(w) == 233472 // (36992 + 1024)  # 6 on an H100's 228 KB (hd128, 32-key tiles)
-    w.plan(i32(0, 5, 6), i32(0, 900, 1700), HQ, HKV, D, causal=True)  # 5 x 4 = 20 rows
+    w.plan(i32(0, 8, 9), i32(0, 900, 1700), HQ, HKV, D, causal=True)  # 8 x 4 = 32 rows: two row tiles
+    assert w._attn.meta["decode"] and w._plan.block_m == 16
+    p = w._plan
+    assert set(zip(p.work_request[:p.num_work].tolist(), p.work_qtile[:p.num_work].tolist())) == {
+        (0, 0), (0, 1), (1, 0)}  # (request, row tile) of every work item, KV chunks aside
+    w.plan(i32(0, 9, 10), i32(0, 900, 1700), HQ, HKV, D, causal=True)  # 9 x 4 = 36 rows
     assert not w._attn.meta["decode"] and w._plan.block_m == 128
     w.plan(i32(0, 4, 5), i32(0, 900, 1700), HQ, HKV, D, causal=True, logits_soft_cap=3.0)
     assert not w._attn.meta["decode"], "soft cap lives in the general kernels"
@@ -951,7 +958,7 @@ def test_decode_tile_only_when_every_request_fits_16_rows(fake):
     assert g._attn.meta["decode"] and g._attn.grid == grid and g._plan.block_m == 16
     assert set(g._plan.work_qtile[:g._plan.num_work].tolist()) == {0, 1, 2}
     g = graph_wrapper()  # a prefill graph: the 128-row tile, also for a later decode plan
-    g.plan(i32(0, 9), i32(0, 900), HQ, HKV, D, causal=True)
+    g.plan(i32(0, 12), i32(0, 900), HQ, HKV, D, causal=True)
     assert not g._attn.meta["decode"]
     g.plan(i32(0, 4, 5), i32(0, 900, 1700), HQ, HKV, D, causal=True)
     assert not g._attn.meta["decode"]
@@ -1207,14 +1214,17 @@ def test_single_prefill_grid_order(fake, monkeypatch, supports, causal, window, 
 
 
 # ---------------------------------------------------------------------------------------------
-# single prefill: requests whose packed rows fit the 16-row decode tile run on it
+# single prefill: requests within DECODE_MAX_ROWS packed rows run on the 16-row decode tile
 # ---------------------------------------------------------------------------------------------
 @pytest.mark.parametrize("qo, hq, hkv, D, kw, decode", [
     (1, 32, 8, 128, {}, True),                          # decode, GQA 4: 4 packed rows
     (4, 32, 8, 128, {"causal": True}, True),            # speculative decode: exactly 16 rows
-    (5, 32, 8, 128, {"causal": True}, False),           # 20 rows: the 128-row kernel
+    (8, 32, 8, 128, {"causal": True}, True),            # 32 rows: two row tiles of the decode tile
+    (9, 32, 8, 128, {"causal": True}, False),           # 36 rows: the 128-row kernel
     (7, 8, 8, 64, {"window_left": 300}, True),          # MHA append with a window
-    (2, 64, 8, 256, {"causal": True}, True),            # GQA 8, hd256
+    (32, 8, 8, 64, {"causal": True}, True),             # MHA, 32 rows at hd64
+    (2, 64, 8, 256, {"causal": True}, True),            # GQA 8, hd256: 16 rows
+    (5, 32, 8, 256, {"causal": True}, False),           # hd256 stays at 16 rows: 20 rows take the 128-row kernel
     (1, 32, 8, 128, {"logits_soft_cap": 30.0}, False),  # general options: the 128-row general kernel
 ])
 def test_single_prefill_decode_tile(fake, monkeypatch, qo, hq, hkv, D, kw, decode):
@@ -1228,8 +1238,8 @@ def test_single_prefill_decode_tile(fake, monkeypatch, qo, hq, hkv, D, kw, decod
     assert len(merges) == (p.num_splits > 1)
     if not decode:
         return
-    # grid (kv heads, splits, one row tile), split exactly like a one-request ragged batch plan
-    assert grid == (hkv, p.num_splits, 1) and p.rows_fastest == 0
+    # grid (kv heads, splits, row tiles of 16 rows), split exactly like a one-request ragged batch plan
+    assert grid == (hkv, p.num_splits, -(-qo * (hq // hkv) // 16)) and p.rows_fastest == 0
     assert p.num_splits > 1 and p.kv_chunk_size * p.num_splits >= kv_len > p.kv_chunk_size * (p.num_splits - 1)
     w = ragged(fake)
     w.plan(i32(0, qo), i32(0, kv_len), hq, hkv, D, causal=kw.get("causal", False),

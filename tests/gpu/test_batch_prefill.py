@@ -37,6 +37,7 @@ pytestmark = pytest.mark.gpu
 torch = require_cuda_torch()
 
 import pyflashattn  # noqa: E402  (after the GPU probe: the CPU box must skip, not error)
+from pyflashattn.prefill import DECODE_MAX_ROWS  # noqa: E402
 from pyflashattn.testing import attention_ref, to_numpy_f64  # noqa: E402
 from pyflashattn.testing.frameworks import capture_torch_graph as _capture  # noqa: E402
 from pyflashattn.testing.checks import assert_close, batch_heads_to_check  # noqa: E402
@@ -348,6 +349,17 @@ GRID = [
     ("r-20-dec16-d256", "ragged", 20, 4, 6000, "mixed", [], 0, 32, 8, 256, "fp16", "NHD", True, None),
     ("r-16-dec16-g1-hnd", "ragged", 16, 16, 2000, "append", [], 0, 16, 16, 64, "bf16", "HND", False, None),
     ("r-64-dec16-long", "ragged", 64, 1, 16384, "append", [(1, 16384)], 0, 32, 4, 128, "bf16", "NHD", True, None),
+    # 17-32 packed rows at hd64 / hd128 (DECODE_MAX_ROWS): two row tiles of the decode tile per request
+    ("p-32-dec32-g4", "paged", 32, 8, 6000, "mixed", [(8, 6000)], 16, 32, 8, 128, "bf16", "NHD", True, "5d"),
+    ("r-24-dec32-g1-d64", "ragged", 24, 32, 3000, "append", [(32, 3000)], 0, 16, 16, 64, "fp16", "NHD", True, None),
+    ("p-12-dec32-g8-ps1-d64", "paged", 12, 4, 2000, "mixed", [(4, 2000)], 1, 64, 8, 64, "bf16", "HND", False,
+     "tuple"),
+    ("r-16-dec32-hnd-noncausal", "ragged", 16, 6, 9000, "mixed", [(6, 9000)], 0, 32, 8, 128, "fp16", "HND", False,
+     None),
+    ("p-20-dec32-ps64-long", "paged", 20, 8, 20000, "append", [(8, 20000)], 64, 32, 8, 128, "fp16", "NHD", True,
+     "tuple_views"),
+    # hd256 keeps the decode tile to 16 rows: 32 rows take the 128-row kernel
+    ("r-10-rows32-d256", "ragged", 10, 8, 3000, "mixed", [(8, 3000)], 0, 32, 8, 256, "bf16", "NHD", True, None),
 ]
 
 
@@ -386,8 +398,8 @@ def test_batch_grid(key, kind, batch, qo_max, kv_max, mode, pin, ps, hq, hkv, d,
     snap = [x.clone() for x in [b.q] + _tensors(kv_args)]
     w = _wrapper_for(kind, layout)
     _plan(w, kind, b, pg, causal)
-    # the 16-row decode tile exactly when every request fits it
-    assert w._attn.meta["decode"] is (max(b.qo_lens) * (hq // hkv) <= 16), w._attn.name
+    # the 16-row decode tile exactly when every request is within DECODE_MAX_ROWS packed rows
+    assert w._attn.meta["decode"] is (max(b.qo_lens) * (hq // hkv) <= DECODE_MAX_ROWS[d]), w._attn.name
     # allocated path
     o1, lse1 = w.run(b.q, *kv_args, return_lse=True)
     # out=/lse= path, NaN-poisoned, same plan: same kernel, same inputs -> the same bits
@@ -476,11 +488,15 @@ def test_batch_matches_single_prefill(kind, causal, opts):
     (2, 64, 8, 256, "bf16", True, 500, 6000),   # GQA 8 with a window
     (13, 8, 8, 128, "fp16", False, -1, 3333),   # a short MHA append, not causal
     (1, 32, 32, 64, "bf16", False, -1, 100),    # too short to split
+    (8, 32, 8, 128, "bf16", True, -1, 20000),   # 8-token speculative decode: 32 rows, two row tiles
+    (32, 16, 16, 64, "fp16", True, -1, 5000),   # MHA append of 32 tokens at hd64
+    (4, 64, 8, 64, "bf16", False, 300, 3000),   # GQA 8, 32 rows, a window
+    (7, 32, 8, 128, "fp16", True, 1000, 777),   # 28 rows, short KV with a window
 ])
 def test_single_decode_tile_matches_one_request_batch(qo, hq, hkv, hd, dtype, causal, window, kv_len):
-    """single_prefill runs requests of <= 16 packed rows on the batch's decode tile with the
-    one-request batch plan's KV chunks: the same kernel, chunks and merge order give the same
-    bits. Both are also checked against the float64 reference."""
+    """single_prefill runs requests of <= DECODE_MAX_ROWS packed rows on the batch's decode tile
+    with the one-request batch plan's KV chunks: the same kernel, chunks and merge order give the
+    same bits. Both are also checked against the float64 reference."""
     dt = DTYPES[dtype]
     seed = _seed("single-decode", qo, hq, hkv, hd, dtype, causal, window, kv_len)
     q = _randn((qo, hq, hd), dt, seed)
@@ -491,6 +507,7 @@ def test_single_decode_tile_matches_one_request_batch(qo, hq, hkv, hd, dtype, ca
     w = _wrapper_for("ragged", "NHD")
     w.plan(np.array([0, qo], np.int32), np.array([0, kv_len], np.int32), hq, hkv, hd, causal=causal,
            window_left=window, q_data_type=dt)
+    assert w._attn.meta["decode"] and qo * (hq // hkv) <= DECODE_MAX_ROWS[hd]
     o_b, lse_b = w.run(q, k, v, return_lse=True)
     torch.cuda.synchronize()
     assert torch.equal(o_s, o_b) and torch.equal(lse_s, lse_b), "single vs one-request batch differ"
