@@ -530,7 +530,8 @@ class _BatchPrefillBase:
         ctas_per_sm = 2 if la.meta["threads"] <= 128 else 1
         budget = props["sm_count"] * ctas_per_sm  # CTAs per wave
         # The decode tile (16 rows, one warp or a pair) for batches whose every request has at most
-        # DECODE_MAX_ROWS packed rows (one or two row tiles of it); lean options only. Its CTAs per SM are what the shared memory allows (single prefill's rule).
+        # DECODE_MAX_ROWS packed rows (one or two row tiles of it); lean options only. Its CTAs per
+        # SM are what the shared memory allows (single prefill's rule).
         dec = None
         if not general:
             ld = self._launcher("prefill", qdt.short, kvs, head_dim, False, decode=True)

@@ -255,9 +255,9 @@ class _Plan:
         if la is not None:
             # Decode / speculative decode / a short append: the request's packed rows fit one or
             # two 16-row decode tiles (DECODE_MAX_ROWS), and the launch is a stream over K/V (the
-            # 128-row kernel would spend at least 3/4 of its MMAs on padding rows). KV is chunked the way the batch
-            # planner chunks a one-request decode batch on this tile (one wave of CTAs), so the
-            # same request gives the same chunks, hence the same bits, in both APIs.
+            # 128-row kernel would spend at least 3/4 of its MMAs on padding rows). KV is chunked
+            # the way the batch planner chunks a one-request decode batch on this tile (one wave
+            # of CTAs), so the same request gives the same chunks, hence the same bits, in both APIs.
             ctas_per_sm = _decode_ctas_per_sm(la, props)
             one = _plan.plan_prefill(np.array([0, qo_len]), np.array([kv_len]), group_size=group,
                                      num_kv_heads=num_kv_heads, block_m=la.meta["block_m"],
