@@ -181,6 +181,19 @@ DECODE_TILES_FP8 = {
     128: (1, 1, 16, False, 2, 1, True),
     256: (2, 1, 32, False, 2, 1, True, True),
 }
+# head_dim -> the 32-row decode tile (two warps, each with its own 16 packed rows, sharing every K/V
+# tile and, over an fp8 cache, its widening): requests of 17-32 packed rows (an 8-token speculative
+# decode at GQA 4), where two row tiles of the 16-row tile each streamed the request's K/V
+# (prefill.DECODE_TILE_ROWS routes; NOTES.md, session 11). The 16-row tiles' key counts per K/V
+# storage; hd256 has none (DECODE_MAX_ROWS keeps it at 16 rows).
+DECODE32_TILES = {
+    64: (2, 1, 64, False, 2, 1, True),
+    128: (2, 1, 32, False, 2, 1, True),
+}
+DECODE32_TILES_FP8 = {
+    64: (2, 1, 32, False, 2, 1, True),
+    128: (2, 1, 16, False, 2, 1, True),
+}
 # Alternatives the tuning sweep compares against the defaults.
 PREFILL_TUNE_TILES = {
     64: [(4, 2, 64, True, 3, 2), (8, 2, 64, True, 2, 1)],
@@ -203,6 +216,9 @@ def variants(tune=False):
                 for paged in (False, True):
                     dec = (DECODE_TILES_FP8 if kv_dtype else DECODE_TILES)[hd]
                     out.append(PrefillVariant(dtype, hd, *dec, paged=paged, kv_dtype=kv_dtype, decode=True))
+                    dec32 = (DECODE32_TILES_FP8 if kv_dtype else DECODE32_TILES).get(hd)
+                    if dec32 is not None:
+                        out.append(PrefillVariant(dtype, hd, *dec32, paged=paged, kv_dtype=kv_dtype, decode=True))
             if tune:
                 out += [PrefillVariant(dtype, hd, *t, tune=True) for t in PREFILL_TUNE_TILES[hd]]
         out.append(MergeVariant(dtype))

@@ -26,7 +26,8 @@ import sys
 import numpy as np
 
 from . import _cuda, _dtypes, _options, _plan, _registry, _tensor
-from .prefill import DECODE_MAX_ROWS, HEAD_DIMS, LOG2E, _MERGE_ROWS_PER_BLOCK, _alibi_buffer, _decode_ctas_per_sm
+from .prefill import (HEAD_DIMS, LOG2E, _MERGE_ROWS_PER_BLOCK, _alibi_buffer, _decode_ctas_per_sm, decode_tile_rows,
+                      decode_tiles)
 
 _I32_MAX = 2**31 - 1
 # numpy's descriptors: `is` tests them, and numpy takes them faster than the scalar types
@@ -374,16 +375,17 @@ class _BatchPrefillBase:
 
         _cuda.ensure_context(self._dev)
         cap = None
-        fits = dec is not None and max_qo * group <= DECODE_MAX_ROWS[head_dim]
+        # a decode tile when every request is within DECODE_MAX_ROWS packed rows (decode,
+        # speculative decode, short appends): the smallest that holds the longest (0: none)
+        tile = decode_tile_rows(head_dim, max_qo * group, tuple(dec)) if dec else 0
         if self._use_cuda_graph:
             cap = self._graph_capacity(B, int(qo[-1]))
             # A captured kernel serves every later plan, so the first plan picks the tile for
-            # good: the decode tile if it fits then (decode graphs). It stays correct for any
-            # later lengths (more 16-row tiles per request), only slower on long prefills.
-            if cap.get("decode", fits) and dec is not None:
-                la, budget, ctas_per_sm = dec
-        elif fits:  # every request within DECODE_MAX_ROWS (decode, speculative decode, short appends)
-            la, budget, ctas_per_sm = dec
+            # good (decode graphs keep theirs). A decode tile stays correct for any later
+            # lengths (more row tiles per request), only slower on long prefills.
+            tile = cap.get("decode_rows", tile)
+        if tile and dec:
+            la, budget, ctas_per_sm = dec.get(tile) or dec[max(dec)]
         meta = la.meta
         plan = _plan.schedule_prefill(qo, qo_lens, kv_lens, max_qo, max_kv, group, num_kv_heads, meta["block_m"],
                                       meta["block_n"], budget, bool(causal), window_left, fss, disable_split_kv, cap,
@@ -496,7 +498,7 @@ class _BatchPrefillBase:
         self._point_workspace()
         self._planned = True
         if cap is not None:
-            cap.setdefault("decode", fits)  # the first successful plan's tile, for good
+            cap.setdefault("decode_rows", tile)  # the first successful plan's tile, for good
             self._capacity = cap
             self._sig = sig
         self._fast_key = None  # run()'s validated-signature cache belongs to one plan
@@ -529,18 +531,21 @@ class _BatchPrefillBase:
         la = self._launcher("prefill", qdt.short, kvs, head_dim, general)
         ctas_per_sm = 2 if la.meta["threads"] <= 128 else 1
         budget = props["sm_count"] * ctas_per_sm  # CTAs per wave
-        # The decode tile (16 rows, one warp or a pair) for batches whose every request has at most
-        # DECODE_MAX_ROWS packed rows (one or two row tiles of it); lean options only. Its CTAs per
-        # SM are what the shared memory allows (single prefill's rule).
+        # The decode tiles (16 rows on one warp or a pair; 32 rows on two warps: decode_tiles) by
+        # their rows, smallest first, for batches whose every request has at most DECODE_MAX_ROWS
+        # packed rows; lean options only. Their CTAs per SM are what the shared memory allows
+        # (single prefill's rule).
         dec = None
         if not general:
-            ld = self._launcher("prefill", qdt.short, kvs, head_dim, False, decode=True)
-            cps = _decode_ctas_per_sm(ld, props)
-            # fp8 K/V: split KV for two waves of CTAs, not one. The fp8 tiles widen every K/V tile
-            # (latency-bound), and one wave of equal chunks streamed slower than twice as many
-            # half chunks (H200, hd128, 16 requests of 8K-32K keys: 1.42 TB/s with the chunks of
-            # one wave, 1.82 with 2048-key chunks; bf16 4.12-4.13 either way).
-            dec = (ld, props["sm_count"] * cps * (_FP8_DECODE_WAVES if kv_fp8 else 1), cps)
+            dec = {}
+            for rows in decode_tiles(head_dim, self._paged, bool(kv_fp8)):
+                ld = self._launcher("prefill", qdt.short, kvs, head_dim, False, decode=rows)
+                cps = _decode_ctas_per_sm(ld, props)
+                # fp8 K/V: split KV for two waves of CTAs, not one. The fp8 tiles widen every K/V
+                # tile (latency-bound), and one wave of equal chunks streamed slower than twice as
+                # many half chunks (H200, hd128, 16 requests of 8K-32K keys: 1.42 TB/s with the
+                # chunks of one wave, 1.82 with 2048-key chunks; bf16 4.12-4.13 either way).
+                dec[rows] = (ld, props["sm_count"] * cps * (_FP8_DECODE_WAVES if kv_fp8 else 1), cps)
         return (opts, qdt, kdt, kv_fp8, window_left, sm_scale, fss, num_qo_heads // num_kv_heads, la, budget,
                 ctas_per_sm, dec)
 
@@ -665,16 +670,18 @@ class _BatchPrefillBase:
             indptr = self._qk_user[1]
         return dst, indptr
 
-    def _launcher(self, family, dtype, kv_dtype=None, head_dim=None, general=None, decode=False):
-        """The wrapper's own Launcher per kernel, reused across plans (creating one costs ~10 us)."""
+    def _launcher(self, family, dtype, kv_dtype=None, head_dim=None, general=None, decode=0):
+        """The wrapper's own Launcher per kernel, reused across plans (creating one costs ~10 us);
+        decode = the decode tile's packed rows (0: the 128-row kernels)."""
         key = (family, dtype, kv_dtype, head_dim, general, decode)
         la = self._launchers.get(key)
         if la is None:
             if family == "merge":
                 la = _registry.new_launcher("merge", self._dev, dtype=dtype)
             else:
+                tile = dict(decode=True, block_m=decode) if decode else dict(decode=False)
                 la = _registry.new_launcher("prefill", self._dev, dtype=dtype, kv_dtype=kv_dtype, head_dim=head_dim,
-                                            general=general, paged=self._paged, decode=decode)
+                                            general=general, paged=self._paged, **tile)
             self._launchers[key] = la
         return la
 

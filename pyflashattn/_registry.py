@@ -104,7 +104,9 @@ def _find(family: str, device_id: int, match: dict) -> dict:
     if family == "prefill" and "dtype" in match:
         match.setdefault("kv_dtype", match["dtype"])  # K/V in the query dtype unless asked otherwise
     if family == "prefill" and want_name is None:
-        match.setdefault("decode", False)  # the 16-row decode tiles only when asked for
+        match.setdefault("decode", False)  # the decode tiles only when asked for
+        if match["decode"]:
+            match.setdefault("block_m", 16)  # the 16-row one unless another is named
     forced = _forced.get(family)
     if forced is not None and want_name is None:
         row = next((r for r in rows if r["name"] == forced and r["arch"] in archs), None)

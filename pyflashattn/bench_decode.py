@@ -1,8 +1,9 @@
 """Decode benchmark: ``python -m pyflashattn.bench_decode [--quick] [--json PATH]``.
 
 Decode-like batches (every request 1 to 8 query tokens over a long KV cache) through the batch
-wrappers, which run them on the 16-row decode tiles (a request of up to 32 packed rows as two
-row tiles at head_dim 64 / 128: ``prefill.DECODE_MAX_ROWS``). Such a batch is a stream over its
+wrappers, which run them on the decode tiles (16 packed rows; at head_dim 64 / 128 up to 32: the
+32-row tile over a paged or fp8 cache, two 16-row tiles over ragged K/V; ``prefill.decode_tiles``).
+Such a batch is a stream over its
 K/V, so it is judged against memory bandwidth: KV bytes read per second (K and V of every
 request once, 2 bytes an element, 1 in the fp8 cache) next to the device-to-device copy
 bandwidth torch gets on the same GPU in the same run (a 1 GiB ``copy_``, read + write counted),
@@ -38,8 +39,8 @@ HQ, HKV, PAGE_SIZE = 32, 8, 16
 REL_TOL = 2e-2
 CHECKED_REQUESTS = 4
 # (name, requests, query tokens per request, kv_len range): decode at a few batch sizes and
-# cache lengths, and speculative-decode batches (4 tokens x group 4 = 16 packed rows: one decode
-# row tile; 8 tokens = 32 rows: two at hd64 / hd128, the 128-row kernel at hd256).
+# cache lengths, and speculative-decode batches (4 tokens x group 4 = 16 packed rows; 8 tokens = 32
+# rows: the decode tiles at hd64 / hd128, the 128-row kernel at hd256).
 CASES = [("decode B=64 kv 1K-4K", 64, 1, (1024, 4096)),
          ("decode B=16 kv 8K-32K", 16, 1, (8192, 32768)),
          ("decode B=128 kv 2K-8K", 128, 1, (2048, 8192)),

@@ -249,15 +249,15 @@ class _Plan:
         general = opts.general or mask_kind is not None
         group = num_qo_heads // num_kv_heads
         props = _cuda.properties(dev)
-        la = None
-        if not general and qo_len * group <= DECODE_MAX_ROWS[head_dim]:
-            la = _decode_launcher(dev, dtype.short, head_dim)
-        if la is not None:
+        tile = 0 if general else decode_tile_rows(head_dim, qo_len * group, decode_tiles(head_dim))
+        if tile:
             # Decode / speculative decode / a short append: the request's packed rows fit one or
-            # two 16-row decode tiles (DECODE_MAX_ROWS), and the launch is a stream over K/V (the
-            # 128-row kernel would spend at least 3/4 of its MMAs on padding rows). KV is chunked
-            # the way the batch planner chunks a one-request decode batch on this tile (one wave
-            # of CTAs), so the same request gives the same chunks, hence the same bits, in both APIs.
+            # two 16-row decode tiles (DECODE_MAX_ROWS, decode_tiles), and the launch is a stream
+            # over K/V (the 128-row kernel would spend at least 3/4 of its MMAs on padding rows).
+            # KV is chunked the way the batch planner chunks a one-request ragged batch on this
+            # tile (one wave of CTAs), so the same request gives the same chunks, hence the same
+            # bits, in both APIs.
+            la = _decode_launcher(dev, dtype.short, head_dim, tile)
             ctas_per_sm = _decode_ctas_per_sm(la, props)
             one = _plan.plan_prefill(np.array([0, qo_len]), np.array([kv_len]), group_size=group,
                                      num_kv_heads=num_kv_heads, block_m=la.meta["block_m"],
@@ -332,24 +332,49 @@ class _Plan:
 
 
 # head_dim -> the most packed rows (qo_len * num_qo_heads / num_kv_heads) a request may have to run
-# on the 16-row decode tile (variants.py DECODE_TILES), as ceil(rows / 16) row tiles of it; both
-# APIs use it (a batch goes there when its longest request fits). Above 16 rows a request's row
-# tiles each stream its K/V, but they run side by side (adjacent in the LPT order, equal cost), so
-# the second read mostly hits L2, while the 128-row kernel spends 3/4 of its MMAs on padding at 32
-# rows. H100 A/B, causal, 32/8 heads, K/V TB/s 128-row -> decode tiles (NOTES.md, session 11):
-# 8-token speculative decode (32 rows), B=32 kv 2K-16K, ragged / paged / fp8 paged: hd64 1.75 ->
-# 2.51, 1.63 -> 2.08-2.15, 0.67 -> 0.71-1.13; hd128 2.02-2.05 -> 2.66, 1.89-1.93 -> 2.27-2.29, 0.73 ->
-# 1.03; B=16 kv 8K-32K hd64 1.93 -> 2.63, 1.85 -> 2.43, 0.76 -> 1.09; hd128 paged 2.19 -> 2.57, fp8
-# 0.84 -> 1.05; single qo=8 kv 32K hd64 1.28 -> 1.49, hd128 1.63 -> 1.92. hd256 stays at one tile
-# (paged 2.38 -> 1.97, 1.74 -> 1.49; single 2.23 -> 2.12), and 64 rows lost almost everywhere (hd128
-# paged 1.92 -> 1.71, fp8 0.73 -> 0.51; hd256 paged 2.48 -> 1.10).
+# on a decode tile instead of the 128-row kernel; both APIs use it (a batch goes there when its
+# longest request fits). H100 A/B, causal, 32/8 heads, K/V TB/s, 128-row kernel -> two row tiles of
+# the 16-row tile (NOTES.md, session 11): 8-token speculative decode (32 rows), B=32 kv 2K-16K,
+# ragged / paged / fp8 paged: hd64 1.75 -> 2.51, 1.63 -> 2.08-2.15, 0.67 -> 0.71-1.13; hd128
+# 2.02-2.05 -> 2.66, 1.89-1.93 -> 2.27-2.29, 0.73 -> 1.03; single qo=8 kv 32K hd64 1.28 -> 1.49,
+# hd128 1.63 -> 1.92. hd256 stays at 16 rows (paged 2.38 -> 1.97, single 2.23 -> 2.12), and 64 rows
+# lost almost everywhere (hd128 paged 1.92 -> 1.71, fp8 0.73 -> 0.51; hd256 paged 2.48 -> 1.10).
 DECODE_MAX_ROWS = {64: 32, 128: 32, 256: 16}
+# Head dims with a 32-row decode tile (variants.py DECODE32_TILES: two warps with 16 rows each,
+# sharing every K/V tile, its page-table lookups and, over an fp8 cache, its widening).
+DECODE32_HEAD_DIMS = (64, 128)
 
 
-def _decode_launcher(dev: int, dtype: str, head_dim: int):
-    """A launcher for the 16-row decode tile of this dtype / head_dim."""
+def decode_tiles(head_dim: int, paged: bool = False, fp8: bool = False) -> tuple:
+    """The decode tiles (by packed rows, smallest first) a plan over this K/V may run on.
+
+    The 32-row tile where it exists for paged or fp8 K/V; contiguous 16-bit K/V (the ragged
+    wrapper, single prefill) run 17-32 rows as two 16-row tiles instead. H100, same session, K/V
+    TB/s two 16-row tiles -> the 32-row tile (NOTES.md, session 11): paged 2.16-2.59 -> 2.37-2.85
+    (hd64 spec-decode B=32 2.18 -> 2.70), fp8 paged 0.94-1.11 -> 1.40-1.67; but ragged 16-bit
+    2.41-2.71 -> 2.37-2.70 (hd128 B=16 long KV 2.70 -> 2.37-2.45) and single qo=8 kv 32K 1.48 /
+    1.95 -> 1.34 / 1.70 (hd64 / hd128): six one-warp CTAs per SM keep more K/V in flight than five
+    two-warp ones, and the second read of a contiguous stream mostly hits L2, while through a page
+    table each row tile repeats the page-id staging and address math, and over fp8 the widening."""
+    return (16, 32) if head_dim in DECODE32_HEAD_DIMS and (paged or fp8) else (16,)
+
+
+def decode_tile_rows(head_dim: int, rows: int, tiles: tuple = (16,)) -> int:
+    """The decode tile (by its packed rows, one of `tiles`) for requests of at most `rows` packed
+    rows: the smallest that holds them, else several row tiles of the largest; 0 = the 128-row
+    kernel."""
+    if rows > DECODE_MAX_ROWS[head_dim]:
+        return 0
+    for t in tiles:
+        if rows <= t:
+            return t
+    return tiles[-1]
+
+
+def _decode_launcher(dev: int, dtype: str, head_dim: int, rows: int):
+    """A launcher for the decode tile of `rows` packed rows of this dtype / head_dim."""
     return _registry.new_launcher("prefill", dev, dtype=dtype, kv_dtype=dtype, head_dim=head_dim, general=False,
-                                  paged=False, decode=True)
+                                  paged=False, decode=True, block_m=rows)
 
 
 def _decode_ctas_per_sm(la, props) -> int:

@@ -145,7 +145,7 @@ class FakeDriver:
     # kernels
     def cuLaunchKernel(self, func, gx, gy, gz, bx, by, bz, smem, stream, argv_addr, extra):
         name, ptype = func
-        assert (by, bz, extra) == (1, 1, 0) and bx in (32, 128, 256) and smem >= 0
+        assert (by, bz, extra) == (1, 1, 0) and bx in (32, 64, 128, 256) and smem >= 0
         argv = ctypes.cast(argv_addr, ctypes.POINTER(ctypes.c_void_p))
         p = ptype.from_buffer_copy(ctypes.string_at(argv[0], ctypes.sizeof(ptype)))
         grid = (gx, gy, gz)
@@ -197,7 +197,8 @@ def _decode_variant(match):
     """The decode-tile row of build_tools/variants.py that the registry would pick for `match`."""
     kv = match.get("kv_dtype") or match["dtype"]
     return next(v for v in variants.variants() if getattr(v, "decode", False) and v.dtype == match["dtype"]
-                and v.kv == kv and v.head_dim == match["head_dim"] and v.paged == bool(match.get("paged")))
+                and v.kv == kv and v.head_dim == match["head_dim"] and v.paged == bool(match.get("paged"))
+                and v.block_m == match.get("block_m", 16))
 
 
 _META = {64: dict(block_m=128, block_n=64, threads=128), 128: dict(block_m=128, block_n=64, threads=128),
@@ -218,9 +219,9 @@ class FakeEnv:
         def new_launcher(family, dev, **match):
             ptype = {"prefill": PrefillParams, "merge": MergeParams, "packbits": PackbitsParams}[family]
             name = family + "".join(f"_{k}={v}" for k, v in sorted(match.items()))
-            if match.get("decode"):  # the 16-row decode tiles, as variants.py builds them
+            if match.get("decode"):  # the decode tiles, as variants.py builds them
                 v = _decode_variant(match)
-                meta = dict(block_m=v.block_m, block_n=v.block_n, threads=v.threads, smem_bytes=v.smem_bytes, **match)
+                meta = dict(match, block_m=v.block_m, block_n=v.block_n, threads=v.threads, smem_bytes=v.smem_bytes)
             else:
                 meta = dict(_META.get(match.get("head_dim"), dict(block_m=0, block_n=0, threads=256)), smem_bytes=0,
                             **match)
@@ -937,11 +938,25 @@ def test_decode_tile_only_when_every_request_fits_decode_max_rows(fake):
     assert la.meta["decode"] and la.meta["block_m"] == 16 and la.threads == 32
     assert w._plan.block_m == 16
     assert last_cfg_ctas(w) == 233472 // (36992 + 1024)  # 6 on an H100's 228 KB (hd128, 32-key tiles)
-    w.plan(i32(0, 8, 9), i32(0, 900, 1700), HQ, HKV, D, causal=True)  # 8 x 4 = 32 rows: two row tiles
-    assert w._attn.meta["decode"] and w._plan.block_m == 16
+    # 8 x 4 = 32 rows: two row tiles of the 16-row tile (contiguous 16-bit K/V: decode_tiles)
+    w.plan(i32(0, 8, 9), i32(0, 900, 1700), HQ, HKV, D, causal=True)
+    assert w._attn is la and w._plan.block_m == 16
     p = w._plan
     assert set(zip(p.work_request[:p.num_work].tolist(), p.work_qtile[:p.num_work].tolist())) == {
         (0, 0), (0, 1), (1, 0)}  # (request, row tile) of every work item, KV chunks aside
+    # ... and the 32-row tile (two warps sharing each K/V tile) over fp8 K/V or a page table
+    w.plan(i32(0, 8, 9), i32(0, 900, 1700), HQ, HKV, D, causal=True, kv_data_type="float8_e4m3fn")
+    la32 = w._attn
+    assert la32.meta["decode"] and la32.meta["block_m"] == 32 and la32.threads == 64 and w._plan.block_m == 32
+    p = w._plan
+    assert set(zip(p.work_request[:p.num_work].tolist(), p.work_qtile[:p.num_work].tolist())) == {(0, 0), (1, 0)}
+    w.plan(i32(0, 5, 6), i32(0, 900, 1700), HQ, HKV, D, causal=True, kv_data_type="float8_e4m3fn")  # 20 rows
+    assert w._attn is la32
+    w.plan(i32(0, 4, 5), i32(0, 900, 1700), HQ, HKV, D, causal=True, kv_data_type="float8_e4m3fn")  # 16 rows
+    assert w._attn.meta["block_m"] == 16
+    wp = paged(fake)
+    wp.plan(i32(0, 8, 9), i32(0, 3, 5), i32(0, 1, 2, 3, 4), i32(5, 7), HQ, HKV, D, PS, causal=True)
+    assert wp._attn.meta["block_m"] == 32 and wp._attn.meta["paged"] and last_cfg_ctas(wp, 32) >= 2
     w.plan(i32(0, 9, 10), i32(0, 900, 1700), HQ, HKV, D, causal=True)  # 9 x 4 = 36 rows
     assert not w._attn.meta["decode"] and w._plan.block_m == 128
     w.plan(i32(0, 4, 5), i32(0, 900, 1700), HQ, HKV, D, causal=True, logits_soft_cap=3.0)
@@ -957,6 +972,14 @@ def test_decode_tile_only_when_every_request_fits_decode_max_rows(fake):
     g.plan(i32(0, 9), i32(0, 900), HQ, HKV, D, causal=True)  # 9 x 4 = 36 rows: three 16-row tiles
     assert g._attn.meta["decode"] and g._attn.grid == grid and g._plan.block_m == 16
     assert set(g._plan.work_qtile[:g._plan.num_work].tolist()) == {0, 1, 2}
+    g = graph_wrapper()  # a 32-row decode graph (fp8 K/V) keeps its tile for 8-row and 36-row plans
+    fp8 = dict(causal=True, kv_data_type="float8_e4m3fn")
+    g.plan(i32(0, 8, 9), i32(0, 900, 1700), HQ, HKV, D, **fp8)
+    assert g._attn.meta["block_m"] == 32
+    g.plan(i32(0, 1, 2), i32(0, 900, 1700), HQ, HKV, D, **fp8)
+    assert g._attn.meta["block_m"] == 32 and g._plan.block_m == 32
+    g.plan(i32(0, 9), i32(0, 900), HQ, HKV, D, **fp8)  # 36 rows: two 32-row tiles
+    assert g._attn.meta["block_m"] == 32 and set(g._plan.work_qtile[:g._plan.num_work].tolist()) == {0, 1}
     g = graph_wrapper()  # a prefill graph: the 128-row tile, also for a later decode plan
     g.plan(i32(0, 12), i32(0, 900), HQ, HKV, D, causal=True)
     assert not g._attn.meta["decode"]
@@ -964,8 +987,9 @@ def test_decode_tile_only_when_every_request_fits_decode_max_rows(fake):
     assert not g._attn.meta["decode"]
 
 
-def last_cfg_ctas(w):
-    return next(iter(w._configs.values()))[-1][2]
+def last_cfg_ctas(w, rows=16):
+    """CTAs per SM the cached config plans the `rows`-row decode tile with."""
+    return next(iter(w._configs.values()))[-1][rows][2]
 
 
 def test_enable_pdl_before_sm90_is_the_plain_launch(fake, monkeypatch):
@@ -1238,8 +1262,10 @@ def test_single_prefill_decode_tile(fake, monkeypatch, qo, hq, hkv, D, kw, decod
     assert len(merges) == (p.num_splits > 1)
     if not decode:
         return
-    # grid (kv heads, splits, row tiles of 16 rows), split exactly like a one-request ragged batch plan
+    # grid (kv heads, splits, 16-row tiles: single prefill has contiguous 16-bit K/V, so 17-32 rows
+    # take two of them, decode_tiles), split exactly like a one-request ragged batch plan
     assert grid == (hkv, p.num_splits, -(-qo * (hq // hkv) // 16)) and p.rows_fastest == 0
+    assert "block_m=16" in name
     assert p.num_splits > 1 and p.kv_chunk_size * p.num_splits >= kv_len > p.kv_chunk_size * (p.num_splits - 1)
     w = ragged(fake)
     w.plan(i32(0, qo), i32(0, kv_len), hq, hkv, D, causal=kw.get("causal", False),

@@ -8,6 +8,7 @@ import sys
 import pytest
 
 from pyflashattn import _params_gen, _registry
+from pyflashattn.prefill import DECODE32_HEAD_DIMS, DECODE_MAX_ROWS
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "build_tools"))
@@ -81,7 +82,12 @@ def test_prefill_tiles_are_the_tables_rows():
     for v in variants.variants():
         if not isinstance(v, variants.PrefillVariant):
             continue
-        table = (variants.DECODE_TILES_FP8 if v.kv_dtype else variants.DECODE_TILES) if v.decode else variants.PREFILL_TILES
+        if not v.decode:
+            table = variants.PREFILL_TILES
+        elif v.block_m == 32:
+            table = variants.DECODE32_TILES_FP8 if v.kv_dtype else variants.DECODE32_TILES
+        else:
+            table = variants.DECODE_TILES_FP8 if v.kv_dtype else variants.DECODE_TILES
         row = table[v.head_dim]
         assert (v.warps, v.mq, v.block_n, v.q_in_regs, v.stages, v.min_blocks) == row[:6], v.name
         assert v.pair == (len(row) > 7 and row[7]), v.name
@@ -91,10 +97,19 @@ def test_decode_tiles_exist_for_every_lean_kernel():
     vs = [v for v in variants.variants() if isinstance(v, variants.PrefillVariant)]
     lean = {(v.dtype, v.head_dim, v.kv, v.paged) for v in vs if not v.general and not v.decode}
     assert {(v.dtype, v.head_dim, v.kv, v.paged) for v in vs if v.decode} == lean
+    # the 32-row tiles: at the head dims the routing sends 17-32 packed rows to, for every K/V
+    # storage and both layouts
+    rows32 = {(v.dtype, v.head_dim, v.kv, v.paged) for v in vs if v.decode and v.block_m == 32}
+    assert rows32 == {k for k in lean if k[1] in DECODE32_HEAD_DIMS}
+    assert set(variants.DECODE32_TILES) == set(variants.DECODE32_TILES_FP8) == set(DECODE32_HEAD_DIMS)
+    # the routing sends at most 32 packed rows to a decode tile, and more than 16 only where the
+    # 32-row tile exists (elsewhere two 16-row tiles would stream K/V for a 32-row tile's job)
+    assert all(DECODE_MAX_ROWS[hd] <= (32 if hd in DECODE32_HEAD_DIMS else 16) for hd in DECODE_MAX_ROWS)
     for v in vs:
         if v.decode:
-            # 16 rows: one warp, or a warp pair sharing them (the hd128 fp8 tile)
-            assert (v.block_m, v.general) == (16, False) and v.warps == (2 if v.pair else 1), v.name
+            # 16 rows: one warp, or a warp pair sharing them (the fp8 hd256 tile); 32 rows: two warps
+            assert v.general is False and v.block_m in (16, 32), v.name
+            assert v.warps == (2 if v.pair or v.block_m == 32 else 1), v.name
             # several CTAs per SM on an H100 (228 KB, 1 KB reserved each): the point of the tile
             assert 228 * 1024 // (v.smem_bytes + 1024) >= 2, v.name
             assert v.manifest()["decode"] is True

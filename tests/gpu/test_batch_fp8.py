@@ -30,7 +30,7 @@ if not hasattr(torch, "float8_e4m3fn"):
     pytest.skip("this torch has no float8 dtypes", allow_module_level=True)
 
 import pyflashattn  # noqa: E402
-from pyflashattn.prefill import DECODE_MAX_ROWS  # noqa: E402
+from pyflashattn.prefill import decode_tile_rows, decode_tiles  # noqa: E402
 from pyflashattn.quantization import segment_packbits  # noqa: E402
 from pyflashattn.testing import attention_ref, to_numpy_f64  # noqa: E402
 from pyflashattn.testing.checks import assert_close, batch_heads_to_check  # noqa: E402
@@ -255,7 +255,7 @@ GRID = [
      "5d"),
     ("p-e5m2-f16-ps64-hnd-dec16-d128", "paged", 10, 2, 3000, "append", 64, 32, 4, 128, "fp16", "e5m2", "HND", False,
      "tuple"),
-    # 17-32 packed rows at hd64 / hd128: two row tiles of the fp8 decode tile per request
+    # 17-32 packed rows at hd64 / hd128: the 32-row fp8 decode tile (two warps share the widening)
     ("p-e4m3-bf16-ps16-nhd-dec32-d128", "paged", 16, 8, 5000, "mixed", 16, 32, 8, 128, "bf16", "e4m3", "NHD", True,
      "5d"),
     ("r-e5m2-f16-hnd-dec32-d64", "ragged", 12, 8, 3000, "append", 0, 32, 8, 64, "fp16", "e5m2", "HND", True, None),
@@ -279,7 +279,8 @@ def test_fp8_batch_grid(key, kind, batch, qo_max, kv_max, mode, ps, hq, hkv, d, 
     ks, vs = _scales(_seed(key, "scales"))
     w = _wrapper(kind, layout)
     _plan(w, kind, b, pg, causal)
-    assert w._attn.meta["decode"] is (max(b.qo_lens) * (hq // hkv) <= DECODE_MAX_ROWS[d]), w._attn.name
+    tile = decode_tile_rows(d, max(b.qo_lens) * (hq // hkv), decode_tiles(d, paged=kind == "paged", fp8=True))
+    assert w._attn.meta["decode"] is bool(tile) and w._plan.block_m == (tile or 128), w._attn.name
     o, lse = _run_into(w, b, kv_args, k_scale=ks, v_scale=vs)
     _check(b, o, lse, _refs(b, causal, {}, ks, vs, seed=_seed(key, "heads")), vs, {}, key)
     # the allocated path, same plan and scales: the same bits

@@ -37,7 +37,7 @@ pytestmark = pytest.mark.gpu
 torch = require_cuda_torch()
 
 import pyflashattn  # noqa: E402  (after the GPU probe: the CPU box must skip, not error)
-from pyflashattn.prefill import DECODE_MAX_ROWS  # noqa: E402
+from pyflashattn.prefill import DECODE_MAX_ROWS, decode_tile_rows, decode_tiles  # noqa: E402
 from pyflashattn.testing import attention_ref, to_numpy_f64  # noqa: E402
 from pyflashattn.testing.frameworks import capture_torch_graph as _capture  # noqa: E402
 from pyflashattn.testing.checks import assert_close, batch_heads_to_check  # noqa: E402
@@ -349,7 +349,8 @@ GRID = [
     ("r-20-dec16-d256", "ragged", 20, 4, 6000, "mixed", [], 0, 32, 8, 256, "fp16", "NHD", True, None),
     ("r-16-dec16-g1-hnd", "ragged", 16, 16, 2000, "append", [], 0, 16, 16, 64, "bf16", "HND", False, None),
     ("r-64-dec16-long", "ragged", 64, 1, 16384, "append", [(1, 16384)], 0, 32, 4, 128, "bf16", "NHD", True, None),
-    # 17-32 packed rows at hd64 / hd128 (DECODE_MAX_ROWS): two row tiles of the decode tile per request
+    # 17-32 packed rows at hd64 / hd128 (DECODE_MAX_ROWS): the 32-row decode tile (paged), two
+    # 16-row tiles (ragged)
     ("p-32-dec32-g4", "paged", 32, 8, 6000, "mixed", [(8, 6000)], 16, 32, 8, 128, "bf16", "NHD", True, "5d"),
     ("r-24-dec32-g1-d64", "ragged", 24, 32, 3000, "append", [(32, 3000)], 0, 16, 16, 64, "fp16", "NHD", True, None),
     ("p-12-dec32-g8-ps1-d64", "paged", 12, 4, 2000, "mixed", [(4, 2000)], 1, 64, 8, 64, "bf16", "HND", False,
@@ -398,8 +399,10 @@ def test_batch_grid(key, kind, batch, qo_max, kv_max, mode, pin, ps, hq, hkv, d,
     snap = [x.clone() for x in [b.q] + _tensors(kv_args)]
     w = _wrapper_for(kind, layout)
     _plan(w, kind, b, pg, causal)
-    # the 16-row decode tile exactly when every request is within DECODE_MAX_ROWS packed rows
-    assert w._attn.meta["decode"] is (max(b.qo_lens) * (hq // hkv) <= DECODE_MAX_ROWS[d]), w._attn.name
+    # a decode tile exactly when every request is within DECODE_MAX_ROWS packed rows: the smallest
+    # that holds the longest
+    tile = decode_tile_rows(d, max(b.qo_lens) * (hq // hkv), decode_tiles(d, paged=kind == "paged"))
+    assert w._attn.meta["decode"] is bool(tile) and w._plan.block_m == (tile or 128), w._attn.name
     # allocated path
     o1, lse1 = w.run(b.q, *kv_args, return_lse=True)
     # out=/lse= path, NaN-poisoned, same plan: same kernel, same inputs -> the same bits
@@ -959,7 +962,19 @@ def _graph_rounds():
     ]
 
 
-def test_cuda_graph_paged_replay_after_replan():
+def _graph_rounds_decode32():
+    """A paged decode graph whose first plan (8 tokens x group 4 = 32 rows) picks the 32-row
+    decode tile, replanned with shorter, equal and longer requests (several 32-row tiles each)."""
+    return [
+        ([8, 5, 8, 1, 3, 8, 2, 8], [900, 4000, 129, 2000, 50, 300, 9000, 17]),
+        ([1, 2, 3, 4, 1, 1, 1], [12000, 250, 8000, 3000, 7, 1, 600]),
+        ([20, 12], [500, 2600]),  # 80 and 48 rows
+        ([0, 1, 8, 27], [0, 5, 4000, 27]),
+    ]
+
+
+@pytest.mark.parametrize("decode32", [False, True])
+def test_cuda_graph_paged_replay_after_replan(decode32):
     hq, hkv, d, ps, dt, layout = 32, 8, 128, 16, F16, "HND"
     max_batch, max_pages, pool = 8, 2048, 2400
     causal = True
@@ -970,7 +985,7 @@ def test_cuda_graph_paged_replay_after_replan():
                 paged_kv_indices_buf=torch.empty(max_pages, dtype=torch.int32, device=DEV),
                 paged_kv_last_page_len_buf=torch.empty(max_batch, dtype=torch.int32, device=DEV))
     w = pyflashattn.BatchPrefillWithPagedKVCacheWrapper(_workspace(), layout, use_cuda_graph=True, **bufs)
-    rounds = _graph_rounds()
+    rounds = _graph_rounds_decode32() if decode32 else _graph_rounds()
     T = sum(rounds[0][0])
     q_static = torch.empty((T, hq, d), dtype=dt, device=DEV)
     out = torch.full((T, hq, d), NAN, dtype=dt, device=DEV)
@@ -985,6 +1000,7 @@ def test_cuda_graph_paged_replay_after_replan():
         n = b.q.shape[0]
         q_static[:n].copy_(b.q)
         w.plan(b.qo_indptr, kv_indptr, indices, last, hq, hkv, d, ps, causal=causal, q_data_type=dt)
+        assert w._plan.block_m == (32 if decode32 else 128), "the graph keeps its first plan's tile"
         out.fill_(NAN)
         lse.fill_(NAN)
         if g is None:
