@@ -181,18 +181,19 @@ DECODE_TILES_FP8 = {
     128: (1, 1, 16, False, 2, 1, True),
     256: (2, 1, 32, False, 2, 1, True, True),
 }
-# head_dim -> the 32-row decode tile (two warps, each with its own 16 packed rows, sharing every K/V
-# tile and, over an fp8 cache, its widening): requests of 17-32 packed rows (an 8-token speculative
-# decode at GQA 4), where two row tiles of the 16-row tile each streamed the request's K/V
-# (prefill.DECODE_TILE_ROWS routes; NOTES.md, session 11). The 16-row tiles' key counts per K/V
-# storage; hd256 has none (DECODE_MAX_ROWS keeps it at 16 rows).
-DECODE32_TILES = {
-    64: (2, 1, 64, False, 2, 1, True),
-    128: (2, 1, 32, False, 2, 1, True),
+# The wide decode tiles: rows -> head_dim -> tile, 32 or 64 packed rows on 2 or 4 warps with 16 rows
+# each, sharing every K/V tile, its page-table lookups and, over an fp8 cache, its widening; the
+# 16-row tiles' key counts per K/V storage. For requests of 17-64 packed rows (8-token speculative
+# decode at GQA 4 / 8) over a paged or fp8 cache: only those kernels are built, since contiguous
+# 16-bit K/V stream faster as several 16-row tiles (prefill.decode_tiles; NOTES.md, session 11).
+# hd256 has none (prefill.DECODE_MAX_ROWS keeps it at 16 rows).
+WIDE_DECODE_TILES = {
+    32: {64: (2, 1, 64, False, 2, 1, True), 128: (2, 1, 32, False, 2, 1, True)},
+    64: {64: (4, 1, 64, False, 2, 1, True), 128: (4, 1, 32, False, 2, 1, True)},
 }
-DECODE32_TILES_FP8 = {
-    64: (2, 1, 32, False, 2, 1, True),
-    128: (2, 1, 16, False, 2, 1, True),
+WIDE_DECODE_TILES_FP8 = {
+    32: {64: (2, 1, 32, False, 2, 1, True), 128: (2, 1, 16, False, 2, 1, True)},
+    64: {64: (4, 1, 32, False, 2, 1, True), 128: (4, 1, 16, False, 2, 1, True)},
 }
 # Alternatives the tuning sweep compares against the defaults.
 PREFILL_TUNE_TILES = {
@@ -216,9 +217,11 @@ def variants(tune=False):
                 for paged in (False, True):
                     dec = (DECODE_TILES_FP8 if kv_dtype else DECODE_TILES)[hd]
                     out.append(PrefillVariant(dtype, hd, *dec, paged=paged, kv_dtype=kv_dtype, decode=True))
-                    dec32 = (DECODE32_TILES_FP8 if kv_dtype else DECODE32_TILES).get(hd)
-                    if dec32 is not None:
-                        out.append(PrefillVariant(dtype, hd, *dec32, paged=paged, kv_dtype=kv_dtype, decode=True))
+                    if paged or kv_dtype:
+                        for wide in (WIDE_DECODE_TILES_FP8 if kv_dtype else WIDE_DECODE_TILES).values():
+                            if hd in wide:
+                                out.append(PrefillVariant(dtype, hd, *wide[hd], paged=paged, kv_dtype=kv_dtype,
+                                                          decode=True))
             if tune:
                 out += [PrefillVariant(dtype, hd, *t, tune=True) for t in PREFILL_TUNE_TILES[hd]]
         out.append(MergeVariant(dtype))

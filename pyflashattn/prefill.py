@@ -340,30 +340,34 @@ class _Plan:
 # hd128 1.63 -> 1.92. hd256 stays at 16 rows (paged 2.38 -> 1.97, single 2.23 -> 2.12), and 64 rows
 # lost almost everywhere (hd128 paged 1.92 -> 1.71, fp8 0.73 -> 0.51; hd256 paged 2.48 -> 1.10).
 DECODE_MAX_ROWS = {64: 32, 128: 32, 256: 16}
-# Head dims with a 32-row decode tile (variants.py DECODE32_TILES: two warps with 16 rows each,
-# sharing every K/V tile, its page-table lookups and, over an fp8 cache, its widening).
-DECODE32_HEAD_DIMS = (64, 128)
+# head_dim -> the wide decode tiles' packed rows (variants.py WIDE_DECODE_TILES: 2 or 4 warps with 16
+# rows each, sharing every K/V tile, its page-table lookups and, over an fp8 cache, its widening),
+# built for paged or fp8 K/V. A request up to the largest runs on a decode tile whatever
+# DECODE_MAX_ROWS says (that bound is for several row tiles of a smaller one).
+WIDE_DECODE_ROWS = {64: (32, 64), 128: (32, 64)}
 
 
 def decode_tiles(head_dim: int, paged: bool = False, fp8: bool = False) -> tuple:
     """The decode tiles (by packed rows, smallest first) a plan over this K/V may run on.
 
-    The 32-row tile where it exists for paged or fp8 K/V; contiguous 16-bit K/V (the ragged
-    wrapper, single prefill) run 17-32 rows as two 16-row tiles instead. H100, same session, K/V
+    The wide tiles (32 and 64 rows) for paged or fp8 K/V; contiguous 16-bit K/V (the ragged
+    wrapper, single prefill) run 17-32 rows as two 16-row tiles instead, and more on the 128-row
+    kernel. 64 rows over paged / fp8 K/V, 128-row kernel -> the 64-row tile (H100, NOTES.md, session
+    11): paged 1.47-2.36 -> 1.92-2.55 (+7..+63 %, one case -2 %), fp8 0.63-0.94 -> 0.81-1.19. 32 rows, K/V
     TB/s two 16-row tiles -> the 32-row tile (NOTES.md, session 11): paged 2.16-2.59 -> 2.37-2.85
     (hd64 spec-decode B=32 2.18 -> 2.70), fp8 paged 0.94-1.11 -> 1.40-1.67; but ragged 16-bit
     2.41-2.71 -> 2.37-2.70 (hd128 B=16 long KV 2.70 -> 2.37-2.45) and single qo=8 kv 32K 1.48 /
     1.95 -> 1.34 / 1.70 (hd64 / hd128): six one-warp CTAs per SM keep more K/V in flight than five
     two-warp ones, and the second read of a contiguous stream mostly hits L2, while through a page
     table each row tile repeats the page-id staging and address math, and over fp8 the widening."""
-    return (16, 32) if head_dim in DECODE32_HEAD_DIMS and (paged or fp8) else (16,)
+    return (16,) + WIDE_DECODE_ROWS.get(head_dim, ()) if paged or fp8 else (16,)
 
 
 def decode_tile_rows(head_dim: int, rows: int, tiles: tuple = (16,)) -> int:
     """The decode tile (by its packed rows, one of `tiles`) for requests of at most `rows` packed
-    rows: the smallest that holds them, else several row tiles of the largest; 0 = the 128-row
-    kernel."""
-    if rows > DECODE_MAX_ROWS[head_dim]:
+    rows: the smallest that holds them, else (up to DECODE_MAX_ROWS) several row tiles of the
+    largest; 0 = the 128-row kernel."""
+    if rows > max(DECODE_MAX_ROWS[head_dim], tiles[-1]):
         return 0
     for t in tiles:
         if rows <= t:

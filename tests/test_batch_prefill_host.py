@@ -954,9 +954,17 @@ def test_decode_tile_only_when_every_request_fits_decode_max_rows(fake):
     assert w._attn is la32
     w.plan(i32(0, 4, 5), i32(0, 900, 1700), HQ, HKV, D, causal=True, kv_data_type="float8_e4m3fn")  # 16 rows
     assert w._attn.meta["block_m"] == 16
+    w.plan(i32(0, 16, 17), i32(0, 900, 1700), HQ, HKV, D, causal=True, kv_data_type="float8_e4m3fn")  # 64 rows
+    assert w._attn.meta["block_m"] == 64 and w._attn.threads == 128 and w._attn.meta["decode"]
+    w.plan(i32(0, 17, 18), i32(0, 900, 1700), HQ, HKV, D, causal=True, kv_data_type="float8_e4m3fn")  # 68 rows
+    assert not w._attn.meta["decode"] and w._plan.block_m == 128
+    w.plan(i32(0, 16, 17), i32(0, 900, 1700), HQ, HKV, D, causal=True)  # 64 rows of 16-bit ragged K/V
+    assert not w._attn.meta["decode"], "contiguous 16-bit K/V: several 16-row tiles up to DECODE_MAX_ROWS only"
     wp = paged(fake)
     wp.plan(i32(0, 8, 9), i32(0, 3, 5), i32(0, 1, 2, 3, 4), i32(5, 7), HQ, HKV, D, PS, causal=True)
     assert wp._attn.meta["block_m"] == 32 and wp._attn.meta["paged"] and last_cfg_ctas(wp, 32) >= 2
+    wp.plan(i32(0, 12, 13), i32(0, 3, 5), i32(0, 1, 2, 3, 4), i32(5, 7), HQ, HKV, D, PS, causal=True)  # 48 rows
+    assert wp._attn.meta["block_m"] == 64 and last_cfg_ctas(wp, 64) >= 2
     w.plan(i32(0, 9, 10), i32(0, 900, 1700), HQ, HKV, D, causal=True)  # 9 x 4 = 36 rows
     assert not w._attn.meta["decode"] and w._plan.block_m == 128
     w.plan(i32(0, 4, 5), i32(0, 900, 1700), HQ, HKV, D, causal=True, logits_soft_cap=3.0)

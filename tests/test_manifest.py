@@ -8,7 +8,7 @@ import sys
 import pytest
 
 from pyflashattn import _params_gen, _registry
-from pyflashattn.prefill import DECODE32_HEAD_DIMS, DECODE_MAX_ROWS
+from pyflashattn.prefill import DECODE_MAX_ROWS, WIDE_DECODE_ROWS
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "build_tools"))
@@ -84,8 +84,8 @@ def test_prefill_tiles_are_the_tables_rows():
             continue
         if not v.decode:
             table = variants.PREFILL_TILES
-        elif v.block_m == 32:
-            table = variants.DECODE32_TILES_FP8 if v.kv_dtype else variants.DECODE32_TILES
+        elif v.block_m > 16:
+            table = (variants.WIDE_DECODE_TILES_FP8 if v.kv_dtype else variants.WIDE_DECODE_TILES)[v.block_m]
         else:
             table = variants.DECODE_TILES_FP8 if v.kv_dtype else variants.DECODE_TILES
         row = table[v.head_dim]
@@ -97,19 +97,22 @@ def test_decode_tiles_exist_for_every_lean_kernel():
     vs = [v for v in variants.variants() if isinstance(v, variants.PrefillVariant)]
     lean = {(v.dtype, v.head_dim, v.kv, v.paged) for v in vs if not v.general and not v.decode}
     assert {(v.dtype, v.head_dim, v.kv, v.paged) for v in vs if v.decode} == lean
-    # the 32-row tiles: at the head dims the routing sends 17-32 packed rows to, for every K/V
-    # storage and both layouts
-    rows32 = {(v.dtype, v.head_dim, v.kv, v.paged) for v in vs if v.decode and v.block_m == 32}
-    assert rows32 == {k for k in lean if k[1] in DECODE32_HEAD_DIMS}
-    assert set(variants.DECODE32_TILES) == set(variants.DECODE32_TILES_FP8) == set(DECODE32_HEAD_DIMS)
-    # the routing sends at most 32 packed rows to a decode tile, and more than 16 only where the
-    # 32-row tile exists (elsewhere two 16-row tiles would stream K/V for a 32-row tile's job)
-    assert all(DECODE_MAX_ROWS[hd] <= (32 if hd in DECODE32_HEAD_DIMS else 16) for hd in DECODE_MAX_ROWS)
+    # the wide tiles (what prefill.decode_tiles routes to): every row count and head dim of
+    # WIDE_DECODE_ROWS, for paged or fp8 K/V (contiguous 16-bit K/V never use them)
+    for rows in (32, 64):
+        wide = {(v.dtype, v.head_dim, v.kv, v.paged) for v in vs if v.decode and v.block_m == rows}
+        assert wide == {k for k in lean if rows in WIDE_DECODE_ROWS.get(k[1], ()) and (k[3] or k[2] == "fp8")}
+    for table in (variants.WIDE_DECODE_TILES, variants.WIDE_DECODE_TILES_FP8):
+        assert {(r, hd) for r, t in table.items() for hd in t} == {
+            (r, hd) for hd, rs in WIDE_DECODE_ROWS.items() for r in rs}
+    # several 16-row tiles (contiguous 16-bit K/V) go to 32 rows at most, and only where wide tiles
+    # exist for the other K/V kinds
+    assert all(DECODE_MAX_ROWS[hd] <= (32 if hd in WIDE_DECODE_ROWS else 16) for hd in DECODE_MAX_ROWS)
     for v in vs:
         if v.decode:
-            # 16 rows: one warp, or a warp pair sharing them (the fp8 hd256 tile); 32 rows: two warps
-            assert v.general is False and v.block_m in (16, 32), v.name
-            assert v.warps == (2 if v.pair or v.block_m == 32 else 1), v.name
+            # 16 rows: one warp, or a warp pair sharing them (the fp8 hd256 tile); wider: 16 rows a warp
+            assert v.general is False and v.block_m in (16, 32, 64), v.name
+            assert v.warps == (2 if v.pair else v.block_m // 16), v.name
             # several CTAs per SM on an H100 (228 KB, 1 KB reserved each): the point of the tile
             assert 228 * 1024 // (v.smem_bytes + 1024) >= 2, v.name
             assert v.manifest()["decode"] is True

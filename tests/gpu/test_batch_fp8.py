@@ -259,6 +259,10 @@ GRID = [
     ("p-e4m3-bf16-ps16-nhd-dec32-d128", "paged", 16, 8, 5000, "mixed", 16, 32, 8, 128, "bf16", "e4m3", "NHD", True,
      "5d"),
     ("r-e5m2-f16-hnd-dec32-d64", "ragged", 12, 8, 3000, "append", 0, 32, 8, 64, "fp16", "e5m2", "HND", True, None),
+    # 33-64 packed rows: the 64-row fp8 decode tile (four warps share the widening)
+    ("p-e4m3-bf16-ps16-nhd-dec64-g8", "paged", 16, 8, 5000, "mixed", 16, 64, 8, 128, "bf16", "e4m3", "NHD", True,
+     "5d"),
+    ("r-e4m3-f16-nhd-dec64-d64", "ragged", 10, 16, 2500, "append", 0, 32, 8, 64, "fp16", "e4m3", "NHD", False, None),
 ]
 
 

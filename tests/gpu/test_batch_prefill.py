@@ -359,6 +359,11 @@ GRID = [
      None),
     ("p-20-dec32-ps64-long", "paged", 20, 8, 20000, "append", [(8, 20000)], 64, 32, 8, 128, "fp16", "NHD", True,
      "tuple_views"),
+    # 33-64 packed rows over a page table: the 64-row decode tile (ragged 16-bit K/V: the 128-row kernel)
+    ("p-24-dec64-g8", "paged", 24, 8, 7000, "mixed", [(8, 7000)], 16, 64, 8, 128, "bf16", "NHD", True, "5d"),
+    ("p-10-dec64-g1-d64-ps1", "paged", 10, 64, 3000, "append", [(64, 3000)], 1, 16, 16, 64, "fp16", "HND", True,
+     "tuple"),
+    ("r-12-rows64-g8", "ragged", 12, 8, 3000, "mixed", [(8, 3000)], 0, 64, 8, 128, "fp16", "NHD", True, None),
     # hd256 keeps the decode tile to 16 rows: 32 rows take the 128-row kernel
     ("r-10-rows32-d256", "ragged", 10, 8, 3000, "mixed", [(8, 3000)], 0, 32, 8, 256, "bf16", "NHD", True, None),
 ]
