@@ -1,8 +1,9 @@
 """Decode benchmark: ``python -m pyflashattn.bench_decode [--quick] [--json PATH]``.
 
 Decode-like batches (every request 1 to 8 query tokens over a long KV cache) through the batch
-wrappers, which run them on the decode tiles (16 packed rows; at head_dim 64 / 128 up to 32: the
-32-row tile over a paged or fp8 cache, two 16-row tiles over ragged K/V; ``prefill.decode_tiles``).
+wrappers, which run them on the decode tiles (16 packed rows; at head_dim 64 / 128 the 32- and
+64-row tiles over a paged or fp8 cache, two 16-row tiles for up to 32 rows over ragged K/V;
+``prefill.decode_tiles``).
 Such a batch is a stream over its
 K/V, so it is judged against memory bandwidth: KV bytes read per second (K and V of every
 request once, 2 bytes an element, 1 in the fp8 cache) next to the device-to-device copy
