@@ -375,8 +375,8 @@ class _BatchPrefillBase:
 
         _cuda.ensure_context(self._dev)
         cap = None
-        # a decode tile when every request is within DECODE_MAX_ROWS packed rows (decode,
-        # speculative decode, short appends): the smallest that holds the longest (0: none)
+        # a decode tile when the longest request fits one of this plan's decode tiles, or (contiguous
+        # 16-bit K/V) several within DECODE_MAX_ROWS: decode, speculative decode, short appends
         tile = decode_tile_rows(head_dim, max_qo * group, tuple(dec)) if dec else 0
         if self._use_cuda_graph:
             cap = self._graph_capacity(B, int(qo[-1]))
@@ -531,10 +531,9 @@ class _BatchPrefillBase:
         la = self._launcher("prefill", qdt.short, kvs, head_dim, general)
         ctas_per_sm = 2 if la.meta["threads"] <= 128 else 1
         budget = props["sm_count"] * ctas_per_sm  # CTAs per wave
-        # The decode tiles (16 rows on one warp or a pair; 32 rows on two warps: decode_tiles) by
-        # their rows, smallest first, for batches whose every request has at most DECODE_MAX_ROWS
-        # packed rows; lean options only. Their CTAs per SM are what the shared memory allows
-        # (single prefill's rule).
+        # The decode tiles (16 rows on one warp or a pair; for paged or fp8 K/V also 32 and 64 rows
+        # on two and four warps: decode_tiles) by their rows, smallest first; lean options only.
+        # Their CTAs per SM are what the shared memory allows (single prefill's rule).
         dec = None
         if not general:
             dec = {}

@@ -332,7 +332,8 @@ class _Plan:
 
 
 # head_dim -> the most packed rows (qo_len * num_qo_heads / num_kv_heads) a request may have to run
-# on a decode tile instead of the 128-row kernel; both APIs use it (a batch goes there when its
+# as several row tiles of a decode tile instead of on the 128-row kernel (requests that fit one
+# decode tile always go there: decode_tile_rows); both APIs use it (a batch goes there when its
 # longest request fits). H100 A/B, causal, 32/8 heads, K/V TB/s, 128-row kernel -> two row tiles of
 # the 16-row tile (NOTES.md, session 11): 8-token speculative decode (32 rows), B=32 kv 2K-16K,
 # ragged / paged / fp8 paged: hd64 1.75 -> 2.51, 1.63 -> 2.08-2.15, 0.67 -> 0.71-1.13; hd128
