@@ -927,10 +927,11 @@ def test_enable_pdl_launches_the_attention_programmatically(fake, fake_torch, ki
 
 
 def test_decode_tile_only_when_every_request_fits_decode_max_rows(fake):
-    """The one-warp 16-row kernel for batches whose requests all have at most
-    DECODE_MAX_ROWS[head_dim] packed rows (qo_len * group: 32 at hd128, i.e. one or two of its row
-    tiles), with a plan on its tile and its CTAs per SM; the 128-row kernel otherwise and with
-    options only the general kernels carry. In CUDA-graph mode the first plan picks for good."""
+    """The decode tiles (prefill.decode_tiles) for batches whose longest request fits one: 16 rows,
+    and over fp8 or paged K/V also the 32- and 64-row tiles; over ragged 16-bit K/V up to
+    DECODE_MAX_ROWS[head_dim] packed rows as two 16-row tiles. Each with a plan on its tile and its
+    CTAs per SM; the 128-row kernel otherwise and with options only the general kernels carry. In
+    CUDA-graph mode the first plan picks for good."""
     assert pyflashattn.prefill.DECODE_MAX_ROWS == {64: 32, 128: 32, 256: 16}
     w = ragged(fake)  # 8 / 2 heads: group 4
     w.plan(i32(0, 4, 5, 5, 7), i32(0, 900, 1700, 1800, 3000), HQ, HKV, D, causal=True)
