@@ -12,7 +12,7 @@ from params_schema import C_TYPES, FAMILIES, SIZES  # noqa: E402
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 C_OUT = ROOT / "kernel_src/include/pfa/attention/params.h"
-PY_OUT = ROOT / "pyflashattn/_params_gen.py"
+PY_OUT = ROOT / "pyflashattn/_runtime/params_gen.py"
 CTYPES = {"ptr": "ctypes.c_uint64", "i64": "ctypes.c_int64", "i32": "ctypes.c_int32", "f32": "ctypes.c_float"}
 
 

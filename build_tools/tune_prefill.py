@@ -11,7 +11,7 @@ import json
 import torch
 
 import pyflashattn
-from pyflashattn import _registry
+from pyflashattn._runtime import registry as _registry
 from pyflashattn.testing.bench_util import bench_ms
 
 

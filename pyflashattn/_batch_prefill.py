@@ -25,7 +25,8 @@ import sys
 
 import numpy as np
 
-from . import _cuda, _dtypes, _options, _plan, _registry, _tensor
+from ._runtime import cuda as _cuda, dtypes as _dtypes, registry as _registry, tensor as _tensor
+from . import _options, _plan
 from .prefill import (HEAD_DIMS, LOG2E, _MERGE_ROWS_PER_BLOCK, _alibi_buffer, _decode_ctas_per_sm, decode_tile_rows,
                       decode_tiles)
 

@@ -18,7 +18,8 @@ import threading
 
 import numpy as np
 
-from . import _cuda, _dtypes, _options, _plan, _registry, _split_kv, _tensor
+from ._runtime import cuda as _cuda, dtypes as _dtypes, registry as _registry, tensor as _tensor
+from . import _options, _plan, _split_kv
 
 LOG2E = 1.4426950408889634
 HEAD_DIMS = (64, 128, 256)

@@ -26,8 +26,8 @@ import sys
 
 import numpy as np
 
-from . import _cuda, _dtypes, _registry, _tensor
-from ._dlpack import kDLCPU
+from ._runtime import cuda as _cuda, dtypes as _dtypes, registry as _registry, tensor as _tensor
+from ._runtime.dlpack import kDLCPU
 
 __all__ = ["packbits", "segment_packbits"]
 

@@ -24,8 +24,8 @@ import numpy as np
 import pytest
 
 import pyflashattn
-from pyflashattn import _cuda, _dtypes, _registry, _tensor
-from pyflashattn._params_gen import MergeParams, PackbitsParams, PrefillParams
+from pyflashattn._runtime import cuda as _cuda, dtypes as _dtypes, registry as _registry, tensor as _tensor
+from pyflashattn._runtime.params_gen import MergeParams, PackbitsParams, PrefillParams
 from pyflashattn.testing.fake_tensors import FakeProducer, fake_cuda_tensor
 from pyflashattn.testing.fake_tensors import compact_strides as _compact
 
@@ -206,7 +206,7 @@ _META = {64: dict(block_m=128, block_n=64, threads=128), 128: dict(block_m=128, 
 
 
 class FakeEnv:
-    """Installs FakeDriver into pyflashattn._cuda / _registry (see the ``fake`` fixture)."""
+    """Installs FakeDriver into pyflashattn._runtime.cuda / _registry (see the ``fake`` fixture)."""
 
     def __init__(self, monkeypatch):
         self.cu = cu = FakeDriver()

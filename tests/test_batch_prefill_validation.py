@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 
 import pyflashattn
-from pyflashattn import _cuda, _dtypes
+from pyflashattn._runtime import cuda as _cuda, dtypes as _dtypes
 from pyflashattn.testing.fake_tensors import fake_cuda_tensor
 
 Paged = pyflashattn.BatchPrefillWithPagedKVCacheWrapper

@@ -7,10 +7,10 @@ import threading
 import numpy as np
 import pytest
 
-from pyflashattn import _dlpack, _dtypes
-from pyflashattn._dlpack import (DLManagedTensor, DLManagedTensorVersioned, DLPackExchangeAPI,
+from pyflashattn._runtime import dlpack as _dlpack, dtypes as _dtypes
+from pyflashattn._runtime.dlpack import (DLManagedTensor, DLManagedTensorVersioned, DLPackExchangeAPI,
                                  DLTensor, exchange_api_for, read_capsule)
-from pyflashattn._dtypes import ALL, DType, from_dlpack_code, normalize
+from pyflashattn._runtime.dtypes import ALL, DType, from_dlpack_code, normalize
 
 c_int64 = ctypes.c_int64
 

@@ -6,8 +6,8 @@ import pathlib
 
 import pytest
 
-from pyflashattn import _cuda, _registry
-from pyflashattn._params_gen import MergeParams
+from pyflashattn._runtime import cuda as _cuda, registry as _registry
+from pyflashattn._runtime.params_gen import MergeParams
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent.parent / "build_tools"))
 import variants  # noqa: E402

@@ -7,7 +7,7 @@ import sys
 
 import pytest
 
-from pyflashattn import _params_gen, _registry
+from pyflashattn._runtime import params_gen as _params_gen, registry as _registry
 from pyflashattn.prefill import DECODE_MAX_ROWS, WIDE_DECODE_ROWS
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent

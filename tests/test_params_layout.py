@@ -11,7 +11,7 @@ import sys
 
 import pytest
 
-from pyflashattn import _params_gen
+from pyflashattn._runtime import params_gen as _params_gen
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "build_tools"))

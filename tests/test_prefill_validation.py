@@ -3,7 +3,7 @@ argument before the driver is touched; valid input gets past validation (to a st
 import pytest
 
 import pyflashattn
-from pyflashattn import _cuda, _dtypes
+from pyflashattn._runtime import cuda as _cuda, dtypes as _dtypes
 from pyflashattn.testing.fake_tensors import fake_cuda_tensor
 
 F16, BF16 = _dtypes.FLOAT16, _dtypes.BFLOAT16

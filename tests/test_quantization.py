@@ -8,7 +8,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from pyflashattn import _dtypes
+from pyflashattn._runtime import dtypes as _dtypes
 from pyflashattn.quantization import packbits, segment_packbits
 from pyflashattn.testing.fake_tensors import FakeProducer
 

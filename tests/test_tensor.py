@@ -1,4 +1,4 @@
-"""CPU tests of pyflashattn._tensor: views, framework dispatch, streams and output allocation.
+"""CPU tests of pyflashattn._runtime.tensor: views, framework dispatch, streams and output allocation.
 
 torch/CuPy/JAX are not installed here, so they are impersonated by small classes whose
 ``__module__`` says which framework they belong to, and by fake modules in ``sys.modules``.
@@ -16,8 +16,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import pyflashattn
-from pyflashattn import _dlpack, _dtypes
-from pyflashattn._tensor import (TensorView, check_same_device, current_stream, empty, finalize,
+from pyflashattn._runtime import dlpack as _dlpack, dtypes as _dtypes
+from pyflashattn._runtime.tensor import (TensorView, check_same_device, current_stream, empty, finalize,
                                  framework_of, require_cuda, stream_handle, view)
 
 c_int64 = ctypes.c_int64
@@ -353,7 +353,7 @@ def test_stream_handle_negative():
 
 # ---------------------------------------------------------------- fake framework modules
 class FakeCuda:
-    """Stands in for pyflashattn._cuda (no GPU here): records every call."""
+    """Stands in for pyflashattn._runtime.cuda (no GPU here): records every call."""
 
     def __init__(self):
         self.log = []
@@ -381,8 +381,8 @@ class FakeCuda:
 @pytest.fixture
 def fake_cuda(monkeypatch):
     fc = FakeCuda()
-    monkeypatch.setattr(pyflashattn, "_cuda", fc, raising=False)
-    monkeypatch.setitem(sys.modules, "pyflashattn._cuda", fc)
+    monkeypatch.setattr(pyflashattn._runtime, "cuda", fc, raising=False)
+    monkeypatch.setitem(sys.modules, "pyflashattn._runtime.cuda", fc)
     return fc
 
 
@@ -447,7 +447,7 @@ def test_current_stream_jax_and_others_use_library_stream(fake_cuda):
 def test_empty_torch(monkeypatch):
     torch = _torch_module(FakeTorchTensor)
     monkeypatch.setitem(sys.modules, "torch", torch)
-    monkeypatch.setattr(pyflashattn._tensor, "_TORCH_BY_NAME", {})  # real torch may have filled it
+    monkeypatch.setattr(pyflashattn._runtime.tensor, "_TORCH_BY_NAME", {})  # real torch may have filled it
     ref = view(FakeTorchTensor(device=("cuda", 1)), "q")
     out, v = empty(ref, (3, 4, 8), _dtypes.BFLOAT16, 0x55)
     FakeTorchTensor.new_empty_calls.clear()

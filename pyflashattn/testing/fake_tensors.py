@@ -4,7 +4,7 @@ before a launch, so validation paths can be exercised on a machine with no GPU.
 """
 import ctypes
 
-from pyflashattn import _dlpack, _dtypes
+from pyflashattn._runtime import dlpack as _dlpack, dtypes as _dtypes
 
 c_int64 = ctypes.c_int64
 

@@ -21,7 +21,7 @@ import struct
 import threading
 from typing import NamedTuple
 
-from ._dtypes import DType, from_dlpack_code
+from .dtypes import DType, from_dlpack_code
 
 __all__ = ["Parsed", "read_capsule", "exchange_api_for", "ExchangeAPI"]
 

@@ -28,9 +28,9 @@ import math
 import operator
 import sys
 
-from . import _dlpack
-from ._dlpack import kDLCPU, kDLCUDA, kDLCUDAManaged, compact_strides
-from ._dtypes import DType, normalize
+from . import dlpack as _dlpack
+from .dlpack import kDLCPU, kDLCUDA, kDLCUDAManaged, compact_strides
+from .dtypes import DType, normalize
 
 __all__ = ["TensorView", "view", "framework_of", "current_stream", "stream_handle", "empty",
            "finalize", "check_same_device", "require_cuda"]
@@ -258,7 +258,7 @@ def current_stream(framework: str, device_id: int) -> int:
         # CuPy's current stream is per device; switch device only to ask.
         with cupy.cuda.Device(device_id):
             return int(cupy.cuda.get_current_stream().ptr)
-    from . import _cuda
+    from . import cuda as _cuda
 
     return _cuda.library_stream(device_id)
 
@@ -380,7 +380,7 @@ def _free_managed(addr: int, _live=_LIVE) -> None:
     if entry is None:  # already freed: never twice
         return
     ptr, device_id = entry[0], entry[1]
-    from . import _cuda
+    from . import cuda as _cuda
 
     _cuda.ensure_context(device_id)  # JAX may call from a thread with no current context
     _cuda.mem_free(ptr)
@@ -398,7 +398,7 @@ class _JaxOutput:
                  "__weakref__")
 
     def __init__(self, shape: tuple, dtype: DType, device_id: int, stream: int):
-        from . import _cuda
+        from . import cuda as _cuda
 
         self._state = "none"  # none -> new (we own the memory) -> exported (the capsule's deleter does)
         self._capsule = None
@@ -420,7 +420,7 @@ class _JaxOutput:
             raise BufferError(f"cannot export to device {dl_device}")
         if copy:
             raise BufferError("pyflashattn outputs are exported without a copy")
-        from . import _cuda
+        from . import cuda as _cuda
 
         if stream != -1:  # -1: consumer opts out; None: consumer uses the legacy stream (1)
             _cuda.ensure_context(self.device_id)
@@ -464,7 +464,7 @@ class _JaxOutput:
         try:
             if self._state == "new":
                 self._state = "freed"
-                from . import _cuda
+                from . import cuda as _cuda
 
                 _cuda.ensure_context(self.device_id)
                 _cuda.mem_free(self.ptr)

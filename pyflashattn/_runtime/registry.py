@@ -11,10 +11,10 @@ import os
 import pathlib
 import threading
 
-from . import _cuda
-from ._params_gen import FAMILIES, PARAMS_SHA256
+from . import cuda as _cuda
+from .params_gen import FAMILIES, PARAMS_SHA256
 
-_PKG = pathlib.Path(__file__).resolve().parent
+_PKG = pathlib.Path(__file__).resolve().parent.parent  # the pyflashattn package
 _manifest = None
 _manifest_dir = None
 _libraries: dict[tuple[str, int], object] = {}
