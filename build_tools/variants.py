@@ -1,8 +1,14 @@
 """THE table of kernel variants: what gets built, for which arch, with which launch shape.
 
-gen_kernels.py writes one translation unit per row into kernel_src/generated/; the Makefile
-compiles each for every arch in ARCHS; make_manifest.py records the rows next to the cubins,
-and the runtime picks kernels from the manifest alone (pyflashattn/_registry.py).
+Every row names its implementation family (`impl`) and the archs it is built for (`archs`).
+gen_kernels.py writes one translation unit per row into kernel_src/generated/ plus
+kernel_src/generated/kernels.mk (the kernels of each arch), from which the Makefile compiles
+each row for its archs only; make_manifest.py records the built rows next to the cubins, and
+the runtime picks kernels from the manifest alone (pyflashattn/_runtime/registry.py).
+
+A row is built for an arch of its family unless it cannot run there: its dynamic shared memory
+exceeds the arch's per-block opt-in limit, or (decode tiles) the Python host can never route a
+launch to it on that arch (unbuilt_reason says which, and the manifest lists the rows left out).
 
 Prefill tile shapes (BLOCK_M = warps * mq * 16 packed rows, BLOCK_N keys per tile) were
 chosen by measurement on an H100/H200 (see NOTES.md); rows marked tune=True are alternatives
@@ -16,6 +22,41 @@ DTYPES = {"f16": "half", "bf16": "__nv_bfloat16"}
 # chosen at run time by PrefillParams.kv_fp8) and widen it to the query dtype in shared memory.
 KV_STORAGE = {"fp8": "pfa::fp8_storage"}
 ARCHS_DEFAULT = ("sm_80", "sm_89", "sm_90a")
+
+# Dynamic shared memory a block may opt in to (cudaDevAttrMaxSharedMemoryPerBlockOptin), per arch:
+# a kernel that asks for more can never launch there, so it is not built for that arch. 8.6 GPUs
+# allow what sm_89 does but run the sm_80 cubins (registry.arch_candidates), which are sized for
+# the A100; the runtime refuses the rows that exceed their own GPU's limit.
+SMEM_OPTIN = {"sm_80": 166912, "sm_89": 101376, "sm_90a": 232448}
+
+# Implementation families: impl -> the archs its rows are built for. A prefill row's kernel name,
+# header and definition macro derive from its impl (pfa_prefill_<impl>_...,
+# pfa/attention/prefill_<impl>.cuh, PFA_DEFINE_PREFILL_<IMPL>).
+#   "sm80": the mma.sync family, sm_80 class (cp.async, ldmatrix, mma.sync): every arch here.
+#   "sm90" (to come): the Hopper wgmma/TMA family, sm_90a only.
+#   "portable": plain CUDA kernels (merge, packbits), one source for every arch.
+SM80 = "sm80"
+PORTABLE = "portable"
+IMPL_ARCHS = {SM80: ARCHS_DEFAULT, PORTABLE: ARCHS_DEFAULT}
+
+WARP_THREADS = 32
+MMA_ROWS = 16  # rows of one m16 MMA tile: a warp's row tile, and the decode tile's height
+HALF_BYTES = 2  # a 16-bit (f16 / bf16) element
+FP8_BYTES = 1
+ROW_MAP_BYTES = 8  # per packed row: its (token, q head), kept by the non-paged kernels
+PAGE_ID_BYTES = 4  # one int32 page id staged in shared memory by the paged kernels
+PAGE_IDS = 2048  # PrefillSm80::MAX_PAGE_IDS
+DECODE_PAGE_IDS = 1024  # ... of the 16-row tiles up to DECODE_PAGE_IDS_MAX_HD: less staging, more CTAs per SM
+DECODE_PAGE_IDS_MAX_HD = 128
+# PrefillSm80::SPLIT_WIDEN: the fp8 16-row tiles from this head dim widen K and V one after the
+# other into one 16-bit tile (one widened tile instead of a pair: more CTAs per SM)
+SPLIT_WIDEN_MIN_HD = 256
+PAIR_LANE_BYTES = 16  # PAIR exchange: each lane's float4 of row maxes (row sums in the epilogue)
+P_WORD_KEYS = 8  # PAIR exchange: P's words per lane come to mq * block_n / 8 ...
+P_WORD_BYTES = 4  # ... of 4 bytes each
+# The decode tiles' CTAs per SM as designed: an upper bound; the host takes what shared memory
+# allows, min(8, smem_per_sm // (smem_bytes + 1024)) (prefill._decode_ctas_per_sm).
+DECODE_CTAS_PER_SM = 8
 
 
 @dataclass(frozen=True)
@@ -44,6 +85,17 @@ class PrefillVariant:
     # speculative decode: qo_len * group <= 16). KV streaming is what such a batch costs; the
     # 128-row kernels spend 7/8 of their MMAs on padding rows there (NOTES.md).
     decode: bool = False
+    impl: str = SM80  # the implementation family (IMPL_ARCHS)
+    # The archs it is built for; None = every arch of its impl whose shared memory holds it
+    # (variants() narrows the decode tiles to where the host can route them).
+    archs: tuple = None
+
+    def __post_init__(self):
+        if self.archs is None:
+            object.__setattr__(self, "archs", tuple(a for a in IMPL_ARCHS[self.impl] if self.fits(a)))
+
+    def fits(self, arch):
+        return self.smem_bytes <= SMEM_OPTIN[arch]
 
     @property
     def kv(self):
@@ -51,17 +103,22 @@ class PrefillVariant:
 
     @property
     def block_m(self):
-        return self.warps // (2 if self.pair else 1) * self.mq * 16
+        return self.warps // (2 if self.pair else 1) * self.mq * MMA_ROWS
 
     @property
     def name(self):
-        return (f"pfa_prefill_sm80_{self.dtype}{'_kv' + self.kv_dtype if self.kv_dtype else ''}_hd{self.head_dim}"
+        return (f"pfa_prefill_{self.impl}_{self.dtype}{'_kv' + self.kv_dtype if self.kv_dtype else ''}_hd{self.head_dim}"
                 f"_m{self.block_m}n{self.block_n}w{self.warps}s{self.stages}{'_qr' if self.q_in_regs else ''}{'_lr' if self.lazy_rescale else ''}{'_pr' if self.pair else ''}"
                 f"{'_gen' if self.general else ''}{'_paged' if self.paged else ''}")
 
     @property
     def threads(self):
-        return self.warps * 32
+        return self.warps * WARP_THREADS
+
+    @property
+    def ctas_per_sm(self):
+        """The CTAs per SM the variant is designed for (the host's planning figure)."""
+        return DECODE_CTAS_PER_SM if self.decode else self.min_blocks
 
     @property
     def smem_bytes(self):
@@ -71,16 +128,21 @@ class PrefillVariant:
         # + (pair) per warp and lane a float4 of row maxes and the warp's P words (mq * block_n / 8).
         # (the hd256 fp8 decode tile widens K and V one after the other into one tile:
         # PrefillSm80::SPLIT_WIDEN)
-        kv_tile = self.block_n * self.head_dim
-        wide = (1 if self.block_m == 16 and self.head_dim >= 256 else 2) * kv_tile * 2
-        kv = 2 * self.stages * kv_tile * 2 if not self.kv_dtype else 2 * self.stages * kv_tile + wide
-        xch = self.warps * 32 * (16 + self.mq * self.block_n // 8 * 4) if self.pair else 0
-        return self.block_m * self.head_dim * 2 + kv + (self.max_page_ids * 4 if self.paged else self.block_m * 8) + xch
+        kv_tile = self.block_n * self.head_dim  # elements of one K (or V) tile
+        split_widen = self.block_m == MMA_ROWS and self.head_dim >= SPLIT_WIDEN_MIN_HD
+        wide = (1 if split_widen else 2) * kv_tile * HALF_BYTES  # the widened K and V (or one of them)
+        # each stage holds a K and a V tile
+        kv = (2 * self.stages * kv_tile * HALF_BYTES if not self.kv_dtype
+              else 2 * self.stages * kv_tile * FP8_BYTES + wide)
+        xch = (self.threads * (PAIR_LANE_BYTES + self.mq * self.block_n // P_WORD_KEYS * P_WORD_BYTES)
+               if self.pair else 0)
+        rows = self.max_page_ids * PAGE_ID_BYTES if self.paged else self.block_m * ROW_MAP_BYTES
+        return self.block_m * self.head_dim * HALF_BYTES + kv + rows + xch
 
     @property
     def max_page_ids(self):
-        # PrefillSm80::MAX_PAGE_IDS: the decode tiles stage fewer page ids (3 CTAs per SM)
-        return 2048 if self.block_m > 16 or self.head_dim > 128 else 1024
+        # PrefillSm80::MAX_PAGE_IDS: the 16-row tiles up to hd128 stage fewer page ids
+        return PAGE_IDS if self.block_m > MMA_ROWS or self.head_dim > DECODE_PAGE_IDS_MAX_HD else DECODE_PAGE_IDS
 
     @property
     def rows_fastest(self):
@@ -88,8 +150,8 @@ class PrefillVariant:
         return self.pair and not self.paged
 
     def source(self):
-        return ('#include "pfa/attention/prefill_sm80.cuh"\n'
-                f"PFA_DEFINE_PREFILL_SM80({self.name}, {DTYPES[self.dtype]}, "
+        return (f'#include "pfa/attention/prefill_{self.impl}.cuh"\n'
+                f"PFA_DEFINE_PREFILL_{self.impl.upper()}({self.name}, {DTYPES[self.dtype]}, "
                 f"{KV_STORAGE[self.kv_dtype] if self.kv_dtype else DTYPES[self.dtype]}, {self.head_dim}, {self.warps}, "
                 f"{self.mq}, {self.block_n}, {'true' if self.q_in_regs else 'false'}, {self.stages}, {self.min_blocks}, "
                 f"{'true' if self.general else 'false'}, {'true' if self.paged else 'false'}, "
@@ -97,17 +159,24 @@ class PrefillVariant:
                 f"{'true' if self.rows_fastest else 'false'})\n")
 
     def manifest(self):
-        return {"family": "prefill", "dtype": self.dtype, "kv_dtype": self.kv, "head_dim": self.head_dim,
-                "block_m": self.block_m,
-                "block_n": self.block_n, "threads": self.threads, "smem_bytes": self.smem_bytes,
+        return {"family": "prefill", "impl": self.impl, "dtype": self.dtype, "kv_dtype": self.kv,
+                "head_dim": self.head_dim, "block_m": self.block_m, "block_n": self.block_n, "warps": self.warps,
+                "threads": self.threads, "smem_bytes": self.smem_bytes, "ctas_per_sm": self.ctas_per_sm,
                 "tune": self.tune, "general": self.general, "paged": self.paged, "decode": self.decode,
                 "rows_fastest": self.rows_fastest}
+
+
+MERGE_THREADS = 128
+MERGE_ROWS_PER_BLOCK = 4  # (row, head) pairs per block: one warp each
+PACKBITS_THREADS = 256
 
 
 @dataclass(frozen=True)
 class MergeVariant:
     dtype: str
     tune: bool = False
+    impl: str = PORTABLE
+    archs: tuple = ARCHS_DEFAULT
 
     @property
     def name(self):
@@ -119,13 +188,16 @@ class MergeVariant:
     def manifest(self):
         # programmatic_launch: it follows the attention kernel on the stream and waits for it in
         # griddepcontrol.wait before reading a partial (sm_90+; launched plainly elsewhere).
-        return {"family": "merge", "dtype": self.dtype, "threads": 128, "smem_bytes": 0, "rows_per_block": 4,
+        return {"family": "merge", "impl": self.impl, "dtype": self.dtype, "warps": MERGE_THREADS // WARP_THREADS,
+                "threads": MERGE_THREADS, "smem_bytes": 0, "rows_per_block": MERGE_ROWS_PER_BLOCK,
                 "programmatic_launch": True, "tune": self.tune}
 
 
 @dataclass(frozen=True)
 class PackbitsVariant:
     tune: bool = False
+    impl: str = PORTABLE
+    archs: tuple = ARCHS_DEFAULT
 
     @property
     def name(self):
@@ -135,13 +207,14 @@ class PackbitsVariant:
         return '#include "pfa/misc/packbits.cuh"\nPFA_DEFINE_PACKBITS(pfa_packbits)\n'
 
     def manifest(self):
-        return {"family": "packbits", "threads": 256, "smem_bytes": 0, "tune": self.tune}
+        return {"family": "packbits", "impl": self.impl, "warps": PACKBITS_THREADS // WARP_THREADS,
+                "threads": PACKBITS_THREADS, "smem_bytes": 0, "tune": self.tune}
 
 
 # head_dim -> (warps, mq, block_n, q_in_regs, stages, min_blocks, lazy_rescale[, pair]): the shipped
 # default per head dim. lazy_rescale applies to the lean kernels only (it made the general ones spill
-# more); it took hd128 from 40 B of spills to none (+8-12 %) but cost hd64 ~8 % (H100, NOTES.md).
-# hd256 runs warp pairs (8 warps, 128 rows, 2 row tiles per pair): +3 % over 8 single-row-tile warps.
+# more); it removed hd128's spills but slowed hd64 (NOTES.md). hd256 runs warp pairs (8 warps, 128
+# rows, 2 row tiles per pair), which measured faster than 8 single-row-tile warps.
 PREFILL_TILES = {
     64: (4, 2, 64, True, 2, 2, False),
     128: (4, 2, 64, False, 2, 2, True),
@@ -152,30 +225,20 @@ PREFILL_TILES = {
 # variants that ptxas fits without spills (hd256 needs 32-key tiles). min_blocks 1: one warp never
 # runs out of registers; the CTAs per SM the scheduler plans with come from the shared memory
 # (the batch wrapper computes them per GPU). hd128 runs 32-key tiles: five CTAs per SM instead of
-# three (H100, bench_decode, paged TB/s 64 -> 32 keys: 2.58-2.61 -> 2.66-2.67, 2.80-2.84 -> 2.89-2.90,
-# 2.98 -> 2.98-2.99, spec-decode 2.69-2.72 -> 2.83-2.84; ragged unchanged). hd64 / hd256 keep theirs (32 / 16 keys there: hd64
-# within noise or lower; hd256 paged spec-decode 2.36 -> 2.87 but B=64 2.80 -> 2.54).
+# three, which streamed paged K/V faster; hd64 / hd256 keep their key counts, where the
+# alternatives were no better overall (NOTES.md).
 DECODE_TILES = {
     64: (1, 1, 64, False, 2, 1, True),
     128: (1, 1, 32, False, 2, 1, True),
     256: (1, 1, 32, False, 2, 1, True),
 }
 # The decode tile over an fp8 K/V cache. Its warps widen every K/V tile into a 16-bit copy in
-# shared memory (~2 instructions an element), which with the bf16 tiles above ran at 0.23-0.62 of
-# the copy bandwidth in fp8 bytes, slower than the bf16 cache at hd128 / hd256: latency-bound
-# with 2-3 warps per SM. Smaller tiles fit more CTAs per SM, and a warp pair (2 warps, the same 16
-# rows: PAIR) halves each warp's widening. H100, bench_decode fp8 paged TB/s (fp8 bytes), the
-# four cases B=64 / B=16 / B=128 / spec-decode, one-wave split budget, base (the bf16 tiles) ->
-# one warp 32 keys (hd256: 16) / pair 32 keys: hd64 1.16 / 1.47 / 1.87 / 1.58 -> 1.60 / 2.08 /
-# 1.73 / 1.96 (pair: wrong outputs, see PrefillSm80's PAIR assert); hd128 1.13 / 1.23 / 1.38 /
-# 0.99 -> 1.28 / 1.57 / 1.82 / 1.64, pair 1.70 / 1.41 / 2.07 / 1.91; hd256 0.99 / 0.85 / 1.08 /
-# 0.69 -> 1.10 / 1.64 / 1.73 / 1.44, pair 1.55 / 1.37 / 1.75 / 1.14. With the two-wave split
-# budget (_batch_prefill._FP8_DECODE_WAVES) the ranking moved; H200, two rounds: hd128 pair 32
-# keys 1.87-1.89 / 1.84-1.85 / 2.06-2.08 / 1.75-1.76, one warp 32 keys 1.61-1.62 / 1.65-1.66 /
-# 1.79-1.80 / 1.75-1.77, one warp 16 keys 1.87 / 2.11-2.12 / 1.97 / 2.03-2.04 (shipped); hd256
-# one warp 16 keys 1.61-1.62 / 1.67-1.68 / 1.74-1.75 / 1.74, pair 32 keys 1.76-1.78 / 1.77-1.79 /
-# 2.00-2.01 / 1.88-1.89 (shipped); hd64 16 keys 1.99-2.00 / 1.88-1.89 / 2.05 / 2.19-2.20 against
-# 32 keys 1.84-1.85 / 2.13-2.14 / 2.15-2.16 / 2.01-2.02 (kept).
+# shared memory (~2 instructions an element): with the 16-bit tiles' shapes that is latency-bound
+# at 2-3 warps per SM, slower than a 16-bit cache. Smaller tiles fit more CTAs per SM, and a warp
+# pair (2 warps, the same 16 rows: PAIR) halves each warp's widening; which wins per head dim was
+# measured under the two-wave split budget (_batch_prefill._FP8_DECODE_WAVES): one warp on 16-key
+# tiles at hd128, a warp pair on 32-key tiles at hd256, hd64 kept at 32 keys (NOTES.md; the pair
+# is not an option at hd64, see PrefillSm80's PAIR assert).
 DECODE_TILES_FP8 = {
     64: (1, 1, 32, False, 2, 1, True),
     128: (1, 1, 16, False, 2, 1, True),
@@ -205,7 +268,42 @@ PREFILL_TUNE_TILES = {
 }
 
 
+def _lean_kernel(v):
+    """The 128-row lean kernel over the same dtype, head dim, K/V storage and paging as row v."""
+    return PrefillVariant(v.dtype, v.head_dim, *PREFILL_TILES[v.head_dim], paged=v.paged, kv_dtype=v.kv_dtype,
+                          impl=v.impl)
+
+
+def single_prefill_routes(v):
+    """Whether single prefill can launch decode tile v: it runs short requests on the 16-row tile
+    over contiguous 16-bit K/V (prefill._decode_launcher), without the 128-row kernel."""
+    return v.block_m == MMA_ROWS and not v.paged and not v.kv_dtype
+
+
+def unbuilt_reason(v, arch):
+    """Why row v is not built for arch, an arch of its impl (None: it is built there)."""
+    if arch not in IMPL_ARCHS[v.impl]:
+        return f"the {v.impl} family is built for {', '.join(IMPL_ARCHS[v.impl])} only"
+    if not isinstance(v, PrefillVariant):
+        return None
+    if not v.fits(arch):
+        return f"needs {v.smem_bytes} bytes of shared memory per block; {arch} allows {SMEM_OPTIN[arch]}"
+    # The batch wrappers resolve the 128-row kernel before any decode tile (_batch_prefill.
+    # _resolve_config), so where that kernel cannot launch, only single prefill reaches a decode tile.
+    lean = _lean_kernel(v)
+    if v.decode and not lean.fits(arch) and not single_prefill_routes(v):
+        return (f"unroutable: the batch wrappers need {lean.name} ({lean.smem_bytes} bytes of shared "
+                f"memory) first, which {arch} cannot launch")
+    return None
+
+
+def _placed(v):
+    """Row v with archs = the archs of its impl where it can run and be routed."""
+    return dataclasses.replace(v, archs=tuple(a for a in IMPL_ARCHS[v.impl] if unbuilt_reason(v, a) is None))
+
+
 def variants(tune=False):
+    """Every row built for at least one arch, each with its archs."""
     out = []
     for dtype in DTYPES:
         for hd, tile in PREFILL_TILES.items():
@@ -226,4 +324,10 @@ def variants(tune=False):
                 out += [PrefillVariant(dtype, hd, *t, tune=True) for t in PREFILL_TUNE_TILES[hd]]
         out.append(MergeVariant(dtype))
     out.append(PackbitsVariant())
-    return out
+    return [p for p in map(_placed, out) if p.archs]
+
+
+def kernels_by_arch(tune=False):
+    """arch -> the names of the rows built for it, in table order."""
+    vs = variants(tune=tune)
+    return {a: [v.name for v in vs if a in v.archs] for a in ARCHS_DEFAULT}

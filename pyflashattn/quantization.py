@@ -26,13 +26,12 @@ import sys
 
 import numpy as np
 
-from ._runtime import cuda as _cuda, dtypes as _dtypes, registry as _registry, tensor as _tensor
+from ._engine import packbits as _packbits
+from ._runtime import cuda as _cuda, dtypes as _dtypes, tensor as _tensor
 from ._runtime.dlpack import kDLCPU
 
 __all__ = ["packbits", "segment_packbits"]
 
-_THREADS = 256          # Packbits::THREADS: one output byte per thread
-_MAX_GRID_Y = 65535     # segments per launch (blockIdx.y); more are launched in chunks
 _INT32_MAX = 2**31 - 1
 _DEVICE_FRAMEWORKS = ("torch", "cupy", "jax")
 
@@ -59,12 +58,8 @@ def packbits(x, bitorder: str = "big"):
     s = _tensor.current_stream(xv.framework, dev)
     if xv.framework not in ("torch", "cupy"):
         xv = _tensor.view(x, "x", stream=s)  # JAX: the launch stream waits for JAX's pending writes
-    nbytes = -(-n // 8)
-    y, yv = _tensor.empty(xv, (nbytes,), _dtypes.UINT8, s)
-    if nbytes:
-        la = _registry.launcher("packbits", dev)
-        _fill(la.params, xv.ptr, yv.ptr, 0, 0, n, 1, little)
-        la.launch((-(-nbytes // _THREADS), 1, 1), s)
+    y, yv = _tensor.empty(xv, (-(-n // 8),), _dtypes.UINT8, s)
+    _packbits.launch_flat(dev, xv.ptr, yv.ptr, n, little, s)
     return _tensor.finalize(y)
 
 
@@ -128,30 +123,8 @@ def segment_packbits(x, indptr, bitorder: str = "big"):
         # allocation and no lifetime to manage.
         d_in = _cuda.Workspace.get(dev, s, in_ip.nbytes)
         _upload(d_in, in_ip, s)
-        la = _registry.launcher("packbits", dev)
-        p = la.params
-        for first in range(0, num_segments, _MAX_GRID_Y):
-            count = min(_MAX_GRID_Y, num_segments - first)
-            max_bytes = int(seg_bytes[first:first + count].max())
-            if max_bytes == 0:
-                continue
-            _fill(p, xv.ptr, yv.ptr, d_in + 4 * first, out_ipv.ptr + 4 * first, n, count, little)
-            la.launch((-(-max_bytes // _THREADS), count, 1), s)
+        _packbits.launch_segments(dev, xv.ptr, yv.ptr, d_in, out_ipv.ptr, n, seg_bytes, little, s)
     return _tensor.finalize(y), _tensor.finalize(out_ip)
-
-
-def pack_mask_into(mask_view, out_ptr: int, n: int, stream: int, device_id: int) -> None:
-    """Library-internal: pack the first ``n`` elements of an already-validated contiguous bool/uint8
-    CUDA view into ``ceil(n / 8)`` bytes at ``out_ptr`` (little bit order, one segment), on
-    ``stream``. No allocation, no sync, nothing written past ``ceil(n / 8)`` bytes. The caller has
-    made ``device_id``'s context current and keeps ``mask_view`` alive until the launch is enqueued.
-    """
-    nbytes = -(-n // 8)
-    if nbytes <= 0:
-        return
-    la = _registry.launcher("packbits", device_id)
-    _fill(la.params, mask_view.ptr, out_ptr, 0, 0, n, 1, 1)
-    la.launch((-(-nbytes // _THREADS), 1, 1), stream)
 
 
 # ---------------------------------------------------------------- helpers
@@ -162,11 +135,6 @@ def _check_bitorder(bitorder) -> int:
     if bitorder == "big":
         return 0
     raise ValueError(f"bitorder must be 'big' or 'little', got {bitorder!r}")
-
-
-def _fill(p, x, y, in_indptr, out_indptr, n, num_segments, little):
-    p.x, p.y, p.in_indptr, p.out_indptr = x, y, in_indptr, out_indptr
-    p.n, p.num_segments, p.little = n, num_segments, little
 
 
 def _device_view(x, name: str):

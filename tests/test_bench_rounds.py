@@ -1,7 +1,7 @@
 """The benchmark's interleaved timing rounds (CPU: the candidates are plain functions)."""
 import pytest
 
-from pyflashattn import bench
+from pyflashattn.bench import prefill as bench
 
 
 def _timer(name, value, calls):
@@ -69,8 +69,8 @@ def test_host_overhead_rounds_interleave_and_take_the_median(monkeypatch):
 def test_decode_benchmark_cases_run_on_the_decode_tile():
     # every case must fit the decode tile's routing at hd64 / hd128 (DECODE_MAX_ROWS), or the
     # benchmark measures the 128-row path; the quick cases fit one 16-row tile at every head_dim
-    from pyflashattn import bench_decode as bd
-    from pyflashattn.prefill import DECODE_MAX_ROWS
+    from pyflashattn.bench import decode as bd
+    from pyflashattn._engine.routing import DECODE_MAX_ROWS
     for i, (name, B, qo, (lo, hi)) in enumerate(bd.CASES):
         rows = qo * (bd.HQ // bd.HKV)
         assert rows <= min(DECODE_MAX_ROWS[64], DECODE_MAX_ROWS[128]) and 0 < lo <= hi, name
@@ -78,7 +78,7 @@ def test_decode_benchmark_cases_run_on_the_decode_tile():
 
 
 def test_decode_tables_print_measured_and_missing_values(capsys):
-    from pyflashattn import bench_decode
+    from pyflashattn.bench import decode as bench_decode
     batch = {"case": "decode B=64", "head_dim": 128, "kernel": "pfa_prefill_sm80_bf16_hd128_m16n32w1s2_lr",
              "ragged_tbps": 2.5, "paged_tbps": 2.4, "fp8_paged_tbps": None, "ragged_over_copy": 0.8,
              "paged_over_copy": 0.75, "fp8_paged_over_copy": None, "paged_us": 10.0, "fp8_paged_us": None,
@@ -91,3 +91,45 @@ def test_decode_tables_print_measured_and_missing_values(capsys):
     assert "2.50" in row and "0.80" in row and "   -" in row and "! pfa fp8_paged: boom" in row
     row = next(line for line in out if line.startswith("single qo=1"))
     assert "1.50" in row and "1.00" in row and row.rstrip().endswith("1.50")  # pfa/sdpa = 30 / 20
+
+
+def test_bench_entry_dispatches_each_subcommand_to_its_module(monkeypatch):
+    import importlib
+
+    from pyflashattn.bench import __main__ as entry
+    seen = []
+    for name in ("prefill", "batch", "decode"):
+        mod = importlib.import_module(f"pyflashattn.bench.{name}")
+        monkeypatch.setattr(mod, "main", lambda argv, name=name: seen.append((name, argv)) or 0)
+    assert entry.main(["prefill", "--quick", "--json", "a.json"]) == 0
+    assert entry.main(["prefill-features", "--quick"]) == 0
+    assert entry.main(["batch", "--quick", "--json", "b.json"]) == 0
+    assert entry.main(["decode", "--quick"]) == 0
+    # prefill's parser owns both of its subcommands; batch and decode take the flags alone
+    assert seen == [("prefill", ["prefill", "--quick", "--json", "a.json"]),
+                    ("prefill", ["prefill-features", "--quick"]),
+                    ("batch", ["--quick", "--json", "b.json"]), ("decode", ["--quick"])]
+
+
+def test_bench_entry_without_a_subcommand_prints_usage(capsys):
+    from pyflashattn.bench import __main__ as entry
+    assert entry.main([]) == 2
+    out = capsys.readouterr().out
+    for name in ("prefill", "prefill-features", "batch", "decode", "pyflashattn.bench.demo"):
+        assert name in out
+    assert entry.main(["bench_batch"]) == 2
+    assert "unknown subcommand" in capsys.readouterr().err
+
+
+def test_bench_subcommands_parse_the_old_flags(monkeypatch):
+    # the flags the Makefile and the A/B script pass reach each module's run() unchanged
+    from pyflashattn.bench import batch, decode, prefill
+    from pyflashattn.testing import bench_util
+    got = {}
+    monkeypatch.setattr(bench_util, "run_if_cuda", lambda run, args: got.setdefault(run.__module__, args) and 0)
+    monkeypatch.setattr(prefill, "run_prefill", lambda args: got.setdefault("prefill", args) and 0)
+    for mod in (batch, decode):
+        mod.main(["--quick", "--json", "x.json"])
+    prefill.main(["prefill", "--quick", "--json", "x.json"])
+    for key in ("pyflashattn.bench.batch", "pyflashattn.bench.decode", "prefill"):
+        assert got[key].quick and got[key].json == "x.json", key

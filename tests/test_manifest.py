@@ -1,4 +1,5 @@
 """The variant table, the generated kernel sources and the cubin manifest agree."""
+import dataclasses
 import hashlib
 import json
 import pathlib
@@ -8,7 +9,7 @@ import sys
 import pytest
 
 from pyflashattn._runtime import params_gen as _params_gen, registry as _registry
-from pyflashattn.prefill import DECODE_MAX_ROWS, WIDE_DECODE_ROWS
+from pyflashattn._engine.routing import DECODE_MAX_ROWS
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "build_tools"))
@@ -22,7 +23,7 @@ def test_variant_names_unique_and_descriptive():
     for v in variants.variants(tune=True):
         if isinstance(v, variants.PrefillVariant):
             assert f"hd{v.head_dim}" in v.name and v.dtype in v.name
-            assert v.smem_bytes <= 227 * 1024
+            assert v.smem_bytes <= max(variants.SMEM_OPTIN.values())
             assert v.head_dim % 64 == 0 and v.block_n % 16 == 0
 
 
@@ -61,20 +62,93 @@ def test_arch_candidates():
 MANIFEST = ROOT / "cubins/manifest.json"
 
 
+# What routing needs from every kernel row of the manifest (make_manifest.py adds name, arch, file, sha256).
+PREFILL_KEYS = {"family", "impl", "arch", "dtype", "kv_dtype", "head_dim", "block_m", "block_n", "warps", "threads",
+                "smem_bytes", "ctas_per_sm", "decode", "paged", "general", "rows_fastest", "sha256", "tune", "name",
+                "file"}
+
+
 @pytest.mark.skipif(not MANIFEST.exists(), reason="cubins not built (run make)")
 def test_built_manifest_is_consistent():
     m = json.loads(MANIFEST.read_text())
     assert m["params_sha256"] == _params_gen.PARAMS_SHA256
     assert m["nvcc"] != "unknown"
-    names = {v.name for v in variants.variants()}
+    tune = any(row.get("tune") for row in m["kernels"])
+    vs = variants.variants(tune=tune)
     built = {}
     for row in m["kernels"]:
         path = ROOT / "cubins" / row["file"]
         assert hashlib.sha256(path.read_bytes()).hexdigest() == row["sha256"], row["file"]
         assert path.read_bytes()[:4] == b"\x7fELF"
-        built.setdefault(row["arch"], set()).add(row["name"])
+        if row["family"] == "prefill":
+            assert PREFILL_KEYS <= set(row), row["name"]
+        built.setdefault(row["arch"], []).append(row["name"])
+    # exactly the rows variants.py builds for each arch, once each; the others listed with a reason
     for arch in m["archs"]:
-        assert names <= built[arch], f"{arch} lacks {names - built[arch]}"
+        assert built[arch] == [v.name for v in vs if arch in v.archs], arch
+        assert sorted(r["name"] for r in m["unbuilt"] if r["arch"] == arch) == sorted(
+            v.name for v in vs if arch not in v.archs and arch in variants.IMPL_ARCHS[v.impl]), arch
+    assert all(r["reason"] for r in m["unbuilt"])
+
+
+def test_rows_name_their_impl_and_archs():
+    for v in variants.variants(tune=True):
+        assert v.archs and set(v.archs) <= set(variants.IMPL_ARCHS[v.impl]), v.name
+        if not isinstance(v, variants.PrefillVariant):
+            # merge / packbits: portable, built for every default arch
+            assert v.impl == variants.PORTABLE and v.archs == variants.ARCHS_DEFAULT
+            continue
+        assert v.impl == variants.SM80 and v.name.startswith(f"pfa_prefill_{v.impl}_")
+        # a kernel never goes where its shared memory cannot launch
+        assert all(v.smem_bytes <= variants.SMEM_OPTIN[a] for a in v.archs), v.name
+        # name, header and macro follow the impl (a Hopper row would be pfa_prefill_sm90_...)
+        h = dataclasses.replace(v, impl="sm90")
+        assert h.name == v.name.replace("pfa_prefill_sm80_", "pfa_prefill_sm90_")
+        assert h.source().startswith('#include "pfa/attention/prefill_sm90.cuh"\nPFA_DEFINE_PREFILL_SM90(')
+
+
+def test_every_arch_keeps_what_it_can_run():
+    """A row is left out of an arch only when it cannot launch there or the host cannot route it:
+    a decode tile needs its 128-row lean kernel on that arch (the batch wrappers resolve it first),
+    unless it is the 16-row tile over contiguous 16-bit K/V that single prefill launches alone."""
+    vs = [v for v in variants.variants(tune=True) if isinstance(v, variants.PrefillVariant)]
+    lean = {(v.dtype, v.head_dim, v.kv, v.paged): v for v in vs if not v.decode and not v.general and not v.tune}
+    for v in vs:
+        for arch in variants.ARCHS_DEFAULT:
+            fits = v.smem_bytes <= variants.SMEM_OPTIN[arch]
+            if not v.decode:
+                assert (arch in v.archs) is fits, (v.name, arch)
+                continue
+            batch = arch in lean[(v.dtype, v.head_dim, v.kv, v.paged)].archs
+            single = v.block_m == 16 and not v.paged and v.kv == v.dtype
+            assert (arch in v.archs) is (fits and (batch or single)), (v.name, arch)
+    # sm_90a (the largest opt-in) gets everything; every head dim keeps a kernel on every arch
+    assert all("sm_90a" in v.archs for v in vs)
+    for arch in variants.ARCHS_DEFAULT:
+        assert {(v.dtype, v.head_dim) for v in vs if arch in v.archs} == {
+            (d, h) for d in variants.DTYPES for h in variants.PREFILL_TILES}
+
+
+def test_manifest_rows_carry_the_ctas_per_sm_the_host_plans_with():
+    for v in variants.variants(tune=True):
+        m = v.manifest()
+        assert m["impl"] == v.impl and m["threads"] == m["warps"] * 32
+        if isinstance(v, variants.PrefillVariant):
+            # 128-row tiles: _batch_prefill / _split_kv plan 2 CTAs per SM at <= 128 threads, else 1
+            # (the __launch_bounds__ min_blocks); decode tiles: at most 8, fewer where shared memory says
+            assert m["ctas_per_sm"] == (8 if v.decode else 2 if v.threads <= 128 else 1), v.name
+
+
+def test_make_include_lists_each_arch_its_rows():
+    sys.path.insert(0, str(ROOT / "build_tools"))
+    import gen_kernels
+    for tune in (False, True):
+        text = gen_kernels.make_include(tune)
+        for arch, names in variants.kernels_by_arch(tune=tune).items():
+            block = text.split(f"KERNELS_{arch} := \\\n")[1].split("\n\n")[0]
+            assert [x.strip(" \\") for x in block.splitlines()] == names, arch
+    committed = (ROOT / "kernel_src/generated/kernels.mk").read_text()
+    assert committed in (gen_kernels.make_include(False), gen_kernels.make_include(True))
 
 
 def test_prefill_tiles_are_the_tables_rows():
@@ -97,17 +171,18 @@ def test_decode_tiles_exist_for_every_lean_kernel():
     vs = [v for v in variants.variants() if isinstance(v, variants.PrefillVariant)]
     lean = {(v.dtype, v.head_dim, v.kv, v.paged) for v in vs if not v.general and not v.decode}
     assert {(v.dtype, v.head_dim, v.kv, v.paged) for v in vs if v.decode} == lean
-    # the wide tiles (what prefill.decode_tiles routes to): every row count and head dim of
-    # WIDE_DECODE_ROWS, for paged or fp8 K/V (contiguous 16-bit K/V never use them)
+    # the wide tiles (32 / 64 rows) exist for paged or fp8 K/V only (contiguous 16-bit K/V run several
+    # 16-row tiles instead), at the same head dims in both tables
+    wide_rows = {hd: tuple(sorted(r for r, t in variants.WIDE_DECODE_TILES.items() if hd in t))
+                 for hd in variants.PREFILL_TILES}
     for rows in (32, 64):
         wide = {(v.dtype, v.head_dim, v.kv, v.paged) for v in vs if v.decode and v.block_m == rows}
-        assert wide == {k for k in lean if rows in WIDE_DECODE_ROWS.get(k[1], ()) and (k[3] or k[2] == "fp8")}
-    for table in (variants.WIDE_DECODE_TILES, variants.WIDE_DECODE_TILES_FP8):
-        assert {(r, hd) for r, t in table.items() for hd in t} == {
-            (r, hd) for hd, rs in WIDE_DECODE_ROWS.items() for r in rs}
+        assert wide == {k for k in lean if rows in wide_rows[k[1]] and (k[3] or k[2] == "fp8")}
+    assert {(r, hd) for r, t in variants.WIDE_DECODE_TILES_FP8.items() for hd in t} == {
+        (r, hd) for r, t in variants.WIDE_DECODE_TILES.items() for hd in t}
     # several 16-row tiles (contiguous 16-bit K/V) go to 32 rows at most, and only where wide tiles
     # exist for the other K/V kinds
-    assert all(DECODE_MAX_ROWS[hd] <= (32 if hd in WIDE_DECODE_ROWS else 16) for hd in DECODE_MAX_ROWS)
+    assert all(DECODE_MAX_ROWS[hd] <= (32 if wide_rows[hd] else 16) for hd in DECODE_MAX_ROWS)
     for v in vs:
         if v.decode:
             # 16 rows: one warp, or a warp pair sharing them (the fp8 hd256 tile); wider: 16 rows a warp
@@ -116,3 +191,22 @@ def test_decode_tiles_exist_for_every_lean_kernel():
             # several CTAs per SM on an H100 (228 KB, 1 KB reserved each): the point of the tile
             assert 228 * 1024 // (v.smem_bytes + 1024) >= 2, v.name
             assert v.manifest()["decode"] is True
+
+
+def test_routing_reads_the_decode_tiles_from_the_manifest(monkeypatch):
+    """routing.built_decode_tiles: the decode rows the manifest has for this K/V on the device's
+    arch (nothing mirrored by hand): 16, plus 32 / 64 over paged or fp8 K/V where built."""
+    from pyflashattn._engine import routing
+    rows = [dict(v.manifest(), name=v.name, arch="sm_90a") for v in variants.variants()]
+    monkeypatch.setattr(_registry, "manifest", lambda: {"kernels": rows})
+    monkeypatch.setattr(routing._cuda, "properties", lambda dev: {"cc": (9, 0)})
+    monkeypatch.setattr(routing, "_decode_rows_cache", {})
+    for hd in variants.PREFILL_TILES:
+        wide = tuple(sorted(r for r, t in variants.WIDE_DECODE_TILES.items() if hd in t))
+        assert routing.built_decode_tiles(0, "bf16", "bf16", hd, False) == (16,)
+        assert routing.built_decode_tiles(0, "bf16", "bf16", hd, True) == (16, *wide)
+        assert routing.built_decode_tiles(0, "f16", "fp8", hd, False) == (16, *wide)
+    # an arch without the wide tiles built: only what is there
+    monkeypatch.setattr(_registry, "manifest", lambda: {"kernels": [r for r in rows if r.get("block_m") != 64]})
+    monkeypatch.setattr(routing, "_decode_rows_cache", {})
+    assert routing.built_decode_tiles(0, "bf16", "bf16", 128, True) == (16, 32)

@@ -57,13 +57,6 @@ def check(result, what: str):
     return result[1] if len(result) == 2 else result[1:]
 
 
-def device_count() -> int:
-    try:
-        return check(driver().cuDeviceGetCount(), "cuDeviceGetCount")
-    except RuntimeError:
-        return 0
-
-
 def ensure_context(device_id: int) -> None:
     """Make device_id's primary context current on this thread (the one torch/CuPy/JAX use)."""
     if getattr(_current, "dev", None) == device_id:
@@ -102,10 +95,6 @@ def properties(device_id: int) -> dict:
         }
         _props[device_id] = props
     return props
-
-
-def driver_version() -> int:
-    return check(driver().cuDriverGetVersion(), "cuDriverGetVersion")
 
 
 # ---------------------------------------------------------------- libraries and kernels
@@ -261,10 +250,6 @@ def upload(data: bytes) -> int:
     ptr = mem_alloc(len(data))
     check(cu.cuMemcpyHtoD(ptr, data, len(data)), "cuMemcpyHtoD")
     return ptr
-
-
-def memset_d8_async(ptr: int, value: int, nbytes: int, stream: int) -> None:
-    check(driver().cuMemsetD8Async(ptr, value, nbytes, stream), "cuMemsetD8Async")
 
 
 class Workspace:

@@ -1,11 +1,14 @@
 """The cubin manifest -> launchable kernels, per device, loaded lazily and cached.
 
-Lookup goes by (family, dtype, head_dim) on the arch that matches the device: sm_90 loads
-sm_90a cubins, 8.9 prefers sm_89 then sm_80, other 8.x take sm_80. Nothing is compiled at
-call time; a missing GPU, arch or kernel raises an error that names it and says how to build.
+Lookup goes by (family, dtype, head_dim, ...) on the archs that match the device, in order
+(sm_90 loads sm_90a cubins, 8.9 prefers sm_89 then sm_80, other 8.x take sm_80), and within an
+arch by implementation family in IMPL_PREFERENCE order. Nothing is compiled at call time; a
+missing GPU, arch or kernel raises an error that names it and says how to build, and a cubin
+whose sha256 differs from its manifest row is refused when loaded.
 """
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import pathlib
@@ -22,6 +25,18 @@ _functions: dict[tuple[str, int], object] = {}
 _local = threading.local()  # Launchers own a mutable params struct: one set per thread
 _lock = threading.Lock()
 _forced: dict[str, str] = {}  # family -> kernel name (the tuning sweep's hook; empty in normal use)
+
+# arch -> the implementation families (a manifest row's "impl") to pick from, preferred first.
+# Only the mma.sync family ("sm80", sm_80 class) exists today; the Hopper wgmma/TMA family
+# ("sm90") goes first on sm_90a when it exists. An impl not listed for an arch is never picked
+# there (except by exact name); rows of the portable kernels (merge, packbits) fit every arch.
+IMPL_PREFERENCE: dict[str, tuple[str, ...]] = {
+    "sm_80": ("sm80",),
+    "sm_89": ("sm80",),
+    "sm_90a": ("sm80",),
+}
+PORTABLE = "portable"  # variants.py's impl of the merge / packbits rows (also: rows without "impl")
+DECODE_TILE_ROWS = 16  # the decode tile picked unless another is named: one warp's m16 row tile
 
 
 def force(family: str, name: str | None) -> None:
@@ -82,15 +97,55 @@ def find(family: str, device_id: int, **match) -> dict:
     """The manifest row of the shipped (non-tuning) kernel matching `match` for this device."""
     row = _find(family, device_id, dict(match))
     props = _cuda.properties(device_id)
-    limit = props.get("smem_optin")
-    if limit is not None and row["smem_bytes"] > limit:
-        # e.g. fp8 K/V at head_dim 256 (~200 KiB) on sm_80 (163 KiB), head_dim 256 on sm_89 (99 KiB):
-        # refused here, before the driver would reject the launch with a bare error code
-        what = ", ".join(f"{k}={v}" for k, v in match.items() if k != "name")
-        raise ValueError(f"{family} kernel {row['name']} ({what}) needs {row['smem_bytes']} bytes of shared memory "
-                         f"per block, but this GPU (compute capability {props['cc'][0]}.{props['cc'][1]}) allows "
-                         f"{limit}: that configuration is not supported on this device")
+    if _too_big(row, props):
+        raise _smem_refusal(family, row, match, props)
     return row
+
+
+def _too_big(row: dict, props: dict) -> bool:
+    limit = props.get("smem_optin")
+    return limit is not None and row["smem_bytes"] > limit
+
+
+def _smem_refusal(family: str, row: dict, match: dict, props: dict) -> ValueError:
+    # e.g. fp8 K/V at head_dim 256 (~200 KiB) on sm_80 (163 KiB), head_dim 256 on sm_89 (99 KiB):
+    # refused here, before the driver would reject the launch with a bare error code
+    what = ", ".join(f"{k}={v}" for k, v in match.items() if k != "name")
+    return ValueError(f"{family} kernel {row['name']} ({what}) needs {row['smem_bytes']} bytes of shared memory "
+                      f"per block, but this GPU (compute capability {props['cc'][0]}.{props['cc'][1]}) allows "
+                      f"{props['smem_optin']}: that configuration is not supported on this device")
+
+
+def _impl_rank(row: dict, arch: str):
+    """Where row's implementation family stands in arch's preference order (None: not picked there)."""
+    impl = row.get("impl", PORTABLE)
+    if impl == PORTABLE:
+        return 0
+    order = IMPL_PREFERENCE.get(arch, ())
+    return order.index(impl) if impl in order else None
+
+
+def _pick(rows, family: str, archs: list, want_name, match: dict):
+    """The first matching row, archs in order and within an arch impls in preference order
+    (within an impl, manifest order); None if none matches."""
+    best, best_key = None, None
+    for i, row in enumerate(rows):
+        if row["family"] != family or row["arch"] not in archs:
+            continue
+        if want_name is not None:
+            if row["name"] != want_name:
+                continue
+            rank = 0  # a kernel asked for by name: any impl
+        else:
+            if row.get("tune") or not all(row.get(k) == v for k, v in match.items()):
+                continue
+            rank = _impl_rank(row, row["arch"])
+            if rank is None:
+                continue
+        key = (archs.index(row["arch"]), rank, i)
+        if best_key is None or key < best_key:
+            best, best_key = row, key
+    return best
 
 
 def _find(family: str, device_id: int, match: dict) -> dict:
@@ -99,29 +154,30 @@ def _find(family: str, device_id: int, match: dict) -> dict:
     if not archs:
         raise RuntimeError(f"pyflashattn has no kernels for compute capability {cc[0]}.{cc[1]} "
                            "(supported: 8.x as sm_80/sm_89, 9.0 as sm_90a)")
-    rows = manifest()["kernels"]
+    m = manifest()
+    rows = m["kernels"]
     want_name = match.pop("name", None)
     if family == "prefill" and "dtype" in match:
         match.setdefault("kv_dtype", match["dtype"])  # K/V in the query dtype unless asked otherwise
     if family == "prefill" and want_name is None:
         match.setdefault("decode", False)  # the decode tiles only when asked for
         if match["decode"]:
-            match.setdefault("block_m", 16)  # the 16-row one unless another is named
+            match.setdefault("block_m", DECODE_TILE_ROWS)
     forced = _forced.get(family)
     if forced is not None and want_name is None:
         row = next((r for r in rows if r["name"] == forced and r["arch"] in archs), None)
         if row is not None and all(row.get(k) == v for k, v in match.items()):
             return row
-    for arch in archs:
-        for row in rows:
-            if row["arch"] != arch or row["family"] != family:
-                continue
-            if want_name is not None:
-                if row["name"] == want_name:
-                    return row
-                continue
-            if not row.get("tune") and all(row.get(k) == v for k, v in match.items()):
-                return row
+    row = _pick(rows, family, archs, want_name, match)
+    if row is not None:
+        return row
+    # Left out of the build for these archs (variants.py: it cannot launch or be routed there)?
+    row = _pick(m.get("unbuilt", ()), family, archs, want_name, match)
+    if row is not None:
+        props = _cuda.properties(device_id)
+        if _too_big(row, props):
+            raise _smem_refusal(family, row, match, props)
+        raise RuntimeError(f"{family} kernel {row['name']} is not built for {row['arch']}: {row['reason']}")
     what = want_name or ", ".join(f"{k}={v}" for k, v in match.items())
     raise RuntimeError(f"no {family} kernel for {what} among the cubins for {'/'.join(archs)} in "
                        f"{_manifest_dir}; build them with `make ARCHS={archs[0]}`")
@@ -135,7 +191,16 @@ def _library(row: dict, device_id: int):
             lib = _libraries.get(key)
             if lib is None:
                 _cuda.ensure_context(device_id)
-                data = (_manifest_dir / row["file"]).read_bytes()
+                path = _manifest_dir / row["file"]
+                try:
+                    data = path.read_bytes()
+                except OSError as e:
+                    raise RuntimeError(f"cannot read cubin {path} ({e.strerror}); rebuild the cubins with "
+                                       "`make`") from None
+                if hashlib.sha256(data).hexdigest() != row.get("sha256"):
+                    raise RuntimeError(f"cubin {path} does not match {_manifest_dir / 'manifest.json'} (sha256 "
+                                       "differs): it changed after the manifest was written; rebuild the cubins "
+                                       "with `make`")
                 lib = _libraries[key] = _cuda.load_library(data, row["file"])
     return lib
 

@@ -74,11 +74,6 @@ class TensorView:
     def is_cuda(self) -> bool:
         return self.device_type == kDLCUDA or self.device_type == kDLCUDAManaged
 
-    def stride_ok_last_dim(self) -> bool:
-        """True when the last dim is unit-stride (or has at most one element, so its stride is
-        never used): what vectorised loads of a row need."""
-        return not self.shape or self.shape[-1] <= 1 or self.strides[-1] == 1
-
     def __repr__(self) -> str:
         return (f"TensorView({self.framework} {self.dtype.name}{list(self.shape)} strides={self.strides} "
                 f"ptr=0x{self.ptr:x} on {device_name(self.device_type, self.device_id)})")

@@ -202,6 +202,20 @@ def attention_ref(
     if qo_len == 0 or kv_len == 0 or heads.size == 0:
         return o, lse
 
+    for kvh, cols, rows, ob, lse_nat in _blocks(q, k, v, heads, group, sm_scale, cap, slopes, causal, window_left,
+                                                custom_mask):
+        o[rows[0]:rows[-1] + 1, cols, :] = ob.transpose(1, 0, 2)
+        lse[rows[0]:rows[-1] + 1, cols] = lse_nat.T
+    if lse_base == "log2":
+        lse *= LOG2E
+    return o, lse
+
+
+def _blocks(q, k, v, heads, group, sm_scale, cap, slopes, causal, window_left, custom_mask):
+    """Per kv head and block of query rows: (kv head, output columns, rows, o [g, r, Dv], natural
+    lse [g, r]), with the scores of a block bounded by _BLOCK_ELEMS elements."""
+    qo_len, _, d = q.shape
+    kv_len = k.shape[0]
     kv_of = heads // group
     for kvh in np.unique(kv_of):
         cols = np.nonzero(kv_of == kvh)[0]  # output columns served by this kv head
@@ -211,9 +225,8 @@ def attention_ref(
         g = hs.size
         rows_per_block = max(1, _BLOCK_ELEMS // (g * kv_len))
         for r0 in range(0, qo_len, rows_per_block):
-            r1 = min(qo_len, r0 + rows_per_block)
-            rows = np.arange(r0, r1)
-            qb = q[r0:r1][:, hs, :].transpose(1, 0, 2)  # [g, r, D]
+            rows = np.arange(r0, min(qo_len, r0 + rows_per_block))
+            qb = q[rows[0]:rows[-1] + 1][:, hs, :].transpose(1, 0, 2)  # [g, r, D]
             s = (qb.reshape(g * rows.size, d) @ kt).reshape(g, rows.size, kv_len)
             s *= sm_scale
             if cap > 0:
@@ -237,9 +250,4 @@ def attention_ref(
             safe_l = np.where(alive, l, 1.0)
             ob /= safe_l[..., None]
             ob[~alive] = 0.0
-            lse_nat = np.where(alive, m[..., 0] + np.log(safe_l), -np.inf)
-            o[r0:r1, cols, :] = ob.transpose(1, 0, 2)
-            lse[r0:r1, cols] = lse_nat.T
-    if lse_base == "log2":
-        lse *= LOG2E
-    return o, lse
+            yield kvh, cols, rows, ob, np.where(alive, m[..., 0] + np.log(safe_l), -np.inf)

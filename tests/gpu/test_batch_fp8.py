@@ -284,7 +284,7 @@ def test_fp8_batch_grid(key, kind, batch, qo_max, kv_max, mode, ps, hq, hkv, d, 
     w = _wrapper(kind, layout)
     _plan(w, kind, b, pg, causal)
     tile = decode_tile_rows(d, max(b.qo_lens) * (hq // hkv), decode_tiles(d, paged=kind == "paged", fp8=True))
-    assert w._attn.meta["decode"] is bool(tile) and w._plan.block_m == (tile or 128), w._attn.name
+    assert w._engine.attn.meta["decode"] is bool(tile) and w._engine.schedule.block_m == (tile or 128), w._engine.attn.name
     o, lse = _run_into(w, b, kv_args, k_scale=ks, v_scale=vs)
     _check(b, o, lse, _refs(b, causal, {}, ks, vs, seed=_seed(key, "heads")), vs, {}, key)
     # the allocated path, same plan and scales: the same bits

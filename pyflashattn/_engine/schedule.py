@@ -1,10 +1,11 @@
-"""Batch prefill scheduler: work items (request, q tile, KV chunk), split-KV sizing, LPT order.
+"""THE scheduler: work items (request, q tile, KV chunk), split-KV sizing, LPT order, for a
+batch or a single request.
 
 Pure numpy, host only (no CUDA import), vectorised: plan_prefill() has no per-work-item Python
 loop. At serving batch sizes its cost is mostly numpy's fixed cost per call (0.5-1 us on a slow
 host) times a few dozen calls, so the code keeps that count small (see the numpy helpers); large
 batches add a dozen or so memory-bound passes over the per-tile / per-item arrays.
-``python -m pyflashattn._plan`` prints its cost in microseconds.
+``python -m pyflashattn._engine.schedule`` prints its cost in microseconds.
 
 Reference design: FlashInfer's FA2 prefill scheduler (``PrefillSplitQOKVIndptr`` /
 ``PrefillPlanImpl`` in include/flashinfer/attention/scheduler.cuh). Differences:
@@ -17,7 +18,7 @@ Reference design: FlashInfer's FA2 prefill scheduler (``PrefillSplitQOKVIndptr``
   tokens, so the merge kernel skips them (also in CUDA-graph mode, where FlashInfer splits all).
 * Work items are ordered longest first (LPT) by a causal/window-aware cost estimate.
 * The KV chunk search counts ``items * num_kv_heads`` CTAs against ``num_sms * ctas_per_sm``
-  and never makes a chunk shorter than 4 KV tiles / 256 tokens.
+  and never makes a chunk shorter than 256 keys (whole KV tiles).
 
 Layout contract (the kernels' side, see kernel_src/include/pfa/attention/params.h):
 
@@ -42,16 +43,20 @@ from dataclasses import dataclass
 
 import numpy as np
 
-__all__ = ["PrefillPlan", "plan_prefill", "MIN_CHUNK_TOKENS", "MIN_CHUNK_TILES", "SHORT_KV_TILES", "WORKSPACE_ALIGN"]
+from . import cost_model
+from .geometry import tile_spans
+from .npfast import accumulate as _acc, consts as _k, div as _div, lpt_order as _lpt_order, shared as _shared, unsigned_max
 
-MIN_CHUNK_TOKENS = 256  # automatic split: a chunk is never shorter than this many keys ...
-MIN_CHUNK_TILES = 4  # ... nor than this many BLOCK_N tiles (amortises the epilogue + merge)
+__all__ = ["PrefillPlan", "plan_prefill", "schedule_prefill", "MIN_CHUNK_TOKENS", "SHORT_KV_TILES", "WORKSPACE_ALIGN"]
+
+# The wave-filling search never makes a chunk shorter than this many keys (rounded up to whole
+# BLOCK_N tiles): it amortises the partial store and the merge. (The one-request cost model
+# prices those costs itself and has its own floor, cost_model.MIN_CHUNK_TILES.)
+MIN_CHUNK_TOKENS = 256
 # Two-CTA-per-SM kernels with about a CTA per SM already: no automatic split unless the longest
 # request has at least this many KV tiles. Splitting then only fills the second CTA slot, which
 # pays on long walks, while on short ones the merge launch and the fp32 partials cost more than
-# the halved walk saves (H100, one 512-token causal request, 32/8 heads: hd128 27.5 us unsplit
-# vs 33.8 split in two, hd64 19.8 vs 27.8; four 128-token requests over 4096 keys, 64 tiles:
-# 111.7 split vs 124.9 unsplit).
+# the halved walk saves (measured on an H100; NOTES.md, "Measurements moved out of code comments").
 SHORT_KV_TILES = 16
 WORKSPACE_ALIGN = 256
 _I32_MAX = 2**31 - 1
@@ -139,94 +144,6 @@ def _int_array(x, name: str) -> np.ndarray:
     return a
 
 
-# ---- numpy helpers -------------------------------------------------------------------------------
-# At batch sizes up to a few thousand, numpy's fixed cost per call (0.5-1 us on a slow host) is
-# most of the planner's time: the code below keeps the number of numpy calls small, calls
-# ufuncs and ndarray methods directly (np.cumsum, np.clip, np.ones, a.sum() and a.max() are
-# Python wrappers or slow reductions; argmax has no ufunc machinery), updates in place, and
-# passes its per-configuration constants as cached 0-d arrays (_k).
-_acc = np.add.accumulate
-_U64 = np.dtype(np.uint64)  # descriptors: numpy takes them faster than the scalar types
-_I8, _I16 = np.dtype(np.int8), np.dtype(np.int16)
-
-
-class _Consts(dict):
-    """_k[v]: v as a cached 0-d int64 array, for operands of int64 arrays: numpy resolves a
-    Python int operand (a "weak" scalar) at about the cost of a whole small-array operation, a 0-d
-    array of the same dtype gives the same result cheaply; a subscript (not a function call) keeps
-    the lookup itself at dict speed. Only for values set by the configuration (block sizes,
-    window), so the cache stays small (it is bounded anyway)."""
-
-    def __missing__(self, v: int) -> np.ndarray:
-        if len(self) >= 256:
-            self.clear()
-        a = self[v] = np.array(v, np.int64)
-        a.flags.writeable = False
-        return a
-
-
-_k = _Consts()
-
-
-_SHARED = {"zeros": np.zeros(0, np.int32), "iota": np.arange(0, dtype=np.intp)}
-
-
-def _shared(name: str, n: int) -> np.ndarray:
-    """A read-only view of n int32 zeros ("zeros") or of 0..n-1 as intp ("iota": index arrays
-    of intp take numpy's fast gather path, int32 ones a slower one), sliced from a cached array
-    that grows by doubling: no allocation (and no fresh pages to fault in) per plan."""
-    a = _SHARED[name]
-    if a.size < n:
-        size = max(n, 2 * a.size, 1024)
-        a = np.zeros(size, np.int32) if name == "zeros" else np.arange(size, dtype=np.intp)
-        a.flags.writeable = False
-        _SHARED[name] = a
-    return a[:n]
-
-
-def _div(x: np.ndarray, d: int) -> np.ndarray:
-    """x //= d in place, x int64, d a block size (floor division, also of negatives); a shift when
-    d is a power of 2."""
-    if d & (d - 1) == 0:
-        x >>= _k[d.bit_length() - 1]
-    else:
-        x //= _k[d]
-    return x
-
-
-def unsigned_max(a: np.ndarray) -> int:
-    """The largest entry of an int64 array read as uint64, 0 when empty: a negative entry reads as
-    >= 2**63, so one pass both finds the maximum and checks the signs (argmax + one index are
-    cheaper than a max reduction)."""
-    if not a.size:
-        return 0
-    u = a.view(_U64)
-    return u.item(u.argmax())
-
-
-def _lpt_order(neg: np.ndarray, mx: int) -> np.ndarray:
-    """Longest first: the stable argsort of neg = -(KV tiles of each item), values in [-mx, 0].
-    numpy's stable sort is a radix sort for keys of at most 16 bits (one pass per key byte, a
-    pass skipped where every key has the same byte), which beats its merge sort beyond ~64 items
-    for 8-bit keys and ~160 for 16-bit ones. The key is neg itself as int8 / int16 where that
-    holds it (a plain astype: ~0.2 us, an add with an output dtype and unsafe casting ~1.5);
-    for mx in (128, 256) mx + neg wrapped in uint8 (one pass, where int16 takes two), and for
-    mx in (32768, 65536) in uint16. Any stable sort of equal-ordered keys gives the same
-    permutation, so the key type never changes the result."""
-    n = neg.size
-    if mx <= 128:
-        if n > 64:
-            neg = neg.astype(_I8)
-    elif n > 160 and mx < 65536:
-        if mx < 256:
-            neg = np.add(neg, mx, dtype=np.uint8, casting="unsafe")
-        elif mx <= 32768:
-            neg = neg.astype(_I16)
-        else:
-            neg = np.add(neg, mx, dtype=np.uint16, casting="unsafe")
-    return neg.argsort(kind="stable")
-
-
 # ---- KV chunk search ---------------------------------------------------------------------------
 def _search_chunk_units(tiles_f, kv1_f: np.ndarray, T: int, limit: int, bn: int, u_min: int, u_max: int):
     """Smallest u in [u_min, u_max] with f(u) = sum(tiles * ceil(kv1 / (u * bn))) <= limit,
@@ -267,69 +184,6 @@ def _search_chunk_units(tiles_f, kv1_f: np.ndarray, T: int, limit: int, bn: int,
     return hi, best
 
 
-# ---- the KV tiles each q tile / work item iterates -------------------------------------------------
-def _tile_spans(qo_lens, kv, tiles, first, req, g, bm, bn, causal, wl):
-    """Per q tile of the batch (request-major), [l, h): the KV tiles its rows can see at all,
-    returned as (-h, l), l None without a window. Token i of a request sits at i + shift (shift =
-    kv_len - qo_len; packed row r is token r // g): h = clip(ceil(hi / bn), 0, ceil(kv / bn))
-    with hi the causal end of the tile's last token (-h computed as floor(-hi / bn)), and
-    l = floor(max(lo, 0) / bn) with lo the window start of its first token. tiles None: one
-    tile per request; else ``first`` is each request's first tile and ``req`` each tile's
-    request."""
-    if tiles is None:  # the tile holds the request's last token, which sees every key
-        nkvt = np.floor_divide(kv, _k[-bn])  # -ceil(kv / bn)
-        if wl < 0:
-            return nkvt, None
-        lo = kv - qo_lens
-        lo -= _k[wl]
-        np.maximum(lo, _k[0], out=lo)
-        return nkvt, _div(lo, bn)
-    T = req.size
-    # per-request values, per tile: a repeat costs per request, a gather per tile
-    expand = (lambda x: x.repeat(tiles)) if T > 4 * kv.size else (lambda x: x[req])
-    if not (causal or wl >= 0):
-        return expand(np.floor_divide(kv, _k[-bn])), None
-    shift = kv - qo_lens
-    nh = l = None
-    if bm % g == 0:  # tile t holds tokens [t*s, (t+1)*s) (s = bm / g), clipped by qo_len
-        s = bm // g
-        js = np.arange(s, (T + 1) * s, s)  # (global tile index + 1) * s = (t+1)*s + first*s
-        d = expand(first * _k[s] - shift)  # so that js - d = (t+1)*s + shift
-        if causal:  # -hi = -((t+1)*s + shift)
-            nh = d - js
-            _div(nh, bn)
-            # Only a request's last tile (it holds its last token, which sees every key) can
-            # reach past kv: clip every tile at -ceil(kv / bn) (3 numpy calls; writing the last
-            # tiles alone needs as many plus a check that every request has one).
-            np.maximum(nh, expand(np.floor_divide(kv, _k[-bn])), out=nh)
-        if wl >= 0:  # lo = t*s + shift - wl
-            l = np.subtract(js, d, out=js)
-            l -= _k[s + wl]
-    else:
-        r0 = np.arange(T)
-        r0 -= expand(first)
-        r0 *= _k[bm]  # the tile's first packed row
-        sh = expand(shift)
-        if causal:  # -hi = -ceil(min(r0 + bm, qo_len * g) / g) - shift: hi <= qo_len + shift = kv
-            nh = np.minimum(r0 + _k[bm], expand(qo_lens * _k[g]))
-            np.floor_divide(nh, _k[-g], out=nh)
-            nh -= sh
-            _div(nh, bn)
-        if wl >= 0:  # lo = r0 // g + shift - wl
-            l = r0
-            l //= _k[g]
-            l += sh
-            l -= _k[wl]
-    if nh is None:
-        nh = expand(np.floor_divide(kv, _k[-bn]))
-    else:
-        np.minimum(nh, _k[0], out=nh)  # hi >= 0
-    if l is not None:
-        np.maximum(l, _k[0], out=l)
-        _div(l, bn)
-    return nh, l
-
-
 def _split_items(nh, l, nc_t, item_end, N, cu):
     """Items of split q tiles (tile-major, chunk fastest): (LPT order, chunk index of each item).
     Chunk c of a tile covers KV tiles [c*cu, (c+1)*cu) (cu = chunk / bn), so an item iterates
@@ -357,7 +211,7 @@ def _split_items(nh, l, nc_t, item_end, N, cu):
 # ---- the planner -------------------------------------------------------------------------------
 def plan_prefill(qo_indptr, kv_lens, *, group_size, num_kv_heads, block_m, block_n, num_sms, ctas_per_sm,
                  causal=False, window_left=-1, fixed_split_size=None, disable_split_kv=False,
-                 graph_capacity=None) -> PrefillPlan:
+                 graph_capacity=None, cost_head_dim=None) -> PrefillPlan:
     """Schedule a batch prefill: one work item per (request, packed-row tile, KV chunk).
 
     qo_indptr: int [B+1] (starts at 0, non-decreasing); kv_lens: int [B] keys per request (a
@@ -374,7 +228,7 @@ def plan_prefill(qo_indptr, kv_lens, *, group_size, num_kv_heads, block_m, block
       ``L = budget // num_kv_heads``. With ``T`` = q tiles of the batch: if ``T > L`` (the grid
       is already more than a wave without splitting) or the longest request fits one minimum
       chunk, nothing is split (chunk = max kv_len rounded up). Else the chunk is the smallest
-      multiple of block_n, at least ``max(4 * block_n, 256)`` keys, with
+      multiple of block_n, at least ``MIN_CHUNK_TOKENS`` (256) keys, with
       ``sum_b tiles_b * ceil(max(kv_b, 1) / chunk) <= L``: the most parallelism that still fits
       one wave. Chunk counts use the full kv_len (chunks a causal/window mask hides from a tile
       are still launched and write lse = -inf; see the module docstring).
@@ -382,6 +236,10 @@ def plan_prefill(qo_indptr, kv_lens, *, group_size, num_kv_heads, block_m, block
       grid already has a CTA for every other SM (``2 * T * num_kv_heads >= num_sms``) and the
       longest request has fewer than ``SHORT_KV_TILES`` KV tiles, nothing is split (see
       SHORT_KV_TILES).
+    * ``cost_head_dim`` given and a one-request batch outside graph mode (the row-tile kernels;
+      single prefill and a one-request batch alike): the number of chunks comes from the cost
+      model (cost_model.plan_splits), which prices the causal/window work per row tile, the
+      waves, the fp32 partial traffic and the merge launch.
 
     LPT order: items sorted by cost descending, stable (ties keep (request, tile, chunk)
     order, so the plan is a deterministic function of its inputs). cost = block_n * (KV tiles
@@ -424,36 +282,27 @@ def plan_prefill(qo_indptr, kv_lens, *, group_size, num_kv_heads, block_m, block
             raise ValueError("qo_indptr must be non-decreasing (a request has a negative query length)")
         raise ValueError("kv_lens must be >= 0 (a request has a negative KV length)")
     return schedule_prefill(qo, qo_lens, kv, max_qo, max_kv, g, hkv, bm, bn, budget, bool(causal), wl, fss,
-                            disable_split_kv, graph_capacity, cps)
+                            disable_split_kv, graph_capacity, cps, cost_head_dim)
 
 
 def schedule_prefill(qo, qo_lens, kv, max_qo, max_kv, g, hkv, bm, bn, budget, causal, wl, fss, disable_split_kv,
-                     cap, ctas_per_sm=1):
+                     cap, ctas_per_sm=1, cost_head_dim=None):
     """plan_prefill() after its argument checks, for callers that validated the lengths already
-    (the batch wrappers): qo = the int32/int64 qo_indptr, qo_lens / kv the int64 lengths (>= 0,
-    not modified), max_qo / max_kv their maxima (0 for an empty batch), the scalars checked ints
-    (fss = fixed_split_size or None), cap = graph_capacity, budget = num_sms * ctas_per_sm."""
+    (the engine): qo = the int32/int64 qo_indptr, qo_lens / kv the int64 lengths (>= 0, not
+    modified), max_qo / max_kv their maxima (0 for an empty batch), the scalars checked ints
+    (fss = fixed_split_size or None), cap = graph_capacity, budget = num_sms * ctas_per_sm.
+    cost_head_dim: a one-request launch on a row-tile kernel of this head_dim takes its automatic
+    split from the cost model (cost_model.plan_splits), as single prefill does; None (the decode
+    tiles, and plan_prefill's callers) keeps the wave-filling search."""
     B = kv.size
     total_q = qo.item(-1)
     if total_q > _I32_MAX or max_kv > _I32_MAX:
         raise ValueError("qo_indptr / kv_lens exceed the int32 range of the kernel metadata")
     if wl >= max_kv:  # every window starts before key 0: the KV tiles are those without a window
         wl = -1
-
+    cap_b = cap_q = cap_w = None
     if cap is not None:
-        try:
-            cap_b = _pos_int(cap["max_batch"], "graph_capacity['max_batch']")
-            cap_q = operator.index(cap["max_total_q"])
-            cap_w = cap.get("max_work")
-        except KeyError as e:
-            raise ValueError(f"graph_capacity needs the key {e.args[0]!r}") from None
-        if cap_q < 0:
-            raise ValueError(f"graph_capacity['max_total_q'] must be >= 0, got {cap_q}")
-        if B > cap_b:
-            raise ValueError(f"batch size {B} exceeds graph_capacity['max_batch'] = {cap_b}")
-        if total_q > cap_q:
-            raise ValueError(f"{total_q} query tokens exceed graph_capacity['max_total_q'] = {cap_q}")
-
+        cap_b, cap_q, cap_w = _check_capacity(cap, B, total_q)
     # ---- q tiles: ceil(qo_len * g / bm) per request. Decode-like batches (every request exactly
     # one tile) skip the per-tile arrays: tile = request (tiles = ends = None). ----
     if max_qo * g <= bm and np.count_nonzero(qo_lens) == B:
@@ -478,31 +327,9 @@ def schedule_prefill(qo, qo_lens, kv, max_qo, max_kv, g, hkv, bm, bn, budget, ca
         search_limit = min(limit, grid)
     else:
         search_limit = limit
-
-    # ---- chunk size ----
-    max_chunk = max(-(-max_kv // bn), 1) * bn
-    nc_f = None
-    if disable_split_kv:
-        chunk = max_chunk
-    elif fss is not None:
-        chunk = -(-fss // bn) * bn
-        if chunk > _I32_MAX:
-            raise ValueError(f"fixed_split_size {fss} exceeds the int32 range")
-    else:
-        min_units = -(-max(MIN_CHUNK_TILES * bn, MIN_CHUNK_TOKENS) // bn)
-        max_units = max_chunk // bn
-        if (T == 0 or T > search_limit or max_units <= min_units
-                or (ctas_per_sm > 1 and max_units < SHORT_KV_TILES and 2 * T * hkv * ctas_per_sm >= budget)):
-            chunk = max_chunk
-        elif B == 1:  # closed form: tiles * ceil(kv / c) <= L  <=>  c >= kv / (L // tiles)
-            m = search_limit // T
-            chunk = min(max(min_units, -(-(-(-max(max_kv, 1) // m)) // bn)), max_units) * bn
-        else:
-            # requests without queries weigh 0 (tiles = 0)
-            kv_f = np.maximum(kv, 1.0)  # float64
-            u, nc_f = _search_chunk_units(None if tiles is None else tiles.astype(np.float64), kv_f, T,
-                                          search_limit, bn, min_units, max_units)
-            chunk = u * bn
+    one_request_cost = cost_head_dim is not None and B == 1 and cap is None
+    chunk, nc_f = _chunk_size(qo_lens, kv, max_qo, max_kv, tiles, T, B, g, hkv, bm, bn, budget, causal, wl, fss,
+                              disable_split_kv, search_limit, ctas_per_sm, cost_head_dim if one_request_cost else None)
     if chunk >= max_kv:
         nc = None  # one chunk per request
         N = T
@@ -535,62 +362,11 @@ def schedule_prefill(qo, qo_lens, kv, max_qo, max_kv, g, hkv, bm, bn, budget, ca
     merge_indptr = buf[3 * grid + 2 * B + 1:] if split else _shared("zeros", total_q + 1)
     if grid > N:
         work_request[N:] = -1  # padding of a fixed CUDA-graph grid
-
-    # ---- work items (q tile-major, chunk fastest) in LPT order: a stable sort by the KV tiles the
-    # kernel iterates for each item, descending (ties keep the item order) ----
-    first = req = None
-    if tiles is not None:
-        first = ends - tiles  # each request's first q tile
-        req = _shared("iota", B).repeat(tiles)  # the request of each q tile
-    nh, l = _tile_spans(qo_lens, kv, tiles, first, req, g, bm, bn, causal, wl)
-    if not split:  # item = q tile; it iterates h - l KV tiles (>= 0: a tile's lo < its hi)
-        order = _lpt_order(nh if l is None else np.add(nh, l, out=nh), -(-max_kv // bn))
-        if tiles is None:  # q tile = request
-            work_request[:N] = order
-        else:
-            req = req[order]
-            work_request[:N] = req
-            order -= first[req]  # the tile's index inside its request
-            work_qtile[:N] = order
-    else:
-        order, c = _split_items(nh, l, nc_t, item_end, N, chunk // bn)
-        work_chunk[:N] = c[order]
-        # the request (and the tile's index inside it) of each item, in launch order
-        if tiles is None:
-            req = _shared("iota", B).repeat(nc)
-        else:
-            tq = np.arange(T)
-            tq -= first[req]
-            work_qtile[:N] = tq.astype(np.int32).repeat(nc_t)[order]
-            req = req.astype(np.int32).repeat(nc_t)
-        work_request[:N] = req[order]
-
-    # ---- partial rows (token-major, chunk fastest) and merge ranges ----
+    _fill_work_items(work_request, work_qtile, work_chunk, qo_lens, kv, tiles, ends, T, B, N, g, bm, bn, causal, wl,
+                     max_kv, split, chunk, nc, None if nc is None else nc_t, None if nc is None else item_end)
     if split:
-        num_chunks[:] = nc
-        cnt = nc * (nc > 1)  # partial rows per token of each request (0: written directly)
-        every_qo_1 = tiles is None and total_q == B  # decode-like: token b = request b
-        part = cnt if every_qo_1 else qo_lens * cnt
-        if total_q * -(-max_kv // chunk) > _I32_MAX:  # a bound on the partial rows
-            num_partial_rows = int(part.sum())
-            if num_partial_rows > _I32_MAX:
-                raise ValueError(f"{num_partial_rows} partial rows exceed the int32 range; use a larger "
-                                 "fixed_split_size or disable_split_kv")
-        _acc(part.astype(np.int32), out=o_indptr[1:])
-        num_partial_rows = int(o_indptr[-1])
-        if every_qo_1:
-            merge_indptr[:] = o_indptr
-        elif total_q <= 2048:
-            _acc(cnt.repeat(qo_lens), out=merge_indptr[1:])
-        else:
-            # token t of request b: o_indptr[b] + (t - qo_indptr[b]) * cnt[b] (a cumsum over many
-            # tokens is slower). int32 products may wrap, but two's complement keeps the sum exact
-            # because the result fits int32.
-            cnt32 = cnt.astype(np.int32)
-            m = merge_indptr[:-1]
-            np.multiply(np.arange(total_q, dtype=np.int32), cnt32.repeat(qo_lens), out=m)
-            m += (o_indptr[:-1] - qo[:-1].astype(np.int32) * cnt32).repeat(qo_lens)
-            merge_indptr[-1] = num_partial_rows
+        num_partial_rows = _fill_partial_rows(num_chunks, o_indptr, merge_indptr, qo, qo_lens, nc, tiles, B,
+                                              total_q, max_kv, chunk)
     else:
         num_partial_rows = 0
         if nc is None:
@@ -615,7 +391,116 @@ def schedule_prefill(qo, qo_lens, kv, max_qo, max_kv, g, hkv, bm, bn, budget, ca
     return plan
 
 
-# ---- benchmark: python -m pyflashattn._plan ---------------------------------------------------
+def _check_capacity(cap, B, total_q):
+    """(max_batch, max_total_q, max_work or None) of a CUDA-graph capacity the batch fits."""
+    try:
+        cap_b = _pos_int(cap["max_batch"], "graph_capacity['max_batch']")
+        cap_q = operator.index(cap["max_total_q"])
+        cap_w = cap.get("max_work")
+    except KeyError as e:
+        raise ValueError(f"graph_capacity needs the key {e.args[0]!r}") from None
+    if cap_q < 0:
+        raise ValueError(f"graph_capacity['max_total_q'] must be >= 0, got {cap_q}")
+    if B > cap_b:
+        raise ValueError(f"batch size {B} exceeds graph_capacity['max_batch'] = {cap_b}")
+    if total_q > cap_q:
+        raise ValueError(f"{total_q} query tokens exceed graph_capacity['max_total_q'] = {cap_q}")
+    return cap_b, cap_q, cap_w
+
+
+def _chunk_size(qo_lens, kv, max_qo, max_kv, tiles, T, B, g, hkv, bm, bn, budget, causal, wl, fss, disable_split_kv,
+                search_limit, ctas_per_sm, cost_head_dim):
+    """(kv_chunk_size, the search's ceil(kv / chunk) per request as float64 or None)."""
+    max_chunk = max(-(-max_kv // bn), 1) * bn
+    if disable_split_kv:
+        return max_chunk, None
+    if fss is not None:
+        chunk = -(-fss // bn) * bn
+        if chunk > _I32_MAX:
+            raise ValueError(f"fixed_split_size {fss} exceeds the int32 range")
+        return chunk, None
+    if cost_head_dim is not None:  # one request on a row-tile kernel: the cost model
+        n, chunk = cost_model.plan_splits(int(qo_lens[0]), int(kv[0]), g, hkv, bm, bn, budget // ctas_per_sm,
+                                          ctas_per_sm, causal, wl, head_dim=cost_head_dim)
+        return (max_chunk if n == 1 else chunk), None
+    min_units = -(-MIN_CHUNK_TOKENS // bn)
+    max_units = max_chunk // bn
+    if (T == 0 or T > search_limit or max_units <= min_units
+            or (ctas_per_sm > 1 and max_units < SHORT_KV_TILES and 2 * T * hkv * ctas_per_sm >= budget)):
+        return max_chunk, None
+    if B == 1:  # closed form: tiles * ceil(kv / c) <= L  <=>  c >= kv / (L // tiles)
+        m = search_limit // T
+        return min(max(min_units, -(-(-(-max(max_kv, 1) // m)) // bn)), max_units) * bn, None
+    # requests without queries weigh 0 (tiles = 0)
+    kv_f = np.maximum(kv, 1.0)  # float64
+    u, nc_f = _search_chunk_units(None if tiles is None else tiles.astype(np.float64), kv_f, T, search_limit, bn,
+                                  min_units, max_units)
+    return u * bn, nc_f
+
+
+def _fill_work_items(work_request, work_qtile, work_chunk, qo_lens, kv, tiles, ends, T, B, N, g, bm, bn, causal, wl,
+                     max_kv, split, chunk, nc, nc_t, item_end):
+    """Work items (q tile-major, chunk fastest) in LPT order: a stable sort by the KV tiles the
+    kernel iterates for each item, descending (ties keep the item order)."""
+    first = req = None
+    if tiles is not None:
+        first = ends - tiles  # each request's first q tile
+        req = _shared("iota", B).repeat(tiles)  # the request of each q tile
+    nh, l = tile_spans(qo_lens, kv, tiles, first, req, g, bm, bn, causal, wl)
+    if not split:  # item = q tile; it iterates h - l KV tiles (>= 0: a tile's lo < its hi)
+        order = _lpt_order(nh if l is None else np.add(nh, l, out=nh), -(-max_kv // bn))
+        if tiles is None:  # q tile = request
+            work_request[:N] = order
+        else:
+            req = req[order]
+            work_request[:N] = req
+            order -= first[req]  # the tile's index inside its request
+            work_qtile[:N] = order
+        return
+    order, c = _split_items(nh, l, nc_t, item_end, N, chunk // bn)
+    work_chunk[:N] = c[order]
+    # the request (and the tile's index inside it) of each item, in launch order
+    if tiles is None:
+        req = _shared("iota", B).repeat(nc)
+    else:
+        tq = np.arange(T)
+        tq -= first[req]
+        work_qtile[:N] = tq.astype(np.int32).repeat(nc_t)[order]
+        req = req.astype(np.int32).repeat(nc_t)
+    work_request[:N] = req[order]
+
+
+def _fill_partial_rows(num_chunks, o_indptr, merge_indptr, qo, qo_lens, nc, tiles, B, total_q, max_kv, chunk):
+    """Partial rows (token-major, chunk fastest) and merge ranges of a split plan; returns the
+    number of partial rows."""
+    num_chunks[:] = nc
+    cnt = nc * (nc > 1)  # partial rows per token of each request (0: written directly)
+    every_qo_1 = tiles is None and total_q == B  # decode-like: token b = request b
+    part = cnt if every_qo_1 else qo_lens * cnt
+    if total_q * -(-max_kv // chunk) > _I32_MAX:  # a bound on the partial rows
+        num_partial_rows = int(part.sum())
+        if num_partial_rows > _I32_MAX:
+            raise ValueError(f"{num_partial_rows} partial rows exceed the int32 range; use a larger "
+                             "fixed_split_size or disable_split_kv")
+    _acc(part.astype(np.int32), out=o_indptr[1:])
+    num_partial_rows = int(o_indptr[-1])
+    if every_qo_1:
+        merge_indptr[:] = o_indptr
+    elif total_q <= 2048:
+        _acc(cnt.repeat(qo_lens), out=merge_indptr[1:])
+    else:
+        # token t of request b: o_indptr[b] + (t - qo_indptr[b]) * cnt[b] (a cumsum over many
+        # tokens is slower). int32 products may wrap, but two's complement keeps the sum exact
+        # because the result fits int32.
+        cnt32 = cnt.astype(np.int32)
+        m = merge_indptr[:-1]
+        np.multiply(np.arange(total_q, dtype=np.int32), cnt32.repeat(qo_lens), out=m)
+        m += (o_indptr[:-1] - qo[:-1].astype(np.int32) * cnt32).repeat(qo_lens)
+        merge_indptr[-1] = num_partial_rows
+    return num_partial_rows
+
+
+# ---- benchmark: python -m pyflashattn._engine.schedule ---------------------------------------------------
 def _bench():  # pragma: no cover - prints timings, asserts nothing
     import timeit
 

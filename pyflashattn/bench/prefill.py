@@ -1,4 +1,4 @@
-"""Benchmarks: ``python -m pyflashattn.bench prefill [options]`` and
+"""Prefill benchmarks: ``python -m pyflashattn.bench prefill [options]`` and
 ``python -m pyflashattn.bench prefill-features [--json PATH] [--quick]`` (see
 ``run_prefill_features`` for the second).
 

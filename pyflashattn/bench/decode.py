@@ -1,9 +1,9 @@
-"""Decode benchmark: ``python -m pyflashattn.bench_decode [--quick] [--json PATH]``.
+"""Decode benchmark: ``python -m pyflashattn.bench decode [--quick] [--json PATH]``.
 
 Decode-like batches (every request 1 to 8 query tokens over a long KV cache) through the batch
 wrappers, which run them on the decode tiles (16 packed rows; at head_dim 64 / 128 the 32- and
 64-row tiles over a paged or fp8 cache, two 16-row tiles for up to 32 rows over ragged K/V;
-``prefill.decode_tiles``).
+``routing.built_decode_tiles``).
 Such a batch is a stream over its
 K/V, so it is judged against memory bandwidth: KV bytes read per second (K and V of every
 request once, 2 bytes an element, 1 in the fp8 cache) next to the device-to-device copy
@@ -95,7 +95,7 @@ def _case(torch, pfa, ws, name, B, qo, kv_range, head_dim, seed, warmup, rep):
     wr.plan(qi, ki, HQ, HKV, head_dim, causal=True, q_data_type=torch.bfloat16)
     wp = pfa.BatchPrefillWithPagedKVCacheWrapper(ws, "NHD")
     wp.plan(qi, pi, perm, last, HQ, HKV, head_dim, PAGE_SIZE, causal=True, q_data_type=torch.bfloat16)
-    row["kernel"] = wr._attn.name
+    row["kernel"] = wr._engine.attn.name
     # fp8 (e4m3) paged cache: half the bytes; checked against the bf16 paged kernel on the same
     # widened values (fp8 rounding alone moves the output ~3 % from the bf16 inputs' result)
     cache8 = cache.to(torch.float8_e4m3fn)
@@ -166,7 +166,7 @@ def _single_case(torch, pfa, name, qo, kv_len, head_dim, seed, warmup, rep):
         if not rel <= REL_TOL:
             row["errors"].append(f"pfa single: mismatch vs SDPA, rel {rel:.3g}")
         else:
-            row["kernel"] = pfa.prefill._tls.plans[next(reversed(pfa.prefill._tls.plans))].attn.name
+            row["kernel"] = pfa._engine.single._tls.plans[next(reversed(pfa._engine.single._tls.plans))].attn.name
             timers["pfa"] = lambda wu, r: bench_samples_ms(
                 lambda: pfa.single_prefill_with_kv_cache(q, k, v, causal=True, out=out), warmup=wu, rep=r)
     except Exception as e:
@@ -253,7 +253,7 @@ def run(args) -> int:
 
 
 def main(argv=None) -> int:
-    return bench_main(run, argv, prog="python -m pyflashattn.bench_decode", doc=__doc__,
+    return bench_main(run, argv, prog="python -m pyflashattn.bench decode", doc=__doc__,
                       quick_help="head_dim 128 and two cases only", rep=15)
 
 

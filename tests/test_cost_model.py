@@ -1,9 +1,9 @@
-"""Single-prefill split-KV decision (pyflashattn._split_kv): chunks tile the KV, and a split is
+"""Single-prefill split-KV decision (pyflashattn._engine.cost_model): chunks tile the KV, and a split is
 chosen only where the cost model says it shortens the launch."""
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from pyflashattn._split_kv import MIN_CHUNK_TILES, plan_splits
+from pyflashattn._engine.cost_model import MIN_CHUNK_TILES, plan_splits
 
 H100 = dict(block_m=128, block_n=64, sm_count=132)
 

@@ -1,4 +1,4 @@
-"""Batch prefill benchmark: ``python -m pyflashattn.bench_batch [--quick] [--json PATH]``.
+"""Batch prefill benchmark: ``python -m pyflashattn.bench batch [--quick] [--json PATH]``.
 
 bf16, head_dim 128, 32 q heads / 8 kv heads (GQA 4), causal and non-causal, prefill requests
 (qo_len = kv_len per request):
@@ -13,7 +13,7 @@ cache cast once, k_scale = v_scale = 1). Columns:
 
 * TFLOP/s. FLOPs are counted per request and summed: ``4 * qo * kv * Hq * D`` non-causal; causal
   (bottom-right, qo <= kv) ``4 * Hq * D * (qo * kv - qo^2 / 2)``, i.e. half of it when
-  qo = kv, the convention of ``python -m pyflashattn.bench``;
+  qo = kv, the convention of ``python -m pyflashattn.bench prefill``;
 * ``single``: our single_prefill_with_kv_cache on ONE request whose length is the batch's total
   tokens. It does a different amount of work (one long attention instead of many short ones),
   so only the TFLOP/s *rates* compare: ``ragged/single`` says how much of the big-request
@@ -31,10 +31,9 @@ Timing: CUDA-event medians with an L2 flush before each repetition; plan() outsi
 region. Before a number is posted, the batch output of every request is compared with SDPA's on
 the same inputs (relative Frobenius error <= REL_TOL); a failing row posts no time. All columns
 of a row are then timed in three interleaved rounds whose order rotates
-(``bench_util.interleaved_median_ms``): timed one after the other, each column carried the power
-and clock state its predecessor left (H100: the uniform16 causal ragged batch read 298-325 TFLOP/s
-in full sequential runs, 351-365 in quick runs and alone). The GPU is warmed up for a second
-before the first row (``bench_util.gpu_warmup``).
+(``bench_util.interleaved_median_ms``): timed one after the other, each column would carry the
+power and clock state its predecessor left. The GPU is warmed up for a second before the first
+row (``bench_util.gpu_warmup``).
 
 Host costs: plan() in microseconds at batch 64 and 1024 (numpy index arrays; qo 1..256,
 kv qo..4096; median of repeated plans, each a full plan including its metadata copy; ragged and
@@ -444,7 +443,7 @@ def run(args) -> int:
 
 
 def main(argv=None) -> int:
-    return bench_main(run, argv, prog="python -m pyflashattn.bench_batch", doc=__doc__,
+    return bench_main(run, argv, prog="python -m pyflashattn.bench batch", doc=__doc__,
                       quick_help="fewer repetitions, a smaller skewed batch", rep=20)
 
 

@@ -1,0 +1,491 @@
+"""The batch engine behind FlashInfer's plan / run wrappers: plan() resolves, schedules and stages
+everything; run() checks operands against the plan, refills pointers and launches.
+
+plan() reads the index arrays on the host (device arrays are copied to the host once, which
+synchronises with the device: pass numpy arrays to avoid it), runs the scheduler, sizes the
+float workspace exactly, and stages every int array of the plan through one pinned host buffer
+with one async copy on the stream. run() allocates nothing when out= (and lse=) are given and
+never synchronises, so it can be captured in a CUDA graph (use_cuda_graph=True keeps every
+device address and the grid fixed across plans: graph.py).
+"""
+from __future__ import annotations
+
+import numpy as np
+
+from .._runtime import cuda as _cuda, tensor as _tensor
+from . import launch, operands, options, params, routing, schedule
+from .graph import GraphState
+from .masks import MaskBuffers
+from .problem import Config, KVSource, PlanSettings
+from .staging import Staging
+
+_PLAIN = frozenset((type(None), bool, int, float))  # immutable option types plan() may cache by value
+# PlanSettings fields that may hold numbers a tensor could stand in for: a config is cached only
+# when they are plain values (a tensor hashes by identity and could change value between plans).
+_NUMERIC_SETTINGS = (4, 5, 6, 7, 11, 12, 13)
+_CONFIG_CACHE_SIZE = 64
+# The plan's arrays as the kernels name them; the KV source's index arrays follow.
+_PLAN_DEVICE = "the wrapper (its float workspace)"
+_PLAN_ARRAYS = ("work_request", "work_qtile", "work_chunk", "num_chunks", "o_indptr", "merge_indptr")
+
+
+class BatchEngine:
+    """One wrapper's engine state: its workspace, staging, masks, graph capacity, launchers and
+    the current plan."""
+
+    def __init__(self, float_workspace_buffer, kv_layout: str, use_cuda_graph: bool, paged: bool,
+                 custom_mask_buf=None, qk_indptr_buf=None):
+        self.kv_layout = operands.kv_layout(kv_layout)
+        self.paged = paged
+        self.set_workspace(float_workspace_buffer)
+        self.masks = MaskBuffers(self.dev, bool(use_cuda_graph), custom_mask_buf, qk_indptr_buf)
+        self.graph = None  # CUDA-graph mode: enable_graph()
+        self.staging = Staging(self.dev)
+        self.planned = False
+        self.launchers = {}
+        self.configs = {}  # PlanSettings -> Config (see plan)
+        self.attn = self.merge = self.schedule = None
+        self.consts = None  # the option fields last written into the attention launcher's struct
+        self.pending_copy = False
+        self.fast_key = None  # run()'s validated torch signature (launch.torch_key), per plan
+        self.kv_ptr_offset = None  # one-tensor paged cache: v's address - k's
+        self.pdl = launch.PdlLauncher(self.dev)
+        self.scaled = False
+
+    def enable_graph(self, max_batch: int, max_pages: int):
+        """CUDA-graph mode with this capacity (batch size, pages)."""
+        self.graph = GraphState(max_batch, max_pages)
+
+    # ---- workspace ---------------------------------------------------------------------
+    def set_workspace(self, buf):
+        v = operands.contiguous_1d(buf, "float_workspace_buffer")
+        if v.ptr % 16:
+            raise ValueError("float_workspace_buffer must be 16-byte aligned")
+        self.ws_buf = buf  # keep the caller's tensor alive with the wrapper
+        self.ws_ptr, self.ws_bytes, self.dev = v.ptr, v.shape[0] * max(v.dtype.bits // 8, 1), v.device_id
+
+    def reset_workspace(self, buf):
+        """Swap the float workspace; a buffer that is refused leaves the old one."""
+        v = operands.contiguous_1d(buf, "float_workspace_buffer")
+        if v.ptr % 16:
+            raise ValueError("float_workspace_buffer must be 16-byte aligned")
+        if v.device_id != self.dev:
+            raise ValueError("float_workspace_buffer must stay on the wrapper's device")
+        nbytes = v.shape[0] * max(v.dtype.bits // 8, 1)
+        if self.planned and self.ws_need > nbytes:
+            raise ValueError(f"float_workspace_buffer holds {nbytes} bytes; the current plan needs {self.ws_need}")
+        if self.graph is not None and self.graph.captured is not None and v.ptr != self.ws_ptr:
+            raise ValueError("float_workspace_buffer: run() was captured in a CUDA graph that reads the current "
+                             "workspace; it cannot be swapped for another buffer")
+        self.set_workspace(buf)
+        if self.planned:
+            self._point_workspace()
+
+    def _point_workspace(self):
+        p = self.attn.params
+        p.o_partial, p.lse_partial = self.ws_ptr, self.ws_ptr + self.ws_lse_off
+        if self.merge is not None:
+            mp = self.merge.params
+            mp.o_partial, mp.lse_partial = p.o_partial, p.lse_partial
+
+    # ---- plan --------------------------------------------------------------------------
+    def plan(self, src: KVSource, settings: PlanSettings, causal, custom_mask, packed_custom_mask,
+             disable_split_kv, stream):
+        """Resolve, schedule and stage one batch plan. Everything that can refuse the plan runs
+        before anything is committed, so a refused plan leaves the previous one usable."""
+        has_mask = settings.has_mask
+        # The mask is checked first (before the driver is touched, like every argument).
+        mask = self.masks.plan(custom_mask, packed_custom_mask, src.qo_lens, src.kv_lens) if has_mask else None
+        # A serving loop re-plans with the same settings every step: their validation and routing
+        # are cached per wrapper (_config), keyed by the values and their types.
+        try:
+            cfg = self.configs.get((settings, tuple(map(type, settings))))
+        except TypeError:  # an unhashable argument: _config resolves it (and rejects it there)
+            cfg = None
+        if cfg is None:
+            cfg = self._config(settings)
+        causal = 1 if causal and not has_mask else 0  # a custom mask replaces causal (FlashInfer)
+        _cuda.ensure_context(self.dev)
+        cap = None
+        g = self.graph
+        if g is not None:
+            cap = g.check_capacity(src.qo_lens.size, int(src.qo[-1]))
+        la, budget, ctas, tile = cfg.route.pick(cfg.head_dim, src.max_qo * cfg.group,
+                                                cap.get("decode_rows") if cap else None)
+        meta = la.meta
+        plan = schedule.schedule_prefill(src.qo, src.qo_lens, src.kv_lens, src.max_qo, src.max_kv, cfg.group,
+                                         cfg.num_kv_heads, meta["block_m"], meta["block_n"], budget, bool(causal),
+                                         cfg.window_left, cfg.fixed_split_size, disable_split_kv, cap, ctas,
+                                         None if tile else cfg.head_dim)
+        # Graph mode keeps the partial-LSE offset fixed across plans (max_partial_rows bound).
+        ws_rows = plan.max_partial_rows if cap else plan.num_partial_rows
+        lse_off, need = plan.workspace_layout(cfg.num_qo_heads, cfg.head_dim, ws_rows) if ws_rows else (0, 0)
+        if need > self.ws_bytes:  # checked before any state changes: a refused plan leaves no trace
+            raise ValueError(f"float_workspace_buffer holds {self.ws_bytes} bytes but this plan needs "
+                             f"{need}; pass a larger buffer (or disable_split_kv=True)")
+        merge = self.launcher("merge", cfg.q_dtype.short) if plan.split or cap else None
+        staged, offsets, nbytes, sig = self._staged(src, plan, mask, merge, cap, cfg, causal, la, lse_off)
+        # ---- nothing below refuses the plan: commit ----
+        s = launch.plan_stream(stream, self.dev)
+        ptrs = self.staging.upload(staged, s, offsets, nbytes)
+        self.plan_stream, self.pending_copy = s, True
+        self._point_metadata(la, plan, src, mask, merge, cap, ptrs, s)
+        consts = (la, cfg, causal, src.page_size)
+        if consts != self.consts or self.scaled:  # a serving loop re-plans with the same options
+            self._write_options(la, cfg, causal, src.page_size)
+            self.consts = consts
+        self.sm_log2 = cfg.sm_scale * params.LOG2E
+        self.ks = self.vs = 1.0  # run()'s k_scale / v_scale currently in the struct
+        self.scaled = False
+        la.configure((cfg.num_kv_heads, 1, plan.grid))
+        self.attn = la
+        if merge is not None:  # a captured graph always holds the merge (a no-op for unsplit rows)
+            params.configure_merge(merge, cap["max_total_q"] if cap else plan.total_q, cfg.num_qo_heads,
+                                   cfg.head_dim, 0, cfg.opts.lse_scale)
+        self.merge = merge
+        self.ws_rows, self.ws_lse_off, self.ws_need = ws_rows, lse_off, need
+        self.schedule, self.cfg, self.src = plan, cfg, src
+        self.shape = (plan.total_q, cfg.num_qo_heads, cfg.num_kv_heads, cfg.head_dim)
+        self._point_workspace()
+        self.planned = True
+        if cap is not None:
+            g.commit(cap, tile, sig)
+        self.fast_key = None  # run()'s validated-signature cache belongs to one plan
+        return plan
+
+    def _config(self, settings: PlanSettings) -> Config:
+        """plan()'s settings validated and routed, cached per wrapper: a serving loop re-plans with
+        the same settings every step. Keyed by the values and their types (so 128.0 or True never
+        pass where 128 or 1 did), and stored only with plain scalars in the numeric options."""
+        key = (settings, tuple(map(type, settings)))
+        try:
+            cfg = self.configs.get(key)
+        except TypeError:  # an unhashable argument: resolve it every time (and reject it there)
+            cfg = key = None
+        if cfg is None:
+            cfg = self._resolve(settings)
+            if key is not None and _PLAIN.issuperset(key[1][i] for i in _NUMERIC_SETTINGS):
+                if len(self.configs) >= _CONFIG_CACHE_SIZE:
+                    self.configs.clear()
+                self.configs[key] = cfg
+        return cfg
+
+    def _resolve(self, st: PlanSettings) -> Config:
+        """Validate the settings (errors name the argument) and route them to kernels."""
+        opts = options.resolve(st.pos_encoding_mode, st.allow_fp16_qk_reduction, st.logits_soft_cap, st.rope_scale,
+                               st.rope_theta, st.lse_base)
+        hq = operands.positive_int(st.num_qo_heads, "num_qo_heads")
+        hkv = operands.positive_int(st.num_kv_heads, "num_kv_heads")
+        hd = operands.positive_int(st.head_dim, "head_dim")
+        if hq % hkv:
+            raise ValueError(f"num_qo_heads ({hq}) must be a multiple of num_kv_heads ({hkv})")
+        if hd not in routing.HEAD_DIMS:
+            raise ValueError(f"head_dim {hd} is not supported (supported: {routing.HEAD_DIMS})")
+        qdt, kdt, kv_fp8 = operands.kv_dtype_pair(st.q_data_type, st.kv_data_type)
+        window_left = options.window(st.window_left)
+        sm_scale = options.softmax_scale(st.sm_scale, hd)
+        fss = None if st.fixed_split_size is None else schedule._pos_int(st.fixed_split_size, "fixed_split_size")
+        _cuda.ensure_context(self.dev)
+        general = opts.general or st.has_mask
+        route = routing.Route(self.launcher, self.dev, qdt.short, "fp8" if kv_fp8 else qdt.short, hd, general,
+                              self.paged, bool(kv_fp8))
+        return Config(hq, hkv, hd, hq // hkv, opts, qdt, kdt, kv_fp8, window_left, sm_scale, fss, route)
+
+    def _staged(self, src, plan, mask, merge, cap, cfg, causal, la, lse_off):
+        """(arrays to stage, their fixed int32 offsets or None, bytes, graph signature or None).
+        In order: the plan's arrays, qo_indptr, the KV source's index arrays, the chunk size
+        (graph mode only: elsewhere the kernel takes the by-value kv_chunk_size), the mask's
+        offsets."""
+        mask_arrays = () if mask is None else mask.offset_arrays
+        if cap is None:
+            # Back to back, the plan's arrays in one piece (they are consecutive in plan.buffer).
+            # Nothing merged: every request has one chunk, the kernel reads no o_indptr and no
+            # merge runs, so o_indptr and merge_indptr (total_q + 1 entries, the largest) stay home.
+            buf = plan.buffer
+            B = src.qo_lens.size
+            return [buf if merge is not None else buf[:3 * plan.grid + B], src.qo, *src.arrays, *mask_arrays], \
+                None, None, None
+        # Rows past this plan's tokens must merge nothing (the merge grid covers the capacity).
+        mi = plan.merge_indptr
+        staged = [plan.work_request, plan.work_qtile, plan.work_chunk, plan.num_chunks, plan.o_indptr,
+                  np.concatenate([mi, np.full(cap["max_total_q"] + 1 - mi.size, mi[-1], np.int32)]),
+                  src.qo, *src.arrays, plan.kv_chunk_size, *mask_arrays]
+        names = (*_PLAN_ARRAYS, "qo_indptr", *src.names, "chunk_size", "mask_indptr", "mask_in_indptr")
+        layout = self.graph.layout({name: 1 if type(a) is int else a.size for name, a in zip(names, staged)}, cap,
+                                   self.staging)
+        offsets = [layout[name] // 4 for name in names[:len(staged)]]
+        opts = cfg.opts
+        sig = {"num_qo_heads": cfg.num_qo_heads, "num_kv_heads": cfg.num_kv_heads, "head_dim": cfg.head_dim,
+               "q_data_type": cfg.q_dtype.name, "kv_data_type": cfg.kv_dtype.name, "page_size": src.page_size,
+               "causal": causal, "window_left": cfg.window_left, "sm_scale": cfg.sm_scale,
+               "logits_soft_cap": opts.soft_cap, "pos_encoding_mode": opts.pos, "rope_scale": opts.rope_scale,
+               "rope_theta": opts.rope_theta, "lse_base": opts.lse_scale, "custom_mask": mask is not None,
+               "float workspace layout": (self.ws_ptr, lse_off), "kernel": (la.name, plan.grid)}
+        self.graph.check_sig(sig)
+        return staged, offsets, layout["__end__"], sig
+
+    def _point_metadata(self, la, plan, src, mask, merge, cap, ptrs, s):
+        """Point the params structs at the staged arrays (ptrs: their device addresses)."""
+        nkv = len(src.arrays)
+        if cap is None:  # the plan's arrays follow each other from where plan.buffer landed
+            B = src.qo_lens.size
+            wr, rest = ptrs[0], ptrs[1:]
+            wq, wc, nc = wr + 4 * plan.grid, wr + 8 * plan.grid, wr + 12 * plan.grid
+            o_ptr = m_ptr = chunk_ptr = 0
+            if merge is not None:
+                o_ptr = nc + 4 * B
+                m_ptr = o_ptr + 4 * (B + 1)
+            mask_ptrs = rest[1 + nkv:]
+        else:
+            (wr, wq, wc, nc, o_ptr, m_ptr), rest = ptrs[:6], ptrs[6:]
+            chunk_ptr, mask_ptrs = rest[1 + nkv], rest[2 + nkv:]
+        # rest: qo_indptr, the KV source's index arrays, (graph mode) the chunk size, the mask's offsets
+        p = la.params
+        p.work_request, p.work_qtile, p.work_chunk, p.num_chunks, p.o_indptr = wr, wq, wc, nc, o_ptr
+        p.qo_indptr = rest[0]
+        for name, ptr in zip(src.names, rest[1:1 + nkv]):
+            setattr(p, name, ptr)
+        p.kv_chunk_size_dev = chunk_ptr
+        if mask is not None:
+            p.custom_mask, p.mask_indptr = self.masks.write(mask, mask_ptrs, s)
+        else:
+            p.custom_mask = p.mask_indptr = 0
+            self.masks.keep = None
+        p.kv_chunk_size = plan.kv_chunk_size
+        if merge is not None:
+            merge.params.merge_indptr = m_ptr
+
+    def _write_options(self, la, cfg: Config, causal: int, page_size: int):
+        """The option fields of the launcher's struct (this wrapper's own): written only when the
+        plan's options changed."""
+        p = la.params
+        params.fill_score_fields(p, self.dev, cfg.num_qo_heads, cfg.num_kv_heads, causal, cfg.window_left,
+                                 cfg.sm_scale, cfg.opts)
+        p.kv_fp8 = cfg.kv_fp8
+        p.page_size = page_size
+        p.page_shift = page_size.bit_length() - 1 if page_size & (page_size - 1) == 0 else -1
+
+    def launcher(self, family, dtype, kv_dtype=None, head_dim=None, general=None, decode=0):
+        """The wrapper's own Launcher per kernel, reused across plans (creating one costs ~10 us);
+        decode = the decode tile's packed rows (0: the row-tile kernels)."""
+        key = (family, dtype, kv_dtype, head_dim, general, decode)
+        la = self.launchers.get(key)
+        if la is None:
+            if family == "merge":
+                from .._runtime import registry as _registry
+                la = _registry.new_launcher("merge", self.dev, dtype=dtype)
+            else:
+                la = routing.new_attention(self.dev, dtype, kv_dtype, head_dim, general, self.paged, decode)
+            self.launchers[key] = la
+        return la
+
+    # ---- run ---------------------------------------------------------------------------
+    def apply_scales(self, k_scale, v_scale):
+        """k_scale folds into the logit scale, v_scale into the output multiplier (both in the
+        kernel, split-KV partials included). The struct is only written when a value changes."""
+        ks, vs = operands.scale_arg(k_scale, "k_scale"), operands.scale_arg(v_scale, "v_scale")
+        if ks != self.ks or vs != self.vs:
+            p = self.attn.params
+            p.sm_scale_log2 = self.sm_log2 * ks
+            p.v_scale = vs
+            self.ks, self.vs = ks, vs
+            self.scaled = ks != 1.0 or vs != 1.0
+
+    def check_q(self, q, out, lse, return_lse, stream):
+        """q, out and lse against the plan; allocates out / lse when not given. Returns
+        (q view, out, out view, lse, lse view, stream, handshake stream or None)."""
+        qv = _tensor.view(q, "q")
+        total_q, Hq, Hkv, D = self.shape
+        if qv.shape != (total_q, Hq, D):
+            raise ValueError(f"q must have shape {(total_q, Hq, D)} (qo_indptr[-1], num_qo_heads, head_dim) "
+                             f"as planned, got {qv.shape}")
+        dtype = self.cfg.q_dtype
+        operands.check_rows("q", qv, dtype, self.dev, expected="plan() was told q_data_type=", ref=_PLAN_DEVICE)
+        fw = qv.framework
+        s = launch.call_stream(stream, fw, self.dev)
+        # DLPack handshake for producers with their own streams (JAX): views taken with the
+        # launch stream make it wait for the producer's pending writes. torch needs none.
+        hs = None if fw == "torch" else s
+        if hs is not None and fw != "cupy":
+            qv = _tensor.view(q, "q", stream=hs)
+        if out is None:
+            out, ov = _tensor.empty(qv, (total_q, Hq, D), dtype, s)
+        else:
+            ov = _tensor.view(out, "out")
+            operands.check_out(ov, (total_q, Hq, D), dtype, self.dev, _PLAN_DEVICE)
+        lv = None
+        if lse is not None:
+            lv = _tensor.view(lse, "lse")
+            operands.check_lse(lv, (total_q, Hq), self.dev)
+        elif return_lse:
+            from .._runtime import dtypes as _dtypes
+            lse, lv = _tensor.empty(qv, (total_q, Hq), _dtypes.FLOAT32, s)
+        return qv, out, ov, lse, lv, s, hs
+
+    def kv_operand(self, x, name, hs):
+        """View one K/V tensor (with the launch stream for producers that need the handshake)
+        and check it against the plan: device, kv dtype, 16-byte aligned rows."""
+        t = _tensor.view(x, name, stream=hs)
+        operands.check_rows(name, t, self.cfg.kv_dtype, self.dev, expected="plan() was told kv_data_type=",
+                            ref=_PLAN_DEVICE)
+        return t
+
+    def launch(self, qv, ov, lv, s, pdl):
+        if self.pending_copy:
+            # The plan's metadata copy went on the plan's stream; order this stream after it once.
+            _cuda.stream_wait(s, self.plan_stream)
+            self.pending_copy = False
+        g = self.graph
+        if g is not None and g.probe:
+            g.note_capture(s)
+        p = self.attn.params
+        p.q, p.o = qv.ptr, ov.ptr
+        p.q_stride_n, p.q_stride_h = qv.strides[0], qv.strides[1]
+        p.o_stride_n, p.o_stride_h = ov.strides[0], ov.strides[1]
+        p.lse = lv.ptr if lv is not None else 0
+        if self.shape[0] == 0:
+            return
+        self.pdl(self.attn, pdl)(s)
+        if self.merge is not None:
+            mp = self.merge.params
+            mp.o, mp.lse = ov.ptr, (lv.ptr if lv is not None else 0)
+            mp.o_stride_n, mp.o_stride_h = ov.strides[0], ov.strides[1]
+            self.merge(s)
+
+    def remember(self, q, kv_parts, out, lse, return_lse):
+        """After a validated run: its torch signature, for the fast path (out / lse as the caller
+        passed them: None when we allocated)."""
+        self.fast_key = launch.torch_key(q, kv_parts, out, lse, bool(return_lse)) if launch.is_torch(q) else None
+
+    def torch_fast(self, q, kv_parts, out, lse, return_lse, stream, pdl):
+        """A run() whose torch tensors have the signature of the last validated run: pointers
+        only (the full path otherwise: None)."""
+        fk = self.fast_key
+        if fk is None or q.__class__ not in launch.TORCH_TYPES or \
+                launch.torch_key(q, kv_parts, out, lse, bool(return_lse)) != fk:
+            return None
+        qp = q.data_ptr()
+        kp = kv_parts[0].data_ptr()
+        vp = kp + self.kv_ptr_offset if self.kv_ptr_offset is not None else kv_parts[1].data_ptr()
+        op = out.data_ptr() if out is not None else 0
+        if (qp | kp | vp | op) & 15:
+            return None  # the full path raises the precise error
+        s = _tensor.stream_handle(stream) if stream is not None else launch.torch_stream(self.dev)
+        total_q, Hq = self.shape[0], self.shape[1]
+        if out is None:
+            out = _tensor.torch_empty_like(q)  # o has q's shape (the plan's key fixed it)
+            op = out.data_ptr()
+        if lse is None and return_lse:
+            lse = _tensor.torch_empty_f32(q, (total_q, Hq))
+        p = self.attn.params
+        p.q, p.k, p.v, p.o = qp, kp, vp, op
+        p.lse = lp = lse.data_ptr() if lse is not None else 0
+        if self.pending_copy:
+            _cuda.stream_wait(s, self.plan_stream)
+            self.pending_copy = False
+        g = self.graph
+        if g is not None and g.probe:
+            g.note_capture(s)
+        if total_q:
+            self.pdl(self.attn, pdl)(s)
+            merge = self.merge
+            if merge is not None:
+                mp = merge.params
+                mp.o, mp.lse = op, lp
+                merge(s)
+        if lse is None:
+            return out
+        return (out, lse) if return_lse else out
+
+    def refuse_run(self, args, positional: str):
+        if args:
+            raise TypeError(f"run() takes {positional} positionally; pass the rest by keyword")
+        raise RuntimeError("call plan() before run()")
+
+    def run_paged(self, q, paged_kv_cache, args, k_scale, v_scale, out, lse, return_lse, stream, pdl):
+        """run() over a paged cache: one tensor [pages, 2, ...] or a (k_cache, v_cache) pair."""
+        if args or not self.planned:
+            self.refuse_run(args, "q and paged_kv_cache")
+        if k_scale is not None or v_scale is not None or self.scaled:
+            self.apply_scales(k_scale, v_scale)
+        if isinstance(paged_kv_cache, (tuple, list)):
+            kv_parts = tuple(paged_kv_cache)
+            # only a (k_cache, v_cache) pair may take the fast path (a 1-tuple must not pass as
+            # the bare 5-D cache it holds: the full path refuses it)
+            fast = self.torch_fast(q, kv_parts, out, lse, return_lse, stream, pdl) if len(kv_parts) == 2 else None
+        else:
+            kv_parts = (paged_kv_cache,)
+            fast = self.torch_fast(q, kv_parts, out, lse, return_lse, stream, pdl)
+        if fast is not None:
+            return fast
+        qv, out_, ov, lse_, lv, s, hs = self.check_q(q, out, lse, return_lse, stream)
+        k_ptr, v_ptr, ks, vs, num_pages = self._paged_operands(paged_kv_cache, kv_parts, hs)
+        if self.src.max_page >= num_pages:
+            raise ValueError(f"paged_kv_indices refers to page {self.src.max_page} but paged_kv_cache has "
+                             f"{num_pages} pages")
+        self.kv_ptr_offset = v_ptr - k_ptr if len(kv_parts) == 1 else None
+        p = self.attn.params
+        p.k, p.v = k_ptr, v_ptr
+        p.k_stride_page, p.k_stride_n, p.k_stride_h = operands.paged_kv_strides(self.kv_layout, ks)
+        p.v_stride_page, p.v_stride_n, p.v_stride_h = operands.paged_kv_strides(self.kv_layout, vs)
+        self.launch(qv, ov, lv, s, pdl)
+        self.remember(q, kv_parts, out, lse, return_lse)
+        return finish(out_, lse_, return_lse)
+
+    def _paged_operands(self, paged_kv_cache, kv_parts, hs):
+        """(k address, v address, k page strides, v page strides, pages) of a paged cache."""
+        _, Hq, Hkv, D = self.shape
+        ps = self.src.page_size
+        nhd = self.kv_layout == "NHD"
+        if isinstance(paged_kv_cache, (tuple, list)):
+            if len(kv_parts) != 2:
+                raise ValueError("paged_kv_cache tuple must be (k_cache, v_cache)")
+            kc, vc = (self.kv_operand(t, n, hs) for t, n in zip(kv_parts, ("k_cache", "v_cache")))
+            want = (kc.shape[0], ps, Hkv, D) if nhd else (kc.shape[0], Hkv, ps, D)
+            for t, n in ((kc, "k_cache"), (vc, "v_cache")):
+                if t.ndim != 4 or t.shape != want:
+                    raise ValueError(f"{n} must have shape {want} ({self.kv_layout}), got {t.shape}")
+            return kc.ptr, vc.ptr, kc.strides, vc.strides, kc.shape[0]
+        c = self.kv_operand(paged_kv_cache, "paged_kv_cache", hs)
+        want = (c.shape[0], 2, ps, Hkv, D) if nhd else (c.shape[0], 2, Hkv, ps, D)
+        if c.ndim != 5 or c.shape != want:
+            raise ValueError(f"paged_kv_cache must have shape {want} ({self.kv_layout}), got {c.shape}")
+        item = c.dtype.bits // 8
+        strides = (c.strides[0],) + c.strides[2:]
+        return c.ptr, c.ptr + c.strides[1] * item, strides, strides, c.shape[0]
+
+    def run_ragged(self, q, k, v, args, k_scale, v_scale, out, lse, return_lse, stream, pdl):
+        """run() over ragged K/V [kv_indptr[-1], Hkv, D] (NHD) or [Hkv, kv_indptr[-1], D] (HND)."""
+        if args or not self.planned:
+            self.refuse_run(args, "q, k, v")
+        if k_scale is not None or v_scale is not None or self.scaled:
+            self.apply_scales(k_scale, v_scale)
+        fast = self.torch_fast(q, (k, v), out, lse, return_lse, stream, pdl)
+        if fast is not None:
+            return fast
+        qv, out_, ov, lse_, lv, s, hs = self.check_q(q, out, lse, return_lse, stream)
+        _, Hq, Hkv, D = self.shape
+        kv, vv = self.kv_operand(k, "k", hs), self.kv_operand(v, "v", hs)
+        total_kv = self.src.total_kv
+        want = (total_kv, Hkv, D) if self.kv_layout == "NHD" else (Hkv, total_kv, D)
+        for t, n in ((kv, "k"), (vv, "v")):
+            if t.shape != want:
+                raise ValueError(f"{n} must have shape {want} (kv_indptr[-1], num_kv_heads, head_dim in "
+                                 f"{self.kv_layout}), got {t.shape}")
+        p = self.attn.params
+        p.k, p.v = kv.ptr, vv.ptr
+        p.k_stride_n, p.k_stride_h = operands.ragged_kv_strides(self.kv_layout, kv.strides)
+        p.v_stride_n, p.v_stride_h = operands.ragged_kv_strides(self.kv_layout, vv.strides)
+        self.kv_ptr_offset = None
+        self.launch(qv, ov, lv, s, pdl)
+        self.remember(q, (k, v), out, lse, return_lse)
+        return finish(out_, lse_, return_lse)
+
+
+def finish(out, lse, return_lse):
+    """Hand outputs to the caller's framework (JAX outputs only now, ordered after the launch)."""
+    out = _tensor.finalize(out)
+    if lse is None:
+        return out
+    lse = _tensor.finalize(lse)
+    return (out, lse) if return_lse else out

@@ -1,0 +1,176 @@
+"""THE operand validator: every API's tensors are checked here, and layouts become strides here.
+
+Errors name the argument and are raised before anything launches. The kernels copy 16-byte
+chunks, so every row start must be 16-byte aligned: the data pointer, and the row / head / page
+strides in multiples of 16 / itemsize elements ("epc", elements per chunk: 8 for 16-bit
+tensors, 16 for fp8).
+"""
+from __future__ import annotations
+
+import math
+
+import numpy as np
+
+from .._runtime import dtypes as _dtypes, tensor as _tensor
+
+KV_LAYOUTS = ("NHD", "HND")
+
+
+def kv_layout(layout) -> str:
+    if layout not in KV_LAYOUTS:
+        raise ValueError(f"kv_layout must be 'NHD' or 'HND', got {layout!r}")
+    return layout
+
+
+def require_device(t, name: str, dev: int, ref: str = "q") -> None:
+    """t is a CUDA tensor on cuda:dev (ref: what fixed that device, for the message)."""
+    if not t.is_cuda:
+        raise ValueError(f"{name} must be a CUDA tensor, got a tensor on DLPack device type {t.device_type}")
+    if t.device_id != dev:
+        raise ValueError(f"{name} is on cuda:{t.device_id} but {ref} is on cuda:{dev}")
+
+
+def check_rows(name: str, t, dtype, dev: int, ndim: int | None = None, expected: str = "q has ",
+               ref: str = "q") -> None:
+    """An attention operand (q, k, v, out, a KV cache): CUDA on dev, of dtype, ndim dims, last dim
+    contiguous, 16-byte aligned rows. expected / ref: what fixed the dtype and the device, for
+    the messages."""
+    require_device(t, name, dev, ref)
+    if t.dtype is not dtype:
+        raise TypeError(f"{name} has dtype {t.dtype.name} but {expected}{dtype.name}")
+    if ndim is not None and t.ndim != ndim:
+        raise ValueError(f"{name} must be {ndim}-D, got shape {t.shape}")
+    check_alignment(name, t, 16 // (dtype.bits // 8))
+
+
+def check_alignment(name: str, t, epc: int) -> None:
+    if t.strides[-1] != 1 and t.shape[-1] > 1:
+        raise ValueError(f"{name} must be contiguous in its last dim, got strides {t.strides}")
+    if t.ptr % 16 or any(s % epc for s in t.strides[:-1]):
+        raise ValueError(f"{name} must have 16-byte aligned rows (data pointer 16-byte aligned, strides multiples "
+                         f"of {epc} elements), got strides {t.strides}, address %16 = {t.ptr % 16}")
+
+
+def check_lse(lv, shape: tuple, dev: int) -> None:
+    """lse: float32 CUDA on dev, of shape (rows, heads), contiguous."""
+    if lv.shape != shape or lv.dtype != _dtypes.FLOAT32 or not lv.is_cuda or lv.device_id != dev:
+        raise ValueError(f"lse must be a float32 CUDA tensor of shape {shape} on cuda:{dev}, got "
+                         f"{lv.dtype.name} {lv.shape} on device {lv.device_type}:{lv.device_id}")
+    if shape[0] * shape[1] > 1 and lv.strides != (shape[1], 1):
+        raise ValueError(f"lse must be contiguous, got strides {lv.strides}")
+
+
+def check_out(ov, shape: tuple, dtype, dev: int, ref: str = "q") -> None:
+    """out: dtype (q's), shape, CUDA on dev, 16-byte aligned rows."""
+    if ov.shape != shape:
+        raise ValueError(f"out must have shape {shape}, got {ov.shape}")
+    check_rows("out", ov, dtype, dev, expected="q has ", ref=ref)
+
+
+def ragged_kv_strides(layout: str, strides: tuple) -> tuple:
+    """(stride_n, stride_h) of a 3-D K or V tensor: [kv_len, heads, D] (NHD) / [heads, kv_len, D] (HND)."""
+    return (strides[0], strides[1]) if layout == "NHD" else (strides[1], strides[0])
+
+
+def paged_kv_strides(layout: str, strides: tuple) -> tuple:
+    """(stride_page, stride_n, stride_h) of a 4-D page tensor [pages, page_size, heads, D] (NHD) /
+    [pages, heads, page_size, D] (HND)."""
+    return (strides[0], strides[1], strides[2]) if layout == "NHD" else (strides[0], strides[2], strides[1])
+
+
+def ragged_kv_dims(layout: str, shape: tuple) -> tuple:
+    """(kv_len, num_kv_heads, head_dim) of a 3-D K/V tensor in this layout."""
+    return (shape[0], shape[1], shape[2]) if layout == "NHD" else (shape[1], shape[0], shape[2])
+
+
+def kv_dtype_pair(q_data_type, kv_data_type):
+    """(q dtype, K/V dtype, PrefillParams.kv_fp8): q fp16/bf16; K/V in q's dtype or fp8."""
+    # DTypes are table singletons: identity tests (the dataclass __eq__ / __hash__ cost ~1 us each)
+    qdt = dtype_arg(q_data_type, "q_data_type")
+    if qdt is not _dtypes.FLOAT16 and qdt is not _dtypes.BFLOAT16:
+        raise TypeError(f"q_data_type must be float16 or bfloat16, got {qdt.name}")
+    kdt = qdt if kv_data_type is None else dtype_arg(kv_data_type, "kv_data_type")
+    fp8 = 1 if kdt is _dtypes.FLOAT8_E4M3 else 2 if kdt is _dtypes.FLOAT8_E5M2 else 0  # PrefillParams.kv_fp8
+    if kdt is not qdt and not fp8:
+        raise TypeError(f"kv_data_type {kdt.name} with q_data_type {qdt.name}: K/V must be in q's dtype or fp8 "
+                        "(float8_e4m3fn, float8_e5m2)")
+    return qdt, kdt, fp8
+
+
+def dtype_arg(x, name):
+    try:
+        return _dtypes.normalize(x)
+    except TypeError:
+        raise TypeError(f"{name}: unsupported dtype {x!r}") from None
+
+
+def positive_int(val, name: str) -> int:
+    if not isinstance(val, (int, np.integer)) or isinstance(val, bool) or val <= 0:
+        raise ValueError(f"{name} must be a positive int, got {val!r}")
+    return int(val)
+
+
+def scale_arg(x, name) -> float:
+    """k_scale / v_scale: None -> 1.0; an int, float or numpy real scalar, finite and > 0."""
+    if x is None:
+        return 1.0
+    if type(x) is not float:
+        if isinstance(x, bool) or not isinstance(x, (int, float, np.integer, np.floating)):
+            raise TypeError(f"{name} must be a number (int, float or numpy real scalar) or None, "
+                            f"got {type(x).__name__}")
+        x = float(x)
+    if not (0.0 < x < math.inf):  # NaN fails too
+        raise ValueError(f"{name} must be a finite number > 0, got {x!r}")
+    return x
+
+
+def contiguous_1d(buf, name: str, dtype=None, dev: int | None = None):
+    """A 1-D contiguous CUDA buffer (workspace, mask and index buffers): its view."""
+    v = _tensor.view(buf, name)
+    if not v.is_cuda or (dev is not None and v.device_id != dev):
+        where = f" on cuda:{dev} (the float workspace's device)" if dev is not None else ""
+        raise ValueError(f"{name} must be a CUDA tensor{where}")
+    if dtype is not None and v.dtype != dtype:
+        raise TypeError(f"{name} must be {dtype.name}, got {v.dtype.name}")
+    if v.ndim != 1 or (v.shape[0] > 1 and v.strides[0] != 1):
+        raise ValueError(f"{name} must be a contiguous 1-D tensor, got shape {v.shape} strides {v.strides}")
+    return v
+
+
+def entries(buf, name: str) -> int:
+    """The first dimension of a buffer (a CUDA-graph capacity)."""
+    return _tensor.view(buf, name).shape[0]
+
+
+def check_mask_operand(kind: str, v, dev: int, need_bytes: int, bool_shape: tuple | None = None) -> None:
+    """A custom mask: packed_custom_mask (uint8, 1-D contiguous, >= need_bytes) or custom_mask
+    (bool or uint8, contiguous, of bool_shape), on cuda:dev."""
+    name = "packed_custom_mask" if kind == "packed" else "custom_mask"
+    if not v.is_cuda or v.device_id != dev:
+        raise ValueError(f"{name} must be a CUDA tensor on q's device cuda:{dev}, got device type "
+                         f"{v.device_type}:{v.device_id}")
+    if kind == "packed":
+        if v.dtype != _dtypes.UINT8:
+            raise TypeError(f"packed_custom_mask must be uint8, got {v.dtype.name}")
+        if v.ndim != 1 or (v.shape[0] > 1 and v.strides[0] != 1):
+            raise ValueError(f"packed_custom_mask must be a contiguous 1-D uint8 tensor, got shape {v.shape}")
+        if v.shape[0] < need_bytes:
+            raise ValueError(f"packed_custom_mask has {v.shape[0]} bytes; the mask's bits need {need_bytes} "
+                             "(segments of ceil(qo_len * kv_len / 8) bytes)")
+        return
+    if v.dtype not in (_dtypes.BOOL, _dtypes.UINT8):
+        raise TypeError(f"custom_mask must be bool (or uint8), got {v.dtype.name}")
+    if v.shape != bool_shape:
+        raise ValueError(f"custom_mask must have shape {bool_shape}, got {v.shape}")
+    if not _contiguous(v.shape, v.strides):
+        raise ValueError(f"custom_mask must be contiguous, got strides {v.strides}")
+
+
+def _contiguous(shape: tuple, strides: tuple) -> bool:
+    """Row-major contiguous (dims of size 1 may have any stride)."""
+    want = 1
+    for n, s in zip(reversed(shape), reversed(strides)):
+        if n > 1 and s != want:
+            return False
+        want *= n
+    return True

@@ -1,0 +1,110 @@
+"""Routing: which kernel (family, tile) runs a problem on this device, and how many CTAs per SM.
+
+Everything comes from the manifest's rows (what was built, with its tile rows, shared memory
+and designed CTAs per SM) and from the device's own properties at run time: an sm_80 cubin also
+runs on 8.6 / 8.9, which have less shared memory per SM, so the CTAs per SM are recomputed here.
+The registry picks the implementation (kernel family) per arch by preference.
+"""
+from __future__ import annotations
+
+from .._runtime import cuda as _cuda, registry as _registry
+
+HEAD_DIMS = (64, 128, 256)
+DECODE_TILE_ROWS = 16  # the smallest decode tile: one warp's m16 row tile
+SMEM_RESERVED_PER_CTA = 1024  # the driver's shared memory per resident CTA
+# head_dim -> the most packed rows (qo_len * num_qo_heads / num_kv_heads) a request may have to run
+# as several row tiles of a decode tile instead of on the 128-row kernel. Requests that fit one
+# decode tile always go there (decode_tile_rows). Beyond these bounds the 128-row kernel was
+# faster on an H100 (NOTES.md, session 11): at hd256 already for 2 x 16 rows.
+DECODE_MAX_ROWS = {64: 32, 128: 32, 256: 16}
+# Over an fp8 cache the decode tiles widen every K/V tile (latency-bound), and one wave of equal
+# chunks streamed slower than twice as many half chunks: their split-KV budget is two waves.
+FP8_DECODE_WAVES = 2
+
+
+def ctas_per_sm(meta: dict, props: dict) -> int:
+    """CTAs of a kernel per SM on this device: what it was designed for (the manifest's
+    ctas_per_sm), at most what the device's shared memory holds."""
+    fit = props["smem_per_sm"] // (meta["smem_bytes"] + SMEM_RESERVED_PER_CTA)
+    return max(1, min(meta["ctas_per_sm"], fit))
+
+
+_decode_rows_cache: dict = {}
+
+
+def built_decode_tiles(dev: int, dtype: str, kv_dtype: str, head_dim: int, paged: bool) -> tuple:
+    """The decode tiles (by packed rows, smallest first) the manifest has for this K/V on this
+    device's arch: 16 rows always, and the wide ones (32, 64) where they were built (paged or
+    fp8 K/V: contiguous 16-bit K/V run 17-32 rows as two 16-row tiles instead)."""
+    key = (dev, dtype, kv_dtype, head_dim, paged)
+    hit = _decode_rows_cache.get(key)
+    if hit is None:
+        archs = _registry.arch_candidates(_cuda.properties(dev)["cc"])
+        rows = set()
+        for arch in archs:
+            rows = {r["block_m"] for r in _registry.manifest()["kernels"]
+                    if r["arch"] == arch and r["family"] == "prefill" and r.get("decode") and not r.get("tune")
+                    and r["dtype"] == dtype and r["kv_dtype"] == kv_dtype and r["head_dim"] == head_dim
+                    and r["paged"] == paged}
+            if rows:
+                break
+        hit = _decode_rows_cache[key] = tuple(sorted(rows)) or (DECODE_TILE_ROWS,)
+    return hit
+
+
+_registry._on_force.append(_decode_rows_cache.clear)
+
+
+def decode_tile_rows(head_dim: int, rows: int, tiles: tuple = (DECODE_TILE_ROWS,)) -> int:
+    """The decode tile (by its packed rows, one of `tiles`) for requests of at most `rows` packed
+    rows: the smallest that holds them, else (up to DECODE_MAX_ROWS) several row tiles of the
+    largest; 0 = the 128-row kernel."""
+    if rows > max(DECODE_MAX_ROWS[head_dim], tiles[-1]):
+        return 0
+    for t in tiles:
+        if rows <= t:
+            return t
+    return tiles[-1]
+
+
+def new_attention(dev: int, dtype: str, kv_dtype: str, head_dim: int, general: bool, paged: bool,
+                  decode_rows: int = 0):
+    """A fresh launcher (its own params struct) for the attention kernel of this problem:
+    decode_rows = the decode tile's packed rows, 0 for the row-tile kernels."""
+    tile = dict(decode=True, block_m=decode_rows) if decode_rows else dict(decode=False)
+    return _registry.new_launcher("prefill", dev, dtype=dtype, kv_dtype=kv_dtype, head_dim=head_dim,
+                                  general=general, paged=paged, **tile)
+
+
+class Route:
+    """The kernels a batch plan may run, resolved once per plan settings: the row-tile kernel
+    (`attn`, `ctas`, `budget` = CTAs per wave) and, for lean options, the decode tiles by rows:
+    decode[rows] = (launcher, budget, ctas)."""
+
+    __slots__ = ("attn", "ctas", "budget", "decode")
+
+    def __init__(self, launcher, dev: int, dtype: str, kv_dtype: str, head_dim: int, general: bool, paged: bool,
+                 fp8: bool):
+        props = _cuda.properties(dev)
+        self.attn = launcher("prefill", dtype, kv_dtype, head_dim, general)
+        self.ctas = ctas_per_sm(self.attn.meta, props)
+        self.budget = props["sm_count"] * self.ctas
+        self.decode = None
+        if not general:
+            self.decode = {}
+            for rows in built_decode_tiles(dev, dtype, kv_dtype, head_dim, paged):
+                ld = launcher("prefill", dtype, kv_dtype, head_dim, False, decode=rows)
+                cps = ctas_per_sm(ld.meta, props)
+                self.decode[rows] = (ld, props["sm_count"] * cps * (FP8_DECODE_WAVES if fp8 else 1), cps)
+
+    def pick(self, head_dim: int, max_rows: int, fixed_rows: int | None = None) -> tuple:
+        """(launcher, budget, ctas, decode rows or 0) for a batch whose longest request has
+        max_rows packed rows; fixed_rows: a CUDA-graph plan's tile, chosen by its first plan."""
+        dec = self.decode
+        tile = decode_tile_rows(head_dim, max_rows, tuple(dec)) if dec else 0
+        if fixed_rows is not None:
+            tile = fixed_rows
+        if tile and dec:
+            la, budget, cps = dec.get(tile) or dec[max(dec)]
+            return la, budget, cps, tile
+        return self.attn, self.budget, self.ctas, tile

@@ -1,0 +1,258 @@
+"""Single-request prefill through the engine: one cached plan per problem signature.
+
+Full validation, routing and scheduling (a one-request schedule from the same scheduler as the
+batch wrappers, so a request gets the same chunks, hence the same bits, in both APIs) happen
+once per signature (shapes, strides, dtypes, devices, options); repeated calls reuse the plan
+and its params struct, and repeated torch calls take a fast path of attribute reads, one dict
+lookup and the launch.
+"""
+from __future__ import annotations
+
+import threading
+
+import numpy as np
+
+from .._runtime import cuda as _cuda, dtypes as _dtypes, registry as _registry, tensor as _tensor
+from . import launch, operands, options, packbits, params, routing, schedule
+
+_PLAN_CACHE_SIZE = 1024
+_MISS = object()
+# Plans own a mutable params struct, so each thread keeps its own cache.
+_tls = threading.local()
+_registry._on_force.append(lambda: getattr(_tls, "plans", {}).clear())
+
+
+def single_prefill(q, k, v, custom_mask, packed_custom_mask, causal, kv_layout, pos_encoding_mode,
+                   allow_fp16_qk_reduction, sm_scale, window_left, logits_soft_cap, rope_scale, rope_theta,
+                   return_lse, out, lse, stream, lse_base):
+    """single_prefill_with_kv_cache's engine: see pyflashattn.prefill for the contract."""
+    opts = options.resolve(pos_encoding_mode, allow_fp16_qk_reduction, logits_soft_cap, rope_scale, rope_theta,
+                           lse_base)
+    has_mask = custom_mask is not None or packed_custom_mask is not None
+    framework = _tensor.framework_of(q)
+    if framework == "torch" and opts is options.PLAIN and not has_mask:
+        res = _torch_fast_path(q, k, v, causal, kv_layout, window_left, sm_scale, return_lse, out, lse, stream)
+        if res is not _MISS:
+            return res
+    # Views are taken without a stream first so bad input raises before the driver is touched;
+    # JAX arrays are exported again below with the launch stream (the DLPack handshake makes that
+    # stream wait for JAX's pending writes).
+    qv, kv, vv = _tensor.view(q, "q"), _tensor.view(k, "k"), _tensor.view(v, "v")
+    ov = _tensor.view(out, "out") if out is not None else None
+    lv = _tensor.view(lse, "lse") if lse is not None else None
+    # FlashInfer: a packed mask, when given, wins over the boolean one.
+    mask_kind = "packed" if packed_custom_mask is not None else "bool" if custom_mask is not None else None
+    mask_obj = packed_custom_mask if mask_kind == "packed" else custom_mask
+    mv = _tensor.view(mask_obj, _mask_name(mask_kind)) if mask_kind else None
+    plan = _cached_plan(qv, kv, vv, ov, lv, causal, kv_layout, window_left, sm_scale, opts, mask_kind, mv)
+    if framework == "torch" and opts is options.PLAIN and mask_kind is None:
+        key = launch.torch_key(q, (k, v), out, lse, (causal, kv_layout, window_left, sm_scale))
+        if key is not None:  # later calls with this signature take the fast path
+            _tls.plans[key] = plan
+    if (qv.ptr | kv.ptr | vv.ptr | (ov.ptr if ov is not None else 0)) & 15:
+        for name, t in (("q", qv), ("k", kv), ("v", vv), ("out", ov)):
+            if t is not None and t.ptr % 16:
+                raise ValueError(f"{name} must start on a 16-byte boundary, got address %16 = {t.ptr % 16}")
+
+    dev = qv.device_id
+    _cuda.ensure_context(dev)
+    s = launch.call_stream(stream, framework, dev)
+    if framework == "jax":
+        qv, kv, vv = _tensor.view(q, "q", stream=s), _tensor.view(k, "k", stream=s), _tensor.view(v, "v", stream=s)
+    if out is None:
+        out, ov = _tensor.empty(qv, plan.o_shape, plan.dtype, s)
+    if lse is None and return_lse:
+        lse, lv = _tensor.empty(qv, plan.lse_shape, _dtypes.FLOAT32, s)
+    if plan.attn is not None:
+        if framework == "jax" and mv is not None:
+            mv = _tensor.view(mask_obj, _mask_name(mask_kind), stream=s)
+        plan.run(qv.ptr, kv.ptr, vv.ptr, ov.ptr, lv.ptr if lv is not None else 0, s, mv)
+    # JAX outputs are handed to JAX only now, so JAX's reads are ordered after the launch.
+    out = _tensor.finalize(out)
+    if lse is None:
+        return out
+    lse = _tensor.finalize(lse)
+    return (out, lse) if return_lse else out
+
+
+def _mask_name(kind):
+    return "packed_custom_mask" if kind == "packed" else "custom_mask"
+
+
+def _sig(v):
+    return None if v is None else (v.shape, v.strides, v.dtype, v.device_type, v.device_id)
+
+
+def _cached_plan(qv, kv, vv, ov, lv, causal, kv_layout, window_left, sm_scale, opts, mask_kind, mv):
+    key = (_sig(qv), _sig(kv), _sig(vv), _sig(ov), _sig(lv), causal, kv_layout, window_left, sm_scale, opts,
+           mask_kind, _sig(mv))
+    plans = getattr(_tls, "plans", None)
+    if plans is None:
+        plans = _tls.plans = {}
+    plan = plans.get(key)
+    if plan is None:
+        plan = SinglePlan(qv, kv, vv, ov, lv, bool(causal), kv_layout, window_left, sm_scale, opts, mask_kind, mv)
+        if len(plans) >= _PLAN_CACHE_SIZE:
+            plans.clear()
+        plans[key] = plan
+    return plan
+
+
+def _torch_fast_path(q, k, v, causal, kv_layout, window_left, sm_scale, return_lse, out, lse, stream):
+    """Repeated torch calls with a known signature: attribute reads, one dict lookup, launch.
+
+    Only plans built (and fully validated) by the general path are found here, keyed by the
+    same torch attributes (out=/lse= buffers included); anything else returns _MISS.
+    """
+    plans = getattr(_tls, "plans", None)
+    if plans is None:
+        return _MISS
+    key = launch.torch_key(q, (k, v), out, lse, (causal, kv_layout, window_left, sm_scale))
+    plan = plans.get(key) if key is not None else None
+    if plan is None:
+        return _MISS
+    qp, kp, vp = q.data_ptr(), k.data_ptr(), v.data_ptr()
+    op = out.data_ptr() if out is not None else 0
+    if (qp | kp | vp | op) & 15:
+        return _MISS  # the general path raises the precise error
+    dev = plan.dev
+    _cuda.ensure_context(dev)
+    s = launch.call_stream(stream, "torch", dev)
+    if out is None:
+        out = _tensor.torch_empty_like(q)  # o has q's shape (the plan's key fixed it)
+        op = out.data_ptr()
+    if lse is None and return_lse:
+        lse = _tensor.torch_empty_f32(q, plan.lse_shape)
+    if plan.attn is not None:
+        plan.run(qp, kp, vp, op, lse.data_ptr() if lse is not None else 0, s)
+    if lse is None:
+        return out
+    return (out, lse) if return_lse else out
+
+
+class SinglePlan:
+    """Everything about one problem signature except its pointers: validated shapes, the chosen
+    kernel with its own params struct (constant fields filled once), grid and KV split."""
+
+    __slots__ = ("o_shape", "o_strides", "lse_shape", "dtype", "attn", "merge", "splits", "ws_mask_bytes",
+                 "ws_o_bytes", "ws_bytes", "dev", "mask_kind", "mask_bits")
+
+    def __init__(self, qv, kv, vv, ov, lv, causal, kv_layout, window_left, sm_scale, opts=options.PLAIN,
+                 mask_kind=None, mv=None):
+        kv_layout = operands.kv_layout(kv_layout)
+        window_left = options.window(window_left)
+        dims = self._check_operands(qv, kv, vv, ov, lv, kv_layout)
+        qo_len, kv_len, num_qo_heads, num_kv_heads, head_dim = dims
+        self.mask_kind, self.mask_bits = mask_kind, qo_len * kv_len
+        if mask_kind is not None:
+            operands.check_mask_operand(mask_kind, mv, self.dev, -(-qo_len * kv_len // 8), (qo_len, kv_len))
+            causal = False  # a custom mask replaces causal (FlashInfer)
+        if causal and kv_len < qo_len:
+            raise ValueError(f"causal attention needs kv_len >= qo_len, got kv_len={kv_len}, qo_len={qo_len}")
+        sm_scale = options.softmax_scale(sm_scale, head_dim)
+        self.attn = self.merge = None
+        if qo_len * num_qo_heads == 0:
+            return  # nothing to compute: empty outputs
+        _cuda.ensure_context(self.dev)
+        self._route_and_schedule(qo_len, kv_len, num_qo_heads, num_kv_heads, head_dim, causal, window_left,
+                                 opts.general or mask_kind is not None)
+        p = self.attn.params
+        p.q_stride_n, p.q_stride_h = qv.strides[0], qv.strides[1]
+        p.k_stride_n, p.k_stride_h = operands.ragged_kv_strides(kv_layout, kv.strides)
+        p.v_stride_n, p.v_stride_h = operands.ragged_kv_strides(kv_layout, vv.strides)
+        p.qo_len, p.kv_len = qo_len, kv_len
+        params.fill_score_fields(p, self.dev, num_qo_heads, num_kv_heads, causal, window_left, sm_scale, opts)
+        self._size_workspace(qo_len, num_qo_heads, head_dim, opts)
+
+    def _check_operands(self, qv, kv, vv, ov, lv, kv_layout) -> tuple:
+        """The operand validator's checks; returns (qo_len, kv_len, Hq, Hkv, head_dim)."""
+        if not qv.is_cuda:
+            raise ValueError(f"q must be a CUDA tensor, got a tensor on DLPack device type {qv.device_type}")
+        dev = self.dev = qv.device_id
+        dtype = self.dtype = qv.dtype
+        if dtype not in (_dtypes.FLOAT16, _dtypes.BFLOAT16):
+            raise TypeError(f"q must be float16 or bfloat16, got {dtype.name}")
+        for name, t in (("q", qv), ("k", kv), ("v", vv)):
+            operands.check_rows(name, t, dtype, dev, ndim=3)
+        qo_len, num_qo_heads, head_dim = qv.shape
+        kv_len, num_kv_heads, head_dim_k = operands.ragged_kv_dims(kv_layout, kv.shape)
+        if vv.shape != kv.shape:
+            raise ValueError(f"v must have k's shape {kv.shape}, got {vv.shape}")
+        if head_dim_k != head_dim:
+            raise ValueError(f"k head_dim {head_dim_k} differs from q head_dim {head_dim}")
+        if head_dim not in routing.HEAD_DIMS:
+            raise ValueError(f"head_dim {head_dim} is not supported (supported: {routing.HEAD_DIMS})")
+        if num_kv_heads == 0 or num_qo_heads % num_kv_heads:
+            raise ValueError(f"num_qo_heads ({num_qo_heads}) must be a multiple of num_kv_heads ({num_kv_heads})")
+        self.o_shape, self.lse_shape = (qo_len, num_qo_heads, head_dim), (qo_len, num_qo_heads)
+        # Output strides: the caller's out= (part of the plan's key), else our contiguous allocation.
+        self.o_strides = ov.strides if ov is not None else (num_qo_heads * head_dim, head_dim, 1)
+        if ov is not None:
+            operands.check_out(ov, self.o_shape, dtype, dev)
+        if lv is not None:
+            operands.check_lse(lv, self.lse_shape, dev)
+        return qo_len, kv_len, num_qo_heads, num_kv_heads, head_dim
+
+    def _route_and_schedule(self, qo_len, kv_len, num_qo_heads, num_kv_heads, head_dim, causal, window_left,
+                            general):
+        """The kernel (a decode tile for a request of few packed rows: decode, speculative decode,
+        a short append, whose launch is a stream over K/V; else the row-tile kernel), its KV
+        chunks from the one scheduler, and the grid."""
+        dev, short = self.dev, self.dtype.short
+        group = num_qo_heads // num_kv_heads
+        props = _cuda.properties(dev)
+        tile = 0 if general else routing.decode_tile_rows(
+            head_dim, qo_len * group, routing.built_decode_tiles(dev, short, short, head_dim, False))
+        la = self.attn = routing.new_attention(dev, short, short, head_dim, general, False, tile)
+        meta = la.meta
+        row_tiles = -(-qo_len * group // meta["block_m"])
+        if row_tiles > params.MAX_GRID_YZ:
+            raise ValueError(f"qo_len * (num_qo_heads / num_kv_heads) = {qo_len * group} rows exceeds the "
+                             f"{params.MAX_GRID_YZ * meta['block_m']} a single launch covers")
+        ctas = routing.ctas_per_sm(meta, props)
+        wl = window_left
+        one = schedule.schedule_prefill(np.array([0, qo_len], np.int64), np.array([qo_len], np.int64),
+                                        np.array([kv_len], np.int64), qo_len, kv_len, group, num_kv_heads,
+                                        meta["block_m"], meta["block_n"], props["sm_count"] * ctas, causal, wl, None,
+                                        False, None, ctas, None if tile else head_dim)
+        splits = self.splits = int(one.num_chunks[0])
+        p = la.params
+        p.num_splits, p.kv_chunk_size = splits, one.kv_chunk_size
+        # Equal-cost tiles (no causal/window range), in a kernel that supports it (hd256): a head's row
+        # tiles run together, for L2 reuse of its K/V; otherwise heads vary fastest so every head's
+        # heaviest row tiles go first.
+        p.rows_fastest = rows_fastest = int(meta.get("rows_fastest", False) and not causal and window_left < 0)
+        la.configure((row_tiles, splits, num_kv_heads) if rows_fastest else (num_kv_heads, splits, row_tiles))
+
+    def _size_workspace(self, qo_len, num_qo_heads, head_dim, opts):
+        """Workspace: [packed bool mask, 16-byte padded] [split partial o] [split partial lse]."""
+        self.ws_mask_bytes = (-(-self.mask_bits // 8) + 15) // 16 * 16 if self.mask_kind == "bool" else 0
+        self.ws_o_bytes = self.ws_bytes = self.ws_mask_bytes
+        if self.splits > 1:
+            pairs = qo_len * num_qo_heads
+            self.ws_o_bytes = self.ws_mask_bytes + self.splits * pairs * head_dim * 4
+            self.ws_bytes = self.ws_o_bytes + self.splits * pairs * 4
+            self.merge = _registry.new_launcher("merge", self.dev, dtype=self.dtype.short)
+            params.configure_merge(self.merge, qo_len, num_qo_heads, head_dim, self.splits, opts.lse_scale)
+
+    def run(self, q, k, v, o, lse, stream, mask_view=None):
+        """Refill the pointers and launch (mask packing, attention, merge when KV is split)."""
+        p = self.attn.params
+        p.q, p.k, p.v, p.o = q, k, v, o
+        p.o_stride_n, p.o_stride_h = self.o_strides[0], self.o_strides[1]
+        ws = _cuda.Workspace.get(self.dev, stream, self.ws_bytes) if self.ws_bytes else 0
+        if self.mask_kind == "packed":
+            p.custom_mask = mask_view.ptr
+        elif self.mask_kind == "bool":
+            packbits.launch_flat(self.dev, mask_view.ptr, ws, self.mask_bits, 1, stream)
+            p.custom_mask = ws
+        if self.merge is None:
+            p.lse = lse
+            self.attn(stream)
+            return
+        p.lse, p.o_partial, p.lse_partial = 0, ws + self.ws_mask_bytes, ws + self.ws_o_bytes
+        self.attn(stream)
+        mp = self.merge.params
+        mp.o_partial, mp.lse_partial, mp.o, mp.lse = p.o_partial, p.lse_partial, o, lse
+        mp.o_stride_n, mp.o_stride_h = self.o_strides[0], self.o_strides[1]
+        self.merge(stream)

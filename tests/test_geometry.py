@@ -1,0 +1,93 @@
+"""The host's tile geometry (pyflashattn._engine.geometry.tile_spans) against the device's mask rule.
+
+`MaskRule` below transliterates kernel_src/include/pfa/attention/mask.cuh (keep_structural,
+kv_begin, kv_end) and the kernel's KV-tile loop bounds (the first tile starts at
+kv_begin(first row) rounded down to BLOCK_N, the last ends at kv_end(last row)). The scheduler
+orders and prices work by tile_spans, so the two must agree on every tile: checked here against
+the loop bounds and, by brute force, against the keys the rule keeps.
+"""
+import numpy as np
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from pyflashattn._engine import cost_model
+from pyflashattn._engine.geometry import tile_spans
+
+
+class MaskRule:
+    """mask.cuh's MaskRule (structural part), in Python."""
+
+    def __init__(self, qo_len, kv_len, causal, window_left):
+        self.qo_len, self.kv_len, self.causal, self.window_left = qo_len, kv_len, causal, window_left
+
+    def pos(self, q):
+        return q + self.kv_len - self.qo_len
+
+    def keep_structural(self, q, kv):
+        ok = 0 <= kv < self.kv_len
+        if self.causal:
+            ok = ok and kv <= self.pos(q)
+        if self.window_left >= 0:
+            ok = ok and kv >= self.pos(q) - self.window_left
+        return ok
+
+    def kv_begin(self, q0):
+        return max(0, self.pos(q0) - self.window_left) if self.window_left >= 0 else 0
+
+    def kv_end(self, q1):
+        return min(self.kv_len, max(0, self.pos(q1) + 1)) if self.causal else self.kv_len
+
+
+def _device_tiles(rule, r0, rows_total, group, bm, bn):
+    """The kernel's [first tile, one past the last) for the row tile starting at packed row r0."""
+    q_lo, q_hi = r0 // group, (min(r0 + bm, rows_total) - 1) // group
+    kv_lo, kv_hi = rule.kv_begin(q_lo), rule.kv_end(q_hi)
+    start = kv_lo // bn
+    return (start, start + (-(-(kv_hi - start * bn) // bn) if kv_hi > kv_lo else 0))
+
+
+def _host_spans(qo_lens, kv_lens, g, bm, bn, causal, wl):
+    """tile_spans for a whole batch as [(l, h)] per q tile, request-major."""
+    qo = np.asarray(qo_lens, np.int64)
+    kv = np.asarray(kv_lens, np.int64)
+    tiles = -(-qo * g // bm)
+    ends = np.cumsum(tiles)
+    first = ends - tiles
+    req = np.repeat(np.arange(qo.size), tiles)
+    wl = wl if wl < kv.max(initial=0) else -1  # the scheduler's rule: a window past every key is none
+    nh, l = tile_spans(qo, kv, tiles, first, req, g, bm, bn, causal, wl)
+    l = np.zeros_like(nh) if l is None else l
+    return list(zip(l.tolist(), (-nh).tolist()))
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.lists(st.tuples(st.integers(1, 300), st.integers(0, 700)), min_size=1, max_size=5),
+       st.sampled_from([1, 2, 3, 4, 8]), st.sampled_from([16, 32, 64, 128]), st.sampled_from([16, 32, 64]),
+       st.booleans(), st.sampled_from([-1, 0, 1, 17, 64, 100, 1000]))
+def test_tile_spans_match_the_device_rule(reqs, g, bm, bn, causal, wl):
+    reqs = [(q, max(k, q) if causal else k) for q, k in reqs]
+    host = _host_spans([q for q, _ in reqs], [k for _, k in reqs], g, bm, bn, causal, wl)
+    i = 0
+    for qo_len, kv_len in reqs:
+        rule = MaskRule(qo_len, kv_len, causal, wl)
+        rows_total = qo_len * g
+        for r0 in range(0, rows_total, bm):
+            l, h = host[i]
+            i += 1
+            d0, d1 = _device_tiles(rule, r0, rows_total, g, bm, bn)
+            assert (l, h) == (d0, d1), (qo_len, kv_len, r0)
+            # brute force: the tiles holding a kept key of any row of this tile span exactly [l, h)
+            rows = range(r0 // g, (min(r0 + bm, rows_total) - 1) // g + 1)
+            kept = [kv for kv in range(kv_len) if any(rule.keep_structural(q, kv) for q in rows)]
+            if kept:
+                assert l == kept[0] // bn and h == kept[-1] // bn + 1, (qo_len, kv_len, r0)
+    assert i == len(host)
+
+
+@settings(max_examples=100, deadline=None)
+@given(st.integers(1, 600), st.integers(0, 3000), st.sampled_from([1, 4, 8]), st.sampled_from([64, 128]),
+       st.sampled_from([32, 64]), st.booleans(), st.sampled_from([-1, 0, 50, 999, 100000]))
+def test_cost_model_prices_the_same_spans(qo_len, kv_len, g, bm, bn, causal, wl):
+    kv_len = max(kv_len, qo_len) if causal else kv_len
+    lo, hi = cost_model._row_tile_spans(qo_len, kv_len, g, bm, bn, causal, wl)
+    assert list(zip(lo.tolist(), hi.tolist())) == _host_spans([qo_len], [kv_len], g, bm, bn, causal, wl)
