@@ -30,7 +30,7 @@ if not hasattr(torch, "float8_e4m3fn"):
     pytest.skip("this torch has no float8 dtypes", allow_module_level=True)
 
 import pyflashattn  # noqa: E402
-from pyflashattn.prefill import decode_tile_rows, decode_tiles  # noqa: E402
+from pyflashattn._engine.routing import built_decode_tiles, decode_tile_rows  # noqa: E402
 from pyflashattn.quantization import segment_packbits  # noqa: E402
 from pyflashattn.testing import attention_ref, to_numpy_f64  # noqa: E402
 from pyflashattn.testing.checks import assert_close, batch_heads_to_check  # noqa: E402
@@ -283,7 +283,10 @@ def test_fp8_batch_grid(key, kind, batch, qo_max, kv_max, mode, ps, hq, hkv, d, 
     ks, vs = _scales(_seed(key, "scales"))
     w = _wrapper(kind, layout)
     _plan(w, kind, b, pg, causal)
-    tile = decode_tile_rows(d, max(b.qo_lens) * (hq // hkv), decode_tiles(d, paged=kind == "paged", fp8=True))
+    # the decode tiles the manifest has for this K/V (fp8: the wide ones too, paged or not)
+    tiles = built_decode_tiles(torch.cuda.current_device(), {"fp16": "f16", "bf16": "bf16"}[qdt], "fp8", d,
+                               kind == "paged")
+    tile = decode_tile_rows(d, max(b.qo_lens) * (hq // hkv), tiles)
     assert w._engine.attn.meta["decode"] is bool(tile) and w._engine.schedule.block_m == (tile or 128), w._engine.attn.name
     o, lse = _run_into(w, b, kv_args, k_scale=ks, v_scale=vs)
     _check(b, o, lse, _refs(b, causal, {}, ks, vs, seed=_seed(key, "heads")), vs, {}, key)

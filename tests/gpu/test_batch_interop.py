@@ -21,7 +21,7 @@ pytestmark = pytest.mark.gpu
 torch = require_cuda_torch()
 
 import pyflashattn  # noqa: E402
-from pyflashattn import _dtypes, _tensor  # noqa: E402
+from pyflashattn._runtime import dtypes as _dtypes, tensor as _tensor  # noqa: E402
 from pyflashattn.testing import attention_ref, to_numpy_f64  # noqa: E402
 from pyflashattn.testing.frameworks import bits, jax_gpu, to_cupy, to_jax  # noqa: E402
 from pyflashattn.testing.checks import assert_close  # noqa: E402

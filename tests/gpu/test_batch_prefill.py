@@ -37,7 +37,7 @@ pytestmark = pytest.mark.gpu
 torch = require_cuda_torch()
 
 import pyflashattn  # noqa: E402  (after the GPU probe: the CPU box must skip, not error)
-from pyflashattn._engine.routing import DECODE_MAX_ROWS, decode_tile_rows, decode_tiles  # noqa: E402
+from pyflashattn._engine.routing import DECODE_MAX_ROWS, built_decode_tiles, decode_tile_rows  # noqa: E402
 from pyflashattn.testing import attention_ref, to_numpy_f64  # noqa: E402
 from pyflashattn.testing.frameworks import capture_torch_graph as _capture  # noqa: E402
 from pyflashattn.testing.checks import assert_close, batch_heads_to_check  # noqa: E402
@@ -406,7 +406,9 @@ def test_batch_grid(key, kind, batch, qo_max, kv_max, mode, pin, ps, hq, hkv, d,
     _plan(w, kind, b, pg, causal)
     # a decode tile exactly when every request is within DECODE_MAX_ROWS packed rows: the smallest
     # that holds the longest
-    tile = decode_tile_rows(d, max(b.qo_lens) * (hq // hkv), decode_tiles(d, paged=kind == "paged"))
+    short = {"fp16": "f16", "bf16": "bf16"}[dtype]
+    tiles = built_decode_tiles(torch.cuda.current_device(), short, short, d, kind == "paged")
+    tile = decode_tile_rows(d, max(b.qo_lens) * (hq // hkv), tiles)
     assert w._engine.attn.meta["decode"] is bool(tile) and w._engine.schedule.block_m == (tile or 128), w._engine.attn.name
     # allocated path
     o1, lse1 = w.run(b.q, *kv_args, return_lse=True)

@@ -128,7 +128,7 @@ def test_jax(case, dtype):
 def test_failed_launch_raises_and_the_library_keeps_working():
     """A launch the driver refuses raises CudaError naming the kernel, its grid and the driver's
     error; later calls work (the refused launch left no state behind)."""
-    from pyflashattn import _cuda, _registry
+    from pyflashattn._runtime import cuda as _cuda, registry as _registry
 
     q = torch.randn(33, 8, 128, dtype=torch.float16, device="cuda")
     o = pyflashattn.single_prefill_with_kv_cache(q, q, q)

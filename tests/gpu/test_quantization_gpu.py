@@ -1,5 +1,6 @@
 """packbits / segment_packbits on device arrays (the packbits kernel) against numpy.packbits, the
-outputs in the caller's framework; pack_mask_into writes exactly ceil(n / 8) bytes."""
+outputs in the caller's framework; the engine's flat launch (the single-prefill mask packer) writes
+exactly ceil(n / 8) bytes."""
 
 from __future__ import annotations
 
@@ -12,8 +13,9 @@ pytestmark = pytest.mark.gpu
 
 torch = require_cuda_torch()
 
-from pyflashattn import _tensor  # noqa: E402
-from pyflashattn.quantization import pack_mask_into, packbits, segment_packbits  # noqa: E402
+from pyflashattn._runtime import tensor as _tensor  # noqa: E402
+from pyflashattn._engine import packbits as _packbits  # noqa: E402
+from pyflashattn.quantization import packbits, segment_packbits  # noqa: E402
 
 SIZES = [0, 1, 7, 8, 9, 1000, 12345]
 ORDERS = ("big", "little")
@@ -182,22 +184,22 @@ def test_jax(bitorder):
         np.testing.assert_array_equal(np.asarray(y), y_ref)
 
 
-# ---------------------------------------------------------------- pack_mask_into
+# ---------------------------------------------------------------- the flat launch (mask packer)
 
 @pytest.mark.parametrize("n", [1, 7, 8, 9, 1000, 2049, 12345])
 @pytest.mark.parametrize("dtype", ["bool", "uint8"])
-def test_pack_mask_into_writes_exactly_ceil_n_over_8(n, dtype):
+def test_flat_pack_writes_exactly_ceil_n_over_8(n, dtype):
     extra = 37  # the mask holds more than n elements: only the first n are packed
     mh = _rand(n + extra, n + 4, dtype)
     mask = torch.from_numpy(mh).cuda()
     nbytes = -(-n // 8)
     buf = torch.full((nbytes + 64,), 0xAB, dtype=torch.uint8, device="cuda")
     dev = mask.get_device()
-    from pyflashattn import _cuda
+    from pyflashattn._runtime import cuda as _cuda
 
     _cuda.ensure_context(dev)
     s = _tensor.current_stream("torch", dev)
-    pack_mask_into(_tensor.view(mask, "mask"), buf.data_ptr() + 16, n, s, dev)  # at an offset too
+    _packbits.launch_flat(dev, _tensor.view(mask, "mask").ptr, buf.data_ptr() + 16, n, 1, s)  # at an offset too
     torch.cuda.synchronize()
     got = buf.cpu().numpy()
     assert (got[:16] == 0xAB).all(), "bytes before out_ptr were written"
@@ -205,9 +207,9 @@ def test_pack_mask_into_writes_exactly_ceil_n_over_8(n, dtype):
     assert (got[16 + nbytes:] == 0xAB).all(), "bytes past ceil(n/8) were written"
 
 
-def test_pack_mask_into_zero_is_a_no_op():
+def test_flat_pack_of_zero_elements_is_a_no_op():
     mask = torch.ones(8, dtype=torch.bool, device="cuda")
     buf = torch.full((8,), 0xAB, dtype=torch.uint8, device="cuda")
-    pack_mask_into(_tensor.view(mask, "mask"), buf.data_ptr(), 0, 0, mask.get_device())
+    _packbits.launch_flat(mask.get_device(), _tensor.view(mask, "mask").ptr, buf.data_ptr(), 0, 1, 0)
     torch.cuda.synchronize()
     assert (buf.cpu().numpy() == 0xAB).all()
