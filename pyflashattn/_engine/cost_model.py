@@ -24,7 +24,7 @@ import numpy as np
 
 from .geometry import tile_spans
 
-__all__ = ["plan_splits", "SPLIT_COST_TILES", "EMPTY_COST_TILES", "MIN_CHUNK_TILES", "TILE_US", "MERGE_LAUNCH_US",
+__all__ = ["plan_chunks", "SPLIT_COST_TILES", "EMPTY_COST_TILES", "MIN_CHUNK_TILES", "TILE_US", "MERGE_LAUNCH_US",
            "PARTIAL_BYTES_PER_US"]
 
 SPLIT_COST_TILES = 1  # a CTA's fp32 partial store
@@ -64,7 +64,7 @@ def _makespan(spans, kv_heads, kv_tiles, chunk_tiles, split, sm_count, min_block
     return est
 
 
-def plan_splits(qo_len, kv_len, group, kv_heads, block_m, block_n, sm_count, min_blocks, causal=False,
+def plan_chunks(qo_len, kv_len, group, kv_heads, block_m, block_n, sm_count, min_blocks, causal=False,
                 window_left=-1, *, head_dim):
     """(number of chunks, kv_chunk_size) for one request; the chunk is a multiple of block_n."""
     kv_tiles = -(-kv_len // block_n)
@@ -75,18 +75,18 @@ def plan_splits(qo_len, kv_len, group, kv_heads, block_m, block_n, sm_count, min
         return whole
     spans = _row_tile_spans(qo_len, kv_len, group, block_m, block_n, causal, window_left)
     tile_us = TILE_US * (block_m / 128) * (block_n / 64) * (head_dim / 64)
-    merge_bytes_per_split = qo_len * group * kv_heads * head_dim * 4 * 2  # fp32 partial O, written and read
+    merge_bytes_per_chunk = qo_len * group * kv_heads * head_dim * 4 * 2  # fp32 partial O, written and read
     best_cost = _makespan(spans, kv_heads, kv_tiles, max(kv_tiles, 1), False, sm_count, min_blocks) * tile_us
     best = whole
-    # Candidates: a few small splits, and those that fill about half, one, 1.5 or two waves.
+    # Candidates: a few small chunk counts, and those that fill about half, one, 1.5 or two waves.
     cands = {2, 3, 4}
     for f in (0.5, 1.0, 1.5, 2.0):
         cands.update((int(f * slots // ctas), -(-int(f * slots) // ctas)))
-    for splits in sorted(c for c in cands if 2 <= c <= kv_tiles // MIN_CHUNK_TILES):
-        chunk_tiles = -(-kv_tiles // splits)
-        n = -(-kv_tiles // chunk_tiles)
+    for want in sorted(c for c in cands if 2 <= c <= kv_tiles // MIN_CHUNK_TILES):
+        chunk_tiles = -(-kv_tiles // want)
+        n = -(-kv_tiles // chunk_tiles)  # equal chunks of whole tiles: maybe fewer than wanted
         cost = (_makespan(spans, kv_heads, kv_tiles, chunk_tiles, True, sm_count, min_blocks) * tile_us
-                + MERGE_LAUNCH_US + n * merge_bytes_per_split / PARTIAL_BYTES_PER_US)
+                + MERGE_LAUNCH_US + n * merge_bytes_per_chunk / PARTIAL_BYTES_PER_US)
         if cost < best_cost:
             best_cost, best = cost, (n, chunk_tiles * block_n)
     return best

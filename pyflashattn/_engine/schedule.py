@@ -238,7 +238,7 @@ def plan_prefill(qo_indptr, kv_lens, *, group_size, num_kv_heads, block_m, block
       SHORT_KV_TILES).
     * ``cost_head_dim`` given and a one-request batch outside graph mode (the row-tile kernels;
       single prefill and a one-request batch alike): the number of chunks comes from the cost
-      model (cost_model.plan_splits), which prices the causal/window work per row tile, the
+      model (cost_model.plan_chunks), which prices the causal/window work per row tile, the
       waves, the fp32 partial traffic and the merge launch.
 
     LPT order: items sorted by cost descending, stable (ties keep (request, tile, chunk)
@@ -292,7 +292,7 @@ def schedule_prefill(qo, qo_lens, kv, max_qo, max_kv, g, hkv, bm, bn, budget, ca
     modified), max_qo / max_kv their maxima (0 for an empty batch), the scalars checked ints
     (fss = fixed_split_size or None), cap = graph_capacity, budget = num_sms * ctas_per_sm.
     cost_head_dim: a one-request launch on a row-tile kernel of this head_dim takes its automatic
-    split from the cost model (cost_model.plan_splits), as single prefill does; None (the decode
+    split from the cost model (cost_model.plan_chunks), as single prefill does; None (the decode
     tiles, and plan_prefill's callers) keeps the wave-filling search."""
     B = kv.size
     total_q = qo.item(-1)
@@ -420,7 +420,7 @@ def _chunk_size(qo_lens, kv, max_qo, max_kv, tiles, T, B, g, hkv, bm, bn, budget
             raise ValueError(f"fixed_split_size {fss} exceeds the int32 range")
         return chunk, None
     if cost_head_dim is not None:  # one request on a row-tile kernel: the cost model
-        n, chunk = cost_model.plan_splits(int(qo_lens[0]), int(kv[0]), g, hkv, bm, bn, budget // ctas_per_sm,
+        n, chunk = cost_model.plan_chunks(int(qo_lens[0]), int(kv[0]), g, hkv, bm, bn, budget // ctas_per_sm,
                                           ctas_per_sm, causal, wl, head_dim=cost_head_dim)
         return (max_chunk if n == 1 else chunk), None
     min_units = -(-MIN_CHUNK_TOKENS // bn)

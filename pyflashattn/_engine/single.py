@@ -134,7 +134,7 @@ class SinglePlan:
     """Everything about one problem signature except its pointers: validated shapes, the chosen
     kernel with its own params struct (constant fields filled once), grid and KV split."""
 
-    __slots__ = ("o_shape", "o_strides", "lse_shape", "dtype", "attn", "merge", "splits", "ws_mask_bytes",
+    __slots__ = ("o_shape", "o_strides", "lse_shape", "dtype", "attn", "merge", "num_chunks", "ws_mask_bytes",
                  "ws_o_bytes", "ws_bytes", "dev", "mask_kind", "mask_bits")
 
     def __init__(self, qv, kv, vv, ov, lv, causal, kv_layout, window_left, sm_scale, opts=options.PLAIN,
@@ -215,25 +215,25 @@ class SinglePlan:
                                         np.array([kv_len], np.int64), qo_len, kv_len, group, num_kv_heads,
                                         meta["block_m"], meta["block_n"], props["sm_count"] * ctas, causal, wl, None,
                                         False, None, ctas, None if tile else head_dim)
-        splits = self.splits = int(one.num_chunks[0])
+        chunks = self.num_chunks = int(one.num_chunks[0])
         p = la.params
-        p.num_splits, p.kv_chunk_size = splits, one.kv_chunk_size
+        p.num_splits, p.kv_chunk_size = chunks, one.kv_chunk_size
         # Equal-cost tiles (no causal/window range), in a kernel that supports it (hd256): a head's row
         # tiles run together, for L2 reuse of its K/V; otherwise heads vary fastest so every head's
         # heaviest row tiles go first.
         p.rows_fastest = rows_fastest = int(meta.get("rows_fastest", False) and not causal and window_left < 0)
-        la.configure((row_tiles, splits, num_kv_heads) if rows_fastest else (num_kv_heads, splits, row_tiles))
+        la.configure((row_tiles, chunks, num_kv_heads) if rows_fastest else (num_kv_heads, chunks, row_tiles))
 
     def _size_workspace(self, qo_len, num_qo_heads, head_dim, opts):
         """Workspace: [packed bool mask, 16-byte padded] [split partial o] [split partial lse]."""
         self.ws_mask_bytes = (-(-self.mask_bits // 8) + 15) // 16 * 16 if self.mask_kind == "bool" else 0
         self.ws_o_bytes = self.ws_bytes = self.ws_mask_bytes
-        if self.splits > 1:
+        if self.num_chunks > 1:
             pairs = qo_len * num_qo_heads
-            self.ws_o_bytes = self.ws_mask_bytes + self.splits * pairs * head_dim * 4
-            self.ws_bytes = self.ws_o_bytes + self.splits * pairs * 4
+            self.ws_o_bytes = self.ws_mask_bytes + self.num_chunks * pairs * head_dim * 4
+            self.ws_bytes = self.ws_o_bytes + self.num_chunks * pairs * 4
             self.merge = _registry.new_launcher("merge", self.dev, dtype=self.dtype.short)
-            params.configure_merge(self.merge, qo_len, num_qo_heads, head_dim, self.splits, opts.lse_scale)
+            params.configure_merge(self.merge, qo_len, num_qo_heads, head_dim, self.num_chunks, opts.lse_scale)
 
     def run(self, q, k, v, o, lse, stream, mask_view=None):
         """Refill the pointers and launch (mask packing, attention, merge when KV is split)."""
