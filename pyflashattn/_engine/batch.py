@@ -330,14 +330,19 @@ class BatchEngine:
                             ref=_PLAN_DEVICE)
         return t
 
-    def launch(self, qv, ov, lv, s, pdl):
+    def _before_launch(self, s):
+        """The first run on stream s after a plan waits for the plan's metadata copy (issued on the
+        plan's stream) once; graph mode notices a capture."""
         if self.pending_copy:
-            # The plan's metadata copy went on the plan's stream; order this stream after it once.
             _cuda.stream_wait(s, self.plan_stream)
             self.pending_copy = False
         g = self.graph
         if g is not None and g.probe:
             g.note_capture(s)
+
+    def launch(self, qv, ov, lv, s, pdl):
+        if self.pending_copy or self.graph is not None:
+            self._before_launch(s)
         p = self.attn.params
         p.q, p.o = qv.ptr, ov.ptr
         p.q_stride_n, p.q_stride_h = qv.strides[0], qv.strides[1]
@@ -380,12 +385,8 @@ class BatchEngine:
         p = self.attn.params
         p.q, p.k, p.v, p.o = qp, kp, vp, op
         p.lse = lp = lse.data_ptr() if lse is not None else 0
-        if self.pending_copy:
-            _cuda.stream_wait(s, self.plan_stream)
-            self.pending_copy = False
-        g = self.graph
-        if g is not None and g.probe:
-            g.note_capture(s)
+        if self.pending_copy or self.graph is not None:
+            self._before_launch(s)
         if total_q:
             self.pdl(self.attn, pdl)(s)
             merge = self.merge
