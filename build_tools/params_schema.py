@@ -17,8 +17,8 @@ PREFILL = (
         ("v", "ptr", "value rows at v_stride_n, kv heads at v_stride_h"),
         ("o", "ptr", "output, same dtype as q"),
         ("lse", "ptr", "float32 [qo_len, Hq] contiguous, 0 = not requested"),
-        ("o_partial", "ptr", "split-KV workspace: float32 [num_splits, qo_len, Hq, D]"),
-        ("lse_partial", "ptr", "split-KV workspace: float32 [num_splits, qo_len, Hq]"),
+        ("o_partial", "ptr", "split-KV workspace: float32 [num_kv_chunks, qo_len, Hq, D]"),
+        ("lse_partial", "ptr", "split-KV workspace: float32 [num_kv_chunks, qo_len, Hq]"),
         ("custom_mask", "ptr", "packed bits, little-endian, bit q * kv_len + kv (1 = keep); 0 = none"),
         ("alibi_slopes", "ptr", "float32 [Hq] ALiBi slopes; 0 = no ALiBi"),
         # ---- batch mode (work_request != 0): one CTA per (kv head, work item) ----
@@ -49,11 +49,11 @@ PREFILL = (
         ("num_qo_heads", "i32", ""),
         ("num_kv_heads", "i32", ""),
         ("group_size", "i32", "num_qo_heads / num_kv_heads; packed row r = q_idx * group_size + head_in_group"),
-        ("num_splits", "i32", "KV chunks per (row tile, kv head); 1 = write o/lse directly"),
-        ("rows_fastest", "i32", "single request: 1 = grid (row tiles, splits, kv heads), a head's row tiles run "
-         "together so its K/V stays in L2 (non-causal: every tile costs the same); 0 = grid (kv heads, splits, "
+        ("num_kv_chunks", "i32", "single request: KV chunks per (row tile, kv head); 1 = write o/lse directly"),
+        ("rows_fastest", "i32", "single request: 1 = grid (row tiles, chunks, kv heads), a head's row tiles run "
+         "together so its K/V stays in L2 (non-causal: every tile costs the same); 0 = grid (kv heads, chunks, "
          "row tiles), heaviest row tiles first"),
-        ("kv_chunk_size", "i32", "keys per split, a multiple of the kernel's BLOCK_N"),
+        ("kv_chunk_size", "i32", "keys per KV chunk, a multiple of the kernel's BLOCK_N"),
         ("causal", "i32", "bottom-right aligned causal mask"),
         ("window_left", "i32", "inclusive left window, -1 = none"),
         ("sm_scale_log2", "f32", "sm_scale * log2(e): logits go straight into exp2"),
@@ -74,18 +74,18 @@ MERGE = (
     "MergeParams",
     "combine split-KV partials (float32 o, base-2 lse) into the final output",
     [
-        ("o_partial", "ptr", "float32 [num_splits, rows, Hq, D]"),
-        ("lse_partial", "ptr", "float32 [num_splits, rows, Hq]"),
+        ("o_partial", "ptr", "float32 [num_kv_chunks, rows, Hq, D]"),
+        ("lse_partial", "ptr", "float32 [num_kv_chunks, rows, Hq]"),
         ("o", "ptr", "output in the kernel's dtype"),
         ("lse", "ptr", "float32 [rows, Hq] contiguous, 0 = not requested"),
         ("merge_indptr", "ptr", "int32 [rows+1]: row r merges partial rows [m[r], m[r+1]) of a batch plan "
-         "(empty = written directly, skip); 0 = single request layout [num_splits, rows]"),
+         "(empty = written directly, skip); 0 = single request layout [num_kv_chunks, rows]"),
         ("o_stride_n", "i64", ""),
         ("o_stride_h", "i64", ""),
         ("rows", "i32", ""),
         ("num_heads", "i32", ""),
         ("head_dim", "i32", ""),
-        ("num_splits", "i32", ""),
+        ("num_kv_chunks", "i32", "single request: KV chunks per row (0: per-token merge_indptr)"),
         ("lse_scale", "f32", "applied to the final LSE only (partials stay base 2)"),
     ],
 )

@@ -68,14 +68,14 @@ def drv(monkeypatch):
 def test_programmatic_launcher_sets_the_pdl_attribute_and_follows_grid_and_params(drv):
     la = _cuda.ProgrammaticLauncher("pfa_merge_bf16", "FUNC", MergeParams, 128, 0)
     la.configure((77, 1, 1))
-    la.params.rows, la.params.num_splits = 5, 3
+    la.params.rows, la.params.num_kv_chunks = 5, 3
     la(0x1234)
     la.configure((9, 2, 3))
     la.params.rows = 6
     la(0x99)
     (k1, f1, g1, b1, s1, st1, p1, a1, e1), (k2, f2, g2, b2, s2, st2, p2, a2, e2) = drv.calls
     assert k1 == k2 == "ex" and f1 == f2 == "FUNC" and b1 == b2 == (128, 1, 1) and s1 == s2 == 0 and e1 == e2 == 0
-    assert (g1, st1, p1.rows, p1.num_splits) == ((77, 1, 1), 0x1234, 5, 3)
+    assert (g1, st1, p1.rows, p1.num_kv_chunks) == ((77, 1, 1), 0x1234, 5, 3)
     assert (g2, st2, p2.rows) == ((9, 2, 3), 0x99, 6)
     assert a1 == a2 == [(6, 1)], "programmatic stream serialization must be on"
     assert la.grid == (9, 2, 3)

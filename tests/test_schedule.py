@@ -1,7 +1,7 @@
 """Batch prefill scheduler (pyflashattn._engine.schedule): CPU-only properties of plan_prefill().
 
 Every check is against an independent brute-force reference written here from the contract
-(kernel_src/include/pfa/attention/{params.h,mask.cuh,prefill_sm80.cuh,merge.cuh}), including a
+(kernel_src/include/pfa/attention/{params.h,mask.cuh,work.cuh,merge.cuh}), including a
 numpy simulation of the attention + merge launches driven only by the plan's arrays.
 """
 import inspect
@@ -49,7 +49,7 @@ def ref_chunk(qo_lens, kv_lens, g, hkv, bm, bn, budget, limit=None, ctas=1):
 
 
 def item_kv_tiles(qo, kv, t, c, chunk, g, bm, bn, causal, wl):
-    """KV tiles the kernel iterates for item (tile t, chunk c) of a request (prefill_sm80.cuh)."""
+    """KV tiles the kernel iterates for item (tile t, chunk c) of a request (work.cuh)."""
     rows = qo * g
     r0 = t * bm
     q_lo, q_hi = r0 // g, (min(r0 + bm, rows) - 1) // g

@@ -38,7 +38,7 @@ def test_single_prefill_grid_order(fake, monkeypatch, supports, causal, window, 
     q, k, v, out = (T((n, h, 256), data=a) for a in (0x100000, 0x200000, 0x300000, 0x400000))
     pyflashattn.single_prefill_with_kv_cache(q, k, v, causal=causal, window_left=window, out=out)
     (name, grid, _, p), = fake.attn_launches()
-    assert p.num_splits == 1
+    assert p.num_kv_chunks == 1
     if rows_fastest:
         assert grid == (32, 1, h) and p.rows_fastest == 1
     else:
@@ -67,17 +67,17 @@ def test_single_prefill_decode_tile(fake, monkeypatch, qo, hq, hkv, D, kw, decod
     (name, grid, _, p), = fake.attn_launches()
     assert ("decode=True" in name) == decode and (("general=True" in name) == ("logits_soft_cap" in kw))
     merges = [x for x in fake.cu.launches if x[0].startswith("merge")]
-    assert len(merges) == (p.num_splits > 1)
+    assert len(merges) == (p.num_kv_chunks > 1)
     if not decode:
         return
     # grid (kv heads, splits, 16-row tiles: single prefill has contiguous 16-bit K/V, so 17-32 rows
     # take two of them, decode_tiles), split exactly like a one-request ragged batch plan
-    assert grid == (hkv, p.num_splits, -(-qo * (hq // hkv) // 16)) and p.rows_fastest == 0
+    assert grid == (hkv, p.num_kv_chunks, -(-qo * (hq // hkv) // 16)) and p.rows_fastest == 0
     assert "block_m=16" in name
-    assert p.num_splits > 1 and p.kv_chunk_size * p.num_splits >= kv_len > p.kv_chunk_size * (p.num_splits - 1)
+    assert p.num_kv_chunks > 1 and p.kv_chunk_size * p.num_kv_chunks >= kv_len > p.kv_chunk_size * (p.num_kv_chunks - 1)
     w = ragged(fake)
     w.plan(i32(0, qo), i32(0, kv_len), hq, hkv, D, causal=kw.get("causal", False),
            window_left=kw.get("window_left", -1))
     bp = w._engine.attn.params
     assert w._engine.attn.name == name and bp.kv_chunk_size == p.kv_chunk_size
-    assert fake.read(bp.num_chunks, 1, np.int32)[0] == p.num_splits
+    assert fake.read(bp.num_chunks, 1, np.int32)[0] == p.num_kv_chunks

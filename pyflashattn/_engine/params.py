@@ -25,7 +25,7 @@ def fill_score_fields(p, dev: int, num_qo_heads: int, num_kv_heads: int, causal:
 def configure_merge(mg, rows: int, num_heads: int, head_dim: int, num_splits: int, lse_scale: float) -> None:
     """The merge kernel over `rows` tokens: num_splits chunks each (0: per-token merge_indptr)."""
     mp = mg.params
-    mp.rows, mp.num_heads, mp.head_dim, mp.num_splits = rows, num_heads, head_dim, num_splits
+    mp.rows, mp.num_heads, mp.head_dim, mp.num_kv_chunks = rows, num_heads, head_dim, num_splits
     mp.lse_scale = lse_scale
     mg.configure((max(1, -(-rows * num_heads // MERGE_ROWS_PER_BLOCK)), 1, 1))
 

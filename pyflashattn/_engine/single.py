@@ -217,7 +217,7 @@ class SinglePlan:
                                         False, None, ctas, None if tile else head_dim)
         chunks = self.num_chunks = int(one.num_chunks[0])
         p = la.params
-        p.num_splits, p.kv_chunk_size = chunks, one.kv_chunk_size
+        p.num_kv_chunks, p.kv_chunk_size = chunks, one.kv_chunk_size
         # Equal-cost tiles (no causal/window range), in a kernel that supports it (hd256): a head's row
         # tiles run together, for L2 reuse of its K/V; otherwise heads vary fastest so every head's
         # heaviest row tiles go first.

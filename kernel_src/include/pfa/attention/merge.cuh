@@ -16,9 +16,8 @@ struct MergeStates {
   // Partial rows (float4 per lane) in flight per lane: UNROLL_ROWS / STRIPES splits at a time.
   // A merge is a short chain of dependent loads (merge_indptr -> LSE -> weights -> partial
   // rows) more than a stream, so the first splits are requested together with the LSE, before
-  // the weights are known. 6 fits in 88 registers (8 spills at 96, 12 needs 122). H100, the
-  // merge alone (ncu, A/B in one process): batch plans 5.6-6.1 -> 3.8-4.1 us, hd256 seq 512
-  // (4 splits, 16.8 MB of partials) 7.2-7.5 -> 6.6-7.0, the rest unchanged (NOTES.md).
+  // the weights are known. 6 is the most that fits the register budget without spills, and
+  // measured faster on H100 for batch plans and long hd256 splits (unchanged elsewhere).
   static constexpr int UNROLL_ROWS = 6;  // float4 partial rows in flight per lane (/ stripes)
 
   static __device__ __forceinline__ void add(float4& a, float w, const float4& v) {
@@ -30,8 +29,8 @@ struct MergeStates {
 
   // One warp per (row, head); lane l owns columns [4l, 4l + 4) of each of the STRIPES
   // 128-column stripes (head_dim 256: two; 64: lanes 16-31 idle). Lane s also holds the LSE of
-  // split s (32 at a time), so the weights take one load per lane and two warp reductions,
-  // then a shuffle per split. Partial state s sits at (first + s * stride) (row, head) units.
+  // chunk s (32 at a time), so the weights take one load per lane and two warp reductions,
+  // then a shuffle per chunk. Partial state s sits at (first + s * stride) (row, head) units.
   // Loads use the read-only path (__ldg): nothing here writes what it reads.
   template <int STRIPES>
   static __device__ __forceinline__ void merge(const MergeParams& p, int lane, int row, int head, int64_t first,
@@ -41,7 +40,7 @@ struct MergeStates {
     const int hd = p.head_dim;
     const int c0 = lane * 4;
     const float* base = reinterpret_cast<const float*>(p.o_partial) + first * hd + c0;
-    const int64_t step = stride * hd;  // floats from one split's partial row to the next
+    const int64_t step = stride * hd;  // floats from one chunk's partial row to the next
     auto has = [&](int st) { return c0 + 128 * st < hd; };
     auto load = [&](int s, int st) { return __ldg(reinterpret_cast<const float4*>(base + s * step + 128 * st)); };
 
@@ -122,12 +121,12 @@ struct MergeStates {
     const int64_t pairs = (int64_t)p.rows * p.num_heads;
     if (pair >= pairs) return;  // whole warps: the shuffles below see every lane
     const int row = pair / p.num_heads, head = pair % p.num_heads;
-    int64_t first = pair, stride = pairs;  // single request: [num_splits, rows, heads]
-    int count = p.num_splits;
+    int64_t first = pair, stride = pairs;  // single request: [num_kv_chunks, rows, heads]
+    int count = p.num_kv_chunks;
     if (p.merge_indptr != 0) {
       const int32_t* mi = reinterpret_cast<const int32_t*>(p.merge_indptr);
       count = mi[row + 1] - mi[row];
-      if (count == 0) return;  // this row's request was not split: the attention kernel wrote it
+      if (count == 0) return;  // this row's request has one chunk: the attention kernel wrote it
       first = (int64_t)mi[row] * p.num_heads + head;
       stride = p.num_heads;
     }

@@ -14,8 +14,8 @@ struct PrefillParams {
   uint64_t v;  // value rows at v_stride_n, kv heads at v_stride_h
   uint64_t o;  // output, same dtype as q
   uint64_t lse;  // float32 [qo_len, Hq] contiguous, 0 = not requested
-  uint64_t o_partial;  // split-KV workspace: float32 [num_splits, qo_len, Hq, D]
-  uint64_t lse_partial;  // split-KV workspace: float32 [num_splits, qo_len, Hq]
+  uint64_t o_partial;  // split-KV workspace: float32 [num_kv_chunks, qo_len, Hq, D]
+  uint64_t lse_partial;  // split-KV workspace: float32 [num_kv_chunks, qo_len, Hq]
   uint64_t custom_mask;  // packed bits, little-endian, bit q * kv_len + kv (1 = keep); 0 = none
   uint64_t alibi_slopes;  // float32 [Hq] ALiBi slopes; 0 = no ALiBi
   uint64_t work_request;  // int32 [grid] request of each work item; -1 = padding (CUDA-graph grids)
@@ -44,9 +44,9 @@ struct PrefillParams {
   int32_t num_qo_heads;
   int32_t num_kv_heads;
   int32_t group_size;  // num_qo_heads / num_kv_heads; packed row r = q_idx * group_size + head_in_group
-  int32_t num_splits;  // KV chunks per (row tile, kv head); 1 = write o/lse directly
-  int32_t rows_fastest;  // single request: 1 = grid (row tiles, splits, kv heads), a head's row tiles run together so its K/V stays in L2 (non-causal: every tile costs the same); 0 = grid (kv heads, splits, row tiles), heaviest row tiles first
-  int32_t kv_chunk_size;  // keys per split, a multiple of the kernel's BLOCK_N
+  int32_t num_kv_chunks;  // single request: KV chunks per (row tile, kv head); 1 = write o/lse directly
+  int32_t rows_fastest;  // single request: 1 = grid (row tiles, chunks, kv heads), a head's row tiles run together so its K/V stays in L2 (non-causal: every tile costs the same); 0 = grid (kv heads, chunks, row tiles), heaviest row tiles first
+  int32_t kv_chunk_size;  // keys per KV chunk, a multiple of the kernel's BLOCK_N
   int32_t causal;  // bottom-right aligned causal mask
   int32_t window_left;  // inclusive left window, -1 = none
   float sm_scale_log2;  // sm_scale * log2(e): logits go straight into exp2
@@ -96,7 +96,7 @@ static_assert(offsetof(PrefillParams, kv_len) == 244, "PrefillParams.kv_len offs
 static_assert(offsetof(PrefillParams, num_qo_heads) == 248, "PrefillParams.num_qo_heads offset");
 static_assert(offsetof(PrefillParams, num_kv_heads) == 252, "PrefillParams.num_kv_heads offset");
 static_assert(offsetof(PrefillParams, group_size) == 256, "PrefillParams.group_size offset");
-static_assert(offsetof(PrefillParams, num_splits) == 260, "PrefillParams.num_splits offset");
+static_assert(offsetof(PrefillParams, num_kv_chunks) == 260, "PrefillParams.num_kv_chunks offset");
 static_assert(offsetof(PrefillParams, rows_fastest) == 264, "PrefillParams.rows_fastest offset");
 static_assert(offsetof(PrefillParams, kv_chunk_size) == 268, "PrefillParams.kv_chunk_size offset");
 static_assert(offsetof(PrefillParams, causal) == 272, "PrefillParams.causal offset");
@@ -114,17 +114,17 @@ static_assert(offsetof(PrefillParams, kv_fp8) == 316, "PrefillParams.kv_fp8 offs
 
 // combine split-KV partials (float32 o, base-2 lse) into the final output
 struct MergeParams {
-  uint64_t o_partial;  // float32 [num_splits, rows, Hq, D]
-  uint64_t lse_partial;  // float32 [num_splits, rows, Hq]
+  uint64_t o_partial;  // float32 [num_kv_chunks, rows, Hq, D]
+  uint64_t lse_partial;  // float32 [num_kv_chunks, rows, Hq]
   uint64_t o;  // output in the kernel's dtype
   uint64_t lse;  // float32 [rows, Hq] contiguous, 0 = not requested
-  uint64_t merge_indptr;  // int32 [rows+1]: row r merges partial rows [m[r], m[r+1]) of a batch plan (empty = written directly, skip); 0 = single request layout [num_splits, rows]
+  uint64_t merge_indptr;  // int32 [rows+1]: row r merges partial rows [m[r], m[r+1]) of a batch plan (empty = written directly, skip); 0 = single request layout [num_kv_chunks, rows]
   int64_t o_stride_n;
   int64_t o_stride_h;
   int32_t rows;
   int32_t num_heads;
   int32_t head_dim;
-  int32_t num_splits;
+  int32_t num_kv_chunks;  // single request: KV chunks per row (0: per-token merge_indptr)
   float lse_scale;  // applied to the final LSE only (partials stay base 2)
 };
 static_assert(sizeof(MergeParams) == 80, "MergeParams size drifted from the schema");
@@ -138,7 +138,7 @@ static_assert(offsetof(MergeParams, o_stride_h) == 48, "MergeParams.o_stride_h o
 static_assert(offsetof(MergeParams, rows) == 56, "MergeParams.rows offset");
 static_assert(offsetof(MergeParams, num_heads) == 60, "MergeParams.num_heads offset");
 static_assert(offsetof(MergeParams, head_dim) == 64, "MergeParams.head_dim offset");
-static_assert(offsetof(MergeParams, num_splits) == 68, "MergeParams.num_splits offset");
+static_assert(offsetof(MergeParams, num_kv_chunks) == 68, "MergeParams.num_kv_chunks offset");
 static_assert(offsetof(MergeParams, lse_scale) == 72, "MergeParams.lse_scale offset");
 
 // pack bool/uint8 values into bits (one output byte per thread), optionally per segment

@@ -5,7 +5,7 @@
 //   ALiBi:    sm_scale * x + slope[h] * (kv - q_row)  (q_row unshifted, as FlashInfer)
 #pragma once
 #include "pfa/attention/params.h"
-#include "pfa/ptx/mma_sm80.cuh"
+#include "pfa/ptx/math.cuh"
 
 namespace pfa {
 

@@ -1,0 +1,96 @@
+// K/V sources: where key/value row t (0-based within a request, one kv head) lives in global
+// memory. Kernel-family neutral (no shared-memory tile layout, no copy instruction): a kernel's
+// loader asks a source for row addresses and moves the bytes its own way (cp.async, TMA...).
+//
+//  - RaggedKvRows: contiguous rows; a request's keys are rows [kv_indptr[b], kv_indptr[b+1]).
+//  - PagedKvRows:  FlashInfer's paged cache; request b owns page slots kv_indptr[b] ..
+//                  kv_indptr[b+1] - 1 of kv_page_indices, its last page holding
+//                  kv_last_page_len[b] rows. Row t is slot t % page_size of page t / page_size.
+//
+// Each source has two parts: the request's extent (read by the work decode, work.cuh) and the
+// row -> address map (read by the loader for every tile row).
+//
+// A future source, pages by block table + seq_lens (one fixed-width row of page ids per
+// request, kv_len = seq_lens[b]), belongs here as a third struct of the same shape: its extent
+// next to paged_request_len and the same offset(); the page-id staging below would serve
+// it unchanged.
+#pragma once
+#include <stdint.h>
+
+#include "pfa/attention/params.h"
+
+namespace pfa {
+
+// Pointer `byte_off` bytes past `base`: sources speak in byte offsets, so one offset serves K and
+// V of different element types or strides in bytes.
+template <typename KV>
+__device__ __forceinline__ const KV* kv_at(const KV* base, uint64_t byte_off) {
+  return reinterpret_cast<const KV*>(reinterpret_cast<const char*>(base) + byte_off);
+}
+
+struct RaggedKvRows {
+  int64_t row0;  // the request's first row in K / V
+
+  // Index in K / V (rows of stride_n elements) of the request's row n0 + r. Tile start and row
+  // within the tile stay separate terms so the sum is formed in 64 bits.
+  __device__ __forceinline__ int64_t row(int n0, int r) const { return row0 + n0 + r; }
+};
+
+// Paged K/V, extent: request b's rows (its page slots [k0, k1) of kv_page_indices), every page
+// full but the last, which holds kv_last_page_len[b].
+__device__ __forceinline__ int paged_request_len(const PrefillParams& p, int b, int k0, int k1) {
+  return k1 > k0 ? (k1 - k0 - 1) * p.page_size + reinterpret_cast<const int32_t*>(p.kv_last_page_len)[b] : 0;
+}
+
+// Paged K/V, row addresses. They are recomputed from the (constant-bank) params at each load
+// rather than kept live across a tile loop: registers are the scarce resource in the kernels.
+template <typename KV>
+struct PagedKvRows {
+  // Byte offsets of a page's rows fit 32 bits below this: the fast path multiplies in 32 bits.
+  static constexpr uint64_t FAST_PAGE_SPAN_LIMIT = 1ull << 32;
+
+  const PrefillParams& p;
+  int page_base;           // the request's first entry in kv_page_indices
+  int first_page = 0;      // request page of the first staged id
+  bool ids_in_smem = false;
+  const int32_t* s_pages;  // staged page ids (shared memory)
+
+  // Stage the page ids of rows [tile_start, load_end) in shared memory (at most MAX_IDS), so no
+  // tile load waits on a dependent global read of the page table; beyond MAX_IDS the lookups read
+  // the table itself. Every thread of the CTA calls this (THREADS of them): it ends in a barrier
+  // when it stages.
+  template <int THREADS, int MAX_IDS>
+  __device__ __forceinline__ void stage(int32_t* s_ids, int tile_start, int load_end, int tid) {
+    first_page = tile_start / p.page_size;
+    const int n_ids = (load_end - 1) / p.page_size - first_page + 1;
+    ids_in_smem = n_ids <= MAX_IDS;
+    if (ids_in_smem) {
+      const int32_t* pages = reinterpret_cast<const int32_t*>(p.kv_page_indices) + page_base + first_page;
+      for (int i = tid; i < n_ids; i += THREADS) s_ids[i] = pages[i];
+      __syncthreads();
+    }
+  }
+
+  // Whether every page's rows lie within 32-bit byte offsets of the page (K and V), as
+  // offset(..., fast = true) requires, besides staged ids and a power-of-two page size.
+  static __device__ __forceinline__ bool page_fits_32bit(const PrefillParams& p) {
+    return (uint64_t)p.page_size * (uint64_t)max(p.k_stride_n, p.v_stride_n) * sizeof(KV) < FAST_PAGE_SPAN_LIMIT;
+  }
+
+  // Byte offset of row t from the head's base. fast: a shift, a mask, one shared-memory load and
+  // unsigned 32x64 / 32x32 multiplies; otherwise a division and possibly a global page-table read.
+  __device__ __forceinline__ uint64_t offset(int t, int64_t stride_page, int64_t stride_n, bool fast) const {
+    if (fast) {
+      const uint32_t id = s_pages[(t >> p.page_shift) - first_page];
+      const uint32_t slot = t & (p.page_size - 1);
+      return (uint64_t)id * (uint64_t)(stride_page * (int64_t)sizeof(KV)) +
+             slot * (uint32_t)(stride_n * (int64_t)sizeof(KV));
+    }
+    const int pg = t / p.page_size, slot = t - pg * p.page_size;
+    const int id =
+        ids_in_smem ? s_pages[pg - first_page] : reinterpret_cast<const int32_t*>(p.kv_page_indices)[page_base + pg];
+    return ((int64_t)id * stride_page + (int64_t)slot * stride_n) * (int64_t)sizeof(KV);
+  }
+};
+
+}  // namespace pfa

@@ -1,0 +1,150 @@
+// Epilogue of the sm80 prefill: finish the online softmax on the fragment rows, then write the
+// CTA's rows: 16-bit output (staged through shared memory for coalesced stores) and LSE, or
+// (split KV) normalised fp32 partials and their base-2 LSE for the merge kernel. The layouts
+// written are epilogue.cuh's.
+#pragma once
+#include <math.h>
+#include <stdint.h>
+
+#include "pfa/attention/epilogue.cuh"
+#include "pfa/attention/params.h"
+#include "pfa/attention/sm80/fragments.cuh"
+#include "pfa/attention/softmax_state.cuh"
+#include "pfa/attention/work.cuh"
+#include "pfa/common/dtypes.cuh"
+#include "pfa/ptx/mma_sm80.cuh"
+
+namespace pfa {
+
+// lane and warp come as plain arguments rather than through WarpRoleSm80: used directly here,
+// they stay computed once at kernel entry; read through the role, the compiler moves them and
+// the register allocation of the whole kernel changes.
+template <class Cfg>
+struct EpilogueSm80 {
+  using T = typename Cfg::Elem;
+  using Role = WarpRoleSm80<Cfg>;
+  using OAcc = typename AccumSm80<Cfg>::O;
+  using Rows = typename AccumSm80<Cfg>::Rows;
+  static constexpr int MQ = Cfg::MQ, O_DT = Cfg::O_DT, HEAD_DIM = Cfg::HEAD_DIM;
+  static constexpr unsigned FULL = Cfg::FULL_MASK;
+
+  // Full row sums (PAIR: both warps' keys; then the quad), O normalised in place, base-2 LSE of
+  // every fragment row into lse_v.
+  static __device__ __forceinline__ void normalize(const PrefillParams& p, const Role& wr, int lane, int warp, OAcc& o,
+                                                   Rows& m, Rows& l, float (&lse_v)[MQ][2]) {
+    if constexpr (Cfg::PAIR) {
+      // Each warp summed P over its own keys: add the partner's (same lane, same rows) before
+      // the quad reduction, in an order-free way so both warps hold the same row sums.
+      wr.xch_max[warp * 32 + lane] = make_float4(l[0][0], l[0][1], l[MQ - 1][0], l[MQ - 1][1]);
+      ptx::bar_sync(wr.pair_bar, Cfg::PAIR_THREADS);
+      const float4 x = wr.xch_max[wr.partner * 32 + lane];
+      l[0][0] += x.x;
+      l[0][1] += x.y;
+      if (MQ > 1) {
+        l[MQ - 1][0] += x.z;
+        l[MQ - 1][1] += x.w;
+      }
+    }
+#pragma unroll
+    for (int mt = 0; mt < MQ; ++mt)
+#pragma unroll
+      for (int hf = 0; hf < 2; ++hf) {
+        float sum = l[mt][hf];
+        sum += __shfl_xor_sync(FULL, sum, 1);
+        sum += __shfl_xor_sync(FULL, sum, 2);
+        const float inv = OnlineSoftmax<Cfg::LAZY_RESCALE>::finish(sum, m[mt][hf], p.v_scale, lse_v[mt][hf]);
+#pragma unroll
+        for (int d = 0; d < O_DT; ++d) {
+          o[mt][d][2 * hf] *= inv;
+          o[mt][d][2 * hf + 1] *= inv;
+        }
+      }
+  }
+
+  // Packed row `row` of the CTA tile -> (token, q head): the Q gather's row map, or (paged, no
+  // row map) divided out.
+  static __device__ __forceinline__ int2 token_head(const PrefillWork& w, const int2* row_map, int row) {
+    const int r = w.r0 + row;
+    return Cfg::ROW_MAP ? row_map[row] : make_int2(r / w.group, w.kv_head * w.group + r % w.group);
+  }
+
+  // One chunk: 16-bit O and (if requested) the LSE.
+  static __device__ __forceinline__ void store_output(const PrefillParams& p, const PrefillWork& w, char* smem,
+                                                      const int2* row_map, int num_heads, const Role& wr, int lane,
+                                                      const OAcc& o, const float (&lse_v)[MQ][2]) {
+    // Stage this warp's rows through its own slice of sQ (no other warp touches it; PAIR: the
+    // pair's two warps write disjoint chunks), then write 16-byte chunks so the global stores
+    // are coalesced along each row.
+    __syncwarp();
+#pragma unroll
+    for (int mt = 0; mt < MQ; ++mt)
+#pragma unroll
+      for (int hf = 0; hf < 2; ++hf) {
+        const int row = wr.warp_row0 + mt * 16 + lane / 4 + hf * 8;
+#pragma unroll
+        for (int d = 0; d < O_DT; ++d) {
+          const uint32_t v = Pack2<T>::from(o[mt][d][2 * hf], o[mt][d][2 * hf + 1]);
+          *reinterpret_cast<uint32_t*>(smem + Cfg::swz(row, wr.dcol0 / 8 + d) * Cfg::CHUNK_BYTES + (lane % 4) * 4) = v;
+        }
+      }
+    __syncwarp();
+    T* out = reinterpret_cast<T*>(p.o);
+    for (int i = lane; i < MQ * 16 * O_DT; i += 32) {
+      const int row = wr.warp_row0 + i / O_DT, chunk = wr.dcol0 / 8 + i % O_DT;
+      if (w.r0 + row < w.rows_total) {
+        const int2 th = token_head(w, row_map, row);
+        *reinterpret_cast<uint4*>(out + (output_offset(p, w, th.x, th.y) + chunk * 8)) =
+            *reinterpret_cast<const uint4*>(smem + Cfg::swz(row, chunk) * Cfg::CHUNK_BYTES);
+      }
+    }
+    if (p.lse != 0 && lane % 4 == 0 && wr.half == 0) {
+      float* lse = reinterpret_cast<float*>(p.lse);
+#pragma unroll
+      for (int mt = 0; mt < MQ; ++mt)
+#pragma unroll
+        for (int hf = 0; hf < 2; ++hf) {
+          const int row = wr.warp_row0 + mt * 16 + lane / 4 + hf * 8;
+          if (w.r0 + row < w.rows_total) {
+            const int2 th = token_head(w, row_map, row);
+            lse[lse_index(w, num_heads, th.x, th.y)] = lse_v[mt][hf] * p.lse_scale;
+          }
+        }
+    }
+  }
+
+  // Split KV: normalised fp32 partials plus their base-2 LSE; the merge kernel combines.
+  static __device__ __forceinline__ void store_partials(const PrefillParams& p, const PrefillWork& w,
+                                                        const int2* row_map, int num_heads, const Role& wr,
+                                                        int lane, const OAcc& o, const float (&lse_v)[MQ][2]) {
+    float* op = reinterpret_cast<float*>(p.o_partial);
+    float* lp = reinterpret_cast<float*>(p.lse_partial);
+#pragma unroll
+    for (int mt = 0; mt < MQ; ++mt)
+#pragma unroll
+      for (int hf = 0; hf < 2; ++hf) {
+        const int row = wr.warp_row0 + mt * 16 + lane / 4 + hf * 8;
+        if (w.r0 + row >= w.rows_total) continue;
+        const int2 th = token_head(w, row_map, row);
+        const int64_t idx = partial_index(w, num_heads, th.x, th.y);
+#pragma unroll
+        for (int d = 0; d < O_DT; ++d)
+          *reinterpret_cast<float2*>(op + idx * HEAD_DIM + wr.dcol0 + d * 8 + (lane % 4) * 2) =
+              make_float2(o[mt][d][2 * hf], o[mt][d][2 * hf + 1]);
+        if (lane % 4 == 0 && wr.half == 0) lp[idx] = lse_v[mt][hf];
+      }
+  }
+
+  // The CTA's rows, normalised (o) with their LSE (lse_v), to global memory.
+  static __device__ __forceinline__ void store(const PrefillParams& p, const PrefillWork& w, char* smem,
+                                               const Role& wr, int lane, const OAcc& o, const float (&lse_v)[MQ][2]) {
+    const int num_heads = p.num_qo_heads;
+    const int2* row_map = reinterpret_cast<const int2*>(smem + Cfg::ROW_MAP_OFFSET);
+    if (w.num_chunks == 1) {
+      store_output(p, w, smem, row_map, num_heads, wr, lane, o, lse_v);
+    } else {
+      store_partials(p, w, row_map, num_heads, wr, lane, o, lse_v);
+    }
+  }
+};
+
+}  // namespace pfa

@@ -1,0 +1,60 @@
+// Online softmax in the log2 domain, one query row at a time. Layout-free: a kernel keeps, for
+// each row a thread holds, a running max m (of scaled logits, log2 units) and a running sum l of
+// 2^(x - m) over the keys that thread has seen; it reduces the tile's row max across the threads
+// sharing a row its own way (quad shuffles for mma.sync fragments, other patterns for wgmma) and
+// calls these for the math. The scale (sm_scale * log2 e, or 1 when a logit transform already
+// produced log2 units) is folded into the exponent's FMA.
+//
+// Per tile:  m_use = rescale(m, tile_max, scale, corr);       // then o *= corr, if corr != 1
+//            x = prob(s, scale, m_use) for every score of the row; l = l * corr + sum(x)
+//            (the kernel writes that last FMA itself, in the operand order of its own loop)
+// At the end: inv = finish(row_sum over threads, m, out_scale, lse); o *= inv.
+#pragma once
+#include <math.h>
+
+#include "pfa/ptx/math.cuh"
+
+namespace pfa {
+
+template <bool LAZY_RESCALE>
+struct OnlineSoftmax {
+  // Lazy rescale: how far (log2 units) the running max may lag the true one; P <= 2^8 = 256
+  // fits fp16/bf16 and fp32 sums with room to spare.
+  static constexpr float RESCALE_SLACK = 8.f;
+
+  // Fold a tile's raw row max (before scaling) into m. Returns the max to subtract in the
+  // exponent, m_use, and sets corr = 2^(m_old - m_use), the factor for l and O (exactly 1 when
+  // the max held).
+  //
+  // LAZY_RESCALE keeps a stale row max until the true one exceeds it by more than RESCALE_SLACK:
+  // P = exp2(s - m) then stays <= 2^RESCALE_SLACK, and the result is exact all the same, since l
+  // is summed against the same max and O / l cancels it. A row's max rarely jumps that far after
+  // its first tile, so most tiles skip the O rescale even on short rows (~10-20 tiles), where a
+  // strict max still moves on most tiles. (-inf - -inf is NaN: a row that saw only masked keys
+  // keeps -inf.)
+  static __device__ __forceinline__ float rescale(float& m, float tile_max, float scale, float& corr) {
+    float m_new = fmaxf(m, tile_max * scale);
+    if (LAZY_RESCALE && m_new - m <= RESCALE_SLACK) m_new = m;
+    // A row that has seen only masked keys keeps m = -inf; use 0 so exp2 gives 0, not NaN.
+    const float m_use = m_new == -INFINITY ? 0.f : m_new;
+    corr = ptx::exp2_approx(m - m_use);
+    m = m_new;
+    return m_use;
+  }
+
+  // Unnormalised probability of raw score s: 2^(s * scale - m_use).
+  static __device__ __forceinline__ float prob(float s, float scale, float m_use) {
+    return ptx::exp2_approx(fmaf(s, scale, -m_use));
+  }
+
+  // The row's total sum (every thread's share added) -> the multiplier that normalises O (times
+  // out_scale, e.g. the fp8 V dequantisation scale), and the base-2 LSE. A fully masked row
+  // gives O = 0 and LSE = -inf, never NaN.
+  static __device__ __forceinline__ float finish(float sum, float m, float out_scale, float& lse) {
+    const float inv = sum > 0.f ? out_scale / sum : 0.f;
+    lse = sum > 0.f ? m + __log2f(sum) : -INFINITY;
+    return inv;
+  }
+};
+
+}  // namespace pfa

@@ -1,0 +1,124 @@
+// Work decode: which request, packed-row tile and KV chunk a CTA handles, and the key range it
+// visits. Kernel-family neutral: it knows the launch grid, the batch plan's work list, the
+// indptrs and the mask rule, never fragment layouts or shared memory, so any prefill kernel with
+// (BLOCK_M packed rows) x (BLOCK_N-key tiles) reuses it.
+//
+// Two launch modes:
+//  - single request: grid (kv_head, chunk, row tile), or (row tile, chunk, kv_head) when
+//    PrefillParams::rows_fastest is set (see decode_work);
+//  - batch plan: grid z indexes the plan's work list (work_request / work_qtile / work_chunk), a
+//    (request, row tile, KV chunk) per item; num_chunks, o_indptr and the indptrs locate it.
+#pragma once
+#include <stdint.h>
+
+#include "pfa/attention/kv_source.cuh"
+#include "pfa/attention/mask.cuh"
+#include "pfa/attention/params.h"
+
+namespace pfa {
+
+// The problem one CTA works on. Packed row r = q_idx * group + head_in_group (GQA packing), so
+// a tile's query heads share every K/V tile it loads.
+//
+// Field order is not cosmetic: the compiler numbers the registers of the values merged after the
+// batch-plan branch (chunk, lengths, row bases, custom-mask bits) in this order, and the order
+// below reproduces the register allocation of the kernels as they were before this struct existed.
+struct PrefillWork {
+  MaskRule rule;          // THE mask predicate for this request (custom bits already offset)
+  int kv_head;
+  int group;              // query heads per kv head
+  int chunk;              // this CTA's KV chunk
+  int num_chunks;         // the request's KV chunks
+  int kv_len;
+  int qo_len;
+  int64_t kv_row0;        // ragged K/V: first key row of the request (RaggedKvRows)
+  int64_t q_row0;         // first query row of the request in q / o
+  int page_base;          // paged K/V: the request's first entry in kv_page_indices (PagedKvRows)
+  int64_t part_base;      // batch plan, a request of several chunks: its first partial row; -1 = single-request layout
+  int rows_total;         // packed rows of the request (qo_len * group)
+  int r0;                 // first packed row of this CTA's tile
+  int q_lo, q_hi;         // query rows the tile touches (inclusive)
+  int kv_lo, kv_hi;       // keys the tile can see: the rows' mask range clipped to the chunk
+  int tile_start;         // first key of the first BLOCK_N tile (on the BLOCK_N grid)
+  int num_tiles;          // BLOCK_N tiles to visit (0: nothing visible, the CTA writes empty rows)
+};
+
+// Batch plan: overwrite the single-request defaults with work item `item`'s request, row tile and
+// chunk. False for a padding item (fixed-size CUDA-graph grids pad the list with request -1).
+template <bool PAGED, bool GENERAL>
+__device__ __forceinline__ bool load_plan_item(const PrefillParams& p, int item, int& tile_m, PrefillWork& w) {
+  const int b = reinterpret_cast<const int32_t*>(p.work_request)[item];
+  if (b < 0) return false;
+  tile_m = reinterpret_cast<const int32_t*>(p.work_qtile)[item];
+  w.chunk = reinterpret_cast<const int32_t*>(p.work_chunk)[item];
+  w.num_chunks = reinterpret_cast<const int32_t*>(p.num_chunks)[b];
+  const int32_t* qo_indptr = reinterpret_cast<const int32_t*>(p.qo_indptr);
+  const int32_t* kv_indptr = reinterpret_cast<const int32_t*>(p.kv_indptr);
+  w.q_row0 = qo_indptr[b];
+  w.qo_len = qo_indptr[b + 1] - qo_indptr[b];
+  const int k0 = kv_indptr[b], k1 = kv_indptr[b + 1];
+  if constexpr (PAGED) {
+    w.page_base = k0;
+    w.kv_len = paged_request_len(p, b, k0, k1);
+  } else {
+    w.kv_row0 = k0;
+    w.kv_len = k1 - k0;
+  }
+  if (w.num_chunks > 1) w.part_base = reinterpret_cast<const int32_t*>(p.o_indptr)[b];
+  if (GENERAL && w.rule.bits != nullptr) w.rule.bits += reinterpret_cast<const int32_t*>(p.mask_indptr)[b];
+  return true;
+}
+
+// Decode this CTA's work. False: nothing to do (padding item, or a row tile past the request,
+// which a plan never emits). GENERAL: the kernel honours custom masks.
+//
+// Single request, grid (kv_head, chunk, row tile): the row tile varies slowest, so the block
+// scheduler hands out every head's heaviest tiles before any light one (longest-first
+// balancing). A single request without causal/window masking (every tile the same cost) may run
+// (row tile, chunk, kv_head) instead (PrefillParams::rows_fastest): the CTAs in flight then share
+// one or two heads' K/V, which stays in L2, where with heads fastest every head's K/V is live at
+// once (far beyond L2 for long hd256 sequences). HONOURS_ROWS_FASTEST compiles the flag in:
+// reading it costs the kernel a register for kv_head, which otherwise is re-read from blockIdx,
+// and that made hd64 measurably slower; only the kernels with the largest K/V per head (hd256)
+// gain enough to pay for it.
+template <int BLOCK_M, int BLOCK_N, bool PAGED, bool GENERAL, bool HONOURS_ROWS_FASTEST>
+__device__ __forceinline__ bool decode_work(const PrefillParams& p, PrefillWork& w) {
+  const bool rows_fastest = HONOURS_ROWS_FASTEST && p.rows_fastest != 0;
+  w.kv_head = rows_fastest ? blockIdx.z : blockIdx.x;
+  w.group = p.group_size;
+  w.qo_len = p.qo_len;
+  w.kv_len = p.kv_len;
+  w.chunk = blockIdx.y;
+  w.num_chunks = p.num_kv_chunks;
+  int tile_m = rows_fastest ? blockIdx.x : gridDim.z - 1 - blockIdx.z;  // heaviest first: causal rows grow down
+  w.q_row0 = 0;
+  w.kv_row0 = 0;
+  w.part_base = -1;
+  w.page_base = 0;
+  w.rule.bits = GENERAL ? reinterpret_cast<const uint8_t*>(p.custom_mask) : nullptr;
+  // Batch plan: grid z indexes the work list, which the plan already ordered longest first.
+  if (p.work_request != 0 && !load_plan_item<PAGED, GENERAL>(p, blockIdx.z, tile_m, w)) return false;
+  w.rows_total = w.qo_len * w.group;
+  w.r0 = tile_m * BLOCK_M;
+  if (w.r0 >= w.rows_total) return false;
+  w.q_lo = w.r0 / w.group;
+  w.q_hi = (min(w.r0 + BLOCK_M, w.rows_total) - 1) / w.group;
+
+  const MaskRule rule{w.qo_len, w.kv_len, p.causal != 0, p.window_left, w.rule.bits};
+  w.rule = rule;
+  // Batch plans keep the chunk size on the device, so a replayed CUDA graph sees each new plan's.
+  const int chunk_size =
+      p.kv_chunk_size_dev != 0 ? *reinterpret_cast<const int32_t*>(p.kv_chunk_size_dev) : p.kv_chunk_size;
+  const int chunk_lo = w.chunk * chunk_size;
+  const int chunk_hi = min(chunk_lo + chunk_size, w.kv_len);
+  w.kv_lo = max(rule.kv_begin(w.q_lo), chunk_lo);
+  w.kv_hi = min(rule.kv_end(w.q_hi), chunk_hi);
+  // Tiles start on the BLOCK_N grid (chunk boundaries are on it too), so a tile never straddles
+  // two splits; keys before kv_lo lie outside every row's window, so the mask predicate removes
+  // them.
+  w.tile_start = w.kv_lo / BLOCK_N * BLOCK_N;
+  w.num_tiles = w.kv_hi > w.kv_lo ? (w.kv_hi - w.tile_start + BLOCK_N - 1) / BLOCK_N : 0;
+  return true;
+}
+
+}  // namespace pfa
