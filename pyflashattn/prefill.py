@@ -15,7 +15,8 @@ window_left is an inclusive left window from that position, lse is base 2 over t
 logits (log2(sum_j 2^(s_j * log2 e))), a row with no visible key gives o = 0 and lse = -inf.
 
 Each function and method here only turns its signature into the engine's problem description
-(pyflashattn._engine.problem), calls the engine and returns.
+(pyflashattn._engine.problem), calls the engine and returns; where the call is on the serving
+hot path (single prefill, run()), the engine's entry with FlashInfer's signature is used as is.
 """
 from __future__ import annotations
 
@@ -30,28 +31,9 @@ __all__ = ["single_prefill_with_kv_cache", "single_prefill_with_kv_cache_return_
            "BatchPrefillWithPagedKVCacheWrapper", "BatchPrefillWithRaggedKVCacheWrapper"]
 
 
-def single_prefill_with_kv_cache(q, k, v, custom_mask=None, packed_custom_mask=None, causal: bool = False,
-                                 kv_layout: str = "NHD", pos_encoding_mode: str = "NONE",
-                                 allow_fp16_qk_reduction: bool = False, sm_scale: float | None = None,
-                                 window_left: int = -1, logits_soft_cap: float | None = None,
-                                 rope_scale: float | None = None, rope_theta: float | None = None, *,
-                                 return_lse: bool = False, out=None, lse=None, stream=None,
-                                 lse_base: str = "log2"):
-    """Attention of one request's queries over its KV cache (FlashInfer's single prefill).
-
-    Parameters beyond FlashInfer's: ``out`` / ``lse`` (preallocated outputs, written in place and
-    returned; ``lse`` is filled whenever given), ``stream`` (a CUDA stream handle or stream
-    object; default: the caller framework's current stream), ``lse_base`` ("log2", FlashInfer's
-    convention, or "ln").
-
-    Returns o [qo_len, num_qo_heads, head_dim] in q's dtype and framework, and with
-    ``return_lse`` also lse [qo_len, num_qo_heads] float32.
-    """
-    return single_prefill(q, k, v, custom_mask, packed_custom_mask, causal, kv_layout, pos_encoding_mode,
-                          allow_fp16_qk_reduction, sm_scale, window_left, logits_soft_cap, rope_scale, rope_theta,
-                          return_lse, out, lse, stream, lse_base)
-
-
+# The public function is the engine's entry itself, with FlashInfer's signature: a single-prefill
+# call is on a serving loop's hot path, and a facade function around it would add a Python call.
+single_prefill_with_kv_cache = single_prefill
 single_prefill_with_kv_cache_return_lse = functools.partial(single_prefill_with_kv_cache, return_lse=True)
 single_prefill_with_kv_cache_return_lse.__doc__ = "single_prefill_with_kv_cache with return_lse=True: (o, lse)."
 
@@ -131,6 +113,7 @@ class BatchPrefillWithPagedKVCacheWrapper(_BatchPrefillWrapper):
                             ("paged_kv_last_page_len_buf", paged_kv_last_page_len_buf)))
             e.enable_graph(operands.entries(qo_indptr_buf, "qo_indptr_buf") - 1,
                            operands.entries(paged_kv_indices_buf, "paged_kv_indices_buf"))
+        self.run = e.run_paged  # run() on the hot path: the engine's entry, no facade call in between
 
     def plan(self, qo_indptr, paged_kv_indptr, paged_kv_indices, paged_kv_last_page_len, num_qo_heads: int,
              num_kv_heads: int, head_dim: int, page_size: int, custom_mask=None, packed_custom_mask=None,
@@ -156,8 +139,8 @@ class BatchPrefillWithPagedKVCacheWrapper(_BatchPrefillWrapper):
         captured launch (a replay uses the values of the captured run()). enable_pdl=True
         launches the attention kernel programmatically (sm_90+); None / False: a plain launch
         (FlashInfer's None means "if supported": here it means off)."""
-        return self._engine.run_paged(q, paged_kv_cache, args, k_scale, v_scale, out, lse, return_lse, stream,
-                                      enable_pdl)
+        return self._engine.run_paged(q, paged_kv_cache, *args, k_scale=k_scale, v_scale=v_scale, out=out, lse=lse,
+                                      return_lse=return_lse, stream=stream, enable_pdl=enable_pdl)
 
 
 class BatchPrefillWithRaggedKVCacheWrapper(_BatchPrefillWrapper):
@@ -179,6 +162,7 @@ class BatchPrefillWithRaggedKVCacheWrapper(_BatchPrefillWrapper):
         if use_cuda_graph:
             _graph_buffers((("qo_indptr_buf", qo_indptr_buf), ("kv_indptr_buf", kv_indptr_buf)))
             e.enable_graph(operands.entries(qo_indptr_buf, "qo_indptr_buf") - 1, 0)
+        self.run = e.run_ragged  # run() on the hot path: the engine's entry, no facade call in between
 
     def plan(self, qo_indptr, kv_indptr, num_qo_heads: int, num_kv_heads: int, head_dim: int, custom_mask=None,
              packed_custom_mask=None, causal: bool = False, pos_encoding_mode: str = "NONE",
@@ -199,4 +183,5 @@ class BatchPrefillWithRaggedKVCacheWrapper(_BatchPrefillWrapper):
         """Attention of q over the ragged k, v for the planned batch. k_scale / v_scale (float,
         default 1.0) scale the logits and the output in the kernel, for every KV dtype; under a
         CUDA graph they are baked into the captured launch. enable_pdl: as in the paged run()."""
-        return self._engine.run_ragged(q, k, v, args, k_scale, v_scale, out, lse, return_lse, stream, enable_pdl)
+        return self._engine.run_ragged(q, k, v, *args, k_scale=k_scale, v_scale=v_scale, out=out, lse=lse,
+                                       return_lse=return_lse, stream=stream, enable_pdl=enable_pdl)

@@ -16,10 +16,10 @@ from pyflashattn._runtime import cuda as _cuda, dtypes as _dtypes, registry as _
 from pyflashattn.testing.fake_tensors import FakeProducer, fake_cuda_tensor
 from pyflashattn.testing.fake_tensors import compact_strides as _compact
 from pyflashattn.testing.fake_driver import (  # noqa: F401 - the shared fixtures' vocabulary
-    Paged, Ragged, f32, BF16, BOOL, D, E4M3, E5M2, F16, FakeDriver, FakeEnv, FakeTorch, FakeTorchTensor, HKV, HQ, I32, KV_INDICES,
-    KV_INDPTR, LAST, LOG2E, MASK_BITS, NPAGES, PS, QO, RAGGED_KV, T, TKV, TQ, U8, WS, _META, _TorchDtype,
-    _decode_variant, _simulate_packbits, cache_t, i32, kv_t, last_attn, lse_t, out_t, paged, plan_paged,
-    plan_ragged, q_t, ragged)
+    Paged, Ragged, f32, BF16, BOOL, D, E4M3, E5M2, F16, FakeDriver, FakeEnv, FakeTorch, FakeTorchTensor, HKV,
+    HQ, I32, KV_INDICES, KV_INDPTR, LAST, LOG2E, MASK_BITS, NPAGES, PS, QO, RAGGED_KV, T, TKV, TQ, U8, WS,
+    _META, _TorchDtype, _decode_variant, _simulate_packbits, cache_t, i32, kv_t, last_attn, lse_t, out_t,
+    paged, plan_paged, plan_ragged, q_t, ragged)
 
 
 def test_torch_fast_path_allocates_contiguous_outputs(fake, fake_torch):

@@ -15,10 +15,10 @@ from pyflashattn._engine import routing
 from pyflashattn._runtime import cuda as _cuda, dtypes as _dtypes, registry as _registry, tensor as _tensor
 from pyflashattn.testing.fake_tensors import FakeProducer, fake_cuda_tensor
 from pyflashattn.testing.fake_driver import (  # noqa: F401 - the shared fixtures' vocabulary
-    Paged, Ragged, f32, BF16, BOOL, D, E4M3, E5M2, F16, FakeDriver, FakeEnv, FakeTorch, FakeTorchTensor, HKV, HQ, I32, KV_INDICES,
-    KV_INDPTR, LAST, LOG2E, MASK_BITS, NPAGES, PS, QO, RAGGED_KV, T, TKV, TQ, U8, WS, _META, _TorchDtype,
-    _decode_variant, _simulate_packbits, cache_t, i32, kv_t, last_attn, lse_t, out_t, paged, plan_paged,
-    plan_ragged, q_t, ragged)
+    Paged, Ragged, f32, BF16, BOOL, D, E4M3, E5M2, F16, FakeDriver, FakeEnv, FakeTorch, FakeTorchTensor, HKV,
+    HQ, I32, KV_INDICES, KV_INDPTR, LAST, LOG2E, MASK_BITS, NPAGES, PS, QO, RAGGED_KV, T, TKV, TQ, U8, WS,
+    _META, _TorchDtype, _decode_variant, _simulate_packbits, cache_t, i32, kv_t, last_attn, lse_t, out_t,
+    paged, plan_paged, plan_ragged, q_t, ragged)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -81,3 +81,22 @@ def test_single_prefill_decode_tile(fake, monkeypatch, qo, hq, hkv, D, kw, decod
     bp = w._engine.attn.params
     assert w._engine.attn.name == name and bp.kv_chunk_size == p.kv_chunk_size
     assert fake.read(bp.num_chunks, 1, np.int32)[0] == p.num_kv_chunks
+
+
+# ---------------------------------------------------------------------------------------------
+# single prefill: the torch fast path (a repeated signature skips the views and the validator)
+# ---------------------------------------------------------------------------------------------
+def test_single_prefill_torch_fast_path_is_taken_and_keyed_by_signature(fake, fake_torch, monkeypatch):
+    monkeypatch.setattr(pyflashattn._engine.single._tls, "plans", {}, raising=False)
+    q, k, v = (fake_torch.tensor(s, "float16") for s in ((64, 8, 128), (256, 2, 128), (256, 2, 128)))
+    out = fake_torch.tensor((64, 8, 128), "float16")
+    pyflashattn.single_prefill_with_kv_cache(q, k, v, causal=True, out=out)  # validates, plans, keys
+    views = []
+    real_view = _tensor.view
+    monkeypatch.setattr(_tensor, "view", lambda *a, **kw: views.append(a[1]) or real_view(*a, **kw))
+    q2 = fake_torch.tensor((64, 8, 128), "float16")  # same signature, other pointers
+    pyflashattn.single_prefill_with_kv_cache(q2, k, v, causal=True, out=out)
+    assert views == [], "a repeated torch signature must take the fast path"
+    assert last_attn(fake)[3].q == q2.data_ptr()
+    pyflashattn.single_prefill_with_kv_cache(q2, k, v, causal=False, out=out)  # another option: full path
+    assert "q" in views

@@ -403,8 +403,10 @@ class BatchEngine:
             raise TypeError(f"run() takes {positional} positionally; pass the rest by keyword")
         raise RuntimeError("call plan() before run()")
 
-    def run_paged(self, q, paged_kv_cache, args, k_scale, v_scale, out, lse, return_lse, stream, pdl):
-        """run() over a paged cache: one tensor [pages, 2, ...] or a (k_cache, v_cache) pair."""
+    def run_paged(self, q, paged_kv_cache, *args, k_scale=None, v_scale=None, out=None, lse=None,
+                  return_lse: bool = False, stream=None, enable_pdl=None):
+        """run() over a paged cache: one tensor [pages, 2, ...] or a (k_cache, v_cache) pair
+        (BatchPrefillWithPagedKVCacheWrapper.run's contract)."""
         if args or not self.planned:
             self.refuse_run(args, "q and paged_kv_cache")
         if k_scale is not None or v_scale is not None or self.scaled:
@@ -413,10 +415,11 @@ class BatchEngine:
             kv_parts = tuple(paged_kv_cache)
             # only a (k_cache, v_cache) pair may take the fast path (a 1-tuple must not pass as
             # the bare 5-D cache it holds: the full path refuses it)
-            fast = self.torch_fast(q, kv_parts, out, lse, return_lse, stream, pdl) if len(kv_parts) == 2 else None
+            fast = (self.torch_fast(q, kv_parts, out, lse, return_lse, stream, enable_pdl)
+                    if len(kv_parts) == 2 else None)
         else:
             kv_parts = (paged_kv_cache,)
-            fast = self.torch_fast(q, kv_parts, out, lse, return_lse, stream, pdl)
+            fast = self.torch_fast(q, kv_parts, out, lse, return_lse, stream, enable_pdl)
         if fast is not None:
             return fast
         qv, out_, ov, lse_, lv, s, hs = self.check_q(q, out, lse, return_lse, stream)
@@ -429,7 +432,7 @@ class BatchEngine:
         p.k, p.v = k_ptr, v_ptr
         p.k_stride_page, p.k_stride_n, p.k_stride_h = operands.paged_kv_strides(self.kv_layout, ks)
         p.v_stride_page, p.v_stride_n, p.v_stride_h = operands.paged_kv_strides(self.kv_layout, vs)
-        self.launch(qv, ov, lv, s, pdl)
+        self.launch(qv, ov, lv, s, enable_pdl)
         self.remember(q, kv_parts, out, lse, return_lse)
         return finish(out_, lse_, return_lse)
 
@@ -455,13 +458,14 @@ class BatchEngine:
         strides = (c.strides[0],) + c.strides[2:]
         return c.ptr, c.ptr + c.strides[1] * item, strides, strides, c.shape[0]
 
-    def run_ragged(self, q, k, v, args, k_scale, v_scale, out, lse, return_lse, stream, pdl):
+    def run_ragged(self, q, k, v, *args, k_scale=None, v_scale=None, out=None, lse=None, return_lse: bool = False,
+                   stream=None, enable_pdl=None):
         """run() over ragged K/V [kv_indptr[-1], Hkv, D] (NHD) or [Hkv, kv_indptr[-1], D] (HND)."""
         if args or not self.planned:
             self.refuse_run(args, "q, k, v")
         if k_scale is not None or v_scale is not None or self.scaled:
             self.apply_scales(k_scale, v_scale)
-        fast = self.torch_fast(q, (k, v), out, lse, return_lse, stream, pdl)
+        fast = self.torch_fast(q, (k, v), out, lse, return_lse, stream, enable_pdl)
         if fast is not None:
             return fast
         qv, out_, ov, lse_, lv, s, hs = self.check_q(q, out, lse, return_lse, stream)
@@ -478,7 +482,7 @@ class BatchEngine:
         p.k_stride_n, p.k_stride_h = operands.ragged_kv_strides(self.kv_layout, kv.strides)
         p.v_stride_n, p.v_stride_h = operands.ragged_kv_strides(self.kv_layout, vv.strides)
         self.kv_ptr_offset = None
-        self.launch(qv, ov, lv, s, pdl)
+        self.launch(qv, ov, lv, s, enable_pdl)
         self.remember(q, (k, v), out, lse, return_lse)
         return finish(out_, lse_, return_lse)
 

@@ -45,7 +45,8 @@ import numpy as np
 
 from . import cost_model
 from .geometry import tile_spans
-from .npfast import accumulate as _acc, consts as _k, div as _div, lpt_order as _lpt_order, shared as _shared, unsigned_max
+from .npfast import accumulate as _acc, consts as _k, div as _div, lpt_order as _lpt_order, shared as _shared
+from .npfast import unsigned_max
 
 __all__ = ["PrefillPlan", "plan_prefill", "schedule_prefill", "MIN_CHUNK_TOKENS", "SHORT_KV_TILES", "WORKSPACE_ALIGN"]
 

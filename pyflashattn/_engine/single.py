@@ -22,10 +22,22 @@ _tls = threading.local()
 _registry._on_force.append(lambda: getattr(_tls, "plans", {}).clear())
 
 
-def single_prefill(q, k, v, custom_mask, packed_custom_mask, causal, kv_layout, pos_encoding_mode,
-                   allow_fp16_qk_reduction, sm_scale, window_left, logits_soft_cap, rope_scale, rope_theta,
-                   return_lse, out, lse, stream, lse_base):
-    """single_prefill_with_kv_cache's engine: see pyflashattn.prefill for the contract."""
+def single_prefill(q, k, v, custom_mask=None, packed_custom_mask=None, causal: bool = False,
+                   kv_layout: str = "NHD", pos_encoding_mode: str = "NONE", allow_fp16_qk_reduction: bool = False,
+                   sm_scale: float | None = None, window_left: int = -1, logits_soft_cap: float | None = None,
+                   rope_scale: float | None = None, rope_theta: float | None = None, *, return_lse: bool = False,
+                   out=None, lse=None, stream=None, lse_base: str = "log2"):
+    """Attention of one request's queries over its KV cache (FlashInfer's single prefill).
+
+    q [qo_len, num_qo_heads, head_dim]; k, v [kv_len, num_kv_heads, head_dim] (kv_layout "NHD")
+    or [num_kv_heads, kv_len, head_dim] ("HND"). Parameters beyond FlashInfer's: ``out`` /
+    ``lse`` (preallocated outputs, written in place and returned; ``lse`` is filled whenever
+    given), ``stream`` (a CUDA stream handle or stream object; default: the caller framework's
+    current stream), ``lse_base`` ("log2", FlashInfer's convention, or "ln").
+
+    Returns o [qo_len, num_qo_heads, head_dim] in q's dtype and framework, and with
+    ``return_lse`` also lse [qo_len, num_qo_heads] float32.
+    """
     opts = options.resolve(pos_encoding_mode, allow_fp16_qk_reduction, logits_soft_cap, rope_scale, rope_theta,
                            lse_base)
     has_mask = custom_mask is not None or packed_custom_mask is not None
@@ -107,8 +119,13 @@ def _torch_fast_path(q, k, v, causal, kv_layout, window_left, sm_scale, return_l
     plans = getattr(_tls, "plans", None)
     if plans is None:
         return _MISS
-    key = launch.torch_key(q, (k, v), out, lse, (causal, kv_layout, window_left, sm_scale))
-    plan = plans.get(key) if key is not None else None
+    try:  # the key of launch.torch_key, spelled out: this is most of the fast path's own cost
+        plan = plans.get((q.shape, q.stride(), q.dtype, q.get_device(), (causal, kv_layout, window_left, sm_scale),
+                          k.shape, k.stride(), k.dtype, k.get_device(), v.shape, v.stride(), v.dtype, v.get_device(),
+                          *((None,) if out is None else (out.shape, out.stride(), out.dtype, out.get_device())),
+                          *((None,) if lse is None else (lse.shape, lse.stride(), lse.dtype, lse.get_device()))))
+    except Exception:  # noqa: BLE001 - not a plain strided torch tensor: the general path decides
+        return _MISS
     if plan is None:
         return _MISS
     qp, kp, vp = q.data_ptr(), k.data_ptr(), v.data_ptr()
@@ -117,7 +134,7 @@ def _torch_fast_path(q, k, v, causal, kv_layout, window_left, sm_scale, return_l
         return _MISS  # the general path raises the precise error
     dev = plan.dev
     _cuda.ensure_context(dev)
-    s = launch.call_stream(stream, "torch", dev)
+    s = _tensor.stream_handle(stream) if stream is not None else launch.torch_stream(dev)
     if out is None:
         out = _tensor.torch_empty_like(q)  # o has q's shape (the plan's key fixed it)
         op = out.data_ptr()
