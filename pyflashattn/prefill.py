@@ -38,6 +38,9 @@ single_prefill_with_kv_cache_return_lse = functools.partial(single_prefill_with_
 single_prefill_with_kv_cache_return_lse.__doc__ = "single_prefill_with_kv_cache with return_lse=True: (o, lse)."
 
 
+_settings = tuple.__new__  # PlanSettings from its fields in order: no NamedTuple argument parsing per plan()
+
+
 def _check_backend(backend):
     if backend not in ("auto", "fa2"):
         raise ValueError(f"backend must be 'auto' or 'fa2', got {backend!r}")
@@ -124,10 +127,10 @@ class BatchPrefillWithPagedKVCacheWrapper(_BatchPrefillWrapper):
         e = self._engine
         src = indices.paged_source(qo_indptr, paged_kv_indptr, paged_kv_indices, paged_kv_last_page_len, page_size,
                                    e.graph.max_pages if e.graph is not None else None)
-        settings = PlanSettings(num_qo_heads, num_kv_heads, head_dim, pos_encoding_mode, allow_fp16_qk_reduction,
-                                logits_soft_cap, rope_scale, rope_theta, lse_base, q_data_type, kv_data_type,
-                                window_left, sm_scale, fixed_split_size,
-                                custom_mask is not None or packed_custom_mask is not None)
+        settings = _settings(PlanSettings, (num_qo_heads, num_kv_heads, head_dim, pos_encoding_mode,
+                                            allow_fp16_qk_reduction, logits_soft_cap, rope_scale, rope_theta, lse_base,
+                                            q_data_type, kv_data_type, window_left, sm_scale, fixed_split_size,
+                                            custom_mask is not None or packed_custom_mask is not None))
         return e.plan(src, settings, causal, custom_mask, packed_custom_mask, disable_split_kv, stream)
 
     begin_forward = plan
@@ -170,10 +173,10 @@ class BatchPrefillWithRaggedKVCacheWrapper(_BatchPrefillWrapper):
              rope_scale=None, rope_theta=None, q_data_type="float16", kv_data_type=None, *, fixed_split_size=None,
              disable_split_kv: bool = False, lse_base: str = "log2", stream=None):
         src = indices.ragged_source(qo_indptr, kv_indptr)
-        settings = PlanSettings(num_qo_heads, num_kv_heads, head_dim, pos_encoding_mode, allow_fp16_qk_reduction,
-                                logits_soft_cap, rope_scale, rope_theta, lse_base, q_data_type, kv_data_type,
-                                window_left, sm_scale, fixed_split_size,
-                                custom_mask is not None or packed_custom_mask is not None)
+        settings = _settings(PlanSettings, (num_qo_heads, num_kv_heads, head_dim, pos_encoding_mode,
+                                            allow_fp16_qk_reduction, logits_soft_cap, rope_scale, rope_theta, lse_base,
+                                            q_data_type, kv_data_type, window_left, sm_scale, fixed_split_size,
+                                            custom_mask is not None or packed_custom_mask is not None))
         return self._engine.plan(src, settings, causal, custom_mask, packed_custom_mask, disable_split_kv, stream)
 
     begin_forward = plan

@@ -110,8 +110,16 @@ class BatchEngine:
         g = self.graph
         if g is not None:
             cap = g.check_capacity(src.qo_lens.size, int(src.qo[-1]))
-        la, budget, ctas, tile = cfg.route.pick(cfg.head_dim, src.max_qo * cfg.group,
-                                                cap.get("decode_rows") if cap else None)
+        # The kernel: a decode tile when the longest request fits one of them (or, contiguous 16-bit
+        # K/V, several within DECODE_MAX_ROWS), else the row-tile kernel. A captured graph keeps the
+        # tile its first plan chose (a decode tile stays correct for any lengths, only slower).
+        route = cfg.route
+        dec = route.decode
+        tile = routing.decode_tile_rows(cfg.head_dim, src.max_qo * cfg.group, route.tiles) if dec else 0
+        if cap is not None:
+            tile = cap.get("decode_rows", tile)
+        la, budget, ctas = (dec.get(tile) or dec[route.tiles[-1]]) if tile and dec else \
+            (route.attn, route.budget, route.ctas)
         meta = la.meta
         plan = schedule.schedule_prefill(src.qo, src.qo_lens, src.kv_lens, src.max_qo, src.max_kv, cfg.group,
                                          cfg.num_kv_heads, meta["block_m"], meta["block_n"], budget, bool(causal),
@@ -124,7 +132,19 @@ class BatchEngine:
             raise ValueError(f"float_workspace_buffer holds {self.ws_bytes} bytes but this plan needs "
                              f"{need}; pass a larger buffer (or disable_split_kv=True)")
         merge = self.launcher("merge", cfg.q_dtype.short) if plan.split or cap else None
-        staged, offsets, nbytes, sig = self._staged(src, plan, mask, merge, cap, cfg, causal, la, lse_off)
+        # What goes to the device, in this order: the plan's arrays, qo_indptr, the KV source's index
+        # arrays, (graph mode) the chunk size, the mask's offsets.
+        if cap is None:
+            # Back to back, the plan's arrays in one piece (they are consecutive in plan.buffer).
+            # Nothing merged: every request has one chunk, the kernel reads no o_indptr and no
+            # merge runs, so o_indptr and merge_indptr (total_q + 1 entries, the largest) stay home.
+            buf = plan.buffer
+            staged = [buf if merge is not None else buf[:3 * plan.grid + src.qo_lens.size], src.qo, *src.arrays]
+            if mask is not None:
+                staged += mask.offset_arrays
+            offsets = nbytes = sig = None
+        else:
+            staged, offsets, nbytes, sig = self._graph_staged(src, plan, mask, cap, cfg, causal, la, lse_off)
         # ---- nothing below refuses the plan: commit ----
         s = launch.plan_stream(stream, self.dev)
         ptrs = self.staging.upload(staged, s, offsets, nbytes)
@@ -191,20 +211,9 @@ class BatchEngine:
                               self.paged, bool(kv_fp8))
         return Config(hq, hkv, hd, hq // hkv, opts, qdt, kdt, kv_fp8, window_left, sm_scale, fss, route)
 
-    def _staged(self, src, plan, mask, merge, cap, cfg, causal, la, lse_off):
-        """(arrays to stage, their fixed int32 offsets or None, bytes, graph signature or None).
-        In order: the plan's arrays, qo_indptr, the KV source's index arrays, the chunk size
-        (graph mode only: elsewhere the kernel takes the by-value kv_chunk_size), the mask's
-        offsets."""
+    def _graph_staged(self, src, plan, mask, cap, cfg, causal, la, lse_off):
+        """Graph mode's staging: (arrays, their fixed int32 offsets, bytes, the plan's signature)."""
         mask_arrays = () if mask is None else mask.offset_arrays
-        if cap is None:
-            # Back to back, the plan's arrays in one piece (they are consecutive in plan.buffer).
-            # Nothing merged: every request has one chunk, the kernel reads no o_indptr and no
-            # merge runs, so o_indptr and merge_indptr (total_q + 1 entries, the largest) stay home.
-            buf = plan.buffer
-            B = src.qo_lens.size
-            return [buf if merge is not None else buf[:3 * plan.grid + B], src.qo, *src.arrays, *mask_arrays], \
-                None, None, None
         # Rows past this plan's tokens must merge nothing (the merge grid covers the capacity).
         mi = plan.merge_indptr
         staged = [plan.work_request, plan.work_qtile, plan.work_chunk, plan.num_chunks, plan.o_indptr,

@@ -79,9 +79,10 @@ def new_attention(dev: int, dtype: str, kv_dtype: str, head_dim: int, general: b
 class Route:
     """The kernels a batch plan may run, resolved once per plan settings: the row-tile kernel
     (`attn`, `ctas`, `budget` = CTAs per wave) and, for lean options, the decode tiles by rows:
-    decode[rows] = (launcher, budget, ctas)."""
+    decode[rows] = (launcher, budget, ctas), their rows in `tiles` (the plan picks one per batch
+    with decode_tile_rows)."""
 
-    __slots__ = ("attn", "ctas", "budget", "decode")
+    __slots__ = ("attn", "ctas", "budget", "decode", "tiles")
 
     def __init__(self, launcher, dev: int, dtype: str, kv_dtype: str, head_dim: int, general: bool, paged: bool,
                  fp8: bool):
@@ -90,21 +91,11 @@ class Route:
         self.ctas = ctas_per_sm(self.attn.meta, props)
         self.budget = props["sm_count"] * self.ctas
         self.decode = None
+        self.tiles = ()  # the decode tiles' rows, smallest first
         if not general:
             self.decode = {}
             for rows in built_decode_tiles(dev, dtype, kv_dtype, head_dim, paged):
                 ld = launcher("prefill", dtype, kv_dtype, head_dim, False, decode=rows)
                 cps = ctas_per_sm(ld.meta, props)
                 self.decode[rows] = (ld, props["sm_count"] * cps * (FP8_DECODE_WAVES if fp8 else 1), cps)
-
-    def pick(self, head_dim: int, max_rows: int, fixed_rows: int | None = None) -> tuple:
-        """(launcher, budget, ctas, decode rows or 0) for a batch whose longest request has
-        max_rows packed rows; fixed_rows: a CUDA-graph plan's tile, chosen by its first plan."""
-        dec = self.decode
-        tile = decode_tile_rows(head_dim, max_rows, tuple(dec)) if dec else 0
-        if fixed_rows is not None:
-            tile = fixed_rows
-        if tile and dec:
-            la, budget, cps = dec.get(tile) or dec[max(dec)]
-            return la, budget, cps, tile
-        return self.attn, self.budget, self.ctas, tile
+            self.tiles = tuple(self.decode)
