@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from .._runtime import cuda as _cuda, tensor as _tensor
+from .._runtime import cuda as _cuda, dtypes as _dtypes, registry as _registry, tensor as _tensor
 from . import launch, operands, options, params, routing, schedule
 from .graph import GraphState
 from .masks import MaskBuffers
@@ -281,7 +281,6 @@ class BatchEngine:
         la = self.launchers.get(key)
         if la is None:
             if family == "merge":
-                from .._runtime import registry as _registry
                 la = _registry.new_launcher("merge", self.dev, dtype=dtype)
             else:
                 la = routing.new_attention(self.dev, dtype, kv_dtype, head_dim, general, self.paged, decode)
@@ -327,7 +326,6 @@ class BatchEngine:
             lv = _tensor.view(lse, "lse")
             operands.check_lse(lv, (total_q, Hq), self.dev)
         elif return_lse:
-            from .._runtime import dtypes as _dtypes
             lse, lv = _tensor.empty(qv, (total_q, Hq), _dtypes.FLOAT32, s)
         return qv, out, ov, lse, lv, s, hs
 
