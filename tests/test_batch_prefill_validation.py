@@ -411,10 +411,30 @@ def test_non_int_window_left_is_a_type_error(kind, value):
 
 @pytest.mark.parametrize("cls", [Paged, Ragged])
 def test_mask_buffers_are_accepted(cls):
-    # FlashInfer's custom_mask_buf / qk_indptr_buf: honoured (plan() writes the packed mask there)
+    # the constructor takes FlashInfer's custom_mask_buf / qk_indptr_buf of any capacity ...
     cls(WS(), custom_mask_buf=T((1 << 16,), U8), qk_indptr_buf=T((9,), I32))
     cls(WS(), custom_mask_buf=T((16,), U8))
     cls(WS(), qk_indptr_buf=T((1,), I32))
+
+
+@pytest.mark.parametrize("kind", ["paged", "ragged"])
+def test_mask_buffers_are_honoured(fake, kind):
+    # ... and plan() writes the packed mask and its byte offsets there (the kernel reads them from
+    # there). The simulated driver (the `fake` fixture) holds the device memory; for the graph
+    # mode and both mask forms see test_batch_masks_host.py::test_user_mask_buffers_receive_the_mask.
+    from pyflashattn.testing import fake_driver as fd
+
+    mbuf, qk = fake.dev(64), fake.dev(4 * 4, I32)
+    w = (fd.paged if kind == "paged" else fd.ragged)(fake, custom_mask_buf=mbuf, qk_indptr_buf=qk)
+    rng = np.random.default_rng(0)
+    masks = [rng.random(n) < 0.5 for n in fd.MASK_BITS]
+    (fd.plan_paged if kind == "paged" else fd.plan_ragged)(w, custom_mask=fake.dev(np.concatenate(masks), _dtypes.BOOL))
+    p = w._engine.attn.params
+    assert p.custom_mask == mbuf.args[3] and p.mask_indptr == qk.args[3]
+    want = b"".join(np.packbits(m, bitorder="little").tobytes() for m in masks)
+    assert fake.read(mbuf.args[3], len(want)).tobytes() == want
+    nbytes = [-(-m.size // 8) for m in masks]
+    assert list(fake.read(qk.args[3], len(masks) + 1, np.int32)) == [0, *np.cumsum(nbytes)]
 
 
 @pytest.mark.parametrize("cls", [Paged, Ragged])

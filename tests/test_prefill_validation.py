@@ -49,8 +49,14 @@ def test_valid_input_reaches_the_driver(layout, d):
     (lambda: (qkv()[0], T((32, 2, 64)), T((32, 2, 64))), {}, ValueError, "k head_dim 64"),
     (lambda: (qkv()[0], T((32, 2, 128), BF16), T((32, 2, 128), BF16)), {}, TypeError, "k has dtype bfloat16"),
     (lambda: qkv(dtype=_dtypes.FLOAT32), {}, TypeError, "q must be float16 or bfloat16"),
-    (lambda: (T((16, 8, 128), device=(1, 0)), *qkv()[1:]), {}, ValueError, "q must be a CUDA tensor"),
-    (lambda: (qkv()[0], T((32, 2, 128), device=(1, 0)), qkv()[2]), {}, ValueError, "k must be a CUDA tensor"),
+    (lambda: (T((16, 8, 128), device=(1, 0)), *qkv()[1:]), {}, ValueError,
+     "q is on the CPU; pyflashattn needs CUDA tensors"),
+    (lambda: (qkv()[0], T((32, 2, 128), device=(1, 0)), qkv()[2]), {}, ValueError,
+     "k is on the CPU; pyflashattn needs CUDA tensors"),
+    (lambda: (qkv()[0], qkv()[1], T((32, 2, 128), device=(10, 0))), {}, ValueError,
+     "v is on rocm:0; pyflashattn needs CUDA tensors"),
+    (lambda: qkv(), {"out": T((16, 8, 128), device=(1, 0))}, ValueError, "out is on the CPU"),
+    (lambda: qkv(), {"lse": T((16, 8), _dtypes.FLOAT32, device=(1, 0))}, ValueError, "lse is on the CPU"),
     (lambda: (qkv()[0], T((32, 2, 128), device=(2, 1)), qkv()[2]), {}, ValueError, "k is on cuda:1"),
     (lambda: (T((16, 8, 128), strides=(1024, 128, 2)), *qkv()[1:]), {}, ValueError, "contiguous in its last dim"),
     (lambda: (T((16, 8, 128), strides=(1028, 128, 1)), *qkv()[1:]), {}, ValueError, "16-byte aligned"),
@@ -209,3 +215,15 @@ def test_return_lse_partial_is_the_same_function():
     with pytest.raises(ReachedDriver):
         pyflashattn.single_prefill_with_kv_cache_return_lse(*qkv())
     assert pyflashattn.prefill.single_prefill_with_kv_cache_return_lse.keywords == {"return_lse": True}
+
+
+def test_numpy_arrays_are_refused_as_cpu_tensors():
+    import numpy as np
+
+    q = np.zeros((16, 8, 128), np.float16)
+    with pytest.raises(ValueError) as e:
+        call(q, *qkv()[1:])
+    assert str(e.value) == "q is on the CPU; pyflashattn needs CUDA tensors"
+    with pytest.raises(ValueError) as e:
+        call(qkv()[0], np.zeros((32, 2, 128), np.float16), qkv()[2])
+    assert str(e.value) == "k is on the CPU; pyflashattn needs CUDA tensors"

@@ -557,13 +557,6 @@ def test_non_integer_arrays_rejected():
         plan_prefill(np.zeros((2, 2), np.int32), [1], **KW)
 
 
-def test_timing_report(capsys):
-    """Not a gate: prints plan() microseconds at batch 64 / 1024 (python -m pyflashattn._engine.schedule
-    has more cases)."""
-    import timeit
-    rng = np.random.default_rng(0)
-    for B in (64, 1024):
-        qo, kv = indptr(rng.integers(1, 65, B)), rng.integers(256, 8192, B)
-        t = min(timeit.repeat(lambda: plan_prefill(qo, kv, causal=True, **KW), number=20, repeat=10)) / 20
-        with capsys.disabled():
-            print(f"\n  plan_prefill B={B}: {t * 1e6:.1f} us")
+# plan_prefill() timings are not a test (they assert nothing and vary with the machine): the
+# batch 64 / 1024 report that lived here is one of the cases `python -m pyflashattn._engine.schedule`
+# prints ("mixed qo 1..64, kv 256..8K causal").

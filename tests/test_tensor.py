@@ -296,7 +296,13 @@ def test_require_cuda_message():
     require_cuda(_tv(), "q")
     with pytest.raises(ValueError) as e:
         require_cuda(_tv(device_type=1), "q")
-    assert str(e.value) == "q must be a CUDA tensor, got device type cpu"
+    assert str(e.value) == "q is on the CPU; pyflashattn needs CUDA tensors"
+    with pytest.raises(ValueError) as e:
+        require_cuda(_tv(device_type=10), "k")
+    assert str(e.value) == "k is on rocm:0; pyflashattn needs CUDA tensors"
+    with pytest.raises(ValueError) as e:
+        require_cuda(_tv(device_type=3), "v")
+    assert str(e.value) == "v is in pinned host memory (cuda_host); pyflashattn needs CUDA tensors"
 
 
 def test_check_same_device():

@@ -25,7 +25,7 @@ def kv_layout(layout) -> str:
 def require_device(t, name: str, dev: int, ref: str = "q") -> None:
     """t is a CUDA tensor on cuda:dev (ref: what fixed that device, for the message)."""
     if not t.is_cuda:
-        raise ValueError(f"{name} must be a CUDA tensor, got a tensor on DLPack device type {t.device_type}")
+        raise ValueError(_tensor.not_cuda_message(name, t.device_type, t.device_id))
     if t.device_id != dev:
         raise ValueError(f"{name} is on cuda:{t.device_id} but {ref} is on cuda:{dev}")
 
@@ -53,9 +53,11 @@ def check_alignment(name: str, t, epc: int) -> None:
 
 def check_lse(lv, shape: tuple, dev: int) -> None:
     """lse: float32 CUDA on dev, of shape (rows, heads), contiguous."""
-    if lv.shape != shape or lv.dtype != _dtypes.FLOAT32 or not lv.is_cuda or lv.device_id != dev:
+    if not lv.is_cuda:
+        raise ValueError(_tensor.not_cuda_message("lse", lv.device_type, lv.device_id))
+    if lv.shape != shape or lv.dtype != _dtypes.FLOAT32 or lv.device_id != dev:
         raise ValueError(f"lse must be a float32 CUDA tensor of shape {shape} on cuda:{dev}, got "
-                         f"{lv.dtype.name} {lv.shape} on device {lv.device_type}:{lv.device_id}")
+                         f"{lv.dtype.name} {lv.shape} on {_tensor.device_name(lv.device_type, lv.device_id)}")
     if shape[0] * shape[1] > 1 and lv.strides != (shape[1], 1):
         raise ValueError(f"lse must be contiguous, got strides {lv.strides}")
 
@@ -127,9 +129,11 @@ def scale_arg(x, name) -> float:
 def contiguous_1d(buf, name: str, dtype=None, dev: int | None = None):
     """A 1-D contiguous CUDA buffer (workspace, mask and index buffers): its view."""
     v = _tensor.view(buf, name)
-    if not v.is_cuda or (dev is not None and v.device_id != dev):
-        where = f" on cuda:{dev} (the float workspace's device)" if dev is not None else ""
-        raise ValueError(f"{name} must be a CUDA tensor{where}")
+    if not v.is_cuda:
+        raise ValueError(_tensor.not_cuda_message(name, v.device_type, v.device_id))
+    if dev is not None and v.device_id != dev:
+        raise ValueError(f"{name} must be a CUDA tensor on cuda:{dev} (the float workspace's device), "
+                         f"got one on cuda:{v.device_id}")
     if dtype is not None and v.dtype != dtype:
         raise TypeError(f"{name} must be {dtype.name}, got {v.dtype.name}")
     if v.ndim != 1 or (v.shape[0] > 1 and v.strides[0] != 1):
@@ -146,9 +150,11 @@ def check_mask_operand(kind: str, v, dev: int, need_bytes: int, bool_shape: tupl
     """A custom mask: packed_custom_mask (uint8, 1-D contiguous, >= need_bytes) or custom_mask
     (bool or uint8, contiguous, of bool_shape), on cuda:dev."""
     name = "packed_custom_mask" if kind == "packed" else "custom_mask"
-    if not v.is_cuda or v.device_id != dev:
-        raise ValueError(f"{name} must be a CUDA tensor on q's device cuda:{dev}, got device type "
-                         f"{v.device_type}:{v.device_id}")
+    if not v.is_cuda:
+        raise ValueError(_tensor.not_cuda_message(name, v.device_type, v.device_id))
+    if v.device_id != dev:
+        raise ValueError(f"{name} must be a CUDA tensor on q's device cuda:{dev}, got "
+                         f"{_tensor.device_name(v.device_type, v.device_id)}")
     if kind == "packed":
         if v.dtype != _dtypes.UINT8:
             raise TypeError(f"packed_custom_mask must be uint8, got {v.dtype.name}")

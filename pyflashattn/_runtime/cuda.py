@@ -21,21 +21,134 @@ class CudaError(RuntimeError):
     """A CUDA driver call failed; the message names the call (and the kernel, for launches)."""
 
 
+class DriverError(CudaError):
+    """No usable CUDA driver or GPU: cuda-bindings missing, no NVIDIA driver, or cuInit failed.
+
+    ``reason`` is the short form (e.g. "no NVIDIA driver, libcuda.so.1 not found"); the message
+    adds which driver the installed cuda-bindings needs. The original exception (cuda-pathfinder's
+    DynamicLibNotFoundError, ...) is kept as ``__cause__``."""
+
+    def __init__(self, message: str, reason: str | None = None):
+        super().__init__(message)
+        self.reason = reason or message
+
+
+# The NVIDIA driver each cuda-bindings major version needs (a CUDA N driver runs CUDA N bindings).
+_MIN_DRIVER = {12: "r525 or newer", 13: "r580 or newer"}
+
+
+def bindings_version() -> str | None:
+    """The installed cuda-bindings' version (from its metadata: importing it is not needed)."""
+    from importlib import metadata
+
+    try:
+        return metadata.version("cuda-bindings")
+    except metadata.PackageNotFoundError:
+        try:
+            from cuda.bindings import __version__
+        except ImportError:
+            return None
+        return str(__version__)
+
+
+def driver_requirement() -> str:
+    """e.g. "cuda-bindings 13.5.0 needs an NVIDIA driver for CUDA 13 (r580 or newer)"."""
+    ver = bindings_version()
+    if ver is None:
+        return "pyflashattn needs cuda-bindings 13.x and an NVIDIA driver for CUDA 13 (r580 or newer)"
+    try:
+        major = int(ver.split(".")[0])
+    except ValueError:
+        return f"cuda-bindings {ver} needs an NVIDIA driver of its CUDA major version"
+    need = f" ({_MIN_DRIVER[major]})" if major in _MIN_DRIVER else ""
+    return f"cuda-bindings {ver} needs an NVIDIA driver for CUDA {major}{need}"
+
+
+def _driver_lib() -> str:
+    import sys
+
+    return "nvcuda.dll" if sys.platform == "win32" else "libcuda.so.1"
+
+
+def _first_line(e: BaseException) -> str:
+    text = str(e).strip()
+    return text.splitlines()[0] if text else type(e).__name__
+
+
+def _driver_version_text(cu) -> str | None:
+    """The CUDA version the installed driver supports, e.g. "12.4" (None if it cannot be asked)."""
+    try:
+        err, v = cu.cuDriverGetVersion()
+    except Exception:  # noqa: BLE001 - only for an error message
+        return None
+    if err != cu.CUresult.CUDA_SUCCESS or not v:
+        return None
+    return f"{v // 1000}.{v % 1000 // 10}"
+
+
+def _init_failure(cu, err) -> DriverError:
+    name = _err_name(cu, err)
+    if name == "CUDA_ERROR_NO_DEVICE":
+        reason = "the NVIDIA driver sees no GPU (cuInit: CUDA_ERROR_NO_DEVICE; check CUDA_VISIBLE_DEVICES)"
+    elif name in ("CUDA_ERROR_INSUFFICIENT_DRIVER", "CUDA_ERROR_SYSTEM_DRIVER_MISMATCH",
+                  "CUDA_ERROR_COMPAT_NOT_SUPPORTED_ON_DEVICE"):
+        have = _driver_version_text(cu)
+        reason = f"the NVIDIA driver{f' (CUDA {have})' if have else ''} is too old or mismatched (cuInit: {name})"
+    else:
+        reason = f"cuInit failed with {name}"
+    return DriverError(f"pyflashattn cannot run: {reason}; {driver_requirement()}", reason)
+
+
 def driver():
-    """The cuda.bindings.driver module, with cuInit done once."""
+    """The cuda.bindings.driver module, with cuInit done once.
+
+    Raises DriverError (a CudaError, so a RuntimeError) with one line in pyflashattn's words when
+    cuda-bindings is missing, no NVIDIA driver can be loaded, or cuInit fails; the underlying
+    exception stays inspectable as ``__cause__``."""
     global _driver
     if _driver is None:
         with _lock:
             if _driver is None:
                 try:
                     from cuda.bindings import driver as cu
-                except ImportError as e:  # pragma: no cover - dependency is declared
-                    raise RuntimeError("pyflashattn needs cuda-bindings (pip install cuda-bindings)") from e
-                (err,) = cu.cuInit(0)
+                except ImportError as e:
+                    raise DriverError("pyflashattn needs cuda-bindings: pip install 'cuda-bindings>=13,<14'",
+                                      "cuda-bindings is not installed") from e
+                try:
+                    (err,) = cu.cuInit(0)
+                except Exception as e:  # noqa: BLE001 - cuda-pathfinder raises its own RuntimeError kinds
+                    lib = _driver_lib()
+                    if type(e).__name__ == "DynamicLibNotFoundError":
+                        reason = f"no NVIDIA driver, {lib} not found"
+                    else:
+                        reason = f"the NVIDIA driver ({lib}) could not be loaded: {_first_line(e)}"
+                    raise DriverError(f"pyflashattn cannot run: {reason}; {driver_requirement()}", reason) from e
                 if err != cu.CUresult.CUDA_SUCCESS:
-                    raise RuntimeError(f"no usable CUDA driver/GPU: cuInit failed with {_err_name(cu, err)}")
+                    raise _init_failure(cu, err)
                 _driver = cu
     return _driver
+
+
+def driver_version() -> str:
+    """The CUDA version the loaded driver supports, e.g. "13.0" (DriverError if there is none)."""
+    cu = driver()
+    return _driver_version_text(cu) or "unknown"
+
+
+def devices() -> list[dict]:
+    """Every visible GPU: {"id", "name", "cc"} (DriverError if there is no usable driver)."""
+    cu = driver()
+    n = check(cu.cuDeviceGetCount(), "cuDeviceGetCount")
+    out = []
+    A = cu.CUdevice_attribute
+    for i in range(int(n)):
+        dev = check(cu.cuDeviceGet(i), f"cuDeviceGet({i})")
+        raw = check(cu.cuDeviceGetName(256, dev), f"cuDeviceGetName({i})")
+        name = raw.split(b"\0", 1)[0].decode(errors="replace") if isinstance(raw, bytes) else str(raw)
+        cc = (check(cu.cuDeviceGetAttribute(A.CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_MAJOR, dev), "cc major"),
+              check(cu.cuDeviceGetAttribute(A.CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_MINOR, dev), "cc minor"))
+        out.append({"id": i, "name": name.strip(), "cc": (int(cc[0]), int(cc[1]))})
+    return out
 
 
 def _err_name(cu, err):

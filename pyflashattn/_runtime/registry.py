@@ -93,6 +93,32 @@ def arch_candidates(cc: tuple[int, int]) -> list[str]:
     return []
 
 
+def build_arch(cc: tuple[int, int]) -> str | None:
+    """The arch to build for a GPU of compute capability cc (9.0 -> sm_90a, 8.9 -> sm_89, other
+    8.x -> sm_80), None where pyflashattn has no kernels."""
+    archs = arch_candidates(cc)
+    return archs[0] if archs else None
+
+
+def manifest_summary() -> dict:
+    """What ``python -m pyflashattn`` reports about the cubins, read fresh (never cached, never
+    raising): {"dir", "archs": {arch: kernel count}, "missing": files listed but absent,
+    "params_match", "nvcc", "built"}, or {"error": why there are none}."""
+    try:
+        d = cubin_dir()
+        m = json.loads((d / "manifest.json").read_text())
+    except (RuntimeError, OSError, ValueError) as e:
+        return {"error": str(e)}
+    archs: dict[str, int] = {}
+    files = set()
+    for row in m.get("kernels", ()):
+        archs[row.get("arch", "?")] = archs.get(row.get("arch", "?"), 0) + 1
+        files.add(row.get("file"))
+    missing = sum(1 for f in files if f and not (d / f).exists())
+    return {"dir": d, "archs": archs, "missing": missing, "params_match": m.get("params_sha256") == PARAMS_SHA256,
+            "nvcc": m.get("nvcc"), "built": m.get("built")}
+
+
 def find(family: str, device_id: int, **match) -> dict:
     """The manifest row of the shipped (non-tuning) kernel matching `match` for this device."""
     row = _find(family, device_id, dict(match))

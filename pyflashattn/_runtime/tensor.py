@@ -29,11 +29,11 @@ import operator
 import sys
 
 from . import dlpack as _dlpack
-from .dlpack import kDLCPU, kDLCUDA, kDLCUDAManaged, compact_strides
+from .dlpack import kDLCPU, kDLCUDA, kDLCUDAHost, kDLCUDAManaged, compact_strides
 from .dtypes import DType, normalize
 
 __all__ = ["TensorView", "view", "framework_of", "current_stream", "stream_handle", "empty",
-           "finalize", "check_same_device", "require_cuda"]
+           "finalize", "check_same_device", "require_cuda", "not_cuda_message"]
 
 _DEVICE_NAMES = {1: "cpu", 2: "cuda", 3: "cuda_host", 4: "opencl", 7: "vulkan", 8: "metal",
                  9: "vpi", 10: "rocm", 11: "rocm_host", 12: "ext_dev", 13: "cuda_managed",
@@ -43,6 +43,18 @@ _DEVICE_NAMES = {1: "cpu", 2: "cuda", 3: "cuda_host", 4: "opencl", 7: "vulkan", 
 def device_name(device_type: int, device_id: int | None = None) -> str:
     n = _DEVICE_NAMES.get(device_type, f"device_type {device_type}")
     return n if device_id is None else f"{n}:{device_id}"
+
+
+def not_cuda_message(name: str, device_type: int, device_id: int | None = None) -> str:
+    """The error for a tensor argument that is not in CUDA device memory, naming the argument:
+    "q is on the CPU; pyflashattn needs CUDA tensors" (or the device's DLPack name)."""
+    if device_type == kDLCPU:
+        where = "on the CPU"
+    elif device_type == kDLCUDAHost:  # page-locked host memory, not readable as device memory
+        where = "in pinned host memory (cuda_host)"
+    else:
+        where = f"on {device_name(device_type, device_id)}"
+    return f"{name} is {where}; pyflashattn needs CUDA tensors"
 
 
 class TensorView:
@@ -208,7 +220,7 @@ def view(x, name: str, *, stream: int | None = None) -> TensorView:
 
 def require_cuda(v: TensorView, name: str) -> None:
     if not v.is_cuda:
-        raise ValueError(f"{name} must be a CUDA tensor, got device type {device_name(v.device_type)}")
+        raise ValueError(not_cuda_message(name, v.device_type, v.device_id))
 
 
 def check_same_device(views: dict) -> None:

@@ -26,7 +26,7 @@ def usage() -> str:
     lines = ["usage: python -m pyflashattn.bench {" + ",".join(SUBCOMMANDS) + "} [options]", "",
              "subcommands (each takes -h, --quick and --json PATH):"]
     lines += [f"  {name:<17} {summary}" for name, (_, _, summary) in SUBCOMMANDS.items()]
-    lines += ["", "the demo: python -m pyflashattn.bench.demo"]
+    lines += ["", "the demo: python -m pyflashattn.bench.demo (--arch: print this GPU's build arch)"]
     return "\n".join(lines)
 
 

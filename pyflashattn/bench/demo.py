@@ -7,16 +7,73 @@ checks output and LSE against the float64 reference, and prints its speed next t
 """
 import sys
 
+PROG = "pyflashattn demo"
 
-def main() -> int:
+
+def _fail(msg: str, prefix: str = f"{PROG}: ") -> int:
+    print(prefix + msg, file=sys.stderr)
+    return 1
+
+
+def local_archs() -> tuple[list[str], str | None]:
+    """The build archs of the visible GPUs, in device order without repeats, and why there are
+    none (None when there are some). Needs only cuda-bindings and a driver: no torch, no cubins."""
+    from pyflashattn._runtime import cuda as _cuda, registry as _registry
+
+    try:
+        gpus = _cuda.devices()
+    except _cuda.DriverError as e:
+        return [], f"no CUDA GPU found ({e.reason})"
+    if not gpus:
+        return [], "no CUDA GPU found (the driver lists none; check CUDA_VISIBLE_DEVICES)"
+    archs = []
+    for g in gpus:
+        arch = _registry.build_arch(g["cc"])
+        if arch is not None and arch not in archs:
+            archs.append(arch)
+    if not archs:
+        found = ", ".join(f"{g['name']} ({g['cc'][0]}.{g['cc'][1]})" for g in gpus)
+        return [], f"no supported GPU: {found}; pyflashattn needs compute capability 8.x or 9.0"
+    return archs, None
+
+
+def print_arch() -> int:
+    """``--arch``: the local GPUs' build archs (e.g. "sm_90a") on stdout for `make ARCHS=...`."""
+    archs, why = local_archs()
+    if why is not None:
+        return _fail(why)
+    print(" ".join(archs))
+    return 0
+
+
+def main(argv=None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if argv in (["-h"], ["--help"]):
+        print("usage: python -m pyflashattn.bench.demo [--arch]\n\n" + __doc__.strip() +
+              "\n\n--arch: print the local GPU's build arch (sm_80 / sm_89 / sm_90a) and exit")
+        return 0
+    if argv == ["--arch"]:
+        return print_arch()
+    if argv:
+        return _fail(f"unknown arguments {' '.join(argv)} (usage: python -m pyflashattn.bench.demo [--arch])")
     try:
         import torch
     except ImportError:
-        print("the demo uses torch to make inputs and to time torch SDPA beside us; install torch")
-        return 1
+        return _fail(f"{PROG} needs PyTorch with CUDA (for its inputs and the SDPA timings): pip install torch",
+                     prefix="")
     if not torch.cuda.is_available():
-        print("no CUDA GPU visible: pyflashattn runs its kernels on NVIDIA GPUs (sm_80 / sm_89 / sm_90a)")
-        return 1
+        _, why = local_archs()
+        if why is None:
+            why = "no CUDA GPU visible to torch" + ("" if torch.version.cuda else
+                                                    f" (torch {torch.__version__} is a CPU-only build)")
+        return _fail(why)
+    try:
+        return _run(torch)
+    except RuntimeError as e:  # no cubins, no kernel for this GPU, a driver error: one line, no traceback
+        return _fail(str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__)
+
+
+def _run(torch) -> int:
     import numpy as np
 
     import pyflashattn

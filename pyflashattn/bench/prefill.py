@@ -47,7 +47,7 @@ import sys
 import time
 import zlib
 
-from pyflashattn.testing.bench_util import gpu_warmup, interleaved_median_ms, short_error
+from pyflashattn.testing.bench_util import gpu_warmup, interleaved_median_ms, short_error, torch_cuda_problem
 
 # Two correct bf16 kernels differ by ~1e-3..1e-2 relative (bf16 P before PV); a wrong mask,
 # a dropped tile or garbage lands far above.
@@ -298,11 +298,12 @@ def _table(rows, batch) -> str:
 
 
 def run_prefill(args) -> int:
+    problem = torch_cuda_problem()  # torch missing / CPU-only / no GPU: one line, no traceback
+    if problem is not None:
+        print(problem, file=sys.stderr)
+        return 2
     ctx = _Ctx()
     torch = ctx.torch
-    if not torch.cuda.is_available():
-        print("no CUDA device visible to torch", file=sys.stderr)
-        return 2
     dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}[args.dtype]
     seqs = args.seqs or (QUICK_SEQS if args.quick else FULL_SEQS)
     head_dims = args.head_dims or HEAD_DIMS
@@ -573,11 +574,12 @@ def run_prefill_features(args) -> int:
     differ from plain by > FEATURE_MIN_EFFECT (q ~ N(0, 3^2) so the cap bites). A failing row
     posts no time, so a broken feature cannot post a number.
     """
+    problem = torch_cuda_problem()  # torch missing / CPU-only / no GPU: one line, no traceback
+    if problem is not None:
+        print(problem, file=sys.stderr)
+        return 2
     ctx = _Ctx()
     torch = ctx.torch
-    if not torch.cuda.is_available():
-        print("no CUDA device visible to torch", file=sys.stderr)
-        return 2
     seqs = FEATURE_QUICK_SEQS if args.quick else FEATURE_SEQS
     props = torch.cuda.get_device_properties(torch.cuda.current_device())
     meta = {"device": props.name, "sm_count": props.multi_processor_count, "torch": torch.__version__,

@@ -147,20 +147,48 @@ def interleaved_median_ms(timers: dict, warmup: int, rep: int, errors: list, rou
     return {n: statistics.median(s) for n, s in samples.items()}
 
 
-def run_if_cuda(run, args) -> int:
-    """``run(args)`` when torch is installed and sees a CUDA device; else a one-line reason on
-    stderr and exit code 2 (the benchmarks' common entry)."""
-    import sys
-
+def torch_cuda_problem(prog: str = "pyflashattn bench") -> str | None:
+    """One line saying why the benchmarks cannot run here (torch missing, a CPU-only torch, no GPU
+    visible to torch), or None when they can."""
     try:
         import torch
     except ImportError:
-        print("torch is needed for the benchmark", file=sys.stderr)
-        return 2
+        return f"{prog} needs PyTorch with CUDA: pip install torch"
     if not torch.cuda.is_available():
-        print("no CUDA device visible to torch", file=sys.stderr)
+        if not getattr(torch.version, "cuda", None):
+            return (f"{prog} needs PyTorch with CUDA; torch {torch.__version__} is a CPU-only build: "
+                    "pip install torch (a CUDA build)")
+        from pyflashattn._runtime import cuda as _cuda
+
+        try:
+            found = _cuda.devices()
+            why = "the driver lists none; check CUDA_VISIBLE_DEVICES" if not found else "torch sees none"
+        except _cuda.DriverError as e:
+            why = e.reason
+        return f"{prog}: no CUDA GPU found ({why})"
+    return None
+
+
+def run_if_cuda(run, args, prog: str = "pyflashattn bench") -> int:
+    """``run(args)`` when torch is installed and sees a CUDA device; else one line on stderr
+    saying what is missing and exit code 2 (the benchmarks' common entry). A RuntimeError from
+    pyflashattn itself (no cubins, no driver) is also one line, exit code 1."""
+    import sys
+
+    problem = torch_cuda_problem(prog)
+    if problem is not None:
+        print(problem, file=sys.stderr)
         return 2
-    return run(args)
+    try:
+        return run(args)
+    except RuntimeError as e:
+        from pyflashattn._runtime import cuda as _cuda
+
+        if not isinstance(e, _cuda.CudaError) and "`make" not in str(e):
+            raise  # neither a driver error nor the registry's "build the cubins" errors: keep the traceback
+        text = str(e).strip()
+        print(f"{prog}: {text.splitlines()[0] if text else type(e).__name__}", file=sys.stderr)
+        return 1
 
 
 def bench_main(run, argv, *, prog: str, doc: str, quick_help: str, rep: int) -> int:

@@ -224,14 +224,9 @@ def test_lse_single_key_is_scaled_logit_times_log2e():
 
 
 def test_lse_base_ln():
-    # lse_base is in the signature but outside this issue's feature list: NotImplementedError
-    # is accepted for now, anything else must be the natural-log LSE.
+    # lse_base="ln": the natural-log LSE (implemented; a NotImplementedError here is a regression)
     q, k, v = _make_qkv(33, 300, 8, 8, 128, BF16, "NHD", _seed("ln"))
-    try:
-        o, lse = pyflashattn.single_prefill_with_kv_cache(q, k, v, causal=True, return_lse=True,
-                                                          lse_base="ln")
-    except NotImplementedError:
-        pytest.xfail("lse_base='ln' not implemented yet")
+    o, lse = pyflashattn.single_prefill_with_kv_cache(q, k, v, causal=True, return_lse=True, lse_base="ln")
     o_ref, lse_ref = _ref(q, k, v, causal=True, lse_base="ln")
     _check(o, lse, o_ref, lse_ref, BF16)
 
@@ -425,13 +420,10 @@ def test_explicit_defaults_accepted():
     torch.testing.assert_close(o0, o, atol=0, rtol=0)
 
 
-def _not_yet_or_correct(call, ref_kwargs, q, k, v, dt, tol=None):
-    # This issue ships these options as NotImplementedError; once a later issue implements
-    # one, the same test holds it to the reference instead, so it can never be ignored silently.
-    try:
-        o, lse = call()
-    except NotImplementedError:
-        pytest.xfail("not implemented yet (NotImplementedError raised as documented)")
+def _matches_reference(call, ref_kwargs, q, k, v, dt, tol=None):
+    # These options are implemented: each must compute the reference (any exception, including
+    # NotImplementedError, fails the test).
+    o, lse = call()
     o_ref, lse_ref = _ref(q, k, v, **ref_kwargs)
     if tol is None:
         _check(o, lse, o_ref, lse_ref, dt)
@@ -440,8 +432,8 @@ def _not_yet_or_correct(call, ref_kwargs, q, k, v, dt, tol=None):
 
 
 @pytest.mark.parametrize("option", ["custom_mask", "packed_custom_mask", "window_left",
-                                    "logits_soft_cap", "alibi", "rope_llama", "fp16_qk_reduction"])
-def test_later_options_raise_not_implemented_or_match(option):
+                                    "logits_soft_cap", "alibi", "rope_llama"])
+def test_options_match_reference(option):
     dt = F16
     qo_len, kv_len = 40, 96
     q, k, v = _make_qkv(qo_len, kv_len, 8, 2, 128, dt, "NHD", _seed("later", option))
@@ -449,31 +441,39 @@ def test_later_options_raise_not_implemented_or_match(option):
     g = torch.Generator(device=DEV).manual_seed(_seed("mask", option))
     mask = torch.rand(qo_len, kv_len, device=DEV, generator=g) < 0.7
     if option == "custom_mask":
-        _not_yet_or_correct(lambda: f(q, k, v, custom_mask=mask),
-                            dict(custom_mask=mask.cpu().numpy()), q, k, v, dt)
+        _matches_reference(lambda: f(q, k, v, custom_mask=mask),
+                           dict(custom_mask=mask.cpu().numpy()), q, k, v, dt)
     elif option == "packed_custom_mask":
         bits = np.packbits(mask.cpu().numpy().reshape(-1), bitorder="little")
         packed = torch.from_numpy(bits).to(DEV)
-        _not_yet_or_correct(lambda: f(q, k, v, packed_custom_mask=packed),
-                            dict(custom_mask=mask.cpu().numpy()), q, k, v, dt)
+        _matches_reference(lambda: f(q, k, v, packed_custom_mask=packed),
+                           dict(custom_mask=mask.cpu().numpy()), q, k, v, dt)
     elif option == "window_left":
-        _not_yet_or_correct(lambda: f(q, k, v, causal=True, window_left=17),
-                            dict(causal=True, window_left=17), q, k, v, dt)
+        _matches_reference(lambda: f(q, k, v, causal=True, window_left=17),
+                           dict(causal=True, window_left=17), q, k, v, dt)
     elif option == "logits_soft_cap":
-        _not_yet_or_correct(lambda: f(q, k, v, logits_soft_cap=2.0, sm_scale=0.5),
-                            dict(logits_soft_cap=2.0, sm_scale=0.5), q, k, v, dt)
+        _matches_reference(lambda: f(q, k, v, logits_soft_cap=2.0, sm_scale=0.5),
+                           dict(logits_soft_cap=2.0, sm_scale=0.5), q, k, v, dt)
     elif option == "alibi":
-        _not_yet_or_correct(lambda: f(q, k, v, causal=True, pos_encoding_mode="ALIBI"),
-                            dict(causal=True, pos_encoding_mode="ALIBI"), q, k, v, dt)
+        _matches_reference(lambda: f(q, k, v, causal=True, pos_encoding_mode="ALIBI"),
+                           dict(causal=True, pos_encoding_mode="ALIBI"), q, k, v, dt)
     elif option == "rope_llama":
         # the kernel rotates in fp32 and rounds q/k back to 16 bits before the MMA
-        _not_yet_or_correct(
+        _matches_reference(
             lambda: f(q, k, v, causal=True, pos_encoding_mode="ROPE_LLAMA", rope_theta=500.0),
             dict(causal=True, pos_encoding_mode="ROPE_LLAMA", rope_theta=500.0), q, k, v, dt,
             tol=dict(atol=1e-2, rtol=1e-2))
-    elif option == "fp16_qk_reduction":
-        _not_yet_or_correct(lambda: f(q, k, v, allow_fp16_qk_reduction=True), {}, q, k, v, dt,
-                            tol=dict(atol=1e-2, rtol=1e-2))
+
+
+def test_fp16_qk_reduction_is_not_implemented_by_design():
+    # Rejected on purpose (options.resolve: QK^T is always reduced in fp32), before any launch;
+    # the library keeps working after it.
+    q, k, v = _make_qkv(40, 96, 8, 2, 128, F16, "NHD", _seed("later", "fp16_qk_reduction"))
+    with pytest.raises(NotImplementedError, match="allow_fp16_qk_reduction"):
+        pyflashattn.single_prefill_with_kv_cache(q, k, v, allow_fp16_qk_reduction=True)
+    o = pyflashattn.single_prefill_with_kv_cache(q, k, v, allow_fp16_qk_reduction=False)
+    o_ref, _ = _ref(q, k, v)
+    _check(o, None, o_ref, None, F16)
 
 
 # ---------------------------------------------------------------------------------------
