@@ -1,24 +1,38 @@
 # pyflashattn: kernel_src/ -> per-arch SASS cubins under cubins/, plus cubins/manifest.json.
 #
-#   make                      build each variant for its archs among ARCHS (parallel with -j, incremental)
+#   make                      build each variant for its archs among ARCHS (parallel, incremental)
 #   make ARCHS=sm_90a         one arch;  make TUNE=1 adds the tile alternatives the tuner compares
 #   make test                 CPU tests (what CI runs);  make gpu-check  build for this GPU + GPU tests + bench
-#   make wheel                a wheel with the cubins inside the package
+#   make demo                 build for this GPU, run attention, check it, time it next to torch SDPA
+#   make wheel                a wheel with the cubins inside the package (pip install . builds them too)
 #   make sass / make ptxas-report   disassembly and register/spill report of the built cubins
 #
-# nvcc: $(NVCC) if given, else nvcc on PATH, else a pinned pip toolchain installed into
-# .toolchain/ (cuda-toolkit[nvcc,cccl]==13.0.2, the CUDA 13.0 that matches the test GPUs' driver).
+# Parallel by default: -j<cores> unless a -j is given (make -j1 for a serial build; JOBS=n).
+# nvcc: $(NVCC) if given, else nvcc on PATH, else the pinned pip toolchain (CUDA 13.0, the one
+# that matches the test GPUs' driver; pins in build_tools/toolchain-requirements.txt) that make
+# installs into .toolchain/ on first use (~330 MB download, once; offline afterwards).
+# make test: $(PYTHON) if given; else python3 when it has the test deps, else a project venv
+# .venv/ (created on first use: pip install -e .[test]).
 
 SHELL     := /bin/bash
 PYTHON    ?= python3
 ARCHS     ?= sm_80 sm_89 sm_90a
 TUNE      ?= 0
 TOOLCHAIN := .toolchain
+TOOLCHAIN_REQS := build_tools/toolchain-requirements.txt
 PIP_NVCC  := $(TOOLCHAIN)/bin/nvcc
 NVCC      ?= $(or $(shell command -v nvcc 2>/dev/null),$(PIP_NVCC))
 OUT       ?= bench_out
-# demo / gpu-check build on the GPU machine with its 16 cores
-GPU_JOBS  ?= 16
+VENV      := .venv
+
+# Parallel without being told: -j<cores> at the top level when no -j was given (a command-line
+# -jN wins; sub-makes share the top level's job slots).
+JOBS      ?= $(shell nproc 2>/dev/null || getconf _NPROCESSORS_ONLN 2>/dev/null || echo 1)
+ifeq ($(MAKELEVEL),0)
+ifeq ($(filter -j%,$(MAKEFLAGS)),)
+MAKEFLAGS += -j$(JOBS)
+endif
+endif
 
 GEN_FLAGS := $(if $(filter 1,$(TUNE)),--tune,)
 # Generate first (cheap; rewrites only files whose text changed): the sources and
@@ -44,16 +58,27 @@ NVCC_FLAGS := -std=c++17 -O3 -cubin -Ikernel_src/include -Xptxas=--warn-on-spill
 # sm_90a needs the -gencode form: the -arch shorthand also runs a plain sm_90 pass.
 gencode = -gencode=arch=compute_$(subst sm_,,$(1)),code=$(1)
 
-.PHONY: all cubins manifest test demo gpu-check bench wheel sass ptxas-report clean toolchain
+.PHONY: all cubins manifest test venv demo gpu-check bench wheel sass ptxas-report clean toolchain
 all: manifest
 
 cubins: $(CUBINS)
 
-$(PIP_NVCC):
-	$(PYTHON) -m venv $(TOOLCHAIN)/venv
-	$(TOOLCHAIN)/venv/bin/pip install -q "cuda-toolkit[nvcc,cccl]==13.0.2"
-	mkdir -p $(TOOLCHAIN)/bin
-	ln -sf $$(realpath $$(ls -d $(TOOLCHAIN)/venv/lib/python3*/site-packages/nvidia/cu13/bin))/nvcc $(PIP_NVCC)
+# The pinned toolchain: every nvidia-* component pinned (build_tools/toolchain-requirements.txt).
+# .toolchain/bin/nvcc is a wrapper that execs nvcc by its real path: nvcc finds its headers,
+# cicc and ptxas relative to its own location (a symlink would make it look in .toolchain/).
+# Written last, atomically: an interrupted fetch is redone by the next make.
+$(PIP_NVCC): $(TOOLCHAIN_REQS)
+	@echo "fetching the pinned CUDA toolchain into $(TOOLCHAIN)/ (no nvcc on PATH; ~330 MB, once)"
+	rm -f $@
+	env -u PYTHONPATH -u PYTHONNOUSERSITE $(PYTHON) -m venv $(TOOLCHAIN)/venv
+	env -u PYTHONPATH -u PYTHONNOUSERSITE $(TOOLCHAIN)/venv/bin/python -m pip install -q \
+	    --disable-pip-version-check -r $(TOOLCHAIN_REQS)
+	@real=$$(ls $(TOOLCHAIN)/venv/lib/python3*/site-packages/nvidia/cu13/bin/nvcc | head -1) && \
+	  [ -x "$$real" ] || { echo "$(TOOLCHAIN): no nvcc in the installed wheels" >&2; exit 1; }; \
+	  mkdir -p $(@D) && \
+	  printf '#!/bin/sh\n# the pinned nvcc (%s), run by its real path\nexec "$$(dirname "$$0")/../%s" "$$@"\n' \
+	    "$(TOOLCHAIN_REQS)" "$${real#$(TOOLCHAIN)/}" > $@.tmp && chmod +x $@.tmp && \
+	  $@.tmp --version | tail -1 && mv $@.tmp $@
 toolchain: $(PIP_NVCC)
 
 # Only the pip toolchain is a file make can build; a PATH/$(NVCC) compiler is used as is.
@@ -73,20 +98,47 @@ $(MANIFEST): $(CUBINS) build_tools/variants.py build_tools/make_manifest.py \
              $(wildcard kernel_src/include/pfa/attention/params.h) $(BUILD_CONFIG)
 	$(PYTHON) build_tools/make_manifest.py --nvcc "$(NVCC)" $(GEN_FLAGS) $(ARCHS)
 
-test: all
-	$(PYTHON) -m pytest -q tests
+# The tests' python: $(PYTHON) when given (command line or environment) or when it has the test
+# deps, else the project venv (created, as a prerequisite, while the kernels build).
+TEST_IMPORTS := import numpy, cuda.bindings, pytest, hypothesis
+ifneq ($(filter test,$(MAKECMDGOALS)),)
+ifeq ($(origin PYTHON),file)
+ifeq ($(shell $(PYTHON) -c '$(TEST_IMPORTS)' >/dev/null 2>&1 && echo ok),)
+TEST_PYTHON := $(VENV)/bin/python
+TEST_VENV   := $(VENV)/.installed
+endif
+endif
+endif
+TEST_PYTHON ?= $(PYTHON)
+
+test: $(TEST_VENV) all
+	$(TEST_PYTHON) -m pytest -q tests
+
+venv: $(VENV)/.installed
+$(VENV)/.installed: pyproject.toml
+	@echo "$(PYTHON) lacks the test dependencies: installing them into $(VENV)/ (pip install -e .[test])"
+	$(PYTHON) -m venv $(VENV)
+	$(VENV)/bin/python -m pip install -q --disable-pip-version-check -e ".[test]"
+	touch $@
+
+# This GPU's build arch into $$arch (python -m pyflashattn.bench.demo --arch); without a CUDA GPU,
+# the one line that says why, and the recipe fails.
+LOCAL_ARCH_SH = e=$$(mktemp); arch=$$($(PYTHON) -m pyflashattn.bench.demo --arch 2>$$e); rc=$$?; \
+  if [ $$rc -ne 0 ] || [ -z "$$arch" ]; then msg=$$(tail -n1 $$e); rm -f $$e; \
+    case "$$msg" in "pyflashattn"*) ;; *) msg="pyflashattn: cannot find this machine's GPU arch \
+      ($(PYTHON) -m pyflashattn.bench.demo --arch failed$${msg:+: $$msg})";; esac; echo "$$msg" >&2; exit 1; fi; \
+  cat $$e >&2; rm -f $$e
+LOCAL_ARCH = $(shell $(PYTHON) -m pyflashattn.bench.demo --arch 2>/dev/null)
 
 # The main job: build for this GPU if needed, run attention, check it, time it next to SDPA.
 demo:
-	$(MAKE) ARCHS=$(LOCAL_ARCH) -j$(GPU_JOBS)
+	@$(LOCAL_ARCH_SH); echo "$(MAKE) ARCHS='$$arch'"; $(MAKE) ARCHS="$$arch"
 	$(PYTHON) -m pyflashattn.bench.demo
 
 # One command for the GPU machine: build for the local arch, GPU tests, a short benchmark.
-LOCAL_ARCH = $(shell nvidia-smi --query-gpu=compute_cap --format=csv,noheader | head -1 | \
-               awk -F. '{ a=$$1$$2; if (a=="90") print "sm_90a"; else if (a=="89") print "sm_89"; else print "sm_80" }')
 gpu-check:
 	@mkdir -p $(OUT)
-	$(MAKE) ARCHS=$(LOCAL_ARCH) TUNE=$(TUNE) -j$(GPU_JOBS) 2>&1 | tee $(OUT)/build.log
+	@$(LOCAL_ARCH_SH); echo "$(MAKE) ARCHS='$$arch' TUNE=$(TUNE)"; $(MAKE) ARCHS="$$arch" TUNE=$(TUNE) 2>&1 | tee $(OUT)/build.log
 	set -o pipefail; PYTHONUNBUFFERED=1 $(PYTHON) -m pytest -q -rs tests 2>&1 | tee $(OUT)/tests.log
 	set -o pipefail; PYTHONUNBUFFERED=1 $(PYTHON) -m pyflashattn.bench prefill --quick --json $(OUT)/bench.json 2>&1 | tee $(OUT)/bench.log
 	set -o pipefail; PYTHONUNBUFFERED=1 $(PYTHON) -m pyflashattn.bench batch --quick --json $(OUT)/bench_batch.json 2>&1 | tee $(OUT)/bench_batch.log
@@ -95,8 +147,11 @@ gpu-check:
 bench:
 	$(PYTHON) -m pyflashattn.bench prefill --json $(OUT)/bench.json
 
+# setup.py runs make itself (a no-op here): told the same archs, tune flag and nvcc. Without
+# build isolation when $(PYTHON) has setuptools and wheel (offline), else pip fetches them.
 wheel: manifest
-	$(PYTHON) -m pip wheel --no-deps --no-build-isolation -w dist .
+	PFA_ARCHS="$(ARCHS)" PFA_TUNE=$(TUNE) NVCC="$(NVCC)" $(PYTHON) -m pip wheel --no-deps -w dist \
+	  $(if $(shell $(PYTHON) -c 'import setuptools, wheel' 2>/dev/null && echo y),--no-build-isolation) .
 
 sass:
 	@for f in $(CUBINS); do echo "== $$f"; cuobjdump --dump-sass $$f; done
