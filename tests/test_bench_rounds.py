@@ -127,9 +127,12 @@ def test_bench_subcommands_parse_the_old_flags(monkeypatch):
     from pyflashattn.testing import bench_util
     got = {}
     monkeypatch.setattr(bench_util, "run_if_cuda", lambda run, args: got.setdefault(run.__module__, args) and 0)
-    monkeypatch.setattr(prefill, "run_prefill", lambda args: got.setdefault("prefill", args) and 0)
+    # prefill's main hands its run functions to run_if_cuda too
+    monkeypatch.setattr(prefill, "run_if_cuda",
+                        lambda run, args: got.setdefault("prefill_run", run) and got.setdefault("prefill", args) and 0)
     for mod in (batch, decode):
         mod.main(["--quick", "--json", "x.json"])
     prefill.main(["prefill", "--quick", "--json", "x.json"])
     for key in ("pyflashattn.bench.batch", "pyflashattn.bench.decode", "prefill"):
         assert got[key].quick and got[key].json == "x.json", key
+    assert got["prefill_run"] is prefill.run_prefill

@@ -57,21 +57,24 @@ class BatchEngine:
         self.graph = GraphState(max_batch, max_pages)
 
     # ---- workspace ---------------------------------------------------------------------
-    def set_workspace(self, buf):
+    @staticmethod
+    def _workspace_view(buf):
+        """(view, bytes) of a float workspace: a contiguous 1-D CUDA buffer, 16-byte aligned."""
         v = operands.contiguous_1d(buf, "float_workspace_buffer")
         if v.ptr % 16:
             raise ValueError("float_workspace_buffer must be 16-byte aligned")
+        return v, v.shape[0] * max(v.dtype.bits // 8, 1)
+
+    def set_workspace(self, buf):
+        v, nbytes = self._workspace_view(buf)
         self.ws_buf = buf  # keep the caller's tensor alive with the wrapper
-        self.ws_ptr, self.ws_bytes, self.dev = v.ptr, v.shape[0] * max(v.dtype.bits // 8, 1), v.device_id
+        self.ws_ptr, self.ws_bytes, self.dev = v.ptr, nbytes, v.device_id
 
     def reset_workspace(self, buf):
         """Swap the float workspace; a buffer that is refused leaves the old one."""
-        v = operands.contiguous_1d(buf, "float_workspace_buffer")
-        if v.ptr % 16:
-            raise ValueError("float_workspace_buffer must be 16-byte aligned")
+        v, nbytes = self._workspace_view(buf)
         if v.device_id != self.dev:
             raise ValueError("float_workspace_buffer must stay on the wrapper's device")
-        nbytes = v.shape[0] * max(v.dtype.bits // 8, 1)
         if self.planned and self.ws_need > nbytes:
             raise ValueError(f"float_workspace_buffer holds {nbytes} bytes; the current plan needs {self.ws_need}")
         if self.graph is not None and self.graph.captured is not None and v.ptr != self.ws_ptr:

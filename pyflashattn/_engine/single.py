@@ -183,8 +183,7 @@ class SinglePlan:
 
     def _check_operands(self, qv, kv, vv, ov, lv, kv_layout) -> tuple:
         """The operand validator's checks; returns (qo_len, kv_len, Hq, Hkv, head_dim)."""
-        if not qv.is_cuda:
-            raise ValueError(_tensor.not_cuda_message("q", qv.device_type, qv.device_id))
+        operands.require_device(qv, "q", qv.device_id)  # q fixes the device the others must share
         dev = self.dev = qv.device_id
         dtype = self.dtype = qv.dtype
         if dtype not in (_dtypes.FLOAT16, _dtypes.BFLOAT16):

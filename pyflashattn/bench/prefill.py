@@ -47,7 +47,7 @@ import sys
 import time
 import zlib
 
-from pyflashattn.testing.bench_util import gpu_warmup, interleaved_median_ms, short_error, torch_cuda_problem
+from pyflashattn.testing.bench_util import gpu_warmup, interleaved_median_ms, run_if_cuda, short_error
 
 # Two correct bf16 kernels differ by ~1e-3..1e-2 relative (bf16 P before PV); a wrong mask,
 # a dropped tile or garbage lands far above.
@@ -298,10 +298,6 @@ def _table(rows, batch) -> str:
 
 
 def run_prefill(args) -> int:
-    problem = torch_cuda_problem()  # torch missing / CPU-only / no GPU: one line, no traceback
-    if problem is not None:
-        print(problem, file=sys.stderr)
-        return 2
     ctx = _Ctx()
     torch = ctx.torch
     dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}[args.dtype]
@@ -574,10 +570,6 @@ def run_prefill_features(args) -> int:
     differ from plain by > FEATURE_MIN_EFFECT (q ~ N(0, 3^2) so the cap bites). A failing row
     posts no time, so a broken feature cannot post a number.
     """
-    problem = torch_cuda_problem()  # torch missing / CPU-only / no GPU: one line, no traceback
-    if problem is not None:
-        print(problem, file=sys.stderr)
-        return 2
     ctx = _Ctx()
     torch = ctx.torch
     seqs = FEATURE_QUICK_SEQS if args.quick else FEATURE_SEQS
@@ -638,10 +630,11 @@ def main(argv=None) -> int:
     pf.add_argument("--warmup", type=int, default=3)
     pf.add_argument("--rep", type=int, default=20)
     args = p.parse_args(argv)
+    # torch missing / CPU-only / no GPU, no cubins or driver: one line, no traceback (run_if_cuda)
     if args.op == "prefill":
-        return run_prefill(args)
+        return run_if_cuda(run_prefill, args)
     if args.op == "prefill-features":
-        return run_prefill_features(args)
+        return run_if_cuda(run_prefill_features, args)
     return 2
 
 
