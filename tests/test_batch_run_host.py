@@ -257,3 +257,16 @@ def test_refused_plan_keeps_the_previous_paged_state(fake):
     assert (w._engine.src.page_size, w._engine.src.max_page) == (PS, 4)
     w.run(q_t(), cache_t(), out=out_t())  # the old plan still runs against its own cache shape
     assert last_attn(fake)[3].page_size == PS
+
+
+def test_plan_over_the_grid_limit_is_refused_before_anything_changes(fake):
+    """Work items run along gridDim.z (at most 65535): a plan with more is a ValueError naming the
+    limit at plan(), not a launch error, and the previous plan stays usable."""
+    w = ragged(fake)
+    plan_ragged(w, causal=True)
+    before = w._engine.schedule
+    B = 600  # 600 requests x 128 q tiles of 128 rows = 76800 work items
+    qo = np.arange(0, (B + 1) * 16384, 16384, dtype=np.int32)
+    with pytest.raises(ValueError, match="65535"):
+        w.plan(qo, qo, HQ, HKV, D, causal=True, disable_split_kv=True)
+    assert w._engine.schedule is before

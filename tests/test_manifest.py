@@ -210,3 +210,17 @@ def test_routing_reads_the_decode_tiles_from_the_manifest(monkeypatch):
     monkeypatch.setattr(_registry, "manifest", lambda: {"kernels": [r for r in rows if r.get("block_m") != 64]})
     monkeypatch.setattr(routing, "_decode_rows_cache", {})
     assert routing.built_decode_tiles(0, "bf16", "bf16", 128, True) == (16, 32)
+
+
+def test_routing_without_decode_tiles_takes_the_row_tile_kernel(monkeypatch):
+    """A manifest with no decode tile for this K/V (an arch where none was built): the plan routes
+    to the row-tile kernel instead of asking for a kernel that is not there."""
+    from pyflashattn._engine import routing
+    rows = [dict(v.manifest(), name=v.name, arch="sm_90a") for v in variants.variants()
+            if not getattr(v, "decode", False)]
+    monkeypatch.setattr(_registry, "manifest", lambda: {"kernels": rows})
+    monkeypatch.setattr(routing._cuda, "properties", lambda dev: {"cc": (9, 0)})
+    monkeypatch.setattr(routing, "_decode_rows_cache", {})
+    tiles = routing.built_decode_tiles(0, "bf16", "bf16", 128, True)
+    assert tiles == () and routing.decode_tile_rows(128, 4, tiles) == 0
+    assert routing.decode_tile_rows(128, 4, (16, 32)) == 16 and routing.decode_tile_rows(128, 20, (16,)) == 16

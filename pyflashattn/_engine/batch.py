@@ -128,6 +128,10 @@ class BatchEngine:
                                          cfg.num_kv_heads, meta["block_m"], meta["block_n"], budget, bool(causal),
                                          cfg.window_left, cfg.fixed_split_size, disable_split_kv, cap, ctas,
                                          None if tile else cfg.head_dim)
+        if plan.grid > params.MAX_GRID_YZ:  # work items run along gridDim.z
+            raise ValueError(f"this plan needs {plan.grid} work items (q tiles x KV chunks), more than the "
+                             f"{params.MAX_GRID_YZ} one launch takes; split the batch (or use a larger "
+                             "fixed_split_size / disable_split_kv)")
         # Graph mode keeps the partial-LSE offset fixed across plans (max_partial_rows bound).
         ws_rows = plan.max_partial_rows if cap else plan.num_partial_rows
         lse_off, need = plan.workspace_layout(cfg.num_qo_heads, cfg.head_dim, ws_rows) if ws_rows else (0, 0)

@@ -10,7 +10,6 @@ from __future__ import annotations
 from .._runtime import cuda as _cuda, registry as _registry
 
 HEAD_DIMS = (64, 128, 256)
-DECODE_TILE_ROWS = 16  # the smallest decode tile: one warp's m16 row tile
 SMEM_RESERVED_PER_CTA = 1024  # the driver's shared memory per resident CTA
 # head_dim -> the most packed rows (qo_len * num_qo_heads / num_kv_heads) a request may have to run
 # as several row tiles of a decode tile instead of on the 128-row kernel. Requests that fit one
@@ -34,8 +33,8 @@ _decode_rows_cache: dict = {}
 
 def built_decode_tiles(dev: int, dtype: str, kv_dtype: str, head_dim: int, paged: bool) -> tuple:
     """The decode tiles (by packed rows, smallest first) the manifest has for this K/V on this
-    device's arch: 16 rows always, and the wide ones (32, 64) where they were built (paged or
-    fp8 K/V: contiguous 16-bit K/V run 17-32 rows as two 16-row tiles instead)."""
+    device's arch: 16 rows, and the wide ones (32, 64) where they were built (paged or fp8 K/V:
+    contiguous 16-bit K/V run 17-32 rows as two 16-row tiles instead); () where none was built."""
     key = (dev, dtype, kv_dtype, head_dim, paged)
     hit = _decode_rows_cache.get(key)
     if hit is None:
@@ -48,18 +47,18 @@ def built_decode_tiles(dev: int, dtype: str, kv_dtype: str, head_dim: int, paged
                     and r["paged"] == paged}
             if rows:
                 break
-        hit = _decode_rows_cache[key] = tuple(sorted(rows)) or (DECODE_TILE_ROWS,)
+        hit = _decode_rows_cache[key] = tuple(sorted(rows))  # () = none built: the row-tile kernels
     return hit
 
 
 _registry._on_force.append(_decode_rows_cache.clear)
 
 
-def decode_tile_rows(head_dim: int, rows: int, tiles: tuple = (DECODE_TILE_ROWS,)) -> int:
+def decode_tile_rows(head_dim: int, rows: int, tiles: tuple) -> int:
     """The decode tile (by its packed rows, one of `tiles`) for requests of at most `rows` packed
     rows: the smallest that holds them, else (up to DECODE_MAX_ROWS) several row tiles of the
-    largest; 0 = the 128-row kernel."""
-    if rows > max(DECODE_MAX_ROWS[head_dim], tiles[-1]):
+    largest; 0 = the 128-row kernel (also when no decode tile was built)."""
+    if not tiles or rows > max(DECODE_MAX_ROWS[head_dim], tiles[-1]):
         return 0
     for t in tiles:
         if rows <= t:
