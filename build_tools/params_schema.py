@@ -34,6 +34,14 @@ PREFILL = (
         ("mask_indptr", "ptr", "int32 [B+1] byte offset of each request's packed custom mask"),
         ("kv_chunk_size_dev", "ptr", "int32 scalar on the device; when set (batch plans) it overrides "
          "kv_chunk_size, so a replayed CUDA graph sees each new plan's chunking"),
+        ("sinks", "ptr", "float32 [Hq] attention sinks (natural-log units of the scaled logit): a virtual key with "
+         "no value in each row's normaliser, added where the row is finished (epilogue, or the merge when "
+         "split); 0 = none"),
+        ("scale_dev", "ptr", "float32 scalar on the device multiplying sm_scale_log2 (a tensor bmm1_scale, read "
+         "at launch so a captured graph sees new values); 0 = none"),
+        ("v_scale_dev", "ptr", "float32 scalar on the device multiplying v_scale (a tensor bmm2_scale); 0 = none"),
+        ("kv_seq_lens", "ptr", "paged KV by block table: int32 / uint32 [B] key count of each request (its "
+         "pages: kv_page_indices[kv_indptr[b] + t / page_size]); 0 = lengths from kv_last_page_len"),
         ("q_stride_n", "i64", ""),
         ("q_stride_h", "i64", ""),
         ("k_stride_n", "i64", ""),
@@ -67,6 +75,13 @@ PREFILL = (
         ("v_scale", "f32", "output multiplier (fp8 V dequantisation scale); 1 otherwise"),
         ("kv_fp8", "i32", "fp8 K/V storage of the kv_dtype=fp8 kernels: 1 = e4m3fn, 2 = e5m2 (0 = K/V in q's dtype); "
          "strides stay in elements"),
+        ("kv_max_pages", "i32", "with kv_seq_lens: the pages each request's block-table row holds (kv_len is "
+         "clamped to kv_max_pages * page_size, so no row is read past its table)"),
+        ("num_pages", "i32", "paged KV: pages in the cache; a page id outside [0, num_pages) is clamped into it, "
+         "so bad metadata never reads outside the cache (0 = ids trusted, plan() checked them)"),
+        ("spec_mask_words", "i32", "> 0: custom_mask is a speculative-decoding mask (XQA's): per query row "
+         "spec_mask_words little-endian 32-bit words, bit j = draft key j of the request's last qo_len keys; "
+         "the keys before the drafts are always visible. 0 = custom_mask is packed bits q * kv_len + kv"),
     ],
 )
 
@@ -78,6 +93,7 @@ MERGE = (
         ("lse_partial", "ptr", "float32 [num_kv_chunks, rows, Hq]"),
         ("o", "ptr", "output in the kernel's dtype"),
         ("lse", "ptr", "float32 [rows, Hq] contiguous, 0 = not requested"),
+        ("sinks", "ptr", "float32 [Hq] attention sinks added to each merged row's normaliser (PrefillParams.sinks)"),
         ("merge_indptr", "ptr", "int32 [rows+1]: row r merges partial rows [m[r], m[r+1]) of a batch plan "
          "(empty = written directly, skip); 0 = single request layout [num_kv_chunks, rows]"),
         ("o_stride_n", "i64", ""),
@@ -104,7 +120,85 @@ PACKBITS = (
     ],
 )
 
-FAMILIES = {"prefill": PREFILL, "merge": MERGE, "packbits": PACKBITS}
+PAGE = (
+    "PageParams",
+    "paged KV cache helpers (flashinfer.page), by mode: 0 = append K/V rows into their pages, "
+    "1 = batch indices and positions from append_indptr and seq_lens, 2 = seq_lens of a paged batch",
+    [
+        ("append_k", "ptr", "mode 0: [nnz, num_heads, head_dim] rows at append_k_stride_n, heads at _h"),
+        ("append_v", "ptr", "mode 0: [nnz, num_heads, head_dim] rows at append_v_stride_n, heads at _h"),
+        ("k_cache", "ptr", "mode 0: K pages at k_stride_page, slots at k_stride_n, heads at k_stride_h"),
+        ("v_cache", "ptr", "mode 0: V pages at v_stride_page, slots at v_stride_n, heads at v_stride_h"),
+        ("batch_indices", "ptr", "int32 [nnz]: mode 0 reads it, mode 1 writes it (-1 = token of no request)"),
+        ("positions", "ptr", "int32 [nnz]: mode 0 reads it, mode 1 writes it (-1 = token of no request)"),
+        ("kv_indices", "ptr", "int32 [num_indices] page ids (mode 0)"),
+        ("kv_indptr", "ptr", "int32 [batch_size + 1] pages of each request (modes 0, 2)"),
+        ("kv_last_page_len", "ptr", "int32 [batch_size] (mode 2)"),
+        ("append_indptr", "ptr", "int32 [batch_size + 1] appended tokens of each request (mode 1)"),
+        ("seq_lens", "ptr", "int32 [batch_size]: mode 1 reads it, mode 2 writes it"),
+        ("append_k_stride_n", "i64", "elements"),
+        ("append_k_stride_h", "i64", ""),
+        ("append_v_stride_n", "i64", ""),
+        ("append_v_stride_h", "i64", ""),
+        ("k_stride_page", "i64", ""),
+        ("k_stride_n", "i64", ""),
+        ("k_stride_h", "i64", ""),
+        ("v_stride_page", "i64", ""),
+        ("v_stride_n", "i64", ""),
+        ("v_stride_h", "i64", ""),
+        ("mode", "i32", "0 = append, 1 = batch indices / positions, 2 = seq_lens"),
+        ("nnz", "i32", "tokens (modes 0, 1)"),
+        ("batch_size", "i32", ""),
+        ("num_heads", "i32", "kv heads (mode 0)"),
+        ("head_dim", "i32", ""),
+        ("page_size", "i32", ""),
+        ("num_pages", "i32", "pages in the cache: a page id outside [0, num_pages) is never written"),
+        ("num_indices", "i32", "entries of kv_indices: an index outside [0, num_indices) is never read"),
+        ("elem_bytes", "i32", "bytes per element (1, 2 or 4): the copy is dtype-agnostic"),
+        ("vec_bytes", "i32", "bytes per copy (16, 8, 4, 2 or 1): divides every address, stride and row"),
+        ("tokens_per_block", "i32", "mode 0: tokens of one CTA (<= PageKernel::MAX_TOKENS)"),
+    ],
+)
+
+FAMILIES = {"prefill": PREFILL, "merge": MERGE, "packbits": PACKBITS, "page": PAGE}
+
+CASCADE = (
+    "CascadeMergeParams",
+    "cascade merge of attention states (v, lse): one warp per (row, head); merge_state(s) and the in-place form",
+    [
+        ("v_a", "ptr", "values of state 0 [seq, H, D]; stacked mode (v_b = 0): every state, [seq, N, H, D]"),
+        ("s_a", "ptr", "float32 LSE of state 0 [seq, H]; stacked mode: [seq, N, H]"),
+        ("v_b", "ptr", "values of state 1 (pair mode, num_states = 2); 0 = stacked mode"),
+        ("s_b", "ptr", "float32 LSE of state 1 (pair mode)"),
+        ("v_out", "ptr", "merged values [seq, H, D] (in place: = v_a)"),
+        ("s_out", "ptr", "merged float32 LSE [seq, H] (in place: = s_a)"),
+        ("mask", "ptr", "bool/uint8 [seq]: rows whose byte is 0 are left untouched; 0 = every row"),
+        ("v_a_stride_n", "i64", "strides in elements"),
+        ("v_a_stride_s", "i64", "stacked mode: between states"),
+        ("v_a_stride_h", "i64", ""),
+        ("v_b_stride_n", "i64", ""),
+        ("v_b_stride_h", "i64", ""),
+        ("v_out_stride_n", "i64", ""),
+        ("v_out_stride_h", "i64", ""),
+        ("s_a_stride_n", "i64", ""),
+        ("s_a_stride_s", "i64", "stacked mode: between states"),
+        ("s_a_stride_h", "i64", ""),
+        ("s_b_stride_n", "i64", ""),
+        ("s_b_stride_h", "i64", ""),
+        ("s_out_stride_n", "i64", ""),
+        ("s_out_stride_h", "i64", ""),
+        ("mask_stride", "i64", ""),
+        ("seq", "i32", ""),
+        ("num_heads", "i32", ""),
+        ("head_dim", "i32", ""),
+        ("num_states", "i32", "N >= 0 (0: v = 0, lse = -inf)"),
+        ("vec16", "i32", "1 = 16-byte value accesses (pointers 16-byte aligned, strides and head_dim multiples of "
+         "16 / itemsize); 0 = one element per access"),
+        ("lse_log2_scale", "f32", "LSE units -> base 2: 1 (FlashInfer's base-2 LSE) or log2(e) (natural-log LSE)"),
+        ("lse_rcp_scale", "f32", "1 / lse_log2_scale: the merged LSE comes back in the inputs' units"),
+    ],
+)
+FAMILIES["cascade"] = CASCADE
 
 C_TYPES = {"ptr": "uint64_t", "i64": "int64_t", "i32": "int32_t", "f32": "float"}
 SIZES = {"ptr": 8, "i64": 8, "i32": 4, "f32": 4}

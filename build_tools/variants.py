@@ -163,12 +163,18 @@ class PrefillVariant:
                 "head_dim": self.head_dim, "block_m": self.block_m, "block_n": self.block_n, "warps": self.warps,
                 "threads": self.threads, "smem_bytes": self.smem_bytes, "ctas_per_sm": self.ctas_per_sm,
                 "tune": self.tune, "general": self.general, "paged": self.paged, "decode": self.decode,
-                "rows_fastest": self.rows_fastest}
+                "rows_fastest": self.rows_fastest, "device_scale": self.device_scale}
+
+    @property
+    def device_scale(self):
+        # honours PrefillParams.scale_dev (PrefillSm80Config::DEVICE_SCALE)
+        return self.general or self.block_m < 128
 
 
 MERGE_THREADS = 128
 MERGE_ROWS_PER_BLOCK = 4  # (row, head) pairs per block: one warp each
 PACKBITS_THREADS = 256
+PAGE_THREADS = 256
 
 
 @dataclass(frozen=True)
@@ -209,6 +215,54 @@ class PackbitsVariant:
     def manifest(self):
         return {"family": "packbits", "impl": self.impl, "warps": PACKBITS_THREADS // WARP_THREADS,
                 "threads": PACKBITS_THREADS, "smem_bytes": 0, "tune": self.tune}
+
+
+@dataclass(frozen=True)
+class PageVariant:
+    """The paged-cache helpers (flashinfer.page): append K/V rows into their pages, batch indices
+    and positions, seq_lens; one dtype-agnostic kernel (it copies elem_bytes-wide elements, 16
+    bytes at a time when every address and stride allows), the mode in PageParams."""
+    tune: bool = False
+    impl: str = PORTABLE
+    archs: tuple = ARCHS_DEFAULT
+
+    @property
+    def name(self):
+        return "pfa_page"
+
+    def source(self):
+        return '#include "pfa/misc/page.cuh"\nPFA_DEFINE_PAGE(pfa_page)\n'
+
+    def manifest(self):
+        return {"family": "page", "impl": self.impl, "warps": PAGE_THREADS // WARP_THREADS,
+                "threads": PAGE_THREADS, "smem_bytes": 0, "tune": self.tune}
+
+
+CASCADE_THREADS = 128  # CascadeMerge::WARPS * 32: one warp per (row, head)
+# The value dtypes of the cascade merge: the prefill dtypes plus fp32 (DTYPES drives the prefill rows).
+CASCADE_DTYPES = {**DTYPES, "f32": "float"}
+
+
+@dataclass(frozen=True)
+class CascadeVariant:
+    """FlashInfer's cascade merge (merge_state, merge_state_in_place, merge_states): one row per
+    value dtype; the LSEs are float32 whatever the values are."""
+    dtype: str
+    tune: bool = False
+    impl: str = PORTABLE
+    archs: tuple = ARCHS_DEFAULT
+
+    @property
+    def name(self):
+        return f"pfa_cascade_{self.dtype}"
+
+    def source(self):
+        return (f'#include "pfa/misc/cascade.cuh"\n'
+                f"PFA_DEFINE_CASCADE_MERGE({self.name}, {CASCADE_DTYPES[self.dtype]})\n")
+
+    def manifest(self):
+        return {"family": "cascade", "impl": self.impl, "dtype": self.dtype, "warps": CASCADE_THREADS // WARP_THREADS,
+                "threads": CASCADE_THREADS, "smem_bytes": 0, "tune": self.tune}
 
 
 # head_dim -> (warps, mq, block_n, q_in_regs, stages, min_blocks, lazy_rescale[, pair]): the shipped
@@ -324,6 +378,8 @@ def variants(tune=False):
                 out += [PrefillVariant(dtype, hd, *t, tune=True) for t in PREFILL_TUNE_TILES[hd]]
         out.append(MergeVariant(dtype))
     out.append(PackbitsVariant())
+    out += [CascadeVariant(dtype) for dtype in CASCADE_DTYPES]
+    out.append(PageVariant())
     return [p for p in map(_placed, out) if p.archs]
 
 

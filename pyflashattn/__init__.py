@@ -4,10 +4,17 @@ Prebuilt SASS cubins (kernel_src/ -> cubins/ via make) launched from pure Python
 DLPack CUDA tensor (torch, CuPy, JAX); outputs come back in the caller's framework, on the
 caller's stream.
 """
-from . import prefill, quantization
+from . import cascade, decode, page, prefill, quantization
+from .cascade import merge_state, merge_state_in_place, merge_states
+from .decode import BatchDecodeWithPagedKVCacheWrapper, single_decode_with_kv_cache, xqa_batch_decode_with_kv_cache
+from .page import append_paged_kv_cache, get_batch_indices_positions, get_seq_lens
 from .prefill import (BatchPrefillWithPagedKVCacheWrapper, BatchPrefillWithRaggedKVCacheWrapper,
                       single_prefill_with_kv_cache, single_prefill_with_kv_cache_return_lse)
 
 __version__ = "0.1.0"
-__all__ = ["prefill", "quantization", "single_prefill_with_kv_cache", "single_prefill_with_kv_cache_return_lse",
+__all__ = ["cascade", "decode", "page", "prefill", "quantization",
+           "merge_state", "merge_state_in_place", "merge_states",
+           "BatchDecodeWithPagedKVCacheWrapper", "single_decode_with_kv_cache", "xqa_batch_decode_with_kv_cache",
+           "append_paged_kv_cache", "get_batch_indices_positions", "get_seq_lens",
+           "single_prefill_with_kv_cache", "single_prefill_with_kv_cache_return_lse",
            "BatchPrefillWithPagedKVCacheWrapper", "BatchPrefillWithRaggedKVCacheWrapper"]

@@ -130,20 +130,23 @@ class BatchPrefillWithPagedKVCacheWrapper(_BatchPrefillWrapper):
         settings = _settings(PlanSettings, (num_qo_heads, num_kv_heads, head_dim, pos_encoding_mode,
                                             allow_fp16_qk_reduction, logits_soft_cap, rope_scale, rope_theta, lse_base,
                                             q_data_type, kv_data_type, window_left, sm_scale, fixed_split_size,
-                                            custom_mask is not None or packed_custom_mask is not None))
+                                            custom_mask is not None or packed_custom_mask is not None, False))
         return e.plan(src, settings, causal, custom_mask, packed_custom_mask, disable_split_kv, stream)
 
     begin_forward = plan
 
     def run(self, q, paged_kv_cache, *args, k_scale=None, v_scale=None, out=None, lse=None,
-            return_lse: bool = False, stream=None, enable_pdl=None):
+            return_lse: bool = False, stream=None, enable_pdl=None, sinks=None):
         """Attention of q over the paged cache for the planned batch. k_scale / v_scale (float,
         default 1.0): see the class docstring; under a CUDA graph they are baked into the
         captured launch (a replay uses the values of the captured run()). enable_pdl=True
         launches the attention kernel programmatically (sm_90+); None / False: a plain launch
-        (FlashInfer's None means "if supported": here it means off)."""
+        (FlashInfer's None means "if supported": here it means off). sinks: float32 [Hq]
+        attention sinks (semantics of FlashInfer's trtllm-gen path: e^sink joins each row's
+        normaliser, and the LSE); FlashInfer's fa2/fa3 paths silently ignore them, this one
+        applies them."""
         return self._engine.run_paged(q, paged_kv_cache, *args, k_scale=k_scale, v_scale=v_scale, out=out, lse=lse,
-                                      return_lse=return_lse, stream=stream, enable_pdl=enable_pdl)
+                                      return_lse=return_lse, stream=stream, enable_pdl=enable_pdl, sinks=sinks)
 
 
 class BatchPrefillWithRaggedKVCacheWrapper(_BatchPrefillWrapper):
@@ -176,15 +179,16 @@ class BatchPrefillWithRaggedKVCacheWrapper(_BatchPrefillWrapper):
         settings = _settings(PlanSettings, (num_qo_heads, num_kv_heads, head_dim, pos_encoding_mode,
                                             allow_fp16_qk_reduction, logits_soft_cap, rope_scale, rope_theta, lse_base,
                                             q_data_type, kv_data_type, window_left, sm_scale, fixed_split_size,
-                                            custom_mask is not None or packed_custom_mask is not None))
+                                            custom_mask is not None or packed_custom_mask is not None, False))
         return self._engine.plan(src, settings, causal, custom_mask, packed_custom_mask, disable_split_kv, stream)
 
     begin_forward = plan
 
     def run(self, q, k, v, *args, k_scale=None, v_scale=None, out=None, lse=None, return_lse: bool = False,
-            stream=None, enable_pdl=None):
+            stream=None, enable_pdl=None, sinks=None):
         """Attention of q over the ragged k, v for the planned batch. k_scale / v_scale (float,
         default 1.0) scale the logits and the output in the kernel, for every KV dtype; under a
-        CUDA graph they are baked into the captured launch. enable_pdl: as in the paged run()."""
+        CUDA graph they are baked into the captured launch. enable_pdl, sinks: as in the paged
+        run()."""
         return self._engine.run_ragged(q, k, v, *args, k_scale=k_scale, v_scale=v_scale, out=out, lse=lse,
-                                       return_lse=return_lse, stream=stream, enable_pdl=enable_pdl)
+                                       return_lse=return_lse, stream=stream, enable_pdl=enable_pdl, sinks=sinks)

@@ -78,6 +78,10 @@ KERNELS_sm_80 := \
   pfa_prefill_sm80_bf16_hd256_m16n32w1s2_lr \
   pfa_merge_bf16 \
   pfa_packbits \
+  pfa_cascade_f16 \
+  pfa_cascade_bf16 \
+  pfa_cascade_f32 \
+  pfa_page \
 
 KERNELS_sm_89 := \
   pfa_prefill_sm80_f16_hd64_m128n64w4s2_qr \
@@ -137,6 +141,10 @@ KERNELS_sm_89 := \
   pfa_prefill_sm80_bf16_hd256_m16n32w1s2_lr \
   pfa_merge_bf16 \
   pfa_packbits \
+  pfa_cascade_f16 \
+  pfa_cascade_bf16 \
+  pfa_cascade_f32 \
+  pfa_page \
 
 KERNELS_sm_90a := \
   pfa_prefill_sm80_f16_hd64_m128n64w4s2_qr \
@@ -238,4 +246,8 @@ KERNELS_sm_90a := \
   pfa_prefill_sm80_bf16_kvfp8_hd256_m16n32w2s2_lr_pr_paged \
   pfa_merge_bf16 \
   pfa_packbits \
+  pfa_cascade_f16 \
+  pfa_cascade_bf16 \
+  pfa_cascade_f32 \
+  pfa_page \
 

@@ -51,6 +51,7 @@ class BatchEngine:
         self.kv_ptr_offset = None  # one-tensor paged cache: v's address - k's
         self.pdl = launch.PdlLauncher(self.dev)
         self.scaled = False
+        self.sinks = 0  # the sinks address in the structs (run(sinks=...)); 0 = none
 
     def enable_graph(self, max_batch: int, max_pages: int):
         """CUDA-graph mode with this capacity (batch size, pages)."""
@@ -162,6 +163,7 @@ class BatchEngine:
             self._write_options(la, cfg, causal, src.page_size)
             self.consts = consts
         self.sm_log2 = cfg.sm_scale * params.LOG2E
+        self.sinks = la.params.sinks = 0  # run(sinks=...) sets them for its launch
         self.ks = self.vs = 1.0  # run()'s k_scale / v_scale currently in the struct
         self.scaled = False
         la.configure((cfg.num_kv_heads, 1, plan.grid))
@@ -170,6 +172,8 @@ class BatchEngine:
             params.configure_merge(merge, cap["max_total_q"] if cap else plan.total_q, cfg.num_qo_heads,
                                    cfg.head_dim, 0, cfg.opts.lse_scale)
         self.merge = merge
+        if merge is not None:
+            merge.params.sinks = 0
         self.ws_rows, self.ws_lse_off, self.ws_need = ws_rows, lse_off, need
         self.schedule, self.cfg, self.src = plan, cfg, src
         self.shape = (plan.total_q, cfg.num_qo_heads, cfg.num_kv_heads, cfg.head_dim)
@@ -213,7 +217,7 @@ class BatchEngine:
         sm_scale = options.softmax_scale(st.sm_scale, hd)
         fss = None if st.fixed_split_size is None else schedule._pos_int(st.fixed_split_size, "fixed_split_size")
         _cuda.ensure_context(self.dev)
-        general = opts.general or st.has_mask
+        general = opts.general or st.has_mask or st.general
         route = routing.Route(self.launcher, self.dev, qdt.short, "fp8" if kv_fp8 else qdt.short, hd, general,
                               self.paged, bool(kv_fp8))
         return Config(hq, hkv, hd, hq // hkv, opts, qdt, kdt, kv_fp8, window_left, sm_scale, fss, route)
@@ -264,8 +268,10 @@ class BatchEngine:
         p.kv_chunk_size_dev = chunk_ptr
         if mask is not None:
             p.custom_mask, p.mask_indptr = self.masks.write(mask, mask_ptrs, s)
-        else:
-            p.custom_mask = p.mask_indptr = 0
+        else:  # (a block-table source stages its own mask offsets: XQA's speculative-decoding masks)
+            p.custom_mask = 0
+            if "mask_indptr" not in src.names:
+                p.mask_indptr = 0
             self.masks.keep = None
         p.kv_chunk_size = plan.kv_chunk_size
         if merge is not None:
@@ -305,6 +311,17 @@ class BatchEngine:
             p.v_scale = vs
             self.ks, self.vs = ks, vs
             self.scaled = ks != 1.0 or vs != 1.0
+
+    def apply_sinks(self, sinks):
+        """Point the attention and merge structs at run()'s sinks (None: none); the kernel adds
+        each row's sink where the row is finished."""
+        ptr = 0 if sinks is None else operands.sinks_operand(sinks, self.cfg.num_qo_heads, self.cfg.num_kv_heads,
+                                                             self.dev)
+        if ptr != self.sinks:
+            self.attn.params.sinks = ptr
+            if self.merge is not None:
+                self.merge.params.sinks = ptr
+            self.sinks = ptr
 
     def check_q(self, q, out, lse, return_lse, stream):
         """q, out and lse against the plan; allocates out / lse when not given. Returns
@@ -418,13 +435,15 @@ class BatchEngine:
         raise RuntimeError("call plan() before run()")
 
     def run_paged(self, q, paged_kv_cache, *args, k_scale=None, v_scale=None, out=None, lse=None,
-                  return_lse: bool = False, stream=None, enable_pdl=None):
+                  return_lse: bool = False, stream=None, enable_pdl=None, sinks=None):
         """run() over a paged cache: one tensor [pages, 2, ...] or a (k_cache, v_cache) pair
         (BatchPrefillWithPagedKVCacheWrapper.run's contract)."""
         if args or not self.planned:
             self.refuse_run(args, "q and paged_kv_cache")
         if k_scale is not None or v_scale is not None or self.scaled:
             self.apply_scales(k_scale, v_scale)
+        if sinks is not None or self.sinks:
+            self.apply_sinks(sinks)
         if isinstance(paged_kv_cache, (tuple, list)):
             kv_parts = tuple(paged_kv_cache)
             # only a (k_cache, v_cache) pair may take the fast path (a 1-tuple must not pass as
@@ -473,12 +492,14 @@ class BatchEngine:
         return c.ptr, c.ptr + c.strides[1] * item, strides, strides, c.shape[0]
 
     def run_ragged(self, q, k, v, *args, k_scale=None, v_scale=None, out=None, lse=None, return_lse: bool = False,
-                   stream=None, enable_pdl=None):
+                   stream=None, enable_pdl=None, sinks=None):
         """run() over ragged K/V [kv_indptr[-1], Hkv, D] (NHD) or [Hkv, kv_indptr[-1], D] (HND)."""
         if args or not self.planned:
             self.refuse_run(args, "q, k, v")
         if k_scale is not None or v_scale is not None or self.scaled:
             self.apply_scales(k_scale, v_scale)
+        if sinks is not None or self.sinks:
+            self.apply_sinks(sinks)
         fast = self.torch_fast(q, (k, v), out, lse, return_lse, stream, enable_pdl)
         if fast is not None:
             return fast

@@ -32,7 +32,7 @@ def host_int(x, name):
         if not hasattr(x, "__dlpack__"):
             raise TypeError(f"{name} must be an integer array (numpy or a DLPack tensor), got {type(x).__name__}")
         v = _tensor.view(x, name)
-        if v.dtype not in (_dtypes.INT32, _dtypes.INT64):
+        if v.dtype not in (_dtypes.INT32, _dtypes.INT64, _dtypes.UINT32):
             raise TypeError(f"{name} must be int32 (or int64), got {v.dtype.name}")
         if v.is_cuda:
             a = _device_to_host(x, v, name)
@@ -160,3 +160,54 @@ def ragged_source(qo_indptr, kv_indptr) -> KVSource:
     if kvi[0] != 0:
         raise ValueError("kv_indptr must start at 0 and be non-decreasing")
     return _new_source(KVSource, ("ragged", qo, qo_lens, kv_lens, max_qo, max_kv, (kvi,), 1, -1, kvi.item(-1)))
+
+
+def block_table_arrays(block_tables, seq_lens, page_size):
+    """(indptr, indices, last_page_len) of a batch given as block_tables [B, max_pages] and
+    seq_lens [B] (host arrays, or device arrays copied once: a sync): request b's pages are the
+    first ceil(seq_lens[b] / page_size) entries of its row."""
+    if block_tables is None or seq_lens is None:
+        raise ValueError("plan() needs indptr, indices and last_page_len, or block_tables and seq_lens")
+    page_size = _page_size_arg(page_size)
+    lens = host_int(seq_lens, "seq_lens").astype(np.int64)
+    if hasattr(block_tables, "__dlpack__") and not isinstance(block_tables, np.ndarray):
+        v = _tensor.view(block_tables, "block_tables")
+        if v.ndim != 2:
+            raise ValueError(f"block_tables must be 2-D [batch, max_pages], got shape {v.shape}")
+        if v.shape[0] > 1 and v.strides != (v.shape[1], 1):
+            raise ValueError("plan(block_tables=...) needs a contiguous block_tables (or a numpy array)")
+        table = host_int(block_tables.reshape(-1), "block_tables").reshape(v.shape)
+    else:
+        table = np.asarray(block_tables)
+        if table.ndim != 2:
+            raise ValueError(f"block_tables must be 2-D [batch, max_pages], got shape {table.shape}")
+        table = host_int(table.reshape(-1), "block_tables").reshape(table.shape)  # int32, range-checked
+    B, width = table.shape
+    if lens.size != B:
+        raise ValueError(f"seq_lens has {lens.size} entries but block_tables has {B} rows")
+    if lens.size and lens.min() < 0:
+        raise ValueError("seq_lens must be >= 0")
+    pages = -(-lens // page_size)
+    if pages.size and pages.max() > width:
+        raise ValueError(f"seq_lens needs up to {int(pages.max())} pages but block_tables rows hold {width}")
+    indptr = np.zeros(B + 1, np.int32)
+    np.cumsum(pages, out=indptr[1:])
+    used = np.arange(width)[None, :] < pages[:, None]
+    idx = np.ascontiguousarray(table[used], dtype=np.int32)
+    last = np.where(pages > 0, lens - (pages - 1) * page_size, 0).astype(np.int32)
+    return indptr, idx, last
+
+
+def block_table_source(batch: int, q_len: int, planned_len: int, row_stride: int, page_size: int,
+                       mask_row_bytes: int) -> KVSource:
+    """The KV source of an XQA call: B requests of q_len query rows, each planned at planned_len
+    keys (its length at run is seq_lens[b] <= that, read by the kernel); page ids at row b of a
+    block table with row_stride entries per row; mask_row_bytes: bytes of one request's
+    speculative-decoding mask (0: none), whose per-request offsets are staged with the plan."""
+    qo = np.arange(batch + 1, dtype=np.int32) * np.int32(q_len)
+    qo_lens = np.full(batch, q_len, np.int64)
+    kv_lens = np.full(batch, planned_len, np.int64)
+    kv_indptr = (np.arange(batch + 1, dtype=np.int64) * row_stride).astype(np.int32)
+    mask_indptr = (np.arange(batch + 1, dtype=np.int64) * mask_row_bytes).astype(np.int32)
+    return _new_source(KVSource, ("block_table", qo, qo_lens, kv_lens, q_len if batch else 0,
+                                  planned_len if batch else 0, (kv_indptr, mask_indptr), page_size, -1, 0))

@@ -180,3 +180,31 @@ def _contiguous(shape: tuple, strides: tuple) -> bool:
             return False
         want *= n
     return True
+
+
+def sinks_operand(sinks, num_qo_heads: int, num_kv_heads: int, dev: int) -> int:
+    """Attention sinks: float32 CUDA on dev, contiguous, [Hq] or (XQA's form) [Hkv, Hq / Hkv]:
+    the same order, query head h = kv head * group + h in group. Returns the address."""
+    v = _tensor.view(sinks, "sinks")
+    require_device(v, "sinks", dev)
+    if v.dtype is not _dtypes.FLOAT32:
+        raise TypeError(f"sinks must be float32, got {v.dtype.name}")
+    ok = (num_qo_heads,), (num_kv_heads, num_qo_heads // num_kv_heads)
+    if v.shape not in ok:
+        raise ValueError(f"sinks must have shape {ok[0]} or {ok[1]} (num_kv_heads, group), got {v.shape}")
+    if not _contiguous(v.shape, v.strides):
+        raise ValueError(f"sinks must be contiguous, got strides {v.strides}")
+    return v.ptr
+
+
+def device_scalar(x, name: str, dev: int) -> int:
+    """A one-element float32 CUDA tensor on dev (a scale read by the kernel): its address."""
+    v = _tensor.view(x, name)
+    require_device(v, name, dev)
+    if v.dtype is not _dtypes.FLOAT32:
+        raise TypeError(f"{name} as a tensor must be float32, got {v.dtype.name}")
+    if math.prod(v.shape) != 1:
+        raise ValueError(f"{name} as a tensor must hold one value, got shape {v.shape}")
+    if v.ptr % 4:
+        raise ValueError(f"{name} must be 4-byte aligned")
+    return v.ptr

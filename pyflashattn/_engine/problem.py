@@ -15,8 +15,9 @@ class KVSource(NamedTuple):
 
     kind "ragged": request b owns key rows kv_indptr[b]:kv_indptr[b+1] of contiguous K/V;
     "paged": request b owns pages kv_page_indices[kv_indptr[b]:kv_indptr[b+1]], its last page
-    holding kv_last_page_len[b] keys. (A third kind, pages by block table + seq_lens with shared
-    or separate K/V page ids, arrives with the decode / TRT-LLM entry points.)
+    holding kv_last_page_len[b] keys; "block_table": request b's page ids are row b of a block
+    table (kv_indptr[b] = b * its row stride) and its length is seq_lens[b], both device arrays
+    set at run (XQA): the plan covers every request up to a planned length, the kernel clamps.
     qo = the int32 qo_indptr; qo_lens / kv_lens int64 per request with their maxima; arrays =
     the int32 index arrays the kernel reads, named by `names` (PrefillParams fields)."""
 
@@ -36,7 +37,8 @@ class KVSource(NamedTuple):
         return KV_ARRAY_NAMES[self.kind]
 
 
-KV_ARRAY_NAMES = {"ragged": ("kv_indptr",), "paged": ("kv_indptr", "kv_page_indices", "kv_last_page_len")}
+KV_ARRAY_NAMES = {"ragged": ("kv_indptr",), "paged": ("kv_indptr", "kv_page_indices", "kv_last_page_len"),
+                  "block_table": ("kv_indptr", "mask_indptr")}
 
 
 class PlanSettings(NamedTuple):
@@ -57,6 +59,7 @@ class PlanSettings(NamedTuple):
     sm_scale: object
     fixed_split_size: object
     has_mask: bool
+    general: bool  # the general kernels even without a custom mask or transform (XQA: spec masks, device scales)
 
 
 class Config(NamedTuple):

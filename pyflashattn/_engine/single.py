@@ -26,7 +26,7 @@ def single_prefill(q, k, v, custom_mask=None, packed_custom_mask=None, causal: b
                    kv_layout: str = "NHD", pos_encoding_mode: str = "NONE", allow_fp16_qk_reduction: bool = False,
                    sm_scale: float | None = None, window_left: int = -1, logits_soft_cap: float | None = None,
                    rope_scale: float | None = None, rope_theta: float | None = None, *, return_lse: bool = False,
-                   out=None, lse=None, stream=None, lse_base: str = "log2"):
+                   out=None, lse=None, stream=None, lse_base: str = "log2", k_scale=None, v_scale=None):
     """Attention of one request's queries over its KV cache (FlashInfer's single prefill).
 
     q [qo_len, num_qo_heads, head_dim]; k, v [kv_len, num_kv_heads, head_dim] (kv_layout "NHD")
@@ -35,6 +35,9 @@ def single_prefill(q, k, v, custom_mask=None, packed_custom_mask=None, causal: b
     given), ``stream`` (a CUDA stream handle or stream object; default: the caller framework's
     current stream), ``lse_base`` ("log2", FlashInfer's convention, or "ln").
 
+    ``k_scale`` / ``v_scale`` (FlashInfer's, default 1.0): k_scale multiplies the logit scale
+    (sm_scale * k_scale, also in the LSE), v_scale the output, both inside the kernel.
+
     Returns o [qo_len, num_qo_heads, head_dim] in q's dtype and framework, and with
     ``return_lse`` also lse [qo_len, num_qo_heads] float32.
     """
@@ -42,7 +45,10 @@ def single_prefill(q, k, v, custom_mask=None, packed_custom_mask=None, causal: b
                            lse_base)
     has_mask = custom_mask is not None or packed_custom_mask is not None
     framework = _tensor.framework_of(q)
-    if framework == "torch" and opts is options.PLAIN and not has_mask:
+    if k_scale is not None:
+        sm_scale = options.softmax_scale(sm_scale, q.shape[-1]) * operands.scale_arg(k_scale, "k_scale")
+    vs = operands.scale_arg(v_scale, "v_scale")
+    if framework == "torch" and opts is options.PLAIN and not has_mask and vs == 1.0:
         res = _torch_fast_path(q, k, v, causal, kv_layout, window_left, sm_scale, return_lse, out, lse, stream)
         if res is not _MISS:
             return res
@@ -78,7 +84,7 @@ def single_prefill(q, k, v, custom_mask=None, packed_custom_mask=None, causal: b
     if plan.attn is not None:
         if framework == "jax" and mv is not None:
             mv = _tensor.view(mask_obj, _mask_name(mask_kind), stream=s)
-        plan.run(qv.ptr, kv.ptr, vv.ptr, ov.ptr, lv.ptr if lv is not None else 0, s, mv)
+        plan.run(qv.ptr, kv.ptr, vv.ptr, ov.ptr, lv.ptr if lv is not None else 0, s, mv, vs)
     # JAX outputs are handed to JAX only now, so JAX's reads are ordered after the launch.
     out = _tensor.finalize(out)
     if lse is None:
@@ -251,10 +257,11 @@ class SinglePlan:
             self.merge = _registry.new_launcher("merge", self.dev, dtype=self.dtype.short)
             params.configure_merge(self.merge, qo_len, num_qo_heads, head_dim, self.num_chunks, opts.lse_scale)
 
-    def run(self, q, k, v, o, lse, stream, mask_view=None):
+    def run(self, q, k, v, o, lse, stream, mask_view=None, v_scale=1.0):
         """Refill the pointers and launch (mask packing, attention, merge when KV is split)."""
         p = self.attn.params
         p.q, p.k, p.v, p.o = q, k, v, o
+        p.v_scale = v_scale
         p.o_stride_n, p.o_stride_h = self.o_strides[0], self.o_strides[1]
         ws = _cuda.Workspace.get(self.dev, stream, self.ws_bytes) if self.ws_bytes else 0
         if self.mask_kind == "packed":

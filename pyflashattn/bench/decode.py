@@ -215,6 +215,37 @@ def _print_tables(rows, singles, copy):
               f"{_fmt(r['sdpa_tbps']):>6} | {_fmt(r['pfa_over_copy']):>8} {_fmt(ratio):>8}" + _errors(r))
 
 
+def host_times(torch, pfa, ws, calls: int = 200, rounds: int = 5) -> dict:
+    """Host time per call (us) of the decode wrapper's run() and of XQA (out= given, torch tensors,
+    back-to-back calls; the best of a few rounds' means): 4 requests of 64 keys, bf16, hd128."""
+    B, n, hd = 4, 64, 128
+    q = torch.randn(B, HQ, hd, dtype=torch.bfloat16, device="cuda")
+    cache = torch.randn(B * n // PAGE_SIZE, 2, PAGE_SIZE, HKV, hd, dtype=torch.bfloat16, device="cuda")
+    out = torch.empty_like(q)
+    pages = n // PAGE_SIZE
+    w = pfa.decode.BatchDecodeWithPagedKVCacheWrapper(ws)
+    w.plan(np.arange(B + 1, dtype=np.int32) * pages, np.arange(B * pages, dtype=np.int32),
+           np.full(B, PAGE_SIZE, np.int32), HQ, HKV, hd, PAGE_SIZE, q_data_type=torch.bfloat16)
+    bt = torch.arange(B * pages, dtype=torch.int32, device="cuda").view(B, pages)
+    sl = torch.full((B,), n, dtype=torch.int32, device="cuda")
+    fns = {"decode_run_us": lambda: w.run(q, cache, out=out),
+           "xqa_us": lambda: pfa.decode.xqa_batch_decode_with_kv_cache(q, cache, ws, bt, sl, n, bmm1_scale=0.088,
+                                                                       out=out)}
+    res = {}
+    for name, fn in fns.items():
+        fn()
+        best = float("inf")
+        for _ in range(rounds):
+            torch.cuda.synchronize()
+            t0 = time.perf_counter()
+            for _ in range(calls):
+                fn()
+            best = min(best, (time.perf_counter() - t0) / calls * 1e6)
+            torch.cuda.synchronize()
+        res[name] = best
+    return res
+
+
 def run(args) -> int:
     import torch
 
@@ -249,6 +280,10 @@ def run(args) -> int:
         with open(args.json, "w") as f:
             json.dump({"meta": meta, "rows": rows, "single": singles}, f, indent=1)
     _print_tables(rows, singles, copy)
+    h = host_times(torch, pfa, ws)
+    print(f"host time per call (4 requests x 64 keys, out= given, best of 5 x 200 calls): decode wrapper run() "
+          f"{h['decode_run_us']:.1f} us, xqa_batch_decode_with_kv_cache {h['xqa_us']:.1f} us "
+          f"(xqa / run {h['xqa_us'] / h['decode_run_us']:.2f})")
     return 1 if any("mismatch" in e for r in rows + singles for e in r["errors"]) else 0
 
 

@@ -22,7 +22,7 @@ import math
 
 import numpy as np
 
-__all__ = ["attention_ref", "alibi_slopes", "to_numpy", "to_numpy_f64"]
+__all__ = ["attention_ref", "alibi_slopes", "merge_state_ref", "merge_states_ref", "to_numpy", "to_numpy_f64"]
 
 LOG2E = 1.0 / math.log(2.0)
 
@@ -251,3 +251,40 @@ def _blocks(q, k, v, heads, group, sm_scale, cap, slopes, causal, window_left, c
             ob /= safe_l[..., None]
             ob[~alive] = 0.0
             yield kvh, cols, rows, ob, np.where(alive, m[..., 0] + np.log(safe_l), -np.inf)
+
+
+def merge_states_ref(v, s, *, lse_base: str = "log2"):
+    """Float64 merge of attention states (FlashInfer's ``merge_states``).
+
+    ``v`` ``[seq, N, H, D]`` and ``s`` ``[seq, N, H]`` (any framework or dtype; upcast as given);
+    ``lse_base``: ``"log2"`` (FlashInfer) or ``"ln"``, the base of ``s`` and of the merged LSE.
+    A state of LSE ``-inf`` is empty: it contributes nothing and its ``v`` is not read (NaN
+    included). Returns float64 ``(v [seq, H, D], s [seq, H])``; rows with no non-empty state
+    give ``v = 0`` and ``s = -inf``. NaN LSEs propagate.
+    """
+    v = to_numpy_f64(v)
+    s = to_numpy_f64(s)
+    if v.ndim != 4 or s.shape != v.shape[:3]:
+        raise ValueError(f"v must be [seq, N, H, D] and s [seq, N, H], got {v.shape} and {s.shape}")
+    if lse_base not in ("log2", "ln"):
+        raise ValueError(f"lse_base must be 'log2' or 'ln', got {lse_base!r}")
+    seq, n, h, d = v.shape
+    nat = s / LOG2E if lse_base == "log2" else s  # natural-log LSEs
+    m = nat.max(axis=1) if n else np.full((seq, h), -np.inf)
+    shift = np.where(m == -np.inf, 0.0, m)  # every state empty: exp(-inf - 0) = 0, not NaN
+    w = np.exp(nat - shift[:, None, :])  # [seq, N, H]
+    total = w.sum(axis=1)
+    vw = np.where(w[..., None] != 0.0, v, 0.0) * w[..., None]  # empty states' v never read
+    empty = total == 0.0
+    o = vw.sum(axis=1) / np.where(empty, 1.0, total)[..., None]
+    o[empty] = 0.0
+    lse = np.where(empty, -np.inf, shift + np.log(np.where(empty, 1.0, total)))
+    return o, (lse * LOG2E if lse_base == "log2" else lse)
+
+
+def merge_state_ref(v_a, s_a, v_b, s_b, *, lse_base: str = "log2"):
+    """Float64 merge of two attention states (FlashInfer's ``merge_state``): ``v`` ``[seq, H, D]``,
+    ``s`` ``[seq, H]``; see :func:`merge_states_ref`."""
+    v = np.stack([to_numpy_f64(v_a), to_numpy_f64(v_b)], axis=1)
+    s = np.stack([to_numpy_f64(s_a), to_numpy_f64(s_b)], axis=1)
+    return merge_states_ref(v, s, lse_base=lse_base)

@@ -10,10 +10,12 @@
 // Each source has two parts: the request's extent (read by the work decode, work.cuh) and the
 // row -> address map (read by the loader for every tile row).
 //
-// A future source, pages by block table + seq_lens (one fixed-width row of page ids per
-// request, kv_len = seq_lens[b]), belongs here as a third struct of the same shape: its extent
-// next to paged_request_len and the same offset(); the page-id staging below would serve
-// it unchanged.
+//  - block table + seq_lens (XQA, TRT-LLM): the paged rows above with kv_indptr[b] = b * the
+//    table's row stride and the extent from PrefillParams::kv_seq_lens (paged_request_len).
+//
+// Page ids from the caller's device memory are not checked on the host without a sync, so
+// every id read here is clamped into the cache (PrefillParams::num_pages): bad metadata gives
+// a wrong answer, never a read outside the cache.
 #pragma once
 #include <stdint.h>
 
@@ -38,8 +40,19 @@ struct RaggedKvRows {
 
 // Paged K/V, extent: request b's rows (its page slots [k0, k1) of kv_page_indices), every page
 // full but the last, which holds kv_last_page_len[b].
+// By block table (kv_seq_lens set): seq_lens[b], clamped to the pages its table row holds.
 __device__ __forceinline__ int paged_request_len(const PrefillParams& p, int b, int k0, int k1) {
+  if (p.kv_seq_lens != 0) {
+    const uint32_t len = reinterpret_cast<const uint32_t*>(p.kv_seq_lens)[b];  // int32 or uint32: same bits
+    return (int)min(len, (uint32_t)p.kv_max_pages * (uint32_t)p.page_size);
+  }
   return k1 > k0 ? (k1 - k0 - 1) * p.page_size + reinterpret_cast<const int32_t*>(p.kv_last_page_len)[b] : 0;
+}
+
+// A page id from the table, clamped into the cache when the host could not check it (num_pages
+// set): a negative id becomes huge as unsigned and lands on the last page.
+__device__ __forceinline__ int32_t checked_page_id(const PrefillParams& p, int32_t id) {
+  return p.num_pages > 0 ? (int32_t)min((uint32_t)id, (uint32_t)(p.num_pages - 1)) : id;
 }
 
 // Paged K/V, row addresses. They are recomputed from the (constant-bank) params at each load
@@ -66,7 +79,7 @@ struct PagedKvRows {
     ids_in_smem = n_ids <= MAX_IDS;
     if (ids_in_smem) {
       const int32_t* pages = reinterpret_cast<const int32_t*>(p.kv_page_indices) + page_base + first_page;
-      for (int i = tid; i < n_ids; i += THREADS) s_ids[i] = pages[i];
+      for (int i = tid; i < n_ids; i += THREADS) s_ids[i] = checked_page_id(p, pages[i]);
       __syncthreads();
     }
   }
@@ -87,8 +100,8 @@ struct PagedKvRows {
              slot * (uint32_t)(stride_n * (int64_t)sizeof(KV));
     }
     const int pg = t / p.page_size, slot = t - pg * p.page_size;
-    const int id =
-        ids_in_smem ? s_pages[pg - first_page] : reinterpret_cast<const int32_t*>(p.kv_page_indices)[page_base + pg];
+    const int id = ids_in_smem ? s_pages[pg - first_page]
+                               : checked_page_id(p, reinterpret_cast<const int32_t*>(p.kv_page_indices)[page_base + pg]);
     return ((int64_t)id * stride_page + (int64_t)slot * stride_n) * (int64_t)sizeof(KV);
   }
 };

@@ -4,7 +4,9 @@
 // p = q + kv_len - qo_len (bottom-right alignment); causal keeps kv <= p; window_left >= 0
 // keeps kv >= p - window_left (inclusive); kv must lie inside [0, kv_len); a custom mask
 // (packed bits, little-endian, bit q * kv_len + kv) replaces causal (the host clears it) and is
-// ANDed with the window.
+// ANDed with the window. A speculative-decoding mask (XQA's; spec_words > 0) is the custom mask
+// of the drafts only: the request's last qo_len keys are its drafts, row q keeps draft j when bit
+// j of its spec_words 32-bit words is set, and every key before the drafts is kept.
 #pragma once
 #include <stdint.h>
 
@@ -15,6 +17,27 @@ struct MaskRule {
   bool causal;
   int window_left;      // -1 = none
   const uint8_t* bits;  // custom mask, nullptr = none (always nullptr in the lean kernels)
+  int spec_words;       // > 0: bits is a speculative-decoding mask with this many words per row
+
+  // First draft key of a speculative-decoding mask: keys before it are always visible.
+  __device__ __forceinline__ int first_draft() const { return kv_len - qo_len; }
+
+  // Speculative-decoding mask: keep-bits of row q for keys [kv0, kv0 + 64) (bit j = key kv0 + j),
+  // the prefix part all ones, the drafts' part from the row's words (at most three loads).
+  __device__ __forceinline__ uint64_t spec_row_bits(int q, int kv0) const {
+    const int npre = min(max(first_draft() - kv0, 0), 64);
+    uint64_t w = npre >= 64 ? ~0ull : (1ull << npre) - 1;
+    if (npre < 64) {
+      const uint32_t* row = reinterpret_cast<const uint32_t*>(bits) + (int64_t)q * spec_words;
+      const int j0 = kv0 + npre - first_draft();  // first draft in the window, >= 0
+      const int wi = j0 >> 5, sh = j0 & 31;
+      auto word = [&](int i) -> uint64_t { return i < spec_words ? row[i] : 0u; };
+      uint64_t d = (word(wi) | word(wi + 1) << 32) >> sh;
+      if (sh) d |= word(wi + 2) << (64 - sh);
+      w |= d << npre;
+    }
+    return w;
+  }
 
   __device__ __forceinline__ int pos(int q) const { return q + kv_len - qo_len; }
 
@@ -43,6 +66,7 @@ struct MaskRule {
   // whole row with shifts instead of one global load per element.
   __device__ __forceinline__ uint64_t row_bits(int q, int kv0) const {
     if (bits == nullptr || q >= qo_len) return 0;
+    if (spec_words > 0) return spec_row_bits(q, kv0);
     const int64_t row0 = (int64_t)q * kv_len, first = row0 + kv0;
     const int64_t last = row0 + min(kv0 + 64, kv_len) - 1;  // last bit this row may own
     if (last < first) return 0;
@@ -74,23 +98,31 @@ struct MaskRule {
     bool ok = keep_structural(q, kv);
     if (bits != nullptr) {
       if (!ok || q >= qo_len) return false;  // padded rows past qo_len own no mask bits
+      if (spec_words > 0) {
+        const int j = kv - first_draft();
+        return j < 0 || ((reinterpret_cast<const uint32_t*>(bits)[(int64_t)q * spec_words + (j >> 5)] >> (j & 31)) & 1);
+      }
       const int64_t i = (int64_t)q * kv_len + kv;
       ok = (bits[i >> 3] >> (i & 7)) & 1;
     }
     return ok;
   }
 
-  // A custom mask is arbitrary, so no rectangle is known to be fully kept. RANGE: the same test
-  // through row_range (the form the ROW_RANGE_MASK kernels use everywhere).
+  // A custom mask is arbitrary, so no rectangle is known to be fully kept, except (speculative
+  // decoding) one wholly before the drafts. RANGE: the same test through row_range (the form the
+  // ROW_RANGE_MASK kernels use everywhere).
   template <bool RANGE = false>
   __device__ __forceinline__ bool keeps_all(int q0, int q1, int k0, int k1) const {
+    const bool no_bits = bits == nullptr || (spec_words > 0 && k1 < first_draft());
     if constexpr (RANGE) {
       int lo0, hi0, lo1, hi1;
       row_range(q0, lo0, hi0);
       row_range(q1, lo1, hi1);
-      return bits == nullptr && k1 >= lo0 && k1 < hi0 && k0 >= lo1 && k0 < hi1;
+      return no_bits && k1 >= lo0 && k1 < hi0 && k0 >= lo1 && k0 < hi1;
     } else {
-      return bits == nullptr && keep(q0, k1) && keep(q1, k0);
+      if (!no_bits) return false;
+      // the structural test alone: keep() would consult the bits
+      return keep_structural(q0, k1) && keep_structural(q1, k0);
     }
   }
 

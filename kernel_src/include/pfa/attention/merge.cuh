@@ -4,6 +4,7 @@
 #include <math.h>
 
 #include "pfa/attention/params.h"
+#include "pfa/attention/softmax_state.cuh"
 #include "pfa/common/dtypes.cuh"
 #include "pfa/ptx/pdl.cuh"
 
@@ -62,7 +63,10 @@ struct MergeStates {
     for (int s = lane + 32; s < count; s += 32) denom += exp2f(__ldg(lp + first + s * stride) - m_use);
 #pragma unroll
     for (int off = 16; off > 0; off /= 2) denom += __shfl_xor_sync(FULL, denom, off);
-    const float inv = denom > 0.f ? 1.f / denom : 0.f;
+    float inv = denom > 0.f ? 1.f / denom : 0.f;
+    float lse = denom > 0.f ? m_use + log2f(denom) : -INFINITY;
+    // The row is finished here: its attention sink joins the normaliser (sink_factor).
+    if (p.sinks != 0) inv *= sink_factor(__ldg(reinterpret_cast<const float*>(p.sinks) + head), lse);
 
     float4 acc[STRIPES];
 #pragma unroll
@@ -109,9 +113,7 @@ struct MergeStates {
       packed.y = Pack2<T>::from(acc[st].z * inv, acc[st].w * inv);
       *reinterpret_cast<uint2*>(out + c0 + 128 * st) = packed;
     }
-    if (p.lse != 0 && lane == 0)
-      reinterpret_cast<float*>(p.lse)[(int64_t)row * p.num_heads + head] =
-          denom > 0.f ? (m_use + log2f(denom)) * p.lse_scale : -INFINITY;
+    if (p.lse != 0 && lane == 0) reinterpret_cast<float*>(p.lse)[(int64_t)row * p.num_heads + head] = lse * p.lse_scale;
   }
 
   static __device__ __forceinline__ void run(const MergeParams& p) {

@@ -29,6 +29,10 @@ struct PrefillParams {
   uint64_t kv_last_page_len;  // int32 [B] tokens in each request's last page (paged KV)
   uint64_t mask_indptr;  // int32 [B+1] byte offset of each request's packed custom mask
   uint64_t kv_chunk_size_dev;  // int32 scalar on the device; when set (batch plans) it overrides kv_chunk_size, so a replayed CUDA graph sees each new plan's chunking
+  uint64_t sinks;  // float32 [Hq] attention sinks (natural-log units of the scaled logit): a virtual key with no value in each row's normaliser, added where the row is finished (epilogue, or the merge when split); 0 = none
+  uint64_t scale_dev;  // float32 scalar on the device multiplying sm_scale_log2 (a tensor bmm1_scale, read at launch so a captured graph sees new values); 0 = none
+  uint64_t v_scale_dev;  // float32 scalar on the device multiplying v_scale (a tensor bmm2_scale); 0 = none
+  uint64_t kv_seq_lens;  // paged KV by block table: int32 / uint32 [B] key count of each request (its pages: kv_page_indices[kv_indptr[b] + t / page_size]); 0 = lengths from kv_last_page_len
   int64_t q_stride_n;
   int64_t q_stride_h;
   int64_t k_stride_n;
@@ -59,8 +63,11 @@ struct PrefillParams {
   int32_t page_shift;  // log2(page_size) when a power of two, else -1
   float v_scale;  // output multiplier (fp8 V dequantisation scale); 1 otherwise
   int32_t kv_fp8;  // fp8 K/V storage of the kv_dtype=fp8 kernels: 1 = e4m3fn, 2 = e5m2 (0 = K/V in q's dtype); strides stay in elements
+  int32_t kv_max_pages;  // with kv_seq_lens: the pages each request's block-table row holds (kv_len is clamped to kv_max_pages * page_size, so no row is read past its table)
+  int32_t num_pages;  // paged KV: pages in the cache; a page id outside [0, num_pages) is clamped into it, so bad metadata never reads outside the cache (0 = ids trusted, plan() checked them)
+  int32_t spec_mask_words;  // > 0: custom_mask is a speculative-decoding mask (XQA's): per query row spec_mask_words little-endian 32-bit words, bit j = draft key j of the request's last qo_len keys; the keys before the drafts are always visible. 0 = custom_mask is packed bits q * kv_len + kv
 };
-static_assert(sizeof(PrefillParams) == 320, "PrefillParams size drifted from the schema");
+static_assert(sizeof(PrefillParams) == 368, "PrefillParams size drifted from the schema");
 static_assert(offsetof(PrefillParams, q) == 0, "PrefillParams.q offset");
 static_assert(offsetof(PrefillParams, k) == 8, "PrefillParams.k offset");
 static_assert(offsetof(PrefillParams, v) == 16, "PrefillParams.v offset");
@@ -81,36 +88,43 @@ static_assert(offsetof(PrefillParams, kv_page_indices) == 128, "PrefillParams.kv
 static_assert(offsetof(PrefillParams, kv_last_page_len) == 136, "PrefillParams.kv_last_page_len offset");
 static_assert(offsetof(PrefillParams, mask_indptr) == 144, "PrefillParams.mask_indptr offset");
 static_assert(offsetof(PrefillParams, kv_chunk_size_dev) == 152, "PrefillParams.kv_chunk_size_dev offset");
-static_assert(offsetof(PrefillParams, q_stride_n) == 160, "PrefillParams.q_stride_n offset");
-static_assert(offsetof(PrefillParams, q_stride_h) == 168, "PrefillParams.q_stride_h offset");
-static_assert(offsetof(PrefillParams, k_stride_n) == 176, "PrefillParams.k_stride_n offset");
-static_assert(offsetof(PrefillParams, k_stride_h) == 184, "PrefillParams.k_stride_h offset");
-static_assert(offsetof(PrefillParams, v_stride_n) == 192, "PrefillParams.v_stride_n offset");
-static_assert(offsetof(PrefillParams, v_stride_h) == 200, "PrefillParams.v_stride_h offset");
-static_assert(offsetof(PrefillParams, o_stride_n) == 208, "PrefillParams.o_stride_n offset");
-static_assert(offsetof(PrefillParams, o_stride_h) == 216, "PrefillParams.o_stride_h offset");
-static_assert(offsetof(PrefillParams, k_stride_page) == 224, "PrefillParams.k_stride_page offset");
-static_assert(offsetof(PrefillParams, v_stride_page) == 232, "PrefillParams.v_stride_page offset");
-static_assert(offsetof(PrefillParams, qo_len) == 240, "PrefillParams.qo_len offset");
-static_assert(offsetof(PrefillParams, kv_len) == 244, "PrefillParams.kv_len offset");
-static_assert(offsetof(PrefillParams, num_qo_heads) == 248, "PrefillParams.num_qo_heads offset");
-static_assert(offsetof(PrefillParams, num_kv_heads) == 252, "PrefillParams.num_kv_heads offset");
-static_assert(offsetof(PrefillParams, group_size) == 256, "PrefillParams.group_size offset");
-static_assert(offsetof(PrefillParams, num_kv_chunks) == 260, "PrefillParams.num_kv_chunks offset");
-static_assert(offsetof(PrefillParams, rows_fastest) == 264, "PrefillParams.rows_fastest offset");
-static_assert(offsetof(PrefillParams, kv_chunk_size) == 268, "PrefillParams.kv_chunk_size offset");
-static_assert(offsetof(PrefillParams, causal) == 272, "PrefillParams.causal offset");
-static_assert(offsetof(PrefillParams, window_left) == 276, "PrefillParams.window_left offset");
-static_assert(offsetof(PrefillParams, sm_scale_log2) == 280, "PrefillParams.sm_scale_log2 offset");
-static_assert(offsetof(PrefillParams, logits_soft_cap) == 284, "PrefillParams.logits_soft_cap offset");
-static_assert(offsetof(PrefillParams, rope) == 288, "PrefillParams.rope offset");
-static_assert(offsetof(PrefillParams, rope_rcp_scale) == 292, "PrefillParams.rope_rcp_scale offset");
-static_assert(offsetof(PrefillParams, rope_log2_theta) == 296, "PrefillParams.rope_log2_theta offset");
-static_assert(offsetof(PrefillParams, lse_scale) == 300, "PrefillParams.lse_scale offset");
-static_assert(offsetof(PrefillParams, page_size) == 304, "PrefillParams.page_size offset");
-static_assert(offsetof(PrefillParams, page_shift) == 308, "PrefillParams.page_shift offset");
-static_assert(offsetof(PrefillParams, v_scale) == 312, "PrefillParams.v_scale offset");
-static_assert(offsetof(PrefillParams, kv_fp8) == 316, "PrefillParams.kv_fp8 offset");
+static_assert(offsetof(PrefillParams, sinks) == 160, "PrefillParams.sinks offset");
+static_assert(offsetof(PrefillParams, scale_dev) == 168, "PrefillParams.scale_dev offset");
+static_assert(offsetof(PrefillParams, v_scale_dev) == 176, "PrefillParams.v_scale_dev offset");
+static_assert(offsetof(PrefillParams, kv_seq_lens) == 184, "PrefillParams.kv_seq_lens offset");
+static_assert(offsetof(PrefillParams, q_stride_n) == 192, "PrefillParams.q_stride_n offset");
+static_assert(offsetof(PrefillParams, q_stride_h) == 200, "PrefillParams.q_stride_h offset");
+static_assert(offsetof(PrefillParams, k_stride_n) == 208, "PrefillParams.k_stride_n offset");
+static_assert(offsetof(PrefillParams, k_stride_h) == 216, "PrefillParams.k_stride_h offset");
+static_assert(offsetof(PrefillParams, v_stride_n) == 224, "PrefillParams.v_stride_n offset");
+static_assert(offsetof(PrefillParams, v_stride_h) == 232, "PrefillParams.v_stride_h offset");
+static_assert(offsetof(PrefillParams, o_stride_n) == 240, "PrefillParams.o_stride_n offset");
+static_assert(offsetof(PrefillParams, o_stride_h) == 248, "PrefillParams.o_stride_h offset");
+static_assert(offsetof(PrefillParams, k_stride_page) == 256, "PrefillParams.k_stride_page offset");
+static_assert(offsetof(PrefillParams, v_stride_page) == 264, "PrefillParams.v_stride_page offset");
+static_assert(offsetof(PrefillParams, qo_len) == 272, "PrefillParams.qo_len offset");
+static_assert(offsetof(PrefillParams, kv_len) == 276, "PrefillParams.kv_len offset");
+static_assert(offsetof(PrefillParams, num_qo_heads) == 280, "PrefillParams.num_qo_heads offset");
+static_assert(offsetof(PrefillParams, num_kv_heads) == 284, "PrefillParams.num_kv_heads offset");
+static_assert(offsetof(PrefillParams, group_size) == 288, "PrefillParams.group_size offset");
+static_assert(offsetof(PrefillParams, num_kv_chunks) == 292, "PrefillParams.num_kv_chunks offset");
+static_assert(offsetof(PrefillParams, rows_fastest) == 296, "PrefillParams.rows_fastest offset");
+static_assert(offsetof(PrefillParams, kv_chunk_size) == 300, "PrefillParams.kv_chunk_size offset");
+static_assert(offsetof(PrefillParams, causal) == 304, "PrefillParams.causal offset");
+static_assert(offsetof(PrefillParams, window_left) == 308, "PrefillParams.window_left offset");
+static_assert(offsetof(PrefillParams, sm_scale_log2) == 312, "PrefillParams.sm_scale_log2 offset");
+static_assert(offsetof(PrefillParams, logits_soft_cap) == 316, "PrefillParams.logits_soft_cap offset");
+static_assert(offsetof(PrefillParams, rope) == 320, "PrefillParams.rope offset");
+static_assert(offsetof(PrefillParams, rope_rcp_scale) == 324, "PrefillParams.rope_rcp_scale offset");
+static_assert(offsetof(PrefillParams, rope_log2_theta) == 328, "PrefillParams.rope_log2_theta offset");
+static_assert(offsetof(PrefillParams, lse_scale) == 332, "PrefillParams.lse_scale offset");
+static_assert(offsetof(PrefillParams, page_size) == 336, "PrefillParams.page_size offset");
+static_assert(offsetof(PrefillParams, page_shift) == 340, "PrefillParams.page_shift offset");
+static_assert(offsetof(PrefillParams, v_scale) == 344, "PrefillParams.v_scale offset");
+static_assert(offsetof(PrefillParams, kv_fp8) == 348, "PrefillParams.kv_fp8 offset");
+static_assert(offsetof(PrefillParams, kv_max_pages) == 352, "PrefillParams.kv_max_pages offset");
+static_assert(offsetof(PrefillParams, num_pages) == 356, "PrefillParams.num_pages offset");
+static_assert(offsetof(PrefillParams, spec_mask_words) == 360, "PrefillParams.spec_mask_words offset");
 
 // combine split-KV partials (float32 o, base-2 lse) into the final output
 struct MergeParams {
@@ -118,6 +132,7 @@ struct MergeParams {
   uint64_t lse_partial;  // float32 [num_kv_chunks, rows, Hq]
   uint64_t o;  // output in the kernel's dtype
   uint64_t lse;  // float32 [rows, Hq] contiguous, 0 = not requested
+  uint64_t sinks;  // float32 [Hq] attention sinks added to each merged row's normaliser (PrefillParams.sinks)
   uint64_t merge_indptr;  // int32 [rows+1]: row r merges partial rows [m[r], m[r+1]) of a batch plan (empty = written directly, skip); 0 = single request layout [num_kv_chunks, rows]
   int64_t o_stride_n;
   int64_t o_stride_h;
@@ -127,19 +142,20 @@ struct MergeParams {
   int32_t num_kv_chunks;  // single request: KV chunks per row (0: per-token merge_indptr)
   float lse_scale;  // applied to the final LSE only (partials stay base 2)
 };
-static_assert(sizeof(MergeParams) == 80, "MergeParams size drifted from the schema");
+static_assert(sizeof(MergeParams) == 88, "MergeParams size drifted from the schema");
 static_assert(offsetof(MergeParams, o_partial) == 0, "MergeParams.o_partial offset");
 static_assert(offsetof(MergeParams, lse_partial) == 8, "MergeParams.lse_partial offset");
 static_assert(offsetof(MergeParams, o) == 16, "MergeParams.o offset");
 static_assert(offsetof(MergeParams, lse) == 24, "MergeParams.lse offset");
-static_assert(offsetof(MergeParams, merge_indptr) == 32, "MergeParams.merge_indptr offset");
-static_assert(offsetof(MergeParams, o_stride_n) == 40, "MergeParams.o_stride_n offset");
-static_assert(offsetof(MergeParams, o_stride_h) == 48, "MergeParams.o_stride_h offset");
-static_assert(offsetof(MergeParams, rows) == 56, "MergeParams.rows offset");
-static_assert(offsetof(MergeParams, num_heads) == 60, "MergeParams.num_heads offset");
-static_assert(offsetof(MergeParams, head_dim) == 64, "MergeParams.head_dim offset");
-static_assert(offsetof(MergeParams, num_kv_chunks) == 68, "MergeParams.num_kv_chunks offset");
-static_assert(offsetof(MergeParams, lse_scale) == 72, "MergeParams.lse_scale offset");
+static_assert(offsetof(MergeParams, sinks) == 32, "MergeParams.sinks offset");
+static_assert(offsetof(MergeParams, merge_indptr) == 40, "MergeParams.merge_indptr offset");
+static_assert(offsetof(MergeParams, o_stride_n) == 48, "MergeParams.o_stride_n offset");
+static_assert(offsetof(MergeParams, o_stride_h) == 56, "MergeParams.o_stride_h offset");
+static_assert(offsetof(MergeParams, rows) == 64, "MergeParams.rows offset");
+static_assert(offsetof(MergeParams, num_heads) == 68, "MergeParams.num_heads offset");
+static_assert(offsetof(MergeParams, head_dim) == 72, "MergeParams.head_dim offset");
+static_assert(offsetof(MergeParams, num_kv_chunks) == 76, "MergeParams.num_kv_chunks offset");
+static_assert(offsetof(MergeParams, lse_scale) == 80, "MergeParams.lse_scale offset");
 
 // pack bool/uint8 values into bits (one output byte per thread), optionally per segment
 struct PackbitsParams {
@@ -159,5 +175,137 @@ static_assert(offsetof(PackbitsParams, out_indptr) == 24, "PackbitsParams.out_in
 static_assert(offsetof(PackbitsParams, n) == 32, "PackbitsParams.n offset");
 static_assert(offsetof(PackbitsParams, num_segments) == 40, "PackbitsParams.num_segments offset");
 static_assert(offsetof(PackbitsParams, little) == 44, "PackbitsParams.little offset");
+
+// paged KV cache helpers (flashinfer.page), by mode: 0 = append K/V rows into their pages, 1 = batch indices and positions from append_indptr and seq_lens, 2 = seq_lens of a paged batch
+struct PageParams {
+  uint64_t append_k;  // mode 0: [nnz, num_heads, head_dim] rows at append_k_stride_n, heads at _h
+  uint64_t append_v;  // mode 0: [nnz, num_heads, head_dim] rows at append_v_stride_n, heads at _h
+  uint64_t k_cache;  // mode 0: K pages at k_stride_page, slots at k_stride_n, heads at k_stride_h
+  uint64_t v_cache;  // mode 0: V pages at v_stride_page, slots at v_stride_n, heads at v_stride_h
+  uint64_t batch_indices;  // int32 [nnz]: mode 0 reads it, mode 1 writes it (-1 = token of no request)
+  uint64_t positions;  // int32 [nnz]: mode 0 reads it, mode 1 writes it (-1 = token of no request)
+  uint64_t kv_indices;  // int32 [num_indices] page ids (mode 0)
+  uint64_t kv_indptr;  // int32 [batch_size + 1] pages of each request (modes 0, 2)
+  uint64_t kv_last_page_len;  // int32 [batch_size] (mode 2)
+  uint64_t append_indptr;  // int32 [batch_size + 1] appended tokens of each request (mode 1)
+  uint64_t seq_lens;  // int32 [batch_size]: mode 1 reads it, mode 2 writes it
+  int64_t append_k_stride_n;  // elements
+  int64_t append_k_stride_h;
+  int64_t append_v_stride_n;
+  int64_t append_v_stride_h;
+  int64_t k_stride_page;
+  int64_t k_stride_n;
+  int64_t k_stride_h;
+  int64_t v_stride_page;
+  int64_t v_stride_n;
+  int64_t v_stride_h;
+  int32_t mode;  // 0 = append, 1 = batch indices / positions, 2 = seq_lens
+  int32_t nnz;  // tokens (modes 0, 1)
+  int32_t batch_size;
+  int32_t num_heads;  // kv heads (mode 0)
+  int32_t head_dim;
+  int32_t page_size;
+  int32_t num_pages;  // pages in the cache: a page id outside [0, num_pages) is never written
+  int32_t num_indices;  // entries of kv_indices: an index outside [0, num_indices) is never read
+  int32_t elem_bytes;  // bytes per element (1, 2 or 4): the copy is dtype-agnostic
+  int32_t vec_bytes;  // bytes per copy (16, 8, 4, 2 or 1): divides every address, stride and row
+  int32_t tokens_per_block;  // mode 0: tokens of one CTA (<= PageKernel::MAX_TOKENS)
+};
+static_assert(sizeof(PageParams) == 216, "PageParams size drifted from the schema");
+static_assert(offsetof(PageParams, append_k) == 0, "PageParams.append_k offset");
+static_assert(offsetof(PageParams, append_v) == 8, "PageParams.append_v offset");
+static_assert(offsetof(PageParams, k_cache) == 16, "PageParams.k_cache offset");
+static_assert(offsetof(PageParams, v_cache) == 24, "PageParams.v_cache offset");
+static_assert(offsetof(PageParams, batch_indices) == 32, "PageParams.batch_indices offset");
+static_assert(offsetof(PageParams, positions) == 40, "PageParams.positions offset");
+static_assert(offsetof(PageParams, kv_indices) == 48, "PageParams.kv_indices offset");
+static_assert(offsetof(PageParams, kv_indptr) == 56, "PageParams.kv_indptr offset");
+static_assert(offsetof(PageParams, kv_last_page_len) == 64, "PageParams.kv_last_page_len offset");
+static_assert(offsetof(PageParams, append_indptr) == 72, "PageParams.append_indptr offset");
+static_assert(offsetof(PageParams, seq_lens) == 80, "PageParams.seq_lens offset");
+static_assert(offsetof(PageParams, append_k_stride_n) == 88, "PageParams.append_k_stride_n offset");
+static_assert(offsetof(PageParams, append_k_stride_h) == 96, "PageParams.append_k_stride_h offset");
+static_assert(offsetof(PageParams, append_v_stride_n) == 104, "PageParams.append_v_stride_n offset");
+static_assert(offsetof(PageParams, append_v_stride_h) == 112, "PageParams.append_v_stride_h offset");
+static_assert(offsetof(PageParams, k_stride_page) == 120, "PageParams.k_stride_page offset");
+static_assert(offsetof(PageParams, k_stride_n) == 128, "PageParams.k_stride_n offset");
+static_assert(offsetof(PageParams, k_stride_h) == 136, "PageParams.k_stride_h offset");
+static_assert(offsetof(PageParams, v_stride_page) == 144, "PageParams.v_stride_page offset");
+static_assert(offsetof(PageParams, v_stride_n) == 152, "PageParams.v_stride_n offset");
+static_assert(offsetof(PageParams, v_stride_h) == 160, "PageParams.v_stride_h offset");
+static_assert(offsetof(PageParams, mode) == 168, "PageParams.mode offset");
+static_assert(offsetof(PageParams, nnz) == 172, "PageParams.nnz offset");
+static_assert(offsetof(PageParams, batch_size) == 176, "PageParams.batch_size offset");
+static_assert(offsetof(PageParams, num_heads) == 180, "PageParams.num_heads offset");
+static_assert(offsetof(PageParams, head_dim) == 184, "PageParams.head_dim offset");
+static_assert(offsetof(PageParams, page_size) == 188, "PageParams.page_size offset");
+static_assert(offsetof(PageParams, num_pages) == 192, "PageParams.num_pages offset");
+static_assert(offsetof(PageParams, num_indices) == 196, "PageParams.num_indices offset");
+static_assert(offsetof(PageParams, elem_bytes) == 200, "PageParams.elem_bytes offset");
+static_assert(offsetof(PageParams, vec_bytes) == 204, "PageParams.vec_bytes offset");
+static_assert(offsetof(PageParams, tokens_per_block) == 208, "PageParams.tokens_per_block offset");
+
+// cascade merge of attention states (v, lse): one warp per (row, head); merge_state(s) and the in-place form
+struct CascadeMergeParams {
+  uint64_t v_a;  // values of state 0 [seq, H, D]; stacked mode (v_b = 0): every state, [seq, N, H, D]
+  uint64_t s_a;  // float32 LSE of state 0 [seq, H]; stacked mode: [seq, N, H]
+  uint64_t v_b;  // values of state 1 (pair mode, num_states = 2); 0 = stacked mode
+  uint64_t s_b;  // float32 LSE of state 1 (pair mode)
+  uint64_t v_out;  // merged values [seq, H, D] (in place: = v_a)
+  uint64_t s_out;  // merged float32 LSE [seq, H] (in place: = s_a)
+  uint64_t mask;  // bool/uint8 [seq]: rows whose byte is 0 are left untouched; 0 = every row
+  int64_t v_a_stride_n;  // strides in elements
+  int64_t v_a_stride_s;  // stacked mode: between states
+  int64_t v_a_stride_h;
+  int64_t v_b_stride_n;
+  int64_t v_b_stride_h;
+  int64_t v_out_stride_n;
+  int64_t v_out_stride_h;
+  int64_t s_a_stride_n;
+  int64_t s_a_stride_s;  // stacked mode: between states
+  int64_t s_a_stride_h;
+  int64_t s_b_stride_n;
+  int64_t s_b_stride_h;
+  int64_t s_out_stride_n;
+  int64_t s_out_stride_h;
+  int64_t mask_stride;
+  int32_t seq;
+  int32_t num_heads;
+  int32_t head_dim;
+  int32_t num_states;  // N >= 0 (0: v = 0, lse = -inf)
+  int32_t vec16;  // 1 = 16-byte value accesses (pointers 16-byte aligned, strides and head_dim multiples of 16 / itemsize); 0 = one element per access
+  float lse_log2_scale;  // LSE units -> base 2: 1 (FlashInfer's base-2 LSE) or log2(e) (natural-log LSE)
+  float lse_rcp_scale;  // 1 / lse_log2_scale: the merged LSE comes back in the inputs' units
+};
+static_assert(sizeof(CascadeMergeParams) == 208, "CascadeMergeParams size drifted from the schema");
+static_assert(offsetof(CascadeMergeParams, v_a) == 0, "CascadeMergeParams.v_a offset");
+static_assert(offsetof(CascadeMergeParams, s_a) == 8, "CascadeMergeParams.s_a offset");
+static_assert(offsetof(CascadeMergeParams, v_b) == 16, "CascadeMergeParams.v_b offset");
+static_assert(offsetof(CascadeMergeParams, s_b) == 24, "CascadeMergeParams.s_b offset");
+static_assert(offsetof(CascadeMergeParams, v_out) == 32, "CascadeMergeParams.v_out offset");
+static_assert(offsetof(CascadeMergeParams, s_out) == 40, "CascadeMergeParams.s_out offset");
+static_assert(offsetof(CascadeMergeParams, mask) == 48, "CascadeMergeParams.mask offset");
+static_assert(offsetof(CascadeMergeParams, v_a_stride_n) == 56, "CascadeMergeParams.v_a_stride_n offset");
+static_assert(offsetof(CascadeMergeParams, v_a_stride_s) == 64, "CascadeMergeParams.v_a_stride_s offset");
+static_assert(offsetof(CascadeMergeParams, v_a_stride_h) == 72, "CascadeMergeParams.v_a_stride_h offset");
+static_assert(offsetof(CascadeMergeParams, v_b_stride_n) == 80, "CascadeMergeParams.v_b_stride_n offset");
+static_assert(offsetof(CascadeMergeParams, v_b_stride_h) == 88, "CascadeMergeParams.v_b_stride_h offset");
+static_assert(offsetof(CascadeMergeParams, v_out_stride_n) == 96, "CascadeMergeParams.v_out_stride_n offset");
+static_assert(offsetof(CascadeMergeParams, v_out_stride_h) == 104, "CascadeMergeParams.v_out_stride_h offset");
+static_assert(offsetof(CascadeMergeParams, s_a_stride_n) == 112, "CascadeMergeParams.s_a_stride_n offset");
+static_assert(offsetof(CascadeMergeParams, s_a_stride_s) == 120, "CascadeMergeParams.s_a_stride_s offset");
+static_assert(offsetof(CascadeMergeParams, s_a_stride_h) == 128, "CascadeMergeParams.s_a_stride_h offset");
+static_assert(offsetof(CascadeMergeParams, s_b_stride_n) == 136, "CascadeMergeParams.s_b_stride_n offset");
+static_assert(offsetof(CascadeMergeParams, s_b_stride_h) == 144, "CascadeMergeParams.s_b_stride_h offset");
+static_assert(offsetof(CascadeMergeParams, s_out_stride_n) == 152, "CascadeMergeParams.s_out_stride_n offset");
+static_assert(offsetof(CascadeMergeParams, s_out_stride_h) == 160, "CascadeMergeParams.s_out_stride_h offset");
+static_assert(offsetof(CascadeMergeParams, mask_stride) == 168, "CascadeMergeParams.mask_stride offset");
+static_assert(offsetof(CascadeMergeParams, seq) == 176, "CascadeMergeParams.seq offset");
+static_assert(offsetof(CascadeMergeParams, num_heads) == 180, "CascadeMergeParams.num_heads offset");
+static_assert(offsetof(CascadeMergeParams, head_dim) == 184, "CascadeMergeParams.head_dim offset");
+static_assert(offsetof(CascadeMergeParams, num_states) == 188, "CascadeMergeParams.num_states offset");
+static_assert(offsetof(CascadeMergeParams, vec16) == 192, "CascadeMergeParams.vec16 offset");
+static_assert(offsetof(CascadeMergeParams, lse_log2_scale) == 196, "CascadeMergeParams.lse_log2_scale offset");
+static_assert(offsetof(CascadeMergeParams, lse_rcp_scale) == 200, "CascadeMergeParams.lse_rcp_scale offset");
 
 }  // namespace pfa

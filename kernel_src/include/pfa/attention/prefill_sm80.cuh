@@ -51,7 +51,10 @@ struct PrefillSm80 : PrefillSm80Config<T, KV, HEAD_DIM, NUM_WARPS, MQ, BLOCK_N, 
     float m[MQ][2], l[MQ][2];
     AccumSm80<Cfg>::init(o, m, l);
     typename Mainloop::QFrags qf;
-    const float scale = p.sm_scale_log2;
+    // A device-side logit scale (scale_dev) is honoured by the general kernels and the decode
+    // tiles (the manifest's device_scale): reading it costs the 128-row lean kernels a register
+    // across the tile loop, and spills there.
+    const float scale = Cfg::DEVICE_SCALE ? logit_scale(p) : p.sm_scale_log2;
     // GENERAL: score transforms that leave logits in log2 units, so softmax then uses scale 1.
     const LogitTransform xf = GENERAL ? LogitTransform::make(p) : LogitTransform{};
     const float scale_eff = xf.kind == LogitTransform::kPlain ? scale : 1.f;

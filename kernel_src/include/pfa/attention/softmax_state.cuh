@@ -57,4 +57,21 @@ struct OnlineSoftmax {
   }
 };
 
+// An attention sink (FlashInfer's, semantics 1.10) on a finished row: a virtual key of logit
+// `sink` (natural-log units of the scaled logit) that adds e^sink to the row's normaliser and
+// nothing to its value. Given the row's base-2 LSE, returns the factor for its normalised O and
+// moves the LSE to include the sink. Applied once per row where the row is finished (unsplit:
+// the epilogue; split KV: the merge), so splitting never counts it twice.
+__device__ __forceinline__ float sink_factor(float sink, float& lse) {
+  const float s2 = sink * 1.4426950408889634f;  // log2(e): the LSE is base 2
+  if (lse == -INFINITY) {  // no visible key: the sink takes the whole normaliser, O stays 0
+    lse = s2;
+    return 0.f;
+  }
+  const float mx = fmaxf(lse, s2);
+  const float own = exp2f(lse - mx), total = own + exp2f(s2 - mx);
+  lse = mx + log2f(total);
+  return own / total;
+}
+
 }  // namespace pfa

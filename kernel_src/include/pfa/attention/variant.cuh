@@ -11,6 +11,17 @@ namespace pfa {
 
 constexpr float kLog2e = 1.4426950408889634f;
 
+// sm_scale * log2(e), times the device-side scale when the caller passed one as a tensor
+// (PrefillParams::scale_dev: read at launch, so a replayed CUDA graph sees the current value).
+__device__ __forceinline__ float logit_scale(const PrefillParams& p) {
+  return p.scale_dev != 0 ? p.sm_scale_log2 * *reinterpret_cast<const float*>(p.scale_dev) : p.sm_scale_log2;
+}
+
+// The output multiplier: v_scale, times its device-side factor (PrefillParams::v_scale_dev).
+__device__ __forceinline__ float output_scale(const PrefillParams& p) {
+  return p.v_scale_dev != 0 ? p.v_scale * *reinterpret_cast<const float*>(p.v_scale_dev) : p.v_scale;
+}
+
 struct LogitTransform {
   enum Kind { kPlain = 0, kSoftCap = 1, kAlibi = 2 };
   int kind = kPlain;
@@ -18,10 +29,10 @@ struct LogitTransform {
 
   static __device__ __forceinline__ LogitTransform make(const PrefillParams& p) {
     LogitTransform t;
-    t.scale = p.sm_scale_log2;
+    t.scale = logit_scale(p);
     if (p.logits_soft_cap > 0.f) {
       t.kind = kSoftCap;
-      t.pre = p.sm_scale_log2 / kLog2e / p.logits_soft_cap;
+      t.pre = t.scale / kLog2e / p.logits_soft_cap;
       t.post = p.logits_soft_cap * kLog2e;
     } else if (p.alibi_slopes != 0) {
       t.kind = kAlibi;

@@ -93,6 +93,9 @@ struct PrefillSm80Config {
   // At hd64 / hd128 the extra barrier cost more than the CTAs gave, and the 128-row kernels'
   // shared memory holds two CTAs either way. variants.py mirrors the rule.
   static constexpr bool SPLIT_WIDEN = KV_FP8 && BLOCK_M == 16 && HEAD_DIM >= 256;
+  // Honours PrefillParams::scale_dev: the general kernels and the decode tiles (fewer than 128
+  // rows). variants.py's device_scale (the manifest) mirrors the rule.
+  static constexpr bool DEVICE_SCALE = GENERAL || BLOCK_M < 128;
 
   // ---- dynamic shared memory, in this order ----
   // Q, then KV_STAGES (K, V) ring pairs (stage i: K at tile 2i, V at 2i+1), then (fp8 only) the

@@ -10,6 +10,7 @@
 #include "pfa/attention/params.h"
 #include "pfa/attention/sm80/fragments.cuh"
 #include "pfa/attention/softmax_state.cuh"
+#include "pfa/attention/variant.cuh"
 #include "pfa/attention/work.cuh"
 #include "pfa/common/dtypes.cuh"
 #include "pfa/ptx/mma_sm80.cuh"
@@ -52,7 +53,7 @@ struct EpilogueSm80 {
         float sum = l[mt][hf];
         sum += __shfl_xor_sync(FULL, sum, 1);
         sum += __shfl_xor_sync(FULL, sum, 2);
-        const float inv = OnlineSoftmax<Cfg::LAZY_RESCALE>::finish(sum, m[mt][hf], p.v_scale, lse_v[mt][hf]);
+        const float inv = OnlineSoftmax<Cfg::LAZY_RESCALE>::finish(sum, m[mt][hf], output_scale(p), lse_v[mt][hf]);
 #pragma unroll
         for (int d = 0; d < O_DT; ++d) {
           o[mt][d][2 * hf] *= inv;
@@ -66,6 +67,26 @@ struct EpilogueSm80 {
   static __device__ __forceinline__ int2 token_head(const PrefillWork& w, const int2* row_map, int row) {
     const int r = w.r0 + row;
     return Cfg::ROW_MAP ? row_map[row] : make_int2(r / w.group, w.kv_head * w.group + r % w.group);
+  }
+
+  // Attention sinks (an unsplit row is finished here; split rows get theirs in the merge): each
+  // fragment row's O scaled by its sink factor and its LSE moved to include the sink.
+  static __device__ __forceinline__ void apply_sinks(const PrefillParams& p, const PrefillWork& w, const int2* row_map,
+                                                  const Role& wr, int lane, OAcc& o, float (&lse_v)[MQ][2]) {
+    const float* sinks = reinterpret_cast<const float*>(p.sinks);
+#pragma unroll
+    for (int mt = 0; mt < MQ; ++mt)
+#pragma unroll
+      for (int hf = 0; hf < 2; ++hf) {
+        const int row = wr.warp_row0 + mt * 16 + lane / 4 + hf * 8;
+        if (w.r0 + row >= w.rows_total) continue;
+        const float f = sink_factor(sinks[token_head(w, row_map, row).y], lse_v[mt][hf]);
+#pragma unroll
+        for (int d = 0; d < O_DT; ++d) {
+          o[mt][d][2 * hf] *= f;
+          o[mt][d][2 * hf + 1] *= f;
+        }
+      }
   }
 
   // One chunk: 16-bit O and (if requested) the LSE.
@@ -136,10 +157,11 @@ struct EpilogueSm80 {
 
   // The CTA's rows, normalised (o) with their LSE (lse_v), to global memory.
   static __device__ __forceinline__ void store(const PrefillParams& p, const PrefillWork& w, char* smem,
-                                               const Role& wr, int lane, const OAcc& o, const float (&lse_v)[MQ][2]) {
+                                               const Role& wr, int lane, OAcc& o, float (&lse_v)[MQ][2]) {
     const int num_heads = p.num_qo_heads;
     const int2* row_map = reinterpret_cast<const int2*>(smem + Cfg::ROW_MAP_OFFSET);
     if (w.num_chunks == 1) {
+      if (p.sinks != 0) apply_sinks(p, w, row_map, wr, lane, o, lse_v);
       store_output(p, w, smem, row_map, num_heads, wr, lane, o, lse_v);
     } else {
       store_partials(p, w, row_map, num_heads, wr, lane, o, lse_v);

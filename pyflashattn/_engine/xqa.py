@@ -1,0 +1,212 @@
+"""XQA-style batch decode (FlashInfer's xqa_batch_decode_with_kv_cache): a plan-free call whose
+page table (block_tables) and lengths (seq_lens) stay on the device.
+
+The batch engine runs it: a batch plan over a "block_table" KV source whose requests are all
+planned at max_seq_len (rounded up to a coarse grid of pages, so a growing decode batch re-plans
+rarely), with the kernel reading each request's real length from seq_lens and its page ids from
+its block-table row. Plans are cached per shape key, so a steady serving loop only fills
+pointers and launches: no sync, no allocation when out= is given, capturable in a CUDA graph
+after one warm-up call with the same shapes (the first call of a shape plans: it allocates).
+
+Device metadata is not checked on the host (that would sync): the kernel clamps each request's
+length to the pages the plan covers and every page id into the cache, so bad metadata gives a
+wrong answer but never reads outside the cache. PYFLASHATTN_CHECK_METADATA=1 checks them on
+the host (a sync per call) and raises ValueError naming the argument.
+"""
+from __future__ import annotations
+
+from collections import OrderedDict
+
+import numpy as np
+
+from .._runtime import dtypes as _dtypes, tensor as _tensor
+from . import indices, operands
+from .batch import BatchEngine
+from .metadata_check import check_range, metadata_checks_enabled
+from .problem import PlanSettings
+
+_settings = tuple.__new__
+_ENGINES: OrderedDict = OrderedDict()  # plan key -> a planned BatchEngine
+_MAX_ENGINES = 16
+_INT32_MAX = 2**31 - 1
+_MASK_DTYPES = (_dtypes.UINT16, _dtypes.INT16)
+
+
+def planned_pages(max_seq_len: int, page_size: int, width: int) -> int:
+    """Pages the plan covers for max_seq_len: rounded up to 1/8 of its power of two (at most
+    12.5% more), so a decode batch whose longest request grows by a token re-plans rarely;
+    never more than a block-table row holds."""
+    need = max(1, -(-max_seq_len // page_size))
+    grid = max(1, 1 << max(need.bit_length() - 4, 0))
+    return min(-(-need // grid) * grid, width)
+
+
+def _cache_parts(kv_cache, layout: str):
+    """(what the paged run() takes, shape of one K page tensor [P, ...4-D]): a (k, v) tuple, or a
+    5-D [P, 2, ...] cache as is; a [P, 1, ...] cache (K and V share it) as the pair of its views."""
+    if isinstance(kv_cache, (tuple, list)):
+        if len(kv_cache) != 2:
+            raise ValueError("kv_cache tuple must be (k_cache, v_cache)")
+        k, v = _tensor.view(kv_cache[0], "k_cache"), _tensor.view(kv_cache[1], "v_cache")
+        if k.ndim != 4 or v.shape != k.shape:
+            raise ValueError(f"kv_cache pages must be 4-D [num_pages, page_size, Hkv, D] ({layout}) with K and V "
+                             f"alike, got {k.shape} and {v.shape}")
+        return tuple(kv_cache), k.shape
+    c = _tensor.view(kv_cache, "kv_cache")
+    if c.ndim != 5 or c.shape[1] not in (1, 2):
+        raise ValueError(f"kv_cache must be 5-D [num_pages, 1 or 2, ...] ({layout}) or a (k, v) tuple, "
+                         f"got shape {c.shape}")
+    shape = (c.shape[0],) + c.shape[2:]
+    return (kv_cache if c.shape[1] == 2 else (kv_cache[:, 0], kv_cache[:, 0])), shape
+
+
+def _check_mask(mask, batch: int, q_len: int, dev: int) -> int:
+    """XQA's speculative-decoding mask: uint16 [B, q_len, ceil(q_len / 32) * 2], contiguous on dev.
+    Returns its 32-bit words per query row."""
+    v = _tensor.view(mask, "mask")
+    operands.require_device(v, "mask", dev, "query")
+    words = -(-q_len // 32)
+    if v.dtype not in _MASK_DTYPES:
+        raise TypeError(f"mask must be uint16 (32-bit little-endian words as pairs), got {v.dtype.name}")
+    if v.shape != (batch, q_len, 2 * words):
+        raise ValueError(f"mask must have shape {(batch, q_len, 2 * words)} (batch, q_len_per_req, "
+                         f"ceil(q_len_per_req / 32) * 2), got {v.shape}")
+    if not operands._contiguous(v.shape, v.strides) or v.ptr % 4:
+        raise ValueError("mask must be contiguous and 4-byte aligned")
+    return words
+
+
+def _scale(x, name, dev):
+    """(float, device address): a Python number, or a one-element float32 device tensor."""
+    if isinstance(x, (int, float, np.integer, np.floating)) and not isinstance(x, bool):
+        return operands.scale_arg(x, name), 0
+    return 1.0, operands.device_scalar(x, name, dev)
+
+
+def _check_metadata(bt, sl, max_seq_len, planned_keys, num_pages, page_size):
+    """PYFLASHATTN_CHECK_METADATA=1: seq_lens within max_seq_len and the plan, the pages they use
+    inside the cache (copies both arrays to the host: a sync)."""
+    lens = indices.host_int(sl.reshape(-1), "seq_lens").view(np.uint32).astype(np.int64)
+    check_range(lens, 0, min(max_seq_len, planned_keys) + 1, "seq_lens", "max_seq_len")
+    table = indices.host_int(bt.reshape(-1), "block_tables").reshape(len(lens), -1)
+    for b, n in enumerate(-(-lens // page_size)):
+        check_range(table[b, :n], 0, num_pages, "block_tables", "pages in kv_cache", offset=b * table.shape[1])
+
+
+def xqa_batch_decode(query, kv_cache, workspace_buffer, block_tables, seq_lens, max_seq_len: int,
+                     bmm1_scale=1.0, bmm2_scale=1.0, window_left: int = -1, out=None, sinks=None,
+                     kv_layout: str = "NHD", enable_pdl=None, q_len_per_req: int | None = 1, o_scale=1.0,
+                     mask=None, kv_cache_sf=None):
+    """Batch decode over a paged cache addressed by block tables (FlashInfer's XQA API).
+
+    query [B * q_len_per_req, Hq, D] fp16/bf16; kv_cache [P, 1|2, page_size, Hkv, D] (NHD) /
+    [P, 1|2, Hkv, page_size, D] (HND), or a (k, v) tuple of 4-D pages, in query's dtype or fp8
+    (e4m3 / e5m2); block_tables int32 [B, max_pages] (rows may be strided); seq_lens int32 or
+    uint32 [B] on the device (<= max_seq_len); bmm1_scale = sm_scale * q_scale * k_scale,
+    bmm2_scale = v_scale / o_scale, each a float or a one-element float32 device tensor (read by
+    the kernel at launch: a CUDA graph replay sees the current value). Any page size, head dim
+    64 / 128 / 256 and GQA group. sinks: float32 [Hq] or [Hkv, group]. q_len_per_req > 1
+    (speculative decoding): draft i sits at seq_len - q_len_per_req + i; mask (uint16
+    [B, q_len, ceil(q_len/32)*2], bit j of row i: draft i sees draft j; every key before the
+    drafts is visible) or, without one, causal over the drafts. o_scale only matters for an fp8
+    output (bmm2_scale already holds 1 / o_scale). Returns out [B * q_len_per_req, Hq, D] in
+    query's dtype. workspace_buffer: the split-KV scratch (it need not be zeroed).
+    """
+    if kv_cache_sf is not None:
+        raise NotImplementedError("kv_cache_sf: the NVFP4 KV cache is not implemented in pyflashattn yet")
+    operands.scale_arg(o_scale, "o_scale")
+    q_len = operands.positive_int(1 if q_len_per_req is None else q_len_per_req, "q_len_per_req")
+    layout = operands.kv_layout(kv_layout)
+    qv = _tensor.view(query, "query")
+    operands.require_device(qv, "query", qv.device_id)
+    dev = qv.device_id
+    if qv.ndim != 3 or qv.shape[0] % q_len:
+        raise ValueError(f"query must be [batch * q_len_per_req, num_heads, head_dim] with q_len_per_req="
+                         f"{q_len}, got shape {qv.shape}")
+    if out is not None:
+        ov = _tensor.view(out, "out")
+        if ov.is_cuda and ov.dtype in (_dtypes.FLOAT8_E4M3, _dtypes.FLOAT8_E5M2):
+            raise NotImplementedError("out: an fp8 output is not implemented in pyflashattn yet")
+    if qv.dtype not in (_dtypes.FLOAT16, _dtypes.BFLOAT16):
+        raise TypeError(f"query must be float16 or bfloat16, got {qv.dtype.name}")
+    batch, hq, hd = qv.shape[0] // q_len, qv.shape[1], qv.shape[2]
+    cache, kshape = _cache_parts(kv_cache, layout)
+    num_pages = kshape[0]
+    page_size, hkv, dk = (kshape[1], kshape[2], kshape[3]) if layout == "NHD" else (kshape[2], kshape[1], kshape[3])
+    kdt = (_tensor.view(cache[0], "k_cache") if isinstance(cache, tuple) else _tensor.view(cache, "kv_cache")).dtype
+    if kdt is not qv.dtype and kdt not in (_dtypes.FLOAT8_E4M3, _dtypes.FLOAT8_E5M2):
+        raise TypeError(f"kv_cache has dtype {kdt.name}: it must be query's ({qv.dtype.name}) or fp8 "
+                        "(float8_e4m3fn, float8_e5m2)")
+    if dk != hd:
+        raise ValueError(f"kv_cache head_dim {dk} differs from query's {hd}")
+    if hkv == 0 or hq % hkv:
+        raise ValueError(f"query heads ({hq}) must be a multiple of kv_cache heads ({hkv})")
+    bt = _tensor.view(block_tables, "block_tables")
+    operands.require_device(bt, "block_tables", dev, "query")
+    if bt.dtype is not _dtypes.INT32:
+        raise TypeError(f"block_tables must be int32, got {bt.dtype.name}")
+    if bt.ndim != 2 or bt.shape[0] != batch or (bt.shape[1] > 1 and bt.strides[1] != 1):
+        raise ValueError(f"block_tables must be [batch={batch}, max_pages] with contiguous rows, got shape "
+                         f"{bt.shape} strides {bt.strides}")
+    sl = _tensor.view(seq_lens, "seq_lens")
+    operands.require_device(sl, "seq_lens", dev, "query")
+    if sl.dtype not in (_dtypes.INT32, _dtypes.UINT32):
+        raise TypeError(f"seq_lens must be int32 or uint32, got {sl.dtype.name}")
+    if sl.shape != (batch,) or (batch > 1 and sl.strides[0] != 1):
+        raise ValueError(f"seq_lens must be a contiguous [{batch}] tensor, got shape {sl.shape}")
+    msl = operands.positive_int(max_seq_len, "max_seq_len")
+    width = bt.shape[1]
+    if msl > width * page_size:
+        raise ValueError(f"max_seq_len={msl} exceeds what block_tables rows hold ({width} pages of {page_size})")
+    row_stride = bt.strides[0] if batch > 1 else width
+    if row_stride * batch > _INT32_MAX:
+        raise ValueError("block_tables is too large for int32 page offsets")
+    words = _check_mask(mask, batch, q_len, dev) if mask is not None else 0
+    s1, s1_dev = _scale(bmm1_scale, "bmm1_scale", dev)
+    s2, s2_dev = _scale(bmm2_scale, "bmm2_scale", dev)
+    pages = planned_pages(msl, page_size, width)
+    if metadata_checks_enabled():
+        _check_metadata(block_tables, seq_lens, msl, pages * page_size, num_pages, page_size)
+    e = _engine(dev, workspace_buffer, layout, batch, q_len, hq, hkv, hd, page_size, pages, row_stride, words,
+                qv.dtype, kdt, window_left, bool(s1_dev))
+    p = e.attn.params
+    p.kv_page_indices, p.kv_seq_lens, p.kv_max_pages, p.num_pages = bt.ptr, sl.ptr, pages, num_pages
+    p.scale_dev, p.v_scale_dev = s1_dev, s2_dev
+    if words:
+        p.custom_mask, p.spec_mask_words = _tensor.view(mask, "mask").ptr, words
+    return e.run_paged(query, cache, k_scale=s1, v_scale=s2, out=out, enable_pdl=enable_pdl, sinks=sinks)
+
+
+def _engine(dev, workspace, layout, batch, q_len, hq, hkv, hd, page_size, pages, row_stride, words, qdt, kdt,
+            window_left, scale_on_device) -> BatchEngine:
+    """The planned engine for this shape key (planned on first use, then reused)."""
+    key = (dev, layout, batch, q_len, hq, hkv, hd, page_size, pages, row_stride, words, qdt.name, kdt.name,
+           window_left, scale_on_device)
+    e = _ENGINES.get(key)
+    if e is None:
+        e = BatchEngine(workspace, layout, False, True)
+        # A speculative-decoding mask takes the general kernels; a device-side logit scale the
+        # kernels that read it (the manifest's device_scale: not the 128-row lean ones).
+        general = bool(words)
+        settings = _settings(PlanSettings, (hq, hkv, hd, "NONE", False, None, None, None, "log2", qdt, kdt,
+                                            window_left, 1.0, None, False, general))
+        src = indices.block_table_source(batch, q_len, pages * page_size, row_stride, page_size,
+                                         q_len * words * 4)
+        try:
+            e.plan(src, settings, q_len > 1 and not words, None, None, False, None)
+        except ValueError as err:  # the engine speaks of its own argument name
+            if str(err).startswith("float_workspace_buffer"):
+                raise ValueError("workspace_buffer" + str(err)[len("float_workspace_buffer"):].split(";")[0] +
+                                 "; pass a larger workspace_buffer") from None
+            raise
+        if scale_on_device and not e.attn.meta.get("device_scale"):
+            e.plan(src, settings._replace(general=True), q_len > 1 and not words, None, None, False, None)
+        if len(_ENGINES) >= _MAX_ENGINES:
+            _ENGINES.popitem(last=False)
+        _ENGINES[key] = e
+    else:
+        _ENGINES.move_to_end(key)
+        if workspace is not e.ws_buf and _tensor.view(workspace, "workspace_buffer").ptr != e.ws_ptr:
+            e.reset_workspace(workspace)
+    return e
+
