@@ -20,7 +20,7 @@ from collections import OrderedDict
 import numpy as np
 
 from .._runtime import dtypes as _dtypes, tensor as _tensor
-from . import indices, operands
+from . import indices, launch, operands
 from .batch import BatchEngine
 from .metadata_check import check_range, metadata_checks_enabled
 from .problem import PlanSettings
@@ -30,6 +30,8 @@ _ENGINES: OrderedDict = OrderedDict()  # plan key -> a planned BatchEngine
 _MAX_ENGINES = 16
 _INT32_MAX = 2**31 - 1
 _MASK_DTYPES = (_dtypes.UINT16, _dtypes.INT16)
+_FAST: dict = {}  # torch call signature -> (engine, its per-call constants): the validated calls
+_NUMBERS = (int, float)
 
 
 def planned_pages(max_seq_len: int, page_size: int, width: int) -> int:
@@ -112,6 +114,17 @@ def xqa_batch_decode(query, kv_cache, workspace_buffer, block_tables, seq_lens, 
     output (bmm2_scale already holds 1 / o_scale). Returns out [B * q_len_per_req, Hq, D] in
     query's dtype. workspace_buffer: the split-KV scratch (it need not be zeroed).
     """
+    if query.__class__ in launch.TORCH_TYPES and kv_cache_sf is None:
+        key = _torch_signature(query, kv_cache, block_tables, seq_lens, max_seq_len, bmm1_scale, bmm2_scale,
+                               window_left, out, sinks, kv_layout, q_len_per_req, o_scale, mask)
+        hit = _FAST.get(key) if key is not None else None
+        if hit is not None and not metadata_checks_enabled():
+            res = _run_fast(hit, query, kv_cache, workspace_buffer, block_tables, seq_lens, bmm1_scale, bmm2_scale,
+                            out, sinks, mask, enable_pdl)
+            if res is not None:
+                return res
+    else:
+        key = None
     if kv_cache_sf is not None:
         raise NotImplementedError("kv_cache_sf: the NVFP4 KV cache is not implemented in pyflashattn yet")
     operands.scale_arg(o_scale, "o_scale")
@@ -174,7 +187,52 @@ def xqa_batch_decode(query, kv_cache, workspace_buffer, block_tables, seq_lens, 
     p.scale_dev, p.v_scale_dev = s1_dev, s2_dev
     if words:
         p.custom_mask, p.spec_mask_words = _tensor.view(mask, "mask").ptr, words
-    return e.run_paged(query, cache, k_scale=s1, v_scale=s2, out=out, enable_pdl=enable_pdl, sinks=sinks)
+    res = e.run_paged(query, cache, k_scale=s1, v_scale=s2, out=out, enable_pdl=enable_pdl, sinks=sinks)
+    # validated: later calls of this signature take the fast path (not a [P, 1, ...] cache, run as two views)
+    if key is not None and (cache is kv_cache or isinstance(kv_cache, tuple)):
+        if len(_FAST) >= 4 * _MAX_ENGINES:
+            _FAST.clear()
+        _FAST[key] = (e, pages, num_pages, words)
+    return res
+
+
+def _sig(t):
+    return None if t is None else (t.shape, t.stride(), t.dtype, t.get_device())
+
+
+def _torch_signature(query, kv_cache, bt, sl, max_seq_len, s1, s2, window_left, out, sinks, layout, q_len, o_scale,
+                     mask):
+    """What a validated torch call depends on besides addresses (None: not plain torch tensors)."""
+    try:
+        cache = tuple(map(_sig, kv_cache)) if isinstance(kv_cache, tuple) else _sig(kv_cache)
+        return (_sig(query), cache, _sig(bt), _sig(sl), max_seq_len,
+                s1 if s1.__class__ in _NUMBERS else _sig(s1), s2 if s2.__class__ in _NUMBERS else _sig(s2),
+                window_left, _sig(out), _sig(sinks), layout, q_len, o_scale, _sig(mask))
+    except (AttributeError, TypeError):  # not torch tensors (or an unhashable argument): the full path
+        return None
+
+
+def _run_fast(hit, query, kv_cache, workspace, bt, sl, s1, s2, out, sinks, mask, enable_pdl):
+    """A torch call whose signature a validated call had: pointers, scales, launch (None: take
+    the full path)."""
+    e, pages, num_pages, words = hit
+    if workspace is not e.ws_buf:
+        return None
+    p = e.attn.params
+    p.kv_page_indices, p.kv_seq_lens, p.kv_max_pages, p.num_pages = bt.data_ptr(), sl.data_ptr(), pages, num_pages
+    p.scale_dev = 0 if s1.__class__ in _NUMBERS else s1.data_ptr()
+    p.v_scale_dev = 0 if s2.__class__ in _NUMBERS else s2.data_ptr()
+    if words:
+        p.custom_mask, p.spec_mask_words = mask.data_ptr(), words
+    sink_ptr = 0 if sinks is None else sinks.data_ptr()
+    if sink_ptr != e.sinks:
+        p.sinks = sink_ptr
+        if e.merge is not None:
+            e.merge.params.sinks = sink_ptr
+        e.sinks = sink_ptr
+    e.apply_scales(float(s1) if s1.__class__ in _NUMBERS else None, float(s2) if s2.__class__ in _NUMBERS else None)
+    kv_parts = tuple(kv_cache) if isinstance(kv_cache, tuple) else (kv_cache,)
+    return e.torch_fast(query, kv_parts, out, None, False, None, enable_pdl)
 
 
 def _engine(dev, workspace, layout, batch, q_len, hq, hkv, hd, page_size, pages, row_stride, words, qdt, kdt,
