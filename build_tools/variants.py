@@ -199,70 +199,35 @@ class MergeVariant:
                 "programmatic_launch": True, "tune": self.tune}
 
 
-@dataclass(frozen=True)
-class PackbitsVariant:
-    tune: bool = False
-    impl: str = PORTABLE
-    archs: tuple = ARCHS_DEFAULT
-
-    @property
-    def name(self):
-        return "pfa_packbits"
-
-    def source(self):
-        return '#include "pfa/misc/packbits.cuh"\nPFA_DEFINE_PACKBITS(pfa_packbits)\n'
-
-    def manifest(self):
-        return {"family": "packbits", "impl": self.impl, "warps": PACKBITS_THREADS // WARP_THREADS,
-                "threads": PACKBITS_THREADS, "smem_bytes": 0, "tune": self.tune}
-
-
-@dataclass(frozen=True)
-class PageVariant:
-    """The paged-cache helpers (flashinfer.page): append K/V rows into their pages, batch indices
-    and positions, seq_lens; one dtype-agnostic kernel (it copies elem_bytes-wide elements, 16
-    bytes at a time when every address and stride allows), the mode in PageParams."""
-    tune: bool = False
-    impl: str = PORTABLE
-    archs: tuple = ARCHS_DEFAULT
-
-    @property
-    def name(self):
-        return "pfa_page"
-
-    def source(self):
-        return '#include "pfa/misc/page.cuh"\nPFA_DEFINE_PAGE(pfa_page)\n'
-
-    def manifest(self):
-        return {"family": "page", "impl": self.impl, "warps": PAGE_THREADS // WARP_THREADS,
-                "threads": PAGE_THREADS, "smem_bytes": 0, "tune": self.tune}
-
-
 CASCADE_THREADS = 128  # CascadeMerge::WARPS * 32: one warp per (row, head)
-# The value dtypes of the cascade merge: the prefill dtypes plus fp32 (DTYPES drives the prefill rows).
+# cascade merges take fp32 values too (the LSEs are float32 whatever the values are)
 CASCADE_DTYPES = {**DTYPES, "f32": "float"}
 
 
 @dataclass(frozen=True)
-class CascadeVariant:
-    """FlashInfer's cascade merge (merge_state, merge_state_in_place, merge_states): one row per
-    value dtype; the LSEs are float32 whatever the values are."""
-    dtype: str
+class MiscVariant:
+    """A portable helper kernel of pfa/misc/<family>.cuh, defined by PFA_DEFINE_<FAMILY>(name[, T]):
+    packbits (mask packing), page (flashinfer.page: append K/V into pages, batch indices and
+    positions, seq_lens; dtype-agnostic, it copies elem_bytes-wide elements), cascade
+    (merge_state(s): one row per value dtype)."""
+    family: str
+    threads: int
+    dtype: str = ""  # a key of CASCADE_DTYPES for the kernels templated on a value type; "" = none
     tune: bool = False
     impl: str = PORTABLE
     archs: tuple = ARCHS_DEFAULT
 
     @property
     def name(self):
-        return f"pfa_cascade_{self.dtype}"
+        return f"pfa_{self.family}{'_' + self.dtype if self.dtype else ''}"
 
     def source(self):
-        return (f'#include "pfa/misc/cascade.cuh"\n'
-                f"PFA_DEFINE_CASCADE_MERGE({self.name}, {CASCADE_DTYPES[self.dtype]})\n")
+        args = f"{self.name}, {CASCADE_DTYPES[self.dtype]}" if self.dtype else self.name
+        return f'#include "pfa/misc/{self.family}.cuh"\nPFA_DEFINE_{self.family.upper()}({args})\n'
 
     def manifest(self):
-        return {"family": "cascade", "impl": self.impl, "dtype": self.dtype, "warps": CASCADE_THREADS // WARP_THREADS,
-                "threads": CASCADE_THREADS, "smem_bytes": 0, "tune": self.tune}
+        return {"family": self.family, "impl": self.impl, **({"dtype": self.dtype} if self.dtype else {}),
+                "warps": self.threads // WARP_THREADS, "threads": self.threads, "smem_bytes": 0, "tune": self.tune}
 
 
 # head_dim -> (warps, mq, block_n, q_in_regs, stages, min_blocks, lazy_rescale[, pair]): the shipped
@@ -377,9 +342,9 @@ def variants(tune=False):
             if tune:
                 out += [PrefillVariant(dtype, hd, *t, tune=True) for t in PREFILL_TUNE_TILES[hd]]
         out.append(MergeVariant(dtype))
-    out.append(PackbitsVariant())
-    out += [CascadeVariant(dtype) for dtype in CASCADE_DTYPES]
-    out.append(PageVariant())
+    out.append(MiscVariant("packbits", PACKBITS_THREADS))
+    out += [MiscVariant("cascade", CASCADE_THREADS, dtype) for dtype in CASCADE_DTYPES]
+    out.append(MiscVariant("page", PAGE_THREADS))
     return [p for p in map(_placed, out) if p.archs]
 
 

@@ -87,7 +87,8 @@ class BatchDecodeWithPagedKVCacheWrapper:
     paged_kv_last_page_len_buffer: they bound the batch size and the pages; the first plan fixes
     the query-token capacity (its batch size x q_len_per_req, so plan the full batch first, as
     FlashInfer's graph mode expects). plan() runs outside capture; later plans may change lengths
-    within the capacity, and q_len_per_req stays that of the first plan.
+    within the capacity, and q_len_per_req stays that of the first plan. A captured run() keeps
+    the scales and sinks it was captured with (as the prefill wrappers' k_scale / v_scale).
     """
 
     def __init__(self, float_workspace_buffer, kv_layout: str = "NHD", use_cuda_graph: bool = False,

@@ -121,7 +121,7 @@ def test_reference_huge_lse_gap_does_not_overflow():
 # ---------------------------------------------------------------- the kernel table
 
 def test_variant_rows_and_host_tables_agree():
-    rows = [v for v in variants.variants() if isinstance(v, variants.CascadeVariant)]
+    rows = [v for v in variants.variants() if getattr(v, "family", None) == "cascade"]
     assert [v.name for v in rows] == ["pfa_cascade_f16", "pfa_cascade_bf16", "pfa_cascade_f32"]
     assert all(v.archs == variants.ARCHS_DEFAULT and v.impl == variants.PORTABLE for v in rows)
     assert {v.dtype for v in rows} == set(_engine.VALUE_DTYPES.values())

@@ -315,8 +315,11 @@ class BatchEngine:
     def apply_sinks(self, sinks):
         """Point the attention and merge structs at run()'s sinks (None: none); the kernel adds
         each row's sink where the row is finished."""
-        ptr = 0 if sinks is None else operands.sinks_operand(sinks, self.cfg.num_qo_heads, self.cfg.num_kv_heads,
-                                                             self.dev)
+        self.point_sinks(0 if sinks is None else operands.sinks_operand(sinks, self.cfg.num_qo_heads,
+                                                                        self.cfg.num_kv_heads, self.dev))
+
+    def point_sinks(self, ptr: int):
+        """The structs' sinks address (validated by the caller; 0 = none), written when it changes."""
         if ptr != self.sinks:
             self.attn.params.sinks = ptr
             if self.merge is not None:

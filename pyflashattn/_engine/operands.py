@@ -208,3 +208,17 @@ def device_scalar(x, name: str, dev: int) -> int:
     if v.ptr % 4:
         raise ValueError(f"{name} must be 4-byte aligned")
     return v.ptr
+
+
+def index_array(v, name: str, dev: int, ref: str = "q", dtypes=(_dtypes.INT32,)) -> None:
+    """A device index array (a view): CUDA on dev, of one of dtypes (int32 unless the API also
+    takes another), 1-D and contiguous. Index arrays are never converted: int64 metadata read
+    as int32 is FlashInfer's silent-zeros bug (#1654)."""
+    require_device(v, name, dev, ref)
+    if v.dtype not in dtypes:
+        raise TypeError(f"{name} must be {' or '.join(d.name for d in dtypes)}, got {v.dtype.name} (index arrays "
+                        "are not converted)")
+    if v.ndim != 1:
+        raise ValueError(f"{name} must be 1-D, got shape {v.shape}")
+    if v.shape[0] > 1 and v.strides[0] != 1:
+        raise ValueError(f"{name} must be contiguous, got strides {v.strides}")

@@ -169,15 +169,9 @@ def _append_operands(append_key, append_value, cache: Cache, ref: str, dev: int)
 
 
 def _index_operand(x, name: str, dev: int, ref: str):
-    """A 1-D contiguous int32 CUDA index array on dev."""
+    """A 1-D contiguous int32 CUDA index array on dev (the validator's index_array)."""
     v = _tensor.view(x, name)
-    operands.require_device(v, name, dev, ref)
-    if v.dtype is not INT32:
-        raise TypeError(f"{name} must be int32, got {v.dtype.name} (index arrays are not converted: pass int32)")
-    if v.ndim != 1:
-        raise ValueError(f"{name} must be 1-D, got shape {v.shape}")
-    if v.shape[0] > 1 and v.strides[0] != 1:
-        raise ValueError(f"{name} must be contiguous, got strides {v.strides}")
+    operands.index_array(v, name, dev, ref)
     return v
 
 
@@ -369,13 +363,7 @@ def _device_pair(a, b, a_name: str, b_name: str):
         raise ValueError(_tensor.not_cuda_message(a_name, a.device_type, a.device_id))
     dev = a.device_id
     for v, name in ((a, a_name), (b, b_name)):
-        operands.require_device(v, name, dev, a_name)
-        if v.dtype is not INT32:
-            raise TypeError(f"{name} must be int32, got {v.dtype.name}")
-        if v.ndim != 1:
-            raise ValueError(f"{name} must be 1-D, got shape {v.shape}")
-        if v.shape[0] > 1 and v.strides[0] != 1:
-            raise ValueError(f"{name} must be contiguous, got strides {v.strides}")
+        operands.index_array(v, name, dev, a_name)
     return a, b, dev
 
 

@@ -62,9 +62,9 @@ def _cache_parts(kv_cache, layout: str):
     return (kv_cache if c.shape[1] == 2 else (kv_cache[:, 0], kv_cache[:, 0])), shape
 
 
-def _check_mask(mask, batch: int, q_len: int, dev: int) -> int:
+def _check_mask(mask, batch: int, q_len: int, dev: int) -> tuple:
     """XQA's speculative-decoding mask: uint16 [B, q_len, ceil(q_len / 32) * 2], contiguous on dev.
-    Returns its 32-bit words per query row."""
+    Returns (its 32-bit words per query row, its address)."""
     v = _tensor.view(mask, "mask")
     operands.require_device(v, "mask", dev, "query")
     words = -(-q_len // 32)
@@ -75,7 +75,7 @@ def _check_mask(mask, batch: int, q_len: int, dev: int) -> int:
                          f"ceil(q_len_per_req / 32) * 2), got {v.shape}")
     if not operands._contiguous(v.shape, v.strides) or v.ptr % 4:
         raise ValueError("mask must be contiguous and 4-byte aligned")
-    return words
+    return words, v.ptr
 
 
 def _scale(x, name, dev):
@@ -162,11 +162,9 @@ def xqa_batch_decode(query, kv_cache, workspace_buffer, block_tables, seq_lens, 
         raise ValueError(f"block_tables must be [batch={batch}, max_pages] with contiguous rows, got shape "
                          f"{bt.shape} strides {bt.strides}")
     sl = _tensor.view(seq_lens, "seq_lens")
-    operands.require_device(sl, "seq_lens", dev, "query")
-    if sl.dtype not in (_dtypes.INT32, _dtypes.UINT32):
-        raise TypeError(f"seq_lens must be int32 or uint32, got {sl.dtype.name}")
-    if sl.shape != (batch,) or (batch > 1 and sl.strides[0] != 1):
-        raise ValueError(f"seq_lens must be a contiguous [{batch}] tensor, got shape {sl.shape}")
+    operands.index_array(sl, "seq_lens", dev, "query", (_dtypes.INT32, _dtypes.UINT32))
+    if sl.shape != (batch,):
+        raise ValueError(f"seq_lens must have shape ({batch},) (one length per request), got {sl.shape}")
     msl = operands.positive_int(max_seq_len, "max_seq_len")
     width = bt.shape[1]
     if msl > width * page_size:
@@ -174,7 +172,7 @@ def xqa_batch_decode(query, kv_cache, workspace_buffer, block_tables, seq_lens, 
     row_stride = bt.strides[0] if batch > 1 else width
     if row_stride * batch > _INT32_MAX:
         raise ValueError("block_tables is too large for int32 page offsets")
-    words = _check_mask(mask, batch, q_len, dev) if mask is not None else 0
+    words, mask_ptr = _check_mask(mask, batch, q_len, dev) if mask is not None else (0, 0)
     s1, s1_dev = _scale(bmm1_scale, "bmm1_scale", dev)
     s2, s2_dev = _scale(bmm2_scale, "bmm2_scale", dev)
     pages = planned_pages(msl, page_size, width)
@@ -186,7 +184,7 @@ def xqa_batch_decode(query, kv_cache, workspace_buffer, block_tables, seq_lens, 
     p.kv_page_indices, p.kv_seq_lens, p.kv_max_pages, p.num_pages = bt.ptr, sl.ptr, pages, num_pages
     p.scale_dev, p.v_scale_dev = s1_dev, s2_dev
     if words:
-        p.custom_mask, p.spec_mask_words = _tensor.view(mask, "mask").ptr, words
+        p.custom_mask, p.spec_mask_words = mask_ptr, words
     res = e.run_paged(query, cache, k_scale=s1, v_scale=s2, out=out, enable_pdl=enable_pdl, sinks=sinks)
     # validated: later calls of this signature take the fast path (not a [P, 1, ...] cache, run as two views)
     if key is not None and (cache is kv_cache or isinstance(kv_cache, tuple)):
@@ -224,12 +222,7 @@ def _run_fast(hit, query, kv_cache, workspace, bt, sl, s1, s2, out, sinks, mask,
     p.v_scale_dev = 0 if s2.__class__ in _NUMBERS else s2.data_ptr()
     if words:
         p.custom_mask, p.spec_mask_words = mask.data_ptr(), words
-    sink_ptr = 0 if sinks is None else sinks.data_ptr()
-    if sink_ptr != e.sinks:
-        p.sinks = sink_ptr
-        if e.merge is not None:
-            e.merge.params.sinks = sink_ptr
-        e.sinks = sink_ptr
+    e.point_sinks(0 if sinks is None else sinks.data_ptr())  # validated with this signature
     e.apply_scales(float(s1) if s1.__class__ in _NUMBERS else None, float(s2) if s2.__class__ in _NUMBERS else None)
     kv_parts = tuple(kv_cache) if isinstance(kv_cache, tuple) else (kv_cache,)
     return e.torch_fast(query, kv_parts, out, None, False, None, enable_pdl)

@@ -19,7 +19,7 @@ import numpy as np
 import pyflashattn
 from pyflashattn._engine import routing
 from pyflashattn._runtime import cuda as _cuda, dtypes as _dtypes, registry as _registry, tensor as _tensor
-from pyflashattn._runtime.params_gen import MergeParams, PackbitsParams, PrefillParams
+from pyflashattn._runtime.params_gen import FAMILIES, MergeParams, PackbitsParams, PrefillParams
 from pyflashattn.testing.fake_tensors import FakeProducer, fake_cuda_tensor
 from pyflashattn.testing.fake_tensors import compact_strides as _compact
 
@@ -209,7 +209,7 @@ class FakeEnv:
         monkeypatch.setattr(_cuda, "library_stream", lambda dev: 0x5100)
 
         def new_launcher(family, dev, **match):
-            ptype = {"prefill": PrefillParams, "merge": MergeParams, "packbits": PackbitsParams}[family]
+            ptype = FAMILIES[family]  # every kernel family of the params schema
             name = family + "".join(f"_{k}={v}" for k, v in sorted(match.items()))
             if match.get("decode"):  # the decode tiles, as variants.py builds them
                 v = _decode_variant(variants, match)

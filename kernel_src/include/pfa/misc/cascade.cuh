@@ -189,7 +189,7 @@ struct CascadeMerge {
 
 }  // namespace pfa
 
-#define PFA_DEFINE_CASCADE_MERGE(NAME, T)                                          \
+#define PFA_DEFINE_CASCADE(NAME, T)                                          \
   extern "C" __global__ void __launch_bounds__(pfa::CascadeMerge<T>::WARPS * 32)  \
       NAME(const __grid_constant__ pfa::CascadeMergeParams p) {                   \
     pfa::CascadeMerge<T>::run(p);                                                 \
