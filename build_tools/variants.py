@@ -33,11 +33,12 @@ SMEM_OPTIN = {"sm_80": 166912, "sm_89": 101376, "sm_90a": 232448}
 # header and definition macro derive from its impl (pfa_prefill_<impl>_...,
 # pfa/attention/prefill_<impl>.cuh, PFA_DEFINE_PREFILL_<IMPL>).
 #   "sm80": the mma.sync family, sm_80 class (cp.async, ldmatrix, mma.sync): every arch here.
-#   "sm90" (to come): the Hopper wgmma/TMA family, sm_90a only.
+#   "sm90": the Hopper family (warp-specialised wgmma, mbarrier pipelines), sm_90a only.
 #   "portable": plain CUDA kernels (merge, packbits), one source for every arch.
 SM80 = "sm80"
+SM90 = "sm90"
 PORTABLE = "portable"
-IMPL_ARCHS = {SM80: ARCHS_DEFAULT, PORTABLE: ARCHS_DEFAULT}
+IMPL_ARCHS = {SM80: ARCHS_DEFAULT, SM90: ("sm_90a",), PORTABLE: ARCHS_DEFAULT}
 
 WARP_THREADS = 32
 MMA_ROWS = 16  # rows of one m16 MMA tile: a warp's row tile, and the decode tile's height
@@ -169,6 +170,68 @@ class PrefillVariant:
     def device_scale(self):
         # honours PrefillParams.scale_dev (PrefillSm80Config::DEVICE_SCALE)
         return self.general or self.block_m < 128
+
+
+@dataclass(frozen=True)
+class HopperPrefillVariant:
+    """A row of the sm_90a prefill family (prefill_sm90.cuh): one producer warpgroup and
+    `consumers` warpgroups of 64 rows (BLOCK_M = 64 * consumers), a `stages`-deep K/V ring of
+    block_n-key tiles. The registry prefers it on sm_90a wherever a row matches the call; what it
+    does not cover (paged, general options, fp8 K/V, decode tiles) has no row and runs on sm80."""
+    dtype: str
+    head_dim: int
+    block_n: int
+    consumers: int
+    stages: int
+    tune: bool = False
+    impl: str = SM90
+    archs: tuple = IMPL_ARCHS[SM90]
+
+    WG_ROWS = 64
+    WG_THREADS = 128
+    ATOM_BYTES = 1024  # the 128-byte swizzle's 8-row atom: tiles aligned to it (slack for the base)
+    BARRIER_BYTES = 8
+
+    @property
+    def block_m(self):
+        return self.consumers * self.WG_ROWS
+
+    @property
+    def threads(self):
+        return (self.consumers + 1) * self.WG_THREADS
+
+    @property
+    def smem_bytes(self):
+        # PrefillSm90Config::SMEM_BYTES: Q, STAGES K and V tiles, 1 + 4 * STAGES mbarriers, the
+        # alignment slack
+        tile = self.block_n * self.head_dim * HALF_BYTES
+        return (self.block_m * self.head_dim * HALF_BYTES + 2 * self.stages * tile
+                + (1 + 4 * self.stages) * self.BARRIER_BYTES + self.ATOM_BYTES)
+
+    def fits(self, arch):
+        return self.smem_bytes <= SMEM_OPTIN[arch]
+
+    @property
+    def name(self):
+        return (f"pfa_prefill_{self.impl}_{self.dtype}_hd{self.head_dim}_m{self.block_m}n{self.block_n}"
+                f"c{self.consumers}s{self.stages}")
+
+    def source(self):
+        return (f'#include "pfa/attention/prefill_sm90.cuh"\n'
+                f"PFA_DEFINE_PREFILL_SM90({self.name}, {DTYPES[self.dtype]}, {self.head_dim}, {self.block_n}, "
+                f"{self.consumers}, {self.stages}, {self.smem_bytes})\n")
+
+    def manifest(self):
+        return {"family": "prefill", "impl": self.impl, "dtype": self.dtype, "kv_dtype": self.dtype,
+                "head_dim": self.head_dim, "block_m": self.block_m, "block_n": self.block_n,
+                "warps": self.threads // WARP_THREADS, "threads": self.threads, "smem_bytes": self.smem_bytes,
+                "ctas_per_sm": 1, "tune": self.tune, "general": False, "paged": False, "decode": False,
+                "rows_fastest": False, "device_scale": False}
+
+
+# head_dim -> (block_n, consumers, stages) of the sm_90a family: FlashAttention-3's tile shapes for
+# two consumer warpgroups (hd256: 80-key tiles, so Q and two K/V stages fit shared memory).
+HOPPER_TILES = {64: (128, 2, 3), 128: (128, 2, 2), 256: (80, 2, 2)}
 
 
 MERGE_THREADS = 128
@@ -303,6 +366,8 @@ def unbuilt_reason(v, arch):
     """Why row v is not built for arch, an arch of its impl (None: it is built there)."""
     if arch not in IMPL_ARCHS[v.impl]:
         return f"the {v.impl} family is built for {', '.join(IMPL_ARCHS[v.impl])} only"
+    if isinstance(v, HopperPrefillVariant):
+        return None if v.fits(arch) else f"needs {v.smem_bytes} bytes of shared memory per block"
     if not isinstance(v, PrefillVariant):
         return None
     if not v.fits(arch):
@@ -341,6 +406,7 @@ def variants(tune=False):
                                                           decode=True))
             if tune:
                 out += [PrefillVariant(dtype, hd, *t, tune=True) for t in PREFILL_TUNE_TILES[hd]]
+        out += [HopperPrefillVariant(dtype, hd, *tile) for hd, tile in HOPPER_TILES.items()]
         out.append(MergeVariant(dtype))
     out.append(MiscVariant("packbits", PACKBITS_THREADS))
     out += [MiscVariant("cascade", CASCADE_THREADS, dtype) for dtype in CASCADE_DTYPES]

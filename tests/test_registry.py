@@ -38,8 +38,9 @@ def fake(monkeypatch):
 def test_impl_preference_orders_the_implementations_within_an_arch(fake, monkeypatch):
     mma = _row("pfa_prefill_sm80_x", "sm_90a", impl="sm80")
     hopper = _row("pfa_prefill_sm90_x", "sm_90a", impl="sm90")
+    # a family the arch does not list is never picked by match
+    monkeypatch.setitem(_registry.IMPL_PREFERENCE, "sm_90a", ("sm80",))
     fake([mma, hopper], H100)
-    # today: the mma.sync family only; a family the arch does not list is never picked by match
     assert _registry.find("prefill", 0, dtype="bf16", head_dim=128) is mma
     fake([hopper], H100)
     with pytest.raises(RuntimeError, match="no prefill kernel"):
@@ -88,7 +89,9 @@ def test_default_preference_covers_the_variant_table():
         if impl != variants.PORTABLE:
             assert all(impl in _registry.IMPL_PREFERENCE[a] for a in archs), impl
     assert set(_registry.IMPL_PREFERENCE) == set(variants.ARCHS_DEFAULT)
-    assert all(_registry.IMPL_PREFERENCE[a][0] == variants.SM80 for a in variants.ARCHS_DEFAULT)
+    # the Hopper family first where it is built, the mma.sync family first elsewhere
+    assert _registry.IMPL_PREFERENCE["sm_90a"] == (variants.SM90, variants.SM80)
+    assert all(_registry.IMPL_PREFERENCE[a] == (variants.SM80,) for a in ("sm_80", "sm_89"))
 
 
 def test_rows_left_out_of_the_build_say_why(fake):

@@ -27,13 +27,14 @@ _lock = threading.Lock()
 _forced: dict[str, str] = {}  # family -> kernel name (the tuning sweep's hook; empty in normal use)
 
 # arch -> the implementation families (a manifest row's "impl") to pick from, preferred first.
-# Only the mma.sync family ("sm80", sm_80 class) exists today; the Hopper wgmma/TMA family
-# ("sm90") goes first on sm_90a when it exists. An impl not listed for an arch is never picked
-# there (except by exact name); rows of the portable kernels (merge, packbits) fit every arch.
+# The Hopper family ("sm90", warp-specialised wgmma) goes first on sm_90a wherever it has a row
+# for the call; the mma.sync family ("sm80") covers the rest there and everything elsewhere. An
+# impl not listed for an arch is never picked there (except by exact name); rows of the portable
+# kernels (merge, packbits) fit every arch.
 IMPL_PREFERENCE: dict[str, tuple[str, ...]] = {
     "sm_80": ("sm80",),
     "sm_89": ("sm80",),
-    "sm_90a": ("sm80",),
+    "sm_90a": ("sm90", "sm80"),
 }
 PORTABLE = "portable"  # variants.py's impl of the merge / packbits rows (also: rows without "impl")
 DECODE_TILE_ROWS = 16  # the decode tile picked unless another is named: one warp's m16 row tile

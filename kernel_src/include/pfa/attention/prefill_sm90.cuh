@@ -1,0 +1,86 @@
+// Hopper (sm_90a) prefill: warp-specialised, wgmma, mbarrier-pipelined. The entry header the
+// generated translation units include: the kernel's run() and PFA_DEFINE_PREFILL_SM90.
+//   work.cuh           which request, row tile and KV chunk; the key range (shared with sm80)
+//   sm90/producer.cuh  warpgroup 0: Q, then the K/V ring (cp.async completing on mbarriers)
+//   sm90/consumer.cuh  warpgroups 1..CONSUMERS: 64 rows each, S = Q K^T and O += P V on wgmma
+//   sm90/epilogue.cuh  normalise, then O + LSE or split-KV partials (epilogue.cuh layouts)
+// sm90/config.cuh holds the tile shape, register split and shared-memory layout.
+// Covered so far: 16-bit Q/K/V, contiguous or ragged K/V, causal / window / none, LSE, split KV,
+// sinks; everything else routes to the sm80 family (variants.py builds only these rows).
+#pragma once
+#include <stdint.h>
+
+#include "pfa/attention/params.h"
+#include "pfa/attention/sm90/config.cuh"
+#include "pfa/attention/sm90/consumer.cuh"
+#include "pfa/attention/sm90/epilogue.cuh"
+#include "pfa/attention/sm90/producer.cuh"
+#include "pfa/attention/work.cuh"
+#include "pfa/ptx/mma_sm80.cuh"
+#include "pfa/ptx/pdl.cuh"
+#include "pfa/ptx/sm90.cuh"
+
+namespace pfa {
+
+template <typename T, int HEAD_DIM, int BLOCK_N, int CONSUMERS, int STAGES>
+struct PrefillSm90 : PrefillSm90Config<T, HEAD_DIM, BLOCK_N, CONSUMERS, STAGES> {
+  using Cfg = PrefillSm90Config<T, HEAD_DIM, BLOCK_N, CONSUMERS, STAGES>;
+  using Consumer = ConsumerSm90<Cfg>;
+
+  static __device__ __forceinline__ void init_barriers(uint32_t base) {
+    ptx::mbar_init(Cfg::q_full(base), Cfg::WG_THREADS);
+#pragma unroll
+    for (int s = 0; s < STAGES; ++s) {
+      ptx::mbar_init(Cfg::k_full(base, s), Cfg::WG_THREADS);  // one cp.async arrival per producer thread
+      ptx::mbar_init(Cfg::v_full(base, s), Cfg::WG_THREADS);
+      ptx::mbar_init(Cfg::k_empty(base, s), CONSUMERS * 4);  // one arrival per consumer warp
+      ptx::mbar_init(Cfg::v_empty(base, s), CONSUMERS * 4);
+    }
+    ptx::mbar_fence_init();
+  }
+
+  // wg: the consumer's index (0 .. CONSUMERS - 1); tid: the thread's index within its warpgroup.
+  static __device__ __forceinline__ void consume(const PrefillParams& p, const PrefillWork& w, uint32_t base, int wg,
+                                                 int tid) {
+    const int lane = tid % 32, warp = tid / 32;
+    const typename Consumer::Rows rows = Consumer::rows_of(w, wg, warp, lane);
+    float o[Consumer::O_ACC];
+#pragma unroll
+    for (int i = 0; i < Consumer::O_ACC; ++i) o[i] = 0.f;
+    float m[2] = {-INFINITY, -INFINITY}, l[2] = {0.f, 0.f};
+    Consumer::mainloop(p, w, rows, base, wg, lane, o, m, l);
+    EpilogueSm90<Cfg, Consumer::O_ACC>::run(p, w, rows.tile_row, lane, o, m, l);
+  }
+
+  static __device__ __forceinline__ void run(const PrefillParams& p, char* smem) {
+    // As the sm80 kernel: the merge may launch early; nothing is read before the grid ahead is done.
+    ptx::allow_dependents();
+    ptx::wait_prior_grids();
+    const uint32_t base = (ptx::smem_u32(smem) + Cfg::ATOM_BYTES - 1) & ~(uint32_t)(Cfg::ATOM_BYTES - 1);
+    PrefillWork w;
+    if (!decode_work<Cfg::BLOCK_M, BLOCK_N, false, false, false>(p, w)) return;
+    const int tid = threadIdx.x, wg = tid / Cfg::WG_THREADS;
+    if (tid == 0) init_barriers(base);
+    __syncthreads();
+    if (wg == 0) {
+      ptx::setmaxnreg_dec<Cfg::PRODUCER_REGS>();
+      ProducerSm90<Cfg>::run(p, w, base, tid);
+    } else {
+      ptx::setmaxnreg_inc<Cfg::CONSUMER_REGS>();
+      consume(p, w, base, wg - 1, tid % Cfg::WG_THREADS);
+    }
+  }
+};
+
+}  // namespace pfa
+
+// One extern "C" entry per variant (see PFA_DEFINE_PREFILL_SM80). SMEM: variants.py's smem_bytes,
+// checked against the kernel's layout at compile time.
+#define PFA_DEFINE_PREFILL_SM90(NAME, T, HD, BN, CONSUMERS, STAGES, SMEM)                                     \
+  static_assert(pfa::PrefillSm90<T, HD, BN, CONSUMERS, STAGES>::SMEM_BYTES == (SMEM),                         \
+                #NAME ": variants.py smem_bytes differs from the kernel's shared-memory layout");             \
+  extern "C" __global__ void __launch_bounds__((CONSUMERS + 1) * 128, 1)                                      \
+      NAME(const __grid_constant__ pfa::PrefillParams p) {                                                    \
+    extern __shared__ __align__(1024) char smem[];                                                            \
+    pfa::PrefillSm90<T, HD, BN, CONSUMERS, STAGES>::run(p, smem);                                              \
+  }

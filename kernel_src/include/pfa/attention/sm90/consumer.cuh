@@ -1,0 +1,169 @@
+// A consumer warpgroup of the sm_90a prefill: 64 packed query rows. Per K/V tile:
+//   S = Q K^T     wgmma, A and B from shared memory (K-major), fp32 S in registers
+//   mask          THE mask predicate's key range per row (mask.cuh), only on tiles it clips
+//   softmax       online, base 2 (softmax_state.cuh), rows reduced over the lane quad
+//   O += P V      wgmma, P from registers (S's accumulator layout is the A fragment's), V from
+//                 shared memory read transposed (MN-major)
+// and it releases each K and V stage to the producer as soon as its wgmma has read it.
+#pragma once
+#include <math.h>
+#include <stdint.h>
+
+#include "pfa/attention/params.h"
+#include "pfa/attention/sm90/config.cuh"
+#include "pfa/attention/softmax_state.cuh"
+#include "pfa/attention/variant.cuh"
+#include "pfa/attention/work.cuh"
+#include "pfa/common/dtypes.cuh"
+#include "pfa/ptx/sm90.cuh"
+#include "pfa/ptx/wgmma.cuh"
+
+namespace pfa {
+
+template <class Cfg>
+struct ConsumerSm90 {
+  using T = typename Cfg::Elem;
+  static constexpr int BLOCK_M = Cfg::BLOCK_M, BLOCK_N = Cfg::BLOCK_N, HEAD_DIM = Cfg::HEAD_DIM;
+  static constexpr int STAGES = Cfg::STAGES, ROW_BYTES = Cfg::ROW_BYTES;
+  using MmaS = ptx::Wgmma<T, BLOCK_N>;
+  using MmaO = ptx::Wgmma<T, HEAD_DIM>;
+  static constexpr int S_ACC = MmaS::ACC, O_ACC = MmaO::ACC;
+  static constexpr int S_COLS = BLOCK_N / 8, O_COLS = HEAD_DIM / 8;  // 8-column blocks per row
+  static constexpr int QK_STEPS = HEAD_DIM / 16, PV_STEPS = BLOCK_N / 16;
+  static constexpr unsigned FULL = 0xffffffffu;
+  using Softmax = OnlineSoftmax<false>;
+
+  // The rows this thread holds (i = 0, 1: rows lane / 4 and lane / 4 + 8 of its warp's 16).
+  struct Rows {
+    int tile_row[2];  // row within the CTA tile
+    int lo[2], hi[2];  // each row's visible key range (the mask predicate's, without custom bits)
+    int q_lo, q_hi;    // query rows of the warpgroup's 64 (for the tile-level mask test)
+  };
+
+  static __device__ __forceinline__ Rows rows_of(const PrefillWork& w, int wg, int warp, int lane) {
+    Rows r;
+    const int first = w.r0 + wg * Cfg::WG_ROWS;
+    const int last = max(first, min(first + Cfg::WG_ROWS, w.rows_total) - 1);
+    r.q_lo = first / w.group;
+    r.q_hi = last / w.group;
+#pragma unroll
+    for (int i = 0; i < 2; ++i) {
+      r.tile_row[i] = wg * Cfg::WG_ROWS + warp * 16 + lane / 4 + 8 * i;
+      const int q = (w.r0 + r.tile_row[i]) / w.group;
+      w.rule.row_range(q, r.lo[i], r.hi[i]);
+    }
+    return r;
+  }
+
+  // Descriptor of k-step kk of the warpgroup's Q rows / of a K stage / of a V stage.
+  static __device__ __forceinline__ uint64_t q_desc(uint32_t s_q, int wg, int kk) {
+    return ptx::smem_desc(s_q + (kk >> 2) * BLOCK_M * ROW_BYTES + wg * Cfg::WG_ROWS * ROW_BYTES + (kk & 3) * 32, 16,
+                          Cfg::ATOM_BYTES);
+  }
+  static __device__ __forceinline__ uint64_t k_desc(uint32_t s_k, int kk) {
+    return ptx::smem_desc(s_k + (kk >> 2) * BLOCK_N * ROW_BYTES + (kk & 3) * 32, 16, Cfg::ATOM_BYTES);
+  }
+  static __device__ __forceinline__ uint64_t v_desc(uint32_t s_v, int kk) {
+    return ptx::smem_desc(s_v + kk * 16 * ROW_BYTES, BLOCK_N * ROW_BYTES, Cfg::ATOM_BYTES);
+  }
+
+  // Keys outside each row's range -> -inf.
+  static __device__ __forceinline__ void mask(float (&s)[S_ACC], const Rows& r, int n0, int lane) {
+#pragma unroll
+    for (int j = 0; j < S_COLS; ++j)
+#pragma unroll
+      for (int i = 0; i < 2; ++i)
+#pragma unroll
+        for (int e = 0; e < 2; ++e) {
+          const int kv = n0 + 8 * j + 2 * (lane % 4) + e;
+          if (kv < r.lo[i] || kv >= r.hi[i]) s[4 * j + 2 * i + e] = -INFINITY;
+        }
+  }
+
+  // Online softmax of one tile: s becomes P (unnormalised), O and l rescaled.
+  static __device__ __forceinline__ void softmax(float (&s)[S_ACC], float (&o)[O_ACC], float (&m)[2], float (&l)[2],
+                                                 float scale) {
+#pragma unroll
+    for (int i = 0; i < 2; ++i) {
+      float mx = -INFINITY;
+#pragma unroll
+      for (int j = 0; j < S_COLS; ++j) mx = fmaxf(mx, fmaxf(s[4 * j + 2 * i], s[4 * j + 2 * i + 1]));
+      mx = fmaxf(mx, __shfl_xor_sync(FULL, mx, 1));
+      mx = fmaxf(mx, __shfl_xor_sync(FULL, mx, 2));
+      float corr;
+      const float m_use = Softmax::rescale(m[i], mx, scale, corr);
+      float sum = 0.f;
+#pragma unroll
+      for (int j = 0; j < S_COLS; ++j)
+#pragma unroll
+        for (int e = 0; e < 2; ++e) {
+          const float x = Softmax::prob(s[4 * j + 2 * i + e], scale, m_use);
+          s[4 * j + 2 * i + e] = x;
+          sum += x;
+        }
+      l[i] = fmaf(l[i], corr, sum);
+#pragma unroll
+      for (int j = 0; j < O_COLS; ++j) {
+        o[4 * j + 2 * i] *= corr;
+        o[4 * j + 2 * i + 1] *= corr;
+      }
+    }
+  }
+
+  // P as the A fragments of the P V k-steps: k-step kk covers S columns 16 kk .. 16 kk + 15.
+  static __device__ __forceinline__ void p_frags(const float (&s)[S_ACC], uint32_t (&a)[PV_STEPS][4]) {
+#pragma unroll
+    for (int kk = 0; kk < PV_STEPS; ++kk) {
+      a[kk][0] = Pack2<T>::from(s[8 * kk + 0], s[8 * kk + 1]);
+      a[kk][1] = Pack2<T>::from(s[8 * kk + 2], s[8 * kk + 3]);
+      a[kk][2] = Pack2<T>::from(s[8 * kk + 4], s[8 * kk + 5]);
+      a[kk][3] = Pack2<T>::from(s[8 * kk + 6], s[8 * kk + 7]);
+    }
+  }
+
+  // The tile loop. o, m, l: this thread's rows' unnormalised output, max and sum.
+  static __device__ __forceinline__ void mainloop(const PrefillParams& p, const PrefillWork& w, const Rows& r,
+                                                  uint32_t base, int wg, int lane, float (&o)[O_ACC], float (&m)[2],
+                                                  float (&l)[2]) {
+    const float scale = p.sm_scale_log2;
+    const uint32_t s_q = base + Cfg::Q_OFFSET;
+    ptx::mbar_wait(Cfg::q_full(base), 0);
+    ptx::fence_proxy_async();
+    for (int it = 0; it < w.num_tiles; ++it) {
+      const int st = it % STAGES;
+      const uint32_t parity = (it / STAGES) & 1;
+      const int n0 = w.tile_start + it * BLOCK_N;
+      const uint32_t s_k = base + Cfg::K_OFFSET + st * Cfg::KV_TILE_BYTES;
+      const uint32_t s_v = base + Cfg::V_OFFSET + st * Cfg::KV_TILE_BYTES;
+
+      ptx::mbar_wait(Cfg::k_full(base, st), parity);
+      ptx::fence_proxy_async();  // the producer's cp.async writes, before the tensor cores read them
+      float s[S_ACC];
+      ptx::wgmma_fence();
+#pragma unroll
+      for (int kk = 0; kk < QK_STEPS; ++kk) MmaS::ss(s, q_desc(s_q, wg, kk), k_desc(s_k, kk), kk > 0);
+      ptx::wgmma_commit();
+      ptx::wgmma_wait<0>();
+      ptx::wgmma_fence_regs(s);
+      if (lane == 0) ptx::mbar_arrive(Cfg::k_empty(base, st));
+
+      if (!w.rule.keeps_all(r.q_lo, r.q_hi, n0, n0 + BLOCK_N - 1)) mask(s, r, n0, lane);
+      softmax(s, o, m, l, scale);
+      uint32_t a[PV_STEPS][4];
+      p_frags(s, a);
+
+      ptx::mbar_wait(Cfg::v_full(base, st), parity);
+      ptx::fence_proxy_async();
+      ptx::wgmma_fence_regs(o);
+      ptx::wgmma_fence();
+#pragma unroll
+      for (int kk = 0; kk < PV_STEPS; ++kk) MmaO::rs(o, a[kk], v_desc(s_v, kk), 1);
+      ptx::wgmma_commit();
+      ptx::wgmma_wait<0>();
+      ptx::wgmma_fence_regs(o);
+      if (lane == 0) ptx::mbar_arrive(Cfg::v_empty(base, st));
+    }
+  }
+};
+
+}  // namespace pfa

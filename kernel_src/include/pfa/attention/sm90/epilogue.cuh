@@ -1,0 +1,65 @@
+// Epilogue of a consumer warpgroup of the sm_90a prefill: finish the online softmax of its rows,
+// then write them (epilogue.cuh's layouts): 16-bit O and the LSE, attention sinks on an unsplit
+// row, or (split KV) normalised fp32 partials and their base-2 LSE for the merge kernel.
+#pragma once
+#include <math.h>
+#include <stdint.h>
+
+#include "pfa/attention/epilogue.cuh"
+#include "pfa/attention/params.h"
+#include "pfa/attention/softmax_state.cuh"
+#include "pfa/attention/variant.cuh"
+#include "pfa/attention/work.cuh"
+#include "pfa/common/dtypes.cuh"
+
+namespace pfa {
+
+template <class Cfg, int O_ACC>
+struct EpilogueSm90 {
+  using T = typename Cfg::Elem;
+  static constexpr int HEAD_DIM = Cfg::HEAD_DIM, O_COLS = HEAD_DIM / 8;
+  static constexpr unsigned FULL = 0xffffffffu;
+
+  static __device__ __forceinline__ void run(const PrefillParams& p, const PrefillWork& w, const int (&tile_row)[2],
+                                             int lane, float (&o)[O_ACC], const float (&m)[2], const float (&l)[2]) {
+    float lse[2];
+#pragma unroll
+    for (int i = 0; i < 2; ++i) {
+      float sum = l[i];
+      sum += __shfl_xor_sync(FULL, sum, 1);
+      sum += __shfl_xor_sync(FULL, sum, 2);
+      const float inv = OnlineSoftmax<false>::finish(sum, m[i], output_scale(p), lse[i]);
+#pragma unroll
+      for (int j = 0; j < O_COLS; ++j) {
+        o[4 * j + 2 * i] *= inv;
+        o[4 * j + 2 * i + 1] *= inv;
+      }
+    }
+    const int col = 2 * (lane % 4);
+#pragma unroll
+    for (int i = 0; i < 2; ++i) {
+      const int r = w.r0 + tile_row[i];
+      if (r >= w.rows_total) continue;
+      const int token = r / w.group, head = w.kv_head * w.group + r % w.group;
+      if (w.num_chunks == 1) {
+        float f = 1.f;
+        if (p.sinks != 0) f = sink_factor(reinterpret_cast<const float*>(p.sinks)[head], lse[i]);
+        T* out = reinterpret_cast<T*>(p.o) + output_offset(p, w, token, head) + col;
+#pragma unroll
+        for (int j = 0; j < O_COLS; ++j)
+          *reinterpret_cast<uint32_t*>(out + 8 * j) = Pack2<T>::from(o[4 * j + 2 * i] * f, o[4 * j + 2 * i + 1] * f);
+        if (p.lse != 0 && lane % 4 == 0)
+          reinterpret_cast<float*>(p.lse)[lse_index(w, p.num_qo_heads, token, head)] = lse[i] * p.lse_scale;
+      } else {
+        const int64_t idx = partial_index(w, p.num_qo_heads, token, head);
+        float* op = reinterpret_cast<float*>(p.o_partial) + idx * HEAD_DIM + col;
+#pragma unroll
+        for (int j = 0; j < O_COLS; ++j)
+          *reinterpret_cast<float2*>(op + 8 * j) = make_float2(o[4 * j + 2 * i], o[4 * j + 2 * i + 1]);
+        if (lane % 4 == 0) reinterpret_cast<float*>(p.lse_partial)[idx] = lse[i];
+      }
+    }
+  }
+};
+
+}  // namespace pfa

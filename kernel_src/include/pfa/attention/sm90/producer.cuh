@@ -1,0 +1,84 @@
+// The producer warpgroup of the sm_90a prefill: Q once, then the K/V tiles of the CTA's key
+// range into a STAGES-deep ring, each tile completing on its "full" mbarrier and reused after the
+// consumers arrive on its "empty" one.
+//
+// It copies with cp.async (16 bytes a thread, zero-filled past the request's keys) and signals
+// with cp.async.mbarrier.arrive: rows come from the K/V sources (kv_source.cuh), so the same
+// producer serves contiguous and ragged K/V at any stride. Each thread owns one 16-byte chunk
+// column, so its swizzled shared-memory offsets are fixed but for a compile-time row step.
+#pragma once
+#include <stdint.h>
+
+#include "pfa/attention/kv_source.cuh"
+#include "pfa/attention/params.h"
+#include "pfa/attention/sm90/config.cuh"
+#include "pfa/attention/work.cuh"
+#include "pfa/ptx/mma_sm80.cuh"
+#include "pfa/ptx/sm90.cuh"
+
+namespace pfa {
+
+template <class Cfg>
+struct ProducerSm90 {
+  using T = typename Cfg::Elem;
+  static constexpr int CPR = Cfg::CPR, BLOCK_N = Cfg::BLOCK_N, STAGES = Cfg::STAGES;
+  static constexpr int ROW_STEP = Cfg::WG_THREADS / CPR;  // rows between one thread's chunks
+  static_assert(Cfg::WG_THREADS % CPR == 0 && BLOCK_N % ROW_STEP == 0 && Cfg::BLOCK_M % ROW_STEP == 0,
+                "whole rows per pass");
+
+  // Q: BLOCK_M packed rows (row r = token r / group, head kv_head * group + r % group), rows past
+  // the request zero-filled.
+  static __device__ __forceinline__ void load_q(const PrefillParams& p, const PrefillWork& w, uint32_t s_q, int tid) {
+    const T* q = reinterpret_cast<const T*>(p.q);
+    const int chunk = tid % CPR;
+#pragma unroll 4
+    for (int row = tid / CPR; row < Cfg::BLOCK_M; row += ROW_STEP) {
+      const int r = w.r0 + row;
+      const bool valid = r < w.rows_total;
+      const int rr = valid ? r : 0;
+      const int qi = rr / w.group, h = w.kv_head * w.group + rr % w.group;
+      ptx::cp_async_16(s_q + Cfg::swz(Cfg::BLOCK_M, row, chunk),
+                       q + (w.q_row0 + qi) * p.q_stride_n + h * p.q_stride_h + chunk * 8, valid);
+    }
+  }
+
+  // One K or V tile: keys [n0, n0 + BLOCK_N) of the request's rows from `head` (the kv head's
+  // base), keys at or past kv_len zero-filled.
+  static __device__ __forceinline__ void load_tile(uint32_t s_tile, const T* head, int64_t stride_n, int64_t row0,
+                                                   int n0, int kv_len, int tid) {
+    const int chunk = tid % CPR, r0 = tid / CPR;
+    const char* src = reinterpret_cast<const char*>(head + (row0 + n0 + r0) * stride_n + chunk * 8);
+    const int64_t step = (int64_t)ROW_STEP * stride_n * (int64_t)sizeof(T);
+    const int valid_rows = kv_len - n0 - r0;
+#pragma unroll
+    for (int i = 0; i < BLOCK_N / ROW_STEP; ++i) {
+      const bool valid = i * ROW_STEP < valid_rows;
+      ptx::cp_async_16(s_tile + Cfg::swz(BLOCK_N, r0 + i * ROW_STEP, chunk), valid ? static_cast<const void*>(src) : static_cast<const void*>(head), valid);
+      src += step;
+    }
+  }
+
+  static __device__ __forceinline__ void run(const PrefillParams& p, const PrefillWork& w, uint32_t base, int tid) {
+    load_q(p, w, base + Cfg::Q_OFFSET, tid);
+    ptx::cp_async_mbar_arrive(Cfg::q_full(base));
+    const T* k = reinterpret_cast<const T*>(p.k) + w.kv_head * p.k_stride_h;
+    const T* v = reinterpret_cast<const T*>(p.v) + w.kv_head * p.v_stride_h;
+    const RaggedKvRows rows{w.kv_row0};
+    for (int it = 0; it < w.num_tiles; ++it) {
+      const int s = it % STAGES;
+      const uint32_t free_parity = ((it / STAGES) & 1) ^ 1;
+      const int n0 = w.tile_start + it * BLOCK_N;
+      ptx::mbar_wait(Cfg::k_empty(base, s), free_parity);
+      load_tile(base + Cfg::K_OFFSET + s * Cfg::KV_TILE_BYTES, k, p.k_stride_n, rows.row(0, 0), n0, w.kv_len, tid);
+      ptx::cp_async_mbar_arrive(Cfg::k_full(base, s));
+      ptx::mbar_wait(Cfg::v_empty(base, s), free_parity);
+      load_tile(base + Cfg::V_OFFSET + s * Cfg::KV_TILE_BYTES, v, p.v_stride_n, rows.row(0, 0), n0, w.kv_len, tid);
+      ptx::cp_async_mbar_arrive(Cfg::v_full(base, s));
+    }
+    // Every cp.async lands before the warpgroup exits (the barriers they arrive on live in the
+    // CTA's shared memory).
+    ptx::cp_async_wait<0>();
+  }
+};
+
+}  // namespace pfa

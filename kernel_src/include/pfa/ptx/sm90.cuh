@@ -1,0 +1,68 @@
+// Thin named wrappers over the sm_90 / sm_90a PTX the Hopper prefill family uses beside wgmma
+// (wgmma.cuh): mbarriers (init, arrive, parity wait, cp.async completion arrivals), the
+// generic -> async proxy fence, setmaxnreg, and the wgmma shared-memory matrix descriptor.
+#pragma once
+#include <stdint.h>
+
+namespace pfa::ptx {
+
+// ---- mbarrier ----
+__device__ __forceinline__ void mbar_init(uint32_t bar, int count) {
+  asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;\n" ::"r"(bar), "r"(count) : "memory");
+}
+// Makes the initialised barriers visible to the other threads (and the async proxy) before use.
+__device__ __forceinline__ void mbar_fence_init() { asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory"); }
+
+__device__ __forceinline__ void mbar_arrive(uint32_t bar) {
+  asm volatile("{\n.reg .b64 st;\nmbarrier.arrive.release.cta.shared::cta.b64 st, [%0];\n}\n" ::"r"(bar) : "memory");
+}
+
+// Block until the barrier's phase of parity `parity` has completed (a fresh barrier counts its
+// previous phase, parity 1, as complete).
+__device__ __forceinline__ void mbar_wait(uint32_t bar, uint32_t parity) {
+  asm volatile(
+      "{\n.reg .pred done;\n"
+      "WAIT_%=:\n"
+      "mbarrier.try_wait.parity.acquire.cta.shared::cta.b64 done, [%0], %1;\n"
+      "@!done bra WAIT_%=;\n}\n" ::"r"(bar),
+      "r"(parity)
+      : "memory");
+}
+
+// One arrival on `bar` once every cp.async this thread issued so far has landed (.noinc: the
+// arrival is one of the count the barrier was initialised with).
+__device__ __forceinline__ void cp_async_mbar_arrive(uint32_t bar) {
+  asm volatile("cp.async.mbarrier.arrive.noinc.shared::cta.b64 [%0];\n" ::"r"(bar) : "memory");
+}
+
+// Orders this thread's generic-proxy shared-memory accesses (cp.async and ordinary stores are
+// generic) before later async-proxy accesses (wgmma operand reads, TMA).
+__device__ __forceinline__ void fence_proxy_async() { asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory"); }
+
+// ---- register reallocation between warpgroups (the kernel needs __launch_bounds__(T, 1)) ----
+template <int REGS>
+__device__ __forceinline__ void setmaxnreg_inc() {
+  asm volatile("setmaxnreg.inc.sync.aligned.u32 %0;\n" ::"n"(REGS));
+}
+template <int REGS>
+__device__ __forceinline__ void setmaxnreg_dec() {
+  asm volatile("setmaxnreg.dec.sync.aligned.u32 %0;\n" ::"n"(REGS));
+}
+
+// ---- wgmma shared-memory matrix descriptor ----
+// bits 0-13 start address >> 4, 16-29 leading byte offset >> 4, 32-45 stride byte offset >> 4,
+// 62-63 swizzle (1 = 128-byte). Tiles are 1024-byte aligned, so the base offset (49-51) is 0.
+// With the 128-byte swizzle a tile is stored as column blocks of 64 16-bit elements: each row of
+// a block is 128 bytes, its 16-byte chunk c at position c ^ (row % 8), and 8 rows make a
+// 1024-byte atom.
+//  K-major (Q, K as read by S = Q K^T): lbo unused, sbo = 1024 (next 8 rows); a k-step of 16
+//    elements moves the start by 32 bytes inside the block.
+//  MN-major (V as read by O += P V, transposed): lbo = bytes between column blocks (the next
+//    64 columns of N), sbo = 1024 (next 8 keys); a k-step of 16 keys moves the start 2048 bytes.
+constexpr uint64_t kSwizzle128 = 1ull << 62;
+__device__ __forceinline__ uint64_t smem_desc(uint32_t addr, uint32_t lbo, uint32_t sbo) {
+  return kSwizzle128 | ((uint64_t)((sbo >> 4) & 0x3FFF) << 32) | ((uint64_t)((lbo >> 4) & 0x3FFF) << 16) |
+         (uint64_t)((addr >> 4) & 0x3FFF);
+}
+
+}  // namespace pfa::ptx
