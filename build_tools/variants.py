@@ -183,6 +183,8 @@ class HopperPrefillVariant:
     block_n: int
     consumers: int
     stages: int
+    # the two consumer warpgroups take turns issuing their GEMMs (consumer.cuh, Turns)
+    pingpong: bool = True
     tune: bool = False
     impl: str = SM90
     archs: tuple = IMPL_ARCHS[SM90]
@@ -214,24 +216,26 @@ class HopperPrefillVariant:
     @property
     def name(self):
         return (f"pfa_prefill_{self.impl}_{self.dtype}_hd{self.head_dim}_m{self.block_m}n{self.block_n}"
-                f"c{self.consumers}s{self.stages}")
+                f"c{self.consumers}s{self.stages}{'_pp' if self.pingpong else ''}")
 
     def source(self):
         return (f'#include "pfa/attention/prefill_sm90.cuh"\n'
                 f"PFA_DEFINE_PREFILL_SM90({self.name}, {DTYPES[self.dtype]}, {self.head_dim}, {self.block_n}, "
-                f"{self.consumers}, {self.stages}, {self.smem_bytes})\n")
+                f"{self.consumers}, {self.stages}, {'true' if self.pingpong else 'false'}, {self.smem_bytes})\n")
 
     def manifest(self):
         return {"family": "prefill", "impl": self.impl, "dtype": self.dtype, "kv_dtype": self.dtype,
                 "head_dim": self.head_dim, "block_m": self.block_m, "block_n": self.block_n,
                 "warps": self.threads // WARP_THREADS, "threads": self.threads, "smem_bytes": self.smem_bytes,
                 "ctas_per_sm": 1, "tune": self.tune, "general": False, "paged": False, "decode": False,
-                "rows_fastest": False, "device_scale": False}
+                "rows_fastest": True, "device_scale": False}
 
 
 # head_dim -> (block_n, consumers, stages) of the sm_90a family: FlashAttention-3's tile shapes for
 # two consumer warpgroups (hd256: 80-key tiles, so Q and two K/V stages fit shared memory).
 HOPPER_TILES = {64: (128, 2, 3), 128: (128, 2, 2), 256: (80, 2, 2)}
+# Alternatives for `make TUNE=1`: FA3's non-causal hd128 tile (176 keys).
+HOPPER_TUNE_TILES = [(128, (176, 2, 2))]
 
 
 MERGE_THREADS = 128
@@ -407,6 +411,10 @@ def variants(tune=False):
             if tune:
                 out += [PrefillVariant(dtype, hd, *t, tune=True) for t in PREFILL_TUNE_TILES[hd]]
         out += [HopperPrefillVariant(dtype, hd, *tile) for hd, tile in HOPPER_TILES.items()]
+        if tune:
+            out += [HopperPrefillVariant(dtype, hd, *tile, pingpong=False, tune=True)
+                    for hd, tile in HOPPER_TILES.items()]
+            out += [HopperPrefillVariant(dtype, hd, *tile, tune=True) for hd, tile in HOPPER_TUNE_TILES]
         out.append(MergeVariant(dtype))
     out.append(MiscVariant("packbits", PACKBITS_THREADS))
     out += [MiscVariant("cascade", CASCADE_THREADS, dtype) for dtype in CASCADE_DTYPES]

@@ -2,7 +2,8 @@
 // generated translation units include: the kernel's run() and PFA_DEFINE_PREFILL_SM90.
 //   work.cuh           which request, row tile and KV chunk; the key range (shared with sm80)
 //   sm90/producer.cuh  warpgroup 0: Q, then the K/V ring (cp.async completing on mbarriers)
-//   sm90/consumer.cuh  warpgroups 1..CONSUMERS: 64 rows each, S = Q K^T and O += P V on wgmma
+//   sm90/consumer.cuh  warpgroups 1..CONSUMERS: 64 rows each, S = Q K^T and O += P V on wgmma,
+//                      overlapped with the softmax; PINGPONG alternates the two consumers' GEMMs
 //   sm90/epilogue.cuh  normalise, then O + LSE or split-KV partials (epilogue.cuh layouts)
 // sm90/config.cuh holds the tile shape, register split and shared-memory layout.
 // Covered so far: 16-bit Q/K/V, contiguous or ragged K/V, causal / window / none, LSE, split KV,
@@ -22,10 +23,10 @@
 
 namespace pfa {
 
-template <typename T, int HEAD_DIM, int BLOCK_N, int CONSUMERS, int STAGES>
+template <typename T, int HEAD_DIM, int BLOCK_N, int CONSUMERS, int STAGES, bool PINGPONG>
 struct PrefillSm90 : PrefillSm90Config<T, HEAD_DIM, BLOCK_N, CONSUMERS, STAGES> {
   using Cfg = PrefillSm90Config<T, HEAD_DIM, BLOCK_N, CONSUMERS, STAGES>;
-  using Consumer = ConsumerSm90<Cfg>;
+  using Consumer = ConsumerSm90<Cfg, PINGPONG>;
 
   static __device__ __forceinline__ void init_barriers(uint32_t base) {
     ptx::mbar_init(Cfg::q_full(base), Cfg::WG_THREADS);
@@ -58,7 +59,9 @@ struct PrefillSm90 : PrefillSm90Config<T, HEAD_DIM, BLOCK_N, CONSUMERS, STAGES> 
     ptx::wait_prior_grids();
     const uint32_t base = (ptx::smem_u32(smem) + Cfg::ATOM_BYTES - 1) & ~(uint32_t)(Cfg::ATOM_BYTES - 1);
     PrefillWork w;
-    if (!decode_work<Cfg::BLOCK_M, BLOCK_N, false, false, false>(p, w)) return;
+    // Honours rows_fastest (a head's row tiles together, its K/V shared in L2): the register it
+    // costs is no constraint here.
+    if (!decode_work<Cfg::BLOCK_M, BLOCK_N, false, false, true>(p, w)) return;
     const int tid = threadIdx.x, wg = tid / Cfg::WG_THREADS;
     if (tid == 0) init_barriers(base);
     __syncthreads();
@@ -76,11 +79,11 @@ struct PrefillSm90 : PrefillSm90Config<T, HEAD_DIM, BLOCK_N, CONSUMERS, STAGES> 
 
 // One extern "C" entry per variant (see PFA_DEFINE_PREFILL_SM80). SMEM: variants.py's smem_bytes,
 // checked against the kernel's layout at compile time.
-#define PFA_DEFINE_PREFILL_SM90(NAME, T, HD, BN, CONSUMERS, STAGES, SMEM)                                     \
-  static_assert(pfa::PrefillSm90<T, HD, BN, CONSUMERS, STAGES>::SMEM_BYTES == (SMEM),                         \
+#define PFA_DEFINE_PREFILL_SM90(NAME, T, HD, BN, CONSUMERS, STAGES, PINGPONG, SMEM)                           \
+  static_assert(pfa::PrefillSm90<T, HD, BN, CONSUMERS, STAGES, PINGPONG>::SMEM_BYTES == (SMEM),               \
                 #NAME ": variants.py smem_bytes differs from the kernel's shared-memory layout");             \
   extern "C" __global__ void __launch_bounds__((CONSUMERS + 1) * 128, 1)                                      \
       NAME(const __grid_constant__ pfa::PrefillParams p) {                                                    \
     extern __shared__ __align__(1024) char smem[];                                                            \
-    pfa::PrefillSm90<T, HD, BN, CONSUMERS, STAGES>::run(p, smem);                                              \
+    pfa::PrefillSm90<T, HD, BN, CONSUMERS, STAGES, PINGPONG>::run(p, smem);                                    \
   }

@@ -35,9 +35,35 @@ __device__ __forceinline__ void cp_async_mbar_arrive(uint32_t bar) {
   asm volatile("cp.async.mbarrier.arrive.noinc.shared::cta.b64 [%0];\n" ::"r"(bar) : "memory");
 }
 
+// L2 eviction policies (createpolicy) for the cache-hinted copies below: K/V tiles are re-read by
+// every row tile of their head, so they should outlive streaming data (Q, outputs) in L2.
+__device__ __forceinline__ uint64_t l2_evict_last() {
+  uint64_t pol;
+  asm volatile("createpolicy.fractional.L2::evict_last.b64 %0, 1.0;\n" : "=l"(pol));
+  return pol;
+}
+__device__ __forceinline__ uint64_t l2_evict_first() {
+  uint64_t pol;
+  asm volatile("createpolicy.fractional.L2::evict_first.b64 %0, 1.0;\n" : "=l"(pol));
+  return pol;
+}
+
+// 16-byte cp.async (as cp_async_16: src_bytes 0 zero-fills) under an L2 eviction policy.
+__device__ __forceinline__ void cp_async_16_hint(uint32_t dst, const void* src, bool valid, uint64_t policy) {
+  const int src_bytes = valid ? 16 : 0;
+  asm volatile("cp.async.cg.shared.global.L2::cache_hint [%0], [%1], 16, %2, %3;\n" ::"r"(dst), "l"(src),
+               "r"(src_bytes), "l"(policy));
+}
+
 // Orders this thread's generic-proxy shared-memory accesses (cp.async and ordinary stores are
 // generic) before later async-proxy accesses (wgmma operand reads, TMA).
 __device__ __forceinline__ void fence_proxy_async() { asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory"); }
+
+// Arrive on named barrier `id` without waiting (the threads that bar.sync on it wait for
+// `threads` arrivals in all). Barrier 0 is __syncthreads'.
+__device__ __forceinline__ void bar_arrive(int id, int threads) {
+  asm volatile("bar.arrive %0, %1;\n" ::"r"(id), "r"(threads) : "memory");
+}
 
 // ---- register reallocation between warpgroups (the kernel needs __launch_bounds__(T, 1)) ----
 template <int REGS>

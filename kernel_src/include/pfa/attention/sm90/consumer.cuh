@@ -5,6 +5,7 @@
 //   O += P V      wgmma, P from registers (S's accumulator layout is the A fragment's), V from
 //                 shared memory read transposed (MN-major)
 // and it releases each K and V stage to the producer as soon as its wgmma has read it.
+// The first tile's softmax applies corr to an O that is still zero: rescale_o is skipped there.
 #pragma once
 #include <math.h>
 #include <stdint.h>
@@ -15,12 +16,13 @@
 #include "pfa/attention/variant.cuh"
 #include "pfa/attention/work.cuh"
 #include "pfa/common/dtypes.cuh"
+#include "pfa/ptx/mma_sm80.cuh"
 #include "pfa/ptx/sm90.cuh"
 #include "pfa/ptx/wgmma.cuh"
 
 namespace pfa {
 
-template <class Cfg>
+template <class Cfg, bool PINGPONG>
 struct ConsumerSm90 {
   using T = typename Cfg::Elem;
   static constexpr int BLOCK_M = Cfg::BLOCK_M, BLOCK_N = Cfg::BLOCK_N, HEAD_DIM = Cfg::HEAD_DIM;
@@ -80,8 +82,9 @@ struct ConsumerSm90 {
         }
   }
 
-  // Online softmax of one tile: s becomes P (unnormalised), O and l rescaled.
-  static __device__ __forceinline__ void softmax(float (&s)[S_ACC], float (&o)[O_ACC], float (&m)[2], float (&l)[2],
+  // Online softmax of one tile: s becomes P (unnormalised), l rescaled, corr = the factor for
+  // each row's O (applied by rescale_o, once no wgmma writes O).
+  static __device__ __forceinline__ void softmax(float (&s)[S_ACC], float (&m)[2], float (&l)[2], float (&corr)[2],
                                                  float scale) {
 #pragma unroll
     for (int i = 0; i < 2; ++i) {
@@ -90,8 +93,7 @@ struct ConsumerSm90 {
       for (int j = 0; j < S_COLS; ++j) mx = fmaxf(mx, fmaxf(s[4 * j + 2 * i], s[4 * j + 2 * i + 1]));
       mx = fmaxf(mx, __shfl_xor_sync(FULL, mx, 1));
       mx = fmaxf(mx, __shfl_xor_sync(FULL, mx, 2));
-      float corr;
-      const float m_use = Softmax::rescale(m[i], mx, scale, corr);
+      const float m_use = Softmax::rescale(m[i], mx, scale, corr[i]);
       float sum = 0.f;
 #pragma unroll
       for (int j = 0; j < S_COLS; ++j)
@@ -101,13 +103,18 @@ struct ConsumerSm90 {
           s[4 * j + 2 * i + e] = x;
           sum += x;
         }
-      l[i] = fmaf(l[i], corr, sum);
-#pragma unroll
-      for (int j = 0; j < O_COLS; ++j) {
-        o[4 * j + 2 * i] *= corr;
-        o[4 * j + 2 * i + 1] *= corr;
-      }
+      l[i] = fmaf(l[i], corr[i], sum);
     }
+  }
+
+  static __device__ __forceinline__ void rescale_o(float (&o)[O_ACC], const float (&corr)[2]) {
+#pragma unroll
+    for (int j = 0; j < O_COLS; ++j)
+#pragma unroll
+      for (int i = 0; i < 2; ++i) {
+        o[4 * j + 2 * i] *= corr[i];
+        o[4 * j + 2 * i + 1] *= corr[i];
+      }
   }
 
   // P as the A fragments of the P V k-steps: k-step kk covers S columns 16 kk .. 16 kk + 15.
@@ -121,48 +128,99 @@ struct ConsumerSm90 {
     }
   }
 
+  // S = Q K^T of one K stage, issued (not waited for).
+  static __device__ __forceinline__ void issue_qk(float (&s)[S_ACC], uint32_t s_q, uint32_t s_k, int wg) {
+#pragma unroll
+    for (int kk = 0; kk < QK_STEPS; ++kk) MmaS::ss(s, q_desc(s_q, wg, kk), k_desc(s_k, kk), kk > 0);
+  }
+  // O += P V of one V stage, issued (not waited for): a's registers stay read until it completes.
+  static __device__ __forceinline__ void issue_pv(float (&o)[O_ACC], const uint32_t (&a)[PV_STEPS][4], uint32_t s_v) {
+#pragma unroll
+    for (int kk = 0; kk < PV_STEPS; ++kk) MmaO::rs(o, a[kk], v_desc(s_v, kk), 1);
+  }
+
+  // Ping-pong between the consumer warpgroups (PINGPONG): each issues its wgmma while holding a
+  // turn that alternates between them, so one's softmax runs under the other's GEMMs instead of
+  // both contending for the tensor cores at once. Named barrier 1 + c is consumer c's turn.
+  struct Turns {
+    int wg;
+    __device__ __forceinline__ void take() const {
+      if constexpr (PINGPONG) ptx::bar_sync(1 + wg, 2 * Cfg::WG_THREADS);
+    }
+    __device__ __forceinline__ void pass() const {
+      if constexpr (PINGPONG) ptx::bar_arrive(1 + (wg ^ 1), 2 * Cfg::WG_THREADS);
+    }
+  };
+
   // The tile loop. o, m, l: this thread's rows' unnormalised output, max and sum.
+  //
+  // Tile it's S = Q K^T is issued together with tile it-1's O += P V, and its softmax runs while
+  // that P V is still on the tensor cores (FlashAttention-3's intra-warpgroup overlap): S of one
+  // tile and P of the previous are live at once. Each tile then waits for its K stage; its V stage
+  // is waited for one tile later.
   static __device__ __forceinline__ void mainloop(const PrefillParams& p, const PrefillWork& w, const Rows& r,
                                                   uint32_t base, int wg, int lane, float (&o)[O_ACC], float (&m)[2],
                                                   float (&l)[2]) {
     const float scale = p.sm_scale_log2;
     const uint32_t s_q = base + Cfg::Q_OFFSET;
+    const Turns turn{wg};
+    const int n = w.num_tiles;
+    if (n == 0) return;
+    if (PINGPONG && wg == 1) ptx::bar_arrive(1, 2 * Cfg::WG_THREADS);  // consumer 0 takes the first turn
+    // No proxy fence after the waits: a cp.async's arrival on an mbarrier (cp_async_mbar_arrive)
+    // makes its writes visible to the waiting threads' wgmma, as FlashAttention-3's cp.async
+    // producer relies on.
     ptx::mbar_wait(Cfg::q_full(base), 0);
-    ptx::fence_proxy_async();
-    for (int it = 0; it < w.num_tiles; ++it) {
-      const int st = it % STAGES;
-      const uint32_t parity = (it / STAGES) & 1;
+    float s[S_ACC];
+    uint32_t a[PV_STEPS][4];
+    float corr[2];
+    ptx::mbar_wait(Cfg::k_full(base, 0), 0);
+    turn.take();
+    ptx::wgmma_fence();
+    issue_qk(s, s_q, base + Cfg::K_OFFSET, wg);
+    ptx::wgmma_commit();
+    turn.pass();
+    ptx::wgmma_wait<0>();
+    ptx::wgmma_fence_regs(s);
+    if (lane == 0) ptx::mbar_arrive(Cfg::k_empty(base, 0));
+    if (!w.rule.keeps_all(r.q_lo, r.q_hi, w.tile_start, w.tile_start + BLOCK_N - 1)) mask(s, r, w.tile_start, lane);
+    softmax(s, m, l, corr, scale);
+    p_frags(s, a);
+    for (int it = 1; it < n; ++it) {
+      const int st = it % STAGES, prev = (it - 1) % STAGES;
       const int n0 = w.tile_start + it * BLOCK_N;
-      const uint32_t s_k = base + Cfg::K_OFFSET + st * Cfg::KV_TILE_BYTES;
-      const uint32_t s_v = base + Cfg::V_OFFSET + st * Cfg::KV_TILE_BYTES;
-
-      ptx::mbar_wait(Cfg::k_full(base, st), parity);
-      ptx::fence_proxy_async();  // the producer's cp.async writes, before the tensor cores read them
-      float s[S_ACC];
+      ptx::mbar_wait(Cfg::k_full(base, st), (it / STAGES) & 1);
+      ptx::mbar_wait(Cfg::v_full(base, prev), ((it - 1) / STAGES) & 1);
+      turn.take();
       ptx::wgmma_fence();
-#pragma unroll
-      for (int kk = 0; kk < QK_STEPS; ++kk) MmaS::ss(s, q_desc(s_q, wg, kk), k_desc(s_k, kk), kk > 0);
+      issue_qk(s, s_q, base + Cfg::K_OFFSET + st * Cfg::KV_TILE_BYTES, wg);
       ptx::wgmma_commit();
-      ptx::wgmma_wait<0>();
+      issue_pv(o, a, base + Cfg::V_OFFSET + prev * Cfg::KV_TILE_BYTES);
+      ptx::wgmma_commit();
+      turn.pass();
+      ptx::wgmma_wait<1>();  // S of this tile (groups complete in order); P V still running
       ptx::wgmma_fence_regs(s);
       if (lane == 0) ptx::mbar_arrive(Cfg::k_empty(base, st));
-
       if (!w.rule.keeps_all(r.q_lo, r.q_hi, n0, n0 + BLOCK_N - 1)) mask(s, r, n0, lane);
-      softmax(s, o, m, l, scale);
-      uint32_t a[PV_STEPS][4];
-      p_frags(s, a);
-
-      ptx::mbar_wait(Cfg::v_full(base, st), parity);
-      ptx::fence_proxy_async();
-      ptx::wgmma_fence_regs(o);
-      ptx::wgmma_fence();
-#pragma unroll
-      for (int kk = 0; kk < PV_STEPS; ++kk) MmaO::rs(o, a[kk], v_desc(s_v, kk), 1);
-      ptx::wgmma_commit();
+      softmax(s, m, l, corr, scale);
       ptx::wgmma_wait<0>();
       ptx::wgmma_fence_regs(o);
-      if (lane == 0) ptx::mbar_arrive(Cfg::v_empty(base, st));
+      ptx::wgmma_keep_regs(a);
+      if (lane == 0) ptx::mbar_arrive(Cfg::v_empty(base, prev));
+      rescale_o(o, corr);
+      p_frags(s, a);
     }
+    const int last = (n - 1) % STAGES;
+    ptx::mbar_wait(Cfg::v_full(base, last), ((n - 1) / STAGES) & 1);
+    turn.take();
+    ptx::wgmma_fence();
+    issue_pv(o, a, base + Cfg::V_OFFSET + last * Cfg::KV_TILE_BYTES);
+    ptx::wgmma_commit();
+    if (wg == 0) turn.pass();  // consumer 1's last pass would have no take to meet
+    ptx::wgmma_wait<0>();
+    ptx::wgmma_fence_regs(o);
+    ptx::wgmma_keep_regs(a);
+    if (lane == 0) ptx::mbar_arrive(Cfg::v_empty(base, last));
   }
 };
 

@@ -30,6 +30,7 @@ struct ProducerSm90 {
   // the request zero-filled.
   static __device__ __forceinline__ void load_q(const PrefillParams& p, const PrefillWork& w, uint32_t s_q, int tid) {
     const T* q = reinterpret_cast<const T*>(p.q);
+    const uint64_t once = ptx::l2_evict_first();  // each Q row is read by one CTA
     const int chunk = tid % CPR;
 #pragma unroll 4
     for (int row = tid / CPR; row < Cfg::BLOCK_M; row += ROW_STEP) {
@@ -37,15 +38,15 @@ struct ProducerSm90 {
       const bool valid = r < w.rows_total;
       const int rr = valid ? r : 0;
       const int qi = rr / w.group, h = w.kv_head * w.group + rr % w.group;
-      ptx::cp_async_16(s_q + Cfg::swz(Cfg::BLOCK_M, row, chunk),
-                       q + (w.q_row0 + qi) * p.q_stride_n + h * p.q_stride_h + chunk * 8, valid);
+      ptx::cp_async_16_hint(s_q + Cfg::swz(Cfg::BLOCK_M, row, chunk),
+                            q + (w.q_row0 + qi) * p.q_stride_n + h * p.q_stride_h + chunk * 8, valid, once);
     }
   }
 
   // One K or V tile: keys [n0, n0 + BLOCK_N) of the request's rows from `head` (the kv head's
   // base), keys at or past kv_len zero-filled.
   static __device__ __forceinline__ void load_tile(uint32_t s_tile, const T* head, int64_t stride_n, int64_t row0,
-                                                   int n0, int kv_len, int tid) {
+                                                   int n0, int kv_len, int tid, uint64_t policy) {
     const int chunk = tid % CPR, r0 = tid / CPR;
     const char* src = reinterpret_cast<const char*>(head + (row0 + n0 + r0) * stride_n + chunk * 8);
     const int64_t step = (int64_t)ROW_STEP * stride_n * (int64_t)sizeof(T);
@@ -53,7 +54,8 @@ struct ProducerSm90 {
 #pragma unroll
     for (int i = 0; i < BLOCK_N / ROW_STEP; ++i) {
       const bool valid = i * ROW_STEP < valid_rows;
-      ptx::cp_async_16(s_tile + Cfg::swz(BLOCK_N, r0 + i * ROW_STEP, chunk), valid ? static_cast<const void*>(src) : static_cast<const void*>(head), valid);
+      ptx::cp_async_16_hint(s_tile + Cfg::swz(BLOCK_N, r0 + i * ROW_STEP, chunk),
+                            valid ? static_cast<const void*>(src) : static_cast<const void*>(head), valid, policy);
       src += step;
     }
   }
@@ -64,15 +66,17 @@ struct ProducerSm90 {
     const T* k = reinterpret_cast<const T*>(p.k) + w.kv_head * p.k_stride_h;
     const T* v = reinterpret_cast<const T*>(p.v) + w.kv_head * p.v_stride_h;
     const RaggedKvRows rows{w.kv_row0};
+    // Every row tile of the head reads these K/V rows again: keep them in L2 over Q and outputs.
+    const uint64_t keep = ptx::l2_evict_last();
     for (int it = 0; it < w.num_tiles; ++it) {
       const int s = it % STAGES;
       const uint32_t free_parity = ((it / STAGES) & 1) ^ 1;
       const int n0 = w.tile_start + it * BLOCK_N;
       ptx::mbar_wait(Cfg::k_empty(base, s), free_parity);
-      load_tile(base + Cfg::K_OFFSET + s * Cfg::KV_TILE_BYTES, k, p.k_stride_n, rows.row(0, 0), n0, w.kv_len, tid);
+      load_tile(base + Cfg::K_OFFSET + s * Cfg::KV_TILE_BYTES, k, p.k_stride_n, rows.row(0, 0), n0, w.kv_len, tid, keep);
       ptx::cp_async_mbar_arrive(Cfg::k_full(base, s));
       ptx::mbar_wait(Cfg::v_empty(base, s), free_parity);
-      load_tile(base + Cfg::V_OFFSET + s * Cfg::KV_TILE_BYTES, v, p.v_stride_n, rows.row(0, 0), n0, w.kv_len, tid);
+      load_tile(base + Cfg::V_OFFSET + s * Cfg::KV_TILE_BYTES, v, p.v_stride_n, rows.row(0, 0), n0, w.kv_len, tid, keep);
       ptx::cp_async_mbar_arrive(Cfg::v_full(base, s));
     }
     // Every cp.async lands before the warpgroup exits (the barriers they arrive on live in the
