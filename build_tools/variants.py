@@ -177,7 +177,7 @@ class HopperPrefillVariant:
     """A row of the sm_90a prefill family (prefill_sm90.cuh): one producer warpgroup and
     `consumers` warpgroups of 64 rows (BLOCK_M = 64 * consumers), a `stages`-deep K/V ring of
     block_n-key tiles. The registry prefers it on sm_90a wherever a row matches the call; what it
-    does not cover (paged, general options, fp8 K/V, decode tiles) has no row and runs on sm80."""
+    does not cover (general options, fp8 K/V, decode tiles) has no row and runs on sm80."""
     dtype: str
     head_dim: int
     block_n: int
@@ -185,6 +185,7 @@ class HopperPrefillVariant:
     stages: int
     # the two consumer warpgroups take turns issuing their GEMMs (consumer.cuh, Turns)
     pingpong: bool = True
+    paged: bool = False  # K/V rows through a page table (the batch paged wrapper, block tables)
     tune: bool = False
     impl: str = SM90
     archs: tuple = IMPL_ARCHS[SM90]
@@ -204,11 +205,12 @@ class HopperPrefillVariant:
 
     @property
     def smem_bytes(self):
-        # PrefillSm90Config::SMEM_BYTES: Q, STAGES K and V tiles, 1 + 4 * STAGES mbarriers, the
-        # alignment slack
+        # PrefillSm90Config::SMEM_BYTES: Q, STAGES K and V tiles, 1 + 4 * STAGES mbarriers, (paged)
+        # two tiles' page ids, the alignment slack
         tile = self.block_n * self.head_dim * HALF_BYTES
+        ids = 2 * self.block_n * PAGE_ID_BYTES if self.paged else 0
         return (self.block_m * self.head_dim * HALF_BYTES + 2 * self.stages * tile
-                + (1 + 4 * self.stages) * self.BARRIER_BYTES + self.ATOM_BYTES)
+                + (1 + 4 * self.stages) * self.BARRIER_BYTES + ids + self.ATOM_BYTES)
 
     def fits(self, arch):
         return self.smem_bytes <= SMEM_OPTIN[arch]
@@ -216,18 +218,19 @@ class HopperPrefillVariant:
     @property
     def name(self):
         return (f"pfa_prefill_{self.impl}_{self.dtype}_hd{self.head_dim}_m{self.block_m}n{self.block_n}"
-                f"c{self.consumers}s{self.stages}{'_pp' if self.pingpong else ''}")
+                f"c{self.consumers}s{self.stages}{'_pp' if self.pingpong else ''}{'_paged' if self.paged else ''}")
 
     def source(self):
         return (f'#include "pfa/attention/prefill_sm90.cuh"\n'
                 f"PFA_DEFINE_PREFILL_SM90({self.name}, {DTYPES[self.dtype]}, {self.head_dim}, {self.block_n}, "
-                f"{self.consumers}, {self.stages}, {'true' if self.pingpong else 'false'}, {self.smem_bytes})\n")
+                f"{self.consumers}, {self.stages}, {'true' if self.pingpong else 'false'}, "
+                f"{'true' if self.paged else 'false'}, {self.smem_bytes})\n")
 
     def manifest(self):
         return {"family": "prefill", "impl": self.impl, "dtype": self.dtype, "kv_dtype": self.dtype,
                 "head_dim": self.head_dim, "block_m": self.block_m, "block_n": self.block_n,
                 "warps": self.threads // WARP_THREADS, "threads": self.threads, "smem_bytes": self.smem_bytes,
-                "ctas_per_sm": 1, "tune": self.tune, "general": False, "paged": False, "decode": False,
+                "ctas_per_sm": 1, "tune": self.tune, "general": False, "paged": self.paged, "decode": False,
                 "rows_fastest": True, "device_scale": False}
 
 
@@ -410,7 +413,8 @@ def variants(tune=False):
                                                           decode=True))
             if tune:
                 out += [PrefillVariant(dtype, hd, *t, tune=True) for t in PREFILL_TUNE_TILES[hd]]
-        out += [HopperPrefillVariant(dtype, hd, *tile) for hd, tile in HOPPER_TILES.items()]
+        out += [HopperPrefillVariant(dtype, hd, *tile, paged=paged) for hd, tile in HOPPER_TILES.items()
+                for paged in (False, True)]
         if tune:
             out += [HopperPrefillVariant(dtype, hd, *tile, pingpong=False, tune=True)
                     for hd, tile in HOPPER_TILES.items()]

@@ -196,8 +196,11 @@ KERNELS_sm_90a := \
   pfa_prefill_sm80_f16_kvfp8_hd256_m16n32w2s2_lr_pr \
   pfa_prefill_sm80_f16_kvfp8_hd256_m16n32w2s2_lr_pr_paged \
   pfa_prefill_sm90_f16_hd64_m128n128c2s3_pp \
+  pfa_prefill_sm90_f16_hd64_m128n128c2s3_pp_paged \
   pfa_prefill_sm90_f16_hd128_m128n128c2s2_pp \
+  pfa_prefill_sm90_f16_hd128_m128n128c2s2_pp_paged \
   pfa_prefill_sm90_f16_hd256_m128n80c2s2_pp \
+  pfa_prefill_sm90_f16_hd256_m128n80c2s2_pp_paged \
   pfa_merge_f16 \
   pfa_prefill_sm80_bf16_hd64_m128n64w4s2_qr \
   pfa_prefill_sm80_bf16_hd64_m128n64w4s2_qr_paged \
@@ -248,8 +251,11 @@ KERNELS_sm_90a := \
   pfa_prefill_sm80_bf16_kvfp8_hd256_m16n32w2s2_lr_pr \
   pfa_prefill_sm80_bf16_kvfp8_hd256_m16n32w2s2_lr_pr_paged \
   pfa_prefill_sm90_bf16_hd64_m128n128c2s3_pp \
+  pfa_prefill_sm90_bf16_hd64_m128n128c2s3_pp_paged \
   pfa_prefill_sm90_bf16_hd128_m128n128c2s2_pp \
+  pfa_prefill_sm90_bf16_hd128_m128n128c2s2_pp_paged \
   pfa_prefill_sm90_bf16_hd256_m128n80c2s2_pp \
+  pfa_prefill_sm90_bf16_hd256_m128n80c2s2_pp_paged \
   pfa_merge_bf16 \
   pfa_packbits \
   pfa_cascade_f16 \

@@ -6,7 +6,7 @@
 //                      overlapped with the softmax; PINGPONG alternates the two consumers' GEMMs
 //   sm90/epilogue.cuh  normalise, then O + LSE or split-KV partials (epilogue.cuh layouts)
 // sm90/config.cuh holds the tile shape, register split and shared-memory layout.
-// Covered so far: 16-bit Q/K/V, contiguous or ragged K/V, causal / window / none, LSE, split KV,
+// Covered so far: 16-bit Q/K/V, contiguous, ragged or paged K/V, causal / window / none, LSE, split KV,
 // sinks; everything else routes to the sm80 family (variants.py builds only these rows).
 #pragma once
 #include <stdint.h>
@@ -23,9 +23,9 @@
 
 namespace pfa {
 
-template <typename T, int HEAD_DIM, int BLOCK_N, int CONSUMERS, int STAGES, bool PINGPONG>
-struct PrefillSm90 : PrefillSm90Config<T, HEAD_DIM, BLOCK_N, CONSUMERS, STAGES> {
-  using Cfg = PrefillSm90Config<T, HEAD_DIM, BLOCK_N, CONSUMERS, STAGES>;
+template <typename T, int HEAD_DIM, int BLOCK_N, int CONSUMERS, int STAGES, bool PINGPONG, bool PAGED>
+struct PrefillSm90 : PrefillSm90Config<T, HEAD_DIM, BLOCK_N, CONSUMERS, STAGES, PAGED> {
+  using Cfg = PrefillSm90Config<T, HEAD_DIM, BLOCK_N, CONSUMERS, STAGES, PAGED>;
   using Consumer = ConsumerSm90<Cfg, PINGPONG>;
 
   static __device__ __forceinline__ void init_barriers(uint32_t base) {
@@ -61,13 +61,13 @@ struct PrefillSm90 : PrefillSm90Config<T, HEAD_DIM, BLOCK_N, CONSUMERS, STAGES> 
     PrefillWork w;
     // Honours rows_fastest (a head's row tiles together, its K/V shared in L2): the register it
     // costs is no constraint here.
-    if (!decode_work<Cfg::BLOCK_M, BLOCK_N, false, false, true>(p, w)) return;
+    if (!decode_work<Cfg::BLOCK_M, BLOCK_N, PAGED, false, true>(p, w)) return;
     const int tid = threadIdx.x, wg = tid / Cfg::WG_THREADS;
     if (tid == 0) init_barriers(base);
     __syncthreads();
     if (wg == 0) {
       ptx::setmaxnreg_dec<Cfg::PRODUCER_REGS>();
-      ProducerSm90<Cfg>::run(p, w, base, tid);
+      ProducerSm90<Cfg>::run(p, w, base, smem + (base - ptx::smem_u32(smem)), tid);
     } else {
       ptx::setmaxnreg_inc<Cfg::CONSUMER_REGS>();
       consume(p, w, base, wg - 1, tid % Cfg::WG_THREADS);
@@ -79,11 +79,11 @@ struct PrefillSm90 : PrefillSm90Config<T, HEAD_DIM, BLOCK_N, CONSUMERS, STAGES> 
 
 // One extern "C" entry per variant (see PFA_DEFINE_PREFILL_SM80). SMEM: variants.py's smem_bytes,
 // checked against the kernel's layout at compile time.
-#define PFA_DEFINE_PREFILL_SM90(NAME, T, HD, BN, CONSUMERS, STAGES, PINGPONG, SMEM)                           \
-  static_assert(pfa::PrefillSm90<T, HD, BN, CONSUMERS, STAGES, PINGPONG>::SMEM_BYTES == (SMEM),               \
+#define PFA_DEFINE_PREFILL_SM90(NAME, T, HD, BN, CONSUMERS, STAGES, PINGPONG, PAGED, SMEM)                    \
+  static_assert(pfa::PrefillSm90<T, HD, BN, CONSUMERS, STAGES, PINGPONG, PAGED>::SMEM_BYTES == (SMEM),        \
                 #NAME ": variants.py smem_bytes differs from the kernel's shared-memory layout");             \
   extern "C" __global__ void __launch_bounds__((CONSUMERS + 1) * 128, 1)                                      \
       NAME(const __grid_constant__ pfa::PrefillParams p) {                                                    \
     extern __shared__ __align__(1024) char smem[];                                                            \
-    pfa::PrefillSm90<T, HD, BN, CONSUMERS, STAGES, PINGPONG>::run(p, smem);                                    \
+    pfa::PrefillSm90<T, HD, BN, CONSUMERS, STAGES, PINGPONG, PAGED>::run(p, smem);                             \
   }

@@ -5,16 +5,18 @@
 // 128-byte-swizzle layout (ptx/sm90.cuh): column blocks of 64 elements, 128-byte rows, chunk c of
 // row r at c ^ (r % 8). Layout, each part 1024-byte aligned:
 //   Q [BLOCK_M x D] | K stages [STAGES][BLOCK_N x D] | V stages [STAGES][BLOCK_N x D] | mbarriers
+//   | (PAGED) page ids [2][BLOCK_N]
 #pragma once
 #include <stdint.h>
 
 namespace pfa {
 
-template <typename T_, int HEAD_DIM_, int BLOCK_N_, int CONSUMERS_, int STAGES_>
+template <typename T_, int HEAD_DIM_, int BLOCK_N_, int CONSUMERS_, int STAGES_, bool PAGED_>
 struct PrefillSm90Config {
   using Elem = T_;
   static_assert(sizeof(T_) == 2, "16-bit Q/K/V");
   static constexpr int HEAD_DIM = HEAD_DIM_, BLOCK_N = BLOCK_N_, CONSUMERS = CONSUMERS_, STAGES = STAGES_;
+  static constexpr bool PAGED = PAGED_;
   static constexpr int WG_THREADS = 128;
   static constexpr int WG_ROWS = 64;  // rows of one m64 wgmma: one consumer warpgroup
   static constexpr int THREADS = (CONSUMERS + 1) * WG_THREADS;
@@ -34,8 +36,15 @@ struct PrefillSm90Config {
   static constexpr int BAR_OFFSET = V_OFFSET + STAGES * KV_TILE_BYTES;
   // q_full, then per stage k_full, v_full, k_empty, v_empty
   static constexpr int NUM_BARRIERS = 1 + 4 * STAGES;
+  // PAGED: the page id of every row of a tile, double-buffered (the producer stages a tile's ids
+  // while its threads may still read the previous tile's)
+  static constexpr int IDS_OFFSET = BAR_OFFSET + NUM_BARRIERS * 8;
+  static constexpr int IDS_BYTES = PAGED ? 2 * BLOCK_N * 4 : 0;
   // + 1024: the dynamic shared memory base is rounded up to the swizzle atom at run time
-  static constexpr int SMEM_BYTES = BAR_OFFSET + NUM_BARRIERS * 8 + ATOM_BYTES;
+  static constexpr int SMEM_BYTES = IDS_OFFSET + IDS_BYTES + ATOM_BYTES;
+  // named barriers: 0 = __syncthreads, 1 and 2 = the consumers' turns (consumer.cuh), 3 = the
+  // producer warpgroup's page-id staging
+  static constexpr int PRODUCER_BAR = 3;
   static_assert(BLOCK_N * ROW_BYTES % ATOM_BYTES == 0 && KV_TILE_BYTES % ATOM_BYTES == 0, "1024-byte tiles");
 
   // Producer registers after setmaxnreg, and the consumers': together within the register file

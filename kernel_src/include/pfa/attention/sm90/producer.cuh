@@ -4,7 +4,7 @@
 //
 // It copies with cp.async (16 bytes a thread, zero-filled past the request's keys) and signals
 // with cp.async.mbarrier.arrive: rows come from the K/V sources (kv_source.cuh), so the same
-// producer serves contiguous and ragged K/V at any stride. Each thread owns one 16-byte chunk
+// producer serves contiguous, ragged and (PAGED) paged K/V at any stride and page size. Each thread owns one 16-byte chunk
 // column, so its swizzled shared-memory offsets are fixed but for a compile-time row step.
 #pragma once
 #include <stdint.h>
@@ -20,6 +20,7 @@ namespace pfa {
 
 template <class Cfg>
 struct ProducerSm90 {
+  static constexpr bool PAGED = Cfg::PAGED;
   using T = typename Cfg::Elem;
   static constexpr int CPR = Cfg::CPR, BLOCK_N = Cfg::BLOCK_N, STAGES = Cfg::STAGES;
   static constexpr int ROW_STEP = Cfg::WG_THREADS / CPR;  // rows between one thread's chunks
@@ -60,23 +61,67 @@ struct ProducerSm90 {
     }
   }
 
-  static __device__ __forceinline__ void run(const PrefillParams& p, const PrefillWork& w, uint32_t base, int tid) {
+  // Paged K/V: the page id of each row of the tile at n0 (PagedKvRows' addressing: key t sits in
+  // slot t % page_size of page kv_page_indices[page_base + t / page_size], ids clamped into the
+  // cache when the host could not check them), one row per thread, into s_ids; then the
+  // warpgroup's barrier, so every thread's rows find their ids in shared memory instead of each
+  // waiting on its own dependent page-table load.
+  static __device__ __forceinline__ void stage_page_ids(int32_t* s_ids, const PrefillParams& p, const int32_t* pages,
+                                                        int n0, int kv_len, int tid) {
+    if (tid < BLOCK_N) {
+      const int t = n0 + tid;
+      const int pg = p.page_shift >= 0 ? t >> p.page_shift : t / p.page_size;
+      s_ids[tid] = t < kv_len ? checked_page_id(p, __ldg(pages + pg)) : 0;
+    }
+    ptx::bar_sync(Cfg::PRODUCER_BAR, Cfg::WG_THREADS);
+  }
+
+  // One K or V tile from a paged cache, its rows' page ids staged in s_ids.
+  static __device__ __forceinline__ void load_tile_paged(uint32_t s_tile, const T* head, const PrefillParams& p,
+                                                         const int32_t* s_ids, int64_t stride_page, int64_t stride_n,
+                                                         int n0, int kv_len, int tid, uint64_t policy) {
+    const int chunk = tid % CPR, r0 = tid / CPR;
+    const bool pow2 = p.page_shift >= 0;
+#pragma unroll 4
+    for (int i = 0; i < BLOCK_N / ROW_STEP; ++i) {
+      const int r = r0 + i * ROW_STEP, t = n0 + r;
+      const bool valid = t < kv_len;
+      const int slot = pow2 ? t & (p.page_size - 1) : t % p.page_size;
+      const T* src = head + (int64_t)s_ids[r] * stride_page + (int64_t)slot * stride_n + chunk * 8;
+      ptx::cp_async_16_hint(s_tile + Cfg::swz(BLOCK_N, r, chunk), valid ? src : head, valid, policy);
+    }
+  }
+
+  // base / smem: the aligned shared-memory base as a shared-window address and as a pointer.
+  static __device__ __forceinline__ void run(const PrefillParams& p, const PrefillWork& w, uint32_t base, char* smem,
+                                             int tid) {
     load_q(p, w, base + Cfg::Q_OFFSET, tid);
     ptx::cp_async_mbar_arrive(Cfg::q_full(base));
     const T* k = reinterpret_cast<const T*>(p.k) + w.kv_head * p.k_stride_h;
     const T* v = reinterpret_cast<const T*>(p.v) + w.kv_head * p.v_stride_h;
     const RaggedKvRows rows{w.kv_row0};
+    const int32_t* pages = reinterpret_cast<const int32_t*>(p.kv_page_indices) + w.page_base;
     // Every row tile of the head reads these K/V rows again: keep them in L2 over Q and outputs.
     const uint64_t keep = ptx::l2_evict_last();
     for (int it = 0; it < w.num_tiles; ++it) {
       const int s = it % STAGES;
       const uint32_t free_parity = ((it / STAGES) & 1) ^ 1;
       const int n0 = w.tile_start + it * BLOCK_N;
+      const uint32_t s_k = base + Cfg::K_OFFSET + s * Cfg::KV_TILE_BYTES;
+      const uint32_t s_v = base + Cfg::V_OFFSET + s * Cfg::KV_TILE_BYTES;
+      int32_t* s_ids = reinterpret_cast<int32_t*>(smem + Cfg::IDS_OFFSET) + (it & 1) * BLOCK_N;
+      if constexpr (PAGED) stage_page_ids(s_ids, p, pages, n0, w.kv_len, tid);
       ptx::mbar_wait(Cfg::k_empty(base, s), free_parity);
-      load_tile(base + Cfg::K_OFFSET + s * Cfg::KV_TILE_BYTES, k, p.k_stride_n, rows.row(0, 0), n0, w.kv_len, tid, keep);
+      if constexpr (PAGED)
+        load_tile_paged(s_k, k, p, s_ids, p.k_stride_page, p.k_stride_n, n0, w.kv_len, tid, keep);
+      else
+        load_tile(s_k, k, p.k_stride_n, rows.row(0, 0), n0, w.kv_len, tid, keep);
       ptx::cp_async_mbar_arrive(Cfg::k_full(base, s));
       ptx::mbar_wait(Cfg::v_empty(base, s), free_parity);
-      load_tile(base + Cfg::V_OFFSET + s * Cfg::KV_TILE_BYTES, v, p.v_stride_n, rows.row(0, 0), n0, w.kv_len, tid, keep);
+      if constexpr (PAGED)
+        load_tile_paged(s_v, v, p, s_ids, p.v_stride_page, p.v_stride_n, n0, w.kv_len, tid, keep);
+      else
+        load_tile(s_v, v, p.v_stride_n, rows.row(0, 0), n0, w.kv_len, tid, keep);
       ptx::cp_async_mbar_arrive(Cfg::v_full(base, s));
     }
     // Every cp.async lands before the warpgroup exits (the barriers they arrive on live in the
