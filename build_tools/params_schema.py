@@ -42,6 +42,9 @@ PREFILL = (
         ("v_scale_dev", "ptr", "float32 scalar on the device multiplying v_scale (a tensor bmm2_scale); 0 = none"),
         ("kv_seq_lens", "ptr", "paged KV by block table: int32 / uint32 [B] key count of each request (its "
          "pages: kv_page_indices[kv_indptr[b] + t / page_size]); 0 = lengths from kv_last_page_len"),
+        ("k_sf", "ptr", "NVFP4 K (the kv_dtype=nvfp4 kernels, whose k holds uint8 e2m1 code pairs [.., D/2]): its "
+         "float8_e4m3fn block scales [.., D/16], one per 16 head-dim elements of a row, at k_sf_stride_*; 0 otherwise"),
+        ("v_sf", "ptr", "NVFP4 V: its block scales, as k_sf"),
         ("q_stride_n", "i64", ""),
         ("q_stride_h", "i64", ""),
         ("k_stride_n", "i64", ""),
@@ -52,6 +55,12 @@ PREFILL = (
         ("o_stride_h", "i64", ""),
         ("k_stride_page", "i64", "paged KV: elements between pages of K"),
         ("v_stride_page", "i64", "paged KV: elements between pages of V"),
+        ("k_sf_stride_page", "i64", "NVFP4: bytes between pages of k_sf"),
+        ("k_sf_stride_n", "i64", "NVFP4: bytes between rows (tokens) of k_sf"),
+        ("k_sf_stride_h", "i64", "NVFP4: bytes between kv heads of k_sf"),
+        ("v_sf_stride_page", "i64", "NVFP4: bytes between pages of v_sf"),
+        ("v_sf_stride_n", "i64", ""),
+        ("v_sf_stride_h", "i64", ""),
         ("qo_len", "i32", ""),
         ("kv_len", "i32", ""),
         ("num_qo_heads", "i32", ""),
@@ -73,8 +82,8 @@ PREFILL = (
         ("page_size", "i32", "paged KV: tokens per page"),
         ("page_shift", "i32", "log2(page_size) when a power of two, else -1"),
         ("v_scale", "f32", "output multiplier (fp8 V dequantisation scale); 1 otherwise"),
-        ("kv_fp8", "i32", "fp8 K/V storage of the kv_dtype=fp8 kernels: 1 = e4m3fn, 2 = e5m2 (0 = K/V in q's dtype); "
-         "strides stay in elements"),
+        ("kv_fp8", "i32", "fp8 K/V storage of the kv_dtype=fp8 kernels: 1 = e4m3fn, 2 = e5m2 (0 = K/V in q's dtype, "
+         "or NVFP4 codes, whose elements are their bytes); strides stay in elements"),
         ("kv_max_pages", "i32", "with kv_seq_lens: the pages each request's block-table row holds (kv_len is "
          "clamped to kv_max_pages * page_size, so no row is read past its table)"),
         ("num_pages", "i32", "paged KV: pages in the cache; a page id outside [0, num_pages) is clamped into it, "

@@ -19,8 +19,13 @@ from dataclasses import dataclass
 
 DTYPES = {"f16": "half", "bf16": "__nv_bfloat16"}
 # K/V storage types next to the query dtype: "fp8" kernels read one-byte K/V (e4m3fn or e5m2,
-# chosen at run time by PrefillParams.kv_fp8) and widen it to the query dtype in shared memory.
-KV_STORAGE = {"fp8": "pfa::fp8_storage"}
+# chosen at run time by PrefillParams.kv_fp8) and widen it to the query dtype in shared memory;
+# "nvfp4" kernels read e2m1 code pairs plus one e4m3 scale per 16 elements (PrefillParams.k_sf /
+# v_sf) and widen them the same way.
+KV_STORAGE = {"fp8": "pfa::fp8_storage", "nvfp4": "pfa::nvfp4_storage"}
+# K/V storages built only as the paged decode tiles (the decode wrapper and XQA): any request
+# runs on them, past their rows as several row tiles (routing.DECODE_ONLY_KV mirrors this).
+DECODE_ONLY_KV = ("nvfp4",)
 ARCHS_DEFAULT = ("sm_80", "sm_89", "sm_90a")
 
 # Dynamic shared memory a block may opt in to (cudaDevAttrMaxSharedMemoryPerBlockOptin), per arch:
@@ -44,13 +49,14 @@ WARP_THREADS = 32
 MMA_ROWS = 16  # rows of one m16 MMA tile: a warp's row tile, and the decode tile's height
 HALF_BYTES = 2  # a 16-bit (f16 / bf16) element
 FP8_BYTES = 1
+NVFP4_BLOCK = 16  # head-dim elements per NVFP4 block scale (one e4m3 byte)
 ROW_MAP_BYTES = 8  # per packed row: its (token, q head), kept by the non-paged kernels
 PAGE_ID_BYTES = 4  # one int32 page id staged in shared memory by the paged kernels
 PAGE_IDS = 2048  # PrefillSm80::MAX_PAGE_IDS
 DECODE_PAGE_IDS = 1024  # ... of the 16-row tiles up to DECODE_PAGE_IDS_MAX_HD: less staging, more CTAs per SM
 DECODE_PAGE_IDS_MAX_HD = 128
-# PrefillSm80::SPLIT_WIDEN: the fp8 16-row tiles from this head dim widen K and V one after the
-# other into one 16-bit tile (one widened tile instead of a pair: more CTAs per SM)
+# PrefillSm80::SPLIT_WIDEN: the fp8 / NVFP4 16-row tiles from this head dim widen K and V one after
+# the other into one 16-bit tile (one widened tile instead of a pair: more CTAs per SM)
 SPLIT_WIDEN_MIN_HD = 256
 PAIR_LANE_BYTES = 16  # PAIR exchange: each lane's float4 of row maxes (row sums in the epilogue)
 P_WORD_KEYS = 8  # PAIR exchange: P's words per lane come to mq * block_n / 8 ...
@@ -124,21 +130,29 @@ class PrefillVariant:
     @property
     def smem_bytes(self):
         # PrefillSm80::SMEM_BYTES (the generated source static_asserts the two agree): Q + the K/V
-        # stages; fp8 K/V: the one-byte ring plus one widened K/V pair; + the paged kernels'
+        # stages; fp8 / NVFP4 K/V: the narrow ring plus one widened K/V pair; + the paged kernels'
         # page-id staging (max_page_ids int32 entries), the others' row map (8 bytes per packed row);
         # + (pair) per warp and lane a float4 of row maxes and the warp's P words (mq * block_n / 8).
-        # (the hd256 fp8 decode tile widens K and V one after the other into one tile:
+        # (the hd256 fp8 / NVFP4 decode tiles widen K and V one after the other into one tile:
         # PrefillSm80::SPLIT_WIDEN)
         kv_tile = self.block_n * self.head_dim  # elements of one K (or V) tile
         split_widen = self.block_m == MMA_ROWS and self.head_dim >= SPLIT_WIDEN_MIN_HD
         wide = (1 if split_widen else 2) * kv_tile * HALF_BYTES  # the widened K and V (or one of them)
         # each stage holds a K and a V tile
         kv = (2 * self.stages * kv_tile * HALF_BYTES if not self.kv_dtype
-              else 2 * self.stages * kv_tile * FP8_BYTES + wide)
+              else 2 * self.stages * self.block_n * self.ring_row_bytes + wide)
         xch = (self.threads * (PAIR_LANE_BYTES + self.mq * self.block_n // P_WORD_KEYS * P_WORD_BYTES)
                if self.pair else 0)
         rows = self.max_page_ids * PAGE_ID_BYTES if self.paged else self.block_m * ROW_MAP_BYTES
         return self.block_m * self.head_dim * HALF_BYTES + kv + rows + xch
+
+    @property
+    def ring_row_bytes(self):
+        """Bytes of one K (or V) row in the ring of a narrow-K/V kernel: fp8 one per element,
+        NVFP4 half a byte per element plus one scale byte per NVFP4_BLOCK (PrefillSm80Config)."""
+        if self.kv_dtype == "nvfp4":
+            return self.head_dim // 2 + self.head_dim // NVFP4_BLOCK
+        return self.head_dim * FP8_BYTES
 
     @property
     def max_page_ids(self):
@@ -347,6 +361,11 @@ WIDE_DECODE_TILES_FP8 = {
     32: {64: (2, 1, 32, False, 2, 1, True), 128: (2, 1, 16, False, 2, 1, True)},
     64: {64: (4, 1, 32, False, 2, 1, True), 128: (4, 1, 16, False, 2, 1, True)},
 }
+# The decode tiles over an NVFP4 cache: the fp8 cache's shapes (the same widening-bound stream, a
+# ring row of 9/16 of fp8's bytes); paged only (NVFP4 caches are paged: the scales share the
+# page table). Not yet measured against alternatives on a GPU.
+DECODE_TILES_NVFP4 = DECODE_TILES_FP8
+WIDE_DECODE_TILES_NVFP4 = WIDE_DECODE_TILES_FP8
 # Alternatives the tuning sweep compares against the defaults.
 PREFILL_TUNE_TILES = {
     64: [(4, 2, 64, True, 3, 2), (8, 2, 64, True, 2, 1)],
@@ -381,8 +400,10 @@ def unbuilt_reason(v, arch):
         return f"needs {v.smem_bytes} bytes of shared memory per block; {arch} allows {SMEM_OPTIN[arch]}"
     # The batch wrappers resolve the 128-row kernel before any decode tile (_batch_prefill.
     # _resolve_config), so where that kernel cannot launch, only single prefill reaches a decode tile.
+    # (A decode-only K/V storage has no 128-row kernel: its decode tiles are all the wrappers use.)
     lean = _lean_kernel(v)
-    if v.decode and not lean.fits(arch) and not single_prefill_routes(v):
+    decode_only = v.kv_dtype in DECODE_ONLY_KV
+    if v.decode and not decode_only and not lean.fits(arch) and not single_prefill_routes(v):
         return (f"unroutable: the batch wrappers need {lean.name} ({lean.smem_bytes} bytes of shared "
                 f"memory) first, which {arch} cannot launch")
     return None
@@ -420,10 +441,22 @@ def variants(tune=False):
                     for hd, tile in HOPPER_TILES.items()]
             out += [HopperPrefillVariant(dtype, hd, *tile, tune=True) for hd, tile in HOPPER_TUNE_TILES]
         out.append(MergeVariant(dtype))
+    out += nvfp4_variants()
     out.append(MiscVariant("packbits", PACKBITS_THREADS))
     out += [MiscVariant("cascade", CASCADE_THREADS, dtype) for dtype in CASCADE_DTYPES]
     out.append(MiscVariant("page", PAGE_THREADS))
     return [p for p in map(_placed, out) if p.archs]
+
+
+def nvfp4_variants():
+    """The NVFP4 rows: paged decode tiles only (DECODE_ONLY_KV), 16 rows and (hd64 / hd128) 32, 64."""
+    out = []
+    for dtype in DTYPES:
+        for hd, tile in DECODE_TILES_NVFP4.items():
+            out.append(PrefillVariant(dtype, hd, *tile, paged=True, kv_dtype="nvfp4", decode=True))
+            out += [PrefillVariant(dtype, hd, *wide[hd], paged=True, kv_dtype="nvfp4", decode=True)
+                    for wide in WIDE_DECODE_TILES_NVFP4.values() if hd in wide]
+    return out
 
 
 def kernels_by_arch(tune=False):

@@ -81,7 +81,8 @@ class BatchDecodeWithPagedKVCacheWrapper:
 
     The cache, index arrays, dtypes (fp8 K/V included), k_scale / v_scale and CUDA-graph mode are
     those of ``BatchPrefillWithPagedKVCacheWrapper``; a request's query is q_len_per_req tokens
-    (plan's keyword, default 1), so q is [B * q_len_per_req, Hq, D].
+    (plan's keyword, default 1), so q is [B * q_len_per_req, Hq, D]. An NVFP4 cache:
+    plan(kv_data_type=torch.uint8) and run(..., kv_cache_sf=scales) (see run()).
 
     use_cuda_graph=True needs paged_kv_indptr_buffer, paged_kv_indices_buffer and
     paged_kv_last_page_len_buffer: they bound the batch size and the pages; the first plan fixes
@@ -163,17 +164,22 @@ class BatchDecodeWithPagedKVCacheWrapper:
         """Attention of q [B * q_len_per_req, Hq, D] over the paged cache for the planned batch.
         q_scale and k_scale multiply the logit scale, v_scale the output (in the kernel); sinks:
         float32 [Hq] attention sinks (FlashInfer's fa2 path ignores them; applied here).
-        window_left / q_len_per_req, when given, must be the plan's (they shape the schedule)."""
+        window_left / q_len_per_req, when given, must be the plan's (they shape the schedule).
+        kv_cache_sf: an NVFP4 cache's block scales (plan(kv_data_type=torch.uint8); the cache
+        holds uint8 e2m1 code pairs [..., D/2], low nibble first): float8_e4m3fn [..., D/16], one
+        scale per 16 head-dim elements of a token, in the cache's form (one tensor
+        [P, 2, ...] or a (k_sf, v_sf) tuple). An element is code * scale * the global scale,
+        whose K part goes into k_scale and V part into v_scale. Split-KV works as for any cache."""
         if window_left is not None and window_left != self._window:
             raise ValueError(f"window_left={window_left} differs from plan()'s {self._window}; plan() with it")
         if q_len_per_req is not None and q_len_per_req != self._q_len:
             raise ValueError(f"q_len_per_req={q_len_per_req} differs from plan()'s {self._q_len}; plan() with it")
-        _unsupported("kv_cache_sf", kv_cache_sf, "the NVFP4 KV cache")
         _unsupported("skip_softmax_threshold_scale_factor", skip_softmax_threshold_scale_factor, "skip-softmax")
         if q_scale is not None:
             k_scale = operands.scale_arg(q_scale, "q_scale") * operands.scale_arg(k_scale, "k_scale")
         return self._engine.run_paged(q, paged_kv_cache, *args, k_scale=k_scale, v_scale=v_scale, out=out, lse=lse,
-                                      return_lse=return_lse, stream=stream, enable_pdl=enable_pdl, sinks=sinks)
+                                      return_lse=return_lse, stream=stream, enable_pdl=enable_pdl, sinks=sinks,
+                                      kv_cache_sf=kv_cache_sf)
 
     def run_return_lse(self, *args, **kwargs):
         kwargs["return_lse"] = True

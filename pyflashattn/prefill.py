@@ -84,7 +84,10 @@ class BatchPrefillWithPagedKVCacheWrapper(_BatchPrefillWrapper):
     kv_indices[kv_indptr[b]:kv_indptr[b+1]], its last page holding kv_last_page_len[b] tokens
     (1..page_size); a request with no pages has kv_len 0.
 
-    K/V dtype: q's (plan's q_data_type), or fp8 (kv_data_type=float8_e4m3fn / float8_e5m2).
+    K/V dtype: q's (plan's q_data_type), fp8 (kv_data_type=float8_e4m3fn / float8_e5m2), or NVFP4
+    (kv_data_type=uint8: e2m1 code pairs [..., D/2], low nibble first, with run(kv_cache_sf=...)
+    their float8_e4m3fn block scales [..., D/16] in the cache's form; lean options only, and run
+    on the decode tiles, so long queries are correct but not fast).
     run(k_scale=, v_scale=) (default 1.0) scale the logits (sm_scale * k_scale, also in the LSE)
     and the output (times v_scale) inside the kernel, for every KV dtype.
 
@@ -136,7 +139,7 @@ class BatchPrefillWithPagedKVCacheWrapper(_BatchPrefillWrapper):
     begin_forward = plan
 
     def run(self, q, paged_kv_cache, *args, k_scale=None, v_scale=None, out=None, lse=None,
-            return_lse: bool = False, stream=None, enable_pdl=None, sinks=None):
+            return_lse: bool = False, stream=None, enable_pdl=None, sinks=None, kv_cache_sf=None):
         """Attention of q over the paged cache for the planned batch. k_scale / v_scale (float,
         default 1.0): see the class docstring; under a CUDA graph they are baked into the
         captured launch (a replay uses the values of the captured run()). enable_pdl=True
@@ -144,9 +147,10 @@ class BatchPrefillWithPagedKVCacheWrapper(_BatchPrefillWrapper):
         (FlashInfer's None means "if supported": here it means off). sinks: float32 [Hq]
         attention sinks (semantics of FlashInfer's trtllm-gen path: e^sink joins each row's
         normaliser, and the LSE); FlashInfer's fa2/fa3 paths silently ignore them, this one
-        applies them."""
+        applies them. kv_cache_sf: an NVFP4 cache's block scales (see the class docstring)."""
         return self._engine.run_paged(q, paged_kv_cache, *args, k_scale=k_scale, v_scale=v_scale, out=out, lse=lse,
-                                      return_lse=return_lse, stream=stream, enable_pdl=enable_pdl, sinks=sinks)
+                                      return_lse=return_lse, stream=stream, enable_pdl=enable_pdl, sinks=sinks,
+                                      kv_cache_sf=kv_cache_sf)
 
 
 class BatchPrefillWithRaggedKVCacheWrapper(_BatchPrefillWrapper):

@@ -240,10 +240,10 @@ def test_decode_run_refuses_a_window_or_q_len_other_than_the_plans(fake):
                      (dict(q_len_per_req=1), "q_len_per_req"), (dict(q_len_per_req=3), "q_len_per_req")):
         with pytest.raises(ValueError, match=name):
             w.run(q_dec(2), cache(), out=o_dec(2), **kw)
-    for kw, name in ((dict(kv_cache_sf=T((NPAGES, 2), U16)), "kv_cache_sf"),
-                     (dict(skip_softmax_threshold_scale_factor=0.5), "skip_softmax_threshold_scale_factor")):
-        with pytest.raises(NotImplementedError, match=name):
-            w.run(q_dec(2), cache(), out=o_dec(2), **kw)
+    with pytest.raises(NotImplementedError, match="skip_softmax_threshold_scale_factor"):
+        w.run(q_dec(2), cache(), out=o_dec(2), skip_softmax_threshold_scale_factor=0.5)
+    with pytest.raises(TypeError, match="kv_cache_sf"):  # block scales for a float16 plan
+        w.run(q_dec(2), cache(), out=o_dec(2), kv_cache_sf=T((NPAGES, 2, PS, HKV, D // 16), E4M3))
     assert not fake.attn_launches()
     w.run(q_dec(2), cache(), out=o_dec(2), window_left=64, q_len_per_req=2)  # the plan's: fine
     assert attn_launch(fake)[3].window_left == 64
@@ -437,7 +437,7 @@ _BAD = [  # (overrides given fake, exception, pattern)
     ("bmm1_neg", lambda f: dict(bmm1_scale=-0.5), ValueError, r"bmm1_scale"),
     ("bmm2_dtype", lambda f: dict(bmm2_scale=T((1,), I32, data=0x830000)), TypeError, r"bmm2_scale .*float32"),
     ("o_scale", lambda f: dict(o_scale=0.0), ValueError, r"o_scale"),
-    ("kv_cache_sf", lambda f: dict(kv_cache_sf=T((NPAGES, 2), U16)), NotImplementedError, r"kv_cache_sf"),
+    ("kv_cache_sf", lambda f: dict(kv_cache_sf=T((NPAGES, 2), U16)), TypeError, r"kv_cache_sf"),
     ("out_fp8", lambda f: dict(out=T((B, HQ, D), E4M3, data=0x400000)), NotImplementedError, r"out: an fp8"),
 ]
 

@@ -111,13 +111,14 @@ def test_rows_name_their_impl_and_archs():
 def test_every_arch_keeps_what_it_can_run():
     """A row is left out of an arch only when it cannot launch there or the host cannot route it:
     a decode tile needs its 128-row lean kernel on that arch (the batch wrappers resolve it first),
-    unless it is the 16-row tile over contiguous 16-bit K/V that single prefill launches alone."""
+    unless it is the 16-row tile over contiguous 16-bit K/V that single prefill launches alone, or
+    its K/V storage is decode-only (NVFP4: no 128-row kernel exists, the wrappers take the tiles)."""
     vs = [v for v in variants.variants(tune=True) if isinstance(v, variants.PrefillVariant)]
     lean = {(v.dtype, v.head_dim, v.kv, v.paged): v for v in vs if not v.decode and not v.general and not v.tune}
     for v in vs:
         for arch in variants.ARCHS_DEFAULT:
             fits = v.smem_bytes <= variants.SMEM_OPTIN[arch]
-            if not v.decode:
+            if not v.decode or v.kv_dtype in variants.DECODE_ONLY_KV:
                 assert (arch in v.archs) is fits, (v.name, arch)
                 continue
             batch = arch in lean[(v.dtype, v.head_dim, v.kv, v.paged)].archs
@@ -160,9 +161,11 @@ def test_prefill_tiles_are_the_tables_rows():
         if not v.decode:
             table = variants.PREFILL_TILES
         elif v.block_m > 16:
-            table = (variants.WIDE_DECODE_TILES_FP8 if v.kv_dtype else variants.WIDE_DECODE_TILES)[v.block_m]
+            table = {"": variants.WIDE_DECODE_TILES, "fp8": variants.WIDE_DECODE_TILES_FP8,
+                     "nvfp4": variants.WIDE_DECODE_TILES_NVFP4}[v.kv_dtype][v.block_m]
         else:
-            table = variants.DECODE_TILES_FP8 if v.kv_dtype else variants.DECODE_TILES
+            table = {"": variants.DECODE_TILES, "fp8": variants.DECODE_TILES_FP8,
+                     "nvfp4": variants.DECODE_TILES_NVFP4}[v.kv_dtype]
         row = table[v.head_dim]
         assert (v.warps, v.mq, v.block_n, v.q_in_regs, v.stages, v.min_blocks) == row[:6], v.name
         assert v.pair == (len(row) > 7 and row[7]), v.name
@@ -171,13 +174,22 @@ def test_prefill_tiles_are_the_tables_rows():
 def test_decode_tiles_exist_for_every_lean_kernel():
     vs = [v for v in variants.variants() if isinstance(v, variants.PrefillVariant)]
     lean = {(v.dtype, v.head_dim, v.kv, v.paged) for v in vs if not v.general and not v.decode}
-    assert {(v.dtype, v.head_dim, v.kv, v.paged) for v in vs if v.decode} == lean
+    only = variants.DECODE_ONLY_KV
+    assert {(v.dtype, v.head_dim, v.kv, v.paged) for v in vs if v.decode and v.kv not in only} == lean
+    # decode-only K/V storages (NVFP4): paged decode tiles of every dtype and head dim, wide ones
+    # where the fp8 cache has them, and nothing else
+    for kv in only:
+        assert not [v.name for v in vs if v.kv == kv and (not v.decode or not v.paged or v.general)]
+        assert {(v.dtype, v.head_dim, v.block_m) for v in vs if v.kv == kv} == {
+            (d, hd, rows) for d in variants.DTYPES for hd in variants.PREFILL_TILES
+            for rows in (16, *[r for r, t in variants.WIDE_DECODE_TILES_FP8.items() if hd in t])}
     # the wide tiles (32 / 64 rows) exist for paged or fp8 K/V only (contiguous 16-bit K/V run several
     # 16-row tiles instead), at the same head dims in both tables
     wide_rows = {hd: tuple(sorted(r for r, t in variants.WIDE_DECODE_TILES.items() if hd in t))
                  for hd in variants.PREFILL_TILES}
     for rows in (32, 64):
-        wide = {(v.dtype, v.head_dim, v.kv, v.paged) for v in vs if v.decode and v.block_m == rows}
+        wide = {(v.dtype, v.head_dim, v.kv, v.paged) for v in vs
+                if v.decode and v.block_m == rows and v.kv not in only}
         assert wide == {k for k in lean if rows in wide_rows[k[1]] and (k[3] or k[2] == "fp8")}
     assert {(r, hd) for r, t in variants.WIDE_DECODE_TILES_FP8.items() for hd in t} == {
         (r, hd) for r, t in variants.WIDE_DECODE_TILES.items() for hd in t}
@@ -207,6 +219,9 @@ def test_routing_reads_the_decode_tiles_from_the_manifest(monkeypatch):
         assert routing.built_decode_tiles(0, "bf16", "bf16", hd, False) == (16,)
         assert routing.built_decode_tiles(0, "bf16", "bf16", hd, True) == (16, *wide)
         assert routing.built_decode_tiles(0, "f16", "fp8", hd, False) == (16, *wide)
+        assert routing.built_decode_tiles(0, "bf16", "nvfp4", hd, True) == (16, *wide)
+        assert routing.built_decode_tiles(0, "bf16", "nvfp4", hd, False) == ()
+    assert routing.DECODE_ONLY_KV == set(variants.DECODE_ONLY_KV)
     # an arch without the wide tiles built: only what is there
     monkeypatch.setattr(_registry, "manifest", lambda: {"kernels": [r for r in rows if r.get("block_m") != 64]})
     monkeypatch.setattr(routing, "_decode_rows_cache", {})

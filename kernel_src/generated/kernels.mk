@@ -77,6 +77,20 @@ KERNELS_sm_80 := \
   pfa_prefill_sm80_bf16_kvfp8_hd128_m64n16w4s2_lr_paged \
   pfa_prefill_sm80_bf16_hd256_m16n32w1s2_lr \
   pfa_merge_bf16 \
+  pfa_prefill_sm80_f16_kvnvfp4_hd64_m16n32w1s2_lr_paged \
+  pfa_prefill_sm80_f16_kvnvfp4_hd64_m32n32w2s2_lr_paged \
+  pfa_prefill_sm80_f16_kvnvfp4_hd64_m64n32w4s2_lr_paged \
+  pfa_prefill_sm80_f16_kvnvfp4_hd128_m16n16w1s2_lr_paged \
+  pfa_prefill_sm80_f16_kvnvfp4_hd128_m32n16w2s2_lr_paged \
+  pfa_prefill_sm80_f16_kvnvfp4_hd128_m64n16w4s2_lr_paged \
+  pfa_prefill_sm80_f16_kvnvfp4_hd256_m16n32w2s2_lr_pr_paged \
+  pfa_prefill_sm80_bf16_kvnvfp4_hd64_m16n32w1s2_lr_paged \
+  pfa_prefill_sm80_bf16_kvnvfp4_hd64_m32n32w2s2_lr_paged \
+  pfa_prefill_sm80_bf16_kvnvfp4_hd64_m64n32w4s2_lr_paged \
+  pfa_prefill_sm80_bf16_kvnvfp4_hd128_m16n16w1s2_lr_paged \
+  pfa_prefill_sm80_bf16_kvnvfp4_hd128_m32n16w2s2_lr_paged \
+  pfa_prefill_sm80_bf16_kvnvfp4_hd128_m64n16w4s2_lr_paged \
+  pfa_prefill_sm80_bf16_kvnvfp4_hd256_m16n32w2s2_lr_pr_paged \
   pfa_packbits \
   pfa_cascade_f16 \
   pfa_cascade_bf16 \
@@ -140,6 +154,20 @@ KERNELS_sm_89 := \
   pfa_prefill_sm80_bf16_kvfp8_hd128_m64n16w4s2_lr \
   pfa_prefill_sm80_bf16_hd256_m16n32w1s2_lr \
   pfa_merge_bf16 \
+  pfa_prefill_sm80_f16_kvnvfp4_hd64_m16n32w1s2_lr_paged \
+  pfa_prefill_sm80_f16_kvnvfp4_hd64_m32n32w2s2_lr_paged \
+  pfa_prefill_sm80_f16_kvnvfp4_hd64_m64n32w4s2_lr_paged \
+  pfa_prefill_sm80_f16_kvnvfp4_hd128_m16n16w1s2_lr_paged \
+  pfa_prefill_sm80_f16_kvnvfp4_hd128_m32n16w2s2_lr_paged \
+  pfa_prefill_sm80_f16_kvnvfp4_hd128_m64n16w4s2_lr_paged \
+  pfa_prefill_sm80_f16_kvnvfp4_hd256_m16n32w2s2_lr_pr_paged \
+  pfa_prefill_sm80_bf16_kvnvfp4_hd64_m16n32w1s2_lr_paged \
+  pfa_prefill_sm80_bf16_kvnvfp4_hd64_m32n32w2s2_lr_paged \
+  pfa_prefill_sm80_bf16_kvnvfp4_hd64_m64n32w4s2_lr_paged \
+  pfa_prefill_sm80_bf16_kvnvfp4_hd128_m16n16w1s2_lr_paged \
+  pfa_prefill_sm80_bf16_kvnvfp4_hd128_m32n16w2s2_lr_paged \
+  pfa_prefill_sm80_bf16_kvnvfp4_hd128_m64n16w4s2_lr_paged \
+  pfa_prefill_sm80_bf16_kvnvfp4_hd256_m16n32w2s2_lr_pr_paged \
   pfa_packbits \
   pfa_cascade_f16 \
   pfa_cascade_bf16 \
@@ -257,6 +285,20 @@ KERNELS_sm_90a := \
   pfa_prefill_sm90_bf16_hd256_m128n80c2s2_pp \
   pfa_prefill_sm90_bf16_hd256_m128n80c2s2_pp_paged \
   pfa_merge_bf16 \
+  pfa_prefill_sm80_f16_kvnvfp4_hd64_m16n32w1s2_lr_paged \
+  pfa_prefill_sm80_f16_kvnvfp4_hd64_m32n32w2s2_lr_paged \
+  pfa_prefill_sm80_f16_kvnvfp4_hd64_m64n32w4s2_lr_paged \
+  pfa_prefill_sm80_f16_kvnvfp4_hd128_m16n16w1s2_lr_paged \
+  pfa_prefill_sm80_f16_kvnvfp4_hd128_m32n16w2s2_lr_paged \
+  pfa_prefill_sm80_f16_kvnvfp4_hd128_m64n16w4s2_lr_paged \
+  pfa_prefill_sm80_f16_kvnvfp4_hd256_m16n32w2s2_lr_pr_paged \
+  pfa_prefill_sm80_bf16_kvnvfp4_hd64_m16n32w1s2_lr_paged \
+  pfa_prefill_sm80_bf16_kvnvfp4_hd64_m32n32w2s2_lr_paged \
+  pfa_prefill_sm80_bf16_kvnvfp4_hd64_m64n32w4s2_lr_paged \
+  pfa_prefill_sm80_bf16_kvnvfp4_hd128_m16n16w1s2_lr_paged \
+  pfa_prefill_sm80_bf16_kvnvfp4_hd128_m32n16w2s2_lr_paged \
+  pfa_prefill_sm80_bf16_kvnvfp4_hd128_m64n16w4s2_lr_paged \
+  pfa_prefill_sm80_bf16_kvnvfp4_hd256_m16n32w2s2_lr_pr_paged \
   pfa_packbits \
   pfa_cascade_f16 \
   pfa_cascade_bf16 \

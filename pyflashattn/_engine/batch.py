@@ -119,7 +119,8 @@ class BatchEngine:
         # tile its first plan chose (a decode tile stays correct for any lengths, only slower).
         route = cfg.route
         dec = route.decode
-        tile = routing.decode_tile_rows(cfg.head_dim, src.max_qo * cfg.group, route.tiles) if dec else 0
+        tile = (routing.decode_tile_rows(cfg.head_dim, src.max_qo * cfg.group, route.tiles, route.decode_only)
+                if dec else 0)
         if cap is not None:
             tile = cap.get("decode_rows", tile)
         la, budget, ctas = (dec.get(tile) or dec[route.tiles[-1]]) if tile and dec else \
@@ -213,14 +214,17 @@ class BatchEngine:
         if hd not in routing.HEAD_DIMS:
             raise ValueError(f"head_dim {hd} is not supported (supported: {routing.HEAD_DIMS})")
         qdt, kdt, kv_fp8 = operands.kv_dtype_pair(st.q_data_type, st.kv_data_type)
+        nvfp4 = kdt in operands.NVFP4_CODES
         window_left = options.window(st.window_left)
         sm_scale = options.softmax_scale(st.sm_scale, hd)
         fss = None if st.fixed_split_size is None else schedule._pos_int(st.fixed_split_size, "fixed_split_size")
-        _cuda.ensure_context(self.dev)
         general = opts.general or st.has_mask or st.general
-        route = routing.Route(self.launcher, self.dev, qdt.short, "fp8" if kv_fp8 else qdt.short, hd, general,
-                              self.paged, bool(kv_fp8))
-        return Config(hq, hkv, hd, hq // hkv, opts, qdt, kdt, kv_fp8, window_left, sm_scale, fss, route)
+        if nvfp4:
+            operands.nvfp4_settings(self.paged, general, hd)
+        _cuda.ensure_context(self.dev)
+        kind = "fp8" if kv_fp8 else "nvfp4" if nvfp4 else qdt.short  # the kernels' kv_dtype
+        route = routing.Route(self.launcher, self.dev, qdt.short, kind, hd, general, self.paged, kind != qdt.short)
+        return Config(hq, hkv, hd, hq // hkv, opts, qdt, kdt, kv_fp8, nvfp4, window_left, sm_scale, fss, route)
 
     def _graph_staged(self, src, plan, mask, cap, cfg, causal, la, lse_off):
         """Graph mode's staging: (arrays, their fixed int32 offsets, bytes, the plan's signature)."""
@@ -438,9 +442,10 @@ class BatchEngine:
         raise RuntimeError("call plan() before run()")
 
     def run_paged(self, q, paged_kv_cache, *args, k_scale=None, v_scale=None, out=None, lse=None,
-                  return_lse: bool = False, stream=None, enable_pdl=None, sinks=None):
+                  return_lse: bool = False, stream=None, enable_pdl=None, sinks=None, kv_cache_sf=None):
         """run() over a paged cache: one tensor [pages, 2, ...] or a (k_cache, v_cache) pair
-        (BatchPrefillWithPagedKVCacheWrapper.run's contract)."""
+        (BatchPrefillWithPagedKVCacheWrapper.run's contract); an NVFP4 cache (plan's
+        kv_data_type uint8) with its block scales kv_cache_sf in the same form."""
         if args or not self.planned:
             self.refuse_run(args, "q and paged_kv_cache")
         if k_scale is not None or v_scale is not None or self.scaled:
@@ -450,16 +455,19 @@ class BatchEngine:
         if isinstance(paged_kv_cache, (tuple, list)):
             kv_parts = tuple(paged_kv_cache)
             # only a (k_cache, v_cache) pair may take the fast path (a 1-tuple must not pass as
-            # the bare 5-D cache it holds: the full path refuses it)
+            # the bare 5-D cache it holds: the full path refuses it); block scales never do (an
+            # NVFP4 plan remembers no fast signature, and scales given to another plan are refused)
             fast = (self.torch_fast(q, kv_parts, out, lse, return_lse, stream, enable_pdl)
-                    if len(kv_parts) == 2 else None)
+                    if len(kv_parts) == 2 and kv_cache_sf is None else None)
         else:
             kv_parts = (paged_kv_cache,)
-            fast = self.torch_fast(q, kv_parts, out, lse, return_lse, stream, enable_pdl)
+            fast = self.torch_fast(q, kv_parts, out, lse, return_lse, stream, enable_pdl) if kv_cache_sf is None \
+                else None
         if fast is not None:
             return fast
         qv, out_, ov, lse_, lv, s, hs = self.check_q(q, out, lse, return_lse, stream)
         k_ptr, v_ptr, ks, vs, num_pages = self._paged_operands(paged_kv_cache, kv_parts, hs)
+        self._point_block_scales(kv_cache_sf, isinstance(paged_kv_cache, (tuple, list)), num_pages, hs)
         if self.src.max_page >= num_pages:
             raise ValueError(f"paged_kv_indices refers to page {self.src.max_page} but paged_kv_cache has "
                              f"{num_pages} pages")
@@ -469,12 +477,36 @@ class BatchEngine:
         p.k_stride_page, p.k_stride_n, p.k_stride_h = operands.paged_kv_strides(self.kv_layout, ks)
         p.v_stride_page, p.v_stride_n, p.v_stride_h = operands.paged_kv_strides(self.kv_layout, vs)
         self.launch(qv, ov, lv, s, enable_pdl)
-        self.remember(q, kv_parts, out, lse, return_lse)
+        if kv_cache_sf is None:  # (NVFP4: every run points the scales, no fast path)
+            self.remember(q, kv_parts, out, lse, return_lse)
         return finish(out_, lse_, return_lse)
 
+    def _point_block_scales(self, kv_cache_sf, pair: bool, num_pages: int, hs):
+        """An NVFP4 plan: check kv_cache_sf against the cache's form and pages, and point the
+        params at it. Any other plan: refuse block scales."""
+        cfg = self.cfg
+        if not cfg.kv_nvfp4:
+            if kv_cache_sf is not None:
+                raise TypeError(f"kv_cache_sf: block scales belong to an NVFP4 cache, but plan() was told "
+                                f"kv_data_type={cfg.kv_dtype.name} (plan with kv_data_type=uint8 for NVFP4)")
+            return
+        if kv_cache_sf is None:
+            raise TypeError("kv_cache_sf is required: plan() was told kv_data_type=uint8, an NVFP4 cache (e2m1 code "
+                            "pairs), whose float8_e4m3fn block scales kv_cache_sf holds")
+        _, _, Hkv, D = self.shape
+        ps = self.src.page_size
+        codes = (num_pages, ps, Hkv, D // 2) if self.kv_layout == "NHD" else (num_pages, Hkv, ps, D // 2)
+        kp, vp, ks, vs = operands.nvfp4_scales(kv_cache_sf, pair, 2, codes, self.dev, hs)
+        p = self.attn.params
+        p.k_sf, p.v_sf = kp, vp
+        p.k_sf_stride_page, p.k_sf_stride_n, p.k_sf_stride_h = operands.paged_kv_strides(self.kv_layout, ks)
+        p.v_sf_stride_page, p.v_sf_stride_n, p.v_sf_stride_h = operands.paged_kv_strides(self.kv_layout, vs)
+
     def _paged_operands(self, paged_kv_cache, kv_parts, hs):
-        """(k address, v address, k page strides, v page strides, pages) of a paged cache."""
+        """(k address, v address, k page strides, v page strides, pages) of a paged cache (an NVFP4
+        cache: its codes, D / 2 bytes a row)."""
         _, Hq, Hkv, D = self.shape
+        D = D // 2 if self.cfg.kv_nvfp4 else D
         ps = self.src.page_size
         nhd = self.kv_layout == "NHD"
         if isinstance(paged_kv_cache, (tuple, list)):

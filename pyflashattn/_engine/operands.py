@@ -3,7 +3,8 @@
 Errors name the argument and are raised before anything launches. The kernels copy 16-byte
 chunks, so every row start must be 16-byte aligned: the data pointer, and the row / head / page
 strides in multiples of 16 / itemsize elements ("epc", elements per chunk: 8 for 16-bit
-tensors, 16 for fp8).
+tensors, 16 for fp8 and for NVFP4 code bytes). An NVFP4 cache's block scales (kv_cache_sf) are
+copied a row at a time, HEAD_DIM / 16 bytes (4, 8 or 16): their rows are aligned to that.
 """
 from __future__ import annotations
 
@@ -14,6 +15,10 @@ import numpy as np
 from .._runtime import dtypes as _dtypes, tensor as _tensor
 
 KV_LAYOUTS = ("NHD", "HND")
+# NVFP4 K/V codes: two e2m1 values a byte, the even element in the low nibble. FlashInfer passes
+# them as uint8 (kv_data_type=torch.uint8); torch's float4_e2m1fn_x2 holds the same bytes.
+NVFP4_CODES = (_dtypes.UINT8, _dtypes.FLOAT4_E2M1_X2)
+NVFP4_BLOCK = 16  # head-dim elements per e4m3 block scale
 
 
 def kv_layout(layout) -> str:
@@ -86,17 +91,72 @@ def ragged_kv_dims(layout: str, shape: tuple) -> tuple:
 
 
 def kv_dtype_pair(q_data_type, kv_data_type):
-    """(q dtype, K/V dtype, PrefillParams.kv_fp8): q fp16/bf16; K/V in q's dtype or fp8."""
+    """(q dtype, K/V dtype, PrefillParams.kv_fp8): q fp16/bf16; K/V in q's dtype, fp8, or NVFP4
+    codes (NVFP4_CODES; kv_fp8 0, the kernel knows its storage)."""
     # DTypes are table singletons: identity tests (the dataclass __eq__ / __hash__ cost ~1 us each)
     qdt = dtype_arg(q_data_type, "q_data_type")
     if qdt is not _dtypes.FLOAT16 and qdt is not _dtypes.BFLOAT16:
         raise TypeError(f"q_data_type must be float16 or bfloat16, got {qdt.name}")
     kdt = qdt if kv_data_type is None else dtype_arg(kv_data_type, "kv_data_type")
     fp8 = 1 if kdt is _dtypes.FLOAT8_E4M3 else 2 if kdt is _dtypes.FLOAT8_E5M2 else 0  # PrefillParams.kv_fp8
-    if kdt is not qdt and not fp8:
-        raise TypeError(f"kv_data_type {kdt.name} with q_data_type {qdt.name}: K/V must be in q's dtype or fp8 "
-                        "(float8_e4m3fn, float8_e5m2)")
+    if kdt is not qdt and not fp8 and kdt not in NVFP4_CODES:
+        raise TypeError(f"kv_data_type {kdt.name} with q_data_type {qdt.name}: K/V must be in q's dtype, fp8 "
+                        "(float8_e4m3fn, float8_e5m2) or NVFP4 (uint8 code pairs, with kv_cache_sf at run)")
     return qdt, kdt, fp8
+
+
+def nvfp4_settings(paged: bool, general: bool, head_dim: int) -> None:
+    """What an NVFP4 cache's plan may ask for: its kernels are the lean paged decode tiles."""
+    if not paged:
+        raise NotImplementedError("kv_data_type uint8: an NVFP4 K/V cache is implemented for paged caches only")
+    if general:
+        raise NotImplementedError("an NVFP4 K/V cache (kv_data_type uint8) with a custom mask, soft cap, ALiBi or "
+                                  "RoPE is not implemented in pyflashattn yet")
+    if head_dim % NVFP4_BLOCK:
+        raise ValueError(f"head_dim {head_dim}: an NVFP4 cache needs a multiple of {NVFP4_BLOCK}")
+
+
+def nvfp4_scales(kv_cache_sf, pair: bool, kv_dim: int, code_shape: tuple, dev: int, stream=None) -> tuple:
+    """The block scales of an NVFP4 paged cache (kv_cache_sf) against its codes. code_shape: the
+    shape of one K page tensor of codes, [pages, ..., head_dim / 2] (layout order); pair: the
+    cache is a (k, v) tuple, so kv_cache_sf must be a (k_sf, v_sf) tuple of tensors shaped like
+    them with head_dim / 16 in the last dim; else kv_cache_sf is one tensor [pages, kv_dim, ...]
+    like the cache (kv_dim 2: K then V; 1: K and V share it). float8_e4m3fn, on cuda:dev, rows
+    aligned to their copy. Returns (k address, v address, k strides, v strides): strides of the
+    4-D page tensors, in elements (= bytes)."""
+    head_dim = 2 * code_shape[-1]
+    if head_dim % NVFP4_BLOCK:
+        raise ValueError(f"kv_cache_sf: head_dim {head_dim} is not a multiple of {NVFP4_BLOCK}")
+    want = code_shape[:-1] + (head_dim // NVFP4_BLOCK,)
+    if pair:
+        if not isinstance(kv_cache_sf, (tuple, list)) or len(kv_cache_sf) != 2:
+            raise ValueError("kv_cache_sf must be a (k_sf, v_sf) tuple when the cache is a (k, v) tuple")
+        k, v = (_nvfp4_scale_tensor(t, dev, want, stream) for t in kv_cache_sf)
+        return k.ptr, v.ptr, k.strides, v.strides
+    if isinstance(kv_cache_sf, (tuple, list)):
+        raise ValueError("kv_cache_sf must be one tensor [num_pages, 2, ...] when the cache is one tensor")
+    t = _nvfp4_scale_tensor(kv_cache_sf, dev, want[:1] + (kv_dim,) + want[1:], stream)
+    strides = (t.strides[0],) + t.strides[2:]
+    return t.ptr, t.ptr + (t.strides[1] if kv_dim == 2 else 0), strides, strides
+
+
+def _nvfp4_scale_tensor(x, dev: int, want: tuple, stream):
+    """One block-scale tensor of kv_cache_sf: its view, checked."""
+    t = _tensor.view(x, "kv_cache_sf", stream=stream)
+    require_device(t, "kv_cache_sf", dev, "the cache")
+    if t.dtype is not _dtypes.FLOAT8_E4M3:
+        raise TypeError(f"kv_cache_sf must be float8_e4m3fn (one e4m3 scale per {NVFP4_BLOCK} head-dim elements), "
+                        f"got {t.dtype.name}")
+    if t.shape != want:
+        raise ValueError(f"kv_cache_sf must have shape {want} (the cache's, with head_dim / {NVFP4_BLOCK} in the last "
+                         f"dim), got {t.shape}")
+    row = min(16, want[-1])  # bytes the kernel copies a row at a time
+    if t.strides[-1] != 1 and t.shape[-1] > 1:
+        raise ValueError(f"kv_cache_sf must be contiguous in its last dim, got strides {t.strides}")
+    if t.ptr % row or any(s % row for s in t.strides[:-1]):
+        raise ValueError(f"kv_cache_sf must have {row}-byte aligned rows (data pointer and strides multiples of "
+                         f"{row}), got strides {t.strides}, address %{row} = {t.ptr % row}")
+    return t
 
 
 def dtype_arg(x, name):

@@ -72,7 +72,8 @@ class Config(NamedTuple):
     opts: object  # options.Options
     q_dtype: object
     kv_dtype: object
-    kv_fp8: int  # PrefillParams.kv_fp8: 0 = K/V in q's dtype, 1 = e4m3, 2 = e5m2
+    kv_fp8: int  # PrefillParams.kv_fp8: 0 = K/V in q's dtype (or NVFP4), 1 = e4m3, 2 = e5m2
+    kv_nvfp4: bool  # NVFP4 K/V: uint8 code pairs [..., D/2], block scales at run (kv_cache_sf)
     window_left: int
     sm_scale: float
     fixed_split_size: int | None

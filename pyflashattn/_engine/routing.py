@@ -17,8 +17,12 @@ SMEM_RESERVED_PER_CTA = 1024  # the driver's shared memory per resident CTA
 # faster on an H100 (NOTES.md, session 11): at hd256 already for 2 x 16 rows.
 DECODE_MAX_ROWS = {64: 32, 128: 32, 256: 16}
 # Over an fp8 cache the decode tiles widen every K/V tile (latency-bound), and one wave of equal
-# chunks streamed slower than twice as many half chunks: their split-KV budget is two waves.
+# chunks streamed slower than twice as many half chunks: their split-KV budget is two waves (also
+# taken over an NVFP4 cache, whose tiles widen the same way).
 FP8_DECODE_WAVES = 2
+# K/V storages built only as paged decode tiles (build_tools/variants.py DECODE_ONLY_KV): every
+# request runs on them, one longer than their rows as several row tiles; lean options only.
+DECODE_ONLY_KV = frozenset(("nvfp4",))
 
 
 def ctas_per_sm(meta: dict, props: dict) -> int:
@@ -54,11 +58,12 @@ def built_decode_tiles(dev: int, dtype: str, kv_dtype: str, head_dim: int, paged
 _registry._on_force.append(_decode_rows_cache.clear)
 
 
-def decode_tile_rows(head_dim: int, rows: int, tiles: tuple) -> int:
+def decode_tile_rows(head_dim: int, rows: int, tiles: tuple, decode_only: bool = False) -> int:
     """The decode tile (by its packed rows, one of `tiles`) for requests of at most `rows` packed
-    rows: the smallest that holds them, else (up to DECODE_MAX_ROWS) several row tiles of the
-    largest; 0 = the 128-row kernel (also when no decode tile was built)."""
-    if not tiles or rows > max(DECODE_MAX_ROWS[head_dim], tiles[-1]):
+    rows: the smallest that holds them, else (up to DECODE_MAX_ROWS, or any number for a
+    decode-only K/V storage) several row tiles of the largest; 0 = the 128-row kernel (also when
+    no decode tile was built)."""
+    if not tiles or (rows > max(DECODE_MAX_ROWS[head_dim], tiles[-1]) and not decode_only):
         return 0
     for t in tiles:
         if rows <= t:
@@ -77,18 +82,22 @@ def new_attention(dev: int, dtype: str, kv_dtype: str, head_dim: int, general: b
 
 class Route:
     """The kernels a batch plan may run, resolved once per plan settings: the row-tile kernel
-    (`attn`, `ctas`, `budget` = CTAs per wave) and, for lean options, the decode tiles by rows:
-    decode[rows] = (launcher, budget, ctas), their rows in `tiles` (the plan picks one per batch
-    with decode_tile_rows)."""
+    (`attn`, `ctas`, `budget` = CTAs per wave; None for a decode-only K/V storage) and, for lean
+    options, the decode tiles by rows: decode[rows] = (launcher, budget, ctas), their rows in
+    `tiles` (the plan picks one per batch with decode_tile_rows; `decode_only`: always one)."""
 
-    __slots__ = ("attn", "ctas", "budget", "decode", "tiles")
+    __slots__ = ("attn", "ctas", "budget", "decode", "tiles", "decode_only")
 
     def __init__(self, launcher, dev: int, dtype: str, kv_dtype: str, head_dim: int, general: bool, paged: bool,
-                 fp8: bool):
+                 widened: bool):
+        """widened: the K/V tiles are widened in the kernel (fp8, NVFP4): two waves of split budget."""
         props = _cuda.properties(dev)
-        self.attn = launcher("prefill", dtype, kv_dtype, head_dim, general)
-        self.ctas = ctas_per_sm(self.attn.meta, props)
-        self.budget = props["sm_count"] * self.ctas
+        self.decode_only = kv_dtype in DECODE_ONLY_KV
+        self.attn = self.ctas = self.budget = None
+        if not self.decode_only:
+            self.attn = launcher("prefill", dtype, kv_dtype, head_dim, general)
+            self.ctas = ctas_per_sm(self.attn.meta, props)
+            self.budget = props["sm_count"] * self.ctas
         self.decode = None
         self.tiles = ()  # the decode tiles' rows, smallest first
         if not general:
@@ -96,5 +105,8 @@ class Route:
             for rows in built_decode_tiles(dev, dtype, kv_dtype, head_dim, paged):
                 ld = launcher("prefill", dtype, kv_dtype, head_dim, False, decode=rows)
                 cps = ctas_per_sm(ld.meta, props)
-                self.decode[rows] = (ld, props["sm_count"] * cps * (FP8_DECODE_WAVES if fp8 else 1), cps)
+                self.decode[rows] = (ld, props["sm_count"] * cps * (FP8_DECODE_WAVES if widened else 1), cps)
             self.tiles = tuple(self.decode)
+        if self.decode_only and not self.tiles:
+            raise RuntimeError(f"no {kv_dtype} K/V kernel for {dtype}, head_dim {head_dim} among the cubins for "
+                               f"this GPU (its paged decode tiles); rebuild them with `make`")

@@ -62,6 +62,18 @@ def _cache_parts(kv_cache, layout: str):
     return (kv_cache if c.shape[1] == 2 else (kv_cache[:, 0], kv_cache[:, 0])), shape
 
 
+def _block_scales(kv_cache_sf, kv_cache, kshape, dev):
+    """An NVFP4 cache's kv_cache_sf, checked against the cache (operands.nvfp4_scales), in the form
+    run_paged takes for the cache _cache_parts returned: as given, or for a [P, 1, ...] cache the
+    pair of its views."""
+    pair = isinstance(kv_cache, (tuple, list))
+    kv_dim = 0 if pair else _tensor.view(kv_cache, "kv_cache").shape[1]
+    operands.nvfp4_scales(kv_cache_sf, pair, kv_dim, kshape, dev)
+    if pair:
+        return tuple(kv_cache_sf)
+    return kv_cache_sf if kv_dim == 2 else (kv_cache_sf[:, 0], kv_cache_sf[:, 0])
+
+
 def _check_mask(mask, batch: int, q_len: int, dev: int) -> tuple:
     """XQA's speculative-decoding mask: uint16 [B, q_len, ceil(q_len / 32) * 2], contiguous on dev.
     Returns (its 32-bit words per query row, its address)."""
@@ -103,7 +115,10 @@ def xqa_batch_decode(query, kv_cache, workspace_buffer, block_tables, seq_lens, 
 
     query [B * q_len_per_req, Hq, D] fp16/bf16; kv_cache [P, 1|2, page_size, Hkv, D] (NHD) /
     [P, 1|2, Hkv, page_size, D] (HND), or a (k, v) tuple of 4-D pages, in query's dtype or fp8
-    (e4m3 / e5m2); block_tables int32 [B, max_pages] (rows may be strided); seq_lens int32 or
+    (e4m3 / e5m2), or NVFP4: uint8 e2m1 code pairs [..., D/2] (low nibble first) with
+    kv_cache_sf, their float8_e4m3fn block scales [..., D/16] in the cache's form (one per 16
+    head-dim elements; the global scales go into bmm1_scale / bmm2_scale; no mask). block_tables
+    int32 [B, max_pages] (rows may be strided); seq_lens int32 or
     uint32 [B] on the device (<= max_seq_len); bmm1_scale = sm_scale * q_scale * k_scale,
     bmm2_scale = v_scale / o_scale, each a float or a one-element float32 device tensor (read by
     the kernel at launch: a CUDA graph replay sees the current value). Any page size, head dim
@@ -125,8 +140,6 @@ def xqa_batch_decode(query, kv_cache, workspace_buffer, block_tables, seq_lens, 
                 return res
     else:
         key = None
-    if kv_cache_sf is not None:
-        raise NotImplementedError("kv_cache_sf: the NVFP4 KV cache is not implemented in pyflashattn yet")
     operands.scale_arg(o_scale, "o_scale")
     q_len = operands.positive_int(1 if q_len_per_req is None else q_len_per_req, "q_len_per_req")
     layout = operands.kv_layout(kv_layout)
@@ -147,11 +160,21 @@ def xqa_batch_decode(query, kv_cache, workspace_buffer, block_tables, seq_lens, 
     num_pages = kshape[0]
     page_size, hkv, dk = (kshape[1], kshape[2], kshape[3]) if layout == "NHD" else (kshape[2], kshape[1], kshape[3])
     kdt = (_tensor.view(cache[0], "k_cache") if isinstance(cache, tuple) else _tensor.view(cache, "kv_cache")).dtype
-    if kdt is not qv.dtype and kdt not in (_dtypes.FLOAT8_E4M3, _dtypes.FLOAT8_E5M2):
-        raise TypeError(f"kv_cache has dtype {kdt.name}: it must be query's ({qv.dtype.name}) or fp8 "
-                        "(float8_e4m3fn, float8_e5m2)")
-    if dk != hd:
-        raise ValueError(f"kv_cache head_dim {dk} differs from query's {hd}")
+    nvfp4 = kdt in operands.NVFP4_CODES
+    if nvfp4 and kv_cache_sf is None:
+        raise TypeError(f"kv_cache has dtype {kdt.name}, an NVFP4 cache (e2m1 code pairs): pass its float8_e4m3fn "
+                        "block scales as kv_cache_sf")
+    if kv_cache_sf is not None and not nvfp4:
+        raise TypeError(f"kv_cache_sf is given, so kv_cache must be uint8 NVFP4 code pairs, got {kdt.name}")
+    if kdt is not qv.dtype and kdt not in (_dtypes.FLOAT8_E4M3, _dtypes.FLOAT8_E5M2) and not nvfp4:
+        raise TypeError(f"kv_cache has dtype {kdt.name}: it must be query's ({qv.dtype.name}), fp8 "
+                        "(float8_e4m3fn, float8_e5m2) or uint8 NVFP4 codes with kv_cache_sf")
+    if (2 * dk if nvfp4 else dk) != hd:
+        raise ValueError(f"kv_cache head_dim {2 * dk if nvfp4 else dk} differs from query's {hd}"
+                         + (f" (NVFP4: {dk} bytes of code pairs a row)" if nvfp4 else ""))
+    if nvfp4 and mask is not None:
+        raise NotImplementedError("mask: a speculative-decoding mask over an NVFP4 cache is not implemented in "
+                                  "pyflashattn yet")
     if hkv == 0 or hq % hkv:
         raise ValueError(f"query heads ({hq}) must be a multiple of kv_cache heads ({hkv})")
     bt = _tensor.view(block_tables, "block_tables")
@@ -172,6 +195,7 @@ def xqa_batch_decode(query, kv_cache, workspace_buffer, block_tables, seq_lens, 
     row_stride = bt.strides[0] if batch > 1 else width
     if row_stride * batch > _INT32_MAX:
         raise ValueError("block_tables is too large for int32 page offsets")
+    sf = _block_scales(kv_cache_sf, kv_cache, kshape, dev) if nvfp4 else None
     words, mask_ptr = _check_mask(mask, batch, q_len, dev) if mask is not None else (0, 0)
     s1, s1_dev = _scale(bmm1_scale, "bmm1_scale", dev)
     s2, s2_dev = _scale(bmm2_scale, "bmm2_scale", dev)
@@ -185,7 +209,8 @@ def xqa_batch_decode(query, kv_cache, workspace_buffer, block_tables, seq_lens, 
     p.scale_dev, p.v_scale_dev = s1_dev, s2_dev
     if words:
         p.custom_mask, p.spec_mask_words = mask_ptr, words
-    res = e.run_paged(query, cache, k_scale=s1, v_scale=s2, out=out, enable_pdl=enable_pdl, sinks=sinks)
+    res = e.run_paged(query, cache, k_scale=s1, v_scale=s2, out=out, enable_pdl=enable_pdl, sinks=sinks,
+                      kv_cache_sf=sf)
     # validated: later calls of this signature take the fast path (not a [P, 1, ...] cache, run as two views)
     if key is not None and (cache is kv_cache or isinstance(kv_cache, tuple)):
         if len(_FAST) >= 4 * _MAX_ENGINES:

@@ -19,7 +19,10 @@ Single-request rows: ``single_prefill_with_kv_cache`` on one request of 1, 4 or 
 causal mask as an explicit boolean mask, which keeps it off its flash / cuDNN kernels: its
 column is what a torch user gets for that mask (for qo=1 the mask hides nothing, and a
 maskless call could be faster).
-Before a time is posted, a few requests' outputs are compared with torch SDPA on the same inputs.
+XQA rows (``decode_xqa``): B=64 requests of 4096 keys through ``xqa_batch_decode_with_kv_cache``
+over the cache as bf16, fp8 and NVFP4 (codes + block scales: their bytes are what its TB/s count).
+Before a time is posted, a few requests' outputs are compared with torch SDPA on the same inputs
+(the XQA rows: fp8 and NVFP4 with the bf16 cache of the same values).
 Timing: CUDA-event medians with an L2 flush before each repetition, the three columns in
 rotating interleaved rounds (``bench_util.interleaved_median_ms``).
 """
@@ -33,6 +36,7 @@ import time
 
 import numpy as np
 
+from pyflashattn.bench.decode_xqa import print_xqa_rows, xqa_rows
 from pyflashattn.testing.bench_util import (bench_main, bench_samples_ms, gpu_warmup, interleaved_median_ms,
                                             short_error)
 
@@ -272,19 +276,21 @@ def run(args) -> int:
             r = _single_case(torch, pfa, name, qo, kv_len, hd, 2000 + 10 * i + hd, warmup, rep)
             r["pfa_over_copy"] = None if r["pfa_tbps"] is None else r["pfa_tbps"] / copy
             singles.append(r)
+    xqa = xqa_rows(torch, pfa, ws, head_dims, 3000, warmup, rep)
     meta = {"device": props.name, "torch": torch.__version__, "copy_tbps": copy, "page_size": PAGE_SIZE,
             "num_qo_heads": HQ, "num_kv_heads": HKV, "warmup": warmup, "rep": rep, "quick": bool(args.quick),
             "time": time.strftime("%Y-%m-%dT%H:%M:%S%z")}
     if args.json:
         os.makedirs(os.path.dirname(os.path.abspath(args.json)), exist_ok=True)
         with open(args.json, "w") as f:
-            json.dump({"meta": meta, "rows": rows, "single": singles}, f, indent=1)
+            json.dump({"meta": meta, "rows": rows, "single": singles, "xqa": xqa}, f, indent=1)
     _print_tables(rows, singles, copy)
+    print_xqa_rows(xqa, copy, _fmt, _errors)
     h = host_times(torch, pfa, ws)
     print(f"host time per call (4 requests x 64 keys, out= given, best of 5 x 200 calls): decode wrapper run() "
           f"{h['decode_run_us']:.1f} us, xqa_batch_decode_with_kv_cache {h['xqa_us']:.1f} us "
           f"(xqa / run {h['xqa_us'] / h['decode_run_us']:.2f})")
-    return 1 if any("mismatch" in e for r in rows + singles for e in r["errors"]) else 0
+    return 1 if any("mismatch" in e for r in rows + singles + xqa for e in r["errors"]) else 0
 
 
 def main(argv=None) -> int:

@@ -20,6 +20,7 @@
 #include <stdint.h>
 
 #include "pfa/attention/params.h"
+#include "pfa/common/dtypes.cuh"
 
 namespace pfa {
 
@@ -86,8 +87,27 @@ struct PagedKvRows {
 
   // Whether every page's rows lie within 32-bit byte offsets of the page (K and V), as
   // offset(..., fast = true) requires, besides staged ids and a power-of-two page size.
+  // NVFP4: the block-scale tensors' rows too (their strides are in bytes).
   static __device__ __forceinline__ bool page_fits_32bit(const PrefillParams& p) {
+    if constexpr (KvStorage<KV>::NVFP4) {
+      const int64_t stride = max(max(p.k_stride_n, p.v_stride_n), max(p.k_sf_stride_n, p.v_sf_stride_n));
+      return (uint64_t)p.page_size * (uint64_t)stride < FAST_PAGE_SPAN_LIMIT;
+    }
     return (uint64_t)p.page_size * (uint64_t)max(p.k_stride_n, p.v_stride_n) * sizeof(KV) < FAST_PAGE_SPAN_LIMIT;
+  }
+
+  // Page id and slot of row t, for a loader that addresses several tensors with one lookup
+  // (NVFP4: codes and block scales of K and V). fast: as offset()'s.
+  __device__ __forceinline__ void locate(int t, bool fast, uint32_t& id, uint32_t& slot) const {
+    if (fast) {
+      id = s_pages[(t >> p.page_shift) - first_page];
+      slot = t & (p.page_size - 1);
+      return;
+    }
+    const int pg = t / p.page_size;
+    slot = t - pg * p.page_size;
+    id = ids_in_smem ? s_pages[pg - first_page]
+                     : checked_page_id(p, reinterpret_cast<const int32_t*>(p.kv_page_indices)[page_base + pg]);
   }
 
   // Byte offset of row t from the head's base. fast: a shift, a mask, one shared-memory load and

@@ -33,6 +33,8 @@ struct PrefillParams {
   uint64_t scale_dev;  // float32 scalar on the device multiplying sm_scale_log2 (a tensor bmm1_scale, read at launch so a captured graph sees new values); 0 = none
   uint64_t v_scale_dev;  // float32 scalar on the device multiplying v_scale (a tensor bmm2_scale); 0 = none
   uint64_t kv_seq_lens;  // paged KV by block table: int32 / uint32 [B] key count of each request (its pages: kv_page_indices[kv_indptr[b] + t / page_size]); 0 = lengths from kv_last_page_len
+  uint64_t k_sf;  // NVFP4 K (the kv_dtype=nvfp4 kernels, whose k holds uint8 e2m1 code pairs [.., D/2]): its float8_e4m3fn block scales [.., D/16], one per 16 head-dim elements of a row, at k_sf_stride_*; 0 otherwise
+  uint64_t v_sf;  // NVFP4 V: its block scales, as k_sf
   int64_t q_stride_n;
   int64_t q_stride_h;
   int64_t k_stride_n;
@@ -43,6 +45,12 @@ struct PrefillParams {
   int64_t o_stride_h;
   int64_t k_stride_page;  // paged KV: elements between pages of K
   int64_t v_stride_page;  // paged KV: elements between pages of V
+  int64_t k_sf_stride_page;  // NVFP4: bytes between pages of k_sf
+  int64_t k_sf_stride_n;  // NVFP4: bytes between rows (tokens) of k_sf
+  int64_t k_sf_stride_h;  // NVFP4: bytes between kv heads of k_sf
+  int64_t v_sf_stride_page;  // NVFP4: bytes between pages of v_sf
+  int64_t v_sf_stride_n;
+  int64_t v_sf_stride_h;
   int32_t qo_len;
   int32_t kv_len;
   int32_t num_qo_heads;
@@ -62,12 +70,12 @@ struct PrefillParams {
   int32_t page_size;  // paged KV: tokens per page
   int32_t page_shift;  // log2(page_size) when a power of two, else -1
   float v_scale;  // output multiplier (fp8 V dequantisation scale); 1 otherwise
-  int32_t kv_fp8;  // fp8 K/V storage of the kv_dtype=fp8 kernels: 1 = e4m3fn, 2 = e5m2 (0 = K/V in q's dtype); strides stay in elements
+  int32_t kv_fp8;  // fp8 K/V storage of the kv_dtype=fp8 kernels: 1 = e4m3fn, 2 = e5m2 (0 = K/V in q's dtype, or NVFP4 codes, whose elements are their bytes); strides stay in elements
   int32_t kv_max_pages;  // with kv_seq_lens: the pages each request's block-table row holds (kv_len is clamped to kv_max_pages * page_size, so no row is read past its table)
   int32_t num_pages;  // paged KV: pages in the cache; a page id outside [0, num_pages) is clamped into it, so bad metadata never reads outside the cache (0 = ids trusted, plan() checked them)
   int32_t spec_mask_words;  // > 0: custom_mask is a speculative-decoding mask (XQA's): per query row spec_mask_words little-endian 32-bit words, bit j = draft key j of the request's last qo_len keys; the keys before the drafts are always visible. 0 = custom_mask is packed bits q * kv_len + kv
 };
-static_assert(sizeof(PrefillParams) == 368, "PrefillParams size drifted from the schema");
+static_assert(sizeof(PrefillParams) == 432, "PrefillParams size drifted from the schema");
 static_assert(offsetof(PrefillParams, q) == 0, "PrefillParams.q offset");
 static_assert(offsetof(PrefillParams, k) == 8, "PrefillParams.k offset");
 static_assert(offsetof(PrefillParams, v) == 16, "PrefillParams.v offset");
@@ -92,39 +100,47 @@ static_assert(offsetof(PrefillParams, sinks) == 160, "PrefillParams.sinks offset
 static_assert(offsetof(PrefillParams, scale_dev) == 168, "PrefillParams.scale_dev offset");
 static_assert(offsetof(PrefillParams, v_scale_dev) == 176, "PrefillParams.v_scale_dev offset");
 static_assert(offsetof(PrefillParams, kv_seq_lens) == 184, "PrefillParams.kv_seq_lens offset");
-static_assert(offsetof(PrefillParams, q_stride_n) == 192, "PrefillParams.q_stride_n offset");
-static_assert(offsetof(PrefillParams, q_stride_h) == 200, "PrefillParams.q_stride_h offset");
-static_assert(offsetof(PrefillParams, k_stride_n) == 208, "PrefillParams.k_stride_n offset");
-static_assert(offsetof(PrefillParams, k_stride_h) == 216, "PrefillParams.k_stride_h offset");
-static_assert(offsetof(PrefillParams, v_stride_n) == 224, "PrefillParams.v_stride_n offset");
-static_assert(offsetof(PrefillParams, v_stride_h) == 232, "PrefillParams.v_stride_h offset");
-static_assert(offsetof(PrefillParams, o_stride_n) == 240, "PrefillParams.o_stride_n offset");
-static_assert(offsetof(PrefillParams, o_stride_h) == 248, "PrefillParams.o_stride_h offset");
-static_assert(offsetof(PrefillParams, k_stride_page) == 256, "PrefillParams.k_stride_page offset");
-static_assert(offsetof(PrefillParams, v_stride_page) == 264, "PrefillParams.v_stride_page offset");
-static_assert(offsetof(PrefillParams, qo_len) == 272, "PrefillParams.qo_len offset");
-static_assert(offsetof(PrefillParams, kv_len) == 276, "PrefillParams.kv_len offset");
-static_assert(offsetof(PrefillParams, num_qo_heads) == 280, "PrefillParams.num_qo_heads offset");
-static_assert(offsetof(PrefillParams, num_kv_heads) == 284, "PrefillParams.num_kv_heads offset");
-static_assert(offsetof(PrefillParams, group_size) == 288, "PrefillParams.group_size offset");
-static_assert(offsetof(PrefillParams, num_kv_chunks) == 292, "PrefillParams.num_kv_chunks offset");
-static_assert(offsetof(PrefillParams, rows_fastest) == 296, "PrefillParams.rows_fastest offset");
-static_assert(offsetof(PrefillParams, kv_chunk_size) == 300, "PrefillParams.kv_chunk_size offset");
-static_assert(offsetof(PrefillParams, causal) == 304, "PrefillParams.causal offset");
-static_assert(offsetof(PrefillParams, window_left) == 308, "PrefillParams.window_left offset");
-static_assert(offsetof(PrefillParams, sm_scale_log2) == 312, "PrefillParams.sm_scale_log2 offset");
-static_assert(offsetof(PrefillParams, logits_soft_cap) == 316, "PrefillParams.logits_soft_cap offset");
-static_assert(offsetof(PrefillParams, rope) == 320, "PrefillParams.rope offset");
-static_assert(offsetof(PrefillParams, rope_rcp_scale) == 324, "PrefillParams.rope_rcp_scale offset");
-static_assert(offsetof(PrefillParams, rope_log2_theta) == 328, "PrefillParams.rope_log2_theta offset");
-static_assert(offsetof(PrefillParams, lse_scale) == 332, "PrefillParams.lse_scale offset");
-static_assert(offsetof(PrefillParams, page_size) == 336, "PrefillParams.page_size offset");
-static_assert(offsetof(PrefillParams, page_shift) == 340, "PrefillParams.page_shift offset");
-static_assert(offsetof(PrefillParams, v_scale) == 344, "PrefillParams.v_scale offset");
-static_assert(offsetof(PrefillParams, kv_fp8) == 348, "PrefillParams.kv_fp8 offset");
-static_assert(offsetof(PrefillParams, kv_max_pages) == 352, "PrefillParams.kv_max_pages offset");
-static_assert(offsetof(PrefillParams, num_pages) == 356, "PrefillParams.num_pages offset");
-static_assert(offsetof(PrefillParams, spec_mask_words) == 360, "PrefillParams.spec_mask_words offset");
+static_assert(offsetof(PrefillParams, k_sf) == 192, "PrefillParams.k_sf offset");
+static_assert(offsetof(PrefillParams, v_sf) == 200, "PrefillParams.v_sf offset");
+static_assert(offsetof(PrefillParams, q_stride_n) == 208, "PrefillParams.q_stride_n offset");
+static_assert(offsetof(PrefillParams, q_stride_h) == 216, "PrefillParams.q_stride_h offset");
+static_assert(offsetof(PrefillParams, k_stride_n) == 224, "PrefillParams.k_stride_n offset");
+static_assert(offsetof(PrefillParams, k_stride_h) == 232, "PrefillParams.k_stride_h offset");
+static_assert(offsetof(PrefillParams, v_stride_n) == 240, "PrefillParams.v_stride_n offset");
+static_assert(offsetof(PrefillParams, v_stride_h) == 248, "PrefillParams.v_stride_h offset");
+static_assert(offsetof(PrefillParams, o_stride_n) == 256, "PrefillParams.o_stride_n offset");
+static_assert(offsetof(PrefillParams, o_stride_h) == 264, "PrefillParams.o_stride_h offset");
+static_assert(offsetof(PrefillParams, k_stride_page) == 272, "PrefillParams.k_stride_page offset");
+static_assert(offsetof(PrefillParams, v_stride_page) == 280, "PrefillParams.v_stride_page offset");
+static_assert(offsetof(PrefillParams, k_sf_stride_page) == 288, "PrefillParams.k_sf_stride_page offset");
+static_assert(offsetof(PrefillParams, k_sf_stride_n) == 296, "PrefillParams.k_sf_stride_n offset");
+static_assert(offsetof(PrefillParams, k_sf_stride_h) == 304, "PrefillParams.k_sf_stride_h offset");
+static_assert(offsetof(PrefillParams, v_sf_stride_page) == 312, "PrefillParams.v_sf_stride_page offset");
+static_assert(offsetof(PrefillParams, v_sf_stride_n) == 320, "PrefillParams.v_sf_stride_n offset");
+static_assert(offsetof(PrefillParams, v_sf_stride_h) == 328, "PrefillParams.v_sf_stride_h offset");
+static_assert(offsetof(PrefillParams, qo_len) == 336, "PrefillParams.qo_len offset");
+static_assert(offsetof(PrefillParams, kv_len) == 340, "PrefillParams.kv_len offset");
+static_assert(offsetof(PrefillParams, num_qo_heads) == 344, "PrefillParams.num_qo_heads offset");
+static_assert(offsetof(PrefillParams, num_kv_heads) == 348, "PrefillParams.num_kv_heads offset");
+static_assert(offsetof(PrefillParams, group_size) == 352, "PrefillParams.group_size offset");
+static_assert(offsetof(PrefillParams, num_kv_chunks) == 356, "PrefillParams.num_kv_chunks offset");
+static_assert(offsetof(PrefillParams, rows_fastest) == 360, "PrefillParams.rows_fastest offset");
+static_assert(offsetof(PrefillParams, kv_chunk_size) == 364, "PrefillParams.kv_chunk_size offset");
+static_assert(offsetof(PrefillParams, causal) == 368, "PrefillParams.causal offset");
+static_assert(offsetof(PrefillParams, window_left) == 372, "PrefillParams.window_left offset");
+static_assert(offsetof(PrefillParams, sm_scale_log2) == 376, "PrefillParams.sm_scale_log2 offset");
+static_assert(offsetof(PrefillParams, logits_soft_cap) == 380, "PrefillParams.logits_soft_cap offset");
+static_assert(offsetof(PrefillParams, rope) == 384, "PrefillParams.rope offset");
+static_assert(offsetof(PrefillParams, rope_rcp_scale) == 388, "PrefillParams.rope_rcp_scale offset");
+static_assert(offsetof(PrefillParams, rope_log2_theta) == 392, "PrefillParams.rope_log2_theta offset");
+static_assert(offsetof(PrefillParams, lse_scale) == 396, "PrefillParams.lse_scale offset");
+static_assert(offsetof(PrefillParams, page_size) == 400, "PrefillParams.page_size offset");
+static_assert(offsetof(PrefillParams, page_shift) == 404, "PrefillParams.page_shift offset");
+static_assert(offsetof(PrefillParams, v_scale) == 408, "PrefillParams.v_scale offset");
+static_assert(offsetof(PrefillParams, kv_fp8) == 412, "PrefillParams.kv_fp8 offset");
+static_assert(offsetof(PrefillParams, kv_max_pages) == 416, "PrefillParams.kv_max_pages offset");
+static_assert(offsetof(PrefillParams, num_pages) == 420, "PrefillParams.num_pages offset");
+static_assert(offsetof(PrefillParams, spec_mask_words) == 424, "PrefillParams.spec_mask_words offset");
 
 // combine split-KV partials (float32 o, base-2 lse) into the final output
 struct MergeParams {

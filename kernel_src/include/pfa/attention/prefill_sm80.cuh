@@ -70,8 +70,8 @@ struct PrefillSm80 : PrefillSm80Config<T, KV, HEAD_DIM, NUM_WARPS, MQ, BLOCK_N, 
     for (int it = 0; it < w.num_tiles; ++it) {
       const int n0 = w.tile_start + it * BLOCK_N;
       const int stage = KV_STAGES > 1 ? it % KV_STAGES : 0;
-      // The 16-bit tiles the MMAs read: the ring stage itself, or (fp8) the widened tile(s).
-      const uint32_t sK_u = Cfg::KV_FP8 ? ring.s_wide : ring.s_ring + 2 * stage * Cfg::RING_TILE_BYTES;
+      // The 16-bit tiles the MMAs read: the ring stage itself, or (fp8, NVFP4) the widened tile(s).
+      const uint32_t sK_u = Cfg::KV_WIDEN ? ring.s_wide : ring.s_ring + 2 * stage * Cfg::RING_TILE_BYTES;
       const uint32_t sV_u = Cfg::SPLIT_WIDEN ? sK_u : sK_u + Cfg::TILE_BYTES;
       ring.begin_tile(w, it, n0, stage);
       if constexpr (GENERAL) {

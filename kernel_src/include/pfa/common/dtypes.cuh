@@ -1,8 +1,10 @@
-// 16-bit element types and the conversions the kernels need.
+// 16-bit element types, the K/V storage types (fp8, NVFP4) and the conversions the kernels need.
 #pragma once
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
 #include <stdint.h>
+
+#include "pfa/ptx/math.cuh"
 
 namespace pfa {
 
@@ -76,6 +78,94 @@ __device__ __forceinline__ uint2 widen_fp8x4<__nv_bfloat16>(uint32_t x, int fmt)
     u[i] = *reinterpret_cast<uint32_t*>(&v);
   }
   return make_uint2(u[0], u[1]);
+}
+
+// NVFP4 K/V storage (the kv_dtype=nvfp4 kernels): each byte holds two e2m1 codes, the even
+// (first) element in the low nibble; every 16 consecutive head-dim elements of a row share one
+// float8_e4m3fn block scale, kept in a tensor of their own (PrefillParams::k_sf / v_sf). The
+// global scale of the quantisation is folded into the logit scale (K) and the output scale (V).
+struct nvfp4_storage {
+  uint8_t bits;
+};
+template <typename KV>
+struct KvStorage {
+  static constexpr bool NVFP4 = false;
+};
+template <>
+struct KvStorage<nvfp4_storage> {
+  static constexpr bool NVFP4 = true;
+};
+
+// A word whose two 16-bit lanes each hold an e4m3 value in their top byte -> the two values in
+// T, exactly (the e4m3 case of widen_fp8x4, for the NVFP4 block scales).
+template <typename T>
+__device__ __forceinline__ uint32_t e4m3_lanes_to(uint32_t u);
+template <>
+__device__ __forceinline__ uint32_t e4m3_lanes_to<half>(uint32_t u) {
+  const uint32_t h = (u & 0x80008000u) | ((u >> 1) & 0x3F803F80u);  // e4m3 fields at fp16's, bias 7
+  half2 v = __hmul2(*reinterpret_cast<const half2*>(&h),
+                    __halves2half2(__ushort_as_half(0x5C00), __ushort_as_half(0x5C00)));  // * 2^8
+  return *reinterpret_cast<uint32_t*>(&v);
+}
+template <>
+__device__ __forceinline__ uint32_t e4m3_lanes_to<__nv_bfloat16>(uint32_t u) {
+  const uint32_t b = (u & 0x80008000u) | ((u >> 4) & 0x07F007F0u);  // e4m3 fields at bf16's, bias 7
+  const __nv_bfloat16 k = __ushort_as_bfloat16(0x7B80);  // 2^120
+  __nv_bfloat162 v = __hmul2(*reinterpret_cast<const __nv_bfloat162*>(&b), __halves2bfloat162(k, k));
+  return *reinterpret_cast<uint32_t*>(&v);
+}
+
+// Two e4m3 block scales (bytes 0 and 1 of x) -> each as a packed pair of T (both lanes the same
+// scale), the multiplier of its block's code pairs.
+template <typename T>
+__device__ __forceinline__ uint2 nvfp4_scale_pairs(uint32_t x) {
+  return make_uint2(e4m3_lanes_to<T>(__byte_perm(x, 0u, 0x0404)), e4m3_lanes_to<T>(__byte_perm(x, 0u, 0x1414)));
+}
+
+// Eight e2m1 codes (the nibbles of x, element 0 in the low one) times their block scale
+// (`scale`: a packed pair of T, both lanes the scale) -> eight T values as four packed pairs,
+// element 0 in the low half of the first word. Exact: an e2m1 value (2 significant bits) times
+// an e4m3 scale (4) needs 5 bits, within 2^-10 .. 2688, which fp16 and bf16 both hold.
+// The code's magnitude (its low 3 bits) indexes an 8-entry table of its T encoding with one
+// byte permute per four codes (fp16: only the high byte is nonzero; bf16: a high- and a
+// low-byte table); its sign (bit 3) is spread to the high bytes by a sign-replicating permute.
+// Negative codes, -0 included, keep their sign.
+template <typename T>
+__device__ __forceinline__ uint4 widen_fp4x8(uint32_t x, uint32_t scale);
+template <>
+__device__ __forceinline__ uint4 widen_fp4x8<half>(uint32_t x, uint32_t scale) {
+  // fp16 high bytes of 0, .5, 1, 1.5 and 2, 3, 4, 6 (their low bytes are 0)
+  constexpr uint32_t HI_0_3 = 0x3E3C3800u, HI_4_7 = 0x46444240u;
+  const uint32_t mag = x & 0x77777777u, y = x << 4;  // y: the even codes' signs at the byte tops
+  const uint32_t a = __byte_perm(HI_0_3, HI_4_7, mag) | (ptx::prmt(x, y, 0x9D8C) & 0x80808080u);  // codes 0-3
+  const uint32_t b = __byte_perm(HI_0_3, HI_4_7, mag >> 16) | (ptx::prmt(x, y, 0xBFAE) & 0x80808080u);  // 4-7
+  const half2 s = *reinterpret_cast<const half2*>(&scale);
+  uint32_t w[4] = {__byte_perm(a, 0u, 0x1404), __byte_perm(a, 0u, 0x3424), __byte_perm(b, 0u, 0x1404),
+                   __byte_perm(b, 0u, 0x3424)};  // each code's byte to the top of its 16-bit lane
+#pragma unroll
+  for (int i = 0; i < 4; ++i) {
+    half2 v = __hmul2(*reinterpret_cast<const half2*>(&w[i]), s);
+    w[i] = *reinterpret_cast<uint32_t*>(&v);
+  }
+  return make_uint4(w[0], w[1], w[2], w[3]);
+}
+template <>
+__device__ __forceinline__ uint4 widen_fp4x8<__nv_bfloat16>(uint32_t x, uint32_t scale) {
+  // bf16 encodings of 0, .5, 1, 1.5, 2, 3, 4, 6: 0000 3F00 3F80 3FC0 4000 4040 4080 40C0
+  constexpr uint32_t HI_0_3 = 0x3F3F3F00u, HI_4_7 = 0x40404040u, LO_0_3 = 0xC0800000u, LO_4_7 = 0xC0804000u;
+  const uint32_t mag = x & 0x77777777u, y = x << 4;
+  const uint32_t ha = __byte_perm(HI_0_3, HI_4_7, mag) | (ptx::prmt(x, y, 0x9D8C) & 0x80808080u);  // codes 0-3
+  const uint32_t hb = __byte_perm(HI_0_3, HI_4_7, mag >> 16) | (ptx::prmt(x, y, 0xBFAE) & 0x80808080u);  // 4-7
+  const uint32_t la = __byte_perm(LO_0_3, LO_4_7, mag), lb = __byte_perm(LO_0_3, LO_4_7, mag >> 16);
+  const __nv_bfloat162 s = *reinterpret_cast<const __nv_bfloat162*>(&scale);
+  uint32_t w[4] = {__byte_perm(la, ha, 0x5140), __byte_perm(la, ha, 0x7362), __byte_perm(lb, hb, 0x5140),
+                   __byte_perm(lb, hb, 0x7362)};  // (low byte, high byte) of each code's lane
+#pragma unroll
+  for (int i = 0; i < 4; ++i) {
+    __nv_bfloat162 v = __hmul2(*reinterpret_cast<const __nv_bfloat162*>(&w[i]), s);
+    w[i] = *reinterpret_cast<uint32_t*>(&v);
+  }
+  return make_uint4(w[0], w[1], w[2], w[3]);
 }
 
 }  // namespace pfa

@@ -1,5 +1,5 @@
 // Thin named wrappers over the sm_80+ warp-level PTX the FA2-class kernels use:
-// cp.async (global -> shared, 16 B, zero-fill), ldmatrix (x4, optionally transposed) and
+// cp.async (global -> shared, 16 B or 4 / 8 B, zero-fill), ldmatrix (x4, optionally transposed) and
 // mma.sync m16n8k16 with fp32 accumulation. One place for inline asm, nothing clever.
 #pragma once
 #include <cuda_bf16.h>
@@ -17,6 +17,18 @@ __device__ __forceinline__ uint32_t smem_u32(const void* p) {
 __device__ __forceinline__ void cp_async_16(uint32_t dst, const void* src, bool valid) {
   const int src_bytes = valid ? 16 : 0;
   asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(dst), "l"(src), "r"(src_bytes));
+}
+// BYTES = 4, 8 or 16 (a 4- or 8-byte copy goes through L1: cp.async.cg only takes 16); dst and
+// src aligned to BYTES; zero-fills like cp_async_16 when !valid.
+template <int BYTES>
+__device__ __forceinline__ void cp_async(uint32_t dst, const void* src, bool valid) {
+  static_assert(BYTES == 4 || BYTES == 8 || BYTES == 16, "cp.async copies 4, 8 or 16 bytes");
+  if constexpr (BYTES == 16) {
+    cp_async_16(dst, src, valid);
+  } else {
+    const int src_bytes = valid ? BYTES : 0;
+    asm volatile("cp.async.ca.shared.global [%0], [%1], %2, %3;\n" ::"r"(dst), "l"(src), "n"(BYTES), "r"(src_bytes));
+  }
 }
 __device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;\n" ::); }
 template <int N>

@@ -16,6 +16,9 @@
 // fp8 K/V (KV = fp8_storage): the ring holds one-byte tiles exactly as they sit in global memory
 // (half the bytes per load); after a tile lands, the CTA widens it once into 16-bit tiles in the
 // swizzled layout, so the MMA path is the same as for 16-bit K/V.
+// NVFP4 K/V (KV = nvfp4_storage, paged decode tiles only): each ring tile holds the rows' e2m1
+// code pairs (HEAD_DIM / 2 bytes a row), then their e4m3 block scales (HEAD_DIM / 16 bytes a
+// row); the widening multiplies each code by its block's scale (sm80/nvfp4_tiles.cuh).
 #pragma once
 #include <stdint.h>
 
@@ -27,7 +30,7 @@ template <typename T, typename KV, int HEAD_DIM_, int NUM_WARPS_, int MQ_, int B
           int KV_STAGES_, bool GENERAL_, bool PAGED_, bool LAZY_RESCALE_, bool PAIR_>
 struct PrefillSm80Config {
   using Elem = T;    // Q, O and the 16-bit K/V tiles the MMAs read
-  using KvElem = KV;  // K/V as stored in global memory (T, or one-byte fp8)
+  using KvElem = KV;  // K/V as stored in global memory (T, one-byte fp8, or NVFP4 code pairs)
   static constexpr int HEAD_DIM = HEAD_DIM_;
   static constexpr int NUM_WARPS = NUM_WARPS_;
   static constexpr int MQ = MQ_;  // m16 row tiles per warp
@@ -72,7 +75,10 @@ struct PrefillSm80Config {
   // and the page-table fallback beyond them cost more than the third CTA gave. variants.py
   // mirrors the rule.
   static constexpr int MAX_PAGE_IDS = BLOCK_M > 16 || HEAD_DIM > 128 ? 2048 : 1024;
-  static constexpr bool KV_FP8 = sizeof(KV) == 1;
+  static constexpr bool KV_NVFP4 = KvStorage<KV>::NVFP4;
+  static constexpr bool KV_FP8 = sizeof(KV) == 1 && !KV_NVFP4;
+  // The ring holds a narrower form of K/V that the CTA widens into 16-bit tiles (fp8, NVFP4).
+  static constexpr bool KV_WIDEN = KV_FP8 || KV_NVFP4;
   // Masked tiles of the lean kernels. hd64 / hd256 test each element against its row's key
   // range (MaskRule::row_range, computed once per row; the tile test too), which measured faster
   // there on H100, causal and not. In hd128 that form was slower everywhere, since it moved the
@@ -82,28 +88,36 @@ struct PrefillSm80Config {
   // new forms made them slower.
   static constexpr bool ROW_RANGE_MASK = !GENERAL && HEAD_DIM != 128;
   static constexpr bool ROW_END_MASK = !GENERAL && HEAD_DIM == 128;
-  static_assert(sizeof(KV) == sizeof(T) || KV_FP8, "K/V are in the query dtype or one-byte fp8");
-  static constexpr int KV_CPR = HEAD_DIM * (int)sizeof(KV) / CHUNK_BYTES;  // 16-byte chunks per K/V row
-  static constexpr int KV_EPC = CHUNK_BYTES / (int)sizeof(KV);              // K/V elements per chunk
+  static_assert(sizeof(KV) == sizeof(T) || KV_WIDEN, "K/V are in the query dtype, one-byte fp8 or NVFP4");
+  static_assert(!KV_NVFP4 || PAGED, "NVFP4 K/V come from a paged cache (their scales share its page table)");
+  static constexpr int NVFP4_BLOCK = 16;  // head-dim elements per NVFP4 block scale
+  // Bytes of one K/V row as stored: its elements, or (NVFP4) its code pairs.
+  static constexpr int KV_ROW_BYTES = KV_NVFP4 ? HEAD_DIM / 2 : HEAD_DIM * (int)sizeof(KV);
+  static constexpr int SF_ROW_BYTES = KV_NVFP4 ? HEAD_DIM / NVFP4_BLOCK : 0;  // NVFP4: a row's block scales
+  static constexpr int KV_CPR = KV_ROW_BYTES / CHUNK_BYTES;                  // 16-byte chunks per K/V row
+  // K/V elements per chunk (NVFP4: 32 codes in 16 bytes; its loader addresses bytes, not elements)
+  static constexpr int KV_EPC = HEAD_DIM / KV_CPR;
   static constexpr int TILE_BYTES = BLOCK_N * HEAD_DIM * (int)sizeof(T);     // a 16-bit K or V tile
-  static constexpr int RING_TILE_BYTES = BLOCK_N * HEAD_DIM * (int)sizeof(KV);  // as loaded
+  // A K or V tile as loaded; NVFP4: the codes, then the scales from SF_OFFSET (in the tile).
+  static constexpr int SF_OFFSET = BLOCK_N * KV_ROW_BYTES;
+  static constexpr int RING_TILE_BYTES = SF_OFFSET + BLOCK_N * SF_ROW_BYTES;
   // The hd256 fp8 decode tile (16 rows) widens K, runs S = Q K^T, then widens V into the same
   // 16-bit tile: one widened tile instead of a pair leaves room for more CTAs per SM on a
   // latency-bound widening stream, which measured faster on H100 for both hd256 decode tiles.
   // At hd64 / hd128 the extra barrier cost more than the CTAs gave, and the 128-row kernels'
   // shared memory holds two CTAs either way. variants.py mirrors the rule.
-  static constexpr bool SPLIT_WIDEN = KV_FP8 && BLOCK_M == 16 && HEAD_DIM >= 256;
+  static constexpr bool SPLIT_WIDEN = KV_WIDEN && BLOCK_M == 16 && HEAD_DIM >= 256;
   // Honours PrefillParams::scale_dev: the general kernels and the decode tiles (fewer than 128
   // rows). variants.py's device_scale (the manifest) mirrors the rule.
   static constexpr bool DEVICE_SCALE = GENERAL || BLOCK_M < 128;
 
   // ---- dynamic shared memory, in this order ----
-  // Q, then KV_STAGES (K, V) ring pairs (stage i: K at tile 2i, V at 2i+1), then (fp8 only) the
+  // Q, then KV_STAGES (K, V) ring pairs (stage i: K at tile 2i, V at 2i+1), then (fp8, NVFP4) the
   // widened K, V pair (or one tile).
   static constexpr int Q_BYTES = BLOCK_M * HEAD_DIM * (int)sizeof(T);
   static constexpr int RING_OFFSET = Q_BYTES;
   static constexpr int WIDE_OFFSET = RING_OFFSET + 2 * KV_STAGES * RING_TILE_BYTES;
-  static constexpr int KV_SMEM_BYTES = WIDE_OFFSET + (KV_FP8 ? (SPLIT_WIDEN ? 1 : 2) * TILE_BYTES : 0);
+  static constexpr int KV_SMEM_BYTES = WIDE_OFFSET + (KV_WIDEN ? (SPLIT_WIDEN ? 1 : 2) * TILE_BYTES : 0);
   // Paged KV: the staged page ids (int32).
   static constexpr int PAGE_IDS_OFFSET = KV_SMEM_BYTES;
   // Each packed row's (token, q head) as an int2, written by the Q gather, read by the epilogue:
@@ -121,8 +135,9 @@ struct PrefillSm80Config {
   static constexpr int SMEM_BYTES =
       XCH_OFFSET + (PAIR ? THREADS * ((int)sizeof(float4) + XCH_P_WORDS * (int)sizeof(uint32_t)) : 0);
   static_assert(KV_STAGES >= 1 && KV_STAGES <= 4, "KV_STAGES: 1 = FA2 interleave, >= 2 = K/V ring");
-  static_assert(!KV_FP8 || KV_STAGES >= 2, "fp8 K/V widens whole ring stages (K and V together)");
+  static_assert(!KV_WIDEN || KV_STAGES >= 2, "fp8 / NVFP4 K/V widen whole ring stages (K and V together)");
   static_assert(HEAD_DIM % 64 == 0, "the XOR swizzle needs at least 8 chunks per row");
+  static_assert(!KV_WIDEN || WIDE_OFFSET % SWIZZLE_BYTES == 0, "the widened tiles start on a swizzle period");
   static_assert(BLOCK_N % 16 == 0, "BLOCK_N must be a multiple of 16");
   static_assert(THREADS % CPR == 0 && THREADS % KV_CPR == 0, "each thread keeps one chunk column in the loaders");
   static_assert(BLOCK_M % (THREADS / CPR) == 0 && BLOCK_N % (THREADS / CPR) == 0, "tile rows vs threads");
@@ -132,9 +147,10 @@ struct PrefillSm80Config {
   static __device__ __forceinline__ int swz(int row, int chunk) { return row * CPR + (chunk ^ (row & 7)); }
 
   // Byte offset of K/V chunk (row, chunk) in a ring tile: 16-bit tiles are swizzled for
-  // ldmatrix; fp8 tiles stay linear (the widening pass reads them chunk by chunk, conflict-free).
+  // ldmatrix; fp8 / NVFP4 tiles stay linear (the widening pass reads them chunk by chunk,
+  // conflict-free).
   static __device__ __forceinline__ uint32_t ring_off(int row, int chunk) {
-    return KV_FP8 ? (row * KV_CPR + chunk) * CHUNK_BYTES : swz(row, chunk) * CHUNK_BYTES;
+    return KV_WIDEN ? (row * KV_CPR + chunk) * CHUNK_BYTES : swz(row, chunk) * CHUNK_BYTES;
   }
 };
 

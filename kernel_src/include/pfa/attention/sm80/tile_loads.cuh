@@ -1,6 +1,7 @@
 // Global -> shared memory for the sm80 prefill: the Q tile gather and the cp.async K/V ring,
-// plus the fp8 widening pass. Row addresses come from the K/V sources (kv_source.cuh); this
-// file owns the shared-memory side (swizzle, ring stages) and the cp.async protocol.
+// plus the fp8 widening pass (NVFP4's loads and widening: nvfp4_tiles.cuh). Row addresses come
+// from the K/V sources (kv_source.cuh); this file owns the shared-memory side (swizzle, ring
+// stages) and the cp.async protocol.
 //
 // KV_STAGES == 1: group 0 = Q + K(0); V(j) streams during Q K(j)^T and K(j+1) during P V(j)
 // (FA2's interleave, two barriers a tile). KV_STAGES >= 2: a ring of K/V stages; group j = tile
@@ -11,6 +12,7 @@
 
 #include "pfa/attention/kv_source.cuh"
 #include "pfa/attention/params.h"
+#include "pfa/attention/sm80/nvfp4_tiles.cuh"
 #include "pfa/attention/work.cuh"
 #include "pfa/common/dtypes.cuh"
 #include "pfa/ptx/mma_sm80.cuh"
@@ -40,8 +42,8 @@ __device__ __forceinline__ void load_q_tile(const PrefillParams& p, const Prefil
   }
 }
 
-// The K/V ring of one CTA: KV_STAGES (K, V) stages of ring tiles after Q, and (fp8) the widened
-// 16-bit tiles every MMA reads.
+// The K/V ring of one CTA: KV_STAGES (K, V) stages of ring tiles after Q, and (fp8, NVFP4) the
+// widened 16-bit tiles every MMA reads.
 template <class Cfg>
 struct KvRingSm80 {
   using T = typename Cfg::Elem;
@@ -55,7 +57,7 @@ struct KvRingSm80 {
   char* smem;
   uint32_t s_q;     // shared address of smem (the Q tile)
   uint32_t s_ring;  // shared address of ring stage 0's K tile
-  uint32_t s_wide;  // fp8: shared address of the widened tile(s)
+  uint32_t s_wide;  // fp8, NVFP4: shared address of the widened tile(s)
   int tid;
   int kv_head, kv_len;
   RaggedKvRows ragged;
@@ -74,7 +76,7 @@ struct KvRingSm80 {
   static __device__ __forceinline__ void load_rows(uint32_t s_tile, const char* src, int64_t step_bytes,
                                                    const KV* safe, int valid_rows, int tid) {
     constexpr int ROW_STEP = THREADS / KV_CPR;
-    constexpr int PERIOD = ROW_STEP >= 8 || Cfg::KV_FP8 ? 1 : 8 / ROW_STEP;  // distinct swizzles
+    constexpr int PERIOD = ROW_STEP >= 8 || Cfg::KV_WIDEN ? 1 : 8 / ROW_STEP;  // distinct swizzles
     const int chunk = tid % KV_CPR;
     const int row0 = tid / KV_CPR;
     uint32_t so[PERIOD];
@@ -135,6 +137,18 @@ struct KvRingSm80 {
   }
   // K and V of one tile.
   __device__ __forceinline__ void load_both(int n0, int stage) const {
+    if constexpr (Cfg::KV_NVFP4) {
+      const uint32_t sk = s_ring + 2 * stage * RING_TILE_BYTES;
+      if (page_fast) {
+        load_nvfp4_stage<Cfg>(p, paged, kv_head, kv_len, true, n0, sk, tid);
+      } else {
+        load_nvfp4_stage<Cfg>(p, paged, kv_head, kv_len, false, n0, sk, tid);
+      }
+    } else {
+      load_both_elements(n0, stage);
+    }
+  }
+  __device__ __forceinline__ void load_both_elements(int n0, int stage) const {
     if constexpr (Cfg::PAGED) {
       if (twin) {
         const int chunk = tid % KV_CPR, row0 = tid / KV_CPR;
@@ -163,10 +177,19 @@ struct KvRingSm80 {
     load_v(n0, stage);
   }
 
-  // fp8 only: widen TILES ring tiles at `ring` (K then V, one-byte, linear) into 16-bit swizzled
-  // tiles at `wide`. Each raw chunk (16 values) becomes the widened chunks 2c and 2c + 1 of its row.
+  // Widen TILES ring tiles at `ring` (K then V) into 16-bit swizzled tiles at `wide`.
   template <int TILES>
   __device__ __forceinline__ void widen(const char* ring, char* wide) const {
+    if constexpr (Cfg::KV_NVFP4) {
+      widen_nvfp4<Cfg, TILES>(ring, wide, tid);
+    } else {
+      widen_fp8<TILES>(ring, wide);
+    }
+  }
+  // fp8: the ring tiles are one-byte and linear; each raw chunk (16 values) becomes the widened
+  // chunks 2c and 2c + 1 of its row.
+  template <int TILES>
+  __device__ __forceinline__ void widen_fp8(const char* ring, char* wide) const {
     constexpr int CHUNKS = BLOCK_N * KV_CPR;  // per tile
     const int fmt = p.kv_fp8;
 #pragma unroll 4
@@ -219,7 +242,7 @@ struct KvRingSm80 {
       }
       ptx::cp_async_commit();
     }
-    if constexpr (Cfg::KV_FP8) {
+    if constexpr (Cfg::KV_WIDEN) {
       // The barrier above also retired every read of the widened pair (tile it-1).
       widen<Cfg::SPLIT_WIDEN ? 1 : 2>(smem + (s_ring - s_q) + 2 * stage * RING_TILE_BYTES, smem + (s_wide - s_q));
       __syncthreads();
