@@ -251,6 +251,9 @@ class HopperPrefillVariant:
 # head_dim -> (block_n, consumers, stages) of the sm_90a family: FlashAttention-3's tile shapes for
 # two consumer warpgroups (hd256: 80-key tiles, so Q and two K/V stages fit shared memory).
 HOPPER_TILES = {64: (128, 2, 3), 128: (128, 2, 2), 256: (80, 2, 2)}
+# Paged K/V: a third stage where shared memory holds it, the producer's page-table lookups have a
+# tile more to land in.
+HOPPER_TILES_PAGED = {64: (128, 2, 3), 128: (128, 2, 3), 256: (80, 2, 2)}
 # Alternatives for `make TUNE=1`: FA3's non-causal hd128 tile (176 keys).
 HOPPER_TUNE_TILES = [(128, (176, 2, 2))]
 
@@ -434,8 +437,8 @@ def variants(tune=False):
                                                           decode=True))
             if tune:
                 out += [PrefillVariant(dtype, hd, *t, tune=True) for t in PREFILL_TUNE_TILES[hd]]
-        out += [HopperPrefillVariant(dtype, hd, *tile, paged=paged) for hd, tile in HOPPER_TILES.items()
-                for paged in (False, True)]
+        out += [HopperPrefillVariant(dtype, hd, *tile) for hd, tile in HOPPER_TILES.items()]
+        out += [HopperPrefillVariant(dtype, hd, *tile, paged=True) for hd, tile in HOPPER_TILES_PAGED.items()]
         if tune:
             out += [HopperPrefillVariant(dtype, hd, *tile, pingpong=False, tune=True)
                     for hd, tile in HOPPER_TILES.items()]

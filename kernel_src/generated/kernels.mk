@@ -224,10 +224,10 @@ KERNELS_sm_90a := \
   pfa_prefill_sm80_f16_kvfp8_hd256_m16n32w2s2_lr_pr \
   pfa_prefill_sm80_f16_kvfp8_hd256_m16n32w2s2_lr_pr_paged \
   pfa_prefill_sm90_f16_hd64_m128n128c2s3_pp \
-  pfa_prefill_sm90_f16_hd64_m128n128c2s3_pp_paged \
   pfa_prefill_sm90_f16_hd128_m128n128c2s2_pp \
-  pfa_prefill_sm90_f16_hd128_m128n128c2s2_pp_paged \
   pfa_prefill_sm90_f16_hd256_m128n80c2s2_pp \
+  pfa_prefill_sm90_f16_hd64_m128n128c2s3_pp_paged \
+  pfa_prefill_sm90_f16_hd128_m128n128c2s3_pp_paged \
   pfa_prefill_sm90_f16_hd256_m128n80c2s2_pp_paged \
   pfa_merge_f16 \
   pfa_prefill_sm80_bf16_hd64_m128n64w4s2_qr \
@@ -279,10 +279,10 @@ KERNELS_sm_90a := \
   pfa_prefill_sm80_bf16_kvfp8_hd256_m16n32w2s2_lr_pr \
   pfa_prefill_sm80_bf16_kvfp8_hd256_m16n32w2s2_lr_pr_paged \
   pfa_prefill_sm90_bf16_hd64_m128n128c2s3_pp \
-  pfa_prefill_sm90_bf16_hd64_m128n128c2s3_pp_paged \
   pfa_prefill_sm90_bf16_hd128_m128n128c2s2_pp \
-  pfa_prefill_sm90_bf16_hd128_m128n128c2s2_pp_paged \
   pfa_prefill_sm90_bf16_hd256_m128n80c2s2_pp \
+  pfa_prefill_sm90_bf16_hd64_m128n128c2s3_pp_paged \
+  pfa_prefill_sm90_bf16_hd128_m128n128c2s3_pp_paged \
   pfa_prefill_sm90_bf16_hd256_m128n80c2s2_pp_paged \
   pfa_merge_bf16 \
   pfa_prefill_sm80_f16_kvnvfp4_hd64_m16n32w1s2_lr_paged \

@@ -61,18 +61,20 @@ struct ProducerSm90 {
     }
   }
 
-  // Paged K/V: the page id of each row of the tile at n0 (PagedKvRows' addressing: key t sits in
+  // Paged K/V: the page id of row `tid` of the tile at n0 (PagedKvRows' addressing: key t sits in
   // slot t % page_size of page kv_page_indices[page_base + t / page_size], ids clamped into the
-  // cache when the host could not check them), one row per thread, into s_ids; then the
-  // warpgroup's barrier, so every thread's rows find their ids in shared memory instead of each
-  // waiting on its own dependent page-table load.
-  static __device__ __forceinline__ void stage_page_ids(int32_t* s_ids, const PrefillParams& p, const int32_t* pages,
-                                                        int n0, int kv_len, int tid) {
-    if (tid < BLOCK_N) {
-      const int t = n0 + tid;
-      const int pg = p.page_shift >= 0 ? t >> p.page_shift : t / p.page_size;
-      s_ids[tid] = t < kv_len ? checked_page_id(p, __ldg(pages + pg)) : 0;
-    }
+  // cache when the host could not check them). Loaded one tile ahead into a register, then
+  // staged in shared memory for the whole warpgroup (stage_page_ids), so no row's copy waits on
+  // a dependent page-table load.
+  static __device__ __forceinline__ int32_t row_page_id(const PrefillParams& p, const int32_t* pages, int n0,
+                                                        int kv_len, int tid) {
+    const int t = n0 + tid;
+    if (tid >= BLOCK_N || t >= kv_len) return 0;
+    const int pg = p.page_shift >= 0 ? t >> p.page_shift : t / p.page_size;
+    return checked_page_id(p, __ldg(pages + pg));
+  }
+  static __device__ __forceinline__ void stage_page_ids(int32_t* s_ids, int32_t id, int tid) {
+    if (tid < BLOCK_N) s_ids[tid] = id;
     ptx::bar_sync(Cfg::PRODUCER_BAR, Cfg::WG_THREADS);
   }
 
@@ -103,6 +105,7 @@ struct ProducerSm90 {
     const int32_t* pages = reinterpret_cast<const int32_t*>(p.kv_page_indices) + w.page_base;
     // Every row tile of the head reads these K/V rows again: keep them in L2 over Q and outputs.
     const uint64_t keep = ptx::l2_evict_last();
+    int32_t next_id = PAGED ? row_page_id(p, pages, w.tile_start, w.kv_len, tid) : 0;
     for (int it = 0; it < w.num_tiles; ++it) {
       const int s = it % STAGES;
       const uint32_t free_parity = ((it / STAGES) & 1) ^ 1;
@@ -110,7 +113,10 @@ struct ProducerSm90 {
       const uint32_t s_k = base + Cfg::K_OFFSET + s * Cfg::KV_TILE_BYTES;
       const uint32_t s_v = base + Cfg::V_OFFSET + s * Cfg::KV_TILE_BYTES;
       int32_t* s_ids = reinterpret_cast<int32_t*>(smem + Cfg::IDS_OFFSET) + (it & 1) * BLOCK_N;
-      if constexpr (PAGED) stage_page_ids(s_ids, p, pages, n0, w.kv_len, tid);
+      if constexpr (PAGED) {
+        stage_page_ids(s_ids, next_id, tid);
+        if (it + 1 < w.num_tiles) next_id = row_page_id(p, pages, n0 + BLOCK_N, w.kv_len, tid);
+      }
       ptx::mbar_wait(Cfg::k_empty(base, s), free_parity);
       if constexpr (PAGED)
         load_tile_paged(s_k, k, p, s_ids, p.k_stride_page, p.k_stride_n, n0, w.kv_len, tid, keep);
