@@ -255,7 +255,7 @@ HOPPER_TILES = {64: (128, 2, 3), 128: (128, 2, 2), 256: (80, 2, 2)}
 # tile more to land in.
 HOPPER_TILES_PAGED = {64: (128, 2, 3), 128: (128, 2, 3), 256: (80, 2, 2)}
 # Alternatives for `make TUNE=1`: FA3's non-causal hd128 tile (176 keys).
-HOPPER_TUNE_TILES = [(128, (176, 2, 2))]
+HOPPER_TUNE_TILES = [(128, (176, 2, 2)), (64, (128, 3, 2))]
 
 
 MERGE_THREADS = 128

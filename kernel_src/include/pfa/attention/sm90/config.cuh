@@ -42,9 +42,9 @@ struct PrefillSm90Config {
   static constexpr int IDS_BYTES = PAGED ? 2 * BLOCK_N * 4 : 0;
   // + 1024: the dynamic shared memory base is rounded up to the swizzle atom at run time
   static constexpr int SMEM_BYTES = IDS_OFFSET + IDS_BYTES + ATOM_BYTES;
-  // named barriers: 0 = __syncthreads, 1 and 2 = the consumers' turns (consumer.cuh), 3 = the
-  // producer warpgroup's page-id staging
-  static constexpr int PRODUCER_BAR = 3;
+  // named barriers: 0 = __syncthreads, 1 .. CONSUMERS = the consumers' turns (consumer.cuh), then
+  // the producer warpgroup's page-id staging
+  static constexpr int PRODUCER_BAR = 1 + CONSUMERS;
   static_assert(BLOCK_N * ROW_BYTES % ATOM_BYTES == 0 && KV_TILE_BYTES % ATOM_BYTES == 0, "1024-byte tiles");
 
   // Producer registers after setmaxnreg, and the consumers': together within the register file

@@ -140,15 +140,16 @@ struct ConsumerSm90 {
   }
 
   // Ping-pong between the consumer warpgroups (PINGPONG): each issues its wgmma while holding a
-  // turn that alternates between them, so one's softmax runs under the other's GEMMs instead of
-  // both contending for the tensor cores at once. Named barrier 1 + c is consumer c's turn.
+  // turn that passes round them in order (0, 1, .., 0), so one's softmax runs under the others'
+  // GEMMs instead of all contending for the tensor cores at once. Named barrier 1 + c is consumer
+  // c's turn: c waits on it, its predecessor arrives on it.
   struct Turns {
     int wg;
     __device__ __forceinline__ void take() const {
       if constexpr (PINGPONG) ptx::bar_sync(1 + wg, 2 * Cfg::WG_THREADS);
     }
     __device__ __forceinline__ void pass() const {
-      if constexpr (PINGPONG) ptx::bar_arrive(1 + (wg ^ 1), 2 * Cfg::WG_THREADS);
+      if constexpr (PINGPONG) ptx::bar_arrive(1 + (wg + 1) % Cfg::CONSUMERS, 2 * Cfg::WG_THREADS);
     }
   };
 
@@ -166,7 +167,8 @@ struct ConsumerSm90 {
     const Turns turn{wg};
     const int n = w.num_tiles;
     if (n == 0) return;
-    if (PINGPONG && wg == 1) ptx::bar_arrive(1, 2 * Cfg::WG_THREADS);  // consumer 0 takes the first turn
+    // consumer 0 takes the first turn, given by the last one
+    if (PINGPONG && wg == Cfg::CONSUMERS - 1) ptx::bar_arrive(1, 2 * Cfg::WG_THREADS);
     // No proxy fence after the waits: a cp.async's arrival on an mbarrier (cp_async_mbar_arrive)
     // makes its writes visible to the waiting threads' wgmma, as FlashAttention-3's cp.async
     // producer relies on.
@@ -216,7 +218,7 @@ struct ConsumerSm90 {
     ptx::wgmma_fence();
     issue_pv(o, a, base + Cfg::V_OFFSET + last * Cfg::KV_TILE_BYTES);
     ptx::wgmma_commit();
-    if (wg == 0) turn.pass();  // consumer 1's last pass would have no take to meet
+    if (wg != Cfg::CONSUMERS - 1) turn.pass();  // the last consumer's last pass would meet no take
     ptx::wgmma_wait<0>();
     ptx::wgmma_fence_regs(o);
     ptx::wgmma_keep_regs(a);
