@@ -85,6 +85,8 @@ class BatchPrefillWithPagedKVCacheWrapper(_BatchPrefillWrapper):
     (1..page_size); a request with no pages has kv_len 0.
 
     K/V dtype: q's (plan's q_data_type), or fp8 (kv_data_type=float8_e4m3fn / float8_e5m2).
+    Output dtype: q's, or plan(o_data_type=) float16 / bfloat16 / float8_e4m3fn (saturated to
+    +-448, round to nearest even, after v_scale); run()'s out= must have it (both wrappers).
     run(k_scale=, v_scale=) (default 1.0) scale the logits (sm_scale * k_scale, also in the LSE)
     and the output (times v_scale) inside the kernel, for every KV dtype.
 
@@ -123,14 +125,15 @@ class BatchPrefillWithPagedKVCacheWrapper(_BatchPrefillWrapper):
              causal: bool = False, pos_encoding_mode: str = "NONE", allow_fp16_qk_reduction: bool = False,
              sm_scale=None, window_left: int = -1, logits_soft_cap=None, rope_scale=None, rope_theta=None,
              q_data_type="float16", kv_data_type=None, non_blocking: bool = True, *, fixed_split_size=None,
-             disable_split_kv: bool = False, lse_base: str = "log2", stream=None):
+             disable_split_kv: bool = False, lse_base: str = "log2", stream=None, o_data_type=None):
         e = self._engine
         src = indices.paged_source(qo_indptr, paged_kv_indptr, paged_kv_indices, paged_kv_last_page_len, page_size,
                                    e.graph.max_pages if e.graph is not None else None)
         settings = _settings(PlanSettings, (num_qo_heads, num_kv_heads, head_dim, pos_encoding_mode,
                                             allow_fp16_qk_reduction, logits_soft_cap, rope_scale, rope_theta, lse_base,
                                             q_data_type, kv_data_type, window_left, sm_scale, fixed_split_size,
-                                            custom_mask is not None or packed_custom_mask is not None, False))
+                                            custom_mask is not None or packed_custom_mask is not None, False,
+                                            o_data_type))
         return e.plan(src, settings, causal, custom_mask, packed_custom_mask, disable_split_kv, stream)
 
     begin_forward = plan
@@ -174,12 +177,13 @@ class BatchPrefillWithRaggedKVCacheWrapper(_BatchPrefillWrapper):
              packed_custom_mask=None, causal: bool = False, pos_encoding_mode: str = "NONE",
              allow_fp16_qk_reduction: bool = False, window_left: int = -1, logits_soft_cap=None, sm_scale=None,
              rope_scale=None, rope_theta=None, q_data_type="float16", kv_data_type=None, *, fixed_split_size=None,
-             disable_split_kv: bool = False, lse_base: str = "log2", stream=None):
+             disable_split_kv: bool = False, lse_base: str = "log2", stream=None, o_data_type=None):
         src = indices.ragged_source(qo_indptr, kv_indptr)
         settings = _settings(PlanSettings, (num_qo_heads, num_kv_heads, head_dim, pos_encoding_mode,
                                             allow_fp16_qk_reduction, logits_soft_cap, rope_scale, rope_theta, lse_base,
                                             q_data_type, kv_data_type, window_left, sm_scale, fixed_split_size,
-                                            custom_mask is not None or packed_custom_mask is not None, False))
+                                            custom_mask is not None or packed_custom_mask is not None, False,
+                                            o_data_type))
         return self._engine.plan(src, settings, causal, custom_mask, packed_custom_mask, disable_split_kv, stream)
 
     begin_forward = plan

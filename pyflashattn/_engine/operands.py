@@ -62,11 +62,36 @@ def check_lse(lv, shape: tuple, dev: int) -> None:
         raise ValueError(f"lse must be contiguous, got strides {lv.strides}")
 
 
-def check_out(ov, shape: tuple, dtype, dev: int, ref: str = "q") -> None:
-    """out: dtype (q's), shape, CUDA on dev, 16-byte aligned rows."""
+def check_out(ov, shape: tuple, dtype, dev: int, ref: str = "q", expected: str = "q has ") -> None:
+    """out: dtype (q's, or the plan's o_data_type: expected says which, for the message), shape,
+    CUDA on dev, 16-byte aligned rows."""
     if ov.shape != shape:
         raise ValueError(f"out must have shape {shape}, got {ov.shape}")
-    check_rows("out", ov, dtype, dev, expected="q has ", ref=ref)
+    check_rows("out", ov, dtype, dev, expected=expected, ref=ref)
+
+
+# The output formats every attention kernel writes (PrefillParams / MergeParams.o_format,
+# OutFormat in kernel_src/include/pfa/common/dtypes.cuh): the query dtype, the other 16-bit type,
+# float8_e4m3fn (saturated to +-448, rounded to nearest even).
+OUT_ELEM, OUT_OTHER16, OUT_E4M3 = 0, 1, 2
+
+
+def output_dtype(o_data_type, q_dtype, name: str = "o_data_type"):
+    """(output dtype, PrefillParams.o_format) for an output dtype given as o_data_type (None: q's)
+    or (name="out") as out's dtype: float16, bfloat16 or float8_e4m3fn."""
+    if o_data_type is None or o_data_type is q_dtype:
+        return q_dtype, OUT_ELEM
+    odt = o_data_type if isinstance(o_data_type, _dtypes.DType) else dtype_arg(o_data_type, name)
+    if odt is q_dtype:
+        return q_dtype, OUT_ELEM
+    if odt is _dtypes.FLOAT16 or odt is _dtypes.BFLOAT16:
+        return odt, OUT_OTHER16
+    if odt is _dtypes.FLOAT8_E4M3:
+        return odt, OUT_E4M3
+    if odt is _dtypes.FLOAT8_E5M2:
+        raise NotImplementedError(f"{name}: a float8_e5m2 output is not implemented in pyflashattn (float16, "
+                                  "bfloat16 or float8_e4m3fn are)")
+    raise TypeError(f"{name}: the output dtype must be float16, bfloat16 or float8_e4m3fn, got {odt.name}")
 
 
 def ragged_kv_strides(layout: str, strides: tuple) -> tuple:
