@@ -89,6 +89,8 @@ class BatchDecodeWithPagedKVCacheWrapper:
     FlashInfer's graph mode expects). plan() runs outside capture; later plans may change lengths
     within the capacity, and q_len_per_req stays that of the first plan. A captured run() keeps
     the scales and sinks it was captured with (as the prefill wrappers' k_scale / v_scale).
+    Without use_cuda_graph, run() on a stream that is being captured raises RuntimeError before
+    launching anything (a later plan() would invalidate the captured launch).
     """
 
     def __init__(self, float_workspace_buffer, kv_layout: str = "NHD", use_cuda_graph: bool = False,

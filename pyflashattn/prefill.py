@@ -103,7 +103,9 @@ class BatchPrefillWithPagedKVCacheWrapper(_BatchPrefillWrapper):
     plan's packed custom mask and its byte offsets (in any mode); without them graph mode uses a
     library buffer sized at the first plan with a mask (twice that mask, at least 64 KiB). A
     captured run() keeps the kernel, options and k_scale / v_scale it was captured with: later
-    plans that would change them (e.g. add or drop the custom mask) raise ValueError.
+    plans that would change them (e.g. add or drop the custom mask) raise ValueError. Without
+    use_cuda_graph, run() on a stream that is being captured raises RuntimeError before launching
+    anything (a later plan() would invalidate the captured launch; both batch wrappers).
     """
 
     def __init__(self, float_workspace_buffer, kv_layout: str = "NHD", use_cuda_graph: bool = False,

@@ -14,7 +14,7 @@ import numpy as np
 
 from .._runtime import cuda as _cuda, dtypes as _dtypes, registry as _registry, tensor as _tensor
 from . import launch, operands, options, params, routing, schedule
-from .graph import GraphState
+from .graph import GraphState, refuse_capture
 from .masks import MaskBuffers
 from .problem import Config, KVSource, PlanSettings
 from .staging import Staging
@@ -34,12 +34,15 @@ class BatchEngine:
     the current plan."""
 
     def __init__(self, float_workspace_buffer, kv_layout: str, use_cuda_graph: bool, paged: bool,
-                 custom_mask_buf=None, qk_indptr_buf=None):
+                 custom_mask_buf=None, qk_indptr_buf=None, capture_safe: bool = False):
         self.kv_layout = operands.kv_layout(kv_layout)
         self.paged = paged
         self.set_workspace(float_workspace_buffer)
         self.masks = MaskBuffers(self.dev, bool(use_cuda_graph), custom_mask_buf, qk_indptr_buf)
         self.graph = None  # CUDA-graph mode: enable_graph()
+        # Without graph mode run() refuses a capture (graph.refuse_capture), unless its owner never
+        # re-plans a planned engine (XQA: one engine per shape), so a captured run() stays valid.
+        self.watch_capture = not use_cuda_graph and not capture_safe
         self.staging = Staging(self.dev)
         self.planned = False
         self.launchers = {}
@@ -56,6 +59,7 @@ class BatchEngine:
     def enable_graph(self, max_batch: int, max_pages: int):
         """CUDA-graph mode with this capacity (batch size, pages)."""
         self.graph = GraphState(max_batch, max_pages)
+        self.watch_capture = False
 
     # ---- workspace ---------------------------------------------------------------------
     @staticmethod
@@ -371,7 +375,8 @@ class BatchEngine:
 
     def _before_launch(self, s):
         """The first run on stream s after a plan waits for the plan's metadata copy (issued on the
-        plan's stream) once; graph mode notices a capture."""
+        plan's stream) once; graph mode notices a capture. (Without graph mode a capture was
+        refused before this: refuse_capture.)"""
         if self.pending_copy:
             _cuda.stream_wait(s, self.plan_stream)
             self.pending_copy = False
@@ -380,6 +385,8 @@ class BatchEngine:
             g.note_capture(s)
 
     def launch(self, qv, ov, lv, s, pdl):
+        if self.watch_capture:
+            refuse_capture(s)
         if self.pending_copy or self.graph is not None:
             self._before_launch(s)
         p = self.attn.params
@@ -415,6 +422,12 @@ class BatchEngine:
         if (qp | kp | vp | op) & 15:
             return None  # the full path raises the precise error
         s = _tensor.stream_handle(stream) if stream is not None else launch.torch_stream(self.dev)
+        # before anything is allocated or launched: every run() (cuStreamIsCapturing, ~0.4 us of
+        # Python on the fake driver; a capture can start between any two calls)
+        if self.watch_capture:
+            refuse_capture(s)
+        if self.pending_copy or self.graph is not None:
+            self._before_launch(s)
         total_q, Hq = self.shape[0], self.shape[1]
         if out is None:  # o has q's shape (the plan's key fixed it), and q's dtype unless planned otherwise
             odt = self.cfg.o_dtype
@@ -422,8 +435,6 @@ class BatchEngine:
             op = out.data_ptr()
         if lse is None and return_lse:
             lse = _tensor.torch_empty_f32(q, (total_q, Hq))
-        if self.pending_copy or self.graph is not None:
-            self._before_launch(s)
         p = self.attn.params
         p.q, p.k, p.v, p.o = qp, kp, vp, op
         p.lse = lp = lse.data_ptr() if lse is not None else 0

@@ -237,7 +237,7 @@ def _engine(dev, workspace, layout, batch, q_len, hq, hkv, hd, page_size, pages,
            odt.name, window_left, scale_on_device)
     e = _ENGINES.get(key)
     if e is None:
-        e = BatchEngine(workspace, layout, False, True)
+        e = BatchEngine(workspace, layout, False, True, capture_safe=True)  # never re-planned: capturable
         # A speculative-decoding mask takes the general kernels; a device-side logit scale the
         # kernels that read it (the manifest's device_scale: not the 128-row lean ones).
         general = bool(words)
