@@ -112,7 +112,7 @@ def test_xqa_is_still_capturable():
     q, cache, (indptr, _, _), ref = _batch("xqa")
     table = torch.zeros(len(KV_LENS), int(np.diff(indptr).max()), dtype=torch.int32)
     for b in range(len(KV_LENS)):
-        table[b, :indptr[b + 1] - indptr[b]] = torch.arange(indptr[b], indptr[b + 1], dtype=torch.int32)
+        table[b, :indptr[b + 1] - indptr[b]] = torch.arange(int(indptr[b]), int(indptr[b + 1]), dtype=torch.int32)
     table, seq = table.to(DEV), torch.tensor(KV_LENS, dtype=torch.int32, device=DEV)
     out = torch.empty_like(q)
     call = lambda: decode.xqa_batch_decode_with_kv_cache(q, cache, _ws(), table, seq, max(KV_LENS),  # noqa: E731
