@@ -15,7 +15,7 @@ PREFILL = (
         ("q", "ptr", "[qo_len, Hq, D] rows at q_stride_n, heads at q_stride_h (elements)"),
         ("k", "ptr", "key rows at k_stride_n, kv heads at k_stride_h (NHD or HND via strides)"),
         ("v", "ptr", "value rows at v_stride_n, kv heads at v_stride_h"),
-        ("o", "ptr", "output, same dtype as q"),
+        ("o", "ptr", "output in the format o_format names (q's dtype unless the plan asked for another)"),
         ("lse", "ptr", "float32 [qo_len, Hq] contiguous, 0 = not requested"),
         ("o_partial", "ptr", "split-KV workspace: float32 [num_kv_chunks, qo_len, Hq, D]"),
         ("lse_partial", "ptr", "split-KV workspace: float32 [num_kv_chunks, qo_len, Hq]"),
@@ -91,6 +91,9 @@ PREFILL = (
         ("spec_mask_words", "i32", "> 0: custom_mask is a speculative-decoding mask (XQA's): per query row "
          "spec_mask_words little-endian 32-bit words, bit j = draft key j of the request's last qo_len keys; "
          "the keys before the drafts are always visible. 0 = custom_mask is packed bits q * kv_len + kv"),
+        ("o_format", "i32", "the output's element format (OutFormat): 0 = the kernel's 16-bit type, 1 = the other "
+         "16-bit type (fp16 <-> bf16), 2 = float8_e4m3fn (saturated to +-448, round to nearest even); "
+         "strides stay in elements"),
     ],
 )
 
@@ -100,7 +103,7 @@ MERGE = (
     [
         ("o_partial", "ptr", "float32 [num_kv_chunks, rows, Hq, D]"),
         ("lse_partial", "ptr", "float32 [num_kv_chunks, rows, Hq]"),
-        ("o", "ptr", "output in the kernel's dtype"),
+        ("o", "ptr", "output in the format o_format names"),
         ("lse", "ptr", "float32 [rows, Hq] contiguous, 0 = not requested"),
         ("sinks", "ptr", "float32 [Hq] attention sinks added to each merged row's normaliser (PrefillParams.sinks)"),
         ("merge_indptr", "ptr", "int32 [rows+1]: row r merges partial rows [m[r], m[r+1]) of a batch plan "
@@ -112,6 +115,7 @@ MERGE = (
         ("head_dim", "i32", ""),
         ("num_kv_chunks", "i32", "single request: KV chunks per row (0: per-token merge_indptr)"),
         ("lse_scale", "f32", "applied to the final LSE only (partials stay base 2)"),
+        ("o_format", "i32", "the output's element format, as PrefillParams.o_format"),
     ],
 )
 

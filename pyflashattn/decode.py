@@ -90,6 +90,8 @@ class BatchDecodeWithPagedKVCacheWrapper:
     FlashInfer's graph mode expects). plan() runs outside capture; later plans may change lengths
     within the capacity, and q_len_per_req stays that of the first plan. A captured run() keeps
     the scales and sinks it was captured with (as the prefill wrappers' k_scale / v_scale).
+    Without use_cuda_graph, run() on a stream that is being captured raises RuntimeError before
+    launching anything (a later plan() would invalidate the captured launch).
     """
 
     def __init__(self, float_workspace_buffer, kv_layout: str = "NHD", use_cuda_graph: bool = False,
@@ -129,15 +131,15 @@ class BatchDecodeWithPagedKVCacheWrapper:
         """Plan a decode batch: request b owns pages indices[indptr[b]:indptr[b+1]], its last
         page holding last_page_len[b] tokens; or (indptr etc. None) block_tables [B, max_pages]
         with seq_lens [B] (host arrays, or device arrays copied once: a sync). data_type is
-        FlashInfer's deprecated name for both q_data_type and kv_data_type. Index arrays are read
+        FlashInfer's deprecated name for both q_data_type and kv_data_type. o_data_type: the
+        output dtype (default q's): float16, bfloat16 or float8_e4m3fn (saturated to +-448, round
+        to nearest even; v_scale is applied before the conversion, so o = fp8(attention * v_scale)).
+        run()'s out= must then have that dtype. Index arrays are read
         on the host here (device arrays: one sync); non_blocking is accepted and changes nothing
         (the metadata copy is always asynchronous)."""
         e = self._engine
         if data_type is not None:
             q_data_type = kv_data_type = data_type
-        if o_data_type is not None and operands.dtype_arg(o_data_type, "o_data_type") is not \
-                operands.dtype_arg(q_data_type, "q_data_type"):
-            raise NotImplementedError("o_data_type: an output dtype other than q's is not implemented yet")
         q_len = operands.positive_int(q_len_per_req, "q_len_per_req")
         if e.graph is not None and self._q_len is not None and q_len != self._q_len:
             raise ValueError(f"q_len_per_req is frozen at {self._q_len} by the first plan of a CUDA-graph wrapper")
@@ -149,7 +151,8 @@ class BatchDecodeWithPagedKVCacheWrapper:
                                    e.graph.max_pages if e.graph is not None else None)
         settings = _settings(PlanSettings, (num_qo_heads, num_kv_heads, head_dim, pos_encoding_mode, False,
                                             logits_soft_cap, rope_scale, rope_theta, lse_base, q_data_type,
-                                            kv_data_type, window_left, sm_scale, fixed_split_size, False, False))
+                                            kv_data_type, window_left, sm_scale, fixed_split_size, False, False,
+                                            o_data_type))
         # Several draft tokens: each sees the keys up to its own position (FlashInfer's tensor-core
         # decode, whose kernel is the prefill one with qo_indptr = arange * q_len_per_req).
         plan = e.plan(src, settings, q_len > 1, None, None, disable_split_kv, stream)

@@ -88,6 +88,8 @@ class BatchPrefillWithPagedKVCacheWrapper(_BatchPrefillWrapper):
     (kv_data_type=uint8: e2m1 code pairs [..., D/2], low nibble first, with run(kv_cache_sf=...)
     their float8_e4m3fn block scales [..., D/16] in the cache's form; lean options only, and run
     on the decode tiles, so long queries are correct but not fast).
+    Output dtype: q's, or plan(o_data_type=) float16 / bfloat16 / float8_e4m3fn (saturated to
+    +-448, round to nearest even, after v_scale); run()'s out= must have it (both wrappers).
     run(k_scale=, v_scale=) (default 1.0) scale the logits (sm_scale * k_scale, also in the LSE)
     and the output (times v_scale) inside the kernel, for every KV dtype.
 
@@ -104,7 +106,9 @@ class BatchPrefillWithPagedKVCacheWrapper(_BatchPrefillWrapper):
     plan's packed custom mask and its byte offsets (in any mode); without them graph mode uses a
     library buffer sized at the first plan with a mask (twice that mask, at least 64 KiB). A
     captured run() keeps the kernel, options and k_scale / v_scale it was captured with: later
-    plans that would change them (e.g. add or drop the custom mask) raise ValueError.
+    plans that would change them (e.g. add or drop the custom mask) raise ValueError. Without
+    use_cuda_graph, run() on a stream that is being captured raises RuntimeError before launching
+    anything (a later plan() would invalidate the captured launch; both batch wrappers).
     """
 
     def __init__(self, float_workspace_buffer, kv_layout: str = "NHD", use_cuda_graph: bool = False,
@@ -126,14 +130,15 @@ class BatchPrefillWithPagedKVCacheWrapper(_BatchPrefillWrapper):
              causal: bool = False, pos_encoding_mode: str = "NONE", allow_fp16_qk_reduction: bool = False,
              sm_scale=None, window_left: int = -1, logits_soft_cap=None, rope_scale=None, rope_theta=None,
              q_data_type="float16", kv_data_type=None, non_blocking: bool = True, *, fixed_split_size=None,
-             disable_split_kv: bool = False, lse_base: str = "log2", stream=None):
+             disable_split_kv: bool = False, lse_base: str = "log2", stream=None, o_data_type=None):
         e = self._engine
         src = indices.paged_source(qo_indptr, paged_kv_indptr, paged_kv_indices, paged_kv_last_page_len, page_size,
                                    e.graph.max_pages if e.graph is not None else None)
         settings = _settings(PlanSettings, (num_qo_heads, num_kv_heads, head_dim, pos_encoding_mode,
                                             allow_fp16_qk_reduction, logits_soft_cap, rope_scale, rope_theta, lse_base,
                                             q_data_type, kv_data_type, window_left, sm_scale, fixed_split_size,
-                                            custom_mask is not None or packed_custom_mask is not None, False))
+                                            custom_mask is not None or packed_custom_mask is not None, False,
+                                            o_data_type))
         return e.plan(src, settings, causal, custom_mask, packed_custom_mask, disable_split_kv, stream)
 
     begin_forward = plan
@@ -178,12 +183,13 @@ class BatchPrefillWithRaggedKVCacheWrapper(_BatchPrefillWrapper):
              packed_custom_mask=None, causal: bool = False, pos_encoding_mode: str = "NONE",
              allow_fp16_qk_reduction: bool = False, window_left: int = -1, logits_soft_cap=None, sm_scale=None,
              rope_scale=None, rope_theta=None, q_data_type="float16", kv_data_type=None, *, fixed_split_size=None,
-             disable_split_kv: bool = False, lse_base: str = "log2", stream=None):
+             disable_split_kv: bool = False, lse_base: str = "log2", stream=None, o_data_type=None):
         src = indices.ragged_source(qo_indptr, kv_indptr)
         settings = _settings(PlanSettings, (num_qo_heads, num_kv_heads, head_dim, pos_encoding_mode,
                                             allow_fp16_qk_reduction, logits_soft_cap, rope_scale, rope_theta, lse_base,
                                             q_data_type, kv_data_type, window_left, sm_scale, fixed_split_size,
-                                            custom_mask is not None or packed_custom_mask is not None, False))
+                                            custom_mask is not None or packed_custom_mask is not None, False,
+                                            o_data_type))
         return self._engine.plan(src, settings, causal, custom_mask, packed_custom_mask, disable_split_kv, stream)
 
     begin_forward = plan

@@ -24,7 +24,7 @@ import pytest
 import pyflashattn
 from pyflashattn import cascade
 from pyflashattn._engine import cascade as _engine
-from pyflashattn._runtime import cuda as _cuda, dtypes as _dtypes, registry as _registry
+from pyflashattn._runtime import dtypes as _dtypes
 from pyflashattn._runtime.params_gen import CascadeMergeParams
 from pyflashattn.testing import attention_ref
 from pyflashattn.testing.fake_driver import FakeTorchTensor
@@ -371,30 +371,14 @@ def sim(fake, fake_torch, monkeypatch):
     # outputs over simulated memory (the fake torch's new_empty hands out an address with none)
     monkeypatch.setattr(FakeTorchTensor, "new_empty",
                         lambda self, shape, dtype=None: s.tensor(np.zeros(shape), str(dtype or self.dtype)[6:]))
-    real_launcher, cache = _registry.launcher, {}
+    # the fake launches pfa_cascade_<dtype> (the variant table's row); its model runs at each launch
 
-    def launcher(family, dev, **match):
-        if family != "cascade":
-            return real_launcher(family, dev, **match)
-        name = f"pfa_cascade_{match['dtype']}"
-        if name not in cache:
-            cache[name] = _cuda.Launcher(name, (name, CascadeMergeParams), CascadeMergeParams, _engine.WARPS * 32, 0)
-        return cache[name]
+    def model(p, grid, name):
+        dtype = {"f16": "float16", "bf16": "bfloat16", "f32": "float32"}[name.rpartition("_")[2]]
+        s.launches.append(fake.cu.launches[-1])
+        _simulate(p, dtype, grid)
 
-    monkeypatch.setattr(_registry, "launcher", launcher)
-    cu = fake.cu
-    real_launch = cu.cuLaunchKernel
-
-    def launch(func, *args):
-        r = real_launch(func, *args)
-        name, grid, stream, p = cu.launches[-1]
-        if name.startswith("pfa_cascade_"):
-            dtype = {"f16": "float16", "bf16": "bfloat16", "f32": "float32"}[name.rpartition("_")[2]]
-            s.launches.append((name, grid, stream, p))
-            _simulate(p, dtype, grid)
-        return r
-
-    monkeypatch.setattr(cu, "cuLaunchKernel", launch)
+    fake.cu.simulators[CascadeMergeParams] = model
     return s
 
 

@@ -225,10 +225,13 @@ def test_decode_data_type_alias_and_output_dtype(fake):
     with pytest.raises(TypeError, match=r"\bq\b"):
         w.run(q_dec(), cache(BF16), out=o_dec())  # q in float16 against a bfloat16 plan
     plan_dec(w, q_data_type="bfloat16", o_data_type="bfloat16")  # q's dtype: fine
-    with pytest.raises(NotImplementedError, match="o_data_type"):
+    assert w._engine.cfg.o_dtype is BF16 and w._engine.cfg.o_format == 0
+    plan_dec(w, data_type="float16", o_data_type="bfloat16")  # the other 16-bit type
+    assert w._engine.cfg.o_dtype is BF16 and w._engine.cfg.o_format == 1
+    with pytest.raises(TypeError, match="o_data_type"):
         plan_dec(w, q_data_type="float16", o_data_type="float32")
-    with pytest.raises(NotImplementedError, match="o_data_type"):
-        plan_dec(w, data_type="float16", o_data_type="bfloat16")
+    with pytest.raises(NotImplementedError, match="o_data_type: a float8_e5m2 output"):
+        plan_dec(w, data_type="float16", o_data_type="float8_e5m2")
     with pytest.raises(ValueError, match="q_len_per_req"):
         plan_dec(w, q_len=0)
 
@@ -438,7 +441,10 @@ _BAD = [  # (overrides given fake, exception, pattern)
     ("bmm2_dtype", lambda f: dict(bmm2_scale=T((1,), I32, data=0x830000)), TypeError, r"bmm2_scale .*float32"),
     ("o_scale", lambda f: dict(o_scale=0.0), ValueError, r"o_scale"),
     ("kv_cache_sf", lambda f: dict(kv_cache_sf=T((NPAGES, 2), U16)), TypeError, r"kv_cache_sf"),
-    ("out_fp8", lambda f: dict(out=T((B, HQ, D), E4M3, data=0x400000)), NotImplementedError, r"out: an fp8"),
+    ("out_e5m2", lambda f: dict(out=T((B, HQ, D), _dtypes.FLOAT8_E5M2, data=0x400000)), NotImplementedError,
+     r"out: a float8_e5m2 output"),
+    ("out_f32", lambda f: dict(out=T((B, HQ, D), F32, data=0x400000)), TypeError,
+     r"out: the output dtype"),
 ]
 
 

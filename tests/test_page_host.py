@@ -17,7 +17,7 @@ import pytest
 
 import pyflashattn
 from pyflashattn._engine import metadata_check, page as _page
-from pyflashattn._runtime import cuda as _cuda, dtypes as _dtypes, registry as _registry
+from pyflashattn._runtime import dtypes as _dtypes
 from pyflashattn._runtime.params_gen import PageParams
 from pyflashattn.page import append_paged_kv_cache, get_batch_indices_positions, get_seq_lens
 from pyflashattn.testing.fake_driver import FakeTorchTensor, _TorchDtype
@@ -88,8 +88,8 @@ def _simulate_page(p, grid):
 
 @pytest.fixture
 def env(fake, fake_torch, monkeypatch):
-    """The fake driver and torch with int32 tensors, outputs backed by memory, a page launcher
-    and the simulated page kernel."""
+    """The fake driver and torch with int32 tensors, outputs backed by memory and the simulated
+    page kernel."""
     ft = fake_torch
     ft.dtypes["int32"] = _TorchDtype("int32")
     ft.module.int32 = ft.dtypes["int32"]
@@ -98,27 +98,8 @@ def env(fake, fake_torch, monkeypatch):
     # real torch tensors have __dlpack__ (what tells a device array from host data); read by attributes
     monkeypatch.setattr(FakeTorchTensor, "__dlpack__", lambda self, **kw: pytest.fail("read torch by attributes"),
                         raising=False)
-    launchers = {}
-    base_launcher = _registry.launcher
-
-    def launcher(family, dev, **match):
-        if family != "page":
-            return base_launcher(family, dev, **match)
-        if dev not in launchers:
-            launchers[dev] = _cuda.Launcher("pfa_page", ("pfa_page", PageParams), PageParams, _page.THREADS, 0)
-        return launchers[dev]
-
-    monkeypatch.setattr(_registry, "launcher", launcher)
-    launch = fake.cu.cuLaunchKernel
-
-    def launch_and_simulate(*args):
-        r = launch(*args)
-        _, grid, _, p = fake.cu.launches[-1]
-        if isinstance(p, PageParams):
-            _simulate_page(p, grid)
-        return r
-
-    monkeypatch.setattr(fake.cu, "cuLaunchKernel", launch_and_simulate)
+    # the fake launches pfa_page (the variant table's row, PAGE_THREADS); its model runs at each launch
+    fake.cu.simulators[PageParams] = lambda p, grid, name: _simulate_page(p, grid)
     monkeypatch.delenv(ENV, raising=False)
     return SimpleNamespace(fake=fake, ft=ft)
 

@@ -19,8 +19,6 @@ KERNELS_sm_80 := \
   pfa_prefill_sm80_f16_kvfp8_hd64_m16n32w1s2_lr_paged \
   pfa_prefill_sm80_f16_kvfp8_hd64_m32n32w2s2_lr_paged \
   pfa_prefill_sm80_f16_kvfp8_hd64_m64n32w4s2_lr_paged \
-  pfa_prefill_sm80_f16_hd64_m128n64w4s3_qr \
-  pfa_prefill_sm80_f16_hd64_m256n64w8s2_qr \
   pfa_prefill_sm80_f16_hd128_m128n64w4s2_lr \
   pfa_prefill_sm80_f16_hd128_m128n64w4s2_lr_paged \
   pfa_prefill_sm80_f16_hd128_m128n64w4s2_gen \
@@ -39,13 +37,7 @@ KERNELS_sm_80 := \
   pfa_prefill_sm80_f16_kvfp8_hd128_m16n16w1s2_lr_paged \
   pfa_prefill_sm80_f16_kvfp8_hd128_m32n16w2s2_lr_paged \
   pfa_prefill_sm80_f16_kvfp8_hd128_m64n16w4s2_lr_paged \
-  pfa_prefill_sm80_f16_hd128_m128n64w8s2_qr \
-  pfa_prefill_sm80_f16_hd128_m128n48w4s2 \
-  pfa_prefill_sm80_f16_hd128_m128n64w4s1 \
-  pfa_prefill_sm80_f16_hd128_m128n32w4s3 \
   pfa_prefill_sm80_f16_hd256_m16n32w1s2_lr \
-  pfa_prefill_sm80_f16_hd256_m64n64w4s1_lr \
-  pfa_prefill_sm80_f16_hd256_m128n32w8s3 \
   pfa_merge_f16 \
   pfa_prefill_sm80_bf16_hd64_m128n64w4s2_qr \
   pfa_prefill_sm80_bf16_hd64_m128n64w4s2_qr_paged \
@@ -65,8 +57,6 @@ KERNELS_sm_80 := \
   pfa_prefill_sm80_bf16_kvfp8_hd64_m16n32w1s2_lr_paged \
   pfa_prefill_sm80_bf16_kvfp8_hd64_m32n32w2s2_lr_paged \
   pfa_prefill_sm80_bf16_kvfp8_hd64_m64n32w4s2_lr_paged \
-  pfa_prefill_sm80_bf16_hd64_m128n64w4s3_qr \
-  pfa_prefill_sm80_bf16_hd64_m256n64w8s2_qr \
   pfa_prefill_sm80_bf16_hd128_m128n64w4s2_lr \
   pfa_prefill_sm80_bf16_hd128_m128n64w4s2_lr_paged \
   pfa_prefill_sm80_bf16_hd128_m128n64w4s2_gen \
@@ -85,13 +75,7 @@ KERNELS_sm_80 := \
   pfa_prefill_sm80_bf16_kvfp8_hd128_m16n16w1s2_lr_paged \
   pfa_prefill_sm80_bf16_kvfp8_hd128_m32n16w2s2_lr_paged \
   pfa_prefill_sm80_bf16_kvfp8_hd128_m64n16w4s2_lr_paged \
-  pfa_prefill_sm80_bf16_hd128_m128n64w8s2_qr \
-  pfa_prefill_sm80_bf16_hd128_m128n48w4s2 \
-  pfa_prefill_sm80_bf16_hd128_m128n64w4s1 \
-  pfa_prefill_sm80_bf16_hd128_m128n32w4s3 \
   pfa_prefill_sm80_bf16_hd256_m16n32w1s2_lr \
-  pfa_prefill_sm80_bf16_hd256_m64n64w4s1_lr \
-  pfa_prefill_sm80_bf16_hd256_m128n32w8s3 \
   pfa_merge_bf16 \
   pfa_prefill_sm80_f16_kvnvfp4_hd64_m16n32w1s2_lr_paged \
   pfa_prefill_sm80_f16_kvnvfp4_hd64_m32n32w2s2_lr_paged \
@@ -132,8 +116,6 @@ KERNELS_sm_89 := \
   pfa_prefill_sm80_f16_kvfp8_hd64_m16n32w1s2_lr_paged \
   pfa_prefill_sm80_f16_kvfp8_hd64_m32n32w2s2_lr_paged \
   pfa_prefill_sm80_f16_kvfp8_hd64_m64n32w4s2_lr_paged \
-  pfa_prefill_sm80_f16_hd64_m128n64w4s3_qr \
-  pfa_prefill_sm80_f16_hd64_m256n64w8s2_qr \
   pfa_prefill_sm80_f16_hd128_m128n64w4s2_lr \
   pfa_prefill_sm80_f16_hd128_m128n64w4s2_gen \
   pfa_prefill_sm80_f16_hd128_m16n32w1s2_lr \
@@ -142,12 +124,7 @@ KERNELS_sm_89 := \
   pfa_prefill_sm80_f16_kvfp8_hd128_m16n16w1s2_lr \
   pfa_prefill_sm80_f16_kvfp8_hd128_m32n16w2s2_lr \
   pfa_prefill_sm80_f16_kvfp8_hd128_m64n16w4s2_lr \
-  pfa_prefill_sm80_f16_hd128_m128n64w8s2_qr \
-  pfa_prefill_sm80_f16_hd128_m128n48w4s2 \
-  pfa_prefill_sm80_f16_hd128_m128n64w4s1 \
-  pfa_prefill_sm80_f16_hd128_m128n32w4s3 \
   pfa_prefill_sm80_f16_hd256_m16n32w1s2_lr \
-  pfa_prefill_sm80_f16_hd256_m64n64w4s1_lr \
   pfa_merge_f16 \
   pfa_prefill_sm80_bf16_hd64_m128n64w4s2_qr \
   pfa_prefill_sm80_bf16_hd64_m128n64w4s2_qr_paged \
@@ -167,8 +144,6 @@ KERNELS_sm_89 := \
   pfa_prefill_sm80_bf16_kvfp8_hd64_m16n32w1s2_lr_paged \
   pfa_prefill_sm80_bf16_kvfp8_hd64_m32n32w2s2_lr_paged \
   pfa_prefill_sm80_bf16_kvfp8_hd64_m64n32w4s2_lr_paged \
-  pfa_prefill_sm80_bf16_hd64_m128n64w4s3_qr \
-  pfa_prefill_sm80_bf16_hd64_m256n64w8s2_qr \
   pfa_prefill_sm80_bf16_hd128_m128n64w4s2_lr \
   pfa_prefill_sm80_bf16_hd128_m128n64w4s2_gen \
   pfa_prefill_sm80_bf16_hd128_m16n32w1s2_lr \
@@ -177,12 +152,7 @@ KERNELS_sm_89 := \
   pfa_prefill_sm80_bf16_kvfp8_hd128_m16n16w1s2_lr \
   pfa_prefill_sm80_bf16_kvfp8_hd128_m32n16w2s2_lr \
   pfa_prefill_sm80_bf16_kvfp8_hd128_m64n16w4s2_lr \
-  pfa_prefill_sm80_bf16_hd128_m128n64w8s2_qr \
-  pfa_prefill_sm80_bf16_hd128_m128n48w4s2 \
-  pfa_prefill_sm80_bf16_hd128_m128n64w4s1 \
-  pfa_prefill_sm80_bf16_hd128_m128n32w4s3 \
   pfa_prefill_sm80_bf16_hd256_m16n32w1s2_lr \
-  pfa_prefill_sm80_bf16_hd256_m64n64w4s1_lr \
   pfa_merge_bf16 \
   pfa_prefill_sm80_f16_kvnvfp4_hd64_m16n32w1s2_lr_paged \
   pfa_prefill_sm80_f16_kvnvfp4_hd64_m32n32w2s2_lr_paged \
@@ -223,8 +193,6 @@ KERNELS_sm_90a := \
   pfa_prefill_sm80_f16_kvfp8_hd64_m16n32w1s2_lr_paged \
   pfa_prefill_sm80_f16_kvfp8_hd64_m32n32w2s2_lr_paged \
   pfa_prefill_sm80_f16_kvfp8_hd64_m64n32w4s2_lr_paged \
-  pfa_prefill_sm80_f16_hd64_m128n64w4s3_qr \
-  pfa_prefill_sm80_f16_hd64_m256n64w8s2_qr \
   pfa_prefill_sm80_f16_hd128_m128n64w4s2_lr \
   pfa_prefill_sm80_f16_hd128_m128n64w4s2_lr_paged \
   pfa_prefill_sm80_f16_hd128_m128n64w4s2_gen \
@@ -243,10 +211,6 @@ KERNELS_sm_90a := \
   pfa_prefill_sm80_f16_kvfp8_hd128_m16n16w1s2_lr_paged \
   pfa_prefill_sm80_f16_kvfp8_hd128_m32n16w2s2_lr_paged \
   pfa_prefill_sm80_f16_kvfp8_hd128_m64n16w4s2_lr_paged \
-  pfa_prefill_sm80_f16_hd128_m128n64w8s2_qr \
-  pfa_prefill_sm80_f16_hd128_m128n48w4s2 \
-  pfa_prefill_sm80_f16_hd128_m128n64w4s1 \
-  pfa_prefill_sm80_f16_hd128_m128n32w4s3 \
   pfa_prefill_sm80_f16_hd256_m128n64w8s2_lr_pr \
   pfa_prefill_sm80_f16_hd256_m128n64w8s2_lr_pr_paged \
   pfa_prefill_sm80_f16_hd256_m128n64w8s2_pr_gen \
@@ -259,21 +223,12 @@ KERNELS_sm_90a := \
   pfa_prefill_sm80_f16_kvfp8_hd256_m128n64w8s2_pr_gen_paged \
   pfa_prefill_sm80_f16_kvfp8_hd256_m16n32w2s2_lr_pr \
   pfa_prefill_sm80_f16_kvfp8_hd256_m16n32w2s2_lr_pr_paged \
-  pfa_prefill_sm80_f16_hd256_m64n64w4s1_lr \
-  pfa_prefill_sm80_f16_hd256_m128n64w8s2 \
-  pfa_prefill_sm80_f16_hd256_m128n32w8s3 \
-  pfa_prefill_sm80_f16_hd256_m128n64w8s2_pr \
   pfa_prefill_sm90_f16_hd64_m128n128c2s3_pp \
   pfa_prefill_sm90_f16_hd128_m128n128c2s2_pp \
   pfa_prefill_sm90_f16_hd256_m128n80c2s2_pp \
   pfa_prefill_sm90_f16_hd64_m128n128c2s3_pp_paged \
   pfa_prefill_sm90_f16_hd128_m128n128c2s3_pp_paged \
   pfa_prefill_sm90_f16_hd256_m128n80c2s2_pp_paged \
-  pfa_prefill_sm90_f16_hd64_m128n128c2s3 \
-  pfa_prefill_sm90_f16_hd128_m128n128c2s2 \
-  pfa_prefill_sm90_f16_hd256_m128n80c2s2 \
-  pfa_prefill_sm90_f16_hd128_m128n176c2s2_pp \
-  pfa_prefill_sm90_f16_hd64_m192n128c3s2_pp \
   pfa_merge_f16 \
   pfa_prefill_sm80_bf16_hd64_m128n64w4s2_qr \
   pfa_prefill_sm80_bf16_hd64_m128n64w4s2_qr_paged \
@@ -293,8 +248,6 @@ KERNELS_sm_90a := \
   pfa_prefill_sm80_bf16_kvfp8_hd64_m16n32w1s2_lr_paged \
   pfa_prefill_sm80_bf16_kvfp8_hd64_m32n32w2s2_lr_paged \
   pfa_prefill_sm80_bf16_kvfp8_hd64_m64n32w4s2_lr_paged \
-  pfa_prefill_sm80_bf16_hd64_m128n64w4s3_qr \
-  pfa_prefill_sm80_bf16_hd64_m256n64w8s2_qr \
   pfa_prefill_sm80_bf16_hd128_m128n64w4s2_lr \
   pfa_prefill_sm80_bf16_hd128_m128n64w4s2_lr_paged \
   pfa_prefill_sm80_bf16_hd128_m128n64w4s2_gen \
@@ -313,10 +266,6 @@ KERNELS_sm_90a := \
   pfa_prefill_sm80_bf16_kvfp8_hd128_m16n16w1s2_lr_paged \
   pfa_prefill_sm80_bf16_kvfp8_hd128_m32n16w2s2_lr_paged \
   pfa_prefill_sm80_bf16_kvfp8_hd128_m64n16w4s2_lr_paged \
-  pfa_prefill_sm80_bf16_hd128_m128n64w8s2_qr \
-  pfa_prefill_sm80_bf16_hd128_m128n48w4s2 \
-  pfa_prefill_sm80_bf16_hd128_m128n64w4s1 \
-  pfa_prefill_sm80_bf16_hd128_m128n32w4s3 \
   pfa_prefill_sm80_bf16_hd256_m128n64w8s2_lr_pr \
   pfa_prefill_sm80_bf16_hd256_m128n64w8s2_lr_pr_paged \
   pfa_prefill_sm80_bf16_hd256_m128n64w8s2_pr_gen \
@@ -329,21 +278,12 @@ KERNELS_sm_90a := \
   pfa_prefill_sm80_bf16_kvfp8_hd256_m128n64w8s2_pr_gen_paged \
   pfa_prefill_sm80_bf16_kvfp8_hd256_m16n32w2s2_lr_pr \
   pfa_prefill_sm80_bf16_kvfp8_hd256_m16n32w2s2_lr_pr_paged \
-  pfa_prefill_sm80_bf16_hd256_m64n64w4s1_lr \
-  pfa_prefill_sm80_bf16_hd256_m128n64w8s2 \
-  pfa_prefill_sm80_bf16_hd256_m128n32w8s3 \
-  pfa_prefill_sm80_bf16_hd256_m128n64w8s2_pr \
   pfa_prefill_sm90_bf16_hd64_m128n128c2s3_pp \
   pfa_prefill_sm90_bf16_hd128_m128n128c2s2_pp \
   pfa_prefill_sm90_bf16_hd256_m128n80c2s2_pp \
   pfa_prefill_sm90_bf16_hd64_m128n128c2s3_pp_paged \
   pfa_prefill_sm90_bf16_hd128_m128n128c2s3_pp_paged \
   pfa_prefill_sm90_bf16_hd256_m128n80c2s2_pp_paged \
-  pfa_prefill_sm90_bf16_hd64_m128n128c2s3 \
-  pfa_prefill_sm90_bf16_hd128_m128n128c2s2 \
-  pfa_prefill_sm90_bf16_hd256_m128n80c2s2 \
-  pfa_prefill_sm90_bf16_hd128_m128n176c2s2_pp \
-  pfa_prefill_sm90_bf16_hd64_m192n128c3s2_pp \
   pfa_merge_bf16 \
   pfa_prefill_sm80_f16_kvnvfp4_hd64_m16n32w1s2_lr_paged \
   pfa_prefill_sm80_f16_kvnvfp4_hd64_m32n32w2s2_lr_paged \

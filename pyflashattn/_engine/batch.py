@@ -14,7 +14,7 @@ import numpy as np
 
 from .._runtime import cuda as _cuda, dtypes as _dtypes, registry as _registry, tensor as _tensor
 from . import launch, operands, options, params, routing, schedule
-from .graph import GraphState
+from .graph import GraphState, refuse_capture
 from .masks import MaskBuffers
 from .problem import Config, KVSource, PlanSettings
 from .staging import Staging
@@ -34,12 +34,15 @@ class BatchEngine:
     the current plan."""
 
     def __init__(self, float_workspace_buffer, kv_layout: str, use_cuda_graph: bool, paged: bool,
-                 custom_mask_buf=None, qk_indptr_buf=None):
+                 custom_mask_buf=None, qk_indptr_buf=None, capture_safe: bool = False):
         self.kv_layout = operands.kv_layout(kv_layout)
         self.paged = paged
         self.set_workspace(float_workspace_buffer)
         self.masks = MaskBuffers(self.dev, bool(use_cuda_graph), custom_mask_buf, qk_indptr_buf)
         self.graph = None  # CUDA-graph mode: enable_graph()
+        # Without graph mode run() refuses a capture (graph.refuse_capture), unless its owner never
+        # re-plans a planned engine (XQA: one engine per shape), so a captured run() stays valid.
+        self.watch_capture = not use_cuda_graph and not capture_safe
         self.staging = Staging(self.dev)
         self.planned = False
         self.launchers = {}
@@ -56,6 +59,7 @@ class BatchEngine:
     def enable_graph(self, max_batch: int, max_pages: int):
         """CUDA-graph mode with this capacity (batch size, pages)."""
         self.graph = GraphState(max_batch, max_pages)
+        self.watch_capture = False
 
     # ---- workspace ---------------------------------------------------------------------
     @staticmethod
@@ -171,7 +175,7 @@ class BatchEngine:
         self.attn = la
         if merge is not None:  # a captured graph always holds the merge (a no-op for unsplit rows)
             params.configure_merge(merge, cap["max_total_q"] if cap else plan.total_q, cfg.num_qo_heads,
-                                   cfg.head_dim, 0, cfg.opts.lse_scale)
+                                   cfg.head_dim, 0, cfg.opts.lse_scale, cfg.o_format)
         self.merge = merge
         if merge is not None:
             merge.params.sinks = 0
@@ -215,6 +219,7 @@ class BatchEngine:
             raise ValueError(f"head_dim {hd} is not supported (supported: {routing.HEAD_DIMS})")
         qdt, kdt, kv_fp8 = operands.kv_dtype_pair(st.q_data_type, st.kv_data_type)
         nvfp4 = kdt in operands.NVFP4_CODES
+        odt, o_format = operands.output_dtype(st.o_data_type, qdt)
         window_left = options.window(st.window_left)
         sm_scale = options.softmax_scale(st.sm_scale, hd)
         fss = None if st.fixed_split_size is None else schedule._pos_int(st.fixed_split_size, "fixed_split_size")
@@ -224,7 +229,8 @@ class BatchEngine:
         _cuda.ensure_context(self.dev)
         kind = "fp8" if kv_fp8 else "nvfp4" if nvfp4 else qdt.short  # the kernels' kv_dtype
         route = routing.Route(self.launcher, self.dev, qdt.short, kind, hd, general, self.paged, kind != qdt.short)
-        return Config(hq, hkv, hd, hq // hkv, opts, qdt, kdt, kv_fp8, nvfp4, window_left, sm_scale, fss, route)
+        return Config(hq, hkv, hd, hq // hkv, opts, qdt, kdt, kv_fp8, nvfp4, window_left, sm_scale, fss, route, odt,
+                      o_format)
 
     def _graph_staged(self, src, plan, mask, cap, cfg, causal, la, lse_off):
         """Graph mode's staging: (arrays, their fixed int32 offsets, bytes, the plan's signature)."""
@@ -240,7 +246,8 @@ class BatchEngine:
         offsets = [layout[name] // 4 for name in names[:len(staged)]]
         opts = cfg.opts
         sig = {"num_qo_heads": cfg.num_qo_heads, "num_kv_heads": cfg.num_kv_heads, "head_dim": cfg.head_dim,
-               "q_data_type": cfg.q_dtype.name, "kv_data_type": cfg.kv_dtype.name, "page_size": src.page_size,
+               "q_data_type": cfg.q_dtype.name, "kv_data_type": cfg.kv_dtype.name, "o_data_type": cfg.o_dtype.name,
+               "page_size": src.page_size,
                "causal": causal, "window_left": cfg.window_left, "sm_scale": cfg.sm_scale,
                "logits_soft_cap": opts.soft_cap, "pos_encoding_mode": opts.pos, "rope_scale": opts.rope_scale,
                "rope_theta": opts.rope_theta, "lse_base": opts.lse_scale, "custom_mask": mask is not None,
@@ -288,6 +295,7 @@ class BatchEngine:
         params.fill_score_fields(p, self.dev, cfg.num_qo_heads, cfg.num_kv_heads, causal, cfg.window_left,
                                  cfg.sm_scale, cfg.opts)
         p.kv_fp8 = cfg.kv_fp8
+        p.o_format = cfg.o_format
         p.page_size = page_size
         p.page_shift = page_size.bit_length() - 1 if page_size & (page_size - 1) == 0 else -1
 
@@ -347,11 +355,13 @@ class BatchEngine:
         hs = None if fw == "torch" else s
         if hs is not None and fw != "cupy":
             qv = _tensor.view(q, "q", stream=hs)
+        odt = self.cfg.o_dtype
         if out is None:
-            out, ov = _tensor.empty(qv, (total_q, Hq, D), dtype, s)
+            out, ov = _tensor.empty(qv, (total_q, Hq, D), odt, s)
         else:
             ov = _tensor.view(out, "out")
-            operands.check_out(ov, (total_q, Hq, D), dtype, self.dev, _PLAN_DEVICE)
+            operands.check_out(ov, (total_q, Hq, D), odt, self.dev, _PLAN_DEVICE,
+                               "q has " if odt is dtype else "plan() was told o_data_type=")
         lv = None
         if lse is not None:
             lv = _tensor.view(lse, "lse")
@@ -370,7 +380,8 @@ class BatchEngine:
 
     def _before_launch(self, s):
         """The first run on stream s after a plan waits for the plan's metadata copy (issued on the
-        plan's stream) once; graph mode notices a capture."""
+        plan's stream) once; graph mode notices a capture. (Without graph mode a capture was
+        refused before this: refuse_capture.)"""
         if self.pending_copy:
             _cuda.stream_wait(s, self.plan_stream)
             self.pending_copy = False
@@ -379,6 +390,8 @@ class BatchEngine:
             g.note_capture(s)
 
     def launch(self, qv, ov, lv, s, pdl):
+        if self.watch_capture:
+            refuse_capture(s)
         if self.pending_copy or self.graph is not None:
             self._before_launch(s)
         p = self.attn.params
@@ -414,17 +427,22 @@ class BatchEngine:
         if (qp | kp | vp | op) & 15:
             return None  # the full path raises the precise error
         s = _tensor.stream_handle(stream) if stream is not None else launch.torch_stream(self.dev)
+        # before anything is allocated or launched: every run() (cuStreamIsCapturing, ~0.4 us of
+        # Python on the fake driver; a capture can start between any two calls)
+        if self.watch_capture:
+            refuse_capture(s)
+        if self.pending_copy or self.graph is not None:
+            self._before_launch(s)
         total_q, Hq = self.shape[0], self.shape[1]
-        if out is None:
-            out = _tensor.torch_empty_like(q)  # o has q's shape (the plan's key fixed it)
+        if out is None:  # o has q's shape (the plan's key fixed it), and q's dtype unless planned otherwise
+            odt = self.cfg.o_dtype
+            out = _tensor.torch_empty_like(q) if odt is self.cfg.q_dtype else _tensor.torch_empty_as(q, odt)
             op = out.data_ptr()
         if lse is None and return_lse:
             lse = _tensor.torch_empty_f32(q, (total_q, Hq))
         p = self.attn.params
         p.q, p.k, p.v, p.o = qp, kp, vp, op
         p.lse = lp = lse.data_ptr() if lse is not None else 0
-        if self.pending_copy or self.graph is not None:
-            self._before_launch(s)
         if total_q:
             self.pdl(self.attn, pdl)(s)
             merge = self.merge

@@ -13,7 +13,7 @@ import ctypes
 import math
 
 from .._runtime import cuda as _cuda, dtypes as _dtypes, registry as _registry, tensor as _tensor
-from . import options
+from . import operands, options
 
 WARPS = 4  # CascadeMerge::WARPS: (row, head) pairs per block
 VALUE_DTYPES = {_dtypes.FLOAT16: "f16", _dtypes.BFLOAT16: "bf16", _dtypes.FLOAT32: "f32"}  # variants.CASCADE_DTYPES
@@ -132,18 +132,15 @@ def lse_scales(lse_base) -> tuple[float, float]:
 
 def _cuda_view(x, name: str):
     v = _tensor.view(x, name)
-    _tensor.require_cuda(v, name)  # "v_a is on the CPU; pyflashattn needs CUDA tensors"
+    operands.require_cuda(v, name)  # "v_a is on the CPU; pyflashattn needs CUDA tensors"
     return v
 
 
 def _values(x, name: str, ndim: int, layout: str):
     v = _cuda_view(x, name)
-    if v.ndim != ndim:
-        raise ValueError(f"{name} must be {ndim}-D {layout}, got shape {v.shape}")
-    if v.dtype not in VALUE_DTYPES:
-        raise TypeError(f"{name} must be float16, bfloat16 or float32, got {v.dtype.name}")
-    if v.shape[-1] > 1 and v.strides[-1] != 1:
-        raise ValueError(f"{name} must be contiguous in its last dim (head_dim), got strides {v.strides}")
+    operands.require_ndim(v, name, ndim, layout)
+    operands.require_dtype(v, name, tuple(VALUE_DTYPES))  # float16, bfloat16 or float32
+    operands.require_last_dim_contiguous(v, name, "head_dim")
     return v
 
 
@@ -156,17 +153,13 @@ def _same_values(v, name: str, ref, ref_name: str) -> None:
 
 
 def _lse(v, name: str, shape: tuple, what: str) -> None:
-    if v.dtype is not _dtypes.FLOAT32:
-        raise TypeError(f"{name} must be float32 (an LSE), got {v.dtype.name}")
-    if v.shape != shape:
-        raise ValueError(f"{name} must have shape {shape}, the {what}, got {v.shape}")
+    operands.require_dtype(v, name, (_dtypes.FLOAT32,), " (an LSE)")
+    operands.require_shape(v, name, shape, f", the {what}")
 
 
 def _mask(v, seq: int) -> None:
-    if v.dtype is not _dtypes.BOOL and v.dtype is not _dtypes.UINT8:
-        raise TypeError(f"mask must be bool or uint8, got {v.dtype.name}")
-    if v.shape != (seq,):
-        raise ValueError(f"mask must have shape ({seq},), one entry per row of v, got {v.shape}")
+    operands.require_dtype(v, "mask", (_dtypes.BOOL, _dtypes.UINT8))
+    operands.require_shape(v, "mask", (seq,), ", one entry per row of v")
 
 
 def _check_sizes(out_shape: tuple, num_states: int) -> None:

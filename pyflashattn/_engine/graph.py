@@ -86,8 +86,20 @@ class GraphState:
 
     def note_capture(self, s: int) -> None:
         """The first run() recorded into a CUDA graph freezes the plan settings it baked in."""
-        cu = _cuda.driver()
-        err, status = cu.cuStreamIsCapturing(s)
-        if err == cu.CUresult.CUDA_SUCCESS and status != cu.CUstreamCaptureStatus.CU_STREAM_CAPTURE_STATUS_NONE:
+        if _cuda.stream_capturing(s):
             self.captured = self.sig
             self.probe = False
+
+
+CAPTURE_REFUSED = (
+    "run() was called while its stream is being captured into a CUDA graph, but this wrapper was built "
+    "without use_cuda_graph=True: its plan() may move or rewrite the metadata, workspace and grid that a "
+    "replay would read (FlashInfer replays such a graph with silently wrong output). Build the wrapper with "
+    "use_cuda_graph=True (and its capacity buffers) to capture run(); nothing was launched.")
+
+
+def refuse_capture(s: int) -> None:
+    """A wrapper built without use_cuda_graph: RuntimeError when s is capturing (every run(),
+    before anything is launched; one cuStreamIsCapturing query)."""
+    if _cuda.stream_capturing(s):
+        raise RuntimeError(CAPTURE_REFUSED)

@@ -27,10 +27,43 @@ def kv_layout(layout) -> str:
     return layout
 
 
-def require_device(t, name: str, dev: int, ref: str = "q") -> None:
-    """t is a CUDA tensor on cuda:dev (ref: what fixed that device, for the message)."""
+# ---- the single checks every operand check below is made of (the cascade merge's too) ----
+def require_cuda(t, name: str) -> None:
+    """t (a view) is in CUDA device memory: "v is on the CPU; pyflashattn needs CUDA tensors"."""
     if not t.is_cuda:
         raise ValueError(_tensor.not_cuda_message(name, t.device_type, t.device_id))
+
+
+def require_ndim(t, name: str, ndim: int, layout: str = "") -> None:
+    """t has ndim dims (layout: what they are, for the message, e.g. "[seq, num_heads, head_dim]")."""
+    if t.ndim != ndim:
+        raise ValueError(f"{name} must be {ndim}-D{' ' + layout if layout else ''}, got shape {t.shape}")
+
+
+def require_shape(t, name: str, shape: tuple, what: str = "") -> None:
+    """t has this shape (what: the message's explanation after the shape, e.g. ", the (seq, heads) of v")."""
+    if t.shape != shape:
+        raise ValueError(f"{name} must have shape {shape}{what}, got {t.shape}")
+
+
+def require_dtype(t, name: str, dtypes: tuple, what: str = "") -> None:
+    """t's dtype is one of dtypes (what: after their names, e.g. " (an LSE)"); TypeError otherwise."""
+    if t.dtype not in dtypes:
+        names = [d.name for d in dtypes]
+        listed = names[0] if len(names) == 1 else ", ".join(names[:-1]) + " or " + names[-1]
+        raise TypeError(f"{name} must be {listed}{what}, got {t.dtype.name}")
+
+
+def require_last_dim_contiguous(t, name: str, dim: str = "") -> None:
+    """t's last dim has stride 1 (or one element); dim: its name for the message ("head_dim")."""
+    if t.strides[-1] != 1 and t.shape[-1] > 1:
+        raise ValueError(f"{name} must be contiguous in its last dim{f' ({dim})' if dim else ''}, "
+                         f"got strides {t.strides}")
+
+
+def require_device(t, name: str, dev: int, ref: str = "q") -> None:
+    """t is a CUDA tensor on cuda:dev (ref: what fixed that device, for the message)."""
+    require_cuda(t, name)
     if t.device_id != dev:
         raise ValueError(f"{name} is on cuda:{t.device_id} but {ref} is on cuda:{dev}")
 
@@ -43,14 +76,13 @@ def check_rows(name: str, t, dtype, dev: int, ndim: int | None = None, expected:
     require_device(t, name, dev, ref)
     if t.dtype is not dtype:
         raise TypeError(f"{name} has dtype {t.dtype.name} but {expected}{dtype.name}")
-    if ndim is not None and t.ndim != ndim:
-        raise ValueError(f"{name} must be {ndim}-D, got shape {t.shape}")
+    if ndim is not None:
+        require_ndim(t, name, ndim)
     check_alignment(name, t, 16 // (dtype.bits // 8))
 
 
 def check_alignment(name: str, t, epc: int) -> None:
-    if t.strides[-1] != 1 and t.shape[-1] > 1:
-        raise ValueError(f"{name} must be contiguous in its last dim, got strides {t.strides}")
+    require_last_dim_contiguous(t, name)
     if t.ptr % 16 or any(s % epc for s in t.strides[:-1]):
         raise ValueError(f"{name} must have 16-byte aligned rows (data pointer 16-byte aligned, strides multiples "
                          f"of {epc} elements), got strides {t.strides}, address %16 = {t.ptr % 16}")
@@ -58,8 +90,7 @@ def check_alignment(name: str, t, epc: int) -> None:
 
 def check_lse(lv, shape: tuple, dev: int) -> None:
     """lse: float32 CUDA on dev, of shape (rows, heads), contiguous."""
-    if not lv.is_cuda:
-        raise ValueError(_tensor.not_cuda_message("lse", lv.device_type, lv.device_id))
+    require_cuda(lv, "lse")
     if lv.shape != shape or lv.dtype != _dtypes.FLOAT32 or lv.device_id != dev:
         raise ValueError(f"lse must be a float32 CUDA tensor of shape {shape} on cuda:{dev}, got "
                          f"{lv.dtype.name} {lv.shape} on {_tensor.device_name(lv.device_type, lv.device_id)}")
@@ -67,11 +98,35 @@ def check_lse(lv, shape: tuple, dev: int) -> None:
         raise ValueError(f"lse must be contiguous, got strides {lv.strides}")
 
 
-def check_out(ov, shape: tuple, dtype, dev: int, ref: str = "q") -> None:
-    """out: dtype (q's), shape, CUDA on dev, 16-byte aligned rows."""
-    if ov.shape != shape:
-        raise ValueError(f"out must have shape {shape}, got {ov.shape}")
-    check_rows("out", ov, dtype, dev, expected="q has ", ref=ref)
+def check_out(ov, shape: tuple, dtype, dev: int, ref: str = "q", expected: str = "q has ") -> None:
+    """out: dtype (q's, or the plan's o_data_type: expected says which, for the message), shape,
+    CUDA on dev, 16-byte aligned rows."""
+    require_shape(ov, "out", shape)
+    check_rows("out", ov, dtype, dev, expected=expected, ref=ref)
+
+
+# The output formats every attention kernel writes (PrefillParams / MergeParams.o_format,
+# OutFormat in kernel_src/include/pfa/common/dtypes.cuh): the query dtype, the other 16-bit type,
+# float8_e4m3fn (saturated to +-448, rounded to nearest even).
+OUT_ELEM, OUT_OTHER16, OUT_E4M3 = 0, 1, 2
+
+
+def output_dtype(o_data_type, q_dtype, name: str = "o_data_type"):
+    """(output dtype, PrefillParams.o_format) for an output dtype given as o_data_type (None: q's)
+    or (name="out") as out's dtype: float16, bfloat16 or float8_e4m3fn."""
+    if o_data_type is None or o_data_type is q_dtype:
+        return q_dtype, OUT_ELEM
+    odt = o_data_type if isinstance(o_data_type, _dtypes.DType) else dtype_arg(o_data_type, name)
+    if odt is q_dtype:
+        return q_dtype, OUT_ELEM
+    if odt is _dtypes.FLOAT16 or odt is _dtypes.BFLOAT16:
+        return odt, OUT_OTHER16
+    if odt is _dtypes.FLOAT8_E4M3:
+        return odt, OUT_E4M3
+    if odt is _dtypes.FLOAT8_E5M2:
+        raise NotImplementedError(f"{name}: a float8_e5m2 output is not implemented in pyflashattn (float16, "
+                                  "bfloat16 or float8_e4m3fn are)")
+    raise TypeError(f"{name}: the output dtype must be float16, bfloat16 or float8_e4m3fn, got {odt.name}")
 
 
 def ragged_kv_strides(layout: str, strides: tuple) -> tuple:
@@ -189,8 +244,7 @@ def scale_arg(x, name) -> float:
 def contiguous_1d(buf, name: str, dtype=None, dev: int | None = None):
     """A 1-D contiguous CUDA buffer (workspace, mask and index buffers): its view."""
     v = _tensor.view(buf, name)
-    if not v.is_cuda:
-        raise ValueError(_tensor.not_cuda_message(name, v.device_type, v.device_id))
+    require_cuda(v, name)
     if dev is not None and v.device_id != dev:
         raise ValueError(f"{name} must be a CUDA tensor on cuda:{dev} (the float workspace's device), "
                          f"got one on cuda:{v.device_id}")
@@ -210,8 +264,7 @@ def check_mask_operand(kind: str, v, dev: int, need_bytes: int, bool_shape: tupl
     """A custom mask: packed_custom_mask (uint8, 1-D contiguous, >= need_bytes) or custom_mask
     (bool or uint8, contiguous, of bool_shape), on cuda:dev."""
     name = "packed_custom_mask" if kind == "packed" else "custom_mask"
-    if not v.is_cuda:
-        raise ValueError(_tensor.not_cuda_message(name, v.device_type, v.device_id))
+    require_cuda(v, name)
     if v.device_id != dev:
         raise ValueError(f"{name} must be a CUDA tensor on q's device cuda:{dev}, got "
                          f"{_tensor.device_name(v.device_type, v.device_id)}")
@@ -226,8 +279,7 @@ def check_mask_operand(kind: str, v, dev: int, need_bytes: int, bool_shape: tupl
         return
     if v.dtype not in (_dtypes.BOOL, _dtypes.UINT8):
         raise TypeError(f"custom_mask must be bool (or uint8), got {v.dtype.name}")
-    if v.shape != bool_shape:
-        raise ValueError(f"custom_mask must have shape {bool_shape}, got {v.shape}")
+    require_shape(v, "custom_mask", bool_shape)
     if not _contiguous(v.shape, v.strides):
         raise ValueError(f"custom_mask must be contiguous, got strides {v.strides}")
 
@@ -247,8 +299,7 @@ def sinks_operand(sinks, num_qo_heads: int, num_kv_heads: int, dev: int) -> int:
     the same order, query head h = kv head * group + h in group. Returns the address."""
     v = _tensor.view(sinks, "sinks")
     require_device(v, "sinks", dev)
-    if v.dtype is not _dtypes.FLOAT32:
-        raise TypeError(f"sinks must be float32, got {v.dtype.name}")
+    require_dtype(v, "sinks", (_dtypes.FLOAT32,))
     ok = (num_qo_heads,), (num_kv_heads, num_qo_heads // num_kv_heads)
     if v.shape not in ok:
         raise ValueError(f"sinks must have shape {ok[0]} or {ok[1]} (num_kv_heads, group), got {v.shape}")
@@ -278,7 +329,6 @@ def index_array(v, name: str, dev: int, ref: str = "q", dtypes=(_dtypes.INT32,))
     if v.dtype not in dtypes:
         raise TypeError(f"{name} must be {' or '.join(d.name for d in dtypes)}, got {v.dtype.name} (index arrays "
                         "are not converted)")
-    if v.ndim != 1:
-        raise ValueError(f"{name} must be 1-D, got shape {v.shape}")
+    require_ndim(v, name, 1)
     if v.shape[0] > 1 and v.strides[0] != 1:
         raise ValueError(f"{name} must be contiguous, got strides {v.strides}")

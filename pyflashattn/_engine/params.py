@@ -13,7 +13,8 @@ MAX_GRID_YZ = 65535  # the CUDA limit of gridDim.y / gridDim.z
 
 def fill_score_fields(p, dev: int, num_qo_heads: int, num_kv_heads: int, causal: bool, window_left: int,
                       sm_scale: float, opts) -> None:
-    """The heads, mask and score-transform fields of a PrefillParams struct (v_scale reset to 1)."""
+    """The heads, mask and score-transform fields of a PrefillParams struct (v_scale reset to 1;
+    o_format is the caller's)."""
     p.num_qo_heads, p.num_kv_heads, p.group_size = num_qo_heads, num_kv_heads, num_qo_heads // num_kv_heads
     p.causal, p.window_left, p.sm_scale_log2 = int(causal), window_left, sm_scale * LOG2E
     p.lse_scale, p.logits_soft_cap, p.v_scale = opts.lse_scale, opts.soft_cap, 1.0
@@ -22,11 +23,13 @@ def fill_score_fields(p, dev: int, num_qo_heads: int, num_kv_heads: int, causal:
     p.alibi_slopes = alibi_buffer(dev, num_qo_heads) if opts.pos == "ALIBI" else 0
 
 
-def configure_merge(mg, rows: int, num_heads: int, head_dim: int, num_splits: int, lse_scale: float) -> None:
-    """The merge kernel over `rows` tokens: num_splits chunks each (0: per-token merge_indptr)."""
+def configure_merge(mg, rows: int, num_heads: int, head_dim: int, num_splits: int, lse_scale: float,
+                    o_format: int = 0) -> None:
+    """The merge kernel over `rows` tokens: num_splits chunks each (0: per-token merge_indptr),
+    writing the output in o_format (operands.OUT_*)."""
     mp = mg.params
     mp.rows, mp.num_heads, mp.head_dim, mp.num_kv_chunks = rows, num_heads, head_dim, num_splits
-    mp.lse_scale = lse_scale
+    mp.lse_scale, mp.o_format = lse_scale, o_format
     mg.configure((max(1, -(-rows * num_heads // MERGE_ROWS_PER_BLOCK)), 1, 1))
 
 

@@ -60,11 +60,12 @@ class PlanSettings(NamedTuple):
     fixed_split_size: object
     has_mask: bool
     general: bool  # the general kernels even without a custom mask or transform (XQA: spec masks, device scales)
+    o_data_type: object  # the output dtype (None: q's); XQA passes out's
 
 
 class Config(NamedTuple):
-    """PlanSettings validated: heads, dtypes, mask window, score transforms and output format
-    (opts: soft cap, positional encoding, RoPE parameters, LSE base), and the route."""
+    """PlanSettings validated: heads, dtypes (the output's too), mask window, score transforms and
+    output format (opts: soft cap, positional encoding, RoPE parameters, LSE base), and the route."""
     num_qo_heads: int
     num_kv_heads: int
     head_dim: int
@@ -78,3 +79,5 @@ class Config(NamedTuple):
     sm_scale: float
     fixed_split_size: int | None
     route: object  # routing.Route
+    o_dtype: object  # the output dtype (q's unless plan() was told another)
+    o_format: int  # PrefillParams.o_format (operands.OUT_*)

@@ -125,9 +125,13 @@ def xqa_batch_decode(query, kv_cache, workspace_buffer, block_tables, seq_lens, 
     64 / 128 / 256 and GQA group. sinks: float32 [Hq] or [Hkv, group]. q_len_per_req > 1
     (speculative decoding): draft i sits at seq_len - q_len_per_req + i; mask (uint16
     [B, q_len, ceil(q_len/32)*2], bit j of row i: draft i sees draft j; every key before the
-    drafts is visible) or, without one, causal over the drafts. o_scale only matters for an fp8
-    output (bmm2_scale already holds 1 / o_scale). Returns out [B * q_len_per_req, Hq, D] in
-    query's dtype. workspace_buffer: the split-KV scratch (it need not be zeroed).
+    drafts is visible) or, without one, causal over the drafts. out: [B * q_len_per_req, Hq, D]
+    in query's dtype, the other 16-bit dtype or float8_e4m3fn (any KV dtype; FlashInfer's XQA
+    takes fp8 out only over an fp8 cache). The output is attention * bmm2_scale converted to
+    out's dtype (e4m3: saturated to +-448, round to nearest even), so an fp8 out dequantises as
+    out * o_scale: bmm2_scale = v_scale / o_scale already holds 1 / o_scale, and o_scale itself
+    is only validated (as in FlashInfer, where it cancels). Returns out (allocated in query's
+    dtype without one). workspace_buffer: the split-KV scratch (it need not be zeroed).
     """
     if query.__class__ in launch.TORCH_TYPES and kv_cache_sf is None:
         key = _torch_signature(query, kv_cache, block_tables, seq_lens, max_seq_len, bmm1_scale, bmm2_scale,
@@ -149,12 +153,10 @@ def xqa_batch_decode(query, kv_cache, workspace_buffer, block_tables, seq_lens, 
     if qv.ndim != 3 or qv.shape[0] % q_len:
         raise ValueError(f"query must be [batch * q_len_per_req, num_heads, head_dim] with q_len_per_req="
                          f"{q_len}, got shape {qv.shape}")
-    if out is not None:
-        ov = _tensor.view(out, "out")
-        if ov.is_cuda and ov.dtype in (_dtypes.FLOAT8_E4M3, _dtypes.FLOAT8_E5M2):
-            raise NotImplementedError("out: an fp8 output is not implemented in pyflashattn yet")
     if qv.dtype not in (_dtypes.FLOAT16, _dtypes.BFLOAT16):
         raise TypeError(f"query must be float16 or bfloat16, got {qv.dtype.name}")
+    # The output dtype is out's (query's without one): fp16, bf16 or e4m3 (checked in full at run)
+    odt = qv.dtype if out is None else operands.output_dtype(_tensor.view(out, "out").dtype, qv.dtype, "out")[0]
     batch, hq, hd = qv.shape[0] // q_len, qv.shape[1], qv.shape[2]
     cache, kshape = _cache_parts(kv_cache, layout)
     num_pages = kshape[0]
@@ -203,7 +205,7 @@ def xqa_batch_decode(query, kv_cache, workspace_buffer, block_tables, seq_lens, 
     if metadata_checks_enabled():
         _check_metadata(block_tables, seq_lens, msl, pages * page_size, num_pages, page_size)
     e = _engine(dev, workspace_buffer, layout, batch, q_len, hq, hkv, hd, page_size, pages, row_stride, words,
-                qv.dtype, kdt, window_left, bool(s1_dev))
+                qv.dtype, kdt, odt, window_left, bool(s1_dev))
     p = e.attn.params
     p.kv_page_indices, p.kv_seq_lens, p.kv_max_pages, p.num_pages = bt.ptr, sl.ptr, pages, num_pages
     p.scale_dev, p.v_scale_dev = s1_dev, s2_dev
@@ -253,19 +255,19 @@ def _run_fast(hit, query, kv_cache, workspace, bt, sl, s1, s2, out, sinks, mask,
     return e.torch_fast(query, kv_parts, out, None, False, None, enable_pdl)
 
 
-def _engine(dev, workspace, layout, batch, q_len, hq, hkv, hd, page_size, pages, row_stride, words, qdt, kdt,
+def _engine(dev, workspace, layout, batch, q_len, hq, hkv, hd, page_size, pages, row_stride, words, qdt, kdt, odt,
             window_left, scale_on_device) -> BatchEngine:
     """The planned engine for this shape key (planned on first use, then reused)."""
     key = (dev, layout, batch, q_len, hq, hkv, hd, page_size, pages, row_stride, words, qdt.name, kdt.name,
-           window_left, scale_on_device)
+           odt.name, window_left, scale_on_device)
     e = _ENGINES.get(key)
     if e is None:
-        e = BatchEngine(workspace, layout, False, True)
+        e = BatchEngine(workspace, layout, False, True, capture_safe=True)  # never re-planned: capturable
         # A speculative-decoding mask takes the general kernels; a device-side logit scale the
         # kernels that read it (the manifest's device_scale: not the 128-row lean ones).
         general = bool(words)
         settings = _settings(PlanSettings, (hq, hkv, hd, "NONE", False, None, None, None, "log2", qdt, kdt,
-                                            window_left, 1.0, None, False, general))
+                                            window_left, 1.0, None, False, general, odt))
         src = indices.block_table_source(batch, q_len, pages * page_size, row_stride, page_size,
                                          q_len * words * 4)
         try:

@@ -344,6 +344,15 @@ def stream_wait(waiting_stream: int, on_stream: int) -> None:
     check(cu.cuEventDestroy(ev), "cuEventDestroy")  # destruction is deferred until the wait resolves
 
 
+def stream_capturing(stream: int) -> bool:
+    """Whether `stream` is being captured into a CUDA graph (cuStreamIsCapturing, legal during a
+    capture). A query that fails (the legacy stream while another stream captures globally)
+    reads as not capturing: the launch itself then reports the capture error."""
+    cu = driver()
+    err, status = cu.cuStreamIsCapturing(stream)
+    return err == cu.CUresult.CUDA_SUCCESS and status != cu.CUstreamCaptureStatus.CU_STREAM_CAPTURE_STATUS_NONE
+
+
 def mem_alloc_async(nbytes: int, stream: int) -> int:
     return int(check(driver().cuMemAllocAsync(max(int(nbytes), 1), stream), f"cuMemAllocAsync({nbytes})"))
 

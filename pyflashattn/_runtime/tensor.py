@@ -155,6 +155,16 @@ def torch_empty_like(q):
     return torch.empty_like(q, memory_format=torch.contiguous_format)
 
 
+def torch_empty_as(q, dtype: DType):
+    """An uninitialised contiguous tensor with q's shape and device in `dtype` (a fast-path output
+    in another dtype than q's, e.g. fp8)."""
+    torch = sys.modules["torch"]
+    tdt = _TORCH_BY_NAME.get(dtype.name)
+    if tdt is None:
+        tdt = _TORCH_BY_NAME[dtype.name] = getattr(torch, dtype.name)
+    return torch.empty(q.shape, dtype=tdt, device=q.device)
+
+
 def torch_empty_f32(q, shape):
     """An uninitialised float32 tensor of `shape` on q's device (LSE outputs; see torch_empty_like)."""
     torch = sys.modules["torch"]

@@ -53,6 +53,9 @@ class FakeDriver:
         self.capturing = set()  # streams under capture
         self.funcs = {}
         self.freed = []
+        # kernel models run at launch, by params struct: fn(params copy, grid, kernel name) (a test
+        # registers its kernel's numpy model here; packbits is modelled for every test)
+        self.simulators = {PackbitsParams: lambda p, grid, name: _simulate_packbits(p, grid)}
 
     # memory
     def _alloc(self, n):
@@ -142,8 +145,9 @@ class FakeDriver:
         grid = (gx, gy, gz)
         self.launches.append((name, grid, stream, p))
         self.log.append(("launch", name, stream))
-        if ptype is PackbitsParams:
-            _simulate_packbits(p, grid)
+        model = self.simulators.get(ptype)
+        if model is not None:
+            model(p, grid, name)
         return (0,)
 
     # programmatic (PDL) launches: cuLaunchKernelEx with one attribute, logged as "launch_pdl"
@@ -192,6 +196,18 @@ def _decode_variant(variants, match):
                 and v.block_m == match.get("block_m", 16))
 
 
+# helper kernels the fake launches under their variant-table name and threads (pfa_cascade_f16,
+# pfa_page; the attention, merge and packbits kernels keep the fake's descriptive names)
+_MISC_BY_ROW = ("cascade", "page")
+
+
+def _misc_variant(variants, family, match):
+    """The MiscVariant row of build_tools/variants.py for a cascade / page launcher (None otherwise)."""
+    if family not in _MISC_BY_ROW:
+        return None
+    return next(v for v in variants if getattr(v, "family", None) == family and v.dtype == match.get("dtype", ""))
+
+
 _META = {64: dict(block_m=128, block_n=64, threads=128, ctas_per_sm=2),
          128: dict(block_m=128, block_n=64, threads=128, ctas_per_sm=2),
          256: dict(block_m=128, block_n=64, threads=256, ctas_per_sm=1)}
@@ -210,6 +226,11 @@ class FakeEnv:
 
         def new_launcher(family, dev, **match):
             ptype = FAMILIES[family]  # every kernel family of the params schema
+            misc = _misc_variant(variants, family, match)
+            if misc is not None:  # the helper kernels: their table row's name, threads and manifest
+                la = _cuda.Launcher(misc.name, (misc.name, ptype), ptype, misc.threads, 0)
+                la.meta = dict(misc.manifest(), name=misc.name)
+                return la
             name = family + "".join(f"_{k}={v}" for k, v in sorted(match.items()))
             if match.get("decode"):  # the decode tiles, as variants.py builds them
                 v = _decode_variant(variants, match)

@@ -380,8 +380,8 @@ def _build(key, kind, batch, qo_max, kv_max, mode, pin, ps, hq, hkv, d, dtype, l
     return b, None, _ragged_kv(b, layout)
 
 
-def _wrapper_for(kind, layout):
-    return _paged_wrapper(layout) if kind == "paged" else _ragged_wrapper(layout)
+def _wrapper_for(kind, layout, **kw):
+    return _paged_wrapper(layout, **kw) if kind == "paged" else _ragged_wrapper(layout, **kw)
 
 
 def _plan(w, kind, b, pg, causal, **opts):
@@ -626,7 +626,16 @@ def test_enable_pdl_chain_reads_the_finished_previous_output(kind, case):
     plain, pdl = chain(False), chain(True)
     assert not torch.isnan(pdl[1]).any()
     assert torch.equal(pdl[0], plain[0]) and torch.equal(pdl[1], plain[1]), "enable_pdl changed the result"
-    # and captured in a CUDA graph (programmatic edges), replayed
+    # and captured in a CUDA graph (programmatic edges), replayed. Capturing takes a graph-mode
+    # wrapper (run() of one without use_cuda_graph refuses a capture), whose plan (merge always
+    # launched, padded grid) is held to its own eager chain.
+    i32 = lambda n: torch.empty(n, dtype=torch.int32, device=DEV)  # noqa: E731
+    B, pages = len(qo_lens), len(pg.indices) if kind == "paged" else 0
+    graph_bufs = (dict(paged_kv_indptr_buf=i32(B + 1), paged_kv_indices_buf=i32(pages),
+                       paged_kv_last_page_len_buf=i32(B)) if kind == "paged" else dict(kv_indptr_buf=i32(B + 1)))
+    w = _wrapper_for(kind, "NHD", use_cuda_graph=True, qo_indptr_buf=i32(B + 1), **graph_bufs)
+    _plan(w, kind, b, pg, True, **({} if split else {"disable_split_kv": True}))
+    eager = chain(True)  # chain() runs the current w
     o1, o2 = torch.full_like(b.q, float("nan")), torch.full_like(b.q, float("nan"))
     g = _capture(lambda: (w.run(b.q, *kv_args, out=o1, enable_pdl=True),
                           w.run(o1, *kv_args, out=o2, enable_pdl=True)))
@@ -634,7 +643,7 @@ def test_enable_pdl_chain_reads_the_finished_previous_output(kind, case):
     o2.fill_(float("nan"))
     g.replay()
     torch.cuda.synchronize()
-    assert torch.equal(o1, plain[0]) and torch.equal(o2, plain[1]), "graph replay with enable_pdl differs"
+    assert torch.equal(o1, eager[0]) and torch.equal(o2, eager[1]), "graph replay with enable_pdl differs"
 
 
 # ---------------------------------------------------------------------------------------

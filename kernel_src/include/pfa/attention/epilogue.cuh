@@ -3,7 +3,8 @@
 // thread holds and how it converts and moves them (sm80: sm80/epilogue.cuh); the layouts here
 // are the contract with the host and the merge kernel (merge.cuh).
 //
-//   o:           [token][q head][dim] at o_stride_n / o_stride_h, the query dtype
+//   o:           [token][q head][dim] at o_stride_n / o_stride_h (elements), in the format
+//                o_format names (OutFormat: the query dtype, the other 16-bit type, e4m3)
 //   lse:         float [token][q head], natural or base 2 (lse_scale)
 //   o_partial:   float [partial row][q head][dim], normalised per chunk
 //   lse_partial: float [partial row][q head], base 2

@@ -1,5 +1,7 @@
 // Merge split-KV partial states: o = sum_s w_s o_s / sum_s w_s with w_s = 2^(lse_s - max lse),
 // lse = max + log2(sum w). All-(-inf) rows (no key anywhere) give o = 0, lse = -inf, never NaN.
+// The merged row is written in the output's format (MergeParams::o_format, as the attention
+// kernel's unsplit rows).
 #pragma once
 #include <math.h>
 
@@ -104,14 +106,20 @@ struct MergeStates {
       }
     }
 
-    T* out = reinterpret_cast<T*>(p.o) + row * p.o_stride_n + head * p.o_stride_h;
+    // The output in its format (p.o_format): four 16-bit values (8 bytes) or four e4m3 bytes a lane.
+    const int fmt = p.o_format;
+    const int64_t elem = row * p.o_stride_n + head * p.o_stride_h + c0;
+    char* out = reinterpret_cast<char*>(p.o);
 #pragma unroll
     for (int st = 0; st < STRIPES; ++st) {
       if (!has(st)) continue;
-      uint2 packed;
-      packed.x = Pack2<T>::from(acc[st].x * inv, acc[st].y * inv);
-      packed.y = Pack2<T>::from(acc[st].z * inv, acc[st].w * inv);
-      *reinterpret_cast<uint2*>(out + c0 + 128 * st) = packed;
+      const uint32_t lo = pack_out2<T>(acc[st].x * inv, acc[st].y * inv, fmt);
+      const uint32_t hi = pack_out2<T>(acc[st].z * inv, acc[st].w * inv, fmt);
+      if (fmt == kOutE4M3) {
+        *reinterpret_cast<uint32_t*>(out + elem + 128 * st) = __byte_perm(lo, hi, 0x5410);
+      } else {
+        *reinterpret_cast<uint2*>(out + (elem + 128 * st) * 2) = make_uint2(lo, hi);
+      }
     }
     if (p.lse != 0 && lane == 0) reinterpret_cast<float*>(p.lse)[(int64_t)row * p.num_heads + head] = lse * p.lse_scale;
   }

@@ -12,7 +12,7 @@ struct PrefillParams {
   uint64_t q;  // [qo_len, Hq, D] rows at q_stride_n, heads at q_stride_h (elements)
   uint64_t k;  // key rows at k_stride_n, kv heads at k_stride_h (NHD or HND via strides)
   uint64_t v;  // value rows at v_stride_n, kv heads at v_stride_h
-  uint64_t o;  // output, same dtype as q
+  uint64_t o;  // output in the format o_format names (q's dtype unless the plan asked for another)
   uint64_t lse;  // float32 [qo_len, Hq] contiguous, 0 = not requested
   uint64_t o_partial;  // split-KV workspace: float32 [num_kv_chunks, qo_len, Hq, D]
   uint64_t lse_partial;  // split-KV workspace: float32 [num_kv_chunks, qo_len, Hq]
@@ -74,6 +74,7 @@ struct PrefillParams {
   int32_t kv_max_pages;  // with kv_seq_lens: the pages each request's block-table row holds (kv_len is clamped to kv_max_pages * page_size, so no row is read past its table)
   int32_t num_pages;  // paged KV: pages in the cache; a page id outside [0, num_pages) is clamped into it, so bad metadata never reads outside the cache (0 = ids trusted, plan() checked them)
   int32_t spec_mask_words;  // > 0: custom_mask is a speculative-decoding mask (XQA's): per query row spec_mask_words little-endian 32-bit words, bit j = draft key j of the request's last qo_len keys; the keys before the drafts are always visible. 0 = custom_mask is packed bits q * kv_len + kv
+  int32_t o_format;  // the output's element format (OutFormat): 0 = the kernel's 16-bit type, 1 = the other 16-bit type (fp16 <-> bf16), 2 = float8_e4m3fn (saturated to +-448, round to nearest even); strides stay in elements
 };
 static_assert(sizeof(PrefillParams) == 432, "PrefillParams size drifted from the schema");
 static_assert(offsetof(PrefillParams, q) == 0, "PrefillParams.q offset");
@@ -141,12 +142,13 @@ static_assert(offsetof(PrefillParams, kv_fp8) == 412, "PrefillParams.kv_fp8 offs
 static_assert(offsetof(PrefillParams, kv_max_pages) == 416, "PrefillParams.kv_max_pages offset");
 static_assert(offsetof(PrefillParams, num_pages) == 420, "PrefillParams.num_pages offset");
 static_assert(offsetof(PrefillParams, spec_mask_words) == 424, "PrefillParams.spec_mask_words offset");
+static_assert(offsetof(PrefillParams, o_format) == 428, "PrefillParams.o_format offset");
 
 // combine split-KV partials (float32 o, base-2 lse) into the final output
 struct MergeParams {
   uint64_t o_partial;  // float32 [num_kv_chunks, rows, Hq, D]
   uint64_t lse_partial;  // float32 [num_kv_chunks, rows, Hq]
-  uint64_t o;  // output in the kernel's dtype
+  uint64_t o;  // output in the format o_format names
   uint64_t lse;  // float32 [rows, Hq] contiguous, 0 = not requested
   uint64_t sinks;  // float32 [Hq] attention sinks added to each merged row's normaliser (PrefillParams.sinks)
   uint64_t merge_indptr;  // int32 [rows+1]: row r merges partial rows [m[r], m[r+1]) of a batch plan (empty = written directly, skip); 0 = single request layout [num_kv_chunks, rows]
@@ -157,6 +159,7 @@ struct MergeParams {
   int32_t head_dim;
   int32_t num_kv_chunks;  // single request: KV chunks per row (0: per-token merge_indptr)
   float lse_scale;  // applied to the final LSE only (partials stay base 2)
+  int32_t o_format;  // the output's element format, as PrefillParams.o_format
 };
 static_assert(sizeof(MergeParams) == 88, "MergeParams size drifted from the schema");
 static_assert(offsetof(MergeParams, o_partial) == 0, "MergeParams.o_partial offset");
@@ -172,6 +175,7 @@ static_assert(offsetof(MergeParams, num_heads) == 68, "MergeParams.num_heads off
 static_assert(offsetof(MergeParams, head_dim) == 72, "MergeParams.head_dim offset");
 static_assert(offsetof(MergeParams, num_kv_chunks) == 76, "MergeParams.num_kv_chunks offset");
 static_assert(offsetof(MergeParams, lse_scale) == 80, "MergeParams.lse_scale offset");
+static_assert(offsetof(MergeParams, o_format) == 84, "MergeParams.o_format offset");
 
 // pack bool/uint8 values into bits (one output byte per thread), optionally per segment
 struct PackbitsParams {

@@ -1,7 +1,9 @@
-// 16-bit element types, the K/V storage types (fp8, NVFP4) and the conversions the kernels need.
+// 16-bit element types, the K/V storage types (fp8, NVFP4), the output formats, and the
+// conversions the kernels need.
 #pragma once
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
+#include <cuda_fp8.h>
 #include <stdint.h>
 
 #include "pfa/ptx/math.cuh"
@@ -166,6 +168,37 @@ __device__ __forceinline__ uint4 widen_fp4x8<__nv_bfloat16>(uint32_t x, uint32_t
     w[i] = *reinterpret_cast<uint32_t*>(&v);
   }
   return make_uint4(w[0], w[1], w[2], w[3]);
+
+// The output's element format (PrefillParams / MergeParams::o_format). A runtime field rather
+// than kernel variants: only the stores that write a finished row look at it, so every kernel
+// writes every format without one more instantiation per output dtype.
+enum OutFormat : int { kOutElem = 0, kOutOther16 = 1, kOutE4M3 = 2 };
+
+template <typename T>
+struct Other16;  // the other 16-bit type: fp16 <-> bf16
+template <>
+struct Other16<half> {
+  using type = __nv_bfloat16;
+};
+template <>
+struct Other16<__nv_bfloat16> {
+  using type = half;
+};
+
+// Two fp32 values in output format fmt (first in the low bits): two 16-bit elements, or two
+// e4m3 bytes in the low half. e4m3 saturates to +-448 and rounds to nearest even, like
+// FlashInfer's fp8 outputs (one cvt instruction on sm_89+, emulated on sm_80).
+template <typename T>
+__device__ __forceinline__ uint32_t pack_out2(float a, float b, int fmt) {
+  if (fmt == kOutE4M3) return __nv_cvt_float2_to_fp8x2(make_float2(a, b), __NV_SATFINITE, __NV_E4M3);
+  if (fmt == kOutOther16) return Pack2<typename Other16<T>::type>::from(a, b);
+  return Pack2<T>::from(a, b);
+}
+
+// Eight e4m3 values staged as pack_out2 words (two bytes in the low half of each 32-bit word)
+// -> eight contiguous bytes.
+__device__ __forceinline__ uint2 compact_fp8x8(uint4 staged) {
+  return make_uint2(__byte_perm(staged.x, staged.y, 0x5410), __byte_perm(staged.z, staged.w, 0x5410));
 }
 
 }  // namespace pfa

@@ -1,7 +1,7 @@
 // Epilogue of the sm80 prefill: finish the online softmax on the fragment rows, then write the
-// CTA's rows: 16-bit output (staged through shared memory for coalesced stores) and LSE, or
-// (split KV) normalised fp32 partials and their base-2 LSE for the merge kernel. The layouts
-// written are epilogue.cuh's.
+// CTA's rows: the output in its format (p.o_format: the query dtype, the other 16-bit type or
+// e4m3, staged through shared memory for coalesced stores) and LSE, or (split KV) normalised
+// fp32 partials and their base-2 LSE for the merge kernel. The layouts written are epilogue.cuh's.
 #pragma once
 #include <math.h>
 #include <stdint.h>
@@ -89,13 +89,18 @@ struct EpilogueSm80 {
       }
   }
 
-  // One chunk: 16-bit O and (if requested) the LSE.
+  // One chunk: O in the output format (p.o_format) and (if requested) the LSE.
   static __device__ __forceinline__ void store_output(const PrefillParams& p, const PrefillWork& w, char* smem,
                                                       const int2* row_map, int num_heads, const Role& wr, int lane,
                                                       const OAcc& o, const float (&lse_v)[MQ][2]) {
     // Stage this warp's rows through its own slice of sQ (no other warp touches it; PAIR: the
-    // pair's two warps write disjoint chunks), then write 16-byte chunks so the global stores
-    // are coalesced along each row.
+    // pair's two warps write disjoint chunks), then write whole chunks so the global stores are
+    // coalesced along each row. Every format stages 32 bits per value pair (e4m3: two bytes in
+    // the low half), so the staging layout is the 16-bit one and an fp8 chunk is compacted to
+    // 8 bytes on its way out. (A runtime format, converted right here: the 128-row lean kernels and
+    // the decode tiles allocate their registers exactly as with the 16-bit store alone; an fp32
+    // staging with the conversion in the copy-out loop measured no better.)
+    const int fmt = p.o_format;
     __syncwarp();
 #pragma unroll
     for (int mt = 0; mt < MQ; ++mt)
@@ -104,18 +109,24 @@ struct EpilogueSm80 {
         const int row = wr.warp_row0 + mt * 16 + lane / 4 + hf * 8;
 #pragma unroll
         for (int d = 0; d < O_DT; ++d) {
-          const uint32_t v = Pack2<T>::from(o[mt][d][2 * hf], o[mt][d][2 * hf + 1]);
+          const uint32_t v = pack_out2<T>(o[mt][d][2 * hf], o[mt][d][2 * hf + 1], fmt);
           *reinterpret_cast<uint32_t*>(smem + Cfg::swz(row, wr.dcol0 / 8 + d) * Cfg::CHUNK_BYTES + (lane % 4) * 4) = v;
         }
       }
     __syncwarp();
-    T* out = reinterpret_cast<T*>(p.o);
+    char* out = reinterpret_cast<char*>(p.o);
+    const bool fp8 = fmt == kOutE4M3;
     for (int i = lane; i < MQ * 16 * O_DT; i += 32) {
       const int row = wr.warp_row0 + i / O_DT, chunk = wr.dcol0 / 8 + i % O_DT;
       if (w.r0 + row < w.rows_total) {
         const int2 th = token_head(w, row_map, row);
-        *reinterpret_cast<uint4*>(out + (output_offset(p, w, th.x, th.y) + chunk * 8)) =
-            *reinterpret_cast<const uint4*>(smem + Cfg::swz(row, chunk) * Cfg::CHUNK_BYTES);
+        const int64_t elem = output_offset(p, w, th.x, th.y) + chunk * 8;
+        const uint4 staged = *reinterpret_cast<const uint4*>(smem + Cfg::swz(row, chunk) * Cfg::CHUNK_BYTES);
+        if (fp8) {
+          *reinterpret_cast<uint2*>(out + elem) = compact_fp8x8(staged);
+        } else {
+          *reinterpret_cast<uint4*>(out + elem * 2) = staged;
+        }
       }
     }
     if (p.lse != 0 && lane % 4 == 0 && wr.half == 0) {

@@ -1,5 +1,5 @@
 // Epilogue of a consumer warpgroup of the sm_90a prefill: finish the online softmax of its rows,
-// then write them (epilogue.cuh's layouts): 16-bit O and the LSE, attention sinks on an unsplit
+// then write them (epilogue.cuh's layouts): O in the output format and the LSE, attention sinks on an unsplit
 // row, or (split KV) normalised fp32 partials and their base-2 LSE for the merge kernel.
 #pragma once
 #include <math.h>
@@ -44,10 +44,19 @@ struct EpilogueSm90 {
       if (w.num_chunks == 1) {
         float f = 1.f;
         if (p.sinks != 0) f = sink_factor(reinterpret_cast<const float*>(p.sinks)[head], lse[i]);
-        T* out = reinterpret_cast<T*>(p.o) + output_offset(p, w, token, head) + col;
+        // The output format (p.o_format): 16-bit pairs, or (e4m3) two bytes from the low half of
+        // pack_out2's word; offsets count elements of the format's size.
+        const int fmt = p.o_format;
+        const int64_t elem = output_offset(p, w, token, head) + col;
+        char* out = reinterpret_cast<char*>(p.o);
 #pragma unroll
-        for (int j = 0; j < O_COLS; ++j)
-          *reinterpret_cast<uint32_t*>(out + 8 * j) = Pack2<T>::from(o[4 * j + 2 * i] * f, o[4 * j + 2 * i + 1] * f);
+        for (int j = 0; j < O_COLS; ++j) {
+          const uint32_t v = pack_out2<T>(o[4 * j + 2 * i] * f, o[4 * j + 2 * i + 1] * f, fmt);
+          if (fmt == kOutE4M3)
+            *reinterpret_cast<uint16_t*>(out + elem + 8 * j) = (uint16_t)v;
+          else
+            *reinterpret_cast<uint32_t*>(out + 2 * (elem + 8 * j)) = v;
+        }
         if (p.lse != 0 && lane % 4 == 0)
           reinterpret_cast<float*>(p.lse)[lse_index(w, p.num_qo_heads, token, head)] = lse[i] * p.lse_scale;
       } else {
