@@ -168,6 +168,7 @@ __device__ __forceinline__ uint4 widen_fp4x8<__nv_bfloat16>(uint32_t x, uint32_t
     w[i] = *reinterpret_cast<uint32_t*>(&v);
   }
   return make_uint4(w[0], w[1], w[2], w[3]);
+}
 
 // The output's element format (PrefillParams / MergeParams::o_format). A runtime field rather
 // than kernel variants: only the stores that write a finished row look at it, so every kernel
