@@ -254,8 +254,9 @@ HOPPER_TILES = {64: (128, 2, 3), 128: (128, 2, 2), 256: (80, 2, 2)}
 # Paged K/V: a third stage where shared memory holds it, the producer's page-table lookups have a
 # tile more to land in.
 HOPPER_TILES_PAGED = {64: (128, 2, 3), 128: (128, 2, 3), 256: (80, 2, 2)}
-# Alternatives for `make TUNE=1`: FA3's non-causal hd128 tile (176 keys).
-HOPPER_TUNE_TILES = [(128, (176, 2, 2)), (64, (128, 3, 2))]
+# Alternatives for `make TUNE=1`: FA3's non-causal hd128 tile (176 keys), a third K/V stage at hd128,
+# three consumers (192 rows, FA3's hd64 shape) at hd64.
+HOPPER_TUNE_TILES = [(128, (176, 2, 2)), (128, (128, 2, 3)), (64, (128, 3, 2))]
 
 
 MERGE_THREADS = 128
