@@ -4,14 +4,19 @@ gen_params.py turns this into the C header kernel_src/include/pfa/attention/para
 and the ctypes mirror pyflashattn/_params_gen.py; tests/test_params_layout.py proves
 the two agree field by field (sizes and offsets), so the layout can never drift.
 
-Field types: ptr (64-bit device address, 0 = absent), i64, i32, f32.
-Order fields 8-byte ones first so neither side needs padding tricks.
+Field types: ptr (64-bit device address, 0 = absent), i64, i32, f32, tmap (a 128-byte CUtensorMap,
+64-byte aligned: kernel parameters are the one place a TMA descriptor can travel per launch).
+Order fields largest first so neither side needs padding tricks (tmap fields lead, and the
+generator pads the ctypes mirror's tail to the struct's 64-byte alignment).
 """
 
 PREFILL = (
     "PrefillParams",
     "single/ragged prefill over contiguous KV: one CTA = one packed-row tile of one kv head",
     [
+        ("k_tmap", "tmap", "TMA kernels (manifest tma): K as a 3-D tensor map (head_dim, kv heads, rows), boxes "
+         "of 64 elements x 1 head x BLOCK_N rows in the 128-byte swizzle; encoded by the host per K tensor"),
+        ("v_tmap", "tmap", "TMA kernels: V, as k_tmap"),
         ("q", "ptr", "[qo_len, Hq, D] rows at q_stride_n, heads at q_stride_h (elements)"),
         ("k", "ptr", "key rows at k_stride_n, kv heads at k_stride_h (NHD or HND via strides)"),
         ("v", "ptr", "value rows at v_stride_n, kv heads at v_stride_h"),
@@ -213,5 +218,6 @@ CASCADE = (
 )
 FAMILIES["cascade"] = CASCADE
 
-C_TYPES = {"ptr": "uint64_t", "i64": "int64_t", "i32": "int32_t", "f32": "float"}
-SIZES = {"ptr": 8, "i64": 8, "i32": 4, "f32": 4}
+C_TYPES = {"ptr": "uint64_t", "i64": "int64_t", "i32": "int32_t", "f32": "float", "tmap": "TensorMapBytes"}
+SIZES = {"ptr": 8, "i64": 8, "i32": 4, "f32": 4, "tmap": 128}
+ALIGNS = {"ptr": 8, "i64": 8, "i32": 4, "f32": 4, "tmap": 64}  # a CUtensorMap is 64-byte aligned

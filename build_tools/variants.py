@@ -200,6 +200,9 @@ class HopperPrefillVariant:
     # the two consumer warpgroups take turns issuing their GEMMs (consumer.cuh, Turns)
     pingpong: bool = True
     paged: bool = False  # K/V rows through a page table (the batch paged wrapper, block tables)
+    # K/V tiles by TMA from host-encoded tensor maps (PrefillParams.k_tmap / v_tmap; contiguous
+    # and ragged K/V), instead of the producer warpgroup's cp.async
+    tma: bool = False
     tune: bool = False
     impl: str = SM90
     archs: tuple = IMPL_ARCHS[SM90]
@@ -232,20 +235,21 @@ class HopperPrefillVariant:
     @property
     def name(self):
         return (f"pfa_prefill_{self.impl}_{self.dtype}_hd{self.head_dim}_m{self.block_m}n{self.block_n}"
-                f"c{self.consumers}s{self.stages}{'_pp' if self.pingpong else ''}{'_paged' if self.paged else ''}")
+                f"c{self.consumers}s{self.stages}{'_pp' if self.pingpong else ''}{'_paged' if self.paged else ''}"
+                f"{'_tma' if self.tma else ''}")
 
     def source(self):
         return (f'#include "pfa/attention/prefill_sm90.cuh"\n'
                 f"PFA_DEFINE_PREFILL_SM90({self.name}, {DTYPES[self.dtype]}, {self.head_dim}, {self.block_n}, "
                 f"{self.consumers}, {self.stages}, {'true' if self.pingpong else 'false'}, "
-                f"{'true' if self.paged else 'false'}, {self.smem_bytes})\n")
+                f"{'true' if self.paged else 'false'}, {'true' if self.tma else 'false'}, {self.smem_bytes})\n")
 
     def manifest(self):
         return {"family": "prefill", "impl": self.impl, "dtype": self.dtype, "kv_dtype": self.dtype,
                 "head_dim": self.head_dim, "block_m": self.block_m, "block_n": self.block_n,
                 "warps": self.threads // WARP_THREADS, "threads": self.threads, "smem_bytes": self.smem_bytes,
                 "ctas_per_sm": 1, "tune": self.tune, "general": False, "paged": self.paged, "decode": False,
-                "rows_fastest": True, "device_scale": False}
+                "rows_fastest": True, "device_scale": False, "tma": self.tma}
 
 
 # head_dim -> (block_n, consumers, stages) of the sm_90a family: FlashAttention-3's tile shapes for
@@ -444,6 +448,7 @@ def variants(tune=False):
             out += [HopperPrefillVariant(dtype, hd, *tile, pingpong=False, tune=True)
                     for hd, tile in HOPPER_TILES.items()]
             out += [HopperPrefillVariant(dtype, hd, *tile, tune=True) for hd, tile in HOPPER_TUNE_TILES]
+            out += [HopperPrefillVariant(dtype, hd, *tile, tma=True, tune=True) for hd, tile in HOPPER_TILES.items()]
         out.append(MergeVariant(dtype))
     out += nvfp4_variants()
     out.append(MiscVariant("packbits", PACKBITS_THREADS))

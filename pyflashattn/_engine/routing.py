@@ -96,6 +96,8 @@ class Route:
         self.attn = self.ctas = self.budget = None
         if not self.decode_only:
             self.attn = launcher("prefill", dtype, kv_dtype, head_dim, general)
+            if self.attn.meta.get("tma"):  # only by registry.force: batch plans encode no tensor maps
+                raise ValueError(f"{self.attn.meta['name']} loads K/V by TMA, which only single prefill drives")
             self.ctas = ctas_per_sm(self.attn.meta, props)
             self.budget = props["sm_count"] * self.ctas
         self.decode = None

@@ -13,7 +13,7 @@ import threading
 import numpy as np
 
 from .._runtime import cuda as _cuda, dtypes as _dtypes, registry as _registry, tensor as _tensor
-from . import launch, operands, options, packbits, params, routing, schedule
+from . import launch, operands, options, packbits, params, routing, schedule, tma
 
 _PLAN_CACHE_SIZE = 1024
 _MISS = object()
@@ -158,7 +158,7 @@ class SinglePlan:
     kernel with its own params struct (constant fields filled once), grid and KV split."""
 
     __slots__ = ("o_shape", "o_strides", "lse_shape", "dtype", "attn", "merge", "num_chunks", "ws_mask_bytes",
-                 "ws_o_bytes", "ws_bytes", "dev", "mask_kind", "mask_bits")
+                 "ws_o_bytes", "ws_bytes", "dev", "mask_kind", "mask_bits", "tma_geometry")
 
     def __init__(self, qv, kv, vv, ov, lv, causal, kv_layout, window_left, sm_scale, opts=options.PLAIN,
                  mask_kind=None, mv=None):
@@ -173,7 +173,7 @@ class SinglePlan:
         if causal and kv_len < qo_len:
             raise ValueError(f"causal attention needs kv_len >= qo_len, got kv_len={kv_len}, qo_len={qo_len}")
         sm_scale = options.softmax_scale(sm_scale, head_dim)
-        self.attn = self.merge = None
+        self.attn = self.merge = self.tma_geometry = None
         if qo_len * num_qo_heads == 0:
             return  # nothing to compute: empty outputs
         _cuda.ensure_context(self.dev)
@@ -183,6 +183,10 @@ class SinglePlan:
         p.q_stride_n, p.q_stride_h = qv.strides[0], qv.strides[1]
         p.k_stride_n, p.k_stride_h = operands.ragged_kv_strides(kv_layout, kv.strides)
         p.v_stride_n, p.v_stride_h = operands.ragged_kv_strides(kv_layout, vv.strides)
+        # TMA kernels: what their K/V tensor maps encode besides the pointers (run() adds those)
+        self.tma_geometry = ((self.dtype.short, kv_len, num_kv_heads, head_dim, (p.k_stride_n, p.k_stride_h),
+                              (p.v_stride_n, p.v_stride_h), self.dtype.bits // 8)
+                             if self.attn.meta.get("tma") else None)
         p.qo_len, p.kv_len = qo_len, kv_len
         params.fill_score_fields(p, self.dev, num_qo_heads, num_kv_heads, causal, window_left, sm_scale, opts)
         self._size_workspace(qo_len, num_qo_heads, head_dim, opts)
@@ -261,6 +265,8 @@ class SinglePlan:
         """Refill the pointers and launch (mask packing, attention, merge when KV is split)."""
         p = self.attn.params
         p.q, p.k, p.v, p.o = q, k, v, o
+        if self.tma_geometry is not None:
+            tma.point_kv_maps(p, self.attn.meta, self.tma_geometry, k, v)
         p.v_scale = v_scale
         p.o_stride_n, p.o_stride_h = self.o_strides[0], self.o_strides[1]
         ws = _cuda.Workspace.get(self.dev, stream, self.ws_bytes) if self.ws_bytes else 0

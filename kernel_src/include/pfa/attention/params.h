@@ -7,8 +7,15 @@
 
 namespace pfa {
 
+// A CUtensorMap's bytes (opaque, 64-byte aligned as the TMA unit requires).
+struct alignas(64) TensorMapBytes {
+  unsigned char bytes[128];
+};
+
 // single/ragged prefill over contiguous KV: one CTA = one packed-row tile of one kv head
 struct PrefillParams {
+  TensorMapBytes k_tmap;  // TMA kernels (manifest tma): K as a 3-D tensor map (head_dim, kv heads, rows), boxes of 64 elements x 1 head x BLOCK_N rows in the 128-byte swizzle; encoded by the host per K tensor
+  TensorMapBytes v_tmap;  // TMA kernels: V, as k_tmap
   uint64_t q;  // [qo_len, Hq, D] rows at q_stride_n, heads at q_stride_h (elements)
   uint64_t k;  // key rows at k_stride_n, kv heads at k_stride_h (NHD or HND via strides)
   uint64_t v;  // value rows at v_stride_n, kv heads at v_stride_h
@@ -76,73 +83,75 @@ struct PrefillParams {
   int32_t spec_mask_words;  // > 0: custom_mask is a speculative-decoding mask (XQA's): per query row spec_mask_words little-endian 32-bit words, bit j = draft key j of the request's last qo_len keys; the keys before the drafts are always visible. 0 = custom_mask is packed bits q * kv_len + kv
   int32_t o_format;  // the output's element format (OutFormat): 0 = the kernel's 16-bit type, 1 = the other 16-bit type (fp16 <-> bf16), 2 = float8_e4m3fn (saturated to +-448, round to nearest even); strides stay in elements
 };
-static_assert(sizeof(PrefillParams) == 432, "PrefillParams size drifted from the schema");
-static_assert(offsetof(PrefillParams, q) == 0, "PrefillParams.q offset");
-static_assert(offsetof(PrefillParams, k) == 8, "PrefillParams.k offset");
-static_assert(offsetof(PrefillParams, v) == 16, "PrefillParams.v offset");
-static_assert(offsetof(PrefillParams, o) == 24, "PrefillParams.o offset");
-static_assert(offsetof(PrefillParams, lse) == 32, "PrefillParams.lse offset");
-static_assert(offsetof(PrefillParams, o_partial) == 40, "PrefillParams.o_partial offset");
-static_assert(offsetof(PrefillParams, lse_partial) == 48, "PrefillParams.lse_partial offset");
-static_assert(offsetof(PrefillParams, custom_mask) == 56, "PrefillParams.custom_mask offset");
-static_assert(offsetof(PrefillParams, alibi_slopes) == 64, "PrefillParams.alibi_slopes offset");
-static_assert(offsetof(PrefillParams, work_request) == 72, "PrefillParams.work_request offset");
-static_assert(offsetof(PrefillParams, work_qtile) == 80, "PrefillParams.work_qtile offset");
-static_assert(offsetof(PrefillParams, work_chunk) == 88, "PrefillParams.work_chunk offset");
-static_assert(offsetof(PrefillParams, num_chunks) == 96, "PrefillParams.num_chunks offset");
-static_assert(offsetof(PrefillParams, o_indptr) == 104, "PrefillParams.o_indptr offset");
-static_assert(offsetof(PrefillParams, qo_indptr) == 112, "PrefillParams.qo_indptr offset");
-static_assert(offsetof(PrefillParams, kv_indptr) == 120, "PrefillParams.kv_indptr offset");
-static_assert(offsetof(PrefillParams, kv_page_indices) == 128, "PrefillParams.kv_page_indices offset");
-static_assert(offsetof(PrefillParams, kv_last_page_len) == 136, "PrefillParams.kv_last_page_len offset");
-static_assert(offsetof(PrefillParams, mask_indptr) == 144, "PrefillParams.mask_indptr offset");
-static_assert(offsetof(PrefillParams, kv_chunk_size_dev) == 152, "PrefillParams.kv_chunk_size_dev offset");
-static_assert(offsetof(PrefillParams, sinks) == 160, "PrefillParams.sinks offset");
-static_assert(offsetof(PrefillParams, scale_dev) == 168, "PrefillParams.scale_dev offset");
-static_assert(offsetof(PrefillParams, v_scale_dev) == 176, "PrefillParams.v_scale_dev offset");
-static_assert(offsetof(PrefillParams, kv_seq_lens) == 184, "PrefillParams.kv_seq_lens offset");
-static_assert(offsetof(PrefillParams, k_sf) == 192, "PrefillParams.k_sf offset");
-static_assert(offsetof(PrefillParams, v_sf) == 200, "PrefillParams.v_sf offset");
-static_assert(offsetof(PrefillParams, q_stride_n) == 208, "PrefillParams.q_stride_n offset");
-static_assert(offsetof(PrefillParams, q_stride_h) == 216, "PrefillParams.q_stride_h offset");
-static_assert(offsetof(PrefillParams, k_stride_n) == 224, "PrefillParams.k_stride_n offset");
-static_assert(offsetof(PrefillParams, k_stride_h) == 232, "PrefillParams.k_stride_h offset");
-static_assert(offsetof(PrefillParams, v_stride_n) == 240, "PrefillParams.v_stride_n offset");
-static_assert(offsetof(PrefillParams, v_stride_h) == 248, "PrefillParams.v_stride_h offset");
-static_assert(offsetof(PrefillParams, o_stride_n) == 256, "PrefillParams.o_stride_n offset");
-static_assert(offsetof(PrefillParams, o_stride_h) == 264, "PrefillParams.o_stride_h offset");
-static_assert(offsetof(PrefillParams, k_stride_page) == 272, "PrefillParams.k_stride_page offset");
-static_assert(offsetof(PrefillParams, v_stride_page) == 280, "PrefillParams.v_stride_page offset");
-static_assert(offsetof(PrefillParams, k_sf_stride_page) == 288, "PrefillParams.k_sf_stride_page offset");
-static_assert(offsetof(PrefillParams, k_sf_stride_n) == 296, "PrefillParams.k_sf_stride_n offset");
-static_assert(offsetof(PrefillParams, k_sf_stride_h) == 304, "PrefillParams.k_sf_stride_h offset");
-static_assert(offsetof(PrefillParams, v_sf_stride_page) == 312, "PrefillParams.v_sf_stride_page offset");
-static_assert(offsetof(PrefillParams, v_sf_stride_n) == 320, "PrefillParams.v_sf_stride_n offset");
-static_assert(offsetof(PrefillParams, v_sf_stride_h) == 328, "PrefillParams.v_sf_stride_h offset");
-static_assert(offsetof(PrefillParams, qo_len) == 336, "PrefillParams.qo_len offset");
-static_assert(offsetof(PrefillParams, kv_len) == 340, "PrefillParams.kv_len offset");
-static_assert(offsetof(PrefillParams, num_qo_heads) == 344, "PrefillParams.num_qo_heads offset");
-static_assert(offsetof(PrefillParams, num_kv_heads) == 348, "PrefillParams.num_kv_heads offset");
-static_assert(offsetof(PrefillParams, group_size) == 352, "PrefillParams.group_size offset");
-static_assert(offsetof(PrefillParams, num_kv_chunks) == 356, "PrefillParams.num_kv_chunks offset");
-static_assert(offsetof(PrefillParams, rows_fastest) == 360, "PrefillParams.rows_fastest offset");
-static_assert(offsetof(PrefillParams, kv_chunk_size) == 364, "PrefillParams.kv_chunk_size offset");
-static_assert(offsetof(PrefillParams, causal) == 368, "PrefillParams.causal offset");
-static_assert(offsetof(PrefillParams, window_left) == 372, "PrefillParams.window_left offset");
-static_assert(offsetof(PrefillParams, sm_scale_log2) == 376, "PrefillParams.sm_scale_log2 offset");
-static_assert(offsetof(PrefillParams, logits_soft_cap) == 380, "PrefillParams.logits_soft_cap offset");
-static_assert(offsetof(PrefillParams, rope) == 384, "PrefillParams.rope offset");
-static_assert(offsetof(PrefillParams, rope_rcp_scale) == 388, "PrefillParams.rope_rcp_scale offset");
-static_assert(offsetof(PrefillParams, rope_log2_theta) == 392, "PrefillParams.rope_log2_theta offset");
-static_assert(offsetof(PrefillParams, lse_scale) == 396, "PrefillParams.lse_scale offset");
-static_assert(offsetof(PrefillParams, page_size) == 400, "PrefillParams.page_size offset");
-static_assert(offsetof(PrefillParams, page_shift) == 404, "PrefillParams.page_shift offset");
-static_assert(offsetof(PrefillParams, v_scale) == 408, "PrefillParams.v_scale offset");
-static_assert(offsetof(PrefillParams, kv_fp8) == 412, "PrefillParams.kv_fp8 offset");
-static_assert(offsetof(PrefillParams, kv_max_pages) == 416, "PrefillParams.kv_max_pages offset");
-static_assert(offsetof(PrefillParams, num_pages) == 420, "PrefillParams.num_pages offset");
-static_assert(offsetof(PrefillParams, spec_mask_words) == 424, "PrefillParams.spec_mask_words offset");
-static_assert(offsetof(PrefillParams, o_format) == 428, "PrefillParams.o_format offset");
+static_assert(sizeof(PrefillParams) == 704, "PrefillParams size drifted from the schema");
+static_assert(offsetof(PrefillParams, k_tmap) == 0, "PrefillParams.k_tmap offset");
+static_assert(offsetof(PrefillParams, v_tmap) == 128, "PrefillParams.v_tmap offset");
+static_assert(offsetof(PrefillParams, q) == 256, "PrefillParams.q offset");
+static_assert(offsetof(PrefillParams, k) == 264, "PrefillParams.k offset");
+static_assert(offsetof(PrefillParams, v) == 272, "PrefillParams.v offset");
+static_assert(offsetof(PrefillParams, o) == 280, "PrefillParams.o offset");
+static_assert(offsetof(PrefillParams, lse) == 288, "PrefillParams.lse offset");
+static_assert(offsetof(PrefillParams, o_partial) == 296, "PrefillParams.o_partial offset");
+static_assert(offsetof(PrefillParams, lse_partial) == 304, "PrefillParams.lse_partial offset");
+static_assert(offsetof(PrefillParams, custom_mask) == 312, "PrefillParams.custom_mask offset");
+static_assert(offsetof(PrefillParams, alibi_slopes) == 320, "PrefillParams.alibi_slopes offset");
+static_assert(offsetof(PrefillParams, work_request) == 328, "PrefillParams.work_request offset");
+static_assert(offsetof(PrefillParams, work_qtile) == 336, "PrefillParams.work_qtile offset");
+static_assert(offsetof(PrefillParams, work_chunk) == 344, "PrefillParams.work_chunk offset");
+static_assert(offsetof(PrefillParams, num_chunks) == 352, "PrefillParams.num_chunks offset");
+static_assert(offsetof(PrefillParams, o_indptr) == 360, "PrefillParams.o_indptr offset");
+static_assert(offsetof(PrefillParams, qo_indptr) == 368, "PrefillParams.qo_indptr offset");
+static_assert(offsetof(PrefillParams, kv_indptr) == 376, "PrefillParams.kv_indptr offset");
+static_assert(offsetof(PrefillParams, kv_page_indices) == 384, "PrefillParams.kv_page_indices offset");
+static_assert(offsetof(PrefillParams, kv_last_page_len) == 392, "PrefillParams.kv_last_page_len offset");
+static_assert(offsetof(PrefillParams, mask_indptr) == 400, "PrefillParams.mask_indptr offset");
+static_assert(offsetof(PrefillParams, kv_chunk_size_dev) == 408, "PrefillParams.kv_chunk_size_dev offset");
+static_assert(offsetof(PrefillParams, sinks) == 416, "PrefillParams.sinks offset");
+static_assert(offsetof(PrefillParams, scale_dev) == 424, "PrefillParams.scale_dev offset");
+static_assert(offsetof(PrefillParams, v_scale_dev) == 432, "PrefillParams.v_scale_dev offset");
+static_assert(offsetof(PrefillParams, kv_seq_lens) == 440, "PrefillParams.kv_seq_lens offset");
+static_assert(offsetof(PrefillParams, k_sf) == 448, "PrefillParams.k_sf offset");
+static_assert(offsetof(PrefillParams, v_sf) == 456, "PrefillParams.v_sf offset");
+static_assert(offsetof(PrefillParams, q_stride_n) == 464, "PrefillParams.q_stride_n offset");
+static_assert(offsetof(PrefillParams, q_stride_h) == 472, "PrefillParams.q_stride_h offset");
+static_assert(offsetof(PrefillParams, k_stride_n) == 480, "PrefillParams.k_stride_n offset");
+static_assert(offsetof(PrefillParams, k_stride_h) == 488, "PrefillParams.k_stride_h offset");
+static_assert(offsetof(PrefillParams, v_stride_n) == 496, "PrefillParams.v_stride_n offset");
+static_assert(offsetof(PrefillParams, v_stride_h) == 504, "PrefillParams.v_stride_h offset");
+static_assert(offsetof(PrefillParams, o_stride_n) == 512, "PrefillParams.o_stride_n offset");
+static_assert(offsetof(PrefillParams, o_stride_h) == 520, "PrefillParams.o_stride_h offset");
+static_assert(offsetof(PrefillParams, k_stride_page) == 528, "PrefillParams.k_stride_page offset");
+static_assert(offsetof(PrefillParams, v_stride_page) == 536, "PrefillParams.v_stride_page offset");
+static_assert(offsetof(PrefillParams, k_sf_stride_page) == 544, "PrefillParams.k_sf_stride_page offset");
+static_assert(offsetof(PrefillParams, k_sf_stride_n) == 552, "PrefillParams.k_sf_stride_n offset");
+static_assert(offsetof(PrefillParams, k_sf_stride_h) == 560, "PrefillParams.k_sf_stride_h offset");
+static_assert(offsetof(PrefillParams, v_sf_stride_page) == 568, "PrefillParams.v_sf_stride_page offset");
+static_assert(offsetof(PrefillParams, v_sf_stride_n) == 576, "PrefillParams.v_sf_stride_n offset");
+static_assert(offsetof(PrefillParams, v_sf_stride_h) == 584, "PrefillParams.v_sf_stride_h offset");
+static_assert(offsetof(PrefillParams, qo_len) == 592, "PrefillParams.qo_len offset");
+static_assert(offsetof(PrefillParams, kv_len) == 596, "PrefillParams.kv_len offset");
+static_assert(offsetof(PrefillParams, num_qo_heads) == 600, "PrefillParams.num_qo_heads offset");
+static_assert(offsetof(PrefillParams, num_kv_heads) == 604, "PrefillParams.num_kv_heads offset");
+static_assert(offsetof(PrefillParams, group_size) == 608, "PrefillParams.group_size offset");
+static_assert(offsetof(PrefillParams, num_kv_chunks) == 612, "PrefillParams.num_kv_chunks offset");
+static_assert(offsetof(PrefillParams, rows_fastest) == 616, "PrefillParams.rows_fastest offset");
+static_assert(offsetof(PrefillParams, kv_chunk_size) == 620, "PrefillParams.kv_chunk_size offset");
+static_assert(offsetof(PrefillParams, causal) == 624, "PrefillParams.causal offset");
+static_assert(offsetof(PrefillParams, window_left) == 628, "PrefillParams.window_left offset");
+static_assert(offsetof(PrefillParams, sm_scale_log2) == 632, "PrefillParams.sm_scale_log2 offset");
+static_assert(offsetof(PrefillParams, logits_soft_cap) == 636, "PrefillParams.logits_soft_cap offset");
+static_assert(offsetof(PrefillParams, rope) == 640, "PrefillParams.rope offset");
+static_assert(offsetof(PrefillParams, rope_rcp_scale) == 644, "PrefillParams.rope_rcp_scale offset");
+static_assert(offsetof(PrefillParams, rope_log2_theta) == 648, "PrefillParams.rope_log2_theta offset");
+static_assert(offsetof(PrefillParams, lse_scale) == 652, "PrefillParams.lse_scale offset");
+static_assert(offsetof(PrefillParams, page_size) == 656, "PrefillParams.page_size offset");
+static_assert(offsetof(PrefillParams, page_shift) == 660, "PrefillParams.page_shift offset");
+static_assert(offsetof(PrefillParams, v_scale) == 664, "PrefillParams.v_scale offset");
+static_assert(offsetof(PrefillParams, kv_fp8) == 668, "PrefillParams.kv_fp8 offset");
+static_assert(offsetof(PrefillParams, kv_max_pages) == 672, "PrefillParams.kv_max_pages offset");
+static_assert(offsetof(PrefillParams, num_pages) == 676, "PrefillParams.num_pages offset");
+static_assert(offsetof(PrefillParams, spec_mask_words) == 680, "PrefillParams.spec_mask_words offset");
+static_assert(offsetof(PrefillParams, o_format) == 684, "PrefillParams.o_format offset");
 
 // combine split-KV partials (float32 o, base-2 lse) into the final output
 struct MergeParams {

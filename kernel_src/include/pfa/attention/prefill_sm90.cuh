@@ -1,7 +1,7 @@
 // Hopper (sm_90a) prefill: warp-specialised, wgmma, mbarrier-pipelined. The entry header the
 // generated translation units include: the kernel's run() and PFA_DEFINE_PREFILL_SM90.
 //   work.cuh           which request, row tile and KV chunk; the key range (shared with sm80)
-//   sm90/producer.cuh  warpgroup 0: Q, then the K/V ring (cp.async completing on mbarriers)
+//   sm90/producer.cuh  warpgroup 0: Q, then the K/V ring (cp.async, or TMA boxes, completing on mbarriers)
 //   sm90/consumer.cuh  warpgroups 1..CONSUMERS: 64 rows each, S = Q K^T and O += P V on wgmma,
 //                      overlapped with the softmax; PINGPONG alternates the two consumers' GEMMs
 //   sm90/epilogue.cuh  normalise, then O + LSE or split-KV partials (epilogue.cuh layouts)
@@ -23,17 +23,18 @@
 
 namespace pfa {
 
-template <typename T, int HEAD_DIM, int BLOCK_N, int CONSUMERS, int STAGES, bool PINGPONG, bool PAGED>
-struct PrefillSm90 : PrefillSm90Config<T, HEAD_DIM, BLOCK_N, CONSUMERS, STAGES, PAGED> {
-  using Cfg = PrefillSm90Config<T, HEAD_DIM, BLOCK_N, CONSUMERS, STAGES, PAGED>;
+template <typename T, int HEAD_DIM, int BLOCK_N, int CONSUMERS, int STAGES, bool PINGPONG, bool PAGED, bool TMA>
+struct PrefillSm90 : PrefillSm90Config<T, HEAD_DIM, BLOCK_N, CONSUMERS, STAGES, PAGED, TMA> {
+  using Cfg = PrefillSm90Config<T, HEAD_DIM, BLOCK_N, CONSUMERS, STAGES, PAGED, TMA>;
   using Consumer = ConsumerSm90<Cfg, PINGPONG>;
 
   static __device__ __forceinline__ void init_barriers(uint32_t base) {
     ptx::mbar_init(Cfg::q_full(base), Cfg::WG_THREADS);
 #pragma unroll
     for (int s = 0; s < STAGES; ++s) {
-      ptx::mbar_init(Cfg::k_full(base, s), Cfg::WG_THREADS);  // one cp.async arrival per producer thread
-      ptx::mbar_init(Cfg::v_full(base, s), Cfg::WG_THREADS);
+      // one cp.async arrival per producer thread, or (TMA) the issuing thread's expect_tx arrival
+      ptx::mbar_init(Cfg::k_full(base, s), Cfg::TMA ? 1 : Cfg::WG_THREADS);
+      ptx::mbar_init(Cfg::v_full(base, s), Cfg::TMA ? 1 : Cfg::WG_THREADS);
       ptx::mbar_init(Cfg::k_empty(base, s), CONSUMERS * 4);  // one arrival per consumer warp
       ptx::mbar_init(Cfg::v_empty(base, s), CONSUMERS * 4);
     }
@@ -79,11 +80,11 @@ struct PrefillSm90 : PrefillSm90Config<T, HEAD_DIM, BLOCK_N, CONSUMERS, STAGES, 
 
 // One extern "C" entry per variant (see PFA_DEFINE_PREFILL_SM80). SMEM: variants.py's smem_bytes,
 // checked against the kernel's layout at compile time.
-#define PFA_DEFINE_PREFILL_SM90(NAME, T, HD, BN, CONSUMERS, STAGES, PINGPONG, PAGED, SMEM)                    \
-  static_assert(pfa::PrefillSm90<T, HD, BN, CONSUMERS, STAGES, PINGPONG, PAGED>::SMEM_BYTES == (SMEM),        \
+#define PFA_DEFINE_PREFILL_SM90(NAME, T, HD, BN, CONSUMERS, STAGES, PINGPONG, PAGED, TMA, SMEM)               \
+  static_assert(pfa::PrefillSm90<T, HD, BN, CONSUMERS, STAGES, PINGPONG, PAGED, TMA>::SMEM_BYTES == (SMEM),   \
                 #NAME ": variants.py smem_bytes differs from the kernel's shared-memory layout");             \
   extern "C" __global__ void __launch_bounds__((CONSUMERS + 1) * 128, 1)                                      \
       NAME(const __grid_constant__ pfa::PrefillParams p) {                                                    \
     extern __shared__ __align__(1024) char smem[];                                                            \
-    pfa::PrefillSm90<T, HD, BN, CONSUMERS, STAGES, PINGPONG, PAGED>::run(p, smem);                             \
+    pfa::PrefillSm90<T, HD, BN, CONSUMERS, STAGES, PINGPONG, PAGED, TMA>::run(p, smem);                        \
   }

@@ -17,6 +17,11 @@ __device__ __forceinline__ void mbar_arrive(uint32_t bar) {
   asm volatile("{\n.reg .b64 st;\nmbarrier.arrive.release.cta.shared::cta.b64 st, [%0];\n}\n" ::"r"(bar) : "memory");
 }
 
+// One arrival that also announces `bytes` of asynchronous (TMA) transfers the phase waits for.
+__device__ __forceinline__ void mbar_arrive_expect_tx(uint32_t bar, uint32_t bytes) {
+  asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;\n" ::"r"(bar), "r"(bytes) : "memory");
+}
+
 // Block until the barrier's phase of parity `parity` has completed (a fresh barrier counts its
 // previous phase, parity 1, as complete).
 __device__ __forceinline__ void mbar_wait(uint32_t bar, uint32_t parity) {
@@ -63,6 +68,19 @@ __device__ __forceinline__ void fence_proxy_async() { asm volatile("fence.proxy.
 // `threads` arrivals in all). Barrier 0 is __syncthreads'.
 __device__ __forceinline__ void bar_arrive(int id, int threads) {
   asm volatile("bar.arrive %0, %1;\n" ::"r"(id), "r"(threads) : "memory");
+}
+
+// ---- TMA (the bulk tensor copy engine) ----
+// A 3-D tile of the tensor map at `tmap` (a kernel-parameter CUtensorMap) at coordinates
+// (c0 innermost, c1, c2) into shared memory at `dst`, completing `bar`'s transaction bytes.
+// Elements outside the tensor arrive as zeros.
+__device__ __forceinline__ void tma_load_3d(uint32_t dst, const void* tmap, int c0, int c1, int c2, uint32_t bar,
+                                            uint64_t policy) {
+  asm volatile(
+      "cp.async.bulk.tensor.3d.shared::cluster.global.tile.mbarrier::complete_tx::bytes.L2::cache_hint "
+      "[%0], [%1, {%2, %3, %4}], [%5], %6;\n" ::"r"(dst),
+      "l"(tmap), "r"(c0), "r"(c1), "r"(c2), "r"(bar), "l"(policy)
+      : "memory");
 }
 
 // ---- register reallocation between warpgroups (the kernel needs __launch_bounds__(T, 1)) ----

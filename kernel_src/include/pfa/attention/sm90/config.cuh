@@ -11,12 +11,16 @@
 
 namespace pfa {
 
-template <typename T_, int HEAD_DIM_, int BLOCK_N_, int CONSUMERS_, int STAGES_, bool PAGED_>
+template <typename T_, int HEAD_DIM_, int BLOCK_N_, int CONSUMERS_, int STAGES_, bool PAGED_, bool TMA_ = false>
 struct PrefillSm90Config {
   using Elem = T_;
   static_assert(sizeof(T_) == 2, "16-bit Q/K/V");
   static constexpr int HEAD_DIM = HEAD_DIM_, BLOCK_N = BLOCK_N_, CONSUMERS = CONSUMERS_, STAGES = STAGES_;
   static constexpr bool PAGED = PAGED_;
+  // K/V tiles by TMA (PrefillParams::k_tmap / v_tmap, contiguous rows only): one producer thread
+  // issues HEAD_DIM / 64 boxes a tile instead of every producer thread a cp.async per chunk.
+  static constexpr bool TMA = TMA_;
+  static_assert(!(PAGED && TMA), "TMA tiles take contiguous K/V rows");
   static constexpr int WG_THREADS = 128;
   static constexpr int WG_ROWS = 64;  // rows of one m64 wgmma: one consumer warpgroup
   static constexpr int THREADS = (CONSUMERS + 1) * WG_THREADS;

@@ -94,6 +94,17 @@ struct ProducerSm90 {
     }
   }
 
+  // TMA: one K or V tile (keys [n0, n0 + BLOCK_N) of the request, HEAD_DIM / 64 boxes of 64
+  // columns) issued by one thread against its full barrier; rows past the tensor arrive as zeros,
+  // rows past the request are the next request's (the consumers mask them).
+  static __device__ __forceinline__ void tma_tile(uint32_t s_tile, const void* tmap, uint32_t full, int kv_head,
+                                                  int64_t row, uint64_t policy) {
+    ptx::mbar_arrive_expect_tx(full, Cfg::KV_TILE_BYTES);
+#pragma unroll
+    for (int c = 0; c < Cfg::HEAD_DIM / 64; ++c)
+      ptx::tma_load_3d(s_tile + c * BLOCK_N * Cfg::ROW_BYTES, tmap, c * 64, kv_head, (int)row, full, policy);
+  }
+
   // base / smem: the aligned shared-memory base as a shared-window address and as a pointer.
   static __device__ __forceinline__ void run(const PrefillParams& p, const PrefillWork& w, uint32_t base, char* smem,
                                              int tid) {
@@ -106,6 +117,21 @@ struct ProducerSm90 {
     // Every row tile of the head reads these K/V rows again: keep them in L2 over Q and outputs.
     const uint64_t keep = ptx::l2_evict_last();
     int32_t next_id = PAGED ? row_page_id(p, pages, w.tile_start, w.kv_len, tid) : 0;
+    if constexpr (Cfg::TMA) {
+      if (tid == 0) {
+        for (int it = 0; it < w.num_tiles; ++it) {
+          const int s = it % STAGES;
+          const uint32_t free_parity = ((it / STAGES) & 1) ^ 1;
+          const int64_t row = rows.row(w.tile_start, it * BLOCK_N);
+          ptx::mbar_wait(Cfg::k_empty(base, s), free_parity);
+          tma_tile(base + Cfg::K_OFFSET + s * Cfg::KV_TILE_BYTES, &p.k_tmap, Cfg::k_full(base, s), w.kv_head, row, keep);
+          ptx::mbar_wait(Cfg::v_empty(base, s), free_parity);
+          tma_tile(base + Cfg::V_OFFSET + s * Cfg::KV_TILE_BYTES, &p.v_tmap, Cfg::v_full(base, s), w.kv_head, row, keep);
+        }
+      }
+      ptx::cp_async_wait<0>();  // the Q copies
+      return;
+    }
     for (int it = 0; it < w.num_tiles; ++it) {
       const int s = it % STAGES;
       const uint32_t free_parity = ((it / STAGES) & 1) ^ 1;
