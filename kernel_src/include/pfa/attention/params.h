@@ -35,6 +35,7 @@ struct PrefillParams {
   uint64_t kv_seq_lens;  // paged KV by block table: int32 / uint32 [B] key count of each request (its pages: kv_page_indices[kv_indptr[b] + t / page_size]); 0 = lengths from kv_last_page_len
   uint64_t k_sf;  // NVFP4 K (the kv_dtype=nvfp4 kernels, whose k holds uint8 e2m1 code pairs [.., D/2]): its float8_e4m3fn block scales [.., D/16], one per 16 head-dim elements of a row, at k_sf_stride_*; 0 otherwise
   uint64_t v_sf;  // NVFP4 V: its block scales, as k_sf
+  uint64_t softmax_stats;  // float32 [tokens, Hq, 2] TRT-LLM FMHAv2 softmax stats (row max of the final logits in natural units, row sum of exp(logit - max), sinks included), written by the general sm80 kernels' epilogue for unsplit rows only (the host plans such calls without split KV); 0 = none
   int64_t q_stride_n;
   int64_t q_stride_h;
   int64_t k_stride_n;
@@ -74,9 +75,10 @@ struct PrefillParams {
   int32_t kv_max_pages;  // with kv_seq_lens: the pages each request's block-table row holds (kv_len is clamped to kv_max_pages * page_size, so no row is read past its table)
   int32_t num_pages;  // paged KV: pages in the cache; a page id outside [0, num_pages) is clamped into it, so bad metadata never reads outside the cache (0 = ids trusted, plan() checked them)
   int32_t spec_mask_words;  // > 0: custom_mask is a speculative-decoding mask (XQA's): per query row spec_mask_words little-endian 32-bit words, bit j = draft key j of the request's last qo_len keys; the keys before the drafts are always visible. 0 = custom_mask is packed bits q * kv_len + kv
+  int32_t chunk_shift;  // chunked attention (TRT-LLM): log2 of the chunk size (>= 1); with causal, row q also needs kv >= floor(pos(q) / chunk) * chunk (MaskRule::left); 0 = none (a zeroed struct)
   int32_t o_format;  // the output's element format (OutFormat): 0 = the kernel's 16-bit type, 1 = the other 16-bit type (fp16 <-> bf16), 2 = float8_e4m3fn (saturated to +-448, round to nearest even); strides stay in elements
 };
-static_assert(sizeof(PrefillParams) == 432, "PrefillParams size drifted from the schema");
+static_assert(sizeof(PrefillParams) == 448, "PrefillParams size drifted from the schema");
 static_assert(offsetof(PrefillParams, q) == 0, "PrefillParams.q offset");
 static_assert(offsetof(PrefillParams, k) == 8, "PrefillParams.k offset");
 static_assert(offsetof(PrefillParams, v) == 16, "PrefillParams.v offset");
@@ -103,46 +105,48 @@ static_assert(offsetof(PrefillParams, v_scale_dev) == 176, "PrefillParams.v_scal
 static_assert(offsetof(PrefillParams, kv_seq_lens) == 184, "PrefillParams.kv_seq_lens offset");
 static_assert(offsetof(PrefillParams, k_sf) == 192, "PrefillParams.k_sf offset");
 static_assert(offsetof(PrefillParams, v_sf) == 200, "PrefillParams.v_sf offset");
-static_assert(offsetof(PrefillParams, q_stride_n) == 208, "PrefillParams.q_stride_n offset");
-static_assert(offsetof(PrefillParams, q_stride_h) == 216, "PrefillParams.q_stride_h offset");
-static_assert(offsetof(PrefillParams, k_stride_n) == 224, "PrefillParams.k_stride_n offset");
-static_assert(offsetof(PrefillParams, k_stride_h) == 232, "PrefillParams.k_stride_h offset");
-static_assert(offsetof(PrefillParams, v_stride_n) == 240, "PrefillParams.v_stride_n offset");
-static_assert(offsetof(PrefillParams, v_stride_h) == 248, "PrefillParams.v_stride_h offset");
-static_assert(offsetof(PrefillParams, o_stride_n) == 256, "PrefillParams.o_stride_n offset");
-static_assert(offsetof(PrefillParams, o_stride_h) == 264, "PrefillParams.o_stride_h offset");
-static_assert(offsetof(PrefillParams, k_stride_page) == 272, "PrefillParams.k_stride_page offset");
-static_assert(offsetof(PrefillParams, v_stride_page) == 280, "PrefillParams.v_stride_page offset");
-static_assert(offsetof(PrefillParams, k_sf_stride_page) == 288, "PrefillParams.k_sf_stride_page offset");
-static_assert(offsetof(PrefillParams, k_sf_stride_n) == 296, "PrefillParams.k_sf_stride_n offset");
-static_assert(offsetof(PrefillParams, k_sf_stride_h) == 304, "PrefillParams.k_sf_stride_h offset");
-static_assert(offsetof(PrefillParams, v_sf_stride_page) == 312, "PrefillParams.v_sf_stride_page offset");
-static_assert(offsetof(PrefillParams, v_sf_stride_n) == 320, "PrefillParams.v_sf_stride_n offset");
-static_assert(offsetof(PrefillParams, v_sf_stride_h) == 328, "PrefillParams.v_sf_stride_h offset");
-static_assert(offsetof(PrefillParams, qo_len) == 336, "PrefillParams.qo_len offset");
-static_assert(offsetof(PrefillParams, kv_len) == 340, "PrefillParams.kv_len offset");
-static_assert(offsetof(PrefillParams, num_qo_heads) == 344, "PrefillParams.num_qo_heads offset");
-static_assert(offsetof(PrefillParams, num_kv_heads) == 348, "PrefillParams.num_kv_heads offset");
-static_assert(offsetof(PrefillParams, group_size) == 352, "PrefillParams.group_size offset");
-static_assert(offsetof(PrefillParams, num_kv_chunks) == 356, "PrefillParams.num_kv_chunks offset");
-static_assert(offsetof(PrefillParams, rows_fastest) == 360, "PrefillParams.rows_fastest offset");
-static_assert(offsetof(PrefillParams, kv_chunk_size) == 364, "PrefillParams.kv_chunk_size offset");
-static_assert(offsetof(PrefillParams, causal) == 368, "PrefillParams.causal offset");
-static_assert(offsetof(PrefillParams, window_left) == 372, "PrefillParams.window_left offset");
-static_assert(offsetof(PrefillParams, sm_scale_log2) == 376, "PrefillParams.sm_scale_log2 offset");
-static_assert(offsetof(PrefillParams, logits_soft_cap) == 380, "PrefillParams.logits_soft_cap offset");
-static_assert(offsetof(PrefillParams, rope) == 384, "PrefillParams.rope offset");
-static_assert(offsetof(PrefillParams, rope_rcp_scale) == 388, "PrefillParams.rope_rcp_scale offset");
-static_assert(offsetof(PrefillParams, rope_log2_theta) == 392, "PrefillParams.rope_log2_theta offset");
-static_assert(offsetof(PrefillParams, lse_scale) == 396, "PrefillParams.lse_scale offset");
-static_assert(offsetof(PrefillParams, page_size) == 400, "PrefillParams.page_size offset");
-static_assert(offsetof(PrefillParams, page_shift) == 404, "PrefillParams.page_shift offset");
-static_assert(offsetof(PrefillParams, v_scale) == 408, "PrefillParams.v_scale offset");
-static_assert(offsetof(PrefillParams, kv_fp8) == 412, "PrefillParams.kv_fp8 offset");
-static_assert(offsetof(PrefillParams, kv_max_pages) == 416, "PrefillParams.kv_max_pages offset");
-static_assert(offsetof(PrefillParams, num_pages) == 420, "PrefillParams.num_pages offset");
-static_assert(offsetof(PrefillParams, spec_mask_words) == 424, "PrefillParams.spec_mask_words offset");
-static_assert(offsetof(PrefillParams, o_format) == 428, "PrefillParams.o_format offset");
+static_assert(offsetof(PrefillParams, softmax_stats) == 208, "PrefillParams.softmax_stats offset");
+static_assert(offsetof(PrefillParams, q_stride_n) == 216, "PrefillParams.q_stride_n offset");
+static_assert(offsetof(PrefillParams, q_stride_h) == 224, "PrefillParams.q_stride_h offset");
+static_assert(offsetof(PrefillParams, k_stride_n) == 232, "PrefillParams.k_stride_n offset");
+static_assert(offsetof(PrefillParams, k_stride_h) == 240, "PrefillParams.k_stride_h offset");
+static_assert(offsetof(PrefillParams, v_stride_n) == 248, "PrefillParams.v_stride_n offset");
+static_assert(offsetof(PrefillParams, v_stride_h) == 256, "PrefillParams.v_stride_h offset");
+static_assert(offsetof(PrefillParams, o_stride_n) == 264, "PrefillParams.o_stride_n offset");
+static_assert(offsetof(PrefillParams, o_stride_h) == 272, "PrefillParams.o_stride_h offset");
+static_assert(offsetof(PrefillParams, k_stride_page) == 280, "PrefillParams.k_stride_page offset");
+static_assert(offsetof(PrefillParams, v_stride_page) == 288, "PrefillParams.v_stride_page offset");
+static_assert(offsetof(PrefillParams, k_sf_stride_page) == 296, "PrefillParams.k_sf_stride_page offset");
+static_assert(offsetof(PrefillParams, k_sf_stride_n) == 304, "PrefillParams.k_sf_stride_n offset");
+static_assert(offsetof(PrefillParams, k_sf_stride_h) == 312, "PrefillParams.k_sf_stride_h offset");
+static_assert(offsetof(PrefillParams, v_sf_stride_page) == 320, "PrefillParams.v_sf_stride_page offset");
+static_assert(offsetof(PrefillParams, v_sf_stride_n) == 328, "PrefillParams.v_sf_stride_n offset");
+static_assert(offsetof(PrefillParams, v_sf_stride_h) == 336, "PrefillParams.v_sf_stride_h offset");
+static_assert(offsetof(PrefillParams, qo_len) == 344, "PrefillParams.qo_len offset");
+static_assert(offsetof(PrefillParams, kv_len) == 348, "PrefillParams.kv_len offset");
+static_assert(offsetof(PrefillParams, num_qo_heads) == 352, "PrefillParams.num_qo_heads offset");
+static_assert(offsetof(PrefillParams, num_kv_heads) == 356, "PrefillParams.num_kv_heads offset");
+static_assert(offsetof(PrefillParams, group_size) == 360, "PrefillParams.group_size offset");
+static_assert(offsetof(PrefillParams, num_kv_chunks) == 364, "PrefillParams.num_kv_chunks offset");
+static_assert(offsetof(PrefillParams, rows_fastest) == 368, "PrefillParams.rows_fastest offset");
+static_assert(offsetof(PrefillParams, kv_chunk_size) == 372, "PrefillParams.kv_chunk_size offset");
+static_assert(offsetof(PrefillParams, causal) == 376, "PrefillParams.causal offset");
+static_assert(offsetof(PrefillParams, window_left) == 380, "PrefillParams.window_left offset");
+static_assert(offsetof(PrefillParams, sm_scale_log2) == 384, "PrefillParams.sm_scale_log2 offset");
+static_assert(offsetof(PrefillParams, logits_soft_cap) == 388, "PrefillParams.logits_soft_cap offset");
+static_assert(offsetof(PrefillParams, rope) == 392, "PrefillParams.rope offset");
+static_assert(offsetof(PrefillParams, rope_rcp_scale) == 396, "PrefillParams.rope_rcp_scale offset");
+static_assert(offsetof(PrefillParams, rope_log2_theta) == 400, "PrefillParams.rope_log2_theta offset");
+static_assert(offsetof(PrefillParams, lse_scale) == 404, "PrefillParams.lse_scale offset");
+static_assert(offsetof(PrefillParams, page_size) == 408, "PrefillParams.page_size offset");
+static_assert(offsetof(PrefillParams, page_shift) == 412, "PrefillParams.page_shift offset");
+static_assert(offsetof(PrefillParams, v_scale) == 416, "PrefillParams.v_scale offset");
+static_assert(offsetof(PrefillParams, kv_fp8) == 420, "PrefillParams.kv_fp8 offset");
+static_assert(offsetof(PrefillParams, kv_max_pages) == 424, "PrefillParams.kv_max_pages offset");
+static_assert(offsetof(PrefillParams, num_pages) == 428, "PrefillParams.num_pages offset");
+static_assert(offsetof(PrefillParams, spec_mask_words) == 432, "PrefillParams.spec_mask_words offset");
+static_assert(offsetof(PrefillParams, chunk_shift) == 436, "PrefillParams.chunk_shift offset");
+static_assert(offsetof(PrefillParams, o_format) == 440, "PrefillParams.o_format offset");
 
 // combine split-KV partials (float32 o, base-2 lse) into the final output
 struct MergeParams {
@@ -159,9 +163,10 @@ struct MergeParams {
   int32_t head_dim;
   int32_t num_kv_chunks;  // single request: KV chunks per row (0: per-token merge_indptr)
   float lse_scale;  // applied to the final LSE only (partials stay base 2)
+  int32_t chunk_shift;  // chunked attention (TRT-LLM): log2 of the chunk size (>= 1); with causal, row q also needs kv >= floor(pos(q) / chunk) * chunk (MaskRule::left); 0 = none (a zeroed struct)
   int32_t o_format;  // the output's element format, as PrefillParams.o_format
 };
-static_assert(sizeof(MergeParams) == 88, "MergeParams size drifted from the schema");
+static_assert(sizeof(MergeParams) == 96, "MergeParams size drifted from the schema");
 static_assert(offsetof(MergeParams, o_partial) == 0, "MergeParams.o_partial offset");
 static_assert(offsetof(MergeParams, lse_partial) == 8, "MergeParams.lse_partial offset");
 static_assert(offsetof(MergeParams, o) == 16, "MergeParams.o offset");
@@ -175,7 +180,8 @@ static_assert(offsetof(MergeParams, num_heads) == 68, "MergeParams.num_heads off
 static_assert(offsetof(MergeParams, head_dim) == 72, "MergeParams.head_dim offset");
 static_assert(offsetof(MergeParams, num_kv_chunks) == 76, "MergeParams.num_kv_chunks offset");
 static_assert(offsetof(MergeParams, lse_scale) == 80, "MergeParams.lse_scale offset");
-static_assert(offsetof(MergeParams, o_format) == 84, "MergeParams.o_format offset");
+static_assert(offsetof(MergeParams, chunk_shift) == 84, "MergeParams.chunk_shift offset");
+static_assert(offsetof(MergeParams, o_format) == 88, "MergeParams.o_format offset");
 
 // pack bool/uint8 values into bits (one output byte per thread), optionally per segment
 struct PackbitsParams {
