@@ -163,7 +163,8 @@ def test_fmha_layouts_and_masks(layout, mask, dtype):
     ql = [300, 1, 77, 513] if packed else [100, 1, 77, 513]
     kl = [300, 1, 77, 513] if packed else [300, 1, 200, 513]
     hq, hkv, d = (8, 8, 128) if packed else (8, 2, 128)
-    q, k, v, cq, ck, sl = make_inputs(ql, kl, hq, hkv, d, dtype, seed=zlib.crc32(f"{layout}{mask}{dtype}".encode()) % 1000)
+    seed = zlib.crc32(f"{layout}{mask}{dtype}".encode()) % 1000
+    q, k, v, cq, ck, sl = make_inputs(ql, kl, hq, hkv, d, dtype, seed=seed)
     out = poisoned(q.shape, dtype)
     res = run_fmha(layout, q, k, v, cq, ck, sl, ql, kl, bmm1_scale=0.9 / math.sqrt(d), bmm2_scale=1.0, out=out,
                    mask_mode=mode, window_left=wl, chunked_attention_size=chunk)
@@ -239,3 +240,18 @@ def test_context(layout, form, tensor_scales):
     assert res is out
     check(out, q, k, v, ql, kl, BF16, scale1=0.08, scale2=1.5, wl=100, what=f"context {layout} {form}")
     assert not torch.isnan(lse).any()
+
+
+@pytest.mark.parametrize("layout", ["CONTIGUOUS_Q_KV", "Q_PAGED_KV_HND"])
+def test_fmha_sinks_under_split_kv(layout):
+    """One short query block over many keys: the plan splits KV (asserted), and the sink is added
+    once, where the merge finishes each row."""
+    from pyflashattn._engine import trtllm as _trtllm
+    ql, kl = [16], [8000]
+    q, k, v, cq, ck, sl = make_inputs(ql, kl, 8, 2, 128, BF16, seed=23)
+    sinks = torch.randn(8, device=DEV, dtype=torch.float32) * 3
+    out = poisoned(q.shape, BF16)
+    run_fmha(layout, q, k, v, cq, ck, sl, ql, kl, bmm1_scale=0.1, bmm2_scale=1.0, out=out, sinks=sinks)
+    engine = next(reversed(_trtllm._ENGINES.values()))
+    assert engine.schedule.split, "the plan did not split KV: the case tests nothing"
+    check(out, q, k, v, ql, kl, BF16, scale1=0.1, sinks=sinks, what=f"split sinks {layout}")
