@@ -50,6 +50,9 @@ PREFILL = (
         ("k_sf", "ptr", "NVFP4 K (the kv_dtype=nvfp4 kernels, whose k holds uint8 e2m1 code pairs [.., D/2]): its "
          "float8_e4m3fn block scales [.., D/16], one per 16 head-dim elements of a row, at k_sf_stride_*; 0 otherwise"),
         ("v_sf", "ptr", "NVFP4 V: its block scales, as k_sf"),
+        ("softmax_stats", "ptr", "float32 [tokens, Hq, 2] TRT-LLM FMHAv2 softmax stats (row max of the final "
+         "logits in natural units, row sum of exp(logit - max), sinks included), written by the general sm80 "
+         "kernels' epilogue for unsplit rows only (the host plans such calls without split KV); 0 = none"),
         ("q_stride_n", "i64", ""),
         ("q_stride_h", "i64", ""),
         ("k_stride_n", "i64", ""),
@@ -96,6 +99,8 @@ PREFILL = (
         ("spec_mask_words", "i32", "> 0: custom_mask is a speculative-decoding mask (XQA's): per query row "
          "spec_mask_words little-endian 32-bit words, bit j = draft key j of the request's last qo_len keys; "
          "the keys before the drafts are always visible. 0 = custom_mask is packed bits q * kv_len + kv"),
+        ("chunk_shift", "i32", "chunked attention (TRT-LLM): log2 of the chunk size (>= 1); with causal, row q "
+         "also needs kv >= floor(pos(q) / chunk) * chunk (MaskRule::left); 0 = none (a zeroed struct)"),
         ("o_format", "i32", "the output's element format (OutFormat): 0 = the kernel's 16-bit type, 1 = the other "
          "16-bit type (fp16 <-> bf16), 2 = float8_e4m3fn (saturated to +-448, round to nearest even); "
          "strides stay in elements"),

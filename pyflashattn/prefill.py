@@ -22,13 +22,14 @@ from __future__ import annotations
 
 import functools
 
-from ._engine import indices, operands
+from ._engine import indices, operands, trtllm_context as _trtllm_context, trtllm_fmha as _trtllm_fmha
 from ._engine.batch import BatchEngine
 from ._engine.problem import PlanSettings
 from ._engine.single import single_prefill
 
 __all__ = ["single_prefill_with_kv_cache", "single_prefill_with_kv_cache_return_lse",
-           "BatchPrefillWithPagedKVCacheWrapper", "BatchPrefillWithRaggedKVCacheWrapper"]
+           "BatchPrefillWithPagedKVCacheWrapper", "BatchPrefillWithRaggedKVCacheWrapper",
+           "trtllm_fmha_v2_prefill", "trtllm_batch_context_with_kv_cache"]
 
 
 # The public function is the engine's entry itself, with FlashInfer's signature: a single-prefill
@@ -202,3 +203,9 @@ class BatchPrefillWithRaggedKVCacheWrapper(_BatchPrefillWrapper):
         run()."""
         return self._engine.run_ragged(q, k, v, *args, k_scale=k_scale, v_scale=v_scale, out=out, lse=lse,
                                        return_lse=return_lse, stream=stream, enable_pdl=enable_pdl, sinks=sinks)
+
+
+# TensorRT-LLM entry points (FlashInfer's signatures; README "TRT-LLM prefill"): plan-free calls
+# that copy their length metadata to the host (one sync) and run the batch engine.
+trtllm_fmha_v2_prefill = _trtllm_fmha.fmha_v2_prefill
+trtllm_batch_context_with_kv_cache = _trtllm_context.batch_context

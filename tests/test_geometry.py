@@ -17,8 +17,19 @@ from pyflashattn._engine.geometry import tile_spans
 class MaskRule:
     """mask.cuh's MaskRule (structural part), in Python."""
 
-    def __init__(self, qo_len, kv_len, causal, window_left):
+    def __init__(self, qo_len, kv_len, causal, window_left, chunk_shift=0):
         self.qo_len, self.kv_len, self.causal, self.window_left = qo_len, kv_len, causal, window_left
+        self.chunk_shift = chunk_shift
+
+    def has_left(self):
+        return self.window_left >= 0 or self.chunk_shift > 0
+
+    def left(self, q):
+        p = self.pos(q)
+        lo = p - self.window_left if self.window_left >= 0 else 0
+        if self.chunk_shift > 0:
+            lo = max(lo, (p >> self.chunk_shift) << self.chunk_shift)
+        return lo
 
     def pos(self, q):
         return q + self.kv_len - self.qo_len
@@ -27,12 +38,12 @@ class MaskRule:
         ok = 0 <= kv < self.kv_len
         if self.causal:
             ok = ok and kv <= self.pos(q)
-        if self.window_left >= 0:
-            ok = ok and kv >= self.pos(q) - self.window_left
+        if self.has_left():
+            ok = ok and kv >= self.left(q)
         return ok
 
     def kv_begin(self, q0):
-        return max(0, self.pos(q0) - self.window_left) if self.window_left >= 0 else 0
+        return max(0, self.left(q0)) if self.has_left() else 0
 
     def kv_end(self, q1):
         return min(self.kv_len, max(0, self.pos(q1) + 1)) if self.causal else self.kv_len
@@ -46,7 +57,7 @@ def _device_tiles(rule, r0, rows_total, group, bm, bn):
     return (start, start + (-(-(kv_hi - start * bn) // bn) if kv_hi > kv_lo else 0))
 
 
-def _host_spans(qo_lens, kv_lens, g, bm, bn, causal, wl):
+def _host_spans(qo_lens, kv_lens, g, bm, bn, causal, wl, chunk=0):
     """tile_spans for a whole batch as [(l, h)] per q tile, request-major."""
     qo = np.asarray(qo_lens, np.int64)
     kv = np.asarray(kv_lens, np.int64)
@@ -55,7 +66,7 @@ def _host_spans(qo_lens, kv_lens, g, bm, bn, causal, wl):
     first = ends - tiles
     req = np.repeat(np.arange(qo.size), tiles)
     wl = wl if wl < kv.max(initial=0) else -1  # the scheduler's rule: a window past every key is none
-    nh, l = tile_spans(qo, kv, tiles, first, req, g, bm, bn, causal, wl)
+    nh, l = tile_spans(qo, kv, tiles, first, req, g, bm, bn, causal, wl, chunk)
     l = np.zeros_like(nh) if l is None else l
     return list(zip(l.tolist(), (-nh).tolist()))
 
@@ -91,3 +102,40 @@ def test_cost_model_prices_the_same_spans(qo_len, kv_len, g, bm, bn, causal, wl)
     kv_len = max(kv_len, qo_len) if causal else kv_len
     lo, hi = cost_model._row_tile_spans(qo_len, kv_len, g, bm, bn, causal, wl)
     assert list(zip(lo.tolist(), hi.tolist())) == _host_spans([qo_len], [kv_len], g, bm, bn, causal, wl)
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.lists(st.tuples(st.integers(1, 300), st.integers(0, 700)), min_size=1, max_size=5),
+       st.sampled_from([1, 2, 3, 4, 8]), st.sampled_from([16, 32, 64, 128]), st.sampled_from([16, 32, 64]),
+       st.sampled_from([1, 2, 4, 6, 8]), st.sampled_from([-1, 0, 17, 100]))
+def test_chunked_spans_match_the_device_rule(reqs, g, bm, bn, shift, wl):
+    """Chunked attention (TRT-LLM's, always causal): the chunk start is each row's left bound, so
+    the host's spans match the kernel's loop bounds and the brute-force kept keys; with a window
+    too, the larger bound wins (the API refuses the pair, the predicate takes it)."""
+    reqs = [(q, max(k, q)) for q, k in reqs]
+    host = _host_spans([q for q, _ in reqs], [k for _, k in reqs], g, bm, bn, True, wl, 1 << shift)
+    i = 0
+    for qo_len, kv_len in reqs:
+        rule = MaskRule(qo_len, kv_len, True, wl if wl < max(k for _, k in reqs) else -1, shift)
+        rows_total = qo_len * g
+        for r0 in range(0, rows_total, bm):
+            l, h = host[i]
+            i += 1
+            assert (l, h) == _device_tiles(rule, r0, rows_total, g, bm, bn), (qo_len, kv_len, r0)
+            rows = range(r0 // g, (min(r0 + bm, rows_total) - 1) // g + 1)
+            kept = [kv for kv in range(kv_len) if any(rule.keep_structural(q, kv) for q in rows)]
+            if kept:
+                assert l == kept[0] // bn and h == kept[-1] // bn + 1, (qo_len, kv_len, r0)
+    assert i == len(host)
+
+
+def test_chunked_rule_matches_a_numpy_model():
+    """keep_structural with a chunk equals FMHAv2's chunked mask: floor(p / C) * C <= kv <= p."""
+    for qo_len, kv_len, shift in ((5, 9, 2), (64, 300, 6), (1, 1000, 8), (37, 37, 3)):
+        rule = MaskRule(qo_len, kv_len, True, -1, shift)
+        q = np.arange(qo_len)[:, None]
+        kv = np.arange(kv_len)[None, :]
+        p = q + kv_len - qo_len
+        want = (kv <= p) & (kv >= (p // (1 << shift)) * (1 << shift))
+        got = np.array([[rule.keep_structural(a, b) for b in range(kv_len)] for a in range(qo_len)])
+        assert (got == want).all()

@@ -98,9 +98,11 @@ class BatchEngine:
 
     # ---- plan --------------------------------------------------------------------------
     def plan(self, src: KVSource, settings: PlanSettings, causal, custom_mask, packed_custom_mask,
-             disable_split_kv, stream):
+             disable_split_kv, stream, attn_chunk: int = 0):
         """Resolve, schedule and stage one batch plan. Everything that can refuse the plan runs
-        before anything is committed, so a refused plan leaves the previous one usable."""
+        before anything is committed, so a refused plan leaves the previous one usable.
+        attn_chunk: chunked attention's chunk size, a power of two >= 2 (TRT-LLM's; 0 = none),
+        validated by the caller (operands.attention_chunk)."""
         has_mask = settings.has_mask
         # The mask is checked first (before the driver is touched, like every argument).
         mask = self.masks.plan(custom_mask, packed_custom_mask, src.qo_lens, src.kv_lens) if has_mask else None
@@ -133,7 +135,7 @@ class BatchEngine:
         plan = schedule.schedule_prefill(src.qo, src.qo_lens, src.kv_lens, src.max_qo, src.max_kv, cfg.group,
                                          cfg.num_kv_heads, meta["block_m"], meta["block_n"], budget, bool(causal),
                                          cfg.window_left, cfg.fixed_split_size, disable_split_kv, cap, ctas,
-                                         None if tile else cfg.head_dim)
+                                         None if tile else cfg.head_dim, attn_chunk)
         if plan.grid > params.MAX_GRID_YZ:  # work items run along gridDim.z
             raise ValueError(f"this plan needs {plan.grid} work items (q tiles x KV chunks), more than the "
                              f"{params.MAX_GRID_YZ} one launch takes; split the batch (or use a larger "
@@ -167,6 +169,7 @@ class BatchEngine:
         if consts != self.consts or self.scaled:  # a serving loop re-plans with the same options
             self._write_options(la, cfg, causal, src.page_size)
             self.consts = consts
+        la.params.chunk_shift = attn_chunk.bit_length() - 1 if attn_chunk else 0  # MaskRule::chunk_shift
         self.sm_log2 = cfg.sm_scale * params.LOG2E
         self.sinks = la.params.sinks = 0  # run(sinks=...) sets them for its launch
         self.ks = self.vs = 1.0  # run()'s k_scale / v_scale currently in the struct

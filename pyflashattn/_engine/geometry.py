@@ -12,26 +12,27 @@ import numpy as np
 from .npfast import consts as _k, div as _div
 
 
-def tile_spans(qo_lens, kv, tiles, first, req, g, bm, bn, causal, wl):
+def tile_spans(qo_lens, kv, tiles, first, req, g, bm, bn, causal, wl, chunk=0):
     """Per q tile of the batch (request-major), [l, h): the KV tiles its rows can see at all,
     returned as (-h, l), l None without a window. Token i of a request sits at i + shift (shift =
     kv_len - qo_len; packed row r is token r // g): h = clip(ceil(hi / bn), 0, ceil(kv / bn))
     with hi the causal end of the tile's last token (-h computed as floor(-hi / bn)), and
-    l = floor(max(lo, 0) / bn) with lo the window start of its first token. tiles None: one
+    l = floor(max(lo, 0) / bn) with lo the window start of its first token (chunked attention,
+    chunk > 0: the larger of that and its chunk start, floor(pos / chunk) * chunk, MaskRule::left;
+    its causal end as above). tiles None: one
     tile per request; else ``first`` is each request's first tile and ``req`` each tile's
     request."""
     if tiles is None:  # the tile holds the request's last token, which sees every key
         nkvt = np.floor_divide(kv, _k[-bn])  # -ceil(kv / bn)
-        if wl < 0:
+        if wl < 0 and not chunk:
             return nkvt, None
-        lo = kv - qo_lens
-        lo -= _k[wl]
+        lo = _left(kv - qo_lens, wl, chunk)
         np.maximum(lo, _k[0], out=lo)
         return nkvt, _div(lo, bn)
     T = req.size
     # per-request values, per tile: a repeat costs per request, a gather per tile
     expand = (lambda x: x.repeat(tiles)) if T > 4 * kv.size else (lambda x: x[req])
-    if not (causal or wl >= 0):
+    if not (causal or wl >= 0 or chunk):
         return expand(np.floor_divide(kv, _k[-bn])), None
     shift = kv - qo_lens
     nh = l = None
@@ -46,9 +47,10 @@ def tile_spans(qo_lens, kv, tiles, first, req, g, bm, bn, causal, wl):
             # reach past kv: clip every tile at -ceil(kv / bn) (3 numpy calls; writing the last
             # tiles alone needs as many plus a check that every request has one).
             np.maximum(nh, expand(np.floor_divide(kv, _k[-bn])), out=nh)
-        if wl >= 0:  # lo = t*s + shift - wl
+        if wl >= 0 or chunk:  # the first token's position t*s + shift, then lo
             l = np.subtract(js, d, out=js)
-            l -= _k[s + wl]
+            l -= _k[s]
+            l = _left(l, wl, chunk)
     else:
         r0 = np.arange(T)
         r0 -= expand(first)
@@ -59,11 +61,11 @@ def tile_spans(qo_lens, kv, tiles, first, req, g, bm, bn, causal, wl):
             np.floor_divide(nh, _k[-g], out=nh)
             nh -= sh
             _div(nh, bn)
-        if wl >= 0:  # lo = r0 // g + shift - wl
+        if wl >= 0 or chunk:  # the first token's position r0 // g + shift, then lo
             l = r0
             l //= _k[g]
             l += sh
-            l -= _k[wl]
+            l = _left(l, wl, chunk)
     if nh is None:
         nh = expand(np.floor_divide(kv, _k[-bn]))
     else:
@@ -74,3 +76,17 @@ def tile_spans(qo_lens, kv, tiles, first, req, g, bm, bn, causal, wl):
     return nh, l
 
 
+
+
+def _left(pos, wl, chunk):
+    """MaskRule::left of tokens at positions pos (int64, modified): pos - wl (window), raised to
+    floor(pos / chunk) * chunk (chunked attention)."""
+    if chunk:
+        c = np.floor_divide(pos, chunk)
+        c *= chunk
+        if wl < 0:
+            return c
+        pos -= _k[wl]
+        return np.maximum(pos, c, out=pos)
+    pos -= _k[wl]
+    return pos

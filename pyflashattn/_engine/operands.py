@@ -332,3 +332,93 @@ def index_array(v, name: str, dev: int, ref: str = "q", dtypes=(_dtypes.INT32,))
     require_ndim(v, name, 1)
     if v.shape[0] > 1 and v.strides[0] != 1:
         raise ValueError(f"{name} must be contiguous, got strides {v.strides}")
+
+
+# ---- TRT-LLM entry points (trtllm_fmha_v2_prefill, trtllm_batch_context_with_kv_cache) ----------
+TRTLLM_LAYOUTS = ("PACKED_QKV", "CONTIGUOUS_Q_KV", "SEPARATE_Q_K_V", "Q_PAGED_KV_NHD", "Q_PAGED_KV_HND")
+TRTLLM_MASKS = ("padding", "causal", "sliding_window", "chunked")
+
+
+def trtllm_input_layout(layout) -> str:
+    """input_layout: one of TRTLLM_LAYOUTS (case-insensitive)."""
+    name = layout.upper() if isinstance(layout, str) else None
+    if name not in TRTLLM_LAYOUTS:
+        raise ValueError(f"input_layout must be one of {TRTLLM_LAYOUTS}, got {layout!r}")
+    return name
+
+
+def trtllm_mask(mask_mode, window_left, chunked_attention_size) -> tuple:
+    """FMHAv2's mask_mode with window_left / chunked_attention_size -> (causal, window_left,
+    chunk size or 0). causal with window_left >= 0 acts as sliding_window (FlashInfer); the
+    sliding window and chunked attention are causal (TRT-LLM's), padding is no mask."""
+    mode = mask_mode.lower() if isinstance(mask_mode, str) else None
+    if mode == "custom":
+        raise NotImplementedError("mask_mode='custom': the FMHAv2 API takes no mask tensor; pyflashattn's custom "
+                                  "masks are on BatchPrefillWith*Wrapper.plan(custom_mask=...)")
+    if mode not in TRTLLM_MASKS:
+        raise ValueError(f"mask_mode must be one of {TRTLLM_MASKS}, got {mask_mode!r}")
+    if isinstance(window_left, bool) or not isinstance(window_left, (int, np.integer)) or window_left < -1:
+        raise ValueError(f"window_left must be an int >= -1, got {window_left!r}")
+    wl = int(window_left)
+    if mode == "padding":
+        if wl >= 0:
+            raise ValueError(f"window_left={wl}: a sliding window needs mask_mode 'sliding_window' or 'causal', "
+                             "not 'padding'")
+        return False, -1, 0
+    if mode == "chunked":
+        if wl >= 0:
+            raise ValueError(f"window_left={wl}: chunked attention excludes a sliding window")
+        return True, -1, attention_chunk(chunked_attention_size)
+    return True, wl, 0
+
+
+def attention_chunk(size) -> int:
+    """chunked_attention_size: a power of two >= 2."""
+    if isinstance(size, bool) or not isinstance(size, (int, np.integer)) or size < 2 or size & (size - 1):
+        raise ValueError(f"chunked_attention_size must be a power of two >= 2 with mask_mode='chunked', got {size!r}")
+    return int(size)
+
+
+def trtllm_lengths(seq_lens, cum_q, cum_kv, batch_size, max_q_len, max_kv_len) -> tuple:
+    """Host copies of seq_lens / cum_seq_lens_q / cum_seq_lens_kv checked against each other and
+    batch_size, max_q_len, max_kv_len: (q lengths, kv lengths) as int64."""
+    B = positive_int(batch_size, "batch_size")
+    for a, name, n in ((seq_lens, "seq_lens", B), (cum_q, "cum_seq_lens_q", B + 1), (cum_kv, "cum_seq_lens_kv", B + 1)):
+        if a.shape != (n,):
+            raise ValueError(f"{name} must have shape ({n},) for batch_size={B}, got {a.shape}")
+    kv = seq_lens.astype(np.int64)
+    ql, kl = np.diff(cum_q.astype(np.int64)), np.diff(cum_kv.astype(np.int64))
+    if cum_q[0] != 0 or (ql < 0).any():
+        raise ValueError("cum_seq_lens_q must start at 0 and be non-decreasing")
+    if cum_kv[0] != 0 or (kl < 0).any():
+        raise ValueError("cum_seq_lens_kv must start at 0 and be non-decreasing")
+    if (kv < 0).any() or not np.array_equal(kv, kl):
+        b = int(np.flatnonzero(kv != kl)[0]) if kv.size == kl.size else 0
+        raise ValueError(f"seq_lens[{b}] = {kv[b]} disagrees with cum_seq_lens_kv (request {b} has {kl[b]} keys)")
+    mq, mk = positive_int(max_q_len, "max_q_len"), positive_int(max_kv_len, "max_kv_len")
+    if ql.max(initial=0) > mq:
+        raise ValueError(f"a request has {ql.max()} queries, more than max_q_len={mq}")
+    if kv.max(initial=0) > mk:
+        raise ValueError(f"a request has {kv.max()} keys, more than max_kv_len={mk}")
+    return ql, kv
+
+
+def block_table_rows(table, batch: int, page_size: int, kv_lens, num_pages: int, separate: bool):
+    """Host block tables [B, M] (or [B, 2, M]: K ids then V ids, separate=True) for requests of
+    kv_lens keys: (K page ids, V page ids or None) of the pages each request uses, concatenated,
+    each id checked against num_pages."""
+    want = 3 if separate else 2
+    if table.ndim != want or table.shape[0] != batch or (separate and table.shape[1] != 2):
+        form = "[batch_size, 2, max_pages]" if separate else "[batch_size, max_pages]"
+        raise ValueError(f"block_tables must be {form} with batch_size={batch}, got shape {table.shape}")
+    pages = -(-kv_lens // page_size)
+    if pages.max(initial=0) > table.shape[-1]:
+        raise ValueError(f"block_tables rows hold {table.shape[-1]} pages, a request needs {pages.max()} "
+                         f"(page_size={page_size})")
+    m = np.arange(table.shape[-1])[None, :] < pages[:, None]
+    ids = [(table[:, 0] if separate else table)[m]] + ([table[:, 1][m]] if separate else [])
+    for i in ids:
+        if i.size and (i.min() < 0 or i.max() >= num_pages):
+            raise ValueError(f"block_tables holds page id {int(i.max() if i.max() >= num_pages else i.min())} "
+                             f"outside the cache's {num_pages} pages")
+    return ids[0].astype(np.int32), (ids[1].astype(np.int32) if separate else None)

@@ -287,14 +287,16 @@ def plan_prefill(qo_indptr, kv_lens, *, group_size, num_kv_heads, block_m, block
 
 
 def schedule_prefill(qo, qo_lens, kv, max_qo, max_kv, g, hkv, bm, bn, budget, causal, wl, fss, disable_split_kv,
-                     cap, ctas_per_sm=1, cost_head_dim=None):
+                     cap, ctas_per_sm=1, cost_head_dim=None, attn_chunk=0):
     """plan_prefill() after its argument checks, for callers that validated the lengths already
     (the engine): qo = the int32/int64 qo_indptr, qo_lens / kv the int64 lengths (>= 0, not
     modified), max_qo / max_kv their maxima (0 for an empty batch), the scalars checked ints
     (fss = fixed_split_size or None), cap = graph_capacity, budget = num_sms * ctas_per_sm.
     cost_head_dim: a one-request launch on a row-tile kernel of this head_dim takes its automatic
     split from the cost model (cost_model.plan_chunks), as single prefill does; None (the decode
-    tiles, and plan_prefill's callers) keeps the wave-filling search."""
+    tiles, and plan_prefill's callers) keeps the wave-filling search. attn_chunk: chunked
+    attention's chunk size (0 = none), a left bound per row the LPT order sees (geometry); the
+    split search prices tiles without it (an over-estimate: it only splits more)."""
     B = kv.size
     total_q = qo.item(-1)
     if total_q > _I32_MAX or max_kv > _I32_MAX:
@@ -364,7 +366,8 @@ def schedule_prefill(qo, qo_lens, kv, max_qo, max_kv, g, hkv, bm, bn, budget, ca
     if grid > N:
         work_request[N:] = -1  # padding of a fixed CUDA-graph grid
     _fill_work_items(work_request, work_qtile, work_chunk, qo_lens, kv, tiles, ends, T, B, N, g, bm, bn, causal, wl,
-                     max_kv, split, chunk, nc, None if nc is None else nc_t, None if nc is None else item_end)
+                     max_kv, split, chunk, nc, None if nc is None else nc_t, None if nc is None else item_end,
+                     attn_chunk)
     if split:
         num_partial_rows = _fill_partial_rows(num_chunks, o_indptr, merge_indptr, qo, qo_lens, nc, tiles, B,
                                               total_q, max_kv, chunk)
@@ -440,14 +443,14 @@ def _chunk_size(qo_lens, kv, max_qo, max_kv, tiles, T, B, g, hkv, bm, bn, budget
 
 
 def _fill_work_items(work_request, work_qtile, work_chunk, qo_lens, kv, tiles, ends, T, B, N, g, bm, bn, causal, wl,
-                     max_kv, split, chunk, nc, nc_t, item_end):
+                     max_kv, split, chunk, nc, nc_t, item_end, attn_chunk=0):
     """Work items (q tile-major, chunk fastest) in LPT order: a stable sort by the KV tiles the
     kernel iterates for each item, descending (ties keep the item order)."""
     first = req = None
     if tiles is not None:
         first = ends - tiles  # each request's first q tile
         req = _shared("iota", B).repeat(tiles)  # the request of each q tile
-    nh, l = tile_spans(qo_lens, kv, tiles, first, req, g, bm, bn, causal, wl)
+    nh, l = tile_spans(qo_lens, kv, tiles, first, req, g, bm, bn, causal, wl, attn_chunk)
     if not split:  # item = q tile; it iterates h - l KV tiles (>= 0: a tile's lo < its hi)
         order = _lpt_order(nh if l is None else np.add(nh, l, out=nh), -(-max_kv // bn))
         if tiles is None:  # q tile = request

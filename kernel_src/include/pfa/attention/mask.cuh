@@ -7,6 +7,9 @@
 // ANDed with the window. A speculative-decoding mask (XQA's; spec_words > 0) is the custom mask
 // of the drafts only: the request's last qo_len keys are its drafts, row q keeps draft j when bit
 // j of its spec_words 32-bit words is set, and every key before the drafts is kept.
+// Chunked attention (TRT-LLM FMHAv2's, chunk_shift > 0, with causal): row q also needs
+// kv >= floor(p / 2^chunk_shift) * 2^chunk_shift, a per-row left bound like the window's, so
+// every test below takes it where it takes the window (left()).
 #pragma once
 #include <stdint.h>
 
@@ -18,6 +21,17 @@ struct MaskRule {
   int window_left;      // -1 = none
   const uint8_t* bits;  // custom mask, nullptr = none (always nullptr in the lean kernels)
   int spec_words;       // > 0: bits is a speculative-decoding mask with this many words per row
+  int chunk_shift;      // log2 of the attention chunk, 0 = none (PrefillParams::chunk_shift)
+
+  // A per-row left bound (window or chunk) exists: without one, kv >= 0 is the only left test.
+  __device__ __forceinline__ bool has_left() const { return window_left >= 0 || chunk_shift > 0; }
+  // Row q's first visible key by the window and the chunk (0 without either; may be < 0).
+  __device__ __forceinline__ int left(int q) const {
+    const int p = pos(q);
+    int lo = window_left >= 0 ? p - window_left : 0;
+    if (chunk_shift > 0) lo = max(lo, (p >> chunk_shift) << chunk_shift);  // >>: floor for p < 0 too
+    return lo;
+  }
 
   // First draft key of a speculative-decoding mask: keys before it are always visible.
   __device__ __forceinline__ int first_draft() const { return kv_len - qo_len; }
@@ -45,7 +59,7 @@ struct MaskRule {
   __device__ __forceinline__ bool keep_structural(int q, int kv) const {
     bool ok = kv < kv_len && kv >= 0;
     if (causal) ok = ok && kv <= pos(q);
-    if (window_left >= 0) ok = ok && kv >= pos(q) - window_left;
+    if (has_left()) ok = ok && kv >= left(q);
     return ok;
   }
 
@@ -55,9 +69,9 @@ struct MaskRule {
   __device__ __forceinline__ void row_range(int q, int& lo, int& hi) const {
     const int p = pos(q);
     hi = causal ? min(kv_len, p + 1) : kv_len;  // row_end(q), spelled out: the form measured
-    lo = window_left >= 0 ? max(0, p - window_left) : 0;
+    lo = has_left() ? max(0, left(q)) : 0;
   }
-  // End of row q's range: without a window, keep_structural(q, kv) == (kv < row_end(q)) for
+  // End of row q's range: without a left bound, keep_structural(q, kv) == (kv < row_end(q)) for
   // every kv >= 0.
   __device__ __forceinline__ int row_end(int q) const { return causal ? min(kv_len, pos(q) + 1) : kv_len; }
 
@@ -128,7 +142,7 @@ struct MaskRule {
 
   // Half-open key range [begin, end) that rows [q0, q1] can see at all (may be empty).
   __device__ __forceinline__ int kv_begin(int q0) const {
-    return window_left >= 0 ? max(0, pos(q0) - window_left) : 0;
+    return has_left() ? max(0, left(q0)) : 0;
   }
   __device__ __forceinline__ int kv_end(int q1) const {
     return causal ? min(kv_len, max(0, pos(q1) + 1)) : kv_len;

@@ -42,6 +42,7 @@ struct PrefillParams {
   uint64_t kv_seq_lens;  // paged KV by block table: int32 / uint32 [B] key count of each request (its pages: kv_page_indices[kv_indptr[b] + t / page_size]); 0 = lengths from kv_last_page_len
   uint64_t k_sf;  // NVFP4 K (the kv_dtype=nvfp4 kernels, whose k holds uint8 e2m1 code pairs [.., D/2]): its float8_e4m3fn block scales [.., D/16], one per 16 head-dim elements of a row, at k_sf_stride_*; 0 otherwise
   uint64_t v_sf;  // NVFP4 V: its block scales, as k_sf
+  uint64_t softmax_stats;  // float32 [tokens, Hq, 2] TRT-LLM FMHAv2 softmax stats (row max of the final logits in natural units, row sum of exp(logit - max), sinks included), written by the general sm80 kernels' epilogue for unsplit rows only (the host plans such calls without split KV); 0 = none
   int64_t q_stride_n;
   int64_t q_stride_h;
   int64_t k_stride_n;
@@ -81,6 +82,7 @@ struct PrefillParams {
   int32_t kv_max_pages;  // with kv_seq_lens: the pages each request's block-table row holds (kv_len is clamped to kv_max_pages * page_size, so no row is read past its table)
   int32_t num_pages;  // paged KV: pages in the cache; a page id outside [0, num_pages) is clamped into it, so bad metadata never reads outside the cache (0 = ids trusted, plan() checked them)
   int32_t spec_mask_words;  // > 0: custom_mask is a speculative-decoding mask (XQA's): per query row spec_mask_words little-endian 32-bit words, bit j = draft key j of the request's last qo_len keys; the keys before the drafts are always visible. 0 = custom_mask is packed bits q * kv_len + kv
+  int32_t chunk_shift;  // chunked attention (TRT-LLM): log2 of the chunk size (>= 1); with causal, row q also needs kv >= floor(pos(q) / chunk) * chunk (MaskRule::left); 0 = none (a zeroed struct)
   int32_t o_format;  // the output's element format (OutFormat): 0 = the kernel's 16-bit type, 1 = the other 16-bit type (fp16 <-> bf16), 2 = float8_e4m3fn (saturated to +-448, round to nearest even); strides stay in elements
 };
 static_assert(sizeof(PrefillParams) == 704, "PrefillParams size drifted from the schema");
@@ -112,46 +114,48 @@ static_assert(offsetof(PrefillParams, v_scale_dev) == 432, "PrefillParams.v_scal
 static_assert(offsetof(PrefillParams, kv_seq_lens) == 440, "PrefillParams.kv_seq_lens offset");
 static_assert(offsetof(PrefillParams, k_sf) == 448, "PrefillParams.k_sf offset");
 static_assert(offsetof(PrefillParams, v_sf) == 456, "PrefillParams.v_sf offset");
-static_assert(offsetof(PrefillParams, q_stride_n) == 464, "PrefillParams.q_stride_n offset");
-static_assert(offsetof(PrefillParams, q_stride_h) == 472, "PrefillParams.q_stride_h offset");
-static_assert(offsetof(PrefillParams, k_stride_n) == 480, "PrefillParams.k_stride_n offset");
-static_assert(offsetof(PrefillParams, k_stride_h) == 488, "PrefillParams.k_stride_h offset");
-static_assert(offsetof(PrefillParams, v_stride_n) == 496, "PrefillParams.v_stride_n offset");
-static_assert(offsetof(PrefillParams, v_stride_h) == 504, "PrefillParams.v_stride_h offset");
-static_assert(offsetof(PrefillParams, o_stride_n) == 512, "PrefillParams.o_stride_n offset");
-static_assert(offsetof(PrefillParams, o_stride_h) == 520, "PrefillParams.o_stride_h offset");
-static_assert(offsetof(PrefillParams, k_stride_page) == 528, "PrefillParams.k_stride_page offset");
-static_assert(offsetof(PrefillParams, v_stride_page) == 536, "PrefillParams.v_stride_page offset");
-static_assert(offsetof(PrefillParams, k_sf_stride_page) == 544, "PrefillParams.k_sf_stride_page offset");
-static_assert(offsetof(PrefillParams, k_sf_stride_n) == 552, "PrefillParams.k_sf_stride_n offset");
-static_assert(offsetof(PrefillParams, k_sf_stride_h) == 560, "PrefillParams.k_sf_stride_h offset");
-static_assert(offsetof(PrefillParams, v_sf_stride_page) == 568, "PrefillParams.v_sf_stride_page offset");
-static_assert(offsetof(PrefillParams, v_sf_stride_n) == 576, "PrefillParams.v_sf_stride_n offset");
-static_assert(offsetof(PrefillParams, v_sf_stride_h) == 584, "PrefillParams.v_sf_stride_h offset");
-static_assert(offsetof(PrefillParams, qo_len) == 592, "PrefillParams.qo_len offset");
-static_assert(offsetof(PrefillParams, kv_len) == 596, "PrefillParams.kv_len offset");
-static_assert(offsetof(PrefillParams, num_qo_heads) == 600, "PrefillParams.num_qo_heads offset");
-static_assert(offsetof(PrefillParams, num_kv_heads) == 604, "PrefillParams.num_kv_heads offset");
-static_assert(offsetof(PrefillParams, group_size) == 608, "PrefillParams.group_size offset");
-static_assert(offsetof(PrefillParams, num_kv_chunks) == 612, "PrefillParams.num_kv_chunks offset");
-static_assert(offsetof(PrefillParams, rows_fastest) == 616, "PrefillParams.rows_fastest offset");
-static_assert(offsetof(PrefillParams, kv_chunk_size) == 620, "PrefillParams.kv_chunk_size offset");
-static_assert(offsetof(PrefillParams, causal) == 624, "PrefillParams.causal offset");
-static_assert(offsetof(PrefillParams, window_left) == 628, "PrefillParams.window_left offset");
-static_assert(offsetof(PrefillParams, sm_scale_log2) == 632, "PrefillParams.sm_scale_log2 offset");
-static_assert(offsetof(PrefillParams, logits_soft_cap) == 636, "PrefillParams.logits_soft_cap offset");
-static_assert(offsetof(PrefillParams, rope) == 640, "PrefillParams.rope offset");
-static_assert(offsetof(PrefillParams, rope_rcp_scale) == 644, "PrefillParams.rope_rcp_scale offset");
-static_assert(offsetof(PrefillParams, rope_log2_theta) == 648, "PrefillParams.rope_log2_theta offset");
-static_assert(offsetof(PrefillParams, lse_scale) == 652, "PrefillParams.lse_scale offset");
-static_assert(offsetof(PrefillParams, page_size) == 656, "PrefillParams.page_size offset");
-static_assert(offsetof(PrefillParams, page_shift) == 660, "PrefillParams.page_shift offset");
-static_assert(offsetof(PrefillParams, v_scale) == 664, "PrefillParams.v_scale offset");
-static_assert(offsetof(PrefillParams, kv_fp8) == 668, "PrefillParams.kv_fp8 offset");
-static_assert(offsetof(PrefillParams, kv_max_pages) == 672, "PrefillParams.kv_max_pages offset");
-static_assert(offsetof(PrefillParams, num_pages) == 676, "PrefillParams.num_pages offset");
-static_assert(offsetof(PrefillParams, spec_mask_words) == 680, "PrefillParams.spec_mask_words offset");
-static_assert(offsetof(PrefillParams, o_format) == 684, "PrefillParams.o_format offset");
+static_assert(offsetof(PrefillParams, softmax_stats) == 464, "PrefillParams.softmax_stats offset");
+static_assert(offsetof(PrefillParams, q_stride_n) == 472, "PrefillParams.q_stride_n offset");
+static_assert(offsetof(PrefillParams, q_stride_h) == 480, "PrefillParams.q_stride_h offset");
+static_assert(offsetof(PrefillParams, k_stride_n) == 488, "PrefillParams.k_stride_n offset");
+static_assert(offsetof(PrefillParams, k_stride_h) == 496, "PrefillParams.k_stride_h offset");
+static_assert(offsetof(PrefillParams, v_stride_n) == 504, "PrefillParams.v_stride_n offset");
+static_assert(offsetof(PrefillParams, v_stride_h) == 512, "PrefillParams.v_stride_h offset");
+static_assert(offsetof(PrefillParams, o_stride_n) == 520, "PrefillParams.o_stride_n offset");
+static_assert(offsetof(PrefillParams, o_stride_h) == 528, "PrefillParams.o_stride_h offset");
+static_assert(offsetof(PrefillParams, k_stride_page) == 536, "PrefillParams.k_stride_page offset");
+static_assert(offsetof(PrefillParams, v_stride_page) == 544, "PrefillParams.v_stride_page offset");
+static_assert(offsetof(PrefillParams, k_sf_stride_page) == 552, "PrefillParams.k_sf_stride_page offset");
+static_assert(offsetof(PrefillParams, k_sf_stride_n) == 560, "PrefillParams.k_sf_stride_n offset");
+static_assert(offsetof(PrefillParams, k_sf_stride_h) == 568, "PrefillParams.k_sf_stride_h offset");
+static_assert(offsetof(PrefillParams, v_sf_stride_page) == 576, "PrefillParams.v_sf_stride_page offset");
+static_assert(offsetof(PrefillParams, v_sf_stride_n) == 584, "PrefillParams.v_sf_stride_n offset");
+static_assert(offsetof(PrefillParams, v_sf_stride_h) == 592, "PrefillParams.v_sf_stride_h offset");
+static_assert(offsetof(PrefillParams, qo_len) == 600, "PrefillParams.qo_len offset");
+static_assert(offsetof(PrefillParams, kv_len) == 604, "PrefillParams.kv_len offset");
+static_assert(offsetof(PrefillParams, num_qo_heads) == 608, "PrefillParams.num_qo_heads offset");
+static_assert(offsetof(PrefillParams, num_kv_heads) == 612, "PrefillParams.num_kv_heads offset");
+static_assert(offsetof(PrefillParams, group_size) == 616, "PrefillParams.group_size offset");
+static_assert(offsetof(PrefillParams, num_kv_chunks) == 620, "PrefillParams.num_kv_chunks offset");
+static_assert(offsetof(PrefillParams, rows_fastest) == 624, "PrefillParams.rows_fastest offset");
+static_assert(offsetof(PrefillParams, kv_chunk_size) == 628, "PrefillParams.kv_chunk_size offset");
+static_assert(offsetof(PrefillParams, causal) == 632, "PrefillParams.causal offset");
+static_assert(offsetof(PrefillParams, window_left) == 636, "PrefillParams.window_left offset");
+static_assert(offsetof(PrefillParams, sm_scale_log2) == 640, "PrefillParams.sm_scale_log2 offset");
+static_assert(offsetof(PrefillParams, logits_soft_cap) == 644, "PrefillParams.logits_soft_cap offset");
+static_assert(offsetof(PrefillParams, rope) == 648, "PrefillParams.rope offset");
+static_assert(offsetof(PrefillParams, rope_rcp_scale) == 652, "PrefillParams.rope_rcp_scale offset");
+static_assert(offsetof(PrefillParams, rope_log2_theta) == 656, "PrefillParams.rope_log2_theta offset");
+static_assert(offsetof(PrefillParams, lse_scale) == 660, "PrefillParams.lse_scale offset");
+static_assert(offsetof(PrefillParams, page_size) == 664, "PrefillParams.page_size offset");
+static_assert(offsetof(PrefillParams, page_shift) == 668, "PrefillParams.page_shift offset");
+static_assert(offsetof(PrefillParams, v_scale) == 672, "PrefillParams.v_scale offset");
+static_assert(offsetof(PrefillParams, kv_fp8) == 676, "PrefillParams.kv_fp8 offset");
+static_assert(offsetof(PrefillParams, kv_max_pages) == 680, "PrefillParams.kv_max_pages offset");
+static_assert(offsetof(PrefillParams, num_pages) == 684, "PrefillParams.num_pages offset");
+static_assert(offsetof(PrefillParams, spec_mask_words) == 688, "PrefillParams.spec_mask_words offset");
+static_assert(offsetof(PrefillParams, chunk_shift) == 692, "PrefillParams.chunk_shift offset");
+static_assert(offsetof(PrefillParams, o_format) == 696, "PrefillParams.o_format offset");
 
 // combine split-KV partials (float32 o, base-2 lse) into the final output
 struct MergeParams {

@@ -102,7 +102,7 @@ struct PrefillSm80 : PrefillSm80Config<T, KV, HEAD_DIM, NUM_WARPS, MQ, BLOCK_N, 
 
     float lse_v[MQ][2];
     EpilogueSm80<Cfg>::normalize(p, wr, lane, warp, o, m, l, lse_v);
-    EpilogueSm80<Cfg>::store(p, w, smem, wr, lane, o, lse_v);
+    EpilogueSm80<Cfg>::store(p, w, smem, wr, lane, o, m, lse_v);
   }
 };
 

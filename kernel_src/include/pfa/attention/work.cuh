@@ -104,7 +104,8 @@ __device__ __forceinline__ bool decode_work(const PrefillParams& p, PrefillWork&
   w.q_lo = w.r0 / w.group;
   w.q_hi = (min(w.r0 + BLOCK_M, w.rows_total) - 1) / w.group;
 
-  const MaskRule rule{w.qo_len, w.kv_len, p.causal != 0, p.window_left, w.rule.bits, GENERAL ? p.spec_mask_words : 0};
+  const MaskRule rule{w.qo_len, w.kv_len, p.causal != 0, p.window_left, w.rule.bits,
+                      GENERAL ? p.spec_mask_words : 0, p.chunk_shift};
   w.rule = rule;
   // Batch plans keep the chunk size on the device, so a replayed CUDA graph sees each new plan's.
   const int chunk_size =

@@ -89,6 +89,30 @@ struct EpilogueSm80 {
       }
   }
 
+  // TRT-LLM FMHAv2's softmax stats of every fragment row (general kernels, unsplit rows only):
+  // (row max, row sum) in natural units with max + ln(sum) = the natural LSE, sinks included.
+  // m is the true row max here: the general kernels never rescale lazily (variants.py).
+  static __device__ __forceinline__ void store_stats(const PrefillParams& p, const PrefillWork& w,
+                                                     const int2* row_map, int num_heads, const Role& wr, int lane,
+                                                     const Rows& m, const float (&lse_v)[MQ][2]) {
+    static_assert(!Cfg::LAZY_RESCALE, "softmax stats need the true row max");
+    float2* stats = reinterpret_cast<float2*>(p.softmax_stats);
+#pragma unroll
+    for (int mt = 0; mt < MQ; ++mt)
+#pragma unroll
+      for (int hf = 0; hf < 2; ++hf) {
+        const int row = wr.warp_row0 + mt * 16 + lane / 4 + hf * 8;
+        if (w.r0 + row >= w.rows_total) continue;
+        const float mx = m[mt][hf], lse = lse_v[mt][hf];
+        // No visible key: max -inf, sum 0 (a sink alone: its own max, sum 1).
+        const float2 st = mx == -INFINITY ? (lse == -INFINITY ? make_float2(-INFINITY, 0.f)
+                                                              : make_float2(lse * 0.6931471805599453f, 1.f))
+                                          : make_float2(mx * 0.6931471805599453f, exp2f(lse - mx));
+        const int2 th = token_head(w, row_map, row);
+        stats[lse_index(w, num_heads, th.x, th.y)] = st;
+      }
+  }
+
   // One chunk: O in the output format (p.o_format) and (if requested) the LSE.
   static __device__ __forceinline__ void store_output(const PrefillParams& p, const PrefillWork& w, char* smem,
                                                       const int2* row_map, int num_heads, const Role& wr, int lane,
@@ -167,12 +191,18 @@ struct EpilogueSm80 {
   }
 
   // The CTA's rows, normalised (o) with their LSE (lse_v), to global memory.
+  // m: the rows' maxima (log2 units), read only for the general kernels' softmax stats.
   static __device__ __forceinline__ void store(const PrefillParams& p, const PrefillWork& w, char* smem,
-                                               const Role& wr, int lane, OAcc& o, float (&lse_v)[MQ][2]) {
+                                               const Role& wr, int lane, OAcc& o, const Rows& m,
+                                               float (&lse_v)[MQ][2]) {
     const int num_heads = p.num_qo_heads;
     const int2* row_map = reinterpret_cast<const int2*>(smem + Cfg::ROW_MAP_OFFSET);
     if (w.num_chunks == 1) {
       if (p.sinks != 0) apply_sinks(p, w, row_map, wr, lane, o, lse_v);
+      if constexpr (Cfg::GENERAL) {
+        if (p.softmax_stats != 0 && lane % 4 == 0 && wr.half == 0)
+          store_stats(p, w, row_map, num_heads, wr, lane, m, lse_v);
+      }
       store_output(p, w, smem, row_map, num_heads, wr, lane, o, lse_v);
     } else {
       store_partials(p, w, row_map, num_heads, wr, lane, o, lse_v);

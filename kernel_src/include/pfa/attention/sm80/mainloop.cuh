@@ -166,7 +166,7 @@ struct MainloopSm80 {
                 if (nt * 8 + e < lo || nt * 8 + e >= hi) s[mt][nt][2 * hf + e] = -INFINITY;
               } else {
                 const int kv = n0 + wr.col0 + nt * 8 + (lane % 4) * 2 + e;
-                if (Cfg::ROW_END_MASK && rule.window_left < 0) {  // no window: only the row's end (kv >= 0)
+                if (Cfg::ROW_END_MASK && !rule.has_left()) {  // no window / chunk: only the row's end (kv >= 0)
                   if (kv >= rule.row_end(qi)) s[mt][nt][2 * hf + e] = -INFINITY;
                 } else if (!rule.keep(qi, kv)) {
                   s[mt][nt][2 * hf + e] = -INFINITY;

@@ -1,0 +1,316 @@
+"""TRT-LLM prefill entry points on the simulated driver (no GPU): layout parsing, block-table
+translation, validation before any launch, and the params struct each call writes (chunked
+mask, scales, stats, window). Numerics are tests/gpu/test_trtllm.py's job.
+
+Not covered here: PACKED_QKV / CONTIGUOUS_Q_KV calls that get past validation (they slice qkv,
+which the fake DLPack producers cannot)."""
+from __future__ import annotations
+
+import math
+from collections import OrderedDict
+
+import numpy as np
+import pytest
+
+from pyflashattn import prefill
+from pyflashattn._engine import operands, trtllm, trtllm_fmha
+from pyflashattn._runtime import dtypes as _dtypes
+from pyflashattn.testing.fake_driver import BF16, E4M3, LOG2E, WS, T
+from pyflashattn.testing.fake_tensors import FakeProducer
+
+fmha = prefill.trtllm_fmha_v2_prefill
+context = prefill.trtllm_batch_context_with_kv_cache
+F32, U32 = _dtypes.FLOAT32, _dtypes.UINT32
+HQ, HKV, D, PS, NPAGES = 8, 2, 128, 16, 6
+QL, KL = (5, 0, 12), (19, 16, 0)  # q shorter than kv in request 0; an empty request
+TQ, TKV = sum(QL), sum(KL)
+TABLE = np.array([[4, 1, 5], [0, 5, 5], [5, 5, 5]], np.int32)  # pages of KL (5: never read)
+
+
+@pytest.fixture(autouse=True)
+def fresh_engines(monkeypatch):
+    monkeypatch.setattr(trtllm, "_ENGINES", OrderedDict())
+
+
+class Reshapable(FakeProducer):
+    """A contiguous fake CUDA tensor with reshape(-1) (block tables are copied to the host flat)."""
+
+    def reshape(self, *shape):
+        old, _, dtype, data, offset, device = self.args
+        n = math.prod(old)
+        return Reshapable((n,), (1,), dtype, data, offset, device)
+
+
+def table_arg(fake, table):
+    return Reshapable(*fake.dev(table, _dtypes.INT32, shape=table.shape).args)
+
+
+def cum(lens):
+    return np.concatenate([[0], np.cumsum(lens)]).astype(np.int32)
+
+
+def lengths(fake, ql=QL, kl=KL):
+    return fake.dev(np.asarray(kl, np.int32), _dtypes.INT32), fake.dev(cum(ql), _dtypes.INT32), \
+        fake.dev(cum(kl), _dtypes.INT32)
+
+
+def separate_call(fake, **kw):
+    sl, cq, ck = lengths(fake)
+    q, k, v = T((TQ, HQ, D)), T((TKV, HKV, D)), T((TKV, HKV, D))
+    args = dict(qkv=(q, k, v), input_layout="SEPARATE_Q_K_V", workspace_buffer=WS(fake), seq_lens=sl, max_q_len=12,
+                max_kv_len=19, bmm1_scale=0.1, bmm2_scale=1.0, batch_size=3, cum_seq_lens_q=cq, cum_seq_lens_kv=ck)
+    args.update(kw)
+    args.setdefault("out", out_for(args.get("out_dtype")))
+    return fmha(**args)
+
+
+def out_for(out_dtype):
+    """An out tensor (fake producers cannot allocate outputs) of out_dtype (None: fp16)."""
+    return T((TQ, HQ, D), _dtypes.normalize(out_dtype) if out_dtype else _dtypes.FLOAT16)
+
+
+def paged_call(fake, layout="Q_PAGED_KV_HND", table=TABLE, cache=None, **kw):
+    sl, cq, ck = lengths(fake)
+    shape = (NPAGES, 2, HKV, PS, D) if layout.endswith("HND") else (NPAGES, 2, PS, HKV, D)
+    args = dict(qkv=(T((TQ, HQ, D)), T(shape) if cache is None else cache), input_layout=layout,
+                workspace_buffer=WS(fake), seq_lens=sl, max_q_len=12, max_kv_len=19, bmm1_scale=0.1, bmm2_scale=1.0,
+                batch_size=3, cum_seq_lens_q=cq, cum_seq_lens_kv=ck, block_tables=table_arg(fake, table))
+    args.update(kw)
+    args.setdefault("out", out_for(args.get("out_dtype")))
+    return fmha(**args)
+
+
+def context_call(fake, table=TABLE, **kw):
+    sl, cq, ck = lengths(fake)
+    args = dict(query=T((TQ, HQ, D)), kv_cache=T((NPAGES, 2, HKV, PS, D)), workspace_buffer=WS(fake),
+                block_tables=table_arg(fake, table), seq_lens=sl, max_q_len=12,
+                max_kv_len=19, bmm1_scale=0.1, bmm2_scale=1.0, batch_size=3, cum_seq_lens_q=cq, cum_seq_lens_kv=ck)
+    args.update(kw)
+    if args.get("out_dtype") != "nvfp4":
+        args.setdefault("out", out_for(args.get("out_dtype")))
+    return context(**args)
+
+
+def last_params(fake):
+    launches = fake.attn_launches()
+    assert launches, "nothing was launched"
+    return launches[-1][0], launches[-1][3]
+
+
+# ---- layouts and block tables -------------------------------------------------------------------
+def test_parse_layout_forms():
+    q, k, v = T((4, 2, 64)), T((4, 2, 64)), T((4, 2, 64))
+    assert trtllm_fmha.parse_layout((q, k, v), "SEPARATE_Q_K_V") == (q, (k, v), "NHD", True)
+    c = T((3, 2, 2, 16, 64))
+    assert trtllm_fmha.parse_layout((q, c), "Q_PAGED_KV_HND") == (q, c, "HND", False)
+    assert trtllm_fmha.parse_layout((q, (k, v)), "Q_PAGED_KV_NHD") == (q, (k, v), "NHD", False)
+    assert trtllm_fmha.parse_layout((q, k, v), "Q_PAGED_KV_NHD") == (q, (k, v), "NHD", False)
+    with pytest.raises(ValueError, match="tuple of 3"):
+        trtllm_fmha.parse_layout((q, k), "SEPARATE_Q_K_V")
+    with pytest.raises(ValueError, match=r"qkv must be \[num_tokens, 3"):
+        trtllm_fmha.parse_layout(T((4, 2, 2, 64)), "PACKED_QKV")
+    with pytest.raises(ValueError, match=r"KV must be \[num_tokens, 2"):
+        trtllm_fmha.parse_layout((q, T((4, 3, 2, 64))), "CONTIGUOUS_Q_KV")
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_block_table_rows_match_a_python_loop(seed):
+    rng = np.random.default_rng(seed)
+    B, M, ps = int(rng.integers(1, 6)), int(rng.integers(1, 8)), int(rng.choice([1, 16, 32]))
+    table = rng.integers(0, 50, (B, 2, M)).astype(np.int32)
+    lens = rng.integers(0, M * ps + 1, B)
+    k_ids, v_ids = operands.block_table_rows(table, B, ps, lens, 50, True)
+    want_k = [int(x) for b in range(B) for x in table[b, 0, :-(-lens[b] // ps)]]
+    want_v = [int(x) for b in range(B) for x in table[b, 1, :-(-lens[b] // ps)]]
+    assert k_ids.tolist() == want_k and v_ids.tolist() == want_v
+    k2, none = operands.block_table_rows(table[:, 0], B, ps, lens, 50, False)
+    assert k2.tolist() == want_k and none is None
+
+
+def test_block_table_rows_refuse_bad_tables():
+    lens = np.array([19, 16, 0])
+    with pytest.raises(ValueError, match="batch_size=3"):
+        operands.block_table_rows(TABLE[:2], 3, PS, lens, NPAGES, False)
+    with pytest.raises(ValueError, match="page id 9 outside"):
+        operands.block_table_rows(np.where(TABLE == 4, 9, TABLE), 3, PS, lens, NPAGES, False)
+    with pytest.raises(ValueError, match="hold 1 pages"):
+        operands.block_table_rows(TABLE[:, :1], 3, PS, lens, NPAGES, False)
+
+
+def test_shared_page_ids():
+    k = np.array([3, 1, 0], np.int32)
+    assert trtllm.shared_page_ids(k, k + 7, 7, "x") is k
+    with pytest.raises(NotImplementedError, match="uses_shared_paged_kv_idx"):
+        trtllm.shared_page_ids(k, np.array([3, 2, 0]), 0, "uses_shared_paged_kv_idx")
+
+
+# ---- validation before any launch ---------------------------------------------------------------
+@pytest.mark.parametrize("kw, exc, pattern", [
+    (dict(input_layout="QKV"), ValueError, "input_layout"),
+    (dict(mask_mode="full"), ValueError, "mask_mode"),
+    (dict(mask_mode="padding", window_left=8), ValueError, "window_left=8.*padding"),
+    (dict(mask_mode="chunked", chunked_attention_size=48), ValueError, "chunked_attention_size"),
+    (dict(mask_mode="chunked", chunked_attention_size=0), ValueError, "chunked_attention_size"),
+    (dict(mask_mode="chunked", chunked_attention_size=64, window_left=8), ValueError, "excludes a sliding window"),
+    (dict(out_dtype="float32"), TypeError, "out_dtype"),
+    (dict(batch_size=2), ValueError, "seq_lens must have shape"),
+    (dict(max_q_len=11), ValueError, "max_q_len=11"),
+    (dict(max_kv_len=18), ValueError, "max_kv_len=18"),
+    (dict(skip_softmax_threshold_scale_factor=500.0), NotImplementedError, "skip_softmax_threshold_scale_factor"),
+    (dict(pos_encoding_mode="rope"), ValueError, "pos_encoding_mode"),
+    (dict(mask_mode="custom"), NotImplementedError, "custom"),
+])
+def test_fmha_refuses_before_launch(fake, kw, exc, pattern):
+    with pytest.raises(exc, match=pattern):
+        separate_call(fake, **kw)
+    assert not fake.attn_launches()
+
+
+def test_fmha_refuses_inconsistent_lengths_and_devices(fake):
+    with pytest.raises(ValueError, match=r"seq_lens\[0\] = 20 disagrees"):
+        separate_call(fake, seq_lens=fake.dev(np.array([20, 16, 0], np.int32), _dtypes.INT32))
+    cpu = T((TQ, HQ, D))
+    cpu.args = cpu.args[:5] + ((1, 0),)
+    with pytest.raises(ValueError, match="CUDA|cuda|device"):
+        separate_call(fake, qkv=(cpu, T((TKV, HKV, D)), T((TKV, HKV, D))))
+    with pytest.raises(NotImplementedError, match="fp8 Q.K path"):
+        separate_call(fake, qkv=(T((TQ, HQ, D), E4M3), T((TKV, HKV, D), E4M3), T((TKV, HKV, D), E4M3)))
+    assert not fake.attn_launches()
+
+
+def test_paged_refusals(fake):
+    with pytest.raises(ValueError, match="block_tables is required"):
+        paged_call(fake, block_tables=None)
+    with pytest.raises(ValueError, match="batch_size=3"):
+        paged_call(fake, table=TABLE[:2])
+    with pytest.raises(ValueError, match="outside the cache"):
+        paged_call(fake, table=np.where(TABLE == 4, NPAGES, TABLE))
+    assert not fake.attn_launches()
+
+
+# ---- what a call writes ---------------------------------------------------------------------------
+def test_fmha_separate_causal_params(fake):
+    separate_call(fake, bmm1_scale=0.25, bmm2_scale=0.5)
+    _, p = last_params(fake)
+    assert p.causal == 1 and p.window_left == -1 and p.chunk_shift == 0 and p.softmax_stats == 0
+    assert math.isclose(p.sm_scale_log2, 0.25 * LOG2E, rel_tol=1e-6) and math.isclose(p.v_scale, 0.5)
+
+
+@pytest.mark.parametrize("mode, wl, chunk, want", [
+    ("padding", -1, 0, (0, -1, 0)), ("causal", 31, 0, (1, 31, 0)), ("sliding_window", 7, 0, (1, 7, 0)),
+    ("chunked", -1, 64, (1, -1, 6)), ("chunked", -1, 256, (1, -1, 8))])
+def test_fmha_mask_modes(fake, mode, wl, chunk, want):
+    separate_call(fake, mask_mode=mode, window_left=wl, chunked_attention_size=chunk)
+    _, p = last_params(fake)
+    assert (p.causal, p.window_left, p.chunk_shift) == want
+
+
+def test_fmha_stats_run_unsplit_on_the_general_kernels(fake, monkeypatch):
+    made = []
+
+    def empty(ref, shape, dtype, stream):
+        t = fake.dev(int(np.prod(shape)) * 4, dtype, shape=shape)
+        made.append(t)
+        return t, trtllm_fmha._tensor.view(t, "stats")
+    monkeypatch.setattr(trtllm_fmha._tensor, "empty", empty)
+    o, stats = separate_call(fake, save_softmax_stats=True)
+    name, p = last_params(fake)
+    assert "_gen" in name and p.softmax_stats != 0 and p.num_kv_chunks in (0, 1)
+    assert stats.args[0] == (TQ, HQ, 2) and stats.args[2] is F32
+    separate_call(fake)
+    assert last_params(fake)[1].softmax_stats == 0
+
+
+def test_fmha_alibi_softcap_sinks_out_dtype(fake, monkeypatch):
+    from pyflashattn._engine import params
+    monkeypatch.setattr(params, "alibi_buffer", lambda dev, n: 0xA11B1)  # the fake driver has no sync upload
+    s = fake.dev(np.zeros(HQ, np.float32), F32)
+    o = separate_call(fake, pos_encoding_mode="alibi", sinks=[s], out_dtype="bfloat16")
+    assert p_sinks(fake) == s.args[3]
+    name, p = last_params(fake)
+    assert p.alibi_slopes == 0xA11B1 and p.o_format == operands.OUT_OTHER16
+    assert o.args[2] is BF16
+    separate_call(fake, logits_soft_cap_scale=30.0)
+    assert math.isclose(last_params(fake)[1].logits_soft_cap, 30.0)
+    o8 = separate_call(fake, out_dtype="float8_e4m3fn", bmm2_scale=2.0)
+    assert last_params(fake)[1].o_format == operands.OUT_E4M3 and o8.args[2] is E4M3
+
+
+def p_sinks(fake):
+    return last_params(fake)[1].sinks
+
+
+def test_fmha_bmm1_zero_means_rsqrt_d(fake):
+    separate_call(fake, bmm1_scale=0.0)
+    assert math.isclose(last_params(fake)[1].sm_scale_log2, LOG2E / math.sqrt(D), rel_tol=1e-6)
+
+
+@pytest.mark.parametrize("layout", ["Q_PAGED_KV_HND", "Q_PAGED_KV_NHD"])
+def test_fmha_paged_params(fake, layout):
+    paged_call(fake, layout)
+    name, p = last_params(fake)
+    assert "paged" in name and p.page_size == PS and p.kv_page_indices != 0
+    idx = fake.read(p.kv_page_indices, 3, np.int32).tolist()
+    assert idx == [4, 1, 0]  # pages the requests use, in order
+
+
+def test_fmha_paged_tuple_with_k_v_offsets(fake):
+    """(k, v) tuple of one allocation, V 6 pages after K; [B, 2, M] offsets from K's base."""
+    page = HKV * PS * D * 2
+    k = T((NPAGES, HKV, PS, D), data=0x100000)
+    v = T((NPAGES, HKV, PS, D), data=0x100000 + NPAGES * page)
+    table = np.stack([TABLE, TABLE + NPAGES], axis=1)
+    paged_call(fake, cache=(k, v), table=table)
+    _, p = last_params(fake)
+    assert p.k == 0x100000 and p.v == 0x100000 + NPAGES * page
+    bad = table.copy()
+    bad[0, 1, 0] += 1
+    with pytest.raises(NotImplementedError, match="block_tables"):
+        paged_call(fake, cache=(k, v), table=bad)
+
+
+# ---- trtllm_batch_context_with_kv_cache -------------------------------------------------------------
+def test_context_params_and_scales(fake):
+    context_call(fake, window_left=8)
+    name, p = last_params(fake)
+    assert "paged" in name and p.causal == 1 and p.window_left == 8 and p.scale_dev == 0
+    s1 = fake.dev(np.array([0.1], np.float32), F32)
+    s2 = fake.dev(np.array([2.0], np.float32), F32)
+    context_call(fake, bmm1_scale=s1, bmm2_scale=s2, causal=False)
+    name, p = last_params(fake)
+    assert "_gen" in name and p.scale_dev == s1.args[3] and p.v_scale_dev == s2.args[3] and p.causal == 0
+
+
+def test_context_separate_ids(fake):
+    same = np.stack([TABLE, TABLE], axis=1)
+    context_call(fake, table=same, uses_shared_paged_kv_idx=False)
+    diff = same.copy()
+    diff[0, 1, 0] = 2
+    with pytest.raises(NotImplementedError, match="uses_shared_paged_kv_idx"):
+        context_call(fake, table=diff, uses_shared_paged_kv_idx=False)
+    with pytest.raises(ValueError, match=r"\[batch_size, 2, max_pages\]"):
+        context_call(fake, uses_shared_paged_kv_idx=False)
+
+
+@pytest.mark.parametrize("kw, exc, pattern", [
+    (dict(kv_layout="XYZ"), ValueError, "kv_layout|layout"),
+    (dict(out_dtype="nvfp4"), NotImplementedError, "nvfp4"),
+    (dict(kv_block_scales=T((NPAGES, 2, HKV, PS, D // 16), E4M3)), NotImplementedError, "kv_block_scales"),
+    (dict(kv_cache_sf=T((NPAGES, 2, HKV, PS, D // 16), E4M3)), NotImplementedError, "kv_cache_sf"),
+    (dict(skip_softmax_threshold_scale_factor=1.0), NotImplementedError, "skip_softmax"),
+    (dict(causal=False, window_left=4), NotImplementedError, "window_left"),
+    (dict(out_dtype="float32"), TypeError, "out_dtype"),
+    (dict(max_kv_len=10), ValueError, "max_kv_len"),
+])
+def test_context_refuses_before_launch(fake, kw, exc, pattern):
+    with pytest.raises(exc, match=pattern):
+        context_call(fake, **kw)
+    assert not fake.attn_launches()
+
+
+def test_context_uint32_seq_lens_and_lse(fake):
+    sl = fake.dev(np.asarray(KL, np.uint32), U32)
+    lse = T((TQ, HQ), F32, data=0x900000)
+    o, got = context_call(fake, seq_lens=sl, lse=lse, return_lse=True)
+    assert got is lse and last_params(fake)[1].lse == 0x900000
+    assert not isinstance(context_call(fake, lse=lse), tuple)  # filled, not returned
