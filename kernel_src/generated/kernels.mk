@@ -223,7 +223,7 @@ KERNELS_sm_90a := \
   pfa_prefill_sm80_f16_kvfp8_hd256_m128n64w8s2_pr_gen_paged \
   pfa_prefill_sm80_f16_kvfp8_hd256_m16n32w2s2_lr_pr \
   pfa_prefill_sm80_f16_kvfp8_hd256_m16n32w2s2_lr_pr_paged \
-  pfa_prefill_sm90_f16_hd64_m128n128c2s3_pp \
+  pfa_prefill_sm90_f16_hd64_m192n128c3s2_pp \
   pfa_prefill_sm90_f16_hd128_m128n128c2s2_pp \
   pfa_prefill_sm90_f16_hd256_m128n80c2s2_pp \
   pfa_prefill_sm90_f16_hd64_m128n128c2s3_pp_paged \
@@ -278,7 +278,7 @@ KERNELS_sm_90a := \
   pfa_prefill_sm80_bf16_kvfp8_hd256_m128n64w8s2_pr_gen_paged \
   pfa_prefill_sm80_bf16_kvfp8_hd256_m16n32w2s2_lr_pr \
   pfa_prefill_sm80_bf16_kvfp8_hd256_m16n32w2s2_lr_pr_paged \
-  pfa_prefill_sm90_bf16_hd64_m128n128c2s3_pp \
+  pfa_prefill_sm90_bf16_hd64_m192n128c3s2_pp \
   pfa_prefill_sm90_bf16_hd128_m128n128c2s2_pp \
   pfa_prefill_sm90_bf16_hd256_m128n80c2s2_pp \
   pfa_prefill_sm90_bf16_hd64_m128n128c2s3_pp_paged \
