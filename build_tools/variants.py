@@ -200,8 +200,8 @@ class HopperPrefillVariant:
     # the two consumer warpgroups take turns issuing their GEMMs (consumer.cuh, Turns)
     pingpong: bool = True
     paged: bool = False  # K/V rows through a page table (the batch paged wrapper, block tables)
-    # K/V tiles by TMA from host-encoded tensor maps (PrefillParams.k_tmap / v_tmap; contiguous
-    # and ragged K/V), instead of the producer warpgroup's cp.async
+    # K/V tiles by TMA from host-encoded tensor maps (PrefillParams.k_tmap / v_tmap), instead of the
+    # producer warpgroup's cp.async: single prefill only so far (batch plans encode no maps)
     tma: bool = False
     tune: bool = False
     impl: str = SM90

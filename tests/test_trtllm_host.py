@@ -152,6 +152,8 @@ def test_shared_page_ids():
     (dict(mask_mode="chunked", chunked_attention_size=48), ValueError, "chunked_attention_size"),
     (dict(mask_mode="chunked", chunked_attention_size=0), ValueError, "chunked_attention_size"),
     (dict(mask_mode="chunked", chunked_attention_size=64, window_left=8), ValueError, "excludes a sliding window"),
+    (dict(mask_mode="causal", chunked_attention_size=64), ValueError, "needs mask_mode='chunked'"),
+    (dict(mask_mode="sliding_window", window_left=-1), ValueError, "needs window_left >= 0"),
     (dict(out_dtype="float32"), TypeError, "out_dtype"),
     (dict(batch_size=2), ValueError, "seq_lens must have shape"),
     (dict(max_q_len=11), ValueError, "max_q_len=11"),
@@ -295,6 +297,8 @@ def test_context_separate_ids(fake):
 @pytest.mark.parametrize("kw, exc, pattern", [
     (dict(kv_layout="XYZ"), ValueError, "kv_layout|layout"),
     (dict(out_dtype="nvfp4"), NotImplementedError, "nvfp4"),
+    (dict(o_sf_scale=1.0), NotImplementedError, "o_sf_scale"),
+    (dict(o_sf_vec_size=16), NotImplementedError, "o_sf_vec_size"),
     (dict(kv_block_scales=T((NPAGES, 2, HKV, PS, D // 16), E4M3)), NotImplementedError, "kv_block_scales"),
     (dict(kv_cache_sf=T((NPAGES, 2, HKV, PS, D // 16), E4M3)), NotImplementedError, "kv_cache_sf"),
     (dict(skip_softmax_threshold_scale_factor=1.0), NotImplementedError, "skip_softmax"),

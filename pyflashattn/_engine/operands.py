@@ -360,6 +360,11 @@ def trtllm_mask(mask_mode, window_left, chunked_attention_size) -> tuple:
     if isinstance(window_left, bool) or not isinstance(window_left, (int, np.integer)) or window_left < -1:
         raise ValueError(f"window_left must be an int >= -1, got {window_left!r}")
     wl = int(window_left)
+    if mode != "chunked" and chunked_attention_size not in (0, None):
+        raise ValueError(f"chunked_attention_size={chunked_attention_size!r} needs mask_mode='chunked', got "
+                         f"{mask_mode!r}")
+    if mode == "sliding_window" and wl < 0:
+        raise ValueError("mask_mode='sliding_window' needs window_left >= 0 (the keys before each query it keeps)")
     if mode == "padding":
         if wl >= 0:
             raise ValueError(f"window_left={wl}: a sliding window needs mask_mode 'sliding_window' or 'causal', "

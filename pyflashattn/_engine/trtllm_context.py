@@ -49,6 +49,9 @@ def batch_context(query, kv_cache, workspace_buffer, block_tables, seq_lens, max
         if kv_block_scales is not None:
             raise ValueError("pass kv_block_scales or its alias kv_cache_sf, not both")
         kv_block_scales = kv_cache_sf
+    for name, value in (("o_sf_scale", o_sf_scale), ("o_sf_vec_size", o_sf_vec_size)):
+        if value is not None:  # they describe an NVFP4 output, which is not built
+            raise NotImplementedError(f"{name}: the NVFP4 output (FP4Tensor) is not implemented in pyflashattn yet")
     layout = operands.kv_layout(kv_layout)
     qv = _tensor.view(query, "query")
     operands.require_cuda(qv, "query")

@@ -21,6 +21,7 @@ struct PrefillSm90Config {
   // issues HEAD_DIM / 64 boxes a tile instead of every producer thread a cp.async per chunk.
   static constexpr bool TMA = TMA_;
   static_assert(!(PAGED && TMA), "TMA tiles take contiguous K/V rows");
+  static_assert(!PAGED || BLOCK_N <= 128, "paged: one producer thread stages each row's page id");
   static constexpr int WG_THREADS = 128;
   static constexpr int WG_ROWS = 64;  // rows of one m64 wgmma: one consumer warpgroup
   static constexpr int THREADS = (CONSUMERS + 1) * WG_THREADS;

@@ -95,8 +95,8 @@ struct ProducerSm90 {
   }
 
   // TMA: one K or V tile (keys [n0, n0 + BLOCK_N) of the request, HEAD_DIM / 64 boxes of 64
-  // columns) issued by one thread against its full barrier; rows past the tensor arrive as zeros,
-  // rows past the request are the next request's (the consumers mask them).
+  // columns) issued by one thread against its full barrier; rows past the tensor arrive as zeros
+  // (rows past kv_len are masked by the consumers in any case).
   static __device__ __forceinline__ void tma_tile(uint32_t s_tile, const void* tmap, uint32_t full, int kv_head,
                                                   int64_t row, uint64_t policy) {
     ptx::mbar_arrive_expect_tx(full, Cfg::KV_TILE_BYTES);
