@@ -13,6 +13,7 @@ import math
 import numpy as np
 
 from .._runtime import dtypes as _dtypes, tensor as _tensor
+from . import options
 
 KV_LAYOUTS = ("NHD", "HND")
 # NVFP4 K/V codes: two e2m1 values a byte, the even element in the low nibble. FlashInfer passes
@@ -357,9 +358,7 @@ def trtllm_mask(mask_mode, window_left, chunked_attention_size) -> tuple:
                                   "masks are on BatchPrefillWith*Wrapper.plan(custom_mask=...)")
     if mode not in TRTLLM_MASKS:
         raise ValueError(f"mask_mode must be one of {TRTLLM_MASKS}, got {mask_mode!r}")
-    if isinstance(window_left, bool) or not isinstance(window_left, (int, np.integer)) or window_left < -1:
-        raise ValueError(f"window_left must be an int >= -1, got {window_left!r}")
-    wl = int(window_left)
+    wl = options.window(window_left)
     if mode != "chunked" and chunked_attention_size not in (0, None):
         raise ValueError(f"chunked_attention_size={chunked_attention_size!r} needs mask_mode='chunked', got "
                          f"{mask_mode!r}")

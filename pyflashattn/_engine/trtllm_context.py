@@ -6,7 +6,7 @@ from __future__ import annotations
 import numpy as np
 
 from .._runtime import dtypes as _dtypes, tensor as _tensor
-from . import operands, trtllm
+from . import operands, options, trtllm
 from .trtllm import host_array
 from .xqa import _cache_parts
 
@@ -63,8 +63,7 @@ def batch_context(query, kv_cache, workspace_buffer, block_tables, seq_lens, max
     odt = trtllm.out_dtype_arg(out_dtype, out, qv.dtype)
     if not isinstance(causal, (bool, np.bool_)):
         raise TypeError(f"causal must be a bool, got {type(causal).__name__}")
-    if isinstance(window_left, bool) or not isinstance(window_left, (int, np.integer)) or window_left < -1:
-        raise ValueError(f"window_left must be an int >= -1, got {window_left!r}")
+    window_left = options.window(window_left)
     if not causal and window_left != -1:
         raise NotImplementedError("window_left: a sliding window without causal masking is not implemented (as in "
                                   "FlashInfer)")
