@@ -27,7 +27,7 @@ from pyflashattn._engine import cascade as _engine
 from pyflashattn._runtime import dtypes as _dtypes
 from pyflashattn._runtime.params_gen import CascadeMergeParams
 from pyflashattn.testing import attention_ref
-from pyflashattn.testing.fake_driver import FakeTorchTensor
+from pyflashattn.testing.fake_driver import FakeTorchTensor, _TorchDtype
 from pyflashattn.testing.fake_tensors import FakeProducer, compact_strides
 from pyflashattn.testing.reference import merge_state_ref, merge_states_ref
 
@@ -338,7 +338,7 @@ class Sim:
         raw = _encode(fill, dtype)
         base = self.env.cu._alloc(len(raw))
         ctypes.memmove(base, raw, len(raw))
-        t = FakeTorchTensor(self.ft, tuple(shape), self.ft.dtypes.get(dtype) or _TorchDt(dtype), base + offset * ITEM[dtype])
+        t = FakeTorchTensor(self.ft, tuple(shape), self.ft.dtypes.get(dtype) or _TorchDtype(dtype), base + offset * ITEM[dtype])
         t._strides = strides
         return t
 
@@ -351,22 +351,11 @@ class Sim:
         return flat[sum(np.indices(t.shape)[i] * st for i, st in enumerate(t._strides))]
 
 
-class _TorchDt:
-    def __init__(self, name):
-        self.name = name
-
-    def __str__(self):
-        return f"torch.{self.name}"
-
-
-_TorchDt.__module__ = "torch"
-
-
 @pytest.fixture
 def sim(fake, fake_torch, monkeypatch):
     s = Sim(fake, fake_torch)
     for n in ("uint8", "bool"):
-        fake_torch.dtypes.setdefault(n, _TorchDt(n))
+        fake_torch.dtypes.setdefault(n, _TorchDtype(n))
         setattr(fake_torch.module, n, fake_torch.dtypes[n])
     # outputs over simulated memory (the fake torch's new_empty hands out an address with none)
     monkeypatch.setattr(FakeTorchTensor, "new_empty",

@@ -74,6 +74,17 @@ def scale_value(x, name, dev):
     return 1.0, operands.device_scalar(x, name, dev)
 
 
+def host_lengths(seq_lens, cum_seq_lens_q, cum_seq_lens_kv, batch_size, max_q_len, max_kv_len, dev) -> tuple:
+    """Both APIs' length metadata on the host (one sync), checked against each other and the
+    bounds: (cum_seq_lens_q, q lengths, kv lengths)."""
+    ints = (_dtypes.INT32, _dtypes.UINT32)
+    seq = host_array(seq_lens, "seq_lens", dev, ints)
+    cq = host_array(cum_seq_lens_q, "cum_seq_lens_q", dev, ints)
+    ck = host_array(cum_seq_lens_kv, "cum_seq_lens_kv", dev, ints)
+    ql, kl = operands.trtllm_lengths(seq, cq, ck, batch_size, max_q_len, max_kv_len)
+    return cq, ck, ql, kl
+
+
 def plan_engine(dev, workspace, kv_layout, src, paged, heads, dtypes, causal, window_left, chunk, pos, soft_cap,
                 general, stats):
     """The cached engine for this key, planned for src. heads = (Hq, Hkv, D); dtypes = (q, kv,

@@ -44,7 +44,9 @@ def batch_context(query, kv_cache, workspace_buffer, block_tables, seq_lens, max
                   o_sf_scale=None, o_sf_vec_size=None, kv_layout="HND", enable_pdl=None, sinks=None,
                   kv_block_scales=None, skip_softmax_threshold_scale_factor=None, uses_shared_paged_kv_idx=True,
                   causal=True, lse=None, return_lse=False, kv_cache_sf=None, multi_ctas_kv_counter_buffer=None):
-    """TRT-LLM context attention over a paged cache (FlashInfer's signature, semantics 1.15)."""
+    """TRT-LLM context attention over a paged cache (FlashInfer's signature, semantics 1.15).
+    multi_ctas_kv_counter_buffer is accepted and unused: it is trtllm-gen's scratch for its
+    multi-CTA reduction, which pyflashattn's split-KV merge does not need (it changes no result)."""
     if kv_cache_sf is not None:
         if kv_block_scales is not None:
             raise ValueError("pass kv_block_scales or its alias kv_cache_sf, not both")
@@ -77,11 +79,8 @@ def batch_context(query, kv_cache, workspace_buffer, block_tables, seq_lens, max
         raise ValueError(f"kv_cache head_dim {dk} differs from query's {hd}")
     s1 = trtllm.scale_value(bmm1_scale, "bmm1_scale", dev)
     s2 = trtllm.scale_value(bmm2_scale, "bmm2_scale", dev)
-    ints = (_dtypes.INT32, _dtypes.UINT32)
-    seq = host_array(seq_lens, "seq_lens", dev, ints)
-    cq = host_array(cum_seq_lens_q, "cum_seq_lens_q", dev, ints)
-    ck = host_array(cum_seq_lens_kv, "cum_seq_lens_kv", dev, ints)
-    ql, kl = operands.trtllm_lengths(seq, cq, ck, batch_size, max_q_len, max_kv_len)
+    cq, ck, ql, kl = trtllm.host_lengths(seq_lens, cum_seq_lens_q, cum_seq_lens_kv, batch_size, max_q_len,
+                                         max_kv_len, dev)
     if qv.shape[0] != int(cq[-1]):
         raise ValueError(f"query has {qv.shape[0]} tokens but cum_seq_lens_q[-1] = {int(cq[-1])}")
     k_ids = _page_ids(block_tables, uses_shared_paged_kv_idx, len(ql), ps, kl, num_pages, dev)

@@ -119,11 +119,8 @@ def fmha_v2_prefill(qkv, input_layout, workspace_buffer, seq_lens, max_q_len, ma
     odt = trtllm.out_dtype_arg(out_dtype, out, qv.dtype)
     s1 = trtllm.scale_value(1.0 / math.sqrt(hd) if _is_zero(bmm1_scale) else bmm1_scale, "bmm1_scale", dev)
     s2 = trtllm.scale_value(bmm2_scale, "bmm2_scale", dev)
-    ints = (_dtypes.INT32, _dtypes.UINT32)
-    seq = host_array(seq_lens, "seq_lens", dev, ints)
-    cq = host_array(cum_seq_lens_q, "cum_seq_lens_q", dev, ints)
-    ck = host_array(cum_seq_lens_kv, "cum_seq_lens_kv", dev, ints)
-    ql, kl = operands.trtllm_lengths(seq, cq, ck, batch_size, max_q_len, max_kv_len)
+    cq, ck, ql, kl = trtllm.host_lengths(seq_lens, cum_seq_lens_q, cum_seq_lens_kv, batch_size, max_q_len,
+                                         max_kv_len, dev)
     if layout == "PACKED_QKV" and not np.array_equal(ql, kl):
         raise ValueError("PACKED_QKV holds each token's query, key and value: cum_seq_lens_q must equal "
                          "cum_seq_lens_kv")

@@ -1,8 +1,15 @@
-"""The GPU test modules' entry check (tests/gpu): skip the whole module, not error, on a machine
-without torch or without a visible CUDA GPU (CI runs the suite on such a machine)."""
+"""What the GPU test modules (tests/gpu) share: the entry check (skip the whole module, not error,
+on a machine without torch or without a visible CUDA GPU, as CI is), seeded CUDA inputs, one
+scratch workspace, and the CuPy check of the interop tests. torch is imported only by these
+functions, which only GPU tests call."""
 from __future__ import annotations
 
-__all__ = ["require_cuda_torch"]
+import zlib
+
+__all__ = ["require_cuda_torch", "require_cupy", "cuda_generator", "cuda_randn", "scratch_workspace"]
+
+WORKSPACE_BYTES = 1 << 28
+_WORKSPACE: list = []
 
 
 def require_cuda_torch():
@@ -13,3 +20,39 @@ def require_cuda_torch():
     if not torch.cuda.is_available():
         pytest.skip("no CUDA GPU visible", allow_module_level=True)
     return torch
+
+
+def require_cupy():
+    """CuPy with a device; otherwise skips the calling test."""
+    import pytest
+
+    try:
+        import cupy
+        cupy.cuda.runtime.getDeviceCount()
+        return cupy
+    except Exception:
+        pytest.skip("CuPy not importable or has no device")
+
+
+def cuda_generator(*key):
+    """A CUDA torch.Generator seeded from `key` (the same inputs for the same test case)."""
+    import torch
+
+    return torch.Generator(device="cuda").manual_seed(zlib.crc32(repr(key).encode()))
+
+
+def cuda_randn(shape, g, dtype, scale=1.0):
+    """Normal values * scale drawn in float32 on the GPU from generator g, then cast to dtype."""
+    import torch
+
+    return (torch.randn(shape, generator=g, device="cuda", dtype=torch.float32) * scale).to(dtype)
+
+
+def scratch_workspace():
+    """One 256 MiB uint8 CUDA buffer for every wrapper and XQA call of the session (the library
+    keeps no state in it)."""
+    import torch
+
+    if not _WORKSPACE:
+        _WORKSPACE.append(torch.empty(WORKSPACE_BYTES, dtype=torch.uint8, device="cuda"))
+    return _WORKSPACE[0]

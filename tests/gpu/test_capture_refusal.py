@@ -13,7 +13,7 @@ import zlib
 import numpy as np
 import pytest
 
-from pyflashattn.testing.gpu import require_cuda_torch
+from pyflashattn.testing.gpu import require_cuda_torch, scratch_workspace as _ws
 
 pytestmark = pytest.mark.gpu
 
@@ -30,13 +30,6 @@ TOL = dict(atol=2e-3, rtol=2e-3)
 NO_GRAPH = r"being captured into a CUDA graph, but this wrapper was built without use_cuda_graph=True"
 HQ, HKV, D, PS = 8, 2, 128, 16
 KV_LENS = [300, 17, 1000]
-_WS = []
-
-
-def _ws():
-    if not _WS:
-        _WS.append(torch.empty(1 << 27, dtype=torch.uint8, device=DEV))
-    return _WS[0]
 
 
 def _batch(seed):

@@ -12,7 +12,6 @@ raise (JAX in place, a non-float32 s); a CUDA graph replaying a masked in-place 
 from __future__ import annotations
 
 import math
-import zlib
 
 import numpy as np
 import pytest
@@ -26,6 +25,7 @@ torch = require_cuda_torch()
 import pyflashattn  # noqa: E402
 from pyflashattn import cascade  # noqa: E402
 from pyflashattn.testing.checks import assert_close  # noqa: E402
+from pyflashattn.testing.gpu import cuda_generator as _gen, require_cupy as _cupy  # noqa: E402
 from pyflashattn.testing.frameworks import capture_torch_graph, jax_gpu  # noqa: E402
 from pyflashattn.testing.reference import merge_state_ref, merge_states_ref, to_numpy_f64  # noqa: E402
 
@@ -35,10 +35,6 @@ V_TOL = {torch.float16: dict(atol=1e-3, rtol=1e-3), torch.bfloat16: dict(atol=1e
          torch.float32: dict(atol=1e-5, rtol=1e-5)}
 S_TOL = dict(atol=1e-5, rtol=1e-5)  # LSEs are float32 in and out, whatever the values' dtype
 LN2 = math.log(2.0)
-
-
-def _gen(*key):
-    return torch.Generator(device=DEV).manual_seed(zlib.crc32(repr(key).encode()))
 
 
 def _states(shape, dt, key, empty_frac=0.1):
@@ -227,14 +223,6 @@ def test_errors_then_the_library_still_works():
 
 
 # ---------------------------------------------------------------- CuPy and JAX
-
-def _cupy():
-    try:
-        import cupy
-        cupy.cuda.runtime.getDeviceCount()
-        return cupy
-    except Exception:
-        pytest.skip("CuPy not importable or has no device")
 
 
 def test_cupy():

@@ -12,7 +12,6 @@ column dropped).
 from __future__ import annotations
 
 import math
-import zlib
 
 import numpy as np
 import pytest
@@ -27,6 +26,7 @@ import pyflashattn  # noqa: E402
 from pyflashattn import decode  # noqa: E402
 from pyflashattn.testing import attention_ref, to_numpy_f64  # noqa: E402
 from pyflashattn.testing.checks import assert_close  # noqa: E402
+from pyflashattn.testing.gpu import scratch_workspace as _ws, cuda_generator as _gen, cuda_randn as _randn  # noqa: E402
 
 DEV = "cuda"
 F16, BF16 = torch.float16, torch.bfloat16
@@ -34,21 +34,6 @@ O_TOL = {F16: dict(atol=1e-3, rtol=1e-3), BF16: dict(atol=1e-2, rtol=1e-2)}
 LSE_TOL = dict(atol=2e-3, rtol=1e-4)
 FP8_O_TOL = dict(atol=2e-2, rtol=2e-2)
 LOG2E = 1.4426950408889634
-_WS = []
-
-
-def _ws():
-    if not _WS:
-        _WS.append(torch.empty(1 << 28, dtype=torch.uint8, device=DEV))
-    return _WS[0]
-
-
-def _gen(*key):
-    return torch.Generator(device=DEV).manual_seed(zlib.crc32(repr(key).encode()))
-
-
-def _randn(shape, g, dtype, scale=1.0):
-    return (torch.randn(shape, generator=g, device=DEV, dtype=torch.float32) * scale).to(dtype)
 
 
 def _sink_ref(o, lse, sinks):

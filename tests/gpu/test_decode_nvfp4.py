@@ -30,19 +30,13 @@ from pyflashattn import decode  # noqa: E402
 from pyflashattn._engine import xqa as _xqa  # noqa: E402
 from pyflashattn.testing import attention_ref, nvfp4, to_numpy_f64  # noqa: E402
 from pyflashattn.testing.checks import assert_close  # noqa: E402
+from pyflashattn.testing.gpu import scratch_workspace as _ws  # noqa: E402
 
 DEV = "cuda"
 F16, BF16 = torch.float16, torch.bfloat16
 O_TOL = {F16: dict(atol=1e-3, rtol=1e-3), BF16: dict(atol=1e-2, rtol=1e-2)}
 LSE_TOL = dict(atol=2e-3, rtol=1e-4)
 K_GLOBAL, V_GLOBAL = 0.37, 1.3  # the quantiser's global scales (K's into the logit scale, V's into the output)
-_WS = []
-
-
-def _ws():
-    if not _WS:
-        _WS.append(torch.empty(1 << 28, dtype=torch.uint8, device=DEV))
-    return _WS[0]
 
 
 def _rng(*key):

@@ -13,7 +13,6 @@ says whether it ran split KV (the merge wrote the rows) or not (the epilogue did
 from __future__ import annotations
 
 import math
-import zlib
 
 import numpy as np
 import pytest
@@ -29,27 +28,13 @@ from pyflashattn import decode  # noqa: E402
 from pyflashattn._engine import xqa as _xqa  # noqa: E402
 from pyflashattn.testing import attention_ref, to_numpy_f64  # noqa: E402
 from pyflashattn.testing.checks import assert_close  # noqa: E402
+from pyflashattn.testing.gpu import scratch_workspace as _ws, cuda_generator as _gen, cuda_randn as _randn  # noqa: E402
 
 DEV = "cuda"
 F16, BF16, E4M3 = torch.float16, torch.bfloat16, torch.float8_e4m3fn
 E4M3_MAX = 448.0
 TOL_16 = {F16: dict(atol=2e-3, rtol=2e-3), BF16: dict(atol=1.5e-2, rtol=1.5e-2)}
 COMPUTE_ATOL = {F16: 2e-3, BF16: 1e-2}  # the 16-bit kernels' error against float64 (by q's dtype)
-_WS = []
-
-
-def _ws():
-    if not _WS:
-        _WS.append(torch.empty(1 << 28, dtype=torch.uint8, device=DEV))
-    return _WS[0]
-
-
-def _gen(*key):
-    return torch.Generator(device=DEV).manual_seed(zlib.crc32(repr(key).encode()))
-
-
-def _randn(shape, g, dtype, scale=1.0):
-    return (torch.randn(shape, generator=g, device=DEV, dtype=torch.float32) * scale).to(dtype)
 
 
 def _poisoned(shape, dtype):

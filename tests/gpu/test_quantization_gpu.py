@@ -7,7 +7,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from pyflashattn.testing.gpu import require_cuda_torch
+from pyflashattn.testing.gpu import require_cupy as _cupy, require_cuda_torch
 
 pytestmark = pytest.mark.gpu
 
@@ -134,15 +134,6 @@ def test_torch_cpu_tensor_packs_on_host():
 
 
 # ---------------------------------------------------------------- CuPy / JAX (when importable)
-
-def _cupy():
-    try:
-        import cupy
-        cupy.cuda.runtime.getDeviceCount()
-        return cupy
-    except Exception:
-        pytest.skip("CuPy not importable or has no device")
-
 
 @pytest.mark.parametrize("bitorder", ORDERS)
 @pytest.mark.parametrize("n", SIZES)

@@ -105,56 +105,65 @@ struct ProducerSm90 {
       ptx::tma_load_3d(s_tile + c * BLOCK_N * Cfg::ROW_BYTES, tmap, c * 64, kv_head, (int)row, full, policy);
   }
 
+  // TMA K/V: one thread issues every tile (the others have nothing to copy after Q).
+  static __device__ __forceinline__ void run_tma(const PrefillParams& p, const PrefillWork& w, uint32_t base, int tid,
+                                                 uint64_t policy) {
+    if (tid != 0) return;
+    const RaggedKvRows rows{w.kv_row0};
+    for (int it = 0; it < w.num_tiles; ++it) {
+      const int s = it % STAGES;
+      const uint32_t free_parity = ((it / STAGES) & 1) ^ 1;
+      const int64_t row = rows.row(w.tile_start, it * BLOCK_N);
+      ptx::mbar_wait(Cfg::k_empty(base, s), free_parity);
+      tma_tile(base + Cfg::K_OFFSET + s * Cfg::KV_TILE_BYTES, &p.k_tmap, Cfg::k_full(base, s), w.kv_head, row, policy);
+      ptx::mbar_wait(Cfg::v_empty(base, s), free_parity);
+      tma_tile(base + Cfg::V_OFFSET + s * Cfg::KV_TILE_BYTES, &p.v_tmap, Cfg::v_full(base, s), w.kv_head, row, policy);
+    }
+  }
+
+  // One K or V tile by cp.async into stage `s`, through the request's addressing (paged: the
+  // staged page ids s_ids), then its full barrier once the stage is free.
+  static __device__ __forceinline__ void copy_tile(const PrefillParams& p, const PrefillWork& w, uint32_t s_tile,
+                                                   const T* head, int64_t stride_page, int64_t stride_n,
+                                                   const int32_t* s_ids, int n0, uint32_t empty, uint32_t full,
+                                                   uint32_t free_parity, int tid, uint64_t policy) {
+    ptx::mbar_wait(empty, free_parity);
+    if constexpr (PAGED)
+      load_tile_paged(s_tile, head, p, s_ids, stride_page, stride_n, n0, w.kv_len, tid, policy);
+    else
+      load_tile(s_tile, head, stride_n, RaggedKvRows{w.kv_row0}.row(0, 0), n0, w.kv_len, tid, policy);
+    ptx::cp_async_mbar_arrive(full);
+  }
+
   // base / smem: the aligned shared-memory base as a shared-window address and as a pointer.
   static __device__ __forceinline__ void run(const PrefillParams& p, const PrefillWork& w, uint32_t base, char* smem,
                                              int tid) {
     load_q(p, w, base + Cfg::Q_OFFSET, tid);
     ptx::cp_async_mbar_arrive(Cfg::q_full(base));
+    if constexpr (Cfg::TMA) {
+      run_tma(p, w, base, tid, ptx::l2_evict_last());
+      ptx::cp_async_wait<0>();  // the Q copies
+      return;
+    }
     const T* k = reinterpret_cast<const T*>(p.k) + w.kv_head * p.k_stride_h;
     const T* v = reinterpret_cast<const T*>(p.v) + w.kv_head * p.v_stride_h;
-    const RaggedKvRows rows{w.kv_row0};
     const int32_t* pages = reinterpret_cast<const int32_t*>(p.kv_page_indices) + w.page_base;
     // Every row tile of the head reads these K/V rows again: keep them in L2 over Q and outputs.
     const uint64_t keep = ptx::l2_evict_last();
     int32_t next_id = PAGED ? row_page_id(p, pages, w.tile_start, w.kv_len, tid) : 0;
-    if constexpr (Cfg::TMA) {
-      if (tid == 0) {
-        for (int it = 0; it < w.num_tiles; ++it) {
-          const int s = it % STAGES;
-          const uint32_t free_parity = ((it / STAGES) & 1) ^ 1;
-          const int64_t row = rows.row(w.tile_start, it * BLOCK_N);
-          ptx::mbar_wait(Cfg::k_empty(base, s), free_parity);
-          tma_tile(base + Cfg::K_OFFSET + s * Cfg::KV_TILE_BYTES, &p.k_tmap, Cfg::k_full(base, s), w.kv_head, row, keep);
-          ptx::mbar_wait(Cfg::v_empty(base, s), free_parity);
-          tma_tile(base + Cfg::V_OFFSET + s * Cfg::KV_TILE_BYTES, &p.v_tmap, Cfg::v_full(base, s), w.kv_head, row, keep);
-        }
-      }
-      ptx::cp_async_wait<0>();  // the Q copies
-      return;
-    }
     for (int it = 0; it < w.num_tiles; ++it) {
       const int s = it % STAGES;
       const uint32_t free_parity = ((it / STAGES) & 1) ^ 1;
       const int n0 = w.tile_start + it * BLOCK_N;
-      const uint32_t s_k = base + Cfg::K_OFFSET + s * Cfg::KV_TILE_BYTES;
-      const uint32_t s_v = base + Cfg::V_OFFSET + s * Cfg::KV_TILE_BYTES;
       int32_t* s_ids = reinterpret_cast<int32_t*>(smem + Cfg::IDS_OFFSET) + (it & 1) * BLOCK_N;
       if constexpr (PAGED) {
         stage_page_ids(s_ids, next_id, tid);
         if (it + 1 < w.num_tiles) next_id = row_page_id(p, pages, n0 + BLOCK_N, w.kv_len, tid);
       }
-      ptx::mbar_wait(Cfg::k_empty(base, s), free_parity);
-      if constexpr (PAGED)
-        load_tile_paged(s_k, k, p, s_ids, p.k_stride_page, p.k_stride_n, n0, w.kv_len, tid, keep);
-      else
-        load_tile(s_k, k, p.k_stride_n, rows.row(0, 0), n0, w.kv_len, tid, keep);
-      ptx::cp_async_mbar_arrive(Cfg::k_full(base, s));
-      ptx::mbar_wait(Cfg::v_empty(base, s), free_parity);
-      if constexpr (PAGED)
-        load_tile_paged(s_v, v, p, s_ids, p.v_stride_page, p.v_stride_n, n0, w.kv_len, tid, keep);
-      else
-        load_tile(s_v, v, p.v_stride_n, rows.row(0, 0), n0, w.kv_len, tid, keep);
-      ptx::cp_async_mbar_arrive(Cfg::v_full(base, s));
+      copy_tile(p, w, base + Cfg::K_OFFSET + s * Cfg::KV_TILE_BYTES, k, p.k_stride_page, p.k_stride_n, s_ids, n0,
+                Cfg::k_empty(base, s), Cfg::k_full(base, s), free_parity, tid, keep);
+      copy_tile(p, w, base + Cfg::V_OFFSET + s * Cfg::KV_TILE_BYTES, v, p.v_stride_page, p.v_stride_n, s_ids, n0,
+                Cfg::v_empty(base, s), Cfg::v_full(base, s), free_parity, tid, keep);
     }
     // Every cp.async lands before the warpgroup exits (the barriers they arrive on live in the
     // CTA's shared memory).
