@@ -53,6 +53,8 @@ PREFILL = (
         ("softmax_stats", "ptr", "float32 [tokens, Hq, 2] TRT-LLM FMHAv2 softmax stats (row max of the final "
          "logits in natural units, row sum of exp(logit - max), sinks included), written by the general sm80 "
          "kernels' epilogue for unsplit rows only (the host plans such calls without split KV); 0 = none"),
+        ("v_page_indices", "ptr", "paged K/V with separate V page ids (TRT-LLM's [B, 2, M] block tables): int32 V page "
+         "ids indexed as kv_page_indices (request b's at kv_indptr[b] + page), clamped like K's; 0 = V shares K's ids"),
         ("q_stride_n", "i64", ""),
         ("q_stride_h", "i64", ""),
         ("k_stride_n", "i64", ""),
@@ -92,8 +94,14 @@ PREFILL = (
         ("v_scale", "f32", "output multiplier (fp8 V dequantisation scale); 1 otherwise"),
         ("kv_fp8", "i32", "fp8 K/V storage of the kv_dtype=fp8 kernels: 1 = e4m3fn, 2 = e5m2 (0 = K/V in q's dtype, "
          "or NVFP4 codes, whose elements are their bytes); strides stay in elements"),
-        ("kv_max_pages", "i32", "with kv_seq_lens: the pages each request's block-table row holds (kv_len is "
-         "clamped to kv_max_pages * page_size, so no row is read past its table)"),
+        ("kv_max_len", "i32", "key counts read from the device are clamped to it: block table (kv_seq_lens), at "
+         "most the keys its table row's planned pages hold, so no row is read past its table; ragged (> 0: "
+         "kv_indptr is the caller's device array, TRT-LLM), with kv_tokens; 0 = ragged kv_indptr built by plan()"),
+        ("q_tokens", "i32", "with qo_max_len: tokens in q / o"),
+        ("qo_max_len", "i32", "> 0: qo_indptr is the caller's device array (TRT-LLM): a request's first row is "
+         "clamped into [0, q_tokens] and its length to qo_max_len (the plan's row tiles cover it) and the tokens "
+         "left, so bad metadata never reads or writes outside q / o; 0 = qo_indptr built by plan() (trusted)"),
+        ("kv_tokens", "i32", "ragged K/V with kv_max_len > 0: rows in K / V (a request's rows are clamped into them)"),
         ("num_pages", "i32", "paged KV: pages in the cache; a page id outside [0, num_pages) is clamped into it, "
          "so bad metadata never reads outside the cache (0 = ids trusted, plan() checked them)"),
         ("spec_mask_words", "i32", "> 0: custom_mask is a speculative-decoding mask (XQA's): per query row "

@@ -469,7 +469,7 @@ def test_xqa_params_of_a_call(fake):
     pages = planned_pages(MSL, PS, WIDTH)
     assert pages == 18
     assert p.kv_page_indices == args["block_tables"].args[3] and p.kv_seq_lens == args["seq_lens"].args[3]
-    assert (p.num_pages, p.kv_max_pages, p.page_size) == (NPAGES, pages, PS)
+    assert (p.num_pages, p.kv_max_len, p.page_size) == (NPAGES, pages * PS, PS)
     assert p.sm_scale_log2 == pytest.approx(f32(0.5 * LOG2E), rel=1e-6) and p.v_scale == 0.25
     assert p.scale_dev == 0 and p.v_scale_dev == 0 and p.custom_mask == 0 and p.sinks == 0
     assert p.causal == 0 and (p.q, p.o) == (0x100000, 0x400000) and p.window_left == 100
@@ -543,7 +543,7 @@ def test_xqa_reuses_the_engine_for_the_same_shapes(fake):
     fake.cu.log.clear()
     call_xqa(xqa_args(fake, max_seq_len=WIDTH * PS))
     assert len(xqa._ENGINES) == 2 and any(op[0] == "htod" for op in fake.cu.log)
-    assert attn_launch(fake)[3].kv_max_pages == WIDTH
+    assert attn_launch(fake)[3].kv_max_len == WIDTH * PS
 
 
 @pytest.mark.parametrize("layout", ["NHD", "HND"])

@@ -1,6 +1,8 @@
 """TRT-LLM prefill entry points on the simulated driver (no GPU): layout parsing, block-table
 translation, validation before any launch, and the params struct each call writes (chunked
-mask, scales, stats, window). Numerics are tests/gpu/test_trtllm.py's job.
+mask, scales, stats, window); host metadata (numpy: checked and planned on the host) and device
+metadata (trtllm_device: a plan per shape key, no sync, capturable; the checked mode).
+Numerics are tests/gpu/test_trtllm.py's and test_trtllm_graph.py's job.
 
 Not covered here: PACKED_QKV / CONTIGUOUS_Q_KV calls that get past validation (they slice qkv,
 which the fake DLPack producers cannot)."""
@@ -13,7 +15,7 @@ import numpy as np
 import pytest
 
 from pyflashattn import prefill
-from pyflashattn._engine import operands, trtllm, trtllm_fmha
+from pyflashattn._engine import metadata_check, operands, trtllm, trtllm_device, trtllm_fmha
 from pyflashattn._runtime import dtypes as _dtypes
 from pyflashattn.testing.fake_driver import BF16, E4M3, LOG2E, WS, T
 from pyflashattn.testing.fake_tensors import FakeProducer
@@ -30,6 +32,8 @@ TABLE = np.array([[4, 1, 5], [0, 5, 5], [5, 5, 5]], np.int32)  # pages of KL (5:
 @pytest.fixture(autouse=True)
 def fresh_engines(monkeypatch):
     monkeypatch.setattr(trtllm, "_ENGINES", OrderedDict())
+    monkeypatch.setattr(trtllm_device, "_ENGINES", OrderedDict())
+    monkeypatch.delenv(metadata_check.ENV, raising=False)
 
 
 class Reshapable(FakeProducer):
@@ -41,21 +45,22 @@ class Reshapable(FakeProducer):
         return Reshapable((n,), (1,), dtype, data, offset, device)
 
 
-def table_arg(fake, table):
-    return Reshapable(*fake.dev(table, _dtypes.INT32, shape=table.shape).args)
+def table_arg(fake, table, device=False):
+    return Reshapable(*fake.dev(table, _dtypes.INT32, shape=table.shape).args) if device else table
 
 
 def cum(lens):
     return np.concatenate([[0], np.cumsum(lens)]).astype(np.int32)
 
 
-def lengths(fake, ql=QL, kl=KL):
-    return fake.dev(np.asarray(kl, np.int32), _dtypes.INT32), fake.dev(cum(ql), _dtypes.INT32), \
-        fake.dev(cum(kl), _dtypes.INT32)
+def lengths(fake, ql=QL, kl=KL, device=False):
+    """seq_lens, cum_seq_lens_q, cum_seq_lens_kv: numpy (the host path) or device tensors."""
+    arrays = np.asarray(kl, np.int32), cum(ql), cum(kl)
+    return tuple(fake.dev(a, _dtypes.INT32) for a in arrays) if device else arrays
 
 
-def separate_call(fake, **kw):
-    sl, cq, ck = lengths(fake)
+def separate_call(fake, device=False, **kw):
+    sl, cq, ck = lengths(fake, device=device)
     q, k, v = T((TQ, HQ, D)), T((TKV, HKV, D)), T((TKV, HKV, D))
     args = dict(qkv=(q, k, v), input_layout="SEPARATE_Q_K_V", workspace_buffer=WS(fake), seq_lens=sl, max_q_len=12,
                 max_kv_len=19, bmm1_scale=0.1, bmm2_scale=1.0, batch_size=3, cum_seq_lens_q=cq, cum_seq_lens_kv=ck)
@@ -69,21 +74,21 @@ def out_for(out_dtype):
     return T((TQ, HQ, D), _dtypes.normalize(out_dtype) if out_dtype else _dtypes.FLOAT16)
 
 
-def paged_call(fake, layout="Q_PAGED_KV_HND", table=TABLE, cache=None, **kw):
-    sl, cq, ck = lengths(fake)
+def paged_call(fake, layout="Q_PAGED_KV_HND", table=TABLE, cache=None, device=False, **kw):
+    sl, cq, ck = lengths(fake, device=device)
     shape = (NPAGES, 2, HKV, PS, D) if layout.endswith("HND") else (NPAGES, 2, PS, HKV, D)
     args = dict(qkv=(T((TQ, HQ, D)), T(shape) if cache is None else cache), input_layout=layout,
                 workspace_buffer=WS(fake), seq_lens=sl, max_q_len=12, max_kv_len=19, bmm1_scale=0.1, bmm2_scale=1.0,
-                batch_size=3, cum_seq_lens_q=cq, cum_seq_lens_kv=ck, block_tables=table_arg(fake, table))
+                batch_size=3, cum_seq_lens_q=cq, cum_seq_lens_kv=ck, block_tables=table_arg(fake, table, device))
     args.update(kw)
     args.setdefault("out", out_for(args.get("out_dtype")))
     return fmha(**args)
 
 
-def context_call(fake, table=TABLE, **kw):
-    sl, cq, ck = lengths(fake)
+def context_call(fake, table=TABLE, device=False, **kw):
+    sl, cq, ck = lengths(fake, device=device)
     args = dict(query=T((TQ, HQ, D)), kv_cache=T((NPAGES, 2, HKV, PS, D)), workspace_buffer=WS(fake),
-                block_tables=table_arg(fake, table), seq_lens=sl, max_q_len=12,
+                block_tables=table_arg(fake, table, device), seq_lens=sl, max_q_len=12,
                 max_kv_len=19, bmm1_scale=0.1, bmm2_scale=1.0, batch_size=3, cum_seq_lens_q=cq, cum_seq_lens_kv=ck)
     args.update(kw)
     if args.get("out_dtype") != "nvfp4":
@@ -135,13 +140,6 @@ def test_block_table_rows_refuse_bad_tables():
         operands.block_table_rows(np.where(TABLE == 4, 9, TABLE), 3, PS, lens, NPAGES, False)
     with pytest.raises(ValueError, match="hold 1 pages"):
         operands.block_table_rows(TABLE[:, :1], 3, PS, lens, NPAGES, False)
-
-
-def test_shared_page_ids():
-    k = np.array([3, 1, 0], np.int32)
-    assert trtllm.shared_page_ids(k, k + 7, 7, "x") is k
-    with pytest.raises(NotImplementedError, match="uses_shared_paged_kv_idx"):
-        trtllm.shared_page_ids(k, np.array([3, 2, 0]), 0, "uses_shared_paged_kv_idx")
 
 
 # ---- validation before any launch ---------------------------------------------------------------
@@ -256,19 +254,23 @@ def test_fmha_paged_params(fake, layout):
     assert idx == [4, 1, 0]  # pages the requests use, in order
 
 
-def test_fmha_paged_tuple_with_k_v_offsets(fake):
-    """(k, v) tuple of one allocation, V 6 pages after K; [B, 2, M] offsets from K's base."""
+@pytest.mark.parametrize("device", [False, True], ids=["host", "device"])
+def test_fmha_paged_tuple_with_k_v_offsets(fake, device):
+    """(k, v) tuple of one allocation, V 6 pages after K; [B, 2, M] offsets from K's base, V's
+    independent of K's: V is read from K's base through its own ids, clamped to V's last page."""
     page = HKV * PS * D * 2
     k = T((NPAGES, HKV, PS, D), data=0x100000)
     v = T((NPAGES, HKV, PS, D), data=0x100000 + NPAGES * page)
-    table = np.stack([TABLE, TABLE + NPAGES], axis=1)
-    paged_call(fake, cache=(k, v), table=table)
+    v_ids = np.array([[9, 6, 11], [7, 6, 6], [6, 6, 6]], np.int32)
+    paged_call(fake, cache=(k, v), table=np.stack([TABLE, v_ids], axis=1), device=device)
     _, p = last_params(fake)
-    assert p.k == 0x100000 and p.v == 0x100000 + NPAGES * page
-    bad = table.copy()
-    bad[0, 1, 0] += 1
-    with pytest.raises(NotImplementedError, match="block_tables"):
-        paged_call(fake, cache=(k, v), table=bad)
+    assert p.k == 0x100000 and p.v == 0x100000 and p.v_stride_page == p.k_stride_page
+    if device:
+        assert p.num_pages == 2 * NPAGES and p.v_page_indices == p.kv_page_indices + 4 * 3
+    else:
+        assert fake.read(p.v_page_indices, 3, np.int32).tolist() == [9, 6, 7]
+    with pytest.raises(ValueError, match="tuple form of one allocation"):
+        paged_call(fake, table=np.stack([TABLE, v_ids], axis=1), device=device)  # a 5-D cache
 
 
 # ---- trtllm_batch_context_with_kv_cache -------------------------------------------------------------
@@ -283,15 +285,20 @@ def test_context_params_and_scales(fake):
     assert "_gen" in name and p.scale_dev == s1.args[3] and p.v_scale_dev == s2.args[3] and p.causal == 0
 
 
-def test_context_separate_ids(fake):
-    same = np.stack([TABLE, TABLE], axis=1)
-    context_call(fake, table=same, uses_shared_paged_kv_idx=False)
-    diff = same.copy()
-    diff[0, 1, 0] = 2
-    with pytest.raises(NotImplementedError, match="uses_shared_paged_kv_idx"):
-        context_call(fake, table=diff, uses_shared_paged_kv_idx=False)
+@pytest.mark.parametrize("device", [False, True], ids=["host", "device"])
+def test_context_separate_ids(fake, device):
+    v_ids = np.array([[2, 3, 0], [1, 5, 5], [5, 5, 5]], np.int32)
+    table = np.stack([TABLE, v_ids], axis=1)
+    context_call(fake, table=table, uses_shared_paged_kv_idx=False, device=device)
+    _, p = last_params(fake)
+    if device:
+        assert p.v_page_indices == p.kv_page_indices + 4 * 3 and p.num_pages == NPAGES
+    else:
+        assert fake.read(p.v_page_indices, 3, np.int32).tolist() == [2, 3, 1]
+    context_call(fake, device=device)  # shared ids again: V reads K's
+    assert last_params(fake)[1].v_page_indices == 0
     with pytest.raises(ValueError, match=r"\[batch_size, 2, max_pages\]"):
-        context_call(fake, uses_shared_paged_kv_idx=False)
+        context_call(fake, uses_shared_paged_kv_idx=False, device=device)
 
 
 @pytest.mark.parametrize("kw, exc, pattern", [
@@ -318,3 +325,98 @@ def test_context_uint32_seq_lens_and_lse(fake):
     o, got = context_call(fake, seq_lens=sl, lse=lse, return_lse=True)
     assert got is lse and last_params(fake)[1].lse == 0x900000
     assert not isinstance(context_call(fake, lse=lse), tuple)  # filled, not returned
+
+
+# ---- device metadata: a plan per shape key, no sync, capturable ---------------------------------------
+class Everything(set):
+    def __contains__(self, item):
+        return True
+
+
+_HOST_WORK = ("alloc", "htod", "dtoh", "dtod", "sync", "event_sync")
+
+
+@pytest.mark.parametrize("api", ["separate", "paged", "context"])
+def test_device_metadata_capture_does_no_host_work(fake, api):
+    """After one call of a shape key, a call under capture with other lengths (same shapes) only
+    points the struct at the caller's arrays and launches: no copy, sync, allocation or plan."""
+    call = {"separate": separate_call, "paged": paged_call, "context": context_call}[api]
+    call(fake, device=True)
+    fake.cu.log.clear()
+    fake.cu.capturing = Everything()
+    ql, kl = (7, 3, 2), (9, 3, 30)
+    sl, cq, ck = lengths(fake, ql, kl, device=True)
+    table = table_arg(fake, np.array([[2, 0, 1], [3, 5, 5], [4, 1, 0]], np.int32), device=True)
+    fake.cu.log.clear()
+    kw = dict(seq_lens=sl, cum_seq_lens_q=cq, cum_seq_lens_kv=ck)
+    if api != "separate":
+        kw["block_tables"] = table
+    q = T((sum(ql), HQ, D))
+    out = T((sum(ql), HQ, D), data=0x700000)
+    if api == "context":
+        call(fake, device=True, query=q, out=out, **kw)
+    else:
+        extra = {} if api == "paged" else dict(qkv=(q, T((sum(kl), HKV, D)), T((sum(kl), HKV, D))))
+        if api == "paged":
+            extra["qkv"] = (q, T((NPAGES, 2, HKV, PS, D)))
+        call(fake, device=True, out=out, **extra, **kw)
+    assert not [op for op in fake.cu.log if op[0] in _HOST_WORK], fake.cu.log
+    assert [op[0] for op in fake.cu.log] == ["launch"]
+    _, p = last_params(fake)
+    assert p.qo_indptr == cq.args[3] and p.qo_max_len == 12 and p.q_tokens == sum(ql) and p.o == 0x700000
+    if api == "separate":
+        assert p.kv_indptr == ck.args[3] and p.kv_max_len == 19 and p.kv_tokens == sum(kl)
+    else:
+        assert p.kv_seq_lens == sl.args[3] and p.kv_page_indices == table.args[3] and p.num_pages == NPAGES
+        assert p.kv_max_len == 19 and p.v_page_indices == 0
+
+
+def test_device_plan_is_one_per_shape_key(fake):
+    """The grid covers batch_size x ceil(max_q_len * group / BLOCK_M) row tiles, unsplit; a new
+    max_q_len within the plan's rounding keeps the plan (only the struct's clamp changes)."""
+    separate_call(fake, device=True, max_q_len=290)
+    (e,) = trtllm_device._ENGINES.values()
+    assert trtllm_device.coarse(290) == trtllm_device.coarse(300) == 320
+    assert e.device_lengths and not e.schedule.split and e.schedule.num_work == 3 * -(-320 * 4 // e.schedule.block_m)
+    qt = e.schedule.work_qtile[:e.schedule.num_work]
+    assert qt[0] == qt.max() and (np.diff(qt) <= 0).all()  # causal: the bottom (longest) row tiles first
+    separate_call(fake, device=True, max_q_len=300)
+    assert len(trtllm_device._ENGINES) == 1 and last_params(fake)[1].qo_max_len == 300
+    separate_call(fake, device=True, max_q_len=400)
+    assert len(trtllm_device._ENGINES) == 2
+
+
+@pytest.mark.parametrize("api, kw, pattern", [
+    ("separate", dict(max_q_len=11), "max_q_len=11"),
+    ("separate", dict(max_kv_len=18), "max_kv_len=18"),
+    ("separate", dict(seq_lens=np.array([20, 16, 0], np.int32)), r"seq_lens\[0\] = 20 disagrees"),
+    ("paged", dict(table=np.where(TABLE == 4, NPAGES, TABLE)), "outside the cache"),
+    ("context", dict(table=np.where(TABLE == 1, -1, TABLE)), "outside the cache"),
+    ("context", dict(max_kv_len=18), "max_kv_len=18"),
+])
+def test_device_metadata_checked_mode(fake, monkeypatch, api, kw, pattern):
+    """PYFLASHATTN_CHECK_METADATA=1: device metadata copied to the host and refused like host
+    metadata, naming the argument, before any launch; without it the call launches (the kernel
+    clamps)."""
+    call = {"separate": separate_call, "paged": paged_call, "context": context_call}[api]
+    if "seq_lens" in kw:
+        kw["seq_lens"] = fake.dev(kw["seq_lens"], _dtypes.INT32)
+    monkeypatch.setenv(metadata_check.ENV, "1")
+    with pytest.raises(ValueError, match=pattern):
+        call(fake, device=True, **kw)
+    assert not fake.attn_launches()
+    monkeypatch.delenv(metadata_check.ENV)
+    if "max_kv_len" not in kw or api == "separate":
+        call(fake, device=True, **kw)
+        assert fake.attn_launches()
+
+
+def test_device_metadata_refusals_without_a_sync(fake):
+    """What the device path checks from shapes alone (no copy): table batch and width, dtypes."""
+    with pytest.raises(ValueError, match="batch_size=3"):
+        context_call(fake, table=TABLE[:2], device=True)
+    with pytest.raises(ValueError, match="max_kv_len needs 3 pages but block_tables rows hold 2"):
+        context_call(fake, table=TABLE[:, :2], device=True, max_kv_len=40)
+    with pytest.raises(TypeError, match="cum_seq_lens_q must be int32"):
+        separate_call(fake, device=True, cum_seq_lens_q=fake.dev(cum(QL).astype(np.int64), _dtypes.INT64))
+    assert not [op for op in fake.cu.log if op[0] in ("dtoh", "sync")] and not fake.attn_launches()

@@ -55,6 +55,10 @@ class BatchEngine:
         self.pdl = launch.PdlLauncher(self.dev)
         self.scaled = False
         self.sinks = 0  # the sinks address in the structs (run(sinks=...)); 0 = none
+        # Lengths from the caller's device arrays (TRT-LLM, trtllm_device.py): the plan covers every
+        # request at its maximum lengths, q / o (and ragged K / V) may hold any number of tokens,
+        # which the kernel clamps each request's rows into (PrefillParams.q_tokens / kv_tokens).
+        self.device_lengths = False
 
     def enable_graph(self, max_batch: int, max_pages: int):
         """CUDA-graph mode with this capacity (batch size, pages)."""
@@ -287,6 +291,8 @@ class BatchEngine:
             if "mask_indptr" not in src.names:
                 p.mask_indptr = 0
             self.masks.keep = None
+        if "v_page_indices" not in src.names:  # V shares K's page ids
+            p.v_page_indices = 0
         p.kv_chunk_size = plan.kv_chunk_size
         if merge is not None:
             merge.params.merge_indptr = m_ptr
@@ -346,6 +352,8 @@ class BatchEngine:
         (q view, out, out view, lse, lse view, stream, handshake stream or None)."""
         qv = _tensor.view(q, "q")
         total_q, Hq, Hkv, D = self.shape
+        if self.device_lengths and qv.ndim == 3:
+            total_q = qv.shape[0]
         if qv.shape != (total_q, Hq, D):
             raise ValueError(f"q must have shape {(total_q, Hq, D)} (qo_indptr[-1], num_qo_heads, head_dim) "
                              f"as planned, got {qv.shape}")
@@ -402,7 +410,11 @@ class BatchEngine:
         p.q_stride_n, p.q_stride_h = qv.strides[0], qv.strides[1]
         p.o_stride_n, p.o_stride_h = ov.strides[0], ov.strides[1]
         p.lse = lv.ptr if lv is not None else 0
-        if self.shape[0] == 0:
+        if self.device_lengths:
+            p.q_tokens = qv.shape[0]
+            if not qv.shape[0]:
+                return
+        elif self.shape[0] == 0:
             return
         self.pdl(self.attn, pdl)(s)
         if self.merge is not None:
@@ -436,7 +448,7 @@ class BatchEngine:
             refuse_capture(s)
         if self.pending_copy or self.graph is not None:
             self._before_launch(s)
-        total_q, Hq = self.shape[0], self.shape[1]
+        total_q, Hq = q.shape[0] if self.device_lengths else self.shape[0], self.shape[1]
         if out is None:  # o has q's shape (the plan's key fixed it), and q's dtype unless planned otherwise
             odt = self.cfg.o_dtype
             out = _tensor.torch_empty_like(q) if odt is self.cfg.q_dtype else _tensor.torch_empty_as(q, odt)
@@ -563,6 +575,9 @@ class BatchEngine:
         _, Hq, Hkv, D = self.shape
         kv, vv = self.kv_operand(k, "k", hs), self.kv_operand(v, "v", hs)
         total_kv = self.src.total_kv
+        if self.device_lengths and kv.ndim == 3:  # the kernel clamps each request's rows into K / V
+            total_kv = kv.shape[0 if self.kv_layout == "NHD" else 1]
+            self.attn.params.kv_tokens = total_kv
         want = (total_kv, Hkv, D) if self.kv_layout == "NHD" else (Hkv, total_kv, D)
         for t, n in ((kv, "k"), (vv, "v")):
             if t.shape != want:

@@ -426,3 +426,109 @@ def block_table_rows(table, batch: int, page_size: int, kv_lens, num_pages: int,
             raise ValueError(f"block_tables holds page id {int(i.max() if i.max() >= num_pages else i.min())} "
                              f"outside the cache's {num_pages} pages")
     return ids[0].astype(np.int32), (ids[1].astype(np.int32) if separate else None)
+
+
+def paged_cache(kv_cache, layout: str, kv_dims=(1, 2)) -> tuple:
+    """A paged cache operand (XQA, both TRT-LLM APIs): a (k, v) tuple of alike 4-D page tensors,
+    or one 5-D [P, 2, ...] tensor ([P, 1, ...] too where 1 is in kv_dims: K and V share it).
+    Returns (what run_paged takes: the tuple, the 5-D cache as is, or a [P, 1, ...] cache as the
+    pair of its views; K's page shape [P, ...4-D]; page geometry (page_size, Hkv, D) by layout;
+    V's distance from K in K pages when V sits a whole number of K pages after K in a tuple
+    of one dtype and strides, else None)."""
+    if isinstance(kv_cache, (tuple, list)):
+        if len(kv_cache) != 2:
+            raise ValueError("kv_cache tuple must be (k_cache, v_cache)")
+        k, v = _tensor.view(kv_cache[0], "k_cache"), _tensor.view(kv_cache[1], "v_cache")
+        if k.ndim != 4 or v.shape != k.shape:
+            raise ValueError(f"kv_cache pages must be 4-D [num_pages, ...] ({layout}) with K and V alike, got "
+                             f"{k.shape} and {v.shape}")
+        form, shape = tuple(kv_cache), k.shape
+        unit, diff = k.strides[0] * (k.dtype.bits // 8), v.ptr - k.ptr
+        alike = v.strides == k.strides and v.dtype is k.dtype
+        shift = diff // unit if alike and unit > 0 and diff >= 0 and diff % unit == 0 else None
+    else:
+        c = _tensor.view(kv_cache, "kv_cache")
+        if c.ndim != 5 or c.shape[1] not in kv_dims:
+            raise ValueError(f"kv_cache must be 5-D [num_pages, {' or '.join(map(str, kv_dims))}, ...] ({layout}) "
+                             f"or a (k, v) tuple, got shape {c.shape}")
+        shape, shift = (c.shape[0],) + c.shape[2:], None
+        form = kv_cache if c.shape[1] == 2 else (kv_cache[:, 0], kv_cache[:, 0])
+    geometry = (shape[1], shape[2], shape[3]) if layout == "NHD" else (shape[2], shape[1], shape[3])
+    return form, shape, geometry, shift
+
+
+def trtllm_query(qv, name: str, fp8_refusal: str) -> None:
+    """A TRT-LLM query: 16-bit (fp8 refused as not built: NotImplementedError naming `name`),
+    [tokens, heads, head_dim]."""
+    if qv.dtype in (_dtypes.FLOAT8_E4M3, _dtypes.FLOAT8_E5M2):
+        raise NotImplementedError(f"{name}: fp8 queries are not implemented in pyflashattn yet ({fp8_refusal}); "
+                                  "pass float16 or bfloat16")
+    if qv.dtype not in (_dtypes.FLOAT16, _dtypes.BFLOAT16):
+        raise TypeError(f"{name} must be float16 or bfloat16, got {qv.dtype.name}")
+    if qv.ndim != 3:
+        raise ValueError(f"{name} must be [num_tokens, num_heads, head_dim], got shape {qv.shape}")
+
+
+def bool_arg(x, name: str) -> bool:
+    if not isinstance(x, (bool, np.bool_)):
+        raise TypeError(f"{name} must be a bool, got {type(x).__name__}")
+    return bool(x)
+
+
+def trtllm_pos_encoding(mode) -> str:
+    """pos_encoding_mode of trtllm_fmha_v2_prefill: None / 'none' or 'alibi' (FlashInfer's slopes)."""
+    if mode is None:
+        return "NONE"
+    m = mode.upper() if isinstance(mode, str) else None
+    if m not in ("NONE", "ALIBI"):
+        raise ValueError(f"pos_encoding_mode must be None or 'alibi', got {mode!r}")
+    return m
+
+
+def trtllm_bounds(batch_size, max_q_len, max_kv_len) -> tuple:
+    """(batch_size, max_q_len, max_kv_len) as positive ints within int32."""
+    out = tuple(positive_int(x, n) for x, n in ((batch_size, "batch_size"), (max_q_len, "max_q_len"),
+                                                 (max_kv_len, "max_kv_len")))
+    for x, n in zip(out, ("batch_size", "max_q_len", "max_kv_len")):
+        if x > 2**31 - 1:
+            raise ValueError(f"{n}={x} exceeds the int32 range")
+    return out
+
+
+def trtllm_device_lengths(arrays: tuple, batch: int, dev: int) -> tuple:
+    """Device length arrays (name, tensor) of a TRT-LLM call: int32 / uint32 on dev, contiguous,
+    seq_lens [batch], cum_seq_lens_* [batch + 1]; their addresses (nothing is copied)."""
+    ptrs = []
+    for name, x in arrays:
+        v = _tensor.view(x, name)
+        index_array(v, name, dev, "query", (_dtypes.INT32, _dtypes.UINT32))
+        n = batch if name == "seq_lens" else batch + 1
+        if v.shape != (n,):
+            raise ValueError(f"{name} must have shape ({n},) for batch_size={batch}, got {v.shape}")
+        ptrs.append(v.ptr)
+    return tuple(ptrs)
+
+
+def trtllm_device_block_table(block_tables, batch: int, separate: bool, pages_needed: int, dev: int) -> tuple:
+    """A device block table: int32 [batch, M] (separate: [batch, 2, M], K ids then V ids), rows
+    of contiguous ids at any row stride, M >= pages_needed (the pages max_kv_len takes). Returns
+    (K ids' address, V ids' address or 0, entries between rows, M)."""
+    if block_tables is None:
+        raise ValueError("block_tables is required for a paged KV cache")
+    v = _tensor.view(block_tables, "block_tables")
+    require_device(v, "block_tables", dev, "query")
+    if v.dtype is not _dtypes.INT32:
+        raise TypeError(f"block_tables must be int32, got {v.dtype.name}")
+    want = 3 if separate else 2
+    if v.ndim != want or v.shape[0] != batch or (separate and v.shape[1] != 2):
+        form = "[batch_size, 2, max_pages]" if separate else "[batch_size, max_pages]"
+        raise ValueError(f"block_tables must be {form} with batch_size={batch}, got shape {v.shape}")
+    width = v.shape[-1]
+    if width > 1 and v.strides[-1] != 1:
+        raise ValueError(f"block_tables rows must be contiguous, got strides {v.strides}")
+    if pages_needed > width:
+        raise ValueError(f"max_kv_len needs {pages_needed} pages but block_tables rows hold {width}")
+    row = v.strides[0] if batch > 1 else width
+    if row < 0 or row * batch > 2**31 - 1 or (separate and not 0 <= v.strides[1] <= 2**31 - 1):
+        raise ValueError("block_tables is too large (or strided backwards) for int32 page offsets")
+    return v.ptr, (v.ptr + 4 * v.strides[1] if separate else 0), row, width

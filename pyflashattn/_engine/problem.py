@@ -15,7 +15,8 @@ class KVSource(NamedTuple):
 
     kind "ragged": request b owns key rows kv_indptr[b]:kv_indptr[b+1] of contiguous K/V;
     "paged": request b owns pages kv_page_indices[kv_indptr[b]:kv_indptr[b+1]], its last page
-    holding kv_last_page_len[b] keys; "block_table": request b's page ids are row b of a block
+    holding kv_last_page_len[b] keys ("paged_v": V's pages at the same places of its own list,
+    TRT-LLM's separate K / V page ids); "block_table": request b's page ids are row b of a block
     table (kv_indptr[b] = b * its row stride) and its length is seq_lens[b], both device arrays
     set at run (XQA): the plan covers every request up to a planned length, the kernel clamps.
     qo = the int32 qo_indptr; qo_lens / kv_lens int64 per request with their maxima; arrays =
@@ -38,6 +39,7 @@ class KVSource(NamedTuple):
 
 
 KV_ARRAY_NAMES = {"ragged": ("kv_indptr",), "paged": ("kv_indptr", "kv_page_indices", "kv_last_page_len"),
+                  "paged_v": ("kv_indptr", "kv_page_indices", "kv_last_page_len", "v_page_indices"),
                   "block_table": ("kv_indptr", "mask_indptr")}
 
 

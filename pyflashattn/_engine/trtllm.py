@@ -1,23 +1,27 @@
 """TensorRT-LLM prefill entry points over the batch engine: FlashInfer's trtllm_fmha_v2_prefill
-(five input layouts) and trtllm_batch_context_with_kv_cache (a paged cache by block tables).
+(five input layouts, trtllm_fmha.py) and trtllm_batch_context_with_kv_cache (a paged cache by
+block tables, trtllm_context.py) both end in attend().
 
-Both are plan-free calls: each copies its length metadata (and block tables) to the host (one
-sync), builds a ragged or paged KV source from it, plans a cached BatchEngine (one per shape and
-option key) and runs it. bmm1_scale is the logit scale (sm_scale * q_scale * k_scale, semantics
-1.13): the plan's sm_scale is 1 and bmm1 is run()'s k_scale, so a new value only rewrites one
-struct field; bmm2_scale is run()'s v_scale, the in-kernel output multiplier (every output dtype,
-fp8 included). Tensor scales are read on the device by the general kernels (scale_dev).
+Device metadata (cum_seq_lens_q, and cum_seq_lens_kv or seq_lens + block_tables, as device
+tensors) takes trtllm_device.py's path: a plan per shape key, the kernel reading the arrays, no
+sync, CUDA-graph capturable. Host metadata (numpy) is checked on the host and planned exactly
+per call (split KV where it pays); a device array among host ones is copied to the host (a sync).
+bmm1_scale is the logit scale (sm_scale * q_scale * k_scale, semantics 1.13): the plan's sm_scale
+is 1 and bmm1 is run()'s k_scale, so a new value only rewrites one struct field; bmm2_scale is
+run()'s v_scale, the in-kernel output multiplier (every output dtype, fp8 included). Tensor
+scales are read on the device by the general kernels (scale_dev).
 The workspace is split-KV scratch only: pyflashattn keeps no state in it, so it needs no zeros
 (FlashInfer's contract that the caller zeroes it once is harmless here).
 """
 from __future__ import annotations
 
 from collections import OrderedDict
+from typing import NamedTuple
 
 import numpy as np
 
 from .._runtime import dtypes as _dtypes, tensor as _tensor
-from . import indices, operands
+from . import indices, launch, operands, trtllm_device
 from .batch import BatchEngine
 from .problem import PlanSettings
 
@@ -85,14 +89,110 @@ def host_lengths(seq_lens, cum_seq_lens_q, cum_seq_lens_kv, batch_size, max_q_le
     return cq, ck, ql, kl
 
 
-def plan_engine(dev, workspace, kv_layout, src, paged, heads, dtypes, causal, window_left, chunk, pos, soft_cap,
-                general, stats):
-    """The cached engine for this key, planned for src. heads = (Hq, Hkv, D); dtypes = (q, kv,
-    out). Stats calls plan without split KV (the epilogue holds each row's true max) on the
-    general kernels (the sm80 epilogue writes them). A workspace too small for a split plan
+class Paging(NamedTuple):
+    """A paged call's block tables: [B, M], or (separate) [B, 2, M] K then V page ids; K ids
+    address k_pages pages from K's base, V ids v_pages from V's base (the fmha tuple form's V
+    base is K's: v_pages reaches V's last page)."""
+    block_tables: object
+    separate: bool
+    page_size: int
+    k_pages: int
+    v_pages: int
+
+
+def attend(dev, workspace, kv_layout, q, kv, heads, dtypes, mask, pos, cap, s1, s2, sinks, stats, out, lse, return_lse,
+           pdl, lengths, paging=None):
+    """Run one TRT-LLM call. kv: (k, v) rows [tokens, Hkv, D] (paging None) or the paged cache
+    form run_paged takes; heads = (Hq, Hkv, D); dtypes = (q, kv, out); mask = (causal,
+    window_left, chunk); s1 / s2 = scale_value()s; lengths = (seq_lens, cum_seq_lens_q,
+    cum_seq_lens_kv, batch_size, max_q_len, max_kv_len). Returns out (with stats / lse)."""
+    seq_lens, cum_q, cum_kv, batch, max_q, max_kv = lengths
+    B, mq, mk = operands.trtllm_bounds(batch, max_q, max_kv)
+    qv = _tensor.view(q, "query")
+    ragged = paging is None
+    general = bool(s1[1] or s2[1])
+    kernel_reads = (cum_q, seq_lens) + ((cum_kv,) if ragged else (paging.block_tables,))
+    if trtllm_device.on_device(*kernel_reads):
+        e = _device_plan(dev, workspace, kv_layout, qv, kv, heads, dtypes, mask, pos, cap, general, stats,
+                         (B, mq, mk), lengths, paging)
+    else:
+        e = _host_plan(dev, workspace, kv_layout, qv, heads, dtypes, mask, pos, cap, general, stats, (B, mq, mk),
+                       lengths, paging)
+    st = st_v = None
+    if stats:
+        st, st_v = _tensor.empty(qv, (qv.shape[0], heads[0], 2), _dtypes.FLOAT32,
+                                 launch.call_stream(None, qv.framework, dev))
+    p = e.attn.params
+    p.scale_dev, p.v_scale_dev = s1[1], s2[1]
+    p.softmax_stats = st_v.ptr if st_v is not None else 0
+    if ragged:
+        res = e.run_ragged(q, kv[0], kv[1], k_scale=s1[0], v_scale=s2[0], out=out, lse=lse, return_lse=return_lse,
+                           enable_pdl=pdl, sinks=sinks)
+    else:
+        res = e.run_paged(q, kv, k_scale=s1[0], v_scale=s2[0], out=out, lse=lse, return_lse=return_lse,
+                          enable_pdl=pdl, sinks=sinks)
+    return (res, _tensor.finalize(st)) if stats else res
+
+
+def _device_plan(dev, workspace, kv_layout, qv, kv, heads, dtypes, mask, pos, cap, general, stats, bounds, lengths,
+                 paging):
+    """trtllm_device's cached plan, pointed at this call's device metadata (no sync)."""
+    seq_lens, cum_q, cum_kv = lengths[:3]
+    B, mq, mk = bounds
+    causal, wl, chunk = mask
+    named = (("cum_seq_lens_q", cum_q), ("seq_lens", seq_lens), ("cum_seq_lens_kv", cum_kv))
+    if paging is None:
+        cq, _, ck = operands.trtllm_device_lengths(named, B, dev)
+        trtllm_device.check_on_host(dev, seq_lens, cum_q, cum_kv, B, mq, mk, qv.shape[0],
+                                    _tensor.view(kv[0], "k").shape[0])
+        e = trtllm_device.plan(dev, workspace, kv_layout, False, heads, dtypes, B, mq, mk, causal, wl, chunk, pos,
+                               cap, general, stats)
+        trtllm_device.point(e, cq, mq, mk, ragged_kv=ck)
+        return e
+    cq, sl = operands.trtllm_device_lengths(named[:2], B, dev)
+    if cum_kv is not None and not isinstance(cum_kv, np.ndarray):
+        operands.trtllm_device_lengths(named[2:], B, dev)
+    ps = paging.page_size
+    bt, v_ids, row, width = operands.trtllm_device_block_table(paging.block_tables, B, paging.separate, -(-mk // ps),
+                                                               dev)
+    pages = max(paging.k_pages, paging.v_pages)
+    trtllm_device.check_on_host(dev, seq_lens, cum_q, cum_kv, B, mq, mk, qv.shape[0],
+                                tables=(paging.block_tables, ps, paging.k_pages, paging.separate, paging.v_pages))
+    e = trtllm_device.plan(dev, workspace, kv_layout, True, heads, dtypes, B, mq, mk, causal, wl, chunk, pos, cap,
+                           general, stats, (ps, row, width))
+    trtllm_device.point(e, cq, mq, mk, paged=(sl, bt, v_ids, pages))
+    return e
+
+
+def _host_plan(dev, workspace, kv_layout, qv, heads, dtypes, mask, pos, cap, general, stats, bounds, lengths, paging):
+    """An exact plan from host metadata (device arrays among them copied: a sync), checked."""
+    cq, ck, ql, kl = host_lengths(*lengths[:3], *bounds, dev)
+    if qv.shape[0] != int(cq[-1]):
+        raise ValueError(f"the query has {qv.shape[0]} tokens but cum_seq_lens_q[-1] = {int(cq[-1])}")
+    if paging is None:
+        src = indices.ragged_source(cq.astype(np.int32), ck.astype(np.int32))
+    else:
+        if paging.block_tables is None:
+            raise ValueError("block_tables is required for a paged KV cache")
+        table = host_array(paging.block_tables, "block_tables", dev)
+        k_ids, v_ids = operands.block_table_rows(table, bounds[0], paging.page_size, kl,
+                                                 max(paging.k_pages, paging.v_pages), paging.separate)
+        if paging.separate and k_ids.size and int(k_ids.max()) >= paging.k_pages:
+            raise ValueError(f"block_tables holds K page id {int(k_ids.max())} outside the cache's "
+                             f"{paging.k_pages} pages")
+        src = paged_source_from_tables(cq, kl, k_ids, paging.page_size, v_ids)
+    return plan_engine(dev, workspace, kv_layout, src, paging is not None, heads, dtypes, mask, pos, cap, general,
+                       stats)
+
+
+def plan_engine(dev, workspace, kv_layout, src, paged, heads, dtypes, mask, pos, soft_cap, general, stats):
+    """The host path's cached engine for this key, planned for src. heads = (Hq, Hkv, D); dtypes
+    = (q, kv, out). Stats calls plan without split KV (the epilogue holds each row's true max) on
+    the general kernels (the sm80 epilogue writes them). A workspace too small for a split plan
     plans without split KV."""
     hq, hkv, hd = heads
     qdt, kdt, odt = dtypes
+    causal, window_left, chunk = mask
     general = general or stats
     key = (dev, kv_layout, paged, heads, qdt.name, kdt.name, odt.name, pos, soft_cap, general, stats)
     e = _ENGINES.get(key)
@@ -116,31 +216,13 @@ def plan_engine(dev, workspace, kv_layout, src, paged, heads, dtypes, causal, wi
     return e
 
 
-def run_engine(e, q, kv, ragged, out, lse, return_lse, s1, s2, sinks, stats, pdl):
-    """Point the per-call fields (device scales, stats) and run. kv: (k, v) rows (ragged) or the
-    paged cache form run_paged takes."""
-    p = e.attn.params
-    p.scale_dev, p.v_scale_dev = s1[1], s2[1]
-    p.softmax_stats = stats
-    if ragged:
-        return e.run_ragged(q, kv[0], kv[1], k_scale=s1[0], v_scale=s2[0], out=out, lse=lse, return_lse=return_lse,
-                            enable_pdl=pdl, sinks=sinks)
-    return e.run_paged(q, kv, k_scale=s1[0], v_scale=s2[0], out=out, lse=lse, return_lse=return_lse,
-                       enable_pdl=pdl, sinks=sinks)
-
-
-def paged_source_from_tables(cum_q, kv_lens, k_ids, page_size):
-    """A paged KV source from the pages each request uses (concatenated K ids)."""
+def paged_source_from_tables(cum_q, kv_lens, k_ids, page_size, v_ids=None):
+    """A paged KV source from the pages each request uses (concatenated K ids, and V's own ids
+    in the same order when they are separate)."""
     pages = -(-kv_lens // page_size)
     indptr = np.concatenate([[0], np.cumsum(pages)]).astype(np.int32)
     last = np.where(pages > 0, kv_lens - (pages - 1) * page_size, 0).astype(np.int32)
-    return indices.paged_source(cum_q.astype(np.int32), indptr, k_ids, last, page_size)
-
-
-def shared_page_ids(k_ids, v_ids, v_shift: int, arg: str):
-    """Separate K / V page ids as the one list the kernels take: V's ids must be K's plus
-    v_shift (the pages between the two bases), else NotImplementedError naming arg."""
-    if v_ids is not None and not np.array_equal(v_ids.astype(np.int64) - v_shift, k_ids):
-        raise NotImplementedError(f"{arg}: separate K and V page ids that are not K's ids shifted by one "
-                                  "constant are not implemented (the kernels read one page list)")
-    return k_ids
+    src = indices.paged_source(cum_q.astype(np.int32), indptr, k_ids, last, page_size)
+    if v_ids is None:
+        return src
+    return src._replace(kind="paged_v", arrays=src.arrays + (np.ascontiguousarray(v_ids, np.int32),))

@@ -43,28 +43,9 @@ def planned_pages(max_seq_len: int, page_size: int, width: int) -> int:
     return min(-(-need // grid) * grid, width)
 
 
-def _cache_parts(kv_cache, layout: str):
-    """(what the paged run() takes, shape of one K page tensor [P, ...4-D]): a (k, v) tuple, or a
-    5-D [P, 2, ...] cache as is; a [P, 1, ...] cache (K and V share it) as the pair of its views."""
-    if isinstance(kv_cache, (tuple, list)):
-        if len(kv_cache) != 2:
-            raise ValueError("kv_cache tuple must be (k_cache, v_cache)")
-        k, v = _tensor.view(kv_cache[0], "k_cache"), _tensor.view(kv_cache[1], "v_cache")
-        if k.ndim != 4 or v.shape != k.shape:
-            raise ValueError(f"kv_cache pages must be 4-D [num_pages, page_size, Hkv, D] ({layout}) with K and V "
-                             f"alike, got {k.shape} and {v.shape}")
-        return tuple(kv_cache), k.shape
-    c = _tensor.view(kv_cache, "kv_cache")
-    if c.ndim != 5 or c.shape[1] not in (1, 2):
-        raise ValueError(f"kv_cache must be 5-D [num_pages, 1 or 2, ...] ({layout}) or a (k, v) tuple, "
-                         f"got shape {c.shape}")
-    shape = (c.shape[0],) + c.shape[2:]
-    return (kv_cache if c.shape[1] == 2 else (kv_cache[:, 0], kv_cache[:, 0])), shape
-
-
 def _block_scales(kv_cache_sf, kv_cache, kshape, dev):
     """An NVFP4 cache's kv_cache_sf, checked against the cache (operands.nvfp4_scales), in the form
-    run_paged takes for the cache _cache_parts returned: as given, or for a [P, 1, ...] cache the
+    run_paged takes for the cache operands.paged_cache returned: as given, or for a [P, 1, ...] cache the
     pair of its views."""
     pair = isinstance(kv_cache, (tuple, list))
     kv_dim = 0 if pair else _tensor.view(kv_cache, "kv_cache").shape[1]
@@ -158,9 +139,8 @@ def xqa_batch_decode(query, kv_cache, workspace_buffer, block_tables, seq_lens, 
     # The output dtype is out's (query's without one): fp16, bf16 or e4m3 (checked in full at run)
     odt = qv.dtype if out is None else operands.output_dtype(_tensor.view(out, "out").dtype, qv.dtype, "out")[0]
     batch, hq, hd = qv.shape[0] // q_len, qv.shape[1], qv.shape[2]
-    cache, kshape = _cache_parts(kv_cache, layout)
+    cache, kshape, (page_size, hkv, dk), _ = operands.paged_cache(kv_cache, layout)
     num_pages = kshape[0]
-    page_size, hkv, dk = (kshape[1], kshape[2], kshape[3]) if layout == "NHD" else (kshape[2], kshape[1], kshape[3])
     kdt = (_tensor.view(cache[0], "k_cache") if isinstance(cache, tuple) else _tensor.view(cache, "kv_cache")).dtype
     nvfp4 = kdt in operands.NVFP4_CODES
     if nvfp4 and kv_cache_sf is None:
@@ -207,7 +187,7 @@ def xqa_batch_decode(query, kv_cache, workspace_buffer, block_tables, seq_lens, 
     e = _engine(dev, workspace_buffer, layout, batch, q_len, hq, hkv, hd, page_size, pages, row_stride, words,
                 qv.dtype, kdt, odt, window_left, bool(s1_dev))
     p = e.attn.params
-    p.kv_page_indices, p.kv_seq_lens, p.kv_max_pages, p.num_pages = bt.ptr, sl.ptr, pages, num_pages
+    p.kv_page_indices, p.kv_seq_lens, p.kv_max_len, p.num_pages = bt.ptr, sl.ptr, pages * page_size, num_pages
     p.scale_dev, p.v_scale_dev = s1_dev, s2_dev
     if words:
         p.custom_mask, p.spec_mask_words = mask_ptr, words
@@ -217,7 +197,7 @@ def xqa_batch_decode(query, kv_cache, workspace_buffer, block_tables, seq_lens, 
     if key is not None and (cache is kv_cache or isinstance(kv_cache, tuple)):
         if len(_FAST) >= 4 * _MAX_ENGINES:
             _FAST.clear()
-        _FAST[key] = (e, pages, num_pages, words)
+        _FAST[key] = (e, pages * page_size, num_pages, words)
     return res
 
 
@@ -240,11 +220,11 @@ def _torch_signature(query, kv_cache, bt, sl, max_seq_len, s1, s2, window_left, 
 def _run_fast(hit, query, kv_cache, workspace, bt, sl, s1, s2, out, sinks, mask, enable_pdl):
     """A torch call whose signature a validated call had: pointers, scales, launch (None: take
     the full path)."""
-    e, pages, num_pages, words = hit
+    e, planned_keys, num_pages, words = hit
     if workspace is not e.ws_buf:
         return None
     p = e.attn.params
-    p.kv_page_indices, p.kv_seq_lens, p.kv_max_pages, p.num_pages = bt.data_ptr(), sl.data_ptr(), pages, num_pages
+    p.kv_page_indices, p.kv_seq_lens, p.kv_max_len, p.num_pages = bt.data_ptr(), sl.data_ptr(), planned_keys, num_pages
     p.scale_dev = 0 if s1.__class__ in _NUMBERS else s1.data_ptr()
     p.v_scale_dev = 0 if s2.__class__ in _NUMBERS else s2.data_ptr()
     if words:

@@ -12,6 +12,8 @@
 //
 //  - block table + seq_lens (XQA, TRT-LLM): the paged rows above with kv_indptr[b] = b * the
 //    table's row stride and the extent from PrefillParams::kv_seq_lens (paged_request_len).
+//  - separate V page ids (TRT-LLM's [B, 2, M] tables, PrefillParams::v_page_indices): V's page of
+//    row t is read from v_page_indices where K's is read from kv_page_indices (same index).
 //
 // Page ids from the caller's device memory are not checked on the host without a sync, so
 // every id read here is clamped into the cache (PrefillParams::num_pages): bad metadata gives
@@ -41,11 +43,12 @@ struct RaggedKvRows {
 
 // Paged K/V, extent: request b's rows (its page slots [k0, k1) of kv_page_indices), every page
 // full but the last, which holds kv_last_page_len[b].
-// By block table (kv_seq_lens set): seq_lens[b], clamped to the pages its table row holds.
+// By block table (kv_seq_lens set): seq_lens[b], clamped to kv_max_len (at most the keys of the
+// pages its table row holds: the host sets it so).
 __device__ __forceinline__ int paged_request_len(const PrefillParams& p, int b, int k0, int k1) {
   if (p.kv_seq_lens != 0) {
     const uint32_t len = reinterpret_cast<const uint32_t*>(p.kv_seq_lens)[b];  // int32 or uint32: same bits
-    return (int)min(len, (uint32_t)p.kv_max_pages * (uint32_t)p.page_size);
+    return (int)min(len, (uint32_t)p.kv_max_len);
   }
   return k1 > k0 ? (k1 - k0 - 1) * p.page_size + reinterpret_cast<const int32_t*>(p.kv_last_page_len)[b] : 0;
 }
@@ -54,6 +57,21 @@ __device__ __forceinline__ int paged_request_len(const PrefillParams& p, int b, 
 // set): a negative id becomes huge as unsigned and lands on the last page.
 __device__ __forceinline__ int32_t checked_page_id(const PrefillParams& p, int32_t id) {
   return p.num_pages > 0 ? (int32_t)min((uint32_t)id, (uint32_t)(p.num_pages - 1)) : id;
+}
+
+// The page-id table of K (V = false), or of V (V = true): V's own ids when the call has separate
+// ones, else K's. Read from the params at each use (no register held across a tile loop).
+template <bool V>
+__device__ __forceinline__ const int32_t* page_table(const PrefillParams& p) {
+  return reinterpret_cast<const int32_t*>(V && p.v_page_indices != 0 ? p.v_page_indices : p.kv_page_indices);
+}
+
+// Batch plan over the caller's device metadata (TRT-LLM): a request's rows [lo, hi) from its
+// indptr, clamped into the tensor's `total` rows and to `max_len`, so bad metadata never reads
+// outside the tensor (an empty or reversed range becomes length 0).
+__device__ __forceinline__ void clamp_rows(int& lo, int& hi, int total, int max_len) {
+  lo = (int)min((uint32_t)lo, (uint32_t)total);  // a negative start lands on `total` (length 0)
+  hi = lo + (hi > lo ? min(hi - lo, min(max_len, total - lo)) : 0);
 }
 
 // Paged K/V, row addresses. They are recomputed from the (constant-bank) params at each load
@@ -71,19 +89,28 @@ struct PagedKvRows {
 
   // Stage the page ids of rows [tile_start, load_end) in shared memory (at most MAX_IDS), so no
   // tile load waits on a dependent global read of the page table; beyond MAX_IDS the lookups read
-  // the table itself. Every thread of the CTA calls this (THREADS of them): it ends in a barrier
+  // the table itself. Separate V ids (v_page_indices) share the space: K's in the first half, V's
+  // at v_ids_offset. Every thread of the CTA calls this (THREADS of them): it ends in a barrier
   // when it stages.
   template <int THREADS, int MAX_IDS>
   __device__ __forceinline__ void stage(int32_t* s_ids, int tile_start, int load_end, int tid) {
     first_page = tile_start / p.page_size;
     const int n_ids = (load_end - 1) / p.page_size - first_page + 1;
-    ids_in_smem = n_ids <= MAX_IDS;
+    const bool separate = p.v_page_indices != 0;
+    ids_in_smem = n_ids <= (separate ? MAX_IDS / 2 : MAX_IDS);
     if (ids_in_smem) {
-      const int32_t* pages = reinterpret_cast<const int32_t*>(p.kv_page_indices) + page_base + first_page;
+      const int32_t* pages = page_table<false>(p) + page_base + first_page;
       for (int i = tid; i < n_ids; i += THREADS) s_ids[i] = checked_page_id(p, pages[i]);
+      if (separate) {
+        const int32_t* v_pages = page_table<true>(p) + page_base + first_page;
+        for (int i = tid; i < n_ids; i += THREADS) s_ids[MAX_IDS / 2 + i] = checked_page_id(p, v_pages[i]);
+      }
       __syncthreads();
     }
   }
+  // Where V's staged ids start in the staged list (stage's MAX_IDS): 0 when V shares K's.
+  template <int MAX_IDS>
+  __device__ __forceinline__ int v_ids_offset() const { return p.v_page_indices != 0 ? MAX_IDS / 2 : 0; }
 
   // Whether every page's rows lie within 32-bit byte offsets of the page (K and V), as
   // offset(..., fast = true) requires, besides staged ids and a power-of-two page size.
@@ -97,7 +124,8 @@ struct PagedKvRows {
   }
 
   // Page id and slot of row t, for a loader that addresses several tensors with one lookup
-  // (NVFP4: codes and block scales of K and V). fast: as offset()'s.
+  // (NVFP4: codes and block scales of K and V, which never have separate V ids: the host
+  // refuses an NVFP4 cache with them). fast: as offset()'s.
   __device__ __forceinline__ void locate(int t, bool fast, uint32_t& id, uint32_t& slot) const {
     if (fast) {
       id = s_pages[(t >> p.page_shift) - first_page];
@@ -106,22 +134,23 @@ struct PagedKvRows {
     }
     const int pg = t / p.page_size;
     slot = t - pg * p.page_size;
-    id = ids_in_smem ? s_pages[pg - first_page]
-                     : checked_page_id(p, reinterpret_cast<const int32_t*>(p.kv_page_indices)[page_base + pg]);
+    id = ids_in_smem ? s_pages[pg - first_page] : checked_page_id(p, page_table<false>(p)[page_base + pg]);
   }
 
   // Byte offset of row t from the head's base. fast: a shift, a mask, one shared-memory load and
   // unsigned 32x64 / 32x32 multiplies; otherwise a division and possibly a global page-table read.
-  __device__ __forceinline__ uint64_t offset(int t, int64_t stride_page, int64_t stride_n, bool fast) const {
+  // V: V's page ids (ids_off = where they are staged, v_ids_offset; K: 0).
+  template <bool V = false>
+  __device__ __forceinline__ uint64_t offset(int t, int64_t stride_page, int64_t stride_n, bool fast,
+                                             int ids_off = 0) const {
     if (fast) {
-      const uint32_t id = s_pages[(t >> p.page_shift) - first_page];
+      const uint32_t id = s_pages[(t >> p.page_shift) - first_page + ids_off];
       const uint32_t slot = t & (p.page_size - 1);
       return (uint64_t)id * (uint64_t)(stride_page * (int64_t)sizeof(KV)) +
              slot * (uint32_t)(stride_n * (int64_t)sizeof(KV));
     }
     const int pg = t / p.page_size, slot = t - pg * p.page_size;
-    const int id = ids_in_smem ? s_pages[pg - first_page]
-                               : checked_page_id(p, reinterpret_cast<const int32_t*>(p.kv_page_indices)[page_base + pg]);
+    const int id = ids_in_smem ? s_pages[pg - first_page + ids_off] : checked_page_id(p, page_table<V>(p)[page_base + pg]);
     return ((int64_t)id * stride_page + (int64_t)slot * stride_n) * (int64_t)sizeof(KV);
   }
 };

@@ -43,6 +43,7 @@ struct PrefillParams {
   uint64_t k_sf;  // NVFP4 K (the kv_dtype=nvfp4 kernels, whose k holds uint8 e2m1 code pairs [.., D/2]): its float8_e4m3fn block scales [.., D/16], one per 16 head-dim elements of a row, at k_sf_stride_*; 0 otherwise
   uint64_t v_sf;  // NVFP4 V: its block scales, as k_sf
   uint64_t softmax_stats;  // float32 [tokens, Hq, 2] TRT-LLM FMHAv2 softmax stats (row max of the final logits in natural units, row sum of exp(logit - max), sinks included), written by the general sm80 kernels' epilogue for unsplit rows only (the host plans such calls without split KV); 0 = none
+  uint64_t v_page_indices;  // paged K/V with separate V page ids (TRT-LLM's [B, 2, M] block tables): int32 V page ids indexed as kv_page_indices (request b's at kv_indptr[b] + page), clamped like K's; 0 = V shares K's ids
   int64_t q_stride_n;
   int64_t q_stride_h;
   int64_t k_stride_n;
@@ -79,13 +80,16 @@ struct PrefillParams {
   int32_t page_shift;  // log2(page_size) when a power of two, else -1
   float v_scale;  // output multiplier (fp8 V dequantisation scale); 1 otherwise
   int32_t kv_fp8;  // fp8 K/V storage of the kv_dtype=fp8 kernels: 1 = e4m3fn, 2 = e5m2 (0 = K/V in q's dtype, or NVFP4 codes, whose elements are their bytes); strides stay in elements
-  int32_t kv_max_pages;  // with kv_seq_lens: the pages each request's block-table row holds (kv_len is clamped to kv_max_pages * page_size, so no row is read past its table)
+  int32_t kv_max_len;  // key counts read from the device are clamped to it: block table (kv_seq_lens), at most the keys its table row's planned pages hold, so no row is read past its table; ragged (> 0: kv_indptr is the caller's device array, TRT-LLM), with kv_tokens; 0 = ragged kv_indptr built by plan()
+  int32_t q_tokens;  // with qo_max_len: tokens in q / o
+  int32_t qo_max_len;  // > 0: qo_indptr is the caller's device array (TRT-LLM): a request's first row is clamped into [0, q_tokens] and its length to qo_max_len (the plan's row tiles cover it) and the tokens left, so bad metadata never reads or writes outside q / o; 0 = qo_indptr built by plan() (trusted)
+  int32_t kv_tokens;  // ragged K/V with kv_max_len > 0: rows in K / V (a request's rows are clamped into them)
   int32_t num_pages;  // paged KV: pages in the cache; a page id outside [0, num_pages) is clamped into it, so bad metadata never reads outside the cache (0 = ids trusted, plan() checked them)
   int32_t spec_mask_words;  // > 0: custom_mask is a speculative-decoding mask (XQA's): per query row spec_mask_words little-endian 32-bit words, bit j = draft key j of the request's last qo_len keys; the keys before the drafts are always visible. 0 = custom_mask is packed bits q * kv_len + kv
   int32_t chunk_shift;  // chunked attention (TRT-LLM): log2 of the chunk size (>= 1); with causal, row q also needs kv >= floor(pos(q) / chunk) * chunk (MaskRule::left); 0 = none (a zeroed struct)
   int32_t o_format;  // the output's element format (OutFormat): 0 = the kernel's 16-bit type, 1 = the other 16-bit type (fp16 <-> bf16), 2 = float8_e4m3fn (saturated to +-448, round to nearest even); strides stay in elements
 };
-static_assert(sizeof(PrefillParams) == 704, "PrefillParams size drifted from the schema");
+static_assert(sizeof(PrefillParams) == 768, "PrefillParams size drifted from the schema");
 static_assert(offsetof(PrefillParams, k_tmap) == 0, "PrefillParams.k_tmap offset");
 static_assert(offsetof(PrefillParams, v_tmap) == 128, "PrefillParams.v_tmap offset");
 static_assert(offsetof(PrefillParams, q) == 256, "PrefillParams.q offset");
@@ -115,47 +119,51 @@ static_assert(offsetof(PrefillParams, kv_seq_lens) == 440, "PrefillParams.kv_seq
 static_assert(offsetof(PrefillParams, k_sf) == 448, "PrefillParams.k_sf offset");
 static_assert(offsetof(PrefillParams, v_sf) == 456, "PrefillParams.v_sf offset");
 static_assert(offsetof(PrefillParams, softmax_stats) == 464, "PrefillParams.softmax_stats offset");
-static_assert(offsetof(PrefillParams, q_stride_n) == 472, "PrefillParams.q_stride_n offset");
-static_assert(offsetof(PrefillParams, q_stride_h) == 480, "PrefillParams.q_stride_h offset");
-static_assert(offsetof(PrefillParams, k_stride_n) == 488, "PrefillParams.k_stride_n offset");
-static_assert(offsetof(PrefillParams, k_stride_h) == 496, "PrefillParams.k_stride_h offset");
-static_assert(offsetof(PrefillParams, v_stride_n) == 504, "PrefillParams.v_stride_n offset");
-static_assert(offsetof(PrefillParams, v_stride_h) == 512, "PrefillParams.v_stride_h offset");
-static_assert(offsetof(PrefillParams, o_stride_n) == 520, "PrefillParams.o_stride_n offset");
-static_assert(offsetof(PrefillParams, o_stride_h) == 528, "PrefillParams.o_stride_h offset");
-static_assert(offsetof(PrefillParams, k_stride_page) == 536, "PrefillParams.k_stride_page offset");
-static_assert(offsetof(PrefillParams, v_stride_page) == 544, "PrefillParams.v_stride_page offset");
-static_assert(offsetof(PrefillParams, k_sf_stride_page) == 552, "PrefillParams.k_sf_stride_page offset");
-static_assert(offsetof(PrefillParams, k_sf_stride_n) == 560, "PrefillParams.k_sf_stride_n offset");
-static_assert(offsetof(PrefillParams, k_sf_stride_h) == 568, "PrefillParams.k_sf_stride_h offset");
-static_assert(offsetof(PrefillParams, v_sf_stride_page) == 576, "PrefillParams.v_sf_stride_page offset");
-static_assert(offsetof(PrefillParams, v_sf_stride_n) == 584, "PrefillParams.v_sf_stride_n offset");
-static_assert(offsetof(PrefillParams, v_sf_stride_h) == 592, "PrefillParams.v_sf_stride_h offset");
-static_assert(offsetof(PrefillParams, qo_len) == 600, "PrefillParams.qo_len offset");
-static_assert(offsetof(PrefillParams, kv_len) == 604, "PrefillParams.kv_len offset");
-static_assert(offsetof(PrefillParams, num_qo_heads) == 608, "PrefillParams.num_qo_heads offset");
-static_assert(offsetof(PrefillParams, num_kv_heads) == 612, "PrefillParams.num_kv_heads offset");
-static_assert(offsetof(PrefillParams, group_size) == 616, "PrefillParams.group_size offset");
-static_assert(offsetof(PrefillParams, num_kv_chunks) == 620, "PrefillParams.num_kv_chunks offset");
-static_assert(offsetof(PrefillParams, rows_fastest) == 624, "PrefillParams.rows_fastest offset");
-static_assert(offsetof(PrefillParams, kv_chunk_size) == 628, "PrefillParams.kv_chunk_size offset");
-static_assert(offsetof(PrefillParams, causal) == 632, "PrefillParams.causal offset");
-static_assert(offsetof(PrefillParams, window_left) == 636, "PrefillParams.window_left offset");
-static_assert(offsetof(PrefillParams, sm_scale_log2) == 640, "PrefillParams.sm_scale_log2 offset");
-static_assert(offsetof(PrefillParams, logits_soft_cap) == 644, "PrefillParams.logits_soft_cap offset");
-static_assert(offsetof(PrefillParams, rope) == 648, "PrefillParams.rope offset");
-static_assert(offsetof(PrefillParams, rope_rcp_scale) == 652, "PrefillParams.rope_rcp_scale offset");
-static_assert(offsetof(PrefillParams, rope_log2_theta) == 656, "PrefillParams.rope_log2_theta offset");
-static_assert(offsetof(PrefillParams, lse_scale) == 660, "PrefillParams.lse_scale offset");
-static_assert(offsetof(PrefillParams, page_size) == 664, "PrefillParams.page_size offset");
-static_assert(offsetof(PrefillParams, page_shift) == 668, "PrefillParams.page_shift offset");
-static_assert(offsetof(PrefillParams, v_scale) == 672, "PrefillParams.v_scale offset");
-static_assert(offsetof(PrefillParams, kv_fp8) == 676, "PrefillParams.kv_fp8 offset");
-static_assert(offsetof(PrefillParams, kv_max_pages) == 680, "PrefillParams.kv_max_pages offset");
-static_assert(offsetof(PrefillParams, num_pages) == 684, "PrefillParams.num_pages offset");
-static_assert(offsetof(PrefillParams, spec_mask_words) == 688, "PrefillParams.spec_mask_words offset");
-static_assert(offsetof(PrefillParams, chunk_shift) == 692, "PrefillParams.chunk_shift offset");
-static_assert(offsetof(PrefillParams, o_format) == 696, "PrefillParams.o_format offset");
+static_assert(offsetof(PrefillParams, v_page_indices) == 472, "PrefillParams.v_page_indices offset");
+static_assert(offsetof(PrefillParams, q_stride_n) == 480, "PrefillParams.q_stride_n offset");
+static_assert(offsetof(PrefillParams, q_stride_h) == 488, "PrefillParams.q_stride_h offset");
+static_assert(offsetof(PrefillParams, k_stride_n) == 496, "PrefillParams.k_stride_n offset");
+static_assert(offsetof(PrefillParams, k_stride_h) == 504, "PrefillParams.k_stride_h offset");
+static_assert(offsetof(PrefillParams, v_stride_n) == 512, "PrefillParams.v_stride_n offset");
+static_assert(offsetof(PrefillParams, v_stride_h) == 520, "PrefillParams.v_stride_h offset");
+static_assert(offsetof(PrefillParams, o_stride_n) == 528, "PrefillParams.o_stride_n offset");
+static_assert(offsetof(PrefillParams, o_stride_h) == 536, "PrefillParams.o_stride_h offset");
+static_assert(offsetof(PrefillParams, k_stride_page) == 544, "PrefillParams.k_stride_page offset");
+static_assert(offsetof(PrefillParams, v_stride_page) == 552, "PrefillParams.v_stride_page offset");
+static_assert(offsetof(PrefillParams, k_sf_stride_page) == 560, "PrefillParams.k_sf_stride_page offset");
+static_assert(offsetof(PrefillParams, k_sf_stride_n) == 568, "PrefillParams.k_sf_stride_n offset");
+static_assert(offsetof(PrefillParams, k_sf_stride_h) == 576, "PrefillParams.k_sf_stride_h offset");
+static_assert(offsetof(PrefillParams, v_sf_stride_page) == 584, "PrefillParams.v_sf_stride_page offset");
+static_assert(offsetof(PrefillParams, v_sf_stride_n) == 592, "PrefillParams.v_sf_stride_n offset");
+static_assert(offsetof(PrefillParams, v_sf_stride_h) == 600, "PrefillParams.v_sf_stride_h offset");
+static_assert(offsetof(PrefillParams, qo_len) == 608, "PrefillParams.qo_len offset");
+static_assert(offsetof(PrefillParams, kv_len) == 612, "PrefillParams.kv_len offset");
+static_assert(offsetof(PrefillParams, num_qo_heads) == 616, "PrefillParams.num_qo_heads offset");
+static_assert(offsetof(PrefillParams, num_kv_heads) == 620, "PrefillParams.num_kv_heads offset");
+static_assert(offsetof(PrefillParams, group_size) == 624, "PrefillParams.group_size offset");
+static_assert(offsetof(PrefillParams, num_kv_chunks) == 628, "PrefillParams.num_kv_chunks offset");
+static_assert(offsetof(PrefillParams, rows_fastest) == 632, "PrefillParams.rows_fastest offset");
+static_assert(offsetof(PrefillParams, kv_chunk_size) == 636, "PrefillParams.kv_chunk_size offset");
+static_assert(offsetof(PrefillParams, causal) == 640, "PrefillParams.causal offset");
+static_assert(offsetof(PrefillParams, window_left) == 644, "PrefillParams.window_left offset");
+static_assert(offsetof(PrefillParams, sm_scale_log2) == 648, "PrefillParams.sm_scale_log2 offset");
+static_assert(offsetof(PrefillParams, logits_soft_cap) == 652, "PrefillParams.logits_soft_cap offset");
+static_assert(offsetof(PrefillParams, rope) == 656, "PrefillParams.rope offset");
+static_assert(offsetof(PrefillParams, rope_rcp_scale) == 660, "PrefillParams.rope_rcp_scale offset");
+static_assert(offsetof(PrefillParams, rope_log2_theta) == 664, "PrefillParams.rope_log2_theta offset");
+static_assert(offsetof(PrefillParams, lse_scale) == 668, "PrefillParams.lse_scale offset");
+static_assert(offsetof(PrefillParams, page_size) == 672, "PrefillParams.page_size offset");
+static_assert(offsetof(PrefillParams, page_shift) == 676, "PrefillParams.page_shift offset");
+static_assert(offsetof(PrefillParams, v_scale) == 680, "PrefillParams.v_scale offset");
+static_assert(offsetof(PrefillParams, kv_fp8) == 684, "PrefillParams.kv_fp8 offset");
+static_assert(offsetof(PrefillParams, kv_max_len) == 688, "PrefillParams.kv_max_len offset");
+static_assert(offsetof(PrefillParams, q_tokens) == 692, "PrefillParams.q_tokens offset");
+static_assert(offsetof(PrefillParams, qo_max_len) == 696, "PrefillParams.qo_max_len offset");
+static_assert(offsetof(PrefillParams, kv_tokens) == 700, "PrefillParams.kv_tokens offset");
+static_assert(offsetof(PrefillParams, num_pages) == 704, "PrefillParams.num_pages offset");
+static_assert(offsetof(PrefillParams, spec_mask_words) == 708, "PrefillParams.spec_mask_words offset");
+static_assert(offsetof(PrefillParams, chunk_shift) == 712, "PrefillParams.chunk_shift offset");
+static_assert(offsetof(PrefillParams, o_format) == 716, "PrefillParams.o_format offset");
 
 // combine split-KV partials (float32 o, base-2 lse) into the final output
 struct MergeParams {

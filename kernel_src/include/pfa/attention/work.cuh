@@ -54,13 +54,16 @@ __device__ __forceinline__ bool load_plan_item(const PrefillParams& p, int item,
   w.num_chunks = reinterpret_cast<const int32_t*>(p.num_chunks)[b];
   const int32_t* qo_indptr = reinterpret_cast<const int32_t*>(p.qo_indptr);
   const int32_t* kv_indptr = reinterpret_cast<const int32_t*>(p.kv_indptr);
-  w.q_row0 = qo_indptr[b];
-  w.qo_len = qo_indptr[b + 1] - qo_indptr[b];
-  const int k0 = kv_indptr[b], k1 = kv_indptr[b + 1];
+  int q0 = qo_indptr[b], q1 = qo_indptr[b + 1];
+  if (p.qo_max_len != 0) clamp_rows(q0, q1, p.q_tokens, p.qo_max_len);  // the caller's device metadata
+  w.q_row0 = q0;
+  w.qo_len = q1 - q0;
+  int k0 = kv_indptr[b], k1 = kv_indptr[b + 1];
   if constexpr (PAGED) {
     w.page_base = k0;
     w.kv_len = paged_request_len(p, b, k0, k1);
   } else {
+    if (p.kv_max_len != 0) clamp_rows(k0, k1, p.kv_tokens, p.kv_max_len);
     w.kv_row0 = k0;
     w.kv_len = k1 - k0;
   }

@@ -63,9 +63,9 @@ struct KvRingSm80 {
   RaggedKvRows ragged;
   PagedKvRows<KV> paged;
   bool page_fast;  // paged: every row lookup of this CTA takes PagedKvRows' fast path
-  // Paged caches whose K and V share strides (one 5-D tensor, or twin tensors) resolve each
-  // row's page once for both: the per-row page arithmetic, not the bytes, is what separates
-  // paged from ragged speed.
+  // Paged caches whose K and V share strides (one 5-D tensor, or twin tensors) and page ids
+  // resolve each row's page once for both: the per-row page arithmetic, not the bytes, is what
+  // separates paged from ragged speed.
   bool twin;
 
   // Copy BLOCK_N rows of one K/V head into a ring tile (contiguous KV): this thread's chunk
@@ -101,18 +101,21 @@ struct KvRingSm80 {
   }
 
   // One K or V tile (keys n0 ..) of this head into ring tile s_tile; src = the head's base.
-  // Paged KV: a page lookup per row; rows past kv_len are clamped to the last row (a valid
-  // address) and zero-filled by cp.async, so no row needs a branch. Contiguous KV: load_rows.
+  // Paged KV: a page lookup per row (V: through V's page ids); rows past kv_len are clamped to
+  // the last row (a valid address) and zero-filled by cp.async, so no row needs a branch.
+  // Contiguous KV: load_rows.
+  template <bool V>
   __device__ __forceinline__ void load_tile(const KV* src, int64_t stride_page, int64_t stride_n, int n0,
                                             uint32_t s_tile) const {
     const int chunk = tid % KV_CPR, row0 = tid / KV_CPR;
     const KV* base = src + chunk * KV_EPC;
     if constexpr (Cfg::PAGED) {
+      const int ids_off = V ? paged.template v_ids_offset<Cfg::MAX_PAGE_IDS>() : 0;
       auto rows = [&](bool fast) {
 #pragma unroll
         for (int i = 0; i < BLOCK_N / KV_ROW_STEP; ++i) {
           const int row = row0 + i * KV_ROW_STEP, t = n0 + row;
-          const uint64_t off = paged.offset(min(t, kv_len - 1), stride_page, stride_n, fast);
+          const uint64_t off = paged.template offset<V>(min(t, kv_len - 1), stride_page, stride_n, fast, ids_off);
           ptx::cp_async_16(s_tile + Cfg::ring_off(row, chunk), kv_at(base, off), t < kv_len);
         }
       };
@@ -128,12 +131,12 @@ struct KvRingSm80 {
     }
   }
   __device__ __forceinline__ void load_k(int n0, int stage) const {
-    load_tile(reinterpret_cast<const KV*>(p.k) + kv_head * p.k_stride_h, p.k_stride_page, p.k_stride_n, n0,
-              s_ring + 2 * stage * RING_TILE_BYTES);
+    load_tile<false>(reinterpret_cast<const KV*>(p.k) + kv_head * p.k_stride_h, p.k_stride_page, p.k_stride_n, n0,
+                     s_ring + 2 * stage * RING_TILE_BYTES);
   }
   __device__ __forceinline__ void load_v(int n0, int stage) const {
-    load_tile(reinterpret_cast<const KV*>(p.v) + kv_head * p.v_stride_h, p.v_stride_page, p.v_stride_n, n0,
-              s_ring + (2 * stage + 1) * RING_TILE_BYTES);
+    load_tile<true>(reinterpret_cast<const KV*>(p.v) + kv_head * p.v_stride_h, p.v_stride_page, p.v_stride_n, n0,
+                    s_ring + (2 * stage + 1) * RING_TILE_BYTES);
   }
   // K and V of one tile.
   __device__ __forceinline__ void load_both(int n0, int stage) const {
@@ -293,7 +296,8 @@ __device__ __forceinline__ KvRingSm80<Cfg> make_kv_ring(const PrefillParams& p, 
   // PagedKvRows::offset's fast path for every row of this CTA: ids staged, power-of-two pages,
   // 32-bit page offsets. Uniform per CTA, so each path compiles to its own straight-line loop.
   ring.page_fast = Cfg::PAGED && ring.paged.ids_in_smem && p.page_shift >= 0 && PagedKvRows<KV>::page_fits_32bit(p);
-  ring.twin = Cfg::PAGED && p.k_stride_page == p.v_stride_page && p.k_stride_n == p.v_stride_n;
+  ring.twin = Cfg::PAGED && p.k_stride_page == p.v_stride_page && p.k_stride_n == p.v_stride_n &&
+              p.v_page_indices == 0;
   return ring;
 }
 

@@ -65,7 +65,9 @@ struct ProducerSm90 {
   // slot t % page_size of page kv_page_indices[page_base + t / page_size], ids clamped into the
   // cache when the host could not check them). Loaded one tile ahead into a register, then
   // staged in shared memory for the whole warpgroup (stage_page_ids), so no row's copy waits on
-  // a dependent page-table load.
+  // a dependent page-table load. Separate V ids (v_page_indices) are loaded when V's tile is
+  // copied and staged after K's copies, in the second buffer (K's ids then always use the first):
+  // each staging barrier also retires every read of the buffer it is about to overwrite next.
   static __device__ __forceinline__ int32_t row_page_id(const PrefillParams& p, const int32_t* pages, int n0,
                                                         int kv_len, int tid) {
     const int t = n0 + tid;
@@ -156,13 +158,22 @@ struct ProducerSm90 {
       const uint32_t free_parity = ((it / STAGES) & 1) ^ 1;
       const int n0 = w.tile_start + it * BLOCK_N;
       int32_t* s_ids = reinterpret_cast<int32_t*>(smem + Cfg::IDS_OFFSET) + (it & 1) * BLOCK_N;
+      int32_t* s_v_ids = s_ids;
       if constexpr (PAGED) {
+        if (p.v_page_indices != 0) {
+          s_ids = reinterpret_cast<int32_t*>(smem + Cfg::IDS_OFFSET);
+          s_v_ids = s_ids + BLOCK_N;
+        }
         stage_page_ids(s_ids, next_id, tid);
         if (it + 1 < w.num_tiles) next_id = row_page_id(p, pages, n0 + BLOCK_N, w.kv_len, tid);
       }
       copy_tile(p, w, base + Cfg::K_OFFSET + s * Cfg::KV_TILE_BYTES, k, p.k_stride_page, p.k_stride_n, s_ids, n0,
                 Cfg::k_empty(base, s), Cfg::k_full(base, s), free_parity, tid, keep);
-      copy_tile(p, w, base + Cfg::V_OFFSET + s * Cfg::KV_TILE_BYTES, v, p.v_stride_page, p.v_stride_n, s_ids, n0,
+      if constexpr (PAGED) {
+        if (p.v_page_indices != 0)
+          stage_page_ids(s_v_ids, row_page_id(p, page_table<true>(p) + w.page_base, n0, w.kv_len, tid), tid);
+      }
+      copy_tile(p, w, base + Cfg::V_OFFSET + s * Cfg::KV_TILE_BYTES, v, p.v_stride_page, p.v_stride_n, s_v_ids, n0,
                 Cfg::v_empty(base, s), Cfg::v_full(base, s), free_parity, tid, keep);
     }
     // Every cp.async lands before the warpgroup exits (the barriers they arrive on live in the
