@@ -206,6 +206,6 @@ class BatchPrefillWithRaggedKVCacheWrapper(_BatchPrefillWrapper):
 
 
 # TensorRT-LLM entry points (FlashInfer's signatures; README "TRT-LLM prefill"): plan-free calls
-# that copy their length metadata to the host (one sync) and run the batch engine.
+# of the batch engine; device metadata stays on the device (no sync, capturable).
 trtllm_fmha_v2_prefill = _trtllm_fmha.fmha_v2_prefill
 trtllm_batch_context_with_kv_cache = _trtllm_context.batch_context

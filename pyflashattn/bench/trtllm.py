@@ -2,11 +2,13 @@
 prefill sweep (batch x seq = 16k tokens, heads x head_dim = 2048, seq 1k .. 16k, causal, head_dim
 128, bf16): TFLOP/s of trtllm_fmha_v2_prefill with CONTIGUOUS_Q_KV and Q_PAGED_KV_HND (page
 32), of trtllm_batch_context_with_kv_cache over the same paged cache, the ratio to torch SDPA's
-cuDNN backend on the same batch, the paging cost (paged / contiguous time - 1), and FlashInfer's
-trtllm_fmha_v2_prefill (CONTIGUOUS_Q_KV) when flashinfer is importable.
+cuDNN backend on the same batch, the paging costs (time / CONTIGUOUS_Q_KV's time - 1) of the
+fmha paged layout and of the context API, and FlashInfer's trtllm_fmha_v2_prefill
+(CONTIGUOUS_Q_KV) when flashinfer is importable.
 
-Both APIs copy their length metadata to the host on every call (one sync each): the times include
-it, as a caller sees them. Causal FLOPs count the kept half: 2 * 2 * B * H * s * s * D / 2.
+The metadata are device tensors, so both APIs take their device path (a cached plan per shape
+key, the kernel reading the lengths and block tables: no sync, no plan per call).
+Causal FLOPs count the kept half: 2 * 2 * B * H * s * s * D / 2.
 Each output is checked against SDPA's (relative Frobenius error) before its time is posted.
 """
 from __future__ import annotations
@@ -77,8 +79,9 @@ def _row(torch, pfa, ws, s, warmup, rep):
     for name in ("cudnn", "contig", "paged", "context", "flashinfer"):
         t = ms.get(name)
         row[f"{name}_tflops"] = None if t is None else flops / t / 1e9
-    c, p = ms.get("contig"), ms.get("paged")
+    c, p, x = ms.get("contig"), ms.get("paged"), ms.get("context")
     row["paging_cost"] = None if c is None or p is None else p / c - 1
+    row["context_paging_cost"] = None if c is None or x is None else x / c - 1
     return row
 
 
@@ -93,15 +96,17 @@ def run(args) -> int:
     print(f"TRT-LLM prefill, bf16, causal, {TOKENS} tokens, {HIDDEN // HD} heads x {HD}, page {PAGE} "
           f"({torch.cuda.get_device_name()}): TFLOP/s")
     head = (f"{'seq':>6} {'B':>3} | {'cudnn':>6} {'contig':>6} {'paged':>6} {'context':>7} {'fi fmha2':>8} | "
-            f"{'contig/cudnn':>12} {'contig/fi':>9} {'paging cost':>11}")
+            f"{'contig/cudnn':>12} {'contig/fi':>9} {'paging cost':>11} {'context cost':>12}")
     print(head + "\n" + "-" * len(head))
     for r in rows:
         ratio = lambda a, b: None if r[a] is None or r[b] is None else r[a] / r[b]  # noqa: E731
         cost = None if r["paging_cost"] is None else 100 * r["paging_cost"]
+        ctx = None if r["context_paging_cost"] is None else 100 * r["context_paging_cost"]
         print(f"{r['seq']:>6} {r['batch']:>3} | {fmt(r['cudnn_tflops']):>6} {fmt(r['contig_tflops']):>6} "
               f"{fmt(r['paged_tflops']):>6} {fmt(r['context_tflops']):>7} {fmt(r['flashinfer_tflops']):>8} | "
               f"{fmt(ratio('contig_tflops', 'cudnn_tflops'), '.2f'):>12} "
-              f"{fmt(ratio('contig_tflops', 'flashinfer_tflops'), '.2f'):>9} {fmt(cost, '+.1f'):>10}%"
+              f"{fmt(ratio('contig_tflops', 'flashinfer_tflops'), '.2f'):>9} {fmt(cost, '+.1f'):>10}% "
+              f"{fmt(ctx, '+.1f'):>11}%"
               + ("  " + "; ".join(r["errors"]) if r["errors"] else ""))
     if args.json:
         with open(args.json, "w") as f:

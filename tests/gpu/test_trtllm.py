@@ -140,7 +140,8 @@ MASKS = [("padding", -1, 0), ("causal", -1, 0), ("sliding_window", 40, 0), ("cau
          ("chunked", -1, 256)]
 
 
-def run_fmha(layout, q, k, v, cq, ck, sl, ql, kl, ps=32, seed=0, **kw):
+def run_fmha(layout, q, k, v, cq, ck, sl, ql, kl, ps=32, seed=0, host=False, **kw):
+    """host: the metadata as numpy arrays (the host path: exact plans, split KV where it pays)."""
     if layout == "PACKED_QKV":
         qkv = torch.stack([q, k, v], 1)
     elif layout == "CONTIGUOUS_Q_KV":
@@ -149,7 +150,9 @@ def run_fmha(layout, q, k, v, cq, ck, sl, ql, kl, ps=32, seed=0, **kw):
         qkv = (q, k, v)
     else:
         cache, table = page_cache(k, v, kl, ps, layout[-3:], seed)
-        qkv, kw["block_tables"] = (q, cache), table
+        qkv, kw["block_tables"] = (q, cache), (table.cpu().numpy() if host else table)
+    if host:
+        cq, ck, sl = (x.cpu().numpy() for x in (cq, ck, sl))
     return fmha(qkv, layout, workspace(), sl, max(ql), max(kl), batch_size=len(ql), cum_seq_lens_q=cq,
                 cum_seq_lens_kv=ck, **kw)
 
@@ -222,13 +225,20 @@ def test_fmha_softmax_stats(sinks):
 @pytest.mark.parametrize("layout", ["HND", "NHD"])
 @pytest.mark.parametrize("form", ["tensor", "tuple", "separate_ids"])
 @pytest.mark.parametrize("tensor_scales", [False, True])
-def test_context(layout, form, tensor_scales):
+@pytest.mark.parametrize("host", [False, True], ids=["device_meta", "host_meta"])
+def test_context(layout, form, tensor_scales, host):
     ql, kl = [17, 256, 1], [300, 256, 64]
     q, k, v, cq, ck, sl = make_inputs(ql, kl, 8, 1, 128, BF16, seed=17)
     cache, table = page_cache(k, v, kl, 32, layout, seed=5)
     kv = (cache[:, 0], cache[:, 1]) if form == "tuple" else cache
-    if form == "separate_ids":
-        table = torch.stack([table, table], 1)
+    if form == "separate_ids":  # V's ids: another random permutation of V's pages
+        perm = torch.randperm(cache.shape[0], generator=torch.Generator().manual_seed(3)).to(DEV)
+        vcache = cache.clone()
+        vcache[:, 1][perm.long()] = cache[:, 1]
+        kv = cache = vcache
+        table = torch.stack([table, perm[table.long()].to(torch.int32)], 1)
+    if host:
+        table, sl, cq, ck = (x.cpu().numpy() for x in (table, sl, cq, ck))
     s1, s2 = 0.08, 1.5
     if tensor_scales:
         s1, s2 = (torch.tensor([x], device=DEV, dtype=torch.float32) for x in (s1, s2))
@@ -244,14 +254,14 @@ def test_context(layout, form, tensor_scales):
 
 @pytest.mark.parametrize("layout", ["CONTIGUOUS_Q_KV", "Q_PAGED_KV_HND"])
 def test_fmha_sinks_under_split_kv(layout):
-    """One short query block over many keys: the plan splits KV (asserted), and the sink is added
-    once, where the merge finishes each row."""
+    """One short query block over many keys, host metadata: the plan splits KV (asserted), and the
+    sink is added once, where the merge finishes each row (device metadata never splits)."""
     from pyflashattn._engine import trtllm as _trtllm
     ql, kl = [16], [8000]
     q, k, v, cq, ck, sl = make_inputs(ql, kl, 8, 2, 128, BF16, seed=23)
     sinks = torch.randn(8, device=DEV, dtype=torch.float32) * 3
     out = poisoned(q.shape, BF16)
-    run_fmha(layout, q, k, v, cq, ck, sl, ql, kl, bmm1_scale=0.1, bmm2_scale=1.0, out=out, sinks=sinks)
+    run_fmha(layout, q, k, v, cq, ck, sl, ql, kl, bmm1_scale=0.1, bmm2_scale=1.0, out=out, sinks=sinks, host=True)
     engine = next(reversed(_trtllm._ENGINES.values()))
     assert engine.schedule.split, "the plan did not split KV: the case tests nothing"
     check(out, q, k, v, ql, kl, BF16, scale1=0.1, sinks=sinks, what=f"split sinks {layout}")
