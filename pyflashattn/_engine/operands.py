@@ -532,3 +532,28 @@ def trtllm_device_block_table(block_tables, batch: int, separate: bool, pages_ne
     if row < 0 or row * batch > 2**31 - 1 or (separate and not 0 <= v.strides[1] <= 2**31 - 1):
         raise ValueError("block_tables is too large (or strided backwards) for int32 page offsets")
     return v.ptr, (v.ptr + 4 * v.strides[1] if separate else 0), row, width
+
+
+def trtllm_kv(kv_dtype, num_kv_heads: int, kv_head_dim: int, qv, packed: bool = False, fp8: bool = False) -> None:
+    """A TRT-LLM call's K/V against its query: the query's dtype (fp8 e4m3 / e5m2 too where fp8
+    K/V is taken: the context API), the query's head_dim, and (PACKED_QKV) as many heads."""
+    if kv_dtype is not qv.dtype and not (fp8 and kv_dtype in (_dtypes.FLOAT8_E4M3, _dtypes.FLOAT8_E5M2)):
+        raise TypeError(f"K/V must have the query's dtype ({qv.dtype.name}){' or fp8' if fp8 else ''}, got "
+                        f"{kv_dtype.name}")
+    if kv_head_dim != qv.shape[2]:
+        raise ValueError(f"the K/V head_dim {kv_head_dim} differs from the query's {qv.shape[2]}")
+    if num_kv_heads <= 0 or qv.shape[1] % num_kv_heads:
+        raise ValueError(f"the query's heads ({qv.shape[1]}) must be a multiple of K/V's ({num_kv_heads})")
+    if packed and num_kv_heads != qv.shape[1]:
+        raise ValueError("PACKED_QKV is multi-head attention: num_kv_heads must equal num_heads")
+
+
+def trtllm_context_mask(causal, window_left) -> tuple:
+    """The context API's (causal, window_left): a window needs causal (NotImplementedError, as in
+    FlashInfer)."""
+    causal = bool_arg(causal, "causal")
+    wl = options.window(window_left)
+    if not causal and wl != -1:
+        raise NotImplementedError("window_left: a sliding window without causal masking is not implemented (as in "
+                                  "FlashInfer)")
+    return causal, int(wl)

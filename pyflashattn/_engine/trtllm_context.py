@@ -4,10 +4,8 @@ sm_89 and sm_90 (trtllm.attend runs it; device metadata without a sync, capturab
 trtllm_device.py)."""
 from __future__ import annotations
 
-from .._runtime import dtypes as _dtypes, tensor as _tensor
-from . import operands, options, trtllm
-
-_KV = (_dtypes.FLOAT16, _dtypes.BFLOAT16, _dtypes.FLOAT8_E4M3, _dtypes.FLOAT8_E5M2)
+from .._runtime import tensor as _tensor
+from . import operands, trtllm
 
 
 def _refuse_unbuilt(kv_block_scales, skip_softmax_threshold_scale_factor):
@@ -41,22 +39,15 @@ def batch_context(query, kv_cache, workspace_buffer, block_tables, seq_lens, max
     _refuse_unbuilt(kv_block_scales, skip_softmax_threshold_scale_factor)
     hq, hd = qv.shape[1], qv.shape[2]
     odt = trtllm.out_dtype_arg(out_dtype, out, qv.dtype)
-    causal = operands.bool_arg(causal, "causal")
-    window_left = options.window(window_left)
-    if not causal and window_left != -1:
-        raise NotImplementedError("window_left: a sliding window without causal masking is not implemented (as in "
-                                  "FlashInfer)")
+    causal, window_left = operands.trtllm_context_mask(causal, window_left)
     separate = not operands.bool_arg(uses_shared_paged_kv_idx, "uses_shared_paged_kv_idx")
     cache, kshape, (ps, hkv, dk), _ = operands.paged_cache(kv_cache, layout)
     kdt = (_tensor.view(cache[0], "k_cache") if isinstance(cache, tuple) else _tensor.view(cache, "kv_cache")).dtype
-    if kdt is not qv.dtype and kdt not in _KV[2:]:
-        raise TypeError(f"kv_cache must have the query's dtype ({qv.dtype.name}) or fp8, got {kdt.name}")
-    if dk != hd:
-        raise ValueError(f"kv_cache head_dim {dk} differs from query's {hd}")
+    operands.trtllm_kv(kdt, hkv, dk, qv, fp8=True)
     s1 = trtllm.scale_value(bmm1_scale, "bmm1_scale", dev)
     s2 = trtllm.scale_value(bmm2_scale, "bmm2_scale", dev)
     paging = trtllm.Paging(block_tables, separate, ps, kshape[0], kshape[0])
     return trtllm.attend(dev, workspace_buffer, layout, query, cache, (hq, hkv, hd), (qv.dtype, kdt, odt),
-                         (causal, int(window_left), 0), "NONE", None, s1, s2, trtllm.sinks_arg(sinks), False, out, lse,
+                         (causal, window_left, 0), "NONE", None, s1, s2, trtllm.sinks_arg(sinks), False, out, lse,
                          bool(return_lse), enable_pdl,
                          (seq_lens, cum_seq_lens_q, cum_seq_lens_kv, batch_size, max_q_len, max_kv_len), paging)

@@ -95,17 +95,12 @@ def fmha_v2_prefill(qkv, input_layout, workspace_buffer, seq_lens, max_q_len, ma
     paging = None
     if ragged:
         kview = _tensor.view(kv[0], "k")
-        kdt, hkv = kview.dtype, kview.shape[-2]
+        kdt, hkv, dk = kview.dtype, kview.shape[-2], kview.shape[-1]
         if layout == "PACKED_QKV" and cum_seq_lens_q is not cum_seq_lens_kv:
             _same_lengths(cum_seq_lens_q, cum_seq_lens_kv)
     else:
         kv, paging, (kdt, hkv, dk) = _paging(kv, kv_layout, block_tables)
-        if dk != hd:
-            raise ValueError(f"the paged KV head_dim {dk} differs from the query's {hd}")
-    if kdt is not qv.dtype:
-        raise TypeError(f"K/V must have the query's dtype ({qv.dtype.name}), got {kdt.name}")
-    if layout == "PACKED_QKV" and hkv != hq:
-        raise ValueError("PACKED_QKV is multi-head attention: num_kv_heads must equal num_heads")
+    operands.trtllm_kv(kdt, hkv, dk, qv, packed=layout == "PACKED_QKV")
     return trtllm.attend(dev, workspace_buffer, kv_layout, q, kv, (hq, hkv, hd), (qv.dtype, kdt, odt), mask, pos, cap,
                          s1, s2, trtllm.sinks_arg(sinks), stats, out, None, False, None,
                          (seq_lens, cum_seq_lens_q, cum_seq_lens_kv, batch_size, max_q_len, max_kv_len), paging)
