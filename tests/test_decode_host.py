@@ -451,11 +451,8 @@ _BAD = [  # (overrides given fake, exception, pattern)
 @pytest.mark.parametrize("case, over, exc, pattern", [pytest.param(*c, id=c[0]) for c in _BAD])
 def test_xqa_refuses_bad_arguments_before_anything_runs(fake, case, over, exc, pattern):
     args = xqa_args(fake)
-    fake.cu.log.clear()
     args.update(over(fake))
-    with pytest.raises(exc, match=pattern):
-        call_xqa(args)
-    assert not fake.cu.launches and not [op for op in fake.cu.log if op[0] in ("htod", "alloc")]
+    fake.assert_refused_before_anything_runs(lambda: call_xqa(args), exc, pattern)
     assert not xqa._ENGINES
 
 

@@ -277,6 +277,16 @@ class FakeEnv:
     def attn_launches(self):
         return [x for x in self.cu.launches if x[0].startswith("prefill")]
 
+    def assert_refused_before_anything_runs(self, call, exc, pattern):
+        """call() raises exc (message matching pattern) having launched, copied to the device and
+        allocated nothing: the bad-argument contract of every entry point."""
+        import pytest  # test support only: the library never imports pytest
+
+        self.cu.log.clear()
+        with pytest.raises(exc, match=pattern):
+            call()
+        assert not self.cu.launches and not [op for op in self.cu.log if op[0] in ("htod", "alloc")]
+
 
 def T(shape, dtype=F16, strides=None, data=0x100000):
     return fake_cuda_tensor(shape, dtype, strides, data=data)
