@@ -249,7 +249,7 @@ class HopperPrefillVariant:
                 "head_dim": self.head_dim, "block_m": self.block_m, "block_n": self.block_n,
                 "warps": self.threads // WARP_THREADS, "threads": self.threads, "smem_bytes": self.smem_bytes,
                 "ctas_per_sm": 1, "tune": self.tune, "general": False, "paged": self.paged, "decode": False,
-                "rows_fastest": True, "device_scale": False, "tma": self.tma}
+                "rows_fastest": True, "device_scale": True, "tma": self.tma}
 
 
 # head_dim -> (block_n, consumers, stages) of the sm_90a family: FlashAttention-3's tile shapes

@@ -162,7 +162,7 @@ struct ConsumerSm90 {
   static __device__ __forceinline__ void mainloop(const PrefillParams& p, const PrefillWork& w, const Rows& r,
                                                   uint32_t base, int wg, int lane, float (&o)[O_ACC], float (&m)[2],
                                                   float (&l)[2]) {
-    const float scale = p.sm_scale_log2;
+    const float scale = logit_scale(p);  // honours scale_dev (a tensor bmm1_scale, read at launch)
     const uint32_t s_q = base + Cfg::Q_OFFSET;
     const Turns turn{wg};
     const int n = w.num_tiles;
