@@ -88,7 +88,7 @@ struct ConsumerSm90 {
   // each row's O (applied by rescale_o, once no wgmma writes O). With skip-softmax on (vote), the
   // warpgroup first votes on the row maxes (SkipSoftmax: every row's max negligible against its
   // running max, padding rows not voting; the 128 threads AND their votes on the consumer's own
-  // named barrier): true = the tile is skipped, nothing touched.
+  // named barrier): true = the tile is skipped, m and l untouched, corr = 1.
   static __device__ __forceinline__ bool softmax(float (&s)[S_ACC], float (&m)[2], float (&l)[2], float (&corr)[2],
                                                  float scale, bool vote, const SkipSoftmax& skip, const PrefillWork& w,
                                                  const Rows& r, int wg) {
@@ -105,7 +105,10 @@ struct ConsumerSm90 {
       bool all = true;
 #pragma unroll
       for (int i = 0; i < 2; ++i) all &= w.r0 + r.tile_row[i] >= w.rows_total || skip.negligible(mx[i], scale, m[i]);
-      if (ptx::bar_red_and(Cfg::SKIP_VOTE_BAR + wg, Cfg::WG_THREADS, all)) return true;
+      if (ptx::bar_red_and(Cfg::SKIP_VOTE_BAR + wg, Cfg::WG_THREADS, all)) {
+        corr[0] = corr[1] = 1.f;  // O stays as it is (rescale_o runs all the same: no branch round it)
+        return true;
+      }
     }
 #pragma unroll
     for (int i = 0; i < 2; ++i) {
@@ -230,7 +233,7 @@ struct ConsumerSm90 {
       ptx::wgmma_fence_regs(o);
       ptx::wgmma_keep_regs(a);
       if (lane == 0) ptx::mbar_arrive(Cfg::v_empty(base, prev));
-      if (!skipped) rescale_o(o, corr);
+      rescale_o(o, corr);
       p_frags(s, a);  // a skipped tile's too (never issued): a's live range stays the loop's own
       pv_prev = !skipped;
     }
