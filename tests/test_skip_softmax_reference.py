@@ -41,13 +41,12 @@ def test_huge_factor_keeps_only_each_splits_first_tile():
 
 def test_threshold_is_strict_and_natural():
     """exp(tile_max - m) < T skips; == T (up to rounding on the safe side) does not."""
-    kv_len, t = 8, 0.01
+    t = 0.01
     for delta, skipped in ((math.log(t) - 1e-9, True), (math.log(t) + 1e-9, False)):
         logits = np.array([[5.0, 0, 0, 0, 5.0 + delta, 0, 0, 0]])
         keep = skip_softmax_keep(logits, np.ones_like(logits, bool), threshold=t, group_rows=1, block_n=4)
         assert keep[0, 4:].any() != skipped, delta
         assert keep[0, :4].all()
-    del kv_len
 
 
 def test_group_votes_together_and_running_max_moves():
