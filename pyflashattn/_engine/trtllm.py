@@ -65,12 +65,6 @@ def out_dtype_arg(out_dtype, out, q_dtype):
     return q_dtype
 
 
-def refuse_skip_softmax(factor):
-    if factor not in (None, 0, 0.0):
-        raise NotImplementedError("skip_softmax_threshold_scale_factor: skip-softmax sparsity is not implemented in "
-                                  "pyflashattn yet (pass 0 or None)")
-
-
 def scale_value(x, name, dev):
     """(float, device address or 0): a number, or a one-element float32 device tensor."""
     if isinstance(x, (int, float, np.integer, np.floating)) and not isinstance(x, bool):
@@ -101,11 +95,12 @@ class Paging(NamedTuple):
 
 
 def attend(dev, workspace, kv_layout, q, kv, heads, dtypes, mask, pos, cap, s1, s2, sinks, stats, out, lse, return_lse,
-           pdl, lengths, paging=None):
+           pdl, lengths, paging=None, skip_softmax=0.0):
     """Run one TRT-LLM call. kv: (k, v) rows [tokens, Hkv, D] (paging None) or the paged cache
     form run_paged takes; heads = (Hq, Hkv, D); dtypes = (q, kv, out); mask = (causal,
     window_left, chunk); s1 / s2 = scale_value()s; lengths = (seq_lens, cum_seq_lens_q,
-    cum_seq_lens_kv, batch_size, max_q_len, max_kv_len). Returns out (with stats / lse)."""
+    cum_seq_lens_kv, batch_size, max_q_len, max_kv_len); skip_softmax: the validated skip-softmax
+    factor (0 = off). Returns out (with stats / lse)."""
     seq_lens, cum_q, cum_kv, batch, max_q, max_kv = lengths
     B, mq, mk = operands.trtllm_bounds(batch, max_q, max_kv)
     qv = _tensor.view(q, "query")
@@ -127,10 +122,10 @@ def attend(dev, workspace, kv_layout, q, kv, heads, dtypes, mask, pos, cap, s1, 
     p.softmax_stats = st_v.ptr if st_v is not None else 0
     if ragged:
         res = e.run_ragged(q, kv[0], kv[1], k_scale=s1[0], v_scale=s2[0], out=out, lse=lse, return_lse=return_lse,
-                           enable_pdl=pdl, sinks=sinks)
+                           enable_pdl=pdl, sinks=sinks, skip_softmax_threshold_scale_factor=skip_softmax)
     else:
         res = e.run_paged(q, kv, k_scale=s1[0], v_scale=s2[0], out=out, lse=lse, return_lse=return_lse,
-                          enable_pdl=pdl, sinks=sinks)
+                          enable_pdl=pdl, sinks=sinks, skip_softmax_threshold_scale_factor=skip_softmax)
     return (res, _tensor.finalize(st)) if stats else res
 
 

@@ -5,15 +5,14 @@ trtllm_device.py)."""
 from __future__ import annotations
 
 from .._runtime import tensor as _tensor
-from . import operands, trtllm
+from . import operands, options, trtllm
 
 
-def _refuse_unbuilt(kv_block_scales, skip_softmax_threshold_scale_factor):
+def _refuse_unbuilt(kv_block_scales):
     """NotImplementedError, naming the argument, for what the kernels do not do yet."""
     if kv_block_scales is not None:
         raise NotImplementedError("kv_block_scales / kv_cache_sf: an NVFP4 KV cache is not implemented for the "
                                   "context API yet (xqa_batch_decode_with_kv_cache takes one)")
-    trtllm.refuse_skip_softmax(skip_softmax_threshold_scale_factor)
 
 
 def batch_context(query, kv_cache, workspace_buffer, block_tables, seq_lens, max_q_len, max_kv_len, bmm1_scale,
@@ -36,7 +35,8 @@ def batch_context(query, kv_cache, workspace_buffer, block_tables, seq_lens, max
     operands.require_cuda(qv, "query")
     dev = qv.device_id
     operands.trtllm_query(qv, "query", "an fp8 Q.K path is not built yet")
-    _refuse_unbuilt(kv_block_scales, skip_softmax_threshold_scale_factor)
+    _refuse_unbuilt(kv_block_scales)
+    skip = options.skip_softmax_factor(skip_softmax_threshold_scale_factor)
     hq, hd = qv.shape[1], qv.shape[2]
     odt = trtllm.out_dtype_arg(out_dtype, out, qv.dtype)
     causal, window_left = operands.trtllm_context_mask(causal, window_left)
@@ -50,4 +50,4 @@ def batch_context(query, kv_cache, workspace_buffer, block_tables, seq_lens, max
     return trtllm.attend(dev, workspace_buffer, layout, query, cache, (hq, hkv, hd), (qv.dtype, kdt, odt),
                          (causal, window_left, 0), "NONE", None, s1, s2, trtllm.sinks_arg(sinks), False, out, lse,
                          bool(return_lse), enable_pdl,
-                         (seq_lens, cum_seq_lens_q, cum_seq_lens_kv, batch_size, max_q_len, max_kv_len), paging)
+                         (seq_lens, cum_seq_lens_q, cum_seq_lens_kv, batch_size, max_q_len, max_kv_len), paging, skip)

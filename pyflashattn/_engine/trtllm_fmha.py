@@ -8,7 +8,7 @@ import math
 import numpy as np
 
 from .._runtime import dtypes as _dtypes, tensor as _tensor
-from . import operands, trtllm
+from . import operands, options, trtllm
 from .metadata_check import metadata_checks_enabled
 from .trtllm import host_array
 
@@ -79,7 +79,7 @@ def fmha_v2_prefill(qkv, input_layout, workspace_buffer, seq_lens, max_q_len, ma
     """TRT-LLM FMHAv2 prefill (FlashInfer's signature and semantics 1.14; see the README)."""
     layout = operands.trtllm_input_layout(input_layout)
     mask = operands.trtllm_mask(mask_mode, window_left, chunked_attention_size)
-    trtllm.refuse_skip_softmax(skip_softmax_threshold_scale_factor)
+    skip = options.skip_softmax_factor(skip_softmax_threshold_scale_factor)
     q, kv, kv_layout, ragged = parse_layout(qkv, layout)
     qv = _tensor.view(q, "qkv (query)")
     operands.require_cuda(qv, "qkv (query)")
@@ -103,7 +103,7 @@ def fmha_v2_prefill(qkv, input_layout, workspace_buffer, seq_lens, max_q_len, ma
     operands.trtllm_kv(kdt, hkv, dk, qv, packed=layout == "PACKED_QKV")
     return trtllm.attend(dev, workspace_buffer, kv_layout, q, kv, (hq, hkv, hd), (qv.dtype, kdt, odt), mask, pos, cap,
                          s1, s2, trtllm.sinks_arg(sinks), stats, out, None, False, None,
-                         (seq_lens, cum_seq_lens_q, cum_seq_lens_kv, batch_size, max_q_len, max_kv_len), paging)
+                         (seq_lens, cum_seq_lens_q, cum_seq_lens_kv, batch_size, max_q_len, max_kv_len), paging, skip)
 
 
 def _same_lengths(cum_q, cum_kv):
