@@ -33,7 +33,7 @@ pytestmark = pytest.mark.gpu
 torch = require_cuda_torch()
 
 import pyflashattn  # noqa: E402
-from pyflashattn._engine import trtllm as _trtllm  # noqa: E402
+from pyflashattn._engine import trtllm as _trtllm, trtllm_device as _trtllm_device  # noqa: E402
 from pyflashattn._runtime import registry as _registry  # noqa: E402
 from pyflashattn.testing import attention_ref, to_numpy_f64  # noqa: E402
 from pyflashattn.testing.checks import assert_close  # noqa: E402
@@ -59,6 +59,7 @@ def family(request, monkeypatch):
         monkeypatch.setitem(_registry.IMPL_PREFERENCE, "sm_90a", ("sm80",))
         _registry.force("prefill", None)  # drops the cached launchers and decode-tile rows
     monkeypatch.setattr(_trtllm, "_ENGINES", OrderedDict())
+    monkeypatch.setattr(_trtllm_device, "_ENGINES", OrderedDict())
     yield fam
     _registry.force("prefill", None)
 
@@ -149,7 +150,9 @@ def poisoned(shape, dtype):
 
 
 def last_trtllm_engine():
-    return next(reversed(_trtllm._ENGINES.values()))
+    """The engine of the test's TRT-LLM call (device metadata: trtllm_device's; host: trtllm's)."""
+    engines = _trtllm_device._ENGINES or _trtllm._ENGINES
+    return next(reversed(engines.values()))
 
 
 def assert_family(meta, family):
