@@ -9,7 +9,7 @@ per call (split KV where it pays); a device array among host ones is copied to t
 bmm1_scale is the logit scale (sm_scale * q_scale * k_scale, semantics 1.13): the plan's sm_scale
 is 1 and bmm1 is run()'s k_scale, so a new value only rewrites one struct field; bmm2_scale is
 run()'s v_scale, the in-kernel output multiplier (every output dtype, fp8 included). Tensor
-scales are read on the device by the general kernels (scale_dev).
+scales are read on the device (scale_dev / v_scale_dev) by the kernels whose manifest says device_scale.
 The workspace is split-KV scratch only: pyflashattn keeps no state in it, so it needs no zeros
 (FlashInfer's contract that the caller zeroes it once is harmless here).
 """
@@ -105,14 +105,21 @@ def attend(dev, workspace, kv_layout, q, kv, heads, dtypes, mask, pos, cap, s1, 
     B, mq, mk = operands.trtllm_bounds(batch, max_q, max_kv)
     qv = _tensor.view(q, "query")
     ragged = paging is None
-    general = bool(s1[1] or s2[1])
     kernel_reads = (cum_q, seq_lens) + ((cum_kv,) if ragged else (paging.block_tables,))
-    if trtllm_device.on_device(*kernel_reads):
-        e = _device_plan(dev, workspace, kv_layout, qv, kv, heads, dtypes, mask, pos, cap, general, stats,
-                         (B, mq, mk), lengths, paging)
-    else:
-        e = _host_plan(dev, workspace, kv_layout, qv, heads, dtypes, mask, pos, cap, general, stats, (B, mq, mk),
-                       lengths, paging)
+    on_device = trtllm_device.on_device(*kernel_reads)
+
+    def plan(general):
+        if on_device:
+            return _device_plan(dev, workspace, kv_layout, qv, kv, heads, dtypes, mask, pos, cap, general, stats,
+                                (B, mq, mk), lengths, paging)
+        return _host_plan(dev, workspace, kv_layout, qv, heads, dtypes, mask, pos, cap, general, stats, (B, mq, mk),
+                          lengths, paging)
+
+    e = plan(False)
+    # a tensor bmm1_scale needs a kernel that reads scale_dev (the manifest's device_scale: the
+    # sm90 family, the general sm80 kernels, the decode tiles); every epilogue reads v_scale_dev
+    if s1[1] and not e.attn.meta.get("device_scale"):
+        e = plan(True)
     st = st_v = None
     if stats:
         st, st_v = _tensor.empty(qv, (qv.shape[0], heads[0], 2), _dtypes.FLOAT32,
