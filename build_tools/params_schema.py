@@ -104,6 +104,14 @@ PREFILL = (
         ("o_format", "i32", "the output's element format (OutFormat): 0 = the kernel's 16-bit type, 1 = the other "
          "16-bit type (fp16 <-> bf16), 2 = float8_e4m3fn (saturated to +-448, round to nearest even); "
          "strides stay in elements"),
+        # Last, so the fields before keep their offsets (the kernels that never read these compile
+        # to the same SASS).
+        ("q_scale_heads", "ptr", "fp8 Q (the e4m3 sm90 kernels): float32 [Hq] dequantisation scale of each query "
+         "head, multiplying that head's logits (FlashInfer's scale_q); 0 = none"),
+        ("k_scale_heads", "ptr", "fp8 Q: float32 [Hkv] scale of each kv head's K, multiplying its logits (scale_k); "
+         "0 = none"),
+        ("v_scale_heads", "ptr", "fp8 Q: float32 [Hkv] scale of each kv head's V, multiplying its output rows "
+         "(scale_v); 0 = none"),
     ],
 )
 

@@ -84,8 +84,11 @@ struct PrefillParams {
   int32_t spec_mask_words;  // > 0: custom_mask is a speculative-decoding mask (XQA's): per query row spec_mask_words little-endian 32-bit words, bit j = draft key j of the request's last qo_len keys; the keys before the drafts are always visible. 0 = custom_mask is packed bits q * kv_len + kv
   int32_t chunk_shift;  // chunked attention (TRT-LLM): log2 of the chunk size (>= 1); with causal, row q also needs kv >= floor(pos(q) / chunk) * chunk (MaskRule::left); 0 = none (a zeroed struct)
   int32_t o_format;  // the output's element format (OutFormat): 0 = the kernel's 16-bit type, 1 = the other 16-bit type (fp16 <-> bf16), 2 = float8_e4m3fn (saturated to +-448, round to nearest even); strides stay in elements
+  uint64_t q_scale_heads;  // fp8 Q (the e4m3 sm90 kernels): float32 [Hq] dequantisation scale of each query head, multiplying that head's logits (FlashInfer's scale_q); 0 = none
+  uint64_t k_scale_heads;  // fp8 Q: float32 [Hkv] scale of each kv head's K, multiplying its logits (scale_k); 0 = none
+  uint64_t v_scale_heads;  // fp8 Q: float32 [Hkv] scale of each kv head's V, multiplying its output rows (scale_v); 0 = none
 };
-static_assert(sizeof(PrefillParams) == 704, "PrefillParams size drifted from the schema");
+static_assert(sizeof(PrefillParams) == 768, "PrefillParams size drifted from the schema");
 static_assert(offsetof(PrefillParams, k_tmap) == 0, "PrefillParams.k_tmap offset");
 static_assert(offsetof(PrefillParams, v_tmap) == 128, "PrefillParams.v_tmap offset");
 static_assert(offsetof(PrefillParams, q) == 256, "PrefillParams.q offset");
@@ -156,6 +159,9 @@ static_assert(offsetof(PrefillParams, num_pages) == 684, "PrefillParams.num_page
 static_assert(offsetof(PrefillParams, spec_mask_words) == 688, "PrefillParams.spec_mask_words offset");
 static_assert(offsetof(PrefillParams, chunk_shift) == 692, "PrefillParams.chunk_shift offset");
 static_assert(offsetof(PrefillParams, o_format) == 696, "PrefillParams.o_format offset");
+static_assert(offsetof(PrefillParams, q_scale_heads) == 704, "PrefillParams.q_scale_heads offset");
+static_assert(offsetof(PrefillParams, k_scale_heads) == 712, "PrefillParams.k_scale_heads offset");
+static_assert(offsetof(PrefillParams, v_scale_heads) == 720, "PrefillParams.v_scale_heads offset");
 
 // combine split-KV partials (float32 o, base-2 lse) into the final output
 struct MergeParams {
