@@ -261,6 +261,9 @@ class HopperFp8PrefillVariant:
     head_dim: int
     consumers: int
     stages: int
+    # S of one tile issued with P V of the previous (fp8_consumer.cuh OVERLAP); off at hd256, where
+    # S, P and the 128-register O together spill and serialise the wgmmas
+    overlap: bool = True
     pingpong: bool = True
     tune: bool = False
     impl: str = SM90
@@ -298,12 +301,13 @@ class HopperFp8PrefillVariant:
     @property
     def name(self):
         return (f"pfa_prefill_{self.impl}_{self.dtype}_hd{self.head_dim}_m{self.block_m}n{self.block_n}"
-                f"c{self.consumers}s{self.stages}{'_pp' if self.pingpong else ''}")
+                f"c{self.consumers}s{self.stages}{'_pp' if self.pingpong else ''}{'' if self.overlap else '_serial'}")
 
     def source(self):
         return (f'#include "pfa/attention/prefill_sm90_fp8.cuh"\n'
                 f"PFA_DEFINE_PREFILL_SM90_FP8({self.name}, {self.head_dim}, {self.consumers}, {self.stages}, "
-                f"{'true' if self.pingpong else 'false'}, {self.smem_bytes})\n")
+                f"{'true' if self.pingpong else 'false'}, {'true' if self.overlap else 'false'}, "
+                f"{self.smem_bytes})\n")
 
     def manifest(self):
         return {"family": "prefill", "impl": self.impl, "dtype": self.dtype, "kv_dtype": self.dtype,
@@ -313,9 +317,9 @@ class HopperFp8PrefillVariant:
                 "rows_fastest": True, "device_scale": False, "tma": False, "out16": "bf16"}
 
 
-# head_dim -> (consumers, stages) of the sm_90a fp8 prefill. No hd64 row: its 64-byte Q / K rows
-# would need the 64-byte swizzle (the host refuses fp8 Q at hd64 with NotImplementedError).
-HOPPER_FP8_TILES = {128: (2, 2), 256: (2, 2)}
+# head_dim -> (consumers, stages, overlap) of the sm_90a fp8 prefill. No hd64 row: its 64-byte Q / K
+# rows would need the 64-byte swizzle (the host refuses fp8 Q at hd64 with NotImplementedError).
+HOPPER_FP8_TILES = {128: (2, 2, True), 256: (2, 2, False)}
 
 # head_dim -> (block_n, consumers, stages) of the sm_90a family: FlashAttention-3's tile shapes
 # (hd64: three consumer warpgroups, 192 rows, +13% over two at 8k on an H100, NOTES.md; hd256:

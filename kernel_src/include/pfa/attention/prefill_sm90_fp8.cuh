@@ -30,10 +30,10 @@ struct Sm90Fp8OutCfg {
   static constexpr int HEAD_DIM = HD;
 };
 
-template <int HEAD_DIM, int CONSUMERS, int STAGES, bool PINGPONG>
+template <int HEAD_DIM, int CONSUMERS, int STAGES, bool PINGPONG, bool OVERLAP>
 struct PrefillSm90Fp8 : PrefillSm90Fp8Config<HEAD_DIM, CONSUMERS, STAGES> {
   using Cfg = PrefillSm90Fp8Config<HEAD_DIM, CONSUMERS, STAGES>;
-  using Consumer = ConsumerSm90Fp8<Cfg, PINGPONG>;
+  using Consumer = ConsumerSm90Fp8<Cfg, PINGPONG, OVERLAP>;
   using OutCfg = Sm90Fp8OutCfg<typename Cfg::Out16, HEAD_DIM>;
 
   static __device__ __forceinline__ void init_barriers(uint32_t base) {
@@ -57,6 +57,7 @@ struct PrefillSm90Fp8 : PrefillSm90Fp8Config<HEAD_DIM, CONSUMERS, STAGES> {
     for (int i = 0; i < Consumer::O_ACC; ++i) o[i] = 0.f;
     float m[2] = {-INFINITY, -INFINITY}, l[2] = {0.f, 0.f};
     Consumer::mainloop(p, w, rows, base, wg, lane, o, m, l);
+    Consumer::unshift_max(m);
     // scale_v of the kv head: O is linear in V, so it scales O here (before the normalisation and
     // any sink factor, which are per row and commute with it; split partials carry it into the merge).
     if (p.v_scale_heads != 0) {
@@ -91,11 +92,11 @@ struct PrefillSm90Fp8 : PrefillSm90Fp8Config<HEAD_DIM, CONSUMERS, STAGES> {
 
 // One extern "C" entry per variant (as PFA_DEFINE_PREFILL_SM90). SMEM: variants.py's smem_bytes,
 // checked against the kernel's layout at compile time.
-#define PFA_DEFINE_PREFILL_SM90_FP8(NAME, HD, CONSUMERS, STAGES, PINGPONG, SMEM)                             \
-  static_assert(pfa::PrefillSm90Fp8<HD, CONSUMERS, STAGES, PINGPONG>::SMEM_BYTES == (SMEM),                \
+#define PFA_DEFINE_PREFILL_SM90_FP8(NAME, HD, CONSUMERS, STAGES, PINGPONG, OVERLAP, SMEM)                    \
+  static_assert(pfa::PrefillSm90Fp8<HD, CONSUMERS, STAGES, PINGPONG, OVERLAP>::SMEM_BYTES == (SMEM),       \
                 #NAME ": variants.py smem_bytes differs from the kernel's shared-memory layout");          \
   extern "C" __global__ void __launch_bounds__((CONSUMERS + 1) * 128, 1)                                   \
       NAME(const __grid_constant__ pfa::PrefillParams p) {                                                 \
     extern __shared__ __align__(1024) char smem[];                                                         \
-    pfa::PrefillSm90Fp8<HD, CONSUMERS, STAGES, PINGPONG>::run(p, smem);                                     \
+    pfa::PrefillSm90Fp8<HD, CONSUMERS, STAGES, PINGPONG, OVERLAP>::run(p, smem);                            \
   }

@@ -30,7 +30,10 @@
 
 namespace pfa {
 
-template <class Cfg, bool PINGPONG>
+// OVERLAP: S of tile it issued with P V of tile it - 1 (ConsumerSm90's loop), so S, P and O are
+// live together; without it (hd256, where O alone is 128 registers) each tile runs S, softmax, then
+// P V, and the overlap comes from the other consumer's turn only.
+template <class Cfg, bool PINGPONG, bool OVERLAP>
 struct ConsumerSm90Fp8 : ConsumerSm90<Cfg, PINGPONG> {
   using Base = ConsumerSm90<Cfg, PINGPONG>;
   using typename Base::Rows;
@@ -45,6 +48,11 @@ struct ConsumerSm90Fp8 : ConsumerSm90<Cfg, PINGPONG> {
   static constexpr int QK_STEPS = HEAD_DIM / MmaS::K, PV_STEPS = BLOCK_N / MmaO::K;
   static constexpr unsigned FULL = 0xffffffffu;
   using Softmax = OnlineSoftmax<false>;
+  // P is formed as 2^(x - m + P_LOG2_OFFSET), in [0, 256] instead of [0, 1]: e4m3 keeps 3 mantissa
+  // bits down to 2^-6 and flushes below 2^-9, so unshifted probabilities under ~2^-6 would lose
+  // precision (and under 2^-10 vanish) in the P V product. l sums the same shifted values, so O / l
+  // is unchanged; the epilogue gets m - P_LOG2_OFFSET (unshift_max) for the LSE.
+  static constexpr float P_LOG2_OFFSET = 8.f;
 
   // Each row's logit scale (log2 units): the kernel's (logit_scale: sm_scale * log2 e, times a
   // device-side bmm1 scale) times the per-head fp8 dequantisation scales, when given.
@@ -59,7 +67,7 @@ struct ConsumerSm90Fp8 : ConsumerSm90<Cfg, PINGPONG> {
     }
   }
 
-  // ConsumerSm90::softmax with a scale per row.
+  // ConsumerSm90::softmax with a scale per row, P shifted by P_LOG2_OFFSET.
   static __device__ __forceinline__ void softmax(float (&s)[S_ACC], float (&m)[2], float (&l)[2], float (&corr)[2],
                                                  const float (&scale)[2]) {
 #pragma unroll
@@ -69,7 +77,7 @@ struct ConsumerSm90Fp8 : ConsumerSm90<Cfg, PINGPONG> {
       for (int j = 0; j < S_COLS; ++j) mx = fmaxf(mx, fmaxf(s[4 * j + 2 * i], s[4 * j + 2 * i + 1]));
       mx = fmaxf(mx, __shfl_xor_sync(FULL, mx, 1));
       mx = fmaxf(mx, __shfl_xor_sync(FULL, mx, 2));
-      const float m_use = Softmax::rescale(m[i], mx, scale[i], corr[i]);
+      const float m_use = Softmax::rescale(m[i], mx, scale[i], corr[i]) - P_LOG2_OFFSET;
       float sum = 0.f;
 #pragma unroll
       for (int j = 0; j < S_COLS; ++j)
@@ -81,6 +89,12 @@ struct ConsumerSm90Fp8 : ConsumerSm90<Cfg, PINGPONG> {
         }
       l[i] = fmaf(l[i], corr[i], sum);
     }
+  }
+
+  // After the tile loop: the row maxes the epilogue's LSE needs (l holds sums of shifted P).
+  static __device__ __forceinline__ void unshift_max(float (&m)[2]) {
+    m[0] -= P_LOG2_OFFSET;  // -inf (a row with no visible key) stays -inf
+    m[1] -= P_LOG2_OFFSET;
   }
 
   // Two floats -> two e4m3 bytes, lo in the low byte.
@@ -116,13 +130,64 @@ struct ConsumerSm90Fp8 : ConsumerSm90<Cfg, PINGPONG> {
     for (int kk = 0; kk < PV_STEPS; ++kk) MmaO::rs(o, a[kk], vt_desc(s_vt, kk), 1);
   }
 
-  // ConsumerSm90::mainloop (intra-warpgroup overlap of S of tile it with P V of tile it - 1, the
-  // turns, the stage releases) on the fp8 operands.
   static __device__ __forceinline__ void mainloop(const PrefillParams& p, const PrefillWork& w, const Rows& r,
                                                   uint32_t base, int wg, int lane, float (&o)[O_ACC], float (&m)[2],
                                                   float (&l)[2]) {
     float scale[2];
     row_scales(p, w, r, scale);
+    if constexpr (OVERLAP)
+      overlapped(p, w, r, base, wg, lane, o, m, l, scale);
+    else
+      serial(w, r, base, wg, lane, o, m, l, scale);
+  }
+
+  // Without the overlap: per tile S, mask, softmax, O rescale, then P V, each GEMM in its turn.
+  static __device__ __forceinline__ void serial(const PrefillWork& w, const Rows& r, uint32_t base, int wg, int lane,
+                                                float (&o)[O_ACC], float (&m)[2], float (&l)[2],
+                                                const float (&scale)[2]) {
+    const uint32_t s_q = base + Cfg::Q_OFFSET;
+    const Turns turn{wg};
+    const int n = w.num_tiles;
+    if (n == 0) return;
+    if (PINGPONG && wg == Cfg::CONSUMERS - 1) ptx::bar_arrive(1, 2 * Cfg::WG_THREADS);
+    ptx::mbar_wait(Cfg::q_full(base), 0);
+    for (int it = 0; it < n; ++it) {
+      const int st = it % STAGES, n0 = w.tile_start + it * BLOCK_N;
+      const uint32_t parity = (it / STAGES) & 1;
+      float s[S_ACC];
+      uint32_t a[PV_STEPS][4];
+      float corr[2];
+      ptx::mbar_wait(Cfg::k_full(base, st), parity);
+      turn.take();
+      ptx::wgmma_fence();
+      issue_qk(s, s_q, base + Cfg::K_OFFSET + st * Cfg::KV_TILE_BYTES, wg);
+      ptx::wgmma_commit();
+      turn.pass();
+      ptx::wgmma_wait<0>();
+      ptx::wgmma_fence_regs(s);
+      if (lane == 0) ptx::mbar_arrive(Cfg::k_empty(base, st));
+      if (!w.rule.keeps_all(r.q_lo, r.q_hi, n0, n0 + BLOCK_N - 1)) Base::mask(s, r, n0, lane);
+      softmax(s, m, l, corr, scale);
+      if (it > 0) Base::rescale_o(o, corr);  // the first tile's O is still zero
+      p_frags(s, a);
+      ptx::mbar_wait(Cfg::v_full(base, st), parity);
+      turn.take();
+      ptx::wgmma_fence();
+      issue_pv(o, a, base + Cfg::V_OFFSET + st * Cfg::KV_TILE_BYTES);
+      ptx::wgmma_commit();
+      if (it + 1 < n || wg != Cfg::CONSUMERS - 1) turn.pass();  // the last consumer's last pass would meet no take
+      ptx::wgmma_wait<0>();
+      ptx::wgmma_fence_regs(o);
+      ptx::wgmma_keep_regs(a);
+      if (lane == 0) ptx::mbar_arrive(Cfg::v_empty(base, st));
+    }
+  }
+
+  // ConsumerSm90::mainloop (intra-warpgroup overlap of S of tile it with P V of tile it - 1, the
+  // turns, the stage releases) on the fp8 operands.
+  static __device__ __forceinline__ void overlapped(const PrefillParams& p, const PrefillWork& w, const Rows& r,
+                                                    uint32_t base, int wg, int lane, float (&o)[O_ACC], float (&m)[2],
+                                                    float (&l)[2], const float (&scale)[2]) {
     const uint32_t s_q = base + Cfg::Q_OFFSET;
     const Turns turn{wg};
     const int n = w.num_tiles;
