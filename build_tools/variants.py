@@ -278,6 +278,7 @@ class HopperFp8PrefillVariant:
     ATOM_BYTES = 1024
     BARRIER_BYTES = 8
     RAW_V_TILES = 2  # PrefillSm90Fp8Config::RAW_TILES
+    ROW_BYTES = 128  # one 128-byte swizzle row
 
     @property
     def block_m(self):
@@ -290,9 +291,11 @@ class HopperFp8PrefillVariant:
     @property
     def smem_bytes(self):
         # PrefillSm90Fp8Config::SMEM_BYTES: Q, STAGES K and Vt tiles, the raw V tiles, 1 + 4 * STAGES
-        # mbarriers, the alignment slack (one byte per element)
-        tile = self.block_n * self.head_dim * FP8_BYTES
-        return (self.block_m * self.head_dim * FP8_BYTES + (2 * self.stages + self.RAW_V_TILES) * tile
+        # mbarriers, the alignment slack (one byte per element; Q / K / raw V rows padded to the
+        # 128-byte swizzle row at head_dim 64: ROW_PAD)
+        row = max(self.ROW_BYTES, self.head_dim * FP8_BYTES)
+        vt = self.head_dim * self.block_n * FP8_BYTES
+        return (self.block_m * row + (self.stages + self.RAW_V_TILES) * self.block_n * row + self.stages * vt
                 + (1 + 4 * self.stages) * self.BARRIER_BYTES + self.ATOM_BYTES)
 
     def fits(self, arch):
@@ -317,9 +320,9 @@ class HopperFp8PrefillVariant:
                 "rows_fastest": True, "device_scale": False, "tma": False, "out16": "bf16"}
 
 
-# head_dim -> (consumers, stages, overlap) of the sm_90a fp8 prefill. No hd64 row: its 64-byte Q / K
-# rows would need the 64-byte swizzle (the host refuses fp8 Q at hd64 with NotImplementedError).
-HOPPER_FP8_TILES = {128: (2, 2, True), 256: (2, 2, False)}
+# head_dim -> (consumers, stages, overlap) of the sm_90a fp8 prefill (hd64: three consumers, as the
+# 16-bit family's hd64 row).
+HOPPER_FP8_TILES = {64: (3, 2, True), 128: (2, 2, True), 256: (2, 2, False)}
 
 # head_dim -> (block_n, consumers, stages) of the sm_90a family: FlashAttention-3's tile shapes
 # (hd64: three consumer warpgroups, 192 rows, +13% over two at 8k on an H100, NOTES.md; hd256:

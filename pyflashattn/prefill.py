@@ -169,7 +169,7 @@ class BatchPrefillWithRaggedKVCacheWrapper(_BatchPrefillWrapper):
     apply in the kernel for every KV dtype (FlashInfer's ragged wrapper ignores them: not here).
     FP8 prefill: plan(q_data_type=float8_e4m3fn, kv_data_type=float8_e4m3fn, o_data_type=bfloat16 /
     float16 / float8_e4m3fn (default q's)) runs e4m3 Q, K and V on the sm_90a fp8 kernels (head_dim
-    128 / 256, lean options; other GPUs and options raise NotImplementedError), with run(q_scale
+    64 / 128 / 256, lean options; other GPUs and options raise NotImplementedError), with run(q_scale
     [Hq], k_scale [Hkv], v_scale [Hkv]) as per-head float32 tensors or numbers: logits of query
     head h over kv head g times q_scale[h] * k_scale[g], output rows of kv head g times v_scale[g]
     (FlashInfer 0.7's fp8 scales, semantics 1.9).

@@ -33,17 +33,18 @@ def _scales(hq=HQS, hkv=HKVS):
     return (T((hq,), F32, data=0x610000), T((hkv,), F32, data=0x620000), T((hkv,), F32, data=0x630000))
 
 
+@pytest.mark.parametrize("d", [64, 128, 256])
 @pytest.mark.parametrize("o_dtype, odt, fmt", [(None, E4M3, 2), ("bfloat16", BF16, 0), ("float16", F16, 1),
                                                ("float8_e4m3fn", E4M3, 2)])
-def test_single_prefill_runs_the_fp8_kernel_in_the_asked_format(fake, o_dtype, odt, fmt):
-    out = T((N, HQS, D), odt, data=0x400000)
-    assert _single(fake, out=out, o_dtype=o_dtype) is out
+def test_single_prefill_runs_the_fp8_kernel_in_the_asked_format(fake, o_dtype, odt, fmt, d):
+    out = T((N, HQS, d), odt, data=0x400000)
+    assert _single(fake, d, out=out, o_dtype=o_dtype) is out
     name, _, _, p = last_attn(fake)
-    assert "dtype=e4m3" in name and "kv_dtype=e4m3" in name
+    assert "dtype=e4m3" in name and "kv_dtype=e4m3" in name and f"head_dim={d}" in name
     assert p.o_format == fmt and p.o == 0x400000
     assert (p.q_scale_heads, p.k_scale_heads, p.v_scale_heads) == (0, 0, 0)
     # strides in elements (one byte each) and 16-element rows
-    assert (p.q_stride_n, p.q_stride_h, p.k_stride_n, p.k_stride_h) == (HQS * D, D, HKVS * D, D)
+    assert (p.q_stride_n, p.q_stride_h, p.k_stride_n, p.k_stride_h) == (HQS * d, d, HKVS * d, d)
 
 
 def test_single_prefill_points_the_kernel_at_per_head_scale_tensors(fake):
@@ -77,7 +78,6 @@ def test_split_kv_merges_in_bf16_with_the_output_format(fake):
 @pytest.mark.parametrize("kw, exc, pattern", [
     (dict(kv_dtype=BF16), TypeError, r"k has dtype bfloat16 but q has float8_e4m3fn"),
     (dict(o_dtype="float8_e5m2"), TypeError, r"o_dtype: the output of an fp8 prefill must be"),
-    (dict(d=64), NotImplementedError, r"head_dim 64 is not implemented"),
     (dict(logits_soft_cap=30.0), NotImplementedError, r"fp8 \(float8_e4m3fn\) q with a custom mask, logits_soft_cap"),
     (dict(scale_q=-1.0), ValueError, r"scale_q must be a finite number > 0"),
 ])
@@ -206,7 +206,7 @@ def test_fp8_rows_of_the_variant_table():
     sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent.parent / "build_tools"))
     import variants
     rows = [v for v in variants.variants() if isinstance(v, variants.HopperFp8PrefillVariant)]
-    assert {v.head_dim for v in rows} == set(fp8.HEAD_DIMS)
+    assert {v.head_dim for v in rows} == {64, 128, 256}  # every head dim of routing.HEAD_DIMS
     for v in rows:
         assert v.archs == ("sm_90a",) and v.smem_bytes <= variants.SMEM_OPTIN["sm_90a"]
         assert v.manifest()["dtype"] == v.manifest()["kv_dtype"] == E4M3.short

@@ -237,7 +237,7 @@ class BatchEngine:
             operands.nvfp4_settings(self.paged, general, hd)
         _cuda.ensure_context(self.dev)
         if fp8.is_fp8(qdt):
-            fp8.check_call(self.dev, hd, general, self.paged)
+            fp8.check_call(self.dev, general, self.paged)
         kind = "fp8" if kv_fp8 else "nvfp4" if nvfp4 else qdt.short  # the kernels' kv_dtype
         route = routing.Route(self.launcher, self.dev, qdt.short, kind, hd, general, self.paged, kind != qdt.short)
         return Config(hq, hkv, hd, hq // hkv, opts, qdt, kdt, kv_fp8, nvfp4, window_left, sm_scale, fss, route, odt,

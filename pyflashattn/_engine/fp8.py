@@ -9,12 +9,12 @@ semantics 1.9), shared by single prefill and the batch wrappers.
   head h over kv head g get sm_scale * scale_q[h] * scale_k[g] (the LSE too), output rows of kv
   head g times scale_v[g]. Numbers fold into sm_scale and v_scale on the host; tensors travel as
   PrefillParams.q_scale_heads / k_scale_heads / v_scale_heads, read by the kernel.
-- where: the sm_90a fp8 prefill kernels (prefill_sm90_fp8.cuh), head_dim 128 and 256, contiguous
-  or ragged K/V, lean options (causal, window_left, LSE, sinks). FlashInfer's single prefill
-  asserts window_left == -1 for fp8; here the window is applied like everywhere else (the one
-  mask predicate). Everything else raises NotImplementedError naming what is missing: another
-  GPU (sm_80 / sm_89 have no fp8 Q K^T path in pyflashattn), head_dim 64, a paged cache, custom
-  masks and score transforms.
+- where: the sm_90a fp8 prefill kernels (prefill_sm90_fp8.cuh), head_dim 64, 128 and 256,
+  contiguous or ragged K/V, lean options (causal, window_left, LSE, sinks). FlashInfer's single
+  prefill asserts window_left == -1 for fp8; here the window is applied like everywhere else (the
+  one mask predicate). Everything else raises NotImplementedError naming what is missing: another
+  GPU (sm_80 / sm_89 have no fp8 Q K^T path in pyflashattn), a paged cache, custom masks and score
+  transforms.
 """
 from __future__ import annotations
 
@@ -25,7 +25,6 @@ from . import operands, options
 
 FP8 = _dtypes.FLOAT8_E4M3
 OWN16 = _dtypes.BFLOAT16  # the fp8 kernels' own 16-bit output type (o_format 0)
-HEAD_DIMS = (128, 256)  # variants.py HOPPER_FP8_TILES
 SCALE_NAMES = ("scale_q", "scale_k", "scale_v")
 
 
@@ -56,7 +55,7 @@ def output_dtype(o_data_type, name: str = "o_data_type"):
                     f"got {odt.name}")
 
 
-def check_call(dev: int, head_dim: int, general: bool, paged: bool) -> None:
+def check_call(dev: int, general: bool, paged: bool) -> None:
     """What the fp8 kernels cover (module docstring); NotImplementedError naming the rest."""
     cc = _cuda.properties(dev)["cc"]
     if cc[0] != 9:
@@ -67,9 +66,6 @@ def check_call(dev: int, head_dim: int, general: bool, paged: bool) -> None:
     if paged:
         raise NotImplementedError("fp8 (float8_e4m3fn) q over a paged KV cache is not implemented in pyflashattn "
                                   "(the fp8 prefill takes contiguous or ragged K/V)")
-    if head_dim not in HEAD_DIMS:
-        raise NotImplementedError(f"fp8 (float8_e4m3fn) q with head_dim {head_dim} is not implemented in "
-                                  f"pyflashattn (head_dim {' or '.join(map(str, HEAD_DIMS))})")
     if general:
         raise NotImplementedError("fp8 (float8_e4m3fn) q with a custom mask, logits_soft_cap, ALiBi or RoPE is not "
                                   "implemented in pyflashattn (causal, window_left, LSE and sinks are)")

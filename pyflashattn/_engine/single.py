@@ -45,7 +45,7 @@ def single_prefill(q, k, v, custom_mask=None, packed_custom_mask=None, causal: b
     sm_scale * scale_q[h] * scale_k[g] (the LSE too), its output by scale_v[g]. ``o_dtype``:
     bfloat16, float16 or float8_e4m3fn (default q's dtype, as FlashInfer); with a 16-bit q it
     picks the output dtype too, and scale_q / scale_k / scale_v may be numbers only. Runs on
-    sm_90a (H100 / H200) at head_dim 128 and 256 without custom masks or score transforms;
+    sm_90a (H100 / H200) at head_dim 64, 128 and 256 without custom masks or score transforms;
     window_left applies (FlashInfer asserts -1 there). Anything else raises NotImplementedError
     (pyflashattn/_engine/fp8.py).
 
@@ -197,7 +197,7 @@ class SinglePlan:
         _cuda.ensure_context(self.dev)
         general = opts.general or mask_kind is not None
         if self.fp8:
-            fp8.check_call(self.dev, head_dim, general, False)
+            fp8.check_call(self.dev, general, False)
         self._route_and_schedule(qo_len, kv_len, num_qo_heads, num_kv_heads, head_dim, causal, window_left, general)
         p = self.attn.params
         p.q_stride_n, p.q_stride_h = qv.strides[0], qv.strides[1]

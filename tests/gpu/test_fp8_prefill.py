@@ -94,7 +94,7 @@ def _single_case(qo_len, kv_len, hq, hkv, d, causal, o_dtype, window_left=-1, kv
 
 
 @needs_sm90
-@pytest.mark.parametrize("d", [128, 256])
+@pytest.mark.parametrize("d", [64, 128, 256])
 @pytest.mark.parametrize("causal", [False, True])
 @pytest.mark.parametrize("n", LENGTHS)
 def test_single_prefill_fp8_lengths(n, causal, d):
@@ -111,7 +111,7 @@ def test_single_prefill_fp8_qo_len_differs(qo_len, kv_len, causal, hq, hkv):
 
 @needs_sm90
 @pytest.mark.parametrize("o_dtype", [torch.float16, torch.bfloat16, E4M3])
-@pytest.mark.parametrize("d", [128, 256])
+@pytest.mark.parametrize("d", [64, 128, 256])
 def test_single_prefill_fp8_output_dtypes(o_dtype, d):
     _single_case(129, 1000, 8, 2, d, True, o_dtype)
 
@@ -124,7 +124,7 @@ def test_single_prefill_fp8_layouts_window_and_number_scales(kv_layout):
 
 
 @needs_sm90
-@pytest.mark.parametrize("d", [128, 256])
+@pytest.mark.parametrize("d", [64, 128, 256])
 def test_single_prefill_fp8_split_kv(d):
     # few row tiles over a long KV: the scheduler splits it, partials merge into the output
     _single_case(16, 16384, 8, 2, d, False, torch.bfloat16)
@@ -145,7 +145,7 @@ def test_single_prefill_fp8_default_output_is_e4m3():
 @needs_sm90
 @pytest.mark.parametrize("o_dtype", [torch.bfloat16, E4M3])
 @pytest.mark.parametrize("causal", [False, True])
-@pytest.mark.parametrize("d", [128, 256])
+@pytest.mark.parametrize("d", [64, 128, 256])
 def test_ragged_batch_fp8(d, causal, o_dtype):
     hq, hkv = 8, 2
     qo_lens = [1, 63, 65, 129, 1000, 64]

@@ -10,7 +10,10 @@
 //   Q [BLOCK_M x D] | K stages [STAGES][BLOCK_N x D] | Vt stages [STAGES][D x BLOCK_N]
 //   | raw V [2][BLOCK_N x D] | mbarriers
 // Every tile in the 128-byte swizzle: column blocks of 128 bytes, chunk c of row r at c ^ (r % 8).
-// BLOCK_N is 128: one Vt row (a head-dim column of V) is exactly one 128-byte swizzle row.
+// BLOCK_N is 128: one Vt row (a head-dim column of V) is exactly one 128-byte swizzle row. At
+// head_dim 64 the Q, K and raw V rows (64 bytes) are stored as the first half of 128-byte swizzle
+// rows (ROW_PAD): the wgmma k-steps 0 and 1 read only those 64 bytes, so the 128-byte swizzle
+// serves there too, for twice the shared memory of those tiles.
 #pragma once
 #include <cuda_bf16.h>
 #include <cuda_fp8.h>
@@ -30,36 +33,39 @@ struct PrefillSm90Fp8Config {
   static constexpr int WG_ROWS = 64;  // rows of one m64 wgmma: one consumer warpgroup
   static constexpr int THREADS = (CONSUMERS + 1) * WG_THREADS;
   static constexpr int BLOCK_M = CONSUMERS * WG_ROWS;
-  // 64-element (64-byte) rows would need the 64-byte swizzle: not built (variants.py HOPPER_FP8_TILES)
-  static_assert(HEAD_DIM % 128 == 0, "fp8: head_dim in whole 128-byte swizzle rows");
+  static_assert(HEAD_DIM == 64 || HEAD_DIM % 128 == 0, "fp8: head_dim in whole (or, 64, half) swizzle rows");
 
   static constexpr int CHUNK_BYTES = 16;
   static constexpr int CHUNK_ELEMS = 16;                 // e4m3 elements per 16-byte chunk
   static constexpr int CPR = HEAD_DIM / CHUNK_ELEMS;     // 16-byte chunks per Q / K / V row
   static constexpr int ROW_BYTES = 128;                  // one row of one column block
   static constexpr int ATOM_BYTES = 8 * ROW_BYTES;       // the swizzle's 8-row repeat
-  static constexpr int Q_BYTES = BLOCK_M * HEAD_DIM;
-  static constexpr int KV_TILE_BYTES = BLOCK_N * HEAD_DIM;  // a K, raw V or Vt tile
+  static constexpr int ROW_PAD = HEAD_DIM < ROW_BYTES ? ROW_BYTES : HEAD_DIM;  // bytes of a stored Q / K / V row
+  static constexpr int Q_BYTES = BLOCK_M * ROW_PAD;
+  static constexpr int K_TILE_BYTES = BLOCK_N * ROW_PAD;   // a K or raw V tile
+  static constexpr int VT_TILE_BYTES = HEAD_DIM * BLOCK_N;  // a Vt tile: HEAD_DIM rows of BLOCK_N keys
   static constexpr int Q_OFFSET = 0;
   static constexpr int K_OFFSET = Q_OFFSET + Q_BYTES;
-  static constexpr int V_OFFSET = K_OFFSET + STAGES * KV_TILE_BYTES;  // the Vt stages
-  static constexpr int RAW_OFFSET = V_OFFSET + STAGES * KV_TILE_BYTES;
+  static constexpr int V_OFFSET = K_OFFSET + STAGES * K_TILE_BYTES;  // the Vt stages
+  static constexpr int RAW_OFFSET = V_OFFSET + STAGES * VT_TILE_BYTES;
   static constexpr int RAW_TILES = 2;
-  static constexpr int BAR_OFFSET = RAW_OFFSET + RAW_TILES * KV_TILE_BYTES;
+  static constexpr int BAR_OFFSET = RAW_OFFSET + RAW_TILES * K_TILE_BYTES;
   // q_full, then per stage k_full, v_full (Vt written), k_empty, v_empty
   static constexpr int NUM_BARRIERS = 1 + 4 * STAGES;
   // + 1024: the dynamic shared memory base is rounded up to the swizzle atom at run time
   static constexpr int SMEM_BYTES = BAR_OFFSET + NUM_BARRIERS * 8 + ATOM_BYTES;
   // named barriers: 0 = __syncthreads, 1 .. CONSUMERS = the consumers' turns, then the producer's
   static constexpr int PRODUCER_BAR = 1 + CONSUMERS;
-  static_assert(KV_TILE_BYTES % ATOM_BYTES == 0 && Q_BYTES % ATOM_BYTES == 0, "1024-byte tiles");
+  static_assert(K_TILE_BYTES % ATOM_BYTES == 0 && VT_TILE_BYTES % ATOM_BYTES == 0 && Q_BYTES % ATOM_BYTES == 0,
+                "1024-byte tiles");
 
   // Producer registers after setmaxnreg, and the consumers' (PrefillSm90Config's split).
   static constexpr int PRODUCER_REGS = CONSUMERS == 2 ? 40 : 32;
   static constexpr int CONSUMER_REGS = CONSUMERS == 2 ? 232 : 160;
   static_assert(PRODUCER_REGS * WG_THREADS + CONSUMER_REGS * WG_THREADS * CONSUMERS <= 65536, "register file");
 
-  // Byte offset of (row, 16-byte chunk) in a swizzled tile of `rows` rows.
+  // Byte offset of (row, 16-byte chunk) in a swizzled tile of `rows` rows (chunk < 4 at head_dim 64:
+  // the first half of each 128-byte row).
   static __device__ __forceinline__ uint32_t swz(int rows, int row, int chunk) {
     return (uint32_t)((chunk >> 3) * rows * ROW_BYTES + row * ROW_BYTES + (((chunk & 7) ^ (row & 7)) << 4));
   }

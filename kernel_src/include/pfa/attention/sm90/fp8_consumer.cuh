@@ -160,7 +160,7 @@ struct ConsumerSm90Fp8 : ConsumerSm90<Cfg, PINGPONG> {
       ptx::mbar_wait(Cfg::k_full(base, st), parity);
       turn.take();
       ptx::wgmma_fence();
-      issue_qk(s, s_q, base + Cfg::K_OFFSET + st * Cfg::KV_TILE_BYTES, wg);
+      issue_qk(s, s_q, base + Cfg::K_OFFSET + st * Cfg::K_TILE_BYTES, wg);
       ptx::wgmma_commit();
       turn.pass();
       ptx::wgmma_wait<0>();
@@ -173,7 +173,7 @@ struct ConsumerSm90Fp8 : ConsumerSm90<Cfg, PINGPONG> {
       ptx::mbar_wait(Cfg::v_full(base, st), parity);
       turn.take();
       ptx::wgmma_fence();
-      issue_pv(o, a, base + Cfg::V_OFFSET + st * Cfg::KV_TILE_BYTES);
+      issue_pv(o, a, base + Cfg::V_OFFSET + st * Cfg::VT_TILE_BYTES);
       ptx::wgmma_commit();
       if (it + 1 < n || wg != Cfg::CONSUMERS - 1) turn.pass();  // the last consumer's last pass would meet no take
       ptx::wgmma_wait<0>();
@@ -217,9 +217,9 @@ struct ConsumerSm90Fp8 : ConsumerSm90<Cfg, PINGPONG> {
       ptx::mbar_wait(Cfg::v_full(base, prev), ((it - 1) / STAGES) & 1);
       turn.take();
       ptx::wgmma_fence();
-      issue_qk(s, s_q, base + Cfg::K_OFFSET + st * Cfg::KV_TILE_BYTES, wg);
+      issue_qk(s, s_q, base + Cfg::K_OFFSET + st * Cfg::K_TILE_BYTES, wg);
       ptx::wgmma_commit();
-      issue_pv(o, a, base + Cfg::V_OFFSET + prev * Cfg::KV_TILE_BYTES);
+      issue_pv(o, a, base + Cfg::V_OFFSET + prev * Cfg::VT_TILE_BYTES);
       ptx::wgmma_commit();
       turn.pass();
       ptx::wgmma_wait<1>();  // S of this tile; P V still running
@@ -238,7 +238,7 @@ struct ConsumerSm90Fp8 : ConsumerSm90<Cfg, PINGPONG> {
     ptx::mbar_wait(Cfg::v_full(base, last), ((n - 1) / STAGES) & 1);
     turn.take();
     ptx::wgmma_fence();
-    issue_pv(o, a, base + Cfg::V_OFFSET + last * Cfg::KV_TILE_BYTES);
+    issue_pv(o, a, base + Cfg::V_OFFSET + last * Cfg::VT_TILE_BYTES);
     ptx::wgmma_commit();
     if (wg != Cfg::CONSUMERS - 1) turn.pass();  // the last consumer's last pass would meet no take
     ptx::wgmma_wait<0>();

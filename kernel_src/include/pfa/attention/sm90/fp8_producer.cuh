@@ -38,6 +38,7 @@ struct ProducerSm90Fp8 {
   static constexpr int ROW_STEP = Cfg::WG_THREADS / CPR;  // rows between one thread's chunks
   static_assert(Cfg::WG_THREADS % CPR == 0 && BLOCK_N % ROW_STEP == 0 && Cfg::BLOCK_M % ROW_STEP == 0,
                 "whole rows per pass");
+  static constexpr int LOAD_UNROLL = Cfg::PRODUCER_REGS >= 40 ? 2 : 1;
   // transpose steps (16 keys x 32 dims) of a tile, spread over the four producer warps
   static constexpr int T_STEPS = (BLOCK_N / 16) * (HEAD_DIM / 32);
   static_assert(T_STEPS % 4 == 0 && BLOCK_N == 128, "whole steps per warp; one 128-byte Vt row per dim");
@@ -68,8 +69,9 @@ struct ProducerSm90Fp8 {
     const uint8_t* src = head + (row0 + n0 + r0) * stride_n + chunk * Cfg::CHUNK_ELEMS;
     const int64_t step = (int64_t)ROW_STEP * stride_n;
     const int valid_rows = kv_len - n0 - r0;
-    // Partly rolled: with the transpose's addresses live too, a full unroll spills on PRODUCER_REGS.
-#pragma unroll 2
+    // Partly rolled: with the transpose's addresses live too, a full unroll spills on PRODUCER_REGS
+    // (two rows per pass fit 40 registers, one row 32).
+#pragma unroll(LOAD_UNROLL)
     for (int i = 0; i < BLOCK_N / ROW_STEP; ++i) {
       const bool valid = i * ROW_STEP < valid_rows;
       ptx::cp_async_16_hint(s_tile + Cfg::swz(BLOCK_N, r0 + i * ROW_STEP, chunk),
@@ -121,9 +123,9 @@ struct ProducerSm90Fp8 {
       if (it + 1 < n) {
         const int s1 = (it + 1) % STAGES, n1 = w.tile_start + (it + 1) * BLOCK_N;
         ptx::mbar_wait(Cfg::k_empty(base, s1), (((it + 1) / STAGES) & 1) ^ 1);
-        load_tile(base + Cfg::K_OFFSET + s1 * Cfg::KV_TILE_BYTES, k, p.k_stride_n, row0, n1, w.kv_len, tid, keep);
+        load_tile(base + Cfg::K_OFFSET + s1 * Cfg::K_TILE_BYTES, k, p.k_stride_n, row0, n1, w.kv_len, tid, keep);
         ptx::cp_async_mbar_arrive(Cfg::k_full(base, s1));
-        load_tile(base + Cfg::RAW_OFFSET + ((it + 1) & 1) * Cfg::KV_TILE_BYTES, v, p.v_stride_n, row0, n1, w.kv_len,
+        load_tile(base + Cfg::RAW_OFFSET + ((it + 1) & 1) * Cfg::K_TILE_BYTES, v, p.v_stride_n, row0, n1, w.kv_len,
                   tid, keep);
         ptx::cp_async_commit();
         ptx::cp_async_wait<1>();  // this thread's copies of V(it) (and earlier) have landed
@@ -133,7 +135,7 @@ struct ProducerSm90Fp8 {
       ptx::bar_sync(Cfg::PRODUCER_BAR, Cfg::WG_THREADS);  // ... and every thread's
       const int s = it % STAGES;
       ptx::mbar_wait(Cfg::v_empty(base, s), ((it / STAGES) & 1) ^ 1);
-      transpose_v(base + Cfg::RAW_OFFSET + (it & 1) * Cfg::KV_TILE_BYTES, base + Cfg::V_OFFSET + s * Cfg::KV_TILE_BYTES,
+      transpose_v(base + Cfg::RAW_OFFSET + (it & 1) * Cfg::K_TILE_BYTES, base + Cfg::V_OFFSET + s * Cfg::VT_TILE_BYTES,
                   tid);
       ptx::fence_proxy_async();  // the stmatrix writes (generic proxy) before the consumers' wgmma reads
       ptx::mbar_arrive(Cfg::v_full(base, s));
