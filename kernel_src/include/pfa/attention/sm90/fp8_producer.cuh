@@ -100,7 +100,7 @@ struct ProducerSm90Fp8 {
     }
   }
 
-  // base: the aligned shared-memory base (shared window). Per tile it: K(it + 1) and raw V(it + 1)
+  // base: the aligned shared-memory base (shared window). Per tile it: raw V(it + 1) and K(it + 1)
   // are issued, then V(it) (landed: cp.async.wait_group + a producer barrier) is transposed into
   // its Vt stage, fenced for the async proxy (the consumers' wgmma) and announced on v_full; a
   // second barrier frees its raw buffer for V(it + 2).
@@ -121,12 +121,14 @@ struct ProducerSm90Fp8 {
     }
     for (int it = 0; it < n; ++it) {
       if (it + 1 < n) {
+        // raw V(it + 1) first: its buffer is free (the barrier ending tile it - 1), while K(it + 1)
+        // waits for the consumers to release a K stage
         const int s1 = (it + 1) % STAGES, n1 = w.tile_start + (it + 1) * BLOCK_N;
-        ptx::mbar_wait(Cfg::k_empty(base, s1), (((it + 1) / STAGES) & 1) ^ 1);
-        load_tile(base + Cfg::K_OFFSET + s1 * Cfg::K_TILE_BYTES, k, p.k_stride_n, row0, n1, w.kv_len, tid, keep);
-        ptx::cp_async_mbar_arrive(Cfg::k_full(base, s1));
         load_tile(base + Cfg::RAW_OFFSET + ((it + 1) & 1) * Cfg::K_TILE_BYTES, v, p.v_stride_n, row0, n1, w.kv_len,
                   tid, keep);
+        ptx::mbar_wait(Cfg::k_empty(base, s1), (((it + 1) / STAGES) & 1) ^ 1);
+        load_tile(base + Cfg::K_OFFSET + s1 * Cfg::K_TILE_BYTES, k, p.k_stride_n, row0, n1, w.kv_len, tid, keep);
+        ptx::cp_async_mbar_arrive(Cfg::k_full(base, s1));  // (once V(it + 1) has landed too)
         ptx::cp_async_commit();
         ptx::cp_async_wait<1>();  // this thread's copies of V(it) (and earlier) have landed
       } else {
