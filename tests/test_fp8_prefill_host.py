@@ -8,7 +8,7 @@ import pytest
 
 import pyflashattn
 from pyflashattn._engine import fp8, single
-from pyflashattn._runtime import cuda as _cuda, dtypes as _dtypes
+from pyflashattn._runtime import cuda as _cuda, dtypes as _dtypes, tensor as _tensor
 from pyflashattn.testing.fake_driver import (
     BF16, D, E4M3, F16, HKV, HQ, LOG2E, T, TQ, f32, i32, kv_t, last_attn, paged, plan_paged, plan_ragged, q_t,
     ragged)
@@ -211,3 +211,22 @@ def test_fp8_rows_of_the_variant_table():
         assert v.archs == ("sm_90a",) and v.smem_bytes <= variants.SMEM_OPTIN["sm_90a"]
         assert v.manifest()["dtype"] == v.manifest()["kv_dtype"] == E4M3.short
     assert fp8.FP8 is E4M3
+
+
+def test_fp8_and_o_dtype_calls_never_take_the_torch_fast_path(fake, fake_torch, monkeypatch):
+    # the fast path points no per-head scales and allocates q's dtype: such plans stay off it
+    q, k, v = (fake_torch.tensor(s, "float8_e4m3fn") for s in ((64, 8, 128), (256, 2, 128), (256, 2, 128)))
+    sq = fake_torch.tensor((8,), "float32")
+    for _ in range(2):
+        pyflashattn.single_prefill_with_kv_cache(q, k, v, scale_q=sq, o_dtype="bfloat16")
+        assert last_attn(fake)[3].q_scale_heads == sq.data_ptr()
+    views = []
+    real_view = _tensor.view
+    monkeypatch.setattr(_tensor, "view", lambda *a, **kw: views.append(a[1]) or real_view(*a, **kw))
+    pyflashattn.single_prefill_with_kv_cache(q, k, v)  # same tensors, no scales: the full path
+    assert "q" in views and last_attn(fake)[3].q_scale_heads == 0 and last_attn(fake)[3].o_format == 2
+    h, hk = (fake_torch.tensor(s, "float16") for s in ((64, 8, 128), (256, 2, 128)))
+    pyflashattn.single_prefill_with_kv_cache(h, hk, hk, o_dtype="bfloat16")
+    views.clear()
+    pyflashattn.single_prefill_with_kv_cache(h, hk, hk, o_dtype="bfloat16")
+    assert "q" in views and last_attn(fake)[3].o_format == 1
