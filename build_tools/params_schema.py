@@ -104,6 +104,11 @@ PREFILL = (
         ("o_format", "i32", "the output's element format (OutFormat): 0 = the kernel's 16-bit type, 1 = the other "
          "16-bit type (fp16 <-> bf16), 2 = float8_e4m3fn (saturated to +-448, round to nearest even); "
          "strides stay in elements"),
+        ("skip_softmax_factor", "f32", "skip-softmax sparsity (TRT-LLM's skip_softmax_threshold_scale_factor, semantics "
+         "1.12): threshold T = factor / kv_len of the request; a KV tile whose row maxes all lie below the running "
+         "maxes by more than ln(1/T) (every valid row of the kernel's vote group: SkipSoftmax in softmax_state.cuh) "
+         "adds nothing to the sum or output and is skipped. 0 = off (kernels without it are never given a nonzero "
+         "value: the manifest's skip_softmax_rows)"),
         # Last, so the fields before keep their offsets (the kernels that never read these compile
         # to the same SASS).
         ("q_scale_heads", "ptr", "fp8 Q (the e4m3 sm90 kernels): float32 [Hq] dequantisation scale of each query "

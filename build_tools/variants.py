@@ -178,12 +178,20 @@ class PrefillVariant:
                 "head_dim": self.head_dim, "block_m": self.block_m, "block_n": self.block_n, "warps": self.warps,
                 "threads": self.threads, "smem_bytes": self.smem_bytes, "ctas_per_sm": self.ctas_per_sm,
                 "tune": self.tune, "general": self.general, "paged": self.paged, "decode": self.decode,
-                "rows_fastest": self.rows_fastest, "device_scale": self.device_scale}
+                "rows_fastest": self.rows_fastest, "device_scale": self.device_scale,
+                "skip_softmax_rows": self.skip_softmax_rows}
 
     @property
     def device_scale(self):
         # honours PrefillParams.scale_dev (PrefillSm80Config::DEVICE_SCALE)
         return self.general or self.block_m < 128
+
+    @property
+    def skip_softmax_rows(self):
+        """The packed rows voting together in skip-softmax (PrefillParams.skip_softmax_factor): one
+        warp's (its pair's) m16 row tiles; 0 where the kernel lacks it (PrefillSm80Config::
+        SKIP_SOFTMAX: the general kernels and the decode tiles have it)."""
+        return self.mq * MMA_ROWS if self.general or self.block_m < 128 else 0
 
 
 @dataclass(frozen=True)
@@ -249,7 +257,8 @@ class HopperPrefillVariant:
                 "head_dim": self.head_dim, "block_m": self.block_m, "block_n": self.block_n,
                 "warps": self.threads // WARP_THREADS, "threads": self.threads, "smem_bytes": self.smem_bytes,
                 "ctas_per_sm": 1, "tune": self.tune, "general": False, "paged": self.paged, "decode": False,
-                "rows_fastest": True, "device_scale": False, "tma": self.tma}
+                "rows_fastest": True, "device_scale": True, "tma": self.tma,
+                "skip_softmax_rows": self.WG_ROWS}  # one consumer warpgroup votes (consumer.cuh)
 
 
 @dataclass(frozen=True)
@@ -317,7 +326,7 @@ class HopperFp8PrefillVariant:
                 "head_dim": self.head_dim, "block_m": self.block_m, "block_n": self.block_n,
                 "warps": self.threads // WARP_THREADS, "threads": self.threads, "smem_bytes": self.smem_bytes,
                 "ctas_per_sm": 1, "tune": self.tune, "general": False, "paged": False, "decode": False,
-                "rows_fastest": True, "device_scale": False, "tma": False, "out16": "bf16"}
+                "rows_fastest": True, "device_scale": False, "tma": False, "out16": "bf16", "skip_softmax_rows": 0}
 
 
 # head_dim -> (consumers, stages, overlap) of the sm_90a fp8 prefill (hd64: three consumers, as the

@@ -172,17 +172,19 @@ class BatchDecodeWithPagedKVCacheWrapper:
         holds uint8 e2m1 code pairs [..., D/2], low nibble first): float8_e4m3fn [..., D/16], one
         scale per 16 head-dim elements of a token, in the cache's form (one tensor
         [P, 2, ...] or a (k_sf, v_sf) tuple). An element is code * scale * the global scale,
-        whose K part goes into k_scale and V part into v_scale. Split-KV works as for any cache."""
+        whose K part goes into k_scale and V part into v_scale. Split-KV works as for any cache.
+        skip_softmax_threshold_scale_factor: skip-softmax sparsity, as in
+        BatchPrefillWithPagedKVCacheWrapper.run (None / 0 = off)."""
         if window_left is not None and window_left != self._window:
             raise ValueError(f"window_left={window_left} differs from plan()'s {self._window}; plan() with it")
         if q_len_per_req is not None and q_len_per_req != self._q_len:
             raise ValueError(f"q_len_per_req={q_len_per_req} differs from plan()'s {self._q_len}; plan() with it")
-        _unsupported("skip_softmax_threshold_scale_factor", skip_softmax_threshold_scale_factor, "skip-softmax")
         if q_scale is not None:
             k_scale = operands.scale_arg(q_scale, "q_scale") * operands.scale_arg(k_scale, "k_scale")
         return self._engine.run_paged(q, paged_kv_cache, *args, k_scale=k_scale, v_scale=v_scale, out=out, lse=lse,
                                       return_lse=return_lse, stream=stream, enable_pdl=enable_pdl, sinks=sinks,
-                                      kv_cache_sf=kv_cache_sf)
+                                      kv_cache_sf=kv_cache_sf,
+                                      skip_softmax_threshold_scale_factor=skip_softmax_threshold_scale_factor)
 
     def run_return_lse(self, *args, **kwargs):
         kwargs["return_lse"] = True

@@ -147,7 +147,8 @@ class BatchPrefillWithPagedKVCacheWrapper(_BatchPrefillWrapper):
     begin_forward = plan
 
     def run(self, q, paged_kv_cache, *args, q_scale=None, k_scale=None, v_scale=None, out=None, lse=None,
-            return_lse: bool = False, stream=None, enable_pdl=None, sinks=None, kv_cache_sf=None):
+            return_lse: bool = False, stream=None, enable_pdl=None, sinks=None, kv_cache_sf=None,
+            skip_softmax_threshold_scale_factor=None):
         """Attention of q over the paged cache for the planned batch. k_scale / v_scale (float,
         default 1.0): see the class docstring; under a CUDA graph they are baked into the
         captured launch (a replay uses the values of the captured run()). enable_pdl=True
@@ -155,10 +156,15 @@ class BatchPrefillWithPagedKVCacheWrapper(_BatchPrefillWrapper):
         (FlashInfer's None means "if supported": here it means off). sinks: float32 [Hq]
         attention sinks (semantics of FlashInfer's trtllm-gen path: e^sink joins each row's
         normaliser, and the LSE); FlashInfer's fa2/fa3 paths silently ignore them, this one
-        applies them. kv_cache_sf: an NVFP4 cache's block scales (see the class docstring)."""
+        applies them. kv_cache_sf: an NVFP4 cache's block scales (see the class docstring).
+        skip_softmax_threshold_scale_factor: skip-softmax sparsity (TRT-LLM's, semantics 1.12;
+        FlashInfer's fa2/fa3 paths drop it, this one applies it): a KV tile whose every row max in
+        a vote group lies below the row's running max by more than ln(kv_len / factor) is skipped
+        (ARCHITECTURE.md gives the tile and group geometry per kernel family); None / 0 = off."""
         return self._engine.run_paged(q, paged_kv_cache, *args, q_scale=q_scale, k_scale=k_scale, v_scale=v_scale,
                                       out=out, lse=lse, return_lse=return_lse, stream=stream, enable_pdl=enable_pdl,
-                                      sinks=sinks, kv_cache_sf=kv_cache_sf)
+                                      sinks=sinks, kv_cache_sf=kv_cache_sf,
+                                      skip_softmax_threshold_scale_factor=skip_softmax_threshold_scale_factor)
 
 
 class BatchPrefillWithRaggedKVCacheWrapper(_BatchPrefillWrapper):

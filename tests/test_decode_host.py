@@ -243,8 +243,8 @@ def test_decode_run_refuses_a_window_or_q_len_other_than_the_plans(fake):
                      (dict(q_len_per_req=1), "q_len_per_req"), (dict(q_len_per_req=3), "q_len_per_req")):
         with pytest.raises(ValueError, match=name):
             w.run(q_dec(2), cache(), out=o_dec(2), **kw)
-    with pytest.raises(NotImplementedError, match="skip_softmax_threshold_scale_factor"):
-        w.run(q_dec(2), cache(), out=o_dec(2), skip_softmax_threshold_scale_factor=0.5)
+    with pytest.raises(ValueError, match="skip_softmax_threshold_scale_factor"):
+        w.run(q_dec(2), cache(), out=o_dec(2), skip_softmax_threshold_scale_factor=-0.5)
     with pytest.raises(TypeError, match="kv_cache_sf"):  # block scales for a float16 plan
         w.run(q_dec(2), cache(), out=o_dec(2), kv_cache_sf=T((NPAGES, 2, PS, HKV, D // 16), E4M3))
     assert not fake.attn_launches()
@@ -451,11 +451,8 @@ _BAD = [  # (overrides given fake, exception, pattern)
 @pytest.mark.parametrize("case, over, exc, pattern", [pytest.param(*c, id=c[0]) for c in _BAD])
 def test_xqa_refuses_bad_arguments_before_anything_runs(fake, case, over, exc, pattern):
     args = xqa_args(fake)
-    fake.cu.log.clear()
     args.update(over(fake))
-    with pytest.raises(exc, match=pattern):
-        call_xqa(args)
-    assert not fake.cu.launches and not [op for op in fake.cu.log if op[0] in ("htod", "alloc")]
+    fake.assert_refused_before_anything_runs(lambda: call_xqa(args), exc, pattern)
     assert not xqa._ENGINES
 
 

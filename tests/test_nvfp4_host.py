@@ -375,11 +375,8 @@ _BAD_XQA = [
 @pytest.mark.parametrize("case, over, exc, pattern", [pytest.param(*c, id=c[0]) for c in _BAD_XQA])
 def test_xqa_refuses_bad_nvfp4_arguments_before_anything_runs(fake, case, over, exc, pattern):
     args = xqa_args(fake)
-    fake.cu.log.clear()
     args.update(over(fake))
-    with pytest.raises(exc, match=pattern):
-        decode.xqa_batch_decode_with_kv_cache(**args)
-    assert not fake.cu.launches and not [op for op in fake.cu.log if op[0] in ("htod", "alloc")]
+    fake.assert_refused_before_anything_runs(lambda: decode.xqa_batch_decode_with_kv_cache(**args), exc, pattern)
     assert not xqa._ENGINES
 
 

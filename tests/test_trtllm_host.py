@@ -158,7 +158,10 @@ def test_shared_page_ids():
     (dict(batch_size=2), ValueError, "seq_lens must have shape"),
     (dict(max_q_len=11), ValueError, "max_q_len=11"),
     (dict(max_kv_len=18), ValueError, "max_kv_len=18"),
-    (dict(skip_softmax_threshold_scale_factor=500.0), NotImplementedError, "skip_softmax_threshold_scale_factor"),
+    (dict(skip_softmax_threshold_scale_factor=-1.0), ValueError, "skip_softmax_threshold_scale_factor"),
+    (dict(skip_softmax_threshold_scale_factor=float("nan")), ValueError, "skip_softmax_threshold_scale_factor"),
+    (dict(skip_softmax_threshold_scale_factor=float("inf")), ValueError, "skip_softmax_threshold_scale_factor"),
+    (dict(skip_softmax_threshold_scale_factor="500"), TypeError, "skip_softmax_threshold_scale_factor"),
     (dict(pos_encoding_mode="rope"), ValueError, "pos_encoding_mode"),
     (dict(mask_mode="custom"), NotImplementedError, "custom"),
 ])
@@ -301,7 +304,7 @@ def test_context_separate_ids(fake):
     (dict(o_sf_vec_size=16), NotImplementedError, "o_sf_vec_size"),
     (dict(kv_block_scales=T((NPAGES, 2, HKV, PS, D // 16), E4M3)), NotImplementedError, "kv_block_scales"),
     (dict(kv_cache_sf=T((NPAGES, 2, HKV, PS, D // 16), E4M3)), NotImplementedError, "kv_cache_sf"),
-    (dict(skip_softmax_threshold_scale_factor=1.0), NotImplementedError, "skip_softmax"),
+    (dict(skip_softmax_threshold_scale_factor=-0.5), ValueError, "skip_softmax_threshold_scale_factor"),
     (dict(causal=False, window_left=4), NotImplementedError, "window_left"),
     (dict(out_dtype="float32"), TypeError, "out_dtype"),
     (dict(max_kv_len=10), ValueError, "max_kv_len"),
@@ -318,3 +321,18 @@ def test_context_uint32_seq_lens_and_lse(fake):
     o, got = context_call(fake, seq_lens=sl, lse=lse, return_lse=True)
     assert got is lse and last_params(fake)[1].lse == 0x900000
     assert not isinstance(context_call(fake, lse=lse), tuple)  # filled, not returned
+
+
+def test_skip_softmax_reaches_the_kernel(fake):
+    """skip_softmax_threshold_scale_factor goes into the launched struct (a lean 128-row plan runs
+    it on the general kernel of its tile, which has it); a call without it launches with 0."""
+    separate_call(fake, skip_softmax_threshold_scale_factor=500.0)
+    name, p = last_params(fake)
+    assert p.skip_softmax_factor == 500.0 and "general=True" in name
+    separate_call(fake)
+    name, p = last_params(fake)
+    assert p.skip_softmax_factor == 0.0 and "general=False" in name
+    context_call(fake, skip_softmax_threshold_scale_factor=2)
+    assert last_params(fake)[1].skip_softmax_factor == 2.0
+    paged_call(fake, skip_softmax_threshold_scale_factor=0.25)
+    assert last_params(fake)[1].skip_softmax_factor == 0.25

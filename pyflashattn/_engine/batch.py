@@ -55,6 +55,8 @@ class BatchEngine:
         self.pdl = launch.PdlLauncher(self.dev)
         self.scaled = False
         self.sinks = 0  # the sinks address in the structs (run(sinks=...)); 0 = none
+        self.skip = 0.0  # run()'s skip_softmax_threshold_scale_factor in the struct (0 = off)
+        self.skip_home = None  # the plan's launcher while its skip-softmax sibling runs (apply_skip_softmax)
 
     def enable_graph(self, max_batch: int, max_pages: int):
         """CUDA-graph mode with this capacity (batch size, pages)."""
@@ -177,6 +179,8 @@ class BatchEngine:
         self.scaled = False
         la.configure((cfg.num_kv_heads, 1, plan.grid))
         self.attn = la
+        self.skip, self.skip_home = 0.0, None  # run(skip_softmax_threshold_scale_factor=...) sets it
+        la.params.skip_softmax_factor = 0.0
         if merge is not None:  # a captured graph always holds the merge (a no-op for unsplit rows)
             params.configure_merge(merge, cap["max_total_q"] if cap else plan.total_q, cfg.num_qo_heads,
                                    cfg.head_dim, 0, cfg.opts.lse_scale, cfg.o_format)
@@ -362,6 +366,34 @@ class BatchEngine:
                 self.merge.params.sinks = ptr
             self.sinks = ptr
 
+    def apply_skip_softmax(self, factor):
+        """run()'s skip_softmax_threshold_scale_factor (validated here; None / 0 = off) into the struct.
+        A plan on a kernel without skip-softmax (the 128-row lean sm80 kernels: the manifest's
+        skip_softmax_rows = 0) runs skip-softmax calls on the general kernel of the same tile, so
+        the same schedule: its struct takes a copy of the plan's, and hands it back when the
+        factor returns to 0. (Host work only: no sync, no allocation after the first such call.)"""
+        f = options.skip_softmax_factor(factor)
+        if f == self.skip:
+            return
+        if f and fp8.is_fp8(self.cfg.q_dtype):
+            fp8.refuse_skip_softmax()
+        la = self.attn
+        if f and not la.meta.get("skip_softmax_rows"):
+            m = la.meta
+            sib = self.launcher("prefill", m["dtype"], m["kv_dtype"], m["head_dim"], True)
+            if (sib.meta["block_m"], sib.meta["block_n"]) != (m["block_m"], m["block_n"]) or \
+                    not sib.meta.get("skip_softmax_rows"):
+                raise NotImplementedError(f"{options.SKIP_SOFTMAX_ARG}: {m['name']} has no skip-softmax and no "
+                                          f"general kernel of its tile has it ({sib.meta['name']})")
+            _cuda.copy_params(sib, la)
+            self.skip_home, self.attn = la, sib
+        elif not f and self.skip_home is not None:
+            home = self.skip_home
+            _cuda.copy_params(home, la)
+            self.skip_home, self.attn = None, home
+        self.attn.params.skip_softmax_factor = f
+        self.skip = f
+
     def check_q(self, q, out, lse, return_lse, stream):
         """q, out and lse against the plan; allocates out / lse when not given. Returns
         (q view, out, out view, lse, lse view, stream, handshake stream or None)."""
@@ -484,12 +516,15 @@ class BatchEngine:
         raise RuntimeError("call plan() before run()")
 
     def run_paged(self, q, paged_kv_cache, *args, q_scale=None, k_scale=None, v_scale=None, out=None, lse=None,
-                  return_lse: bool = False, stream=None, enable_pdl=None, sinks=None, kv_cache_sf=None):
+                  return_lse: bool = False, stream=None, enable_pdl=None, sinks=None, kv_cache_sf=None,
+                  skip_softmax_threshold_scale_factor=None):
         """run() over a paged cache: one tensor [pages, 2, ...] or a (k_cache, v_cache) pair
         (BatchPrefillWithPagedKVCacheWrapper.run's contract); an NVFP4 cache (plan's
         kv_data_type uint8) with its block scales kv_cache_sf in the same form."""
         if args or not self.planned:
             self.refuse_run(args, "q and paged_kv_cache")
+        if skip_softmax_threshold_scale_factor is not None or self.skip:
+            self.apply_skip_softmax(skip_softmax_threshold_scale_factor)
         if k_scale is not None or v_scale is not None or q_scale is not None or self.scaled:
             self.apply_scales(k_scale, v_scale, q_scale)
         if sinks is not None or self.sinks:
@@ -569,10 +604,13 @@ class BatchEngine:
         return c.ptr, c.ptr + c.strides[1] * item, strides, strides, c.shape[0]
 
     def run_ragged(self, q, k, v, *args, q_scale=None, k_scale=None, v_scale=None, out=None, lse=None,
-                   return_lse: bool = False, stream=None, enable_pdl=None, sinks=None):
+                   return_lse: bool = False, stream=None, enable_pdl=None, sinks=None,
+                   skip_softmax_threshold_scale_factor=None):
         """run() over ragged K/V [kv_indptr[-1], Hkv, D] (NHD) or [Hkv, kv_indptr[-1], D] (HND)."""
         if args or not self.planned:
             self.refuse_run(args, "q, k, v")
+        if skip_softmax_threshold_scale_factor is not None or self.skip:
+            self.apply_skip_softmax(skip_softmax_threshold_scale_factor)
         if k_scale is not None or v_scale is not None or q_scale is not None or self.scaled:
             self.apply_scales(k_scale, v_scale, q_scale)
         if sinks is not None or self.sinks:

@@ -71,6 +71,12 @@ def check_call(dev: int, general: bool, paged: bool) -> None:
                                   "implemented in pyflashattn (causal, window_left, LSE and sinks are)")
 
 
+def refuse_skip_softmax() -> None:
+    """Skip-softmax is not in the fp8 kernels (their manifest rows: skip_softmax_rows 0)."""
+    raise NotImplementedError(f"{options.SKIP_SOFTMAX_ARG} with an fp8 (float8_e4m3fn) q is not implemented in "
+                              "pyflashattn")
+
+
 def merge_dtype(q_dtype) -> str:
     """The merge kernel's dtype (short name) for a plan of this q dtype."""
     return OWN16.short if q_dtype is FP8 else q_dtype.short

@@ -80,6 +80,22 @@ def window(window_left) -> int:
     return w
 
 
+SKIP_SOFTMAX_ARG = "skip_softmax_threshold_scale_factor"
+
+
+def skip_softmax_factor(factor) -> float:
+    """skip_softmax_threshold_scale_factor (TRT-LLM's skip-softmax sparsity, semantics 1.12) as a
+    float >= 0: None and 0 = off. TypeError / ValueError naming it otherwise."""
+    if factor is None:
+        return 0.0
+    if isinstance(factor, (bool, str)) or not isinstance(factor, (int, float, np.integer, np.floating)):
+        raise TypeError(f"{SKIP_SOFTMAX_ARG} must be a number (or None), got {type(factor).__name__}")
+    v = float(factor)
+    if not (math.isfinite(v) and v >= 0):
+        raise ValueError(f"{SKIP_SOFTMAX_ARG} must be a finite number >= 0 (0 or None = off), got {factor!r}")
+    return v
+
+
 def softmax_scale(sm_scale, head_dim: int) -> float:
     """sm_scale, defaulting to 1/sqrt(head_dim); must be finite and > 0."""
     if sm_scale is None:

@@ -61,12 +61,6 @@ def out_dtype_arg(out_dtype, out, q_dtype):
     return q_dtype
 
 
-def refuse_skip_softmax(factor):
-    if factor not in (None, 0, 0.0):
-        raise NotImplementedError("skip_softmax_threshold_scale_factor: skip-softmax sparsity is not implemented in "
-                                  "pyflashattn yet (pass 0 or None)")
-
-
 def scale_value(x, name, dev):
     """(float, device address or 0): a number, or a one-element float32 device tensor."""
     if isinstance(x, (int, float, np.integer, np.floating)) and not isinstance(x, bool):
@@ -116,17 +110,17 @@ def plan_engine(dev, workspace, kv_layout, src, paged, heads, dtypes, causal, wi
     return e
 
 
-def run_engine(e, q, kv, ragged, out, lse, return_lse, s1, s2, sinks, stats, pdl):
+def run_engine(e, q, kv, ragged, out, lse, return_lse, s1, s2, sinks, stats, pdl, skip_softmax=0.0):
     """Point the per-call fields (device scales, stats) and run. kv: (k, v) rows (ragged) or the
-    paged cache form run_paged takes."""
+    paged cache form run_paged takes; skip_softmax: the validated skip-softmax factor (0 = off)."""
     p = e.attn.params
     p.scale_dev, p.v_scale_dev = s1[1], s2[1]
     p.softmax_stats = stats
     if ragged:
         return e.run_ragged(q, kv[0], kv[1], k_scale=s1[0], v_scale=s2[0], out=out, lse=lse, return_lse=return_lse,
-                            enable_pdl=pdl, sinks=sinks)
+                            enable_pdl=pdl, sinks=sinks, skip_softmax_threshold_scale_factor=skip_softmax)
     return e.run_paged(q, kv, k_scale=s1[0], v_scale=s2[0], out=out, lse=lse, return_lse=return_lse,
-                       enable_pdl=pdl, sinks=sinks)
+                       enable_pdl=pdl, sinks=sinks, skip_softmax_threshold_scale_factor=skip_softmax)
 
 
 def paged_source_from_tables(cum_q, kv_lens, k_ids, page_size):

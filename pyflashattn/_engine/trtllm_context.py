@@ -14,7 +14,7 @@ _16BIT = (_dtypes.FLOAT16, _dtypes.BFLOAT16)
 _KV = (_dtypes.FLOAT16, _dtypes.BFLOAT16, _dtypes.FLOAT8_E4M3, _dtypes.FLOAT8_E5M2)
 
 
-def _refuse_unbuilt(query_dtype, out_dtype, kv_block_scales, skip_softmax_threshold_scale_factor):
+def _refuse_unbuilt(query_dtype, out_dtype, kv_block_scales):
     """NotImplementedError, naming the argument, for what the kernels do not do yet."""
     if query_dtype not in _16BIT:
         if query_dtype in (_dtypes.FLOAT8_E4M3, _dtypes.FLOAT8_E5M2):
@@ -24,7 +24,6 @@ def _refuse_unbuilt(query_dtype, out_dtype, kv_block_scales, skip_softmax_thresh
     if kv_block_scales is not None:
         raise NotImplementedError("kv_block_scales / kv_cache_sf: an NVFP4 KV cache is not implemented for the "
                                   "context API yet (xqa_batch_decode_with_kv_cache takes one)")
-    trtllm.refuse_skip_softmax(skip_softmax_threshold_scale_factor)
 
 
 def _page_ids(block_tables, uses_shared, batch, page_size, kv_lens, num_pages, dev):
@@ -58,7 +57,8 @@ def batch_context(query, kv_cache, workspace_buffer, block_tables, seq_lens, max
     qv = _tensor.view(query, "query")
     operands.require_cuda(qv, "query")
     dev = qv.device_id
-    _refuse_unbuilt(qv.dtype, out_dtype, kv_block_scales, skip_softmax_threshold_scale_factor)
+    _refuse_unbuilt(qv.dtype, out_dtype, kv_block_scales)
+    skip = options.skip_softmax_factor(skip_softmax_threshold_scale_factor)
     if qv.ndim != 3:
         raise ValueError(f"query must be [num_tokens, num_heads, head_dim], got shape {qv.shape}")
     hq, hd = qv.shape[1], qv.shape[2]
@@ -89,4 +89,4 @@ def batch_context(query, kv_cache, workspace_buffer, block_tables, seq_lens, max
     e = trtllm.plan_engine(dev, workspace_buffer, layout, src, True, (hq, hkv, hd), (qv.dtype, kdt, odt), bool(causal),
                            wl, 0, "NONE", None, bool(s1[1] or s2[1]), False)
     return trtllm.run_engine(e, query, cache, False, out, lse, bool(return_lse), s1, s2, trtllm.sinks_arg(sinks), 0,
-                             enable_pdl)
+                             enable_pdl, skip)

@@ -7,7 +7,7 @@ import math
 import numpy as np
 
 from .._runtime import dtypes as _dtypes, tensor as _tensor
-from . import indices, launch, operands, trtllm
+from . import indices, launch, operands, options, trtllm
 from .trtllm import host_array
 
 _16BIT = (_dtypes.FLOAT16, _dtypes.BFLOAT16)
@@ -99,7 +99,7 @@ def fmha_v2_prefill(qkv, input_layout, workspace_buffer, seq_lens, max_q_len, ma
     """TRT-LLM FMHAv2 prefill (FlashInfer's signature and semantics 1.14; see the README)."""
     layout = operands.trtllm_input_layout(input_layout)
     causal, wl, chunk = operands.trtllm_mask(mask_mode, window_left, chunked_attention_size)
-    trtllm.refuse_skip_softmax(skip_softmax_threshold_scale_factor)
+    skip = options.skip_softmax_factor(skip_softmax_threshold_scale_factor)
     q, kv, kv_layout, ragged = parse_layout(qkv, layout)
     qv = _tensor.view(q, "qkv (query)")
     operands.require_cuda(qv, "qkv (query)")
@@ -142,7 +142,7 @@ def fmha_v2_prefill(qkv, input_layout, workspace_buffer, seq_lens, max_q_len, ma
     e = trtllm.plan_engine(dev, workspace_buffer, kv_layout, src, not ragged, (hq, hkv, hd), (qv.dtype, kdt, odt),
                            causal, wl, chunk, pos, cap, bool(s1[1] or s2[1]), bool(save_softmax_stats))
     res = trtllm.run_engine(e, q, kv, ragged, out, None, False, s1, s2, trtllm.sinks_arg(sinks),
-                            stats_v.ptr if stats_v is not None else 0, None)
+                            stats_v.ptr if stats_v is not None else 0, None, skip)
     return (res, _tensor.finalize(stats)) if save_softmax_stats else res
 
 

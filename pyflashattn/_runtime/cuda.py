@@ -273,6 +273,14 @@ class Launcher:
         self.configure(grid)(stream)
 
 
+def copy_params(dst: Launcher, src: Launcher) -> None:
+    """dst takes src's params struct (the same type: one family) and grid, byte for byte."""
+    if type(dst.params) is not type(src.params):
+        raise TypeError(f"{dst.name} and {src.name} take different params structs")
+    ctypes.memmove(ctypes.addressof(dst.params), ctypes.addressof(src.params), ctypes.sizeof(src.params))
+    dst.configure(src.grid)
+
+
 class ProgrammaticLauncher(Launcher):
     """A Launcher whose kernel may start before the kernel ahead of it on the stream has
     finished (programmatic dependent launch, compute capability 9.0+): its CTAs are scheduled

@@ -235,10 +235,12 @@ class FakeEnv:
             if match.get("decode"):  # the decode tiles, as variants.py builds them
                 v = _decode_variant(variants, match)
                 meta = dict(match, block_m=v.block_m, block_n=v.block_n, threads=v.threads, smem_bytes=v.smem_bytes,
-                            ctas_per_sm=v.ctas_per_sm)
+                            ctas_per_sm=v.ctas_per_sm, skip_softmax_rows=v.skip_softmax_rows)
             else:
                 meta = dict(_META.get(match.get("head_dim"), dict(block_m=0, block_n=0, threads=256, ctas_per_sm=1)),
                             smem_bytes=0, **match)
+                # the sm80 rule (variants.py): the general 128-row kernels vote per warp, the lean ones lack it
+                meta.setdefault("skip_softmax_rows", 32 if match.get("general") else 0)
             la = _cuda.Launcher(name, (name, ptype), ptype, meta["threads"], meta["smem_bytes"])
             la.meta = meta
             return la
@@ -276,6 +278,16 @@ class FakeEnv:
 
     def attn_launches(self):
         return [x for x in self.cu.launches if x[0].startswith("prefill")]
+
+    def assert_refused_before_anything_runs(self, call, exc, pattern):
+        """call() raises exc (message matching pattern) having launched, copied to the device and
+        allocated nothing: the bad-argument contract of every entry point."""
+        import pytest  # test support only: the library never imports pytest
+
+        self.cu.log.clear()
+        with pytest.raises(exc, match=pattern):
+            call()
+        assert not self.cu.launches and not [op for op in self.cu.log if op[0] in ("htod", "alloc")]
 
 
 def T(shape, dtype=F16, strides=None, data=0x100000):

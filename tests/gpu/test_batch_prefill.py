@@ -644,6 +644,10 @@ def test_enable_pdl_chain_reads_the_finished_previous_output(kind, case):
     g.replay()
     torch.cuda.synchronize()
     assert torch.equal(o1, eager[0]) and torch.equal(o2, eager[1]), "graph replay with enable_pdl differs"
+    # the replayed chain against the float64 reference too: run 1 on b.q, run 2 on run 1's output
+    seed = _seed("pdl-ref", kind, case)
+    _check_batch(b, o1, None, True, {}, seed, "graph pdl run 1")
+    _check_batch(SimpleNamespace(**{**vars(b), "q": o1}), o2, None, True, {}, seed, "graph pdl run 2")
 
 
 # ---------------------------------------------------------------------------------------

@@ -89,13 +89,16 @@ struct PrefillSm80 : PrefillSm80Config<T, KV, HEAD_DIM, NUM_WARPS, MQ, BLOCK_N, 
       uint32_t pp[MQ][Cfg::S_NT][2];
       float corr[MQ][2];
       float pair_mx[4] = {0.f, 0.f, 0.f, 0.f};
-      Mainloop::softmax(s, pp, o, m, l, corr, pair_mx, scale_eff, wr);
+      // skipped (skip-softmax): no P V for the tile; the warp (pair) still keeps the CTA's ring going
+      const bool skipped = Mainloop::softmax(s, pp, o, m, l, corr, pair_mx, scale_eff, p, w, wr);
       uint32_t pq[MQ][Cfg::S_NT][2];
-      if constexpr (PAIR) Mainloop::send_p(pp, wr);
+      if constexpr (PAIR) {
+        if (!skipped) Mainloop::send_p(pp, wr);
+      }
       ring.mid_tile(w, it, n0, stage);
       uint32_t pv_a[MQ][4];
       uint32_t pv_b[4];
-      Mainloop::pv(o, pp, pq, pv_a, pv_b, sV_u, off, wr);
+      if (!skipped) Mainloop::pv(o, pp, pq, pv_a, pv_b, sV_u, off, wr);
     }
     ptx::cp_async_wait<0>();
     __syncthreads();  // with zero tiles, other threads' Q copies may still target this warp's rows

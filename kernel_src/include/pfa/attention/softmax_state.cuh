@@ -32,9 +32,12 @@ struct OnlineSoftmax {
   // its first tile, so most tiles skip the O rescale even on short rows (~10-20 tiles), where a
   // strict max still moves on most tiles. (-inf - -inf is NaN: a row that saw only masked keys
   // keeps -inf.)
-  static __device__ __forceinline__ float rescale(float& m, float tile_max, float scale, float& corr) {
+  // lazy = false (a runtime value): the strict max even under LAZY_RESCALE, which skip-softmax's
+  // comparison against the running max needs (SkipSoftmax).
+  static __device__ __forceinline__ float rescale(float& m, float tile_max, float scale, float& corr,
+                                                  bool lazy = true) {
     float m_new = fmaxf(m, tile_max * scale);
-    if (LAZY_RESCALE && m_new - m <= RESCALE_SLACK) m_new = m;
+    if (LAZY_RESCALE && lazy && m_new - m <= RESCALE_SLACK) m_new = m;
     // A row that has seen only masked keys keeps m = -inf; use 0 so exp2 gives 0, not NaN.
     const float m_use = m_new == -INFINITY ? 0.f : m_new;
     corr = ptx::exp2_approx(m - m_use);
@@ -54,6 +57,32 @@ struct OnlineSoftmax {
     const float inv = sum > 0.f ? out_scale / sum : 0.f;
     lse = sum > 0.f ? m + __log2f(sum) : -INFINITY;
     return inv;
+  }
+};
+
+// Skip-softmax sparsity (TRT-LLM's skip_softmax_threshold_scale_factor, arXiv 2512.12087; semantics
+// 1.12): with T = factor / kv_len (the request's keys), a KV tile whose every row has
+// exp(tile_max - m) < T (natural units of the final logit, m = the row's running max over the
+// tiles before it in this CTA's KV chunk) would add at most T * BLOCK_N of each row's normaliser,
+// so its softmax and P V are skipped: it adds nothing to the sum or the output. The rows voting
+// together are a kernel's vote group (one warp's rows in the sm80 family, its pair's under PAIR;
+// one consumer warpgroup's 64 in the sm90 family: the manifest's skip_softmax_rows); rows past
+// the request (padding) and rows that see no key of the tile vote "negligible" (neither adds
+// anything). In the kernels' log2 units, x = tile_max * scale and m: exp(.) < T  <=>
+// x - m < log2(T). Its first tile is never skipped (m = -inf there), so a KV split starts afresh.
+struct SkipSoftmax {
+  float log2_threshold;  // log2(factor / kv_len); -inf = off
+
+  static __device__ __forceinline__ SkipSoftmax make(float factor, int kv_len) {
+    SkipSoftmax k;
+    k.log2_threshold = factor > 0.f && kv_len > 0 ? log2f(factor) - log2f(static_cast<float>(kv_len)) : -INFINITY;
+    return k;
+  }
+  __device__ __forceinline__ bool on() const { return log2_threshold != -INFINITY; }
+  // One row's vote: its tile max (raw, before `scale`) is negligible against its running max m.
+  // -inf - -inf (no key yet, none in the tile) is NaN: caught by the first test.
+  __device__ __forceinline__ bool negligible(float tile_max, float scale, float m) const {
+    return tile_max == -INFINITY || tile_max * scale - m < log2_threshold;
   }
 };
 

@@ -110,6 +110,12 @@ struct PrefillSm80Config {
   // Honours PrefillParams::scale_dev: the general kernels and the decode tiles (fewer than 128
   // rows). variants.py's device_scale (the manifest) mirrors the rule.
   static constexpr bool DEVICE_SCALE = GENERAL || BLOCK_M < 128;
+  // Honours PrefillParams::skip_softmax_factor (SkipSoftmax, softmax_state.cuh), voting per warp (its
+  // pair under PAIR): MQ * 16 packed rows. The general kernels and the decode tiles: in the 128-row
+  // lean kernels the vote moved the tile loop into spills (hd128 / hd256 on sm_80), so their
+  // skip-softmax calls run on the general kernel of the same tile (BatchEngine.apply_skip_softmax).
+  // variants.py's skip_softmax_rows (the manifest) mirrors the rule.
+  static constexpr bool SKIP_SOFTMAX = GENERAL || BLOCK_M < 128;
 
   // ---- dynamic shared memory, in this order ----
   // Q, then KV_STAGES (K, V) ring pairs (stage i: K at tile 2i, V at 2i+1), then (fp8, NVFP4) the

@@ -186,11 +186,32 @@ struct MainloopSm80 {
     return fmaxf(mx, __shfl_xor_sync(FULL, mx, 2));
   }
 
+  // Skip-softmax (Cfg::SKIP_SOFTMAX, on): whether every row of this warp (its pair: the pair's
+  // maxes, so both warps agree) has a negligible max in this tile; padding rows do not vote. The
+  // threshold and the row bounds are recomputed here, not held in registers across the loop.
+  static __device__ __forceinline__ bool negligible_tile(const Scores& s, const Rows& m, const float (&pair_mx)[4],
+                                                         float scale_eff, const PrefillParams& p,
+                                                         const PrefillWork& w, const Role& wr) {
+    const SkipSoftmax skip = SkipSoftmax::make(p.skip_softmax_factor, w.kv_len);
+    const int row_limit = w.rows_total - (w.r0 + wr.warp_row0 + wr.lane / 4);  // rows mt * 16 + hf * 8 below it
+    bool all = true;
+#pragma unroll
+    for (int mt = 0; mt < MQ; ++mt)
+#pragma unroll
+      for (int hf = 0; hf < 2; ++hf) {
+        const float mx = PAIR ? pair_mx[2 * mt + hf] : row_max(s, mt, hf);
+        all &= mt * 16 + hf * 8 >= row_limit || skip.negligible(mx, scale_eff, m[mt][hf]);
+      }
+    return __all_sync(FULL, all);
+  }
+
   // Online softmax of one tile (softmax_state.cuh on the fragment rows): P into pp, m and l
   // updated, O rescaled; corr receives each row's rescale factor. pair_mx: PAIR scratch for the
   // exchanged row maxes, zeroed by the caller (see PrefillSm80::run on why scratch lives there).
-  static __device__ __forceinline__ void softmax(Scores& s, PFrags& pp, OAcc& o, Rows& m, Rows& l, Rows& corr,
-                                                 float (&pair_mx)[4], float scale_eff, const Role& wr) {
+  // Returns true, touching nothing, when skip-softmax skips the tile (then no P V either).
+  static __device__ __forceinline__ bool softmax(Scores& s, PFrags& pp, OAcc& o, Rows& m, Rows& l, Rows& corr,
+                                                 float (&pair_mx)[4], float scale_eff, const PrefillParams& p,
+                                                 const PrefillWork& w, const Role& wr) {
     bool moved = false;  // did any row max of this thread move (corr != 1)?
     // PAIR: a warp's row max covers its own keys; both warps of the pair take the larger of
     // the two (fmaxf is symmetric, so they agree bit for bit and their halves of O match).
@@ -207,12 +228,20 @@ struct MainloopSm80 {
       pair_mx[2] = fmaxf(pair_mx[2], x.z);
       pair_mx[3] = fmaxf(pair_mx[3], x.w);
     }
+    // lazy rescale keeps a stale max; skip-softmax compares against the true one
+    bool lazy = true;
+    if constexpr (Cfg::SKIP_SOFTMAX) {
+      if (p.skip_softmax_factor > 0.f) {
+        if (negligible_tile(s, m, pair_mx, scale_eff, p, w, wr)) return true;
+        lazy = false;
+      }
+    }
 #pragma unroll
     for (int mt = 0; mt < MQ; ++mt)
 #pragma unroll
       for (int hf = 0; hf < 2; ++hf) {
         const float mx = PAIR ? pair_mx[2 * mt + hf] : row_max(s, mt, hf);
-        const float m_use = Softmax::rescale(m[mt][hf], mx, scale_eff, corr[mt][hf]);
+        const float m_use = Softmax::rescale(m[mt][hf], mx, scale_eff, corr[mt][hf], lazy);
         moved |= corr[mt][hf] != 1.f;
         float rs = 0.f;
 #pragma unroll
@@ -249,6 +278,7 @@ struct MainloopSm80 {
           o[mt][d][3] *= corr[mt][1];
         }
     }
+    return false;
   }
 
   // Word k of a P fragment array, in the order the exchange slots hold them.

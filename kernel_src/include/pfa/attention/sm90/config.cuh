@@ -48,8 +48,10 @@ struct PrefillSm90Config {
   // + 1024: the dynamic shared memory base is rounded up to the swizzle atom at run time
   static constexpr int SMEM_BYTES = IDS_OFFSET + IDS_BYTES + ATOM_BYTES;
   // named barriers: 0 = __syncthreads, 1 .. CONSUMERS = the consumers' turns (consumer.cuh), then
-  // the producer warpgroup's page-id staging
+  // the producer warpgroup's page-id staging, then each consumer's skip-softmax vote
   static constexpr int PRODUCER_BAR = 1 + CONSUMERS;
+  static constexpr int SKIP_VOTE_BAR = PRODUCER_BAR + 1;  // + the consumer's index
+  static_assert(SKIP_VOTE_BAR + CONSUMERS <= 16, "16 named barriers");
   static_assert(BLOCK_N * ROW_BYTES % ATOM_BYTES == 0 && KV_TILE_BYTES % ATOM_BYTES == 0, "1024-byte tiles");
 
   // Producer registers after setmaxnreg, and the consumers': together within the register file

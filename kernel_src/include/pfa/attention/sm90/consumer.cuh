@@ -6,6 +6,8 @@
 //                 shared memory read transposed (MN-major)
 // and it releases each K and V stage to the producer as soon as its wgmma has read it.
 // The first tile's softmax applies corr to an O that is still zero: rescale_o is skipped there.
+// Skip-softmax (PrefillParams::skip_softmax_factor, SkipSoftmax in softmax_state.cuh) votes per
+// warpgroup, its 64 rows (one bar.red): a skipped tile runs no softmax and issues no P V.
 #pragma once
 #include <math.h>
 #include <stdint.h>
@@ -83,17 +85,34 @@ struct ConsumerSm90 {
   }
 
   // Online softmax of one tile: s becomes P (unnormalised), l rescaled, corr = the factor for
-  // each row's O (applied by rescale_o, once no wgmma writes O).
-  static __device__ __forceinline__ void softmax(float (&s)[S_ACC], float (&m)[2], float (&l)[2], float (&corr)[2],
-                                                 float scale) {
+  // each row's O (applied by rescale_o, once no wgmma writes O). With skip-softmax on (vote), the
+  // warpgroup first votes on the row maxes (SkipSoftmax: every row's max negligible against its
+  // running max, padding rows not voting; the 128 threads AND their votes on the consumer's own
+  // named barrier): true = the tile is skipped, m and l untouched, corr = 1.
+  static __device__ __forceinline__ bool softmax(float (&s)[S_ACC], float (&m)[2], float (&l)[2], float (&corr)[2],
+                                                 float scale, bool vote, const SkipSoftmax& skip, const PrefillWork& w,
+                                                 const Rows& r, int wg) {
+    float mx[2];
 #pragma unroll
     for (int i = 0; i < 2; ++i) {
-      float mx = -INFINITY;
+      mx[i] = -INFINITY;
 #pragma unroll
-      for (int j = 0; j < S_COLS; ++j) mx = fmaxf(mx, fmaxf(s[4 * j + 2 * i], s[4 * j + 2 * i + 1]));
-      mx = fmaxf(mx, __shfl_xor_sync(FULL, mx, 1));
-      mx = fmaxf(mx, __shfl_xor_sync(FULL, mx, 2));
-      const float m_use = Softmax::rescale(m[i], mx, scale, corr[i]);
+      for (int j = 0; j < S_COLS; ++j) mx[i] = fmaxf(mx[i], fmaxf(s[4 * j + 2 * i], s[4 * j + 2 * i + 1]));
+      mx[i] = fmaxf(mx[i], __shfl_xor_sync(FULL, mx[i], 1));
+      mx[i] = fmaxf(mx[i], __shfl_xor_sync(FULL, mx[i], 2));
+    }
+    if (vote) {
+      bool all = true;
+#pragma unroll
+      for (int i = 0; i < 2; ++i) all &= w.r0 + r.tile_row[i] >= w.rows_total || skip.negligible(mx[i], scale, m[i]);
+      if (ptx::bar_red_and(Cfg::SKIP_VOTE_BAR + wg, Cfg::WG_THREADS, all)) {
+        corr[0] = corr[1] = 1.f;  // O stays as it is (rescale_o runs all the same: no branch round it)
+        return true;
+      }
+    }
+#pragma unroll
+    for (int i = 0; i < 2; ++i) {
+      const float m_use = Softmax::rescale(m[i], mx[i], scale, corr[i]);
       float sum = 0.f;
 #pragma unroll
       for (int j = 0; j < S_COLS; ++j)
@@ -105,6 +124,7 @@ struct ConsumerSm90 {
         }
       l[i] = fmaf(l[i], corr[i], sum);
     }
+    return false;
   }
 
   static __device__ __forceinline__ void rescale_o(float (&o)[O_ACC], const float (&corr)[2]) {
@@ -162,7 +182,7 @@ struct ConsumerSm90 {
   static __device__ __forceinline__ void mainloop(const PrefillParams& p, const PrefillWork& w, const Rows& r,
                                                   uint32_t base, int wg, int lane, float (&o)[O_ACC], float (&m)[2],
                                                   float (&l)[2]) {
-    const float scale = p.sm_scale_log2;
+    const float scale = logit_scale(p);  // honours scale_dev (a tensor bmm1_scale, read at launch)
     const uint32_t s_q = base + Cfg::Q_OFFSET;
     const Turns turn{wg};
     const int n = w.num_tiles;
@@ -186,8 +206,12 @@ struct ConsumerSm90 {
     ptx::wgmma_fence_regs(s);
     if (lane == 0) ptx::mbar_arrive(Cfg::k_empty(base, 0));
     if (!w.rule.keeps_all(r.q_lo, r.q_hi, w.tile_start, w.tile_start + BLOCK_N - 1)) mask(s, r, w.tile_start, lane);
-    softmax(s, m, l, corr, scale);
+    const SkipSoftmax skip = SkipSoftmax::make(p.skip_softmax_factor, w.kv_len);
+    softmax(s, m, l, corr, scale, false, skip, w, r, wg);
     p_frags(s, a);
+    // The first tile is never skipped (every running max is -inf before it); a skipped tile's P V
+    // is left out, its commit group empty, so the waits below count groups as before.
+    bool pv_prev = true;  // tile it - 1 has a P V to issue
     for (int it = 1; it < n; ++it) {
       const int st = it % STAGES, prev = (it - 1) % STAGES;
       const int n0 = w.tile_start + it * BLOCK_N;
@@ -197,26 +221,27 @@ struct ConsumerSm90 {
       ptx::wgmma_fence();
       issue_qk(s, s_q, base + Cfg::K_OFFSET + st * Cfg::KV_TILE_BYTES, wg);
       ptx::wgmma_commit();
-      issue_pv(o, a, base + Cfg::V_OFFSET + prev * Cfg::KV_TILE_BYTES);
+      if (pv_prev) issue_pv(o, a, base + Cfg::V_OFFSET + prev * Cfg::KV_TILE_BYTES);
       ptx::wgmma_commit();
       turn.pass();
       ptx::wgmma_wait<1>();  // S of this tile (groups complete in order); P V still running
       ptx::wgmma_fence_regs(s);
       if (lane == 0) ptx::mbar_arrive(Cfg::k_empty(base, st));
       if (!w.rule.keeps_all(r.q_lo, r.q_hi, n0, n0 + BLOCK_N - 1)) mask(s, r, n0, lane);
-      softmax(s, m, l, corr, scale);
+      const bool skipped = softmax(s, m, l, corr, scale, skip.on(), skip, w, r, wg);
       ptx::wgmma_wait<0>();
       ptx::wgmma_fence_regs(o);
       ptx::wgmma_keep_regs(a);
       if (lane == 0) ptx::mbar_arrive(Cfg::v_empty(base, prev));
       rescale_o(o, corr);
-      p_frags(s, a);
+      p_frags(s, a);  // a skipped tile's too (never issued): a's live range stays the loop's own
+      pv_prev = !skipped;
     }
     const int last = (n - 1) % STAGES;
     ptx::mbar_wait(Cfg::v_full(base, last), ((n - 1) / STAGES) & 1);
     turn.take();
     ptx::wgmma_fence();
-    issue_pv(o, a, base + Cfg::V_OFFSET + last * Cfg::KV_TILE_BYTES);
+    if (pv_prev) issue_pv(o, a, base + Cfg::V_OFFSET + last * Cfg::KV_TILE_BYTES);
     ptx::wgmma_commit();
     if (wg != Cfg::CONSUMERS - 1) turn.pass();  // the last consumer's last pass would meet no take
     ptx::wgmma_wait<0>();
