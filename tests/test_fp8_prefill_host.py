@@ -230,3 +230,11 @@ def test_fp8_and_o_dtype_calls_never_take_the_torch_fast_path(fake, fake_torch, 
     views.clear()
     pyflashattn.single_prefill_with_kv_cache(h, hk, hk, o_dtype="bfloat16")
     assert "q" in views and last_attn(fake)[3].o_format == 1
+
+
+def test_skip_softmax_with_an_fp8_q_is_not_implemented(fake):
+    w = _fp8_ragged(fake)
+    with pytest.raises(NotImplementedError, match=r"skip_softmax_threshold_scale_factor with an fp8"):
+        w.run(q_t(E4M3), kv_t(E4M3), kv_t(E4M3, data=0x380000), skip_softmax_threshold_scale_factor=500.0,
+              out=T((TQ, HQ, D), E4M3, data=0x400000))
+    assert not fake.attn_launches()
