@@ -117,6 +117,14 @@ PREFILL = (
          "maxes by more than ln(1/T) (every valid row of the kernel's vote group: SkipSoftmax in softmax_state.cuh) "
          "adds nothing to the sum or output and is skipped. 0 = off (kernels without it are never given a nonzero "
          "value: the manifest's skip_softmax_rows)"),
+        # Last, so the fields before keep their offsets (the kernels that never read these compile
+        # to the same SASS).
+        ("q_scale_heads", "ptr", "fp8 Q (the e4m3 sm90 kernels): float32 [Hq] dequantisation scale of each query "
+         "head, multiplying that head's logits (FlashInfer's scale_q); 0 = none"),
+        ("k_scale_heads", "ptr", "fp8 Q: float32 [Hkv] scale of each kv head's K, multiplying its logits (scale_k); "
+         "0 = none"),
+        ("v_scale_heads", "ptr", "fp8 Q: float32 [Hkv] scale of each kv head's V, multiplying its output rows "
+         "(scale_v); 0 = none"),
     ],
 )
 

@@ -261,6 +261,78 @@ class HopperPrefillVariant:
                 "skip_softmax_rows": self.WG_ROWS}  # one consumer warpgroup votes (consumer.cuh)
 
 
+@dataclass(frozen=True)
+class HopperFp8PrefillVariant:
+    """A row of the sm_90a fp8 prefill (prefill_sm90_fp8.cuh): e4m3 Q, K and V on e4m3 wgmma, into
+    a bf16 / fp16 / e4m3 output (o_format counted from bf16). One producer warpgroup (Q, K, and V
+    transposed for the P V wgmma) and `consumers` warpgroups of 64 rows; 128-key tiles (one Vt row
+    per head-dim column is one 128-byte swizzle row). Contiguous and ragged K/V only."""
+    head_dim: int
+    consumers: int
+    stages: int
+    # S of one tile issued with P V of the previous (fp8_consumer.cuh OVERLAP); off at hd256, where
+    # S, P and the 128-register O together spill and serialise the wgmmas
+    overlap: bool = True
+    pingpong: bool = True
+    tune: bool = False
+    impl: str = SM90
+    archs: tuple = IMPL_ARCHS[SM90]
+
+    dtype = "e4m3"  # Q, K and V: the manifest's dtype and kv_dtype
+    block_n = 128
+    paged = False
+    tma = False
+    WG_ROWS = 64
+    WG_THREADS = 128
+    ATOM_BYTES = 1024
+    BARRIER_BYTES = 8
+    RAW_V_TILES = 2  # PrefillSm90Fp8Config::RAW_TILES
+    ROW_BYTES = 128  # one 128-byte swizzle row
+
+    @property
+    def block_m(self):
+        return self.consumers * self.WG_ROWS
+
+    @property
+    def threads(self):
+        return (self.consumers + 1) * self.WG_THREADS
+
+    @property
+    def smem_bytes(self):
+        # PrefillSm90Fp8Config::SMEM_BYTES: Q, STAGES K and Vt tiles, the raw V tiles, 1 + 4 * STAGES
+        # mbarriers, the alignment slack (one byte per element; Q / K / raw V rows padded to the
+        # 128-byte swizzle row at head_dim 64: ROW_PAD)
+        row = max(self.ROW_BYTES, self.head_dim * FP8_BYTES)
+        vt = self.head_dim * self.block_n * FP8_BYTES
+        return (self.block_m * row + (self.stages + self.RAW_V_TILES) * self.block_n * row + self.stages * vt
+                + (1 + 4 * self.stages) * self.BARRIER_BYTES + self.ATOM_BYTES)
+
+    def fits(self, arch):
+        return self.smem_bytes <= SMEM_OPTIN[arch]
+
+    @property
+    def name(self):
+        return (f"pfa_prefill_{self.impl}_{self.dtype}_hd{self.head_dim}_m{self.block_m}n{self.block_n}"
+                f"c{self.consumers}s{self.stages}{'_pp' if self.pingpong else ''}{'' if self.overlap else '_serial'}")
+
+    def source(self):
+        return (f'#include "pfa/attention/prefill_sm90_fp8.cuh"\n'
+                f"PFA_DEFINE_PREFILL_SM90_FP8({self.name}, {self.head_dim}, {self.consumers}, {self.stages}, "
+                f"{'true' if self.pingpong else 'false'}, {'true' if self.overlap else 'false'}, "
+                f"{self.smem_bytes})\n")
+
+    def manifest(self):
+        return {"family": "prefill", "impl": self.impl, "dtype": self.dtype, "kv_dtype": self.dtype,
+                "head_dim": self.head_dim, "block_m": self.block_m, "block_n": self.block_n,
+                "warps": self.threads // WARP_THREADS, "threads": self.threads, "smem_bytes": self.smem_bytes,
+                "ctas_per_sm": 1, "tune": self.tune, "general": False, "paged": False, "decode": False,
+                "rows_fastest": True, "device_scale": False, "tma": False, "out16": "bf16", "skip_softmax_rows": 0}
+
+
+# head_dim -> (consumers, stages, overlap) of the sm_90a fp8 prefill (hd64: three consumers, as the
+# 16-bit family's hd64 row).
+HOPPER_FP8_TILES = {64: (3, 2, True), 128: (2, 2, True), 256: (2, 2, False)}
+
 # head_dim -> (block_n, consumers, stages) of the sm_90a family: FlashAttention-3's tile shapes
 # (hd64: three consumer warpgroups, 192 rows, +13% over two at 8k on an H100, NOTES.md; hd256:
 # 80-key tiles, so Q and two K/V stages fit shared memory).
@@ -410,7 +482,7 @@ def unbuilt_reason(v, arch):
     """Why row v is not built for arch, an arch of its impl (None: it is built there)."""
     if arch not in IMPL_ARCHS[v.impl]:
         return f"the {v.impl} family is built for {', '.join(IMPL_ARCHS[v.impl])} only"
-    if isinstance(v, HopperPrefillVariant):
+    if isinstance(v, (HopperPrefillVariant, HopperFp8PrefillVariant)):
         return None if v.fits(arch) else f"needs {v.smem_bytes} bytes of shared memory per block"
     if not isinstance(v, PrefillVariant):
         return None
@@ -460,6 +532,7 @@ def variants(tune=False):
             out += [HopperPrefillVariant(dtype, hd, *tile, tune=True) for hd, tile in HOPPER_TUNE_TILES]
             out += [HopperPrefillVariant(dtype, hd, *tile, tma=True, tune=True) for hd, tile in HOPPER_TILES.items()]
         out.append(MergeVariant(dtype))
+    out += [HopperFp8PrefillVariant(hd, *tile) for hd, tile in HOPPER_FP8_TILES.items()]
     out += nvfp4_variants()
     out.append(MiscVariant("packbits", PACKBITS_THREADS))
     out += [MiscVariant("cascade", CASCADE_THREADS, dtype) for dtype in CASCADE_DTYPES]

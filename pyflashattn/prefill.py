@@ -92,7 +92,9 @@ class BatchPrefillWithPagedKVCacheWrapper(_BatchPrefillWrapper):
     Output dtype: q's, or plan(o_data_type=) float16 / bfloat16 / float8_e4m3fn (saturated to
     +-448, round to nearest even, after v_scale); run()'s out= must have it (both wrappers).
     run(k_scale=, v_scale=) (default 1.0) scale the logits (sm_scale * k_scale, also in the LSE)
-    and the output (times v_scale) inside the kernel, for every KV dtype.
+    and the output (times v_scale) inside the kernel, for every KV dtype; q_scale multiplies the
+    logits like k_scale. An fp8 query (q_data_type float8_e4m3fn) is implemented for contiguous
+    and ragged K/V only: plan() raises NotImplementedError here (see the ragged wrapper).
 
     plan() reads the index arrays on the host (device arrays are copied to the host once, which
     synchronises: pass numpy arrays to avoid it). plan(non_blocking=...) is accepted for
@@ -144,7 +146,7 @@ class BatchPrefillWithPagedKVCacheWrapper(_BatchPrefillWrapper):
 
     begin_forward = plan
 
-    def run(self, q, paged_kv_cache, *args, k_scale=None, v_scale=None, out=None, lse=None,
+    def run(self, q, paged_kv_cache, *args, q_scale=None, k_scale=None, v_scale=None, out=None, lse=None,
             return_lse: bool = False, stream=None, enable_pdl=None, sinks=None, kv_cache_sf=None,
             skip_softmax_threshold_scale_factor=None):
         """Attention of q over the paged cache for the planned batch. k_scale / v_scale (float,
@@ -159,9 +161,9 @@ class BatchPrefillWithPagedKVCacheWrapper(_BatchPrefillWrapper):
         FlashInfer's fa2/fa3 paths drop it, this one applies it): a KV tile whose every row max in
         a vote group lies below the row's running max by more than ln(kv_len / factor) is skipped
         (ARCHITECTURE.md gives the tile and group geometry per kernel family); None / 0 = off."""
-        return self._engine.run_paged(q, paged_kv_cache, *args, k_scale=k_scale, v_scale=v_scale, out=out, lse=lse,
-                                      return_lse=return_lse, stream=stream, enable_pdl=enable_pdl, sinks=sinks,
-                                      kv_cache_sf=kv_cache_sf,
+        return self._engine.run_paged(q, paged_kv_cache, *args, q_scale=q_scale, k_scale=k_scale, v_scale=v_scale,
+                                      out=out, lse=lse, return_lse=return_lse, stream=stream, enable_pdl=enable_pdl,
+                                      sinks=sinks, kv_cache_sf=kv_cache_sf,
                                       skip_softmax_threshold_scale_factor=skip_softmax_threshold_scale_factor)
 
 
@@ -171,6 +173,12 @@ class BatchPrefillWithRaggedKVCacheWrapper(_BatchPrefillWrapper):
     k, v: [kv_indptr[-1], Hkv, D] (NHD) or [Hkv, kv_indptr[-1], D] (HND); request b owns key rows
     kv_indptr[b]:kv_indptr[b+1]. K/V in q's dtype or fp8 (kv_data_type); run()'s k_scale / v_scale
     apply in the kernel for every KV dtype (FlashInfer's ragged wrapper ignores them: not here).
+    FP8 prefill: plan(q_data_type=float8_e4m3fn, kv_data_type=float8_e4m3fn, o_data_type=bfloat16 /
+    float16 / float8_e4m3fn (default q's)) runs e4m3 Q, K and V on the sm_90a fp8 kernels (head_dim
+    64 / 128 / 256, lean options; other GPUs and options raise NotImplementedError), with run(q_scale
+    [Hq], k_scale [Hkv], v_scale [Hkv]) as per-head float32 tensors or numbers: logits of query
+    head h over kv head g times q_scale[h] * k_scale[g], output rows of kv head g times v_scale[g]
+    (FlashInfer 0.7's fp8 scales, semantics 1.9).
     use_cuda_graph=True: qo_indptr_buf and kv_indptr_buf fix the batch capacity; custom masks
     and the mask buffers as in BatchPrefillWithPagedKVCacheWrapper.
     """
@@ -201,14 +209,16 @@ class BatchPrefillWithRaggedKVCacheWrapper(_BatchPrefillWrapper):
 
     begin_forward = plan
 
-    def run(self, q, k, v, *args, k_scale=None, v_scale=None, out=None, lse=None, return_lse: bool = False,
-            stream=None, enable_pdl=None, sinks=None):
-        """Attention of q over the ragged k, v for the planned batch. k_scale / v_scale (float,
-        default 1.0) scale the logits and the output in the kernel, for every KV dtype; under a
-        CUDA graph they are baked into the captured launch. enable_pdl, sinks: as in the paged
-        run()."""
-        return self._engine.run_ragged(q, k, v, *args, k_scale=k_scale, v_scale=v_scale, out=out, lse=lse,
-                                       return_lse=return_lse, stream=stream, enable_pdl=enable_pdl, sinks=sinks)
+    def run(self, q, k, v, *args, q_scale=None, k_scale=None, v_scale=None, out=None, lse=None,
+            return_lse: bool = False, stream=None, enable_pdl=None, sinks=None):
+        """Attention of q over the ragged k, v for the planned batch. q_scale / k_scale / v_scale
+        (float, default 1.0) scale the logits (q_scale * k_scale) and the output (v_scale) in the
+        kernel, for every KV dtype; an fp8 plan (see the class docstring) also takes them as
+        per-head float32 tensors. Under a CUDA graph they are baked into the captured launch (a
+        tensor's values are read at each replay). enable_pdl, sinks: as in the paged run()."""
+        return self._engine.run_ragged(q, k, v, *args, q_scale=q_scale, k_scale=k_scale, v_scale=v_scale, out=out,
+                                       lse=lse, return_lse=return_lse, stream=stream, enable_pdl=enable_pdl,
+                                       sinks=sinks)
 
 
 # TensorRT-LLM entry points (FlashInfer's signatures; README "TRT-LLM prefill"): plan-free calls

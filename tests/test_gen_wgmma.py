@@ -17,3 +17,12 @@ def test_every_tile_width_the_sm90_rows_use_has_a_wrapper():
         if isinstance(v, variants.HopperPrefillVariant):
             widths |= {v.block_n, v.head_dim}
     assert widths <= set(gen_wgmma.NS)
+
+
+def test_every_fp8_tile_width_has_an_e4m3_wrapper():
+    import variants
+    widths = set()
+    for v in variants.variants(tune=True):
+        if isinstance(v, variants.HopperFp8PrefillVariant):
+            widths |= {v.block_n, v.head_dim}
+    assert widths and widths <= set(gen_wgmma.FP8_NS)

@@ -99,6 +99,12 @@ def test_rows_name_their_impl_and_archs():
             assert v.source().startswith('#include "pfa/attention/prefill_sm90.cuh"\nPFA_DEFINE_PREFILL_SM90(')
             assert v.smem_bytes <= variants.SMEM_OPTIN["sm_90a"], v.name
             continue
+        if isinstance(v, variants.HopperFp8PrefillVariant):
+            # the fp8 prefill of the Hopper family: its own entry header
+            assert v.impl == variants.SM90 and v.archs == ("sm_90a",) and v.name.startswith("pfa_prefill_sm90_e4m3_")
+            assert v.source().startswith('#include "pfa/attention/prefill_sm90_fp8.cuh"\nPFA_DEFINE_PREFILL_SM90_FP8(')
+            assert v.smem_bytes <= variants.SMEM_OPTIN["sm_90a"], v.name
+            continue
         if not isinstance(v, variants.PrefillVariant):
             # merge / packbits: portable, built for every default arch
             assert v.impl == variants.PORTABLE and v.archs == variants.ARCHS_DEFAULT

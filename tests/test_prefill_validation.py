@@ -48,7 +48,7 @@ def test_valid_input_reaches_the_driver(layout, d):
     (lambda: qkv(hq=6, hkv=4), {}, ValueError, "num_qo_heads (6) must be a multiple of num_kv_heads (4)"),
     (lambda: (qkv()[0], T((32, 2, 64)), T((32, 2, 64))), {}, ValueError, "k head_dim 64"),
     (lambda: (qkv()[0], T((32, 2, 128), BF16), T((32, 2, 128), BF16)), {}, TypeError, "k has dtype bfloat16"),
-    (lambda: qkv(dtype=_dtypes.FLOAT32), {}, TypeError, "q must be float16 or bfloat16"),
+    (lambda: qkv(dtype=_dtypes.FLOAT32), {}, TypeError, "q must be float16, bfloat16 or float8_e4m3fn"),
     (lambda: (T((16, 8, 128), device=(1, 0)), *qkv()[1:]), {}, ValueError,
      "q is on the CPU; pyflashattn needs CUDA tensors"),
     (lambda: (qkv()[0], T((32, 2, 128), device=(1, 0)), qkv()[2]), {}, ValueError,

@@ -13,7 +13,7 @@ from __future__ import annotations
 import numpy as np
 
 from .._runtime import cuda as _cuda, dtypes as _dtypes, registry as _registry, tensor as _tensor
-from . import launch, operands, options, params, routing, schedule
+from . import fp8, launch, operands, options, params, routing, schedule
 from .graph import GraphState, refuse_capture
 from .masks import MaskBuffers
 from .problem import Config, KVSource, PlanSettings
@@ -152,7 +152,7 @@ class BatchEngine:
         if need > self.ws_bytes:  # checked before any state changes: a refused plan leaves no trace
             raise ValueError(f"float_workspace_buffer holds {self.ws_bytes} bytes but this plan needs "
                              f"{need}; pass a larger buffer (or disable_split_kv=True)")
-        merge = self.launcher("merge", cfg.q_dtype.short) if plan.split or cap else None
+        merge = self.launcher("merge", fp8.merge_dtype(cfg.q_dtype)) if plan.split or cap else None
         # What goes to the device, in this order: the plan's arrays, qo_indptr, the KV source's index
         # arrays, (graph mode) the chunk size, the mask's offsets.
         if cap is None:
@@ -179,6 +179,7 @@ class BatchEngine:
         self.sm_log2 = cfg.sm_scale * params.LOG2E
         self.sinks = la.params.sinks = 0  # run(sinks=...) sets them for its launch
         self.ks = self.vs = 1.0  # run()'s k_scale / v_scale currently in the struct
+        self.scale_ptrs = (0, 0, 0)  # fp8 q: run()'s per-head scale tensors in the struct
         self.scaled = False
         la.configure((cfg.num_kv_heads, 1, plan.grid))
         self.attn = la
@@ -228,9 +229,14 @@ class BatchEngine:
             raise ValueError(f"num_qo_heads ({hq}) must be a multiple of num_kv_heads ({hkv})")
         if hd not in routing.HEAD_DIMS:
             raise ValueError(f"head_dim {hd} is not supported (supported: {routing.HEAD_DIMS})")
-        qdt, kdt, kv_fp8 = operands.kv_dtype_pair(st.q_data_type, st.kv_data_type)
+        qdt = operands.dtype_arg(st.q_data_type, "q_data_type")
+        if fp8.is_fp8(qdt):  # fp8 prefill: e4m3 Q, K and V (fp8.py)
+            kdt, kv_fp8 = fp8.kv_dtype(st.kv_data_type), 0
+            odt, o_format = fp8.output_dtype(st.o_data_type)
+        else:
+            qdt, kdt, kv_fp8 = operands.kv_dtype_pair(st.q_data_type, st.kv_data_type)
+            odt, o_format = operands.output_dtype(st.o_data_type, qdt)
         nvfp4 = kdt in operands.NVFP4_CODES
-        odt, o_format = operands.output_dtype(st.o_data_type, qdt)
         window_left = options.window(st.window_left)
         sm_scale = options.softmax_scale(st.sm_scale, hd)
         fss = None if st.fixed_split_size is None else schedule._pos_int(st.fixed_split_size, "fixed_split_size")
@@ -238,6 +244,8 @@ class BatchEngine:
         if nvfp4:
             operands.nvfp4_settings(self.paged, general, hd)
         _cuda.ensure_context(self.dev)
+        if fp8.is_fp8(qdt):
+            fp8.check_call(self.dev, general, self.paged)
         kind = "fp8" if kv_fp8 else "nvfp4" if nvfp4 else qdt.short  # the kernels' kv_dtype
         route = routing.Route(self.launcher, self.dev, qdt.short, kind, hd, general, self.paged, kind != qdt.short)
         return Config(hq, hkv, hd, hq // hkv, opts, qdt, kdt, kv_fp8, nvfp4, window_left, sm_scale, fss, route, odt,
@@ -309,6 +317,7 @@ class BatchEngine:
                                  cfg.sm_scale, cfg.opts)
         p.kv_fp8 = cfg.kv_fp8
         p.o_format = cfg.o_format
+        fp8.point_scales(p, (0, 0, 0))  # run()'s per-head scales (plan() resets scale_ptrs)
         p.page_size = page_size
         p.page_shift = page_size.bit_length() - 1 if page_size & (page_size - 1) == 0 else -1
 
@@ -326,16 +335,28 @@ class BatchEngine:
         return la
 
     # ---- run ---------------------------------------------------------------------------
-    def apply_scales(self, k_scale, v_scale):
-        """k_scale folds into the logit scale, v_scale into the output multiplier (both in the
-        kernel, split-KV partials included). The struct is only written when a value changes."""
-        ks, vs = operands.scale_arg(k_scale, "k_scale"), operands.scale_arg(v_scale, "v_scale")
+    def apply_scales(self, k_scale, v_scale, q_scale=None):
+        """k_scale (and q_scale) fold into the logit scale, v_scale into the output multiplier (both
+        in the kernel, split-KV partials included). An fp8-q plan also takes them as per-head
+        float32 tensors (q [Hq], k and v [Hkv]: fp8.scale_operands), which the kernel reads; a
+        16-bit q numbers only. The struct is only written when a value changes."""
+        scales, names = (q_scale, k_scale, v_scale), ("q_scale", "k_scale", "v_scale")
+        ptrs = (0, 0, 0)
+        if fp8.is_fp8(self.cfg.q_dtype):
+            ptrs, ks, vs = fp8.scale_operands(scales, self.cfg.num_qo_heads, self.cfg.num_kv_heads, self.dev, names)
+        else:
+            fp8.refuse_tensors(scales, names)
+            ks = operands.scale_arg(k_scale, "k_scale") * operands.scale_arg(q_scale, "q_scale")
+            vs = operands.scale_arg(v_scale, "v_scale")
+        p = self.attn.params
         if ks != self.ks or vs != self.vs:
-            p = self.attn.params
             p.sm_scale_log2 = self.sm_log2 * ks
             p.v_scale = vs
             self.ks, self.vs = ks, vs
-            self.scaled = ks != 1.0 or vs != 1.0
+        if ptrs != self.scale_ptrs:
+            fp8.point_scales(p, ptrs)
+            self.scale_ptrs = ptrs
+        self.scaled = ks != 1.0 or vs != 1.0 or ptrs != (0, 0, 0)
 
     def apply_sinks(self, sinks):
         """Point the attention and merge structs at run()'s sinks (None: none); the kernel adds
@@ -360,6 +381,8 @@ class BatchEngine:
         f = options.skip_softmax_factor(factor)
         if f == self.skip:
             return
+        if f and fp8.is_fp8(self.cfg.q_dtype):
+            fp8.refuse_skip_softmax()
         la = self.attn
         if f and not la.meta.get("skip_softmax_rows"):
             m = la.meta
@@ -504,7 +527,7 @@ class BatchEngine:
             raise TypeError(f"run() takes {positional} positionally; pass the rest by keyword")
         raise RuntimeError("call plan() before run()")
 
-    def run_paged(self, q, paged_kv_cache, *args, k_scale=None, v_scale=None, out=None, lse=None,
+    def run_paged(self, q, paged_kv_cache, *args, q_scale=None, k_scale=None, v_scale=None, out=None, lse=None,
                   return_lse: bool = False, stream=None, enable_pdl=None, sinks=None, kv_cache_sf=None,
                   skip_softmax_threshold_scale_factor=None):
         """run() over a paged cache: one tensor [pages, 2, ...] or a (k_cache, v_cache) pair
@@ -514,8 +537,8 @@ class BatchEngine:
             self.refuse_run(args, "q and paged_kv_cache")
         if skip_softmax_threshold_scale_factor is not None or self.skip:
             self.apply_skip_softmax(skip_softmax_threshold_scale_factor)
-        if k_scale is not None or v_scale is not None or self.scaled:
-            self.apply_scales(k_scale, v_scale)
+        if k_scale is not None or v_scale is not None or q_scale is not None or self.scaled:
+            self.apply_scales(k_scale, v_scale, q_scale)
         if sinks is not None or self.sinks:
             self.apply_sinks(sinks)
         if isinstance(paged_kv_cache, (tuple, list)):
@@ -592,15 +615,16 @@ class BatchEngine:
         strides = (c.strides[0],) + c.strides[2:]
         return c.ptr, c.ptr + c.strides[1] * item, strides, strides, c.shape[0]
 
-    def run_ragged(self, q, k, v, *args, k_scale=None, v_scale=None, out=None, lse=None, return_lse: bool = False,
-                   stream=None, enable_pdl=None, sinks=None, skip_softmax_threshold_scale_factor=None):
+    def run_ragged(self, q, k, v, *args, q_scale=None, k_scale=None, v_scale=None, out=None, lse=None,
+                   return_lse: bool = False, stream=None, enable_pdl=None, sinks=None,
+                   skip_softmax_threshold_scale_factor=None):
         """run() over ragged K/V [kv_indptr[-1], Hkv, D] (NHD) or [Hkv, kv_indptr[-1], D] (HND)."""
         if args or not self.planned:
             self.refuse_run(args, "q, k, v")
         if skip_softmax_threshold_scale_factor is not None or self.skip:
             self.apply_skip_softmax(skip_softmax_threshold_scale_factor)
-        if k_scale is not None or v_scale is not None or self.scaled:
-            self.apply_scales(k_scale, v_scale)
+        if k_scale is not None or v_scale is not None or q_scale is not None or self.scaled:
+            self.apply_scales(k_scale, v_scale, q_scale)
         if sinks is not None or self.sinks:
             self.apply_sinks(sinks)
         fast = self.torch_fast(q, (k, v), out, lse, return_lse, stream, enable_pdl)

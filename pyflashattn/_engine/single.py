@@ -13,7 +13,7 @@ import threading
 import numpy as np
 
 from .._runtime import cuda as _cuda, dtypes as _dtypes, registry as _registry, tensor as _tensor
-from . import launch, operands, options, packbits, params, routing, schedule, tma
+from . import fp8, launch, operands, options, packbits, params, routing, schedule, tma
 
 _PLAN_CACHE_SIZE = 1024
 _MISS = object()
@@ -26,7 +26,8 @@ def single_prefill(q, k, v, custom_mask=None, packed_custom_mask=None, causal: b
                    kv_layout: str = "NHD", pos_encoding_mode: str = "NONE", allow_fp16_qk_reduction: bool = False,
                    sm_scale: float | None = None, window_left: int = -1, logits_soft_cap: float | None = None,
                    rope_scale: float | None = None, rope_theta: float | None = None, *, return_lse: bool = False,
-                   out=None, lse=None, stream=None, lse_base: str = "log2", k_scale=None, v_scale=None):
+                   out=None, lse=None, stream=None, lse_base: str = "log2", k_scale=None, v_scale=None,
+                   scale_q=None, scale_k=None, scale_v=None, o_dtype=None):
     """Attention of one request's queries over its KV cache (FlashInfer's single prefill).
 
     q [qo_len, num_qo_heads, head_dim]; k, v [kv_len, num_kv_heads, head_dim] (kv_layout "NHD")
@@ -38,8 +39,18 @@ def single_prefill(q, k, v, custom_mask=None, packed_custom_mask=None, causal: b
     ``k_scale`` / ``v_scale`` (FlashInfer's, default 1.0): k_scale multiplies the logit scale
     (sm_scale * k_scale, also in the LSE), v_scale the output, both inside the kernel.
 
-    Returns o [qo_len, num_qo_heads, head_dim] in q's dtype and framework, and with
-    ``return_lse`` also lse [qo_len, num_qo_heads] float32.
+    FP8 prefill (FlashInfer 0.7's fp8 arguments, keywords here): float8_e4m3fn q, k and v with
+    ``scale_q`` [Hq], ``scale_k`` [Hkv], ``scale_v`` [Hkv] (float32 per-head tensors on q's device,
+    or numbers; default 1): the logits of query head h over kv head g are scaled by
+    sm_scale * scale_q[h] * scale_k[g] (the LSE too), its output by scale_v[g]. ``o_dtype``:
+    bfloat16, float16 or float8_e4m3fn (default q's dtype, as FlashInfer); with a 16-bit q it
+    picks the output dtype too, and scale_q / scale_k / scale_v may be numbers only. Runs on
+    sm_90a (H100 / H200) at head_dim 64, 128 and 256 without custom masks or score transforms;
+    window_left applies (FlashInfer asserts -1 there). Anything else raises NotImplementedError
+    (pyflashattn/_engine/fp8.py).
+
+    Returns o [qo_len, num_qo_heads, head_dim] in o_dtype (q's by default) and q's framework, and
+    with ``return_lse`` also lse [qo_len, num_qo_heads] float32.
     """
     opts = options.resolve(pos_encoding_mode, allow_fp16_qk_reduction, logits_soft_cap, rope_scale, rope_theta,
                            lse_base)
@@ -48,7 +59,8 @@ def single_prefill(q, k, v, custom_mask=None, packed_custom_mask=None, causal: b
     if k_scale is not None:
         sm_scale = options.softmax_scale(sm_scale, q.shape[-1]) * operands.scale_arg(k_scale, "k_scale")
     vs = operands.scale_arg(v_scale, "v_scale")
-    if framework == "torch" and opts is options.PLAIN and not has_mask and vs == 1.0:
+    fp8_args = scale_q is not None or scale_k is not None or scale_v is not None or o_dtype is not None
+    if not fp8_args and framework == "torch" and opts is options.PLAIN and not has_mask and vs == 1.0:
         res = _torch_fast_path(q, k, v, causal, kv_layout, window_left, sm_scale, return_lse, out, lse, stream)
         if res is not _MISS:
             return res
@@ -56,14 +68,18 @@ def single_prefill(q, k, v, custom_mask=None, packed_custom_mask=None, causal: b
     # JAX arrays are exported again below with the launch stream (the DLPack handshake makes that
     # stream wait for JAX's pending writes).
     qv, kv, vv = _tensor.view(q, "q"), _tensor.view(k, "k"), _tensor.view(v, "v")
+    if fp8_args:  # number scales fold here; tensors are the plan's to check (scale_pointers)
+        sm_scale, vs = fp8.fold_numbers((scale_q, scale_k, scale_v), sm_scale, vs, qv.shape[-1])
     ov = _tensor.view(out, "out") if out is not None else None
     lv = _tensor.view(lse, "lse") if lse is not None else None
     # FlashInfer: a packed mask, when given, wins over the boolean one.
     mask_kind = "packed" if packed_custom_mask is not None else "bool" if custom_mask is not None else None
     mask_obj = packed_custom_mask if mask_kind == "packed" else custom_mask
     mv = _tensor.view(mask_obj, _mask_name(mask_kind)) if mask_kind else None
-    plan = _cached_plan(qv, kv, vv, ov, lv, causal, kv_layout, window_left, sm_scale, opts, mask_kind, mv)
-    if framework == "torch" and opts is options.PLAIN and mask_kind is None:
+    plan = _cached_plan(qv, kv, vv, ov, lv, causal, kv_layout, window_left, sm_scale, opts, mask_kind, mv, o_dtype)
+    scale_ptrs = plan.scale_pointers((scale_q, scale_k, scale_v)) if fp8_args or plan.fp8 else None
+    # (the torch fast path allocates q's dtype and points no per-head scales: plain plans only)
+    if framework == "torch" and opts is options.PLAIN and mask_kind is None and plan.odt is plan.dtype and not plan.fp8:
         key = launch.torch_key(q, (k, v), out, lse, (causal, kv_layout, window_left, sm_scale))
         if key is not None:  # later calls with this signature take the fast path
             _tls.plans[key] = plan
@@ -78,13 +94,13 @@ def single_prefill(q, k, v, custom_mask=None, packed_custom_mask=None, causal: b
     if framework == "jax":
         qv, kv, vv = _tensor.view(q, "q", stream=s), _tensor.view(k, "k", stream=s), _tensor.view(v, "v", stream=s)
     if out is None:
-        out, ov = _tensor.empty(qv, plan.o_shape, plan.dtype, s)
+        out, ov = _tensor.empty(qv, plan.o_shape, plan.odt, s)
     if lse is None and return_lse:
         lse, lv = _tensor.empty(qv, plan.lse_shape, _dtypes.FLOAT32, s)
     if plan.attn is not None:
         if framework == "jax" and mv is not None:
             mv = _tensor.view(mask_obj, _mask_name(mask_kind), stream=s)
-        plan.run(qv.ptr, kv.ptr, vv.ptr, ov.ptr, lv.ptr if lv is not None else 0, s, mv, vs)
+        plan.run(qv.ptr, kv.ptr, vv.ptr, ov.ptr, lv.ptr if lv is not None else 0, s, mv, vs, scale_ptrs)
     # JAX outputs are handed to JAX only now, so JAX's reads are ordered after the launch.
     out = _tensor.finalize(out)
     if lse is None:
@@ -101,15 +117,16 @@ def _sig(v):
     return None if v is None else (v.shape, v.strides, v.dtype, v.device_type, v.device_id)
 
 
-def _cached_plan(qv, kv, vv, ov, lv, causal, kv_layout, window_left, sm_scale, opts, mask_kind, mv):
+def _cached_plan(qv, kv, vv, ov, lv, causal, kv_layout, window_left, sm_scale, opts, mask_kind, mv, o_dtype=None):
     key = (_sig(qv), _sig(kv), _sig(vv), _sig(ov), _sig(lv), causal, kv_layout, window_left, sm_scale, opts,
-           mask_kind, _sig(mv))
+           mask_kind, _sig(mv), o_dtype)
     plans = getattr(_tls, "plans", None)
     if plans is None:
         plans = _tls.plans = {}
     plan = plans.get(key)
     if plan is None:
-        plan = SinglePlan(qv, kv, vv, ov, lv, bool(causal), kv_layout, window_left, sm_scale, opts, mask_kind, mv)
+        plan = SinglePlan(qv, kv, vv, ov, lv, bool(causal), kv_layout, window_left, sm_scale, opts, mask_kind, mv,
+                          o_dtype)
         if len(plans) >= _PLAN_CACHE_SIZE:
             plans.clear()
         plans[key] = plan
@@ -157,14 +174,15 @@ class SinglePlan:
     """Everything about one problem signature except its pointers: validated shapes, the chosen
     kernel with its own params struct (constant fields filled once), grid and KV split."""
 
-    __slots__ = ("o_shape", "o_strides", "lse_shape", "dtype", "attn", "merge", "num_chunks", "ws_mask_bytes",
-                 "ws_o_bytes", "ws_bytes", "dev", "mask_kind", "mask_bits", "tma_geometry")
+    __slots__ = ("o_shape", "o_strides", "lse_shape", "dtype", "odt", "o_format", "fp8", "heads", "attn", "merge",
+                 "num_chunks", "ws_mask_bytes", "ws_o_bytes", "ws_bytes", "dev", "mask_kind", "mask_bits",
+                 "tma_geometry")
 
     def __init__(self, qv, kv, vv, ov, lv, causal, kv_layout, window_left, sm_scale, opts=options.PLAIN,
-                 mask_kind=None, mv=None):
+                 mask_kind=None, mv=None, o_dtype=None):
         kv_layout = operands.kv_layout(kv_layout)
         window_left = options.window(window_left)
-        dims = self._check_operands(qv, kv, vv, ov, lv, kv_layout)
+        dims = self._check_operands(qv, kv, vv, ov, lv, kv_layout, o_dtype)
         qo_len, kv_len, num_qo_heads, num_kv_heads, head_dim = dims
         self.mask_kind, self.mask_bits = mask_kind, qo_len * kv_len
         if mask_kind is not None:
@@ -177,8 +195,10 @@ class SinglePlan:
         if qo_len * num_qo_heads == 0:
             return  # nothing to compute: empty outputs
         _cuda.ensure_context(self.dev)
-        self._route_and_schedule(qo_len, kv_len, num_qo_heads, num_kv_heads, head_dim, causal, window_left,
-                                 opts.general or mask_kind is not None)
+        general = opts.general or mask_kind is not None
+        if self.fp8:
+            fp8.check_call(self.dev, general, False)
+        self._route_and_schedule(qo_len, kv_len, num_qo_heads, num_kv_heads, head_dim, causal, window_left, general)
         p = self.attn.params
         p.q_stride_n, p.q_stride_h = qv.strides[0], qv.strides[1]
         p.k_stride_n, p.k_stride_h = operands.ragged_kv_strides(kv_layout, kv.strides)
@@ -189,15 +209,19 @@ class SinglePlan:
                              if self.attn.meta.get("tma") else None)
         p.qo_len, p.kv_len = qo_len, kv_len
         params.fill_score_fields(p, self.dev, num_qo_heads, num_kv_heads, causal, window_left, sm_scale, opts)
+        p.o_format = self.o_format
         self._size_workspace(qo_len, num_qo_heads, head_dim, opts)
 
-    def _check_operands(self, qv, kv, vv, ov, lv, kv_layout) -> tuple:
+    def _check_operands(self, qv, kv, vv, ov, lv, kv_layout, o_dtype) -> tuple:
         """The operand validator's checks; returns (qo_len, kv_len, Hq, Hkv, head_dim)."""
         operands.require_device(qv, "q", qv.device_id)  # q fixes the device the others must share
         dev = self.dev = qv.device_id
         dtype = self.dtype = qv.dtype
-        if dtype not in (_dtypes.FLOAT16, _dtypes.BFLOAT16):
-            raise TypeError(f"q must be float16 or bfloat16, got {dtype.name}")
+        if dtype not in (_dtypes.FLOAT16, _dtypes.BFLOAT16, fp8.FP8):
+            raise TypeError(f"q must be float16, bfloat16 or float8_e4m3fn, got {dtype.name}")
+        self.fp8 = fp8.is_fp8(dtype)  # k and v then float8_e4m3fn too (check_rows: q's dtype)
+        self.odt, self.o_format = (fp8.output_dtype(o_dtype, "o_dtype") if self.fp8 else
+                                   operands.output_dtype(o_dtype, dtype, "o_dtype"))
         for name, t in (("q", qv), ("k", kv), ("v", vv)):
             operands.check_rows(name, t, dtype, dev, ndim=3)
         qo_len, num_qo_heads, head_dim = qv.shape
@@ -211,10 +235,12 @@ class SinglePlan:
         if num_kv_heads == 0 or num_qo_heads % num_kv_heads:
             raise ValueError(f"num_qo_heads ({num_qo_heads}) must be a multiple of num_kv_heads ({num_kv_heads})")
         self.o_shape, self.lse_shape = (qo_len, num_qo_heads, head_dim), (qo_len, num_qo_heads)
+        self.heads = (num_qo_heads, num_kv_heads)
         # Output strides: the caller's out= (part of the plan's key), else our contiguous allocation.
         self.o_strides = ov.strides if ov is not None else (num_qo_heads * head_dim, head_dim, 1)
         if ov is not None:
-            operands.check_out(ov, self.o_shape, dtype, dev)
+            operands.check_out(ov, self.o_shape, self.odt, dev, expected="q has " if self.odt is dtype else
+                               "o_dtype is ")
         if lv is not None:
             operands.check_lse(lv, self.lse_shape, dev)
         return qo_len, kv_len, num_qo_heads, num_kv_heads, head_dim
@@ -258,13 +284,24 @@ class SinglePlan:
             pairs = qo_len * num_qo_heads
             self.ws_o_bytes = self.ws_mask_bytes + self.num_chunks * pairs * head_dim * 4
             self.ws_bytes = self.ws_o_bytes + self.num_chunks * pairs * 4
-            self.merge = _registry.new_launcher("merge", self.dev, dtype=self.dtype.short)
-            params.configure_merge(self.merge, qo_len, num_qo_heads, head_dim, self.num_chunks, opts.lse_scale)
+            self.merge = _registry.new_launcher("merge", self.dev, dtype=fp8.merge_dtype(self.dtype))
+            params.configure_merge(self.merge, qo_len, num_qo_heads, head_dim, self.num_chunks, opts.lse_scale,
+                                   self.o_format)
 
-    def run(self, q, k, v, o, lse, stream, mask_view=None, v_scale=1.0):
+    def scale_pointers(self, scales: tuple):
+        """The per-head scale tensors among (scale_q, scale_k, scale_v) checked against this plan:
+        their addresses (0 = none); a 16-bit q refuses tensors."""
+        if not self.fp8:
+            fp8.refuse_tensors(scales)
+            return None
+        return fp8.scale_operands(scales, *self.heads, self.dev)[0]
+
+    def run(self, q, k, v, o, lse, stream, mask_view=None, v_scale=1.0, scale_ptrs=None):
         """Refill the pointers and launch (mask packing, attention, merge when KV is split)."""
         p = self.attn.params
         p.q, p.k, p.v, p.o = q, k, v, o
+        if self.fp8:
+            fp8.point_scales(p, scale_ptrs or (0, 0, 0))
         if self.tma_geometry is not None:
             tma.point_kv_maps(p, self.attn.meta, self.tma_geometry, k, v)
         p.v_scale = v_scale

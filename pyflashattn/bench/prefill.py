@@ -30,6 +30,12 @@ posted, the pyflashattn output is checked against SDPA's on the same inputs; a r
 relative error ``||o - o_sdpa|| / ||o_sdpa||`` exceeds ``REL_TOL`` (or is NaN) posts no
 pyflashattn number, so a broken kernel cannot post a fast time.
 
+**fp8** column (sm_90 GPUs): the same request with q, k and v cast to
+float8_e4m3fn (unit scales) and a bf16 output, on the fp8 prefill kernels, timed in the same
+interleaved rounds as the 16-bit pyflashattn column, so ``fp8/pfa`` is a same-run ratio. It is
+checked against SDPA (flash) on the fp8 values widened to bf16 (exact), within ``FP8_REL_TOL``
+(P is rounded to e4m3 before P V).
+
 Host overhead: wall-clock per call of N back-to-back calls on a tiny problem (qo = kv = 16,
 8 heads, head_dim 128), without sync in between, with and without ``out=``; torch SDPA on the
 same problem for scale.
@@ -52,6 +58,9 @@ from pyflashattn.testing.bench_util import gpu_warmup, interleaved_median_ms, ru
 # Two correct bf16 kernels differ by ~1e-3..1e-2 relative (bf16 P before PV); a wrong mask,
 # a dropped tile or garbage lands far above.
 REL_TOL = 2e-2
+# The fp8 prefill rounds P to e4m3 (3 mantissa bits) before P V: ~1e-2 relative against a 16-bit
+# reference on the same fp8 inputs; a wrong transpose or key order lands near 1.
+FP8_REL_TOL = 5e-2
 
 FULL_SEQS = (512, 1024, 2048, 4096, 8192, 16384)
 QUICK_SEQS = (2048, 8192)
@@ -112,6 +121,9 @@ class _Ctx:
         self.bench_ms = bench_ms
         self.bench_samples_ms = bench_samples_ms
         self.host_overhead_interleaved_us = host_overhead_interleaved_us
+        # the fp8 prefill kernels are sm_90a only (elsewhere fp8 q raises NotImplementedError)
+        self.fp8 = (self.pfa is not None and hasattr(torch, "float8_e4m3fn")
+                    and torch.cuda.get_device_capability() == (9, 0))
 
     def sdpa(self, backend, q, k, v, causal):
         with self.sdpa_kernel(self.backends[backend]):
@@ -197,17 +209,42 @@ def _bench_row(ctx: _Ctx, hd, seq, causal, dtype, hidden, tokens, batch, warmup,
         except Exception as e:
             row["errors"].append(f"pfa: {_short_err(e)}")
     del ref
+    _fp8_timer(ctx, row, q, k, v, causal, timers)
     for key, ms in _interleaved_ms(timers, warmup, rep, row["errors"]).items():
         row[f"{key}_ms"] = ms
 
-    for key in ("pfa", "flash", "cudnn"):
+    for key in ("pfa", "flash", "cudnn", "fp8"):
         row[f"{key}_tflops"] = _tflops(flops, row.get(f"{key}_ms"))
     row["pfa_over_flash"] = _ratio(row["pfa_tflops"], row["flash_tflops"])
     row["pfa_over_cudnn"] = _ratio(row["pfa_tflops"], row["cudnn_tflops"])
+    row["fp8_over_pfa"] = _ratio(row["fp8_tflops"], row["pfa_tflops"])
 
     if batch:
         _bench_batch(ctx, row, hd, seq, causal, h, b, flops * b, rand, warmup, rep)
     return row
+
+
+def _fp8_timer(ctx: _Ctx, row, q, k, v, causal, timers):
+    """The fp8 column (module docstring): q, k, v cast to e4m3, checked, then a timer in `timers`."""
+    row["fp8_ms"] = None
+    if not ctx.fp8:
+        return
+    torch = ctx.torch
+    q8, k8, v8 = (x.to(torch.float8_e4m3fn) for x in (q, k, v))
+    try:
+        o = ctx.pfa(q8, k8, v8, causal=causal, o_dtype=torch.bfloat16)
+        wide = [x.to(torch.bfloat16).transpose(0, 1).unsqueeze(0) for x in (q8, k8, v8)]
+        ref = ctx.sdpa("flash", *wide, causal)[0].transpose(0, 1)
+        rel = _check(ctx.torch, o, ref)[0]
+        row["fp8_rel_err"] = rel
+        if not rel <= FP8_REL_TOL:
+            row["errors"].append(f"pfa fp8: output mismatch vs SDPA on the fp8 values, rel {rel:.3g} > {FP8_REL_TOL}")
+            return
+        out = torch.empty_like(o)
+        timers["fp8"] = lambda w, r: ctx.bench_samples_ms(
+            lambda: ctx.pfa(q8, k8, v8, causal=causal, o_dtype=torch.bfloat16, out=out), warmup=w, rep=r)
+    except Exception as e:
+        row["errors"].append(f"pfa fp8: {_short_err(e)}")
 
 
 def _bench_batch(ctx: _Ctx, row, hd, seq, causal, h, b, flops_b, rand, warmup, rep):
@@ -277,16 +314,18 @@ def _fmt(x, spec=".1f", width=7):
 
 def _table(rows, batch) -> str:
     head = (f"{'hd':>4} {'seq':>6} {'causal':>6} {'h':>3} | {'pfa':>7} {'flash':>7} {'cudnn':>7} "
-            f"{'pfa/fl':>6} {'pfa/cu':>6} {'maxdiff':>8}")
+            f"{'pfa/fl':>6} {'pfa/cu':>6} {'maxdiff':>8} | {'fp8':>7} {'fp8/pfa':>7}")
     if batch:
         head += f" | {'b':>3} {'pfa*b':>7} {'flash*b':>7} {'cudnn*b':>7} {'pfa/cu':>6}"
-    lines = ["TFLOP/s (single request; *b = 16384-token batch, pfa as b sequential calls)", head,
+    lines = ["TFLOP/s (single request; *b = 16384-token batch, pfa as b sequential calls; fp8 = e4m3 q/k/v, "
+             "bf16 out, same rounds as pfa)", head,
              "-" * len(head)]
     for r in rows:
         line = (f"{r['head_dim']:>4} {r['seq']:>6} {str(r['causal']):>6} {r['heads']:>3} | "
                 f"{_fmt(r['pfa_tflops'])} {_fmt(r['flash_tflops'])} {_fmt(r['cudnn_tflops'])} "
                 f"{_fmt(r['pfa_over_flash'], '.2f', 6)} {_fmt(r['pfa_over_cudnn'], '.2f', 6)} "
-                f"{_fmt(r.get('pfa_max_abs_diff'), '.1e', 8)}")
+                f"{_fmt(r.get('pfa_max_abs_diff'), '.1e', 8)} | "
+                f"{_fmt(r.get('fp8_tflops'))} {_fmt(r.get('fp8_over_pfa'), '.2f', 7)}")
         if batch:
             line += (f" | {r['batch']:>3} {_fmt(r.get('pfa_b_tflops'))} "
                      f"{_fmt(r.get('flash_b_tflops'))} {_fmt(r.get('cudnn_b_tflops'))} "
@@ -328,7 +367,7 @@ def run_prefill(args) -> int:
                                args.warmup, args.rep)
                 rows.append(r)
                 print(f"# hd={hd} seq={seq} causal={causal}: pfa {_fmt(r['pfa_tflops']).strip()} "
-                      f"cudnn {_fmt(r['cudnn_tflops']).strip()} TFLOP/s, "
+                      f"cudnn {_fmt(r['cudnn_tflops']).strip()} fp8 {_fmt(r.get('fp8_tflops')).strip()} TFLOP/s, "
                       f"rel err {_fmt(r.get('pfa_rel_err'), '.2e', 0).strip()}", flush=True)
                 torch.cuda.empty_cache()
     host = _host_overhead(ctx, dtype, args.host_calls)

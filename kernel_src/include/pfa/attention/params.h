@@ -89,6 +89,9 @@ struct PrefillParams {
   int32_t chunk_shift;  // chunked attention (TRT-LLM): log2 of the chunk size (>= 1); with causal, row q also needs kv >= floor(pos(q) / chunk) * chunk (MaskRule::left); 0 = none (a zeroed struct)
   int32_t o_format;  // the output's element format (OutFormat): 0 = the kernel's 16-bit type, 1 = the other 16-bit type (fp16 <-> bf16), 2 = float8_e4m3fn (saturated to +-448, round to nearest even); strides stay in elements
   float skip_softmax_factor;  // skip-softmax sparsity (TRT-LLM's skip_softmax_threshold_scale_factor, semantics 1.12): threshold T = factor / kv_len of the request; a KV tile whose row maxes all lie below the running maxes by more than ln(1/T) (every valid row of the kernel's vote group: SkipSoftmax in softmax_state.cuh) adds nothing to the sum or output and is skipped. 0 = off (kernels without it are never given a nonzero value: the manifest's skip_softmax_rows)
+  uint64_t q_scale_heads;  // fp8 Q (the e4m3 sm90 kernels): float32 [Hq] dequantisation scale of each query head, multiplying that head's logits (FlashInfer's scale_q); 0 = none
+  uint64_t k_scale_heads;  // fp8 Q: float32 [Hkv] scale of each kv head's K, multiplying its logits (scale_k); 0 = none
+  uint64_t v_scale_heads;  // fp8 Q: float32 [Hkv] scale of each kv head's V, multiplying its output rows (scale_v); 0 = none
 };
 static_assert(sizeof(PrefillParams) == 768, "PrefillParams size drifted from the schema");
 static_assert(offsetof(PrefillParams, k_tmap) == 0, "PrefillParams.k_tmap offset");
@@ -166,6 +169,9 @@ static_assert(offsetof(PrefillParams, spec_mask_words) == 708, "PrefillParams.sp
 static_assert(offsetof(PrefillParams, chunk_shift) == 712, "PrefillParams.chunk_shift offset");
 static_assert(offsetof(PrefillParams, o_format) == 716, "PrefillParams.o_format offset");
 static_assert(offsetof(PrefillParams, skip_softmax_factor) == 720, "PrefillParams.skip_softmax_factor offset");
+static_assert(offsetof(PrefillParams, q_scale_heads) == 728, "PrefillParams.q_scale_heads offset");
+static_assert(offsetof(PrefillParams, k_scale_heads) == 736, "PrefillParams.k_scale_heads offset");
+static_assert(offsetof(PrefillParams, v_scale_heads) == 744, "PrefillParams.v_scale_heads offset");
 
 // combine split-KV partials (float32 o, base-2 lse) into the final output
 struct MergeParams {

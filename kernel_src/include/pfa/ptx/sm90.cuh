@@ -1,6 +1,6 @@
 // Thin named wrappers over the sm_90 / sm_90a PTX the Hopper prefill family uses beside wgmma
 // (wgmma.cuh): mbarriers (init, arrive, parity wait, cp.async completion arrivals), the
-// generic -> async proxy fence, setmaxnreg, and the wgmma shared-memory matrix descriptor.
+// generic -> async proxy fence, setmaxnreg, stmatrix, and the wgmma shared-memory matrix descriptor.
 #pragma once
 #include <stdint.h>
 
@@ -81,6 +81,16 @@ __device__ __forceinline__ void tma_load_3d(uint32_t dst, const void* tmap, int 
       "[%0], [%1, {%2, %3, %4}], [%5], %6;\n" ::"r"(dst),
       "l"(tmap), "r"(c0), "r"(c1), "r"(c2), "r"(bar), "l"(policy)
       : "memory");
+}
+
+// ---- stmatrix (sm_90): four 8 x 8 matrices of b16 from registers to shared memory ----
+// Register q of lane l holds elements (row l / 4, columns 2 * (l % 4) and + 1) of matrix q, as
+// ldmatrix_x4 delivers them; .trans stores element (r, c) as b16 number r of memory row c, and
+// memory row c of matrix q goes to the 16-byte-aligned address lane 8 * q + c passes.
+__device__ __forceinline__ void stmatrix_x4_trans(uint32_t addr, uint32_t r0, uint32_t r1, uint32_t r2, uint32_t r3) {
+  asm volatile("stmatrix.sync.aligned.m8n8.x4.trans.shared.b16 [%0], {%1, %2, %3, %4};\n" ::"r"(addr), "r"(r0),
+               "r"(r1), "r"(r2), "r"(r3)
+               : "memory");
 }
 
 // ---- register reallocation between warpgroups (the kernel needs __launch_bounds__(T, 1)) ----

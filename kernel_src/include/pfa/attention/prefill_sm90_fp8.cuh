@@ -1,0 +1,102 @@
+// Hopper (sm_90a) fp8 prefill: e4m3 Q, K and V on e4m3 wgmma (m64nNk32), into a bf16, fp16 or e4m3
+// output (PrefillParams::o_format counts from bf16 here). The entry header of the generated
+// translation units: PrefillSm90Fp8::run and PFA_DEFINE_PREFILL_SM90_FP8.
+//   sm90/fp8_config.cuh    tile shape and shared-memory layout (Q, K ring, Vt ring, raw V)
+//   sm90/fp8_producer.cuh  warpgroup 0: Q, K tiles, V tiles transposed into the Vt ring
+//   sm90/fp8_consumer.cuh  warpgroups 1..CONSUMERS: the 16-bit family's tile loop on e4m3 wgmma
+//   sm90/epilogue.cuh      the 16-bit family's epilogue, after O is scaled by scale_v[kv head]
+// Scales (FlashInfer's fp8 prefill, semantics 1.9): logits of q head h, kv head g get
+// sm_scale * q_scale_heads[h] * k_scale_heads[g] (and the LSE is over those logits); output rows
+// of kv head g get v_scale * v_scale_heads[g]. Contiguous or ragged K/V; causal / window / none,
+// LSE, split KV, sinks; the options of the general kernels are refused by the host.
+#pragma once
+#include <stdint.h>
+
+#include "pfa/attention/params.h"
+#include "pfa/attention/sm90/epilogue.cuh"
+#include "pfa/attention/sm90/fp8_config.cuh"
+#include "pfa/attention/sm90/fp8_consumer.cuh"
+#include "pfa/attention/sm90/fp8_producer.cuh"
+#include "pfa/attention/work.cuh"
+#include "pfa/ptx/pdl.cuh"
+#include "pfa/ptx/sm90.cuh"
+
+namespace pfa {
+
+// What EpilogueSm90 reads of its config: the output's own 16-bit type and the head dim.
+template <class Out16, int HD>
+struct Sm90Fp8OutCfg {
+  using Elem = Out16;
+  static constexpr int HEAD_DIM = HD;
+};
+
+template <int HEAD_DIM, int CONSUMERS, int STAGES, bool PINGPONG, bool OVERLAP>
+struct PrefillSm90Fp8 : PrefillSm90Fp8Config<HEAD_DIM, CONSUMERS, STAGES> {
+  using Cfg = PrefillSm90Fp8Config<HEAD_DIM, CONSUMERS, STAGES>;
+  using Consumer = ConsumerSm90Fp8<Cfg, PINGPONG, OVERLAP>;
+  using OutCfg = Sm90Fp8OutCfg<typename Cfg::Out16, HEAD_DIM>;
+
+  static __device__ __forceinline__ void init_barriers(uint32_t base) {
+    ptx::mbar_init(Cfg::q_full(base), Cfg::WG_THREADS);
+#pragma unroll
+    for (int s = 0; s < STAGES; ++s) {
+      ptx::mbar_init(Cfg::k_full(base, s), Cfg::WG_THREADS);  // one cp.async arrival per producer thread
+      ptx::mbar_init(Cfg::v_full(base, s), Cfg::WG_THREADS);  // one arrival per thread after its transpose
+      ptx::mbar_init(Cfg::k_empty(base, s), CONSUMERS * 4);   // one arrival per consumer warp
+      ptx::mbar_init(Cfg::v_empty(base, s), CONSUMERS * 4);
+    }
+    ptx::mbar_fence_init();
+  }
+
+  static __device__ __forceinline__ void consume(const PrefillParams& p, const PrefillWork& w, uint32_t base, int wg,
+                                                 int tid) {
+    const int lane = tid % 32, warp = tid / 32;
+    const typename Consumer::Rows rows = Consumer::rows_of(w, wg, warp, lane);
+    float o[Consumer::O_ACC];
+#pragma unroll
+    for (int i = 0; i < Consumer::O_ACC; ++i) o[i] = 0.f;
+    float m[2] = {-INFINITY, -INFINITY}, l[2] = {0.f, 0.f};
+    Consumer::mainloop(p, w, rows, base, wg, lane, o, m, l);
+    Consumer::unshift_max(m);
+    // scale_v of the kv head: O is linear in V, so it scales O here (before the normalisation and
+    // any sink factor, which are per row and commute with it; split partials carry it into the merge).
+    if (p.v_scale_heads != 0) {
+      const float sv = reinterpret_cast<const float*>(p.v_scale_heads)[w.kv_head];
+#pragma unroll
+      for (int i = 0; i < Consumer::O_ACC; ++i) o[i] *= sv;
+    }
+    EpilogueSm90<OutCfg, Consumer::O_ACC>::run(p, w, rows.tile_row, lane, o, m, l);
+  }
+
+  static __device__ __forceinline__ void run(const PrefillParams& p, char* smem) {
+    // As the 16-bit kernel: the merge may launch early; nothing is read before the grid ahead is done.
+    ptx::allow_dependents();
+    ptx::wait_prior_grids();
+    const uint32_t base = (ptx::smem_u32(smem) + Cfg::ATOM_BYTES - 1) & ~(uint32_t)(Cfg::ATOM_BYTES - 1);
+    PrefillWork w;
+    if (!decode_work<Cfg::BLOCK_M, Cfg::BLOCK_N, false, false, true>(p, w)) return;
+    const int tid = threadIdx.x, wg = tid / Cfg::WG_THREADS;
+    if (tid == 0) init_barriers(base);
+    __syncthreads();
+    if (wg == 0) {
+      ptx::setmaxnreg_dec<Cfg::PRODUCER_REGS>();
+      ProducerSm90Fp8<Cfg>::run(p, w, base, tid);
+    } else {
+      ptx::setmaxnreg_inc<Cfg::CONSUMER_REGS>();
+      consume(p, w, base, wg - 1, tid % Cfg::WG_THREADS);
+    }
+  }
+};
+
+}  // namespace pfa
+
+// One extern "C" entry per variant (as PFA_DEFINE_PREFILL_SM90). SMEM: variants.py's smem_bytes,
+// checked against the kernel's layout at compile time.
+#define PFA_DEFINE_PREFILL_SM90_FP8(NAME, HD, CONSUMERS, STAGES, PINGPONG, OVERLAP, SMEM)                    \
+  static_assert(pfa::PrefillSm90Fp8<HD, CONSUMERS, STAGES, PINGPONG, OVERLAP>::SMEM_BYTES == (SMEM),       \
+                #NAME ": variants.py smem_bytes differs from the kernel's shared-memory layout");          \
+  extern "C" __global__ void __launch_bounds__((CONSUMERS + 1) * 128, 1)                                   \
+      NAME(const __grid_constant__ pfa::PrefillParams p) {                                                 \
+    extern __shared__ __align__(1024) char smem[];                                                         \
+    pfa::PrefillSm90Fp8<HD, CONSUMERS, STAGES, PINGPONG, OVERLAP>::run(p, smem);                            \
+  }

@@ -1,0 +1,251 @@
+// A consumer warpgroup of the sm_90a fp8 prefill: ConsumerSm90's tile loop (rows, mask, O rescale,
+// turns and Q / K descriptors are its own) on e4m3 operands:
+//   S = Q K^T     wgmma m64nNk32 e4m3, A and B from shared memory, K-major
+//   softmax       per row its own logit scale: sm_scale * log2 e * scale_q[q head] * scale_k[kv head]
+//   O += P V      wgmma m64nNk32 e4m3, P from registers converted to e4m3 (saturating, round to
+//                 nearest even), Vt (the transposed V stage, fp8_producer.cuh) as K-major B
+//
+// Register layouts relied on (PTX ISA 9.7.15.5.1.1 "Register Fragments"; see ptx/wgmma.cuh):
+//   S (accumulator): s[4 j + 2 i + e] = row 16 w + l / 4 + 8 i, key 8 j + 2 t + e  (t = l % 4)
+//   A of m64nNk32, 8-bit: a[v1 + 2 v2] byte v0 = row 16 w + l / 4 + 8 v1, k 4 t + v0 + 16 v2
+// The A fragment wants four consecutive k per register where S holds key pairs 2t, 2t+1 and 8
+// apart. Instead of moving bytes between lanes, k is not the key: within each 16-key group the
+// Vt stage stores key kk at k = 2 kk and key kk + 8 at k = 2 kk + 1 (fp8_producer.cuh), so k-step
+// kk (32 keys), half v2, byte v0 of a thread holds key 32 kk + 16 v2 + {2t, 2t+8, 2t+1, 2t+9}[v0]:
+// S values s[4 j0 + 2 i], s[4 j1 + 2 i], s[4 j0 + 2 i + 1], s[4 j1 + 2 i + 1] with j0 = 4 kk + 2 v2,
+// j1 = j0 + 1, all the thread's own.
+#pragma once
+#include <math.h>
+#include <stdint.h>
+
+#include <cuda_fp8.h>
+
+#include "pfa/attention/params.h"
+#include "pfa/attention/sm90/consumer.cuh"
+#include "pfa/attention/softmax_state.cuh"
+#include "pfa/attention/variant.cuh"
+#include "pfa/attention/work.cuh"
+#include "pfa/ptx/sm90.cuh"
+#include "pfa/ptx/wgmma.cuh"
+
+namespace pfa {
+
+// OVERLAP: S of tile it issued with P V of tile it - 1 (ConsumerSm90's loop), so S, P and O are
+// live together; without it (hd256, where O alone is 128 registers) each tile runs S, softmax, then
+// P V, and the overlap comes from the other consumer's turn only.
+template <class Cfg, bool PINGPONG, bool OVERLAP>
+struct ConsumerSm90Fp8 : ConsumerSm90<Cfg, PINGPONG> {
+  using Base = ConsumerSm90<Cfg, PINGPONG>;
+  using typename Base::Rows;
+  using typename Base::Turns;
+  using E4M3 = __nv_fp8_e4m3;
+  static constexpr int BLOCK_N = Cfg::BLOCK_N, HEAD_DIM = Cfg::HEAD_DIM, STAGES = Cfg::STAGES;
+  using MmaS = ptx::Wgmma<E4M3, BLOCK_N>;
+  using MmaO = ptx::Wgmma<E4M3, HEAD_DIM>;
+  static constexpr int S_ACC = MmaS::ACC, O_ACC = MmaO::ACC;
+  static_assert(S_ACC == Base::S_ACC && O_ACC == Base::O_ACC, "one accumulator layout for every input type");
+  static constexpr int S_COLS = BLOCK_N / 8;
+  static constexpr int QK_STEPS = HEAD_DIM / MmaS::K, PV_STEPS = BLOCK_N / MmaO::K;
+  static constexpr unsigned FULL = 0xffffffffu;
+  using Softmax = OnlineSoftmax<false>;
+  // P is formed as 2^(x - m + P_LOG2_OFFSET), in [0, 256] instead of [0, 1]: e4m3 keeps 3 mantissa
+  // bits down to 2^-6 and flushes below 2^-9, so unshifted probabilities under ~2^-6 would lose
+  // precision (and under 2^-10 vanish) in the P V product. l sums the same shifted values, so O / l
+  // is unchanged; the epilogue gets m - P_LOG2_OFFSET (unshift_max) for the LSE.
+  static constexpr float P_LOG2_OFFSET = 8.f;
+
+  // Each row's logit scale (log2 units): the kernel's (logit_scale: sm_scale * log2 e, times a
+  // device-side bmm1 scale) times the per-head fp8 dequantisation scales, when given.
+  static __device__ __forceinline__ void row_scales(const PrefillParams& p, const PrefillWork& w, const Rows& r,
+                                                    float (&scale)[2]) {
+    float base = logit_scale(p);
+    if (p.k_scale_heads != 0) base *= reinterpret_cast<const float*>(p.k_scale_heads)[w.kv_head];
+#pragma unroll
+    for (int i = 0; i < 2; ++i) {
+      const int head = w.kv_head * w.group + (w.r0 + r.tile_row[i]) % w.group;
+      scale[i] = p.q_scale_heads != 0 ? base * reinterpret_cast<const float*>(p.q_scale_heads)[head] : base;
+    }
+  }
+
+  // ConsumerSm90::softmax with a scale per row, P shifted by P_LOG2_OFFSET.
+  static __device__ __forceinline__ void softmax(float (&s)[S_ACC], float (&m)[2], float (&l)[2], float (&corr)[2],
+                                                 const float (&scale)[2]) {
+#pragma unroll
+    for (int i = 0; i < 2; ++i) {
+      float mx = -INFINITY;
+#pragma unroll
+      for (int j = 0; j < S_COLS; ++j) mx = fmaxf(mx, fmaxf(s[4 * j + 2 * i], s[4 * j + 2 * i + 1]));
+      mx = fmaxf(mx, __shfl_xor_sync(FULL, mx, 1));
+      mx = fmaxf(mx, __shfl_xor_sync(FULL, mx, 2));
+      const float m_use = Softmax::rescale(m[i], mx, scale[i], corr[i]) - P_LOG2_OFFSET;
+      float sum = 0.f;
+#pragma unroll
+      for (int j = 0; j < S_COLS; ++j)
+#pragma unroll
+        for (int e = 0; e < 2; ++e) {
+          const float x = Softmax::prob(s[4 * j + 2 * i + e], scale[i], m_use);
+          s[4 * j + 2 * i + e] = x;
+          sum += x;
+        }
+      l[i] = fmaf(l[i], corr[i], sum);
+    }
+  }
+
+  // After the tile loop: the row maxes the epilogue's LSE needs (l holds sums of shifted P).
+  static __device__ __forceinline__ void unshift_max(float (&m)[2]) {
+    m[0] -= P_LOG2_OFFSET;  // -inf (a row with no visible key) stays -inf
+    m[1] -= P_LOG2_OFFSET;
+  }
+
+  // Two floats -> two e4m3 bytes, lo in the low byte.
+  static __device__ __forceinline__ uint32_t e4m3x2(float lo, float hi) {
+    return (uint32_t)__nv_cvt_float2_to_fp8x2(make_float2(lo, hi), __NV_SATFINITE, __NV_E4M3);
+  }
+
+  // P as the e4m3 A fragments of the P V k-steps, in the Vt stage's key order (header comment).
+  static __device__ __forceinline__ void p_frags(const float (&s)[S_ACC], uint32_t (&a)[PV_STEPS][4]) {
+#pragma unroll
+    for (int kk = 0; kk < PV_STEPS; ++kk)
+#pragma unroll
+      for (int v2 = 0; v2 < 2; ++v2)
+#pragma unroll
+        for (int i = 0; i < 2; ++i) {
+          const int j0 = 4 * kk + 2 * v2, j1 = j0 + 1;
+          a[kk][i + 2 * v2] = e4m3x2(s[4 * j0 + 2 * i], s[4 * j1 + 2 * i]) |
+                              (e4m3x2(s[4 * j0 + 2 * i + 1], s[4 * j1 + 2 * i + 1]) << 16);
+        }
+  }
+
+  // Vt stage, k-step kk (32 keys): K-major B, HEAD_DIM rows of 128 bytes (8-row atoms 1024 apart).
+  static __device__ __forceinline__ uint64_t vt_desc(uint32_t s_vt, int kk) {
+    return ptx::smem_desc(s_vt + kk * 32, 16, Cfg::ATOM_BYTES);
+  }
+
+  static __device__ __forceinline__ void issue_qk(float (&s)[S_ACC], uint32_t s_q, uint32_t s_k, int wg) {
+#pragma unroll
+    for (int kk = 0; kk < QK_STEPS; ++kk) MmaS::ss(s, Base::q_desc(s_q, wg, kk), Base::k_desc(s_k, kk), kk > 0);
+  }
+  static __device__ __forceinline__ void issue_pv(float (&o)[O_ACC], const uint32_t (&a)[PV_STEPS][4], uint32_t s_vt) {
+#pragma unroll
+    for (int kk = 0; kk < PV_STEPS; ++kk) MmaO::rs(o, a[kk], vt_desc(s_vt, kk), 1);
+  }
+
+  static __device__ __forceinline__ void mainloop(const PrefillParams& p, const PrefillWork& w, const Rows& r,
+                                                  uint32_t base, int wg, int lane, float (&o)[O_ACC], float (&m)[2],
+                                                  float (&l)[2]) {
+    float scale[2];
+    row_scales(p, w, r, scale);
+    if constexpr (OVERLAP)
+      overlapped(p, w, r, base, wg, lane, o, m, l, scale);
+    else
+      serial(w, r, base, wg, lane, o, m, l, scale);
+  }
+
+  // Without the overlap: per tile S, mask, softmax, O rescale, then P V, each GEMM in its turn.
+  static __device__ __forceinline__ void serial(const PrefillWork& w, const Rows& r, uint32_t base, int wg, int lane,
+                                                float (&o)[O_ACC], float (&m)[2], float (&l)[2],
+                                                const float (&scale)[2]) {
+    const uint32_t s_q = base + Cfg::Q_OFFSET;
+    const Turns turn{wg};
+    const int n = w.num_tiles;
+    if (n == 0) return;
+    if (PINGPONG && wg == Cfg::CONSUMERS - 1) ptx::bar_arrive(1, 2 * Cfg::WG_THREADS);
+    ptx::mbar_wait(Cfg::q_full(base), 0);
+    for (int it = 0; it < n; ++it) {
+      const int st = it % STAGES, n0 = w.tile_start + it * BLOCK_N;
+      const uint32_t parity = (it / STAGES) & 1;
+      float s[S_ACC];
+      uint32_t a[PV_STEPS][4];
+      float corr[2];
+      ptx::mbar_wait(Cfg::k_full(base, st), parity);
+      turn.take();
+      ptx::wgmma_fence();
+      issue_qk(s, s_q, base + Cfg::K_OFFSET + st * Cfg::K_TILE_BYTES, wg);
+      ptx::wgmma_commit();
+      turn.pass();
+      ptx::wgmma_wait<0>();
+      ptx::wgmma_fence_regs(s);
+      if (lane == 0) ptx::mbar_arrive(Cfg::k_empty(base, st));
+      if (!w.rule.keeps_all(r.q_lo, r.q_hi, n0, n0 + BLOCK_N - 1)) Base::mask(s, r, n0, lane);
+      softmax(s, m, l, corr, scale);
+      if (it > 0) Base::rescale_o(o, corr);  // the first tile's O is still zero
+      p_frags(s, a);
+      ptx::mbar_wait(Cfg::v_full(base, st), parity);
+      turn.take();
+      ptx::wgmma_fence();
+      issue_pv(o, a, base + Cfg::V_OFFSET + st * Cfg::VT_TILE_BYTES);
+      ptx::wgmma_commit();
+      if (it + 1 < n || wg != Cfg::CONSUMERS - 1) turn.pass();  // the last consumer's last pass would meet no take
+      ptx::wgmma_wait<0>();
+      ptx::wgmma_fence_regs(o);
+      ptx::wgmma_keep_regs(a);
+      if (lane == 0) ptx::mbar_arrive(Cfg::v_empty(base, st));
+    }
+  }
+
+  // ConsumerSm90::mainloop (intra-warpgroup overlap of S of tile it with P V of tile it - 1, the
+  // turns, the stage releases) on the fp8 operands.
+  static __device__ __forceinline__ void overlapped(const PrefillParams& p, const PrefillWork& w, const Rows& r,
+                                                    uint32_t base, int wg, int lane, float (&o)[O_ACC], float (&m)[2],
+                                                    float (&l)[2], const float (&scale)[2]) {
+    const uint32_t s_q = base + Cfg::Q_OFFSET;
+    const Turns turn{wg};
+    const int n = w.num_tiles;
+    if (n == 0) return;
+    if (PINGPONG && wg == Cfg::CONSUMERS - 1) ptx::bar_arrive(1, 2 * Cfg::WG_THREADS);
+    ptx::mbar_wait(Cfg::q_full(base), 0);
+    float s[S_ACC];
+    uint32_t a[PV_STEPS][4];
+    float corr[2];
+    ptx::mbar_wait(Cfg::k_full(base, 0), 0);
+    turn.take();
+    ptx::wgmma_fence();
+    issue_qk(s, s_q, base + Cfg::K_OFFSET, wg);
+    ptx::wgmma_commit();
+    turn.pass();
+    ptx::wgmma_wait<0>();
+    ptx::wgmma_fence_regs(s);
+    if (lane == 0) ptx::mbar_arrive(Cfg::k_empty(base, 0));
+    if (!w.rule.keeps_all(r.q_lo, r.q_hi, w.tile_start, w.tile_start + BLOCK_N - 1))
+      Base::mask(s, r, w.tile_start, lane);
+    softmax(s, m, l, corr, scale);
+    p_frags(s, a);
+    for (int it = 1; it < n; ++it) {
+      const int st = it % STAGES, prev = (it - 1) % STAGES;
+      const int n0 = w.tile_start + it * BLOCK_N;
+      ptx::mbar_wait(Cfg::k_full(base, st), (it / STAGES) & 1);
+      ptx::mbar_wait(Cfg::v_full(base, prev), ((it - 1) / STAGES) & 1);
+      turn.take();
+      ptx::wgmma_fence();
+      issue_qk(s, s_q, base + Cfg::K_OFFSET + st * Cfg::K_TILE_BYTES, wg);
+      ptx::wgmma_commit();
+      issue_pv(o, a, base + Cfg::V_OFFSET + prev * Cfg::VT_TILE_BYTES);
+      ptx::wgmma_commit();
+      turn.pass();
+      ptx::wgmma_wait<1>();  // S of this tile; P V still running
+      ptx::wgmma_fence_regs(s);
+      if (lane == 0) ptx::mbar_arrive(Cfg::k_empty(base, st));
+      if (!w.rule.keeps_all(r.q_lo, r.q_hi, n0, n0 + BLOCK_N - 1)) Base::mask(s, r, n0, lane);
+      softmax(s, m, l, corr, scale);
+      ptx::wgmma_wait<0>();
+      ptx::wgmma_fence_regs(o);
+      ptx::wgmma_keep_regs(a);
+      if (lane == 0) ptx::mbar_arrive(Cfg::v_empty(base, prev));
+      Base::rescale_o(o, corr);
+      p_frags(s, a);
+    }
+    const int last = (n - 1) % STAGES;
+    ptx::mbar_wait(Cfg::v_full(base, last), ((n - 1) / STAGES) & 1);
+    turn.take();
+    ptx::wgmma_fence();
+    issue_pv(o, a, base + Cfg::V_OFFSET + last * Cfg::VT_TILE_BYTES);
+    ptx::wgmma_commit();
+    if (wg != Cfg::CONSUMERS - 1) turn.pass();  // the last consumer's last pass would meet no take
+    ptx::wgmma_wait<0>();
+    ptx::wgmma_fence_regs(o);
+    ptx::wgmma_keep_regs(a);
+    if (lane == 0) ptx::mbar_arrive(Cfg::v_empty(base, last));
+  }
+};
+
+}  // namespace pfa

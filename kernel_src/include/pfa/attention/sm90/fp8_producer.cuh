@@ -1,0 +1,152 @@
+// The producer warpgroup of the sm_90a fp8 prefill: Q once, then per key tile its K into the K
+// ring (as the 16-bit producer: cp.async, arriving on k_full) and its V transposed into the Vt
+// ring, the B operand of O += P V (8-bit wgmma reads B K-major only).
+//
+// V's transpose: each V tile is copied as stored ([key][dim], the raw tile, 2 buffers) and, once
+// it has landed, the four producer warps turn it into Vt [dim][key] in shared memory with
+// ldmatrix / byte permutes / stmatrix.trans (FlashAttention-3 transposes its fp8 V the same way;
+// this is our own arrangement). One step of a warp covers 16 keys (k0 .. k0 + 15) x 32 dims
+// (d0 .. d0 + 31):
+//   ldmatrix.x4 (b16, not transposed): matrix q, row r = raw row of key k0 + 8 * (q & 1) + r,
+//     bytes of dims d0 + 16 * (q >> 1) .. + 15. Lane l (kk = l / 4, t = l % 4) gets
+//     x[q] = 4 bytes, dims d0 + 16 * (q >> 1) + 4 t .. + 3, of key k0 + 8 * (q & 1) + kk.
+//   byte permutes: y[2 h + e] = (x[2 h].b(2e), x[2 h + 1].b(2e), x[2 h].b(2e+1), x[2 h + 1].b(2e+1)):
+//     b16 number 0 of y[m] = dim D(m, t, 0), keys (k0 + kk, k0 + kk + 8); number 1 = dim D(m, t, 1),
+//     with D(m, t, c) = d0 + 16 * (m >> 1) + 4 t + 2 * (m & 1) + c.
+//   stmatrix.x4.trans: element (row kk, column 2 t + c) of matrix m -> b16 number kk of memory
+//     row 2 t + c of matrix m, which is Vt row (dim) D(m, t, c).
+// So Vt row d, 16-byte chunk k0 / 16 holds bytes [key k0 + kk at 2 kk, key k0 + kk + 8 at 2 kk + 1]:
+// within every 16-key group, byte position 2 kk holds key kk and 2 kk + 1 holds key kk + 8. The
+// consumers pack P in that same key order (fp8_consumer.cuh, p_frags), so P V sums over the same
+// keys and no register of P is moved between threads.
+// Bank conflicts: ldmatrix reads 8 consecutive keys (distinct swizzle chunks) per matrix: none;
+// stmatrix writes rows d, d+1, d+4, d+5, d+8, ... per matrix, whose row % 8 repeat once: two-way.
+#pragma once
+#include <stdint.h>
+
+#include "pfa/attention/kv_source.cuh"
+#include "pfa/attention/params.h"
+#include "pfa/attention/work.cuh"
+#include "pfa/ptx/mma_sm80.cuh"
+#include "pfa/ptx/sm90.cuh"
+
+namespace pfa {
+
+template <class Cfg>
+struct ProducerSm90Fp8 {
+  static constexpr int CPR = Cfg::CPR, BLOCK_N = Cfg::BLOCK_N, STAGES = Cfg::STAGES, HEAD_DIM = Cfg::HEAD_DIM;
+  static constexpr int ROW_STEP = Cfg::WG_THREADS / CPR;  // rows between one thread's chunks
+  static_assert(Cfg::WG_THREADS % CPR == 0 && BLOCK_N % ROW_STEP == 0 && Cfg::BLOCK_M % ROW_STEP == 0,
+                "whole rows per pass");
+  static constexpr int LOAD_UNROLL = Cfg::PRODUCER_REGS >= 40 ? 2 : 1;
+  // transpose steps (16 keys x 32 dims) of a tile, spread over the four producer warps
+  static constexpr int T_STEPS = (BLOCK_N / 16) * (HEAD_DIM / 32);
+  static_assert(T_STEPS % 4 == 0 && BLOCK_N == 128, "whole steps per warp; one 128-byte Vt row per dim");
+
+  // Q: BLOCK_M packed rows (row r = token r / group, head kv_head * group + r % group), rows past
+  // the request zero-filled (ProducerSm90::load_q with one-byte elements).
+  static __device__ __forceinline__ void load_q(const PrefillParams& p, const PrefillWork& w, uint32_t s_q, int tid) {
+    const uint8_t* q = reinterpret_cast<const uint8_t*>(p.q);
+    const uint64_t once = ptx::l2_evict_first();  // each Q row is read by one CTA
+    const int chunk = tid % CPR;
+#pragma unroll 4
+    for (int row = tid / CPR; row < Cfg::BLOCK_M; row += ROW_STEP) {
+      const int r = w.r0 + row;
+      const bool valid = r < w.rows_total;
+      const int rr = valid ? r : 0;
+      const int qi = rr / w.group, h = w.kv_head * w.group + rr % w.group;
+      ptx::cp_async_16_hint(s_q + Cfg::swz(Cfg::BLOCK_M, row, chunk),
+                            q + (w.q_row0 + qi) * p.q_stride_n + h * p.q_stride_h + chunk * Cfg::CHUNK_ELEMS, valid,
+                            once);
+    }
+  }
+
+  // One K or raw V tile: keys [n0, n0 + BLOCK_N) from `head` (the kv head's base, rows at
+  // stride_n bytes from row0), keys at or past kv_len zero-filled.
+  static __device__ __forceinline__ void load_tile(uint32_t s_tile, const uint8_t* head, int64_t stride_n,
+                                                   int64_t row0, int n0, int kv_len, int tid, uint64_t policy) {
+    const int chunk = tid % CPR, r0 = tid / CPR;
+    const uint8_t* src = head + (row0 + n0 + r0) * stride_n + chunk * Cfg::CHUNK_ELEMS;
+    const int64_t step = (int64_t)ROW_STEP * stride_n;
+    const int valid_rows = kv_len - n0 - r0;
+    // Partly rolled: with the transpose's addresses live too, a full unroll spills on PRODUCER_REGS
+    // (two rows per pass fit 40 registers, one row 32).
+#pragma unroll(LOAD_UNROLL)
+    for (int i = 0; i < BLOCK_N / ROW_STEP; ++i) {
+      const bool valid = i * ROW_STEP < valid_rows;
+      ptx::cp_async_16_hint(s_tile + Cfg::swz(BLOCK_N, r0 + i * ROW_STEP, chunk),
+                            valid ? static_cast<const void*>(src) : static_cast<const void*>(head), valid, policy);
+      src += step;
+    }
+  }
+
+  // Raw V tile [key][dim] -> Vt tile [dim][key in the order above] (every producer thread).
+  static __device__ __forceinline__ void transpose_v(uint32_t s_raw, uint32_t s_vt, int tid) {
+    const int lane = tid % 32, warp = tid / 32;
+    const int q = lane / 8, r = lane % 8;  // the matrix and row whose address this lane passes
+    // Rolled: the producer runs on PRODUCER_REGS registers, too few for every step's addresses.
+#pragma unroll 1
+    for (int i = 0; i < T_STEPS / 4; ++i) {
+      const int step = warp + 4 * i;
+      const int g = step % (BLOCK_N / 16), d0 = step / (BLOCK_N / 16) * 32;  // 16-key group, 32-dim block
+      uint32_t x[4];
+      const int key = 16 * g + 8 * (q & 1) + r;
+      ptx::ldmatrix_x4(x, s_raw + Cfg::swz(BLOCK_N, key, d0 / 16 + (q >> 1)));
+      const uint32_t y0 = __byte_perm(x[0], x[1], 0x5140), y1 = __byte_perm(x[0], x[1], 0x7362);
+      const uint32_t y2 = __byte_perm(x[2], x[3], 0x5140), y3 = __byte_perm(x[2], x[3], 0x7362);
+      // memory row r of matrix q: dim D(q, r / 2, r % 2)
+      const int dim = d0 + 16 * (q >> 1) + 4 * (r >> 1) + 2 * (q & 1) + (r & 1);
+      ptx::stmatrix_x4_trans(s_vt + Cfg::swz(HEAD_DIM, dim, g), y0, y1, y2, y3);
+    }
+  }
+
+  // base: the aligned shared-memory base (shared window). Per tile it: raw V(it + 1) and K(it + 1)
+  // are issued, then V(it) (landed: cp.async.wait_group + a producer barrier) is transposed into
+  // its Vt stage, fenced for the async proxy (the consumers' wgmma) and announced on v_full; a
+  // second barrier frees its raw buffer for V(it + 2).
+  static __device__ __forceinline__ void run(const PrefillParams& p, const PrefillWork& w, uint32_t base, int tid) {
+    load_q(p, w, base + Cfg::Q_OFFSET, tid);
+    ptx::cp_async_mbar_arrive(Cfg::q_full(base));
+    const uint8_t* k = reinterpret_cast<const uint8_t*>(p.k) + w.kv_head * p.k_stride_h;
+    const uint8_t* v = reinterpret_cast<const uint8_t*>(p.v) + w.kv_head * p.v_stride_h;
+    const int64_t row0 = RaggedKvRows{w.kv_row0}.row(0, 0);
+    const int n = w.num_tiles;
+    // Every row tile of the head reads these K/V rows again: keep them in L2 over Q and outputs.
+    const uint64_t keep = ptx::l2_evict_last();
+    if (n > 0) {
+      load_tile(base + Cfg::K_OFFSET, k, p.k_stride_n, row0, w.tile_start, w.kv_len, tid, keep);
+      ptx::cp_async_mbar_arrive(Cfg::k_full(base, 0));
+      load_tile(base + Cfg::RAW_OFFSET, v, p.v_stride_n, row0, w.tile_start, w.kv_len, tid, keep);
+      ptx::cp_async_commit();
+    }
+    for (int it = 0; it < n; ++it) {
+      if (it + 1 < n) {
+        // raw V(it + 1) first: its buffer is free (the barrier ending tile it - 1), while K(it + 1)
+        // waits for the consumers to release a K stage
+        const int s1 = (it + 1) % STAGES, n1 = w.tile_start + (it + 1) * BLOCK_N;
+        load_tile(base + Cfg::RAW_OFFSET + ((it + 1) & 1) * Cfg::K_TILE_BYTES, v, p.v_stride_n, row0, n1, w.kv_len,
+                  tid, keep);
+        ptx::mbar_wait(Cfg::k_empty(base, s1), (((it + 1) / STAGES) & 1) ^ 1);
+        load_tile(base + Cfg::K_OFFSET + s1 * Cfg::K_TILE_BYTES, k, p.k_stride_n, row0, n1, w.kv_len, tid, keep);
+        ptx::cp_async_mbar_arrive(Cfg::k_full(base, s1));  // (once V(it + 1) has landed too)
+        ptx::cp_async_commit();
+        ptx::cp_async_wait<1>();  // this thread's copies of V(it) (and earlier) have landed
+      } else {
+        ptx::cp_async_wait<0>();
+      }
+      ptx::bar_sync(Cfg::PRODUCER_BAR, Cfg::WG_THREADS);  // ... and every thread's
+      const int s = it % STAGES;
+      ptx::mbar_wait(Cfg::v_empty(base, s), ((it / STAGES) & 1) ^ 1);
+      transpose_v(base + Cfg::RAW_OFFSET + (it & 1) * Cfg::K_TILE_BYTES, base + Cfg::V_OFFSET + s * Cfg::VT_TILE_BYTES,
+                  tid);
+      ptx::fence_proxy_async();  // the stmatrix writes (generic proxy) before the consumers' wgmma reads
+      ptx::mbar_arrive(Cfg::v_full(base, s));
+      ptx::bar_sync(Cfg::PRODUCER_BAR, Cfg::WG_THREADS);  // raw buffer it & 1 read by all: free for V(it + 2)
+    }
+    // Every cp.async lands before the warpgroup exits (the barriers they arrive on live in the
+    // CTA's shared memory).
+    ptx::cp_async_wait<0>();
+  }
+};
+
+}  // namespace pfa

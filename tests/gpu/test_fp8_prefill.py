@@ -1,0 +1,183 @@
+"""FP8 prefill (float8_e4m3fn q, k and v on the sm_90a fp8 wgmma kernels), GPU, against the
+float64 reference on the DEQUANTISED inputs.
+
+q, k, v are drawn as random fp32 and cast to float8_e4m3fn; per-head scales scale_q [Hq],
+scale_k [Hkv], scale_v [Hkv] are random in [0.3, 2.0] (never 1), and the reference attends over
+q.double() * scale_q[h], k.double() * scale_k[g], v.double() * scale_v[g] with the same sm_scale:
+exactly FlashInfer's fp8 semantics (1.9), so a kernel that dropped or misplaced any scale fails
+(scale_q / scale_k move the logits and the LSE, scale_v the output). Tolerances are FlashInfer's
+fp8 tests': a 16-bit output atol 4e-2, rtol 8e-2 (P is rounded to e4m3 before P V, as FA3 does);
+an e4m3 output 1e-1 / 1e-1. The LSE (fp32 logits of exact fp8 products) gets 1e-2 / 1e-3. V is
+drawn with std V_STD = 0.5: rounding P to e4m3 moves each weight by up to 2^-5 of itself, which
+for a row dominated by two or three keys is an error of ~1.5 % of |scale_v * v|; with std-1 values
+and scale_v up to 2 a numpy model of the kernel's arithmetic reached 1.3x the atol, at 0.5 it
+stays under 0.65x (any misplaced key, scale or tile is far outside).
+
+Outputs go into poisoned buffers (NaN; an e4m3 output filled with 0x7f, e4m3fn's NaN), the LSE
+always requested. On a GPU other than sm_90 the module checks the NotImplementedError instead.
+"""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from pyflashattn.testing.gpu import cuda_generator, require_cuda_torch, scratch_workspace
+
+pytestmark = pytest.mark.gpu
+
+torch = require_cuda_torch()
+if not hasattr(torch, "float8_e4m3fn"):
+    pytest.skip("this torch has no float8 dtypes", allow_module_level=True)
+
+import pyflashattn  # noqa: E402
+from pyflashattn.testing import attention_ref, to_numpy_f64  # noqa: E402
+from pyflashattn.testing.checks import assert_close  # noqa: E402
+
+DEV = "cuda"
+E4M3 = torch.float8_e4m3fn
+SM90 = torch.cuda.get_device_capability() == (9, 0)
+O_TOL = {torch.bfloat16: dict(atol=4e-2, rtol=8e-2), torch.float16: dict(atol=4e-2, rtol=8e-2),
+         E4M3: dict(atol=1e-1, rtol=1e-1)}
+LSE_TOL = dict(atol=1e-2, rtol=1e-3)
+LENGTHS = (1, 63, 64, 65, 127, 129, 1000)
+V_STD = 0.5
+needs_sm90 = pytest.mark.skipif(not SM90, reason="the fp8 prefill kernels are sm_90a only")
+
+
+def _fp8(shape, g, scale=1.0):
+    return (torch.randn(shape, generator=g, device=DEV, dtype=torch.float32) * scale).to(E4M3)
+
+
+def _head_scales(n, g):
+    return (0.3 + 1.7 * torch.rand(n, generator=g, device=DEV, dtype=torch.float32)).contiguous()
+
+
+def _poisoned(shape, dtype):
+    if dtype == E4M3:
+        return torch.full(shape, 0x7F, dtype=torch.uint8, device=DEV).view(E4M3)  # e4m3fn NaN
+    return torch.full(shape, float("nan"), dtype=dtype, device=DEV)
+
+
+def _dequant(x, scales, head_axis):
+    """x (fp8) * per-head scales, float64 numpy."""
+    a = to_numpy_f64(x.float())
+    s = to_numpy_f64(scales).reshape([-1 if i == head_axis else 1 for i in range(3)])
+    return a * s
+
+
+def _check(out, lse, q, k, v, sq, sk, sv, *, causal, window_left=-1, kv_layout="NHD", what=""):
+    kh = 1 if kv_layout == "NHD" else 0
+    o_ref, lse_ref = attention_ref(_dequant(q, sq, 1), _dequant(k, sk, kh), _dequant(v, sv, kh), causal=causal,
+                                   window_left=window_left, kv_layout=kv_layout)
+    assert_close(out.float(), o_ref, **O_TOL[out.dtype], what=f"o {what}")
+    assert_close(lse, lse_ref, **LSE_TOL, what=f"lse {what}")
+
+
+def _single_case(qo_len, kv_len, hq, hkv, d, causal, o_dtype, window_left=-1, kv_layout="NHD", tensors=True):
+    g = cuda_generator("fp8-single", qo_len, kv_len, hq, hkv, d, causal, str(o_dtype), window_left, kv_layout)
+    q = _fp8((qo_len, hq, d), g)
+    kv_shape = (kv_len, hkv, d) if kv_layout == "NHD" else (hkv, kv_len, d)
+    k, v = _fp8(kv_shape, g), _fp8(kv_shape, g, V_STD)
+    sq, sk, sv = _head_scales(hq, g), _head_scales(hkv, g), _head_scales(hkv, g)
+    out = _poisoned((qo_len, hq, d), o_dtype)
+    lse = _poisoned((qo_len, hq), torch.float32)
+    scales = (sq, sk, sv) if tensors else tuple(float(x[0]) for x in (sq, sk, sv))
+    if not tensors:  # one number per tensor: every head the same
+        sq, sk, sv = (torch.full_like(t, x) for t, x in zip((sq, sk, sv), scales))
+    res = pyflashattn.single_prefill_with_kv_cache(q, k, v, causal=causal, window_left=window_left,
+                                                   kv_layout=kv_layout, scale_q=scales[0], scale_k=scales[1],
+                                                   scale_v=scales[2], o_dtype=o_dtype, out=out, lse=lse)
+    assert res is out
+    torch.cuda.synchronize()
+    _check(out, lse, q, k, v, sq, sk, sv, causal=causal, window_left=window_left, kv_layout=kv_layout,
+           what=f"qo={qo_len} kv={kv_len} Hq={hq} Hkv={hkv} d={d} causal={causal} {o_dtype}")
+
+
+@needs_sm90
+@pytest.mark.parametrize("d", [64, 128, 256])
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("n", LENGTHS)
+def test_single_prefill_fp8_lengths(n, causal, d):
+    _single_case(n, n, 8, 2, d, causal, torch.bfloat16)
+
+
+@needs_sm90
+@pytest.mark.parametrize("qo_len, kv_len", [(1, 1000), (17, 129), (65, 300), (129, 1000), (300, 1025)])
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("hq, hkv", [(8, 2), (4, 4), (8, 1)])
+def test_single_prefill_fp8_qo_len_differs(qo_len, kv_len, causal, hq, hkv):
+    _single_case(qo_len, kv_len, hq, hkv, 128, causal, torch.bfloat16)
+
+
+@needs_sm90
+@pytest.mark.parametrize("o_dtype", [torch.float16, torch.bfloat16, E4M3])
+@pytest.mark.parametrize("d", [64, 128, 256])
+def test_single_prefill_fp8_output_dtypes(o_dtype, d):
+    _single_case(129, 1000, 8, 2, d, True, o_dtype)
+
+
+@needs_sm90
+@pytest.mark.parametrize("kv_layout", ["NHD", "HND"])
+def test_single_prefill_fp8_layouts_window_and_number_scales(kv_layout):
+    _single_case(1000, 1000, 8, 2, 128, True, torch.bfloat16, window_left=100, kv_layout=kv_layout)
+    _single_case(300, 500, 8, 2, 128, False, torch.bfloat16, kv_layout=kv_layout, tensors=False)
+
+
+@needs_sm90
+@pytest.mark.parametrize("d", [64, 128, 256])
+def test_single_prefill_fp8_split_kv(d):
+    # few row tiles over a long KV: the scheduler splits it, partials merge into the output
+    _single_case(16, 16384, 8, 2, d, False, torch.bfloat16)
+    _single_case(16, 16384, 8, 2, d, True, E4M3)
+
+
+@needs_sm90
+def test_single_prefill_fp8_default_output_is_e4m3():
+    g = cuda_generator("fp8-default-out")
+    q, k, v = _fp8((65, 4, 128), g), _fp8((65, 4, 128), g), _fp8((65, 4, 128), g, V_STD)
+    o = pyflashattn.single_prefill_with_kv_cache(q, k, v)
+    assert o.dtype == E4M3 and o.shape == q.shape
+    ones = torch.ones(4, device=DEV)
+    o_ref, _ = attention_ref(_dequant(q, ones, 1), _dequant(k, ones, 1), _dequant(v, ones, 1))
+    assert_close(o.float(), o_ref, **O_TOL[E4M3], what="default e4m3 output")
+
+
+@needs_sm90
+@pytest.mark.parametrize("o_dtype", [torch.bfloat16, E4M3])
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("d", [64, 128, 256])
+def test_ragged_batch_fp8(d, causal, o_dtype):
+    hq, hkv = 8, 2
+    qo_lens = [1, 63, 65, 129, 1000, 64]
+    kv_lens = [1, 127, 65, 1000, 1000, 300]
+    g = cuda_generator("fp8-ragged", d, causal, str(o_dtype))
+    qo_indptr = np.concatenate([[0], np.cumsum(qo_lens)]).astype(np.int32)
+    kv_indptr = np.concatenate([[0], np.cumsum(kv_lens)]).astype(np.int32)
+    q = _fp8((int(qo_indptr[-1]), hq, d), g)
+    k, v = _fp8((int(kv_indptr[-1]), hkv, d), g), _fp8((int(kv_indptr[-1]), hkv, d), g, V_STD)
+    sq, sk, sv = _head_scales(hq, g), _head_scales(hkv, g), _head_scales(hkv, g)
+    w = pyflashattn.BatchPrefillWithRaggedKVCacheWrapper(scratch_workspace(), "NHD")
+    w.plan(qo_indptr, kv_indptr, hq, hkv, d, causal=causal, q_data_type=E4M3, kv_data_type=E4M3,
+           o_data_type=o_dtype)
+    for run in range(2):  # the second run with numbers: the per-head pointers must be gone
+        out = _poisoned(q.shape[:2] + (d,), o_dtype)
+        lse = _poisoned(q.shape[:2], torch.float32)
+        if run == 0:
+            w.run(q, k, v, q_scale=sq, k_scale=sk, v_scale=sv, out=out, lse=lse)
+            rq, rk, rv = sq, sk, sv
+        else:
+            w.run(q, k, v, q_scale=1.5, k_scale=0.5, v_scale=2.0, out=out, lse=lse)
+            rq, rk, rv = (torch.full_like(t, x) for t, x in zip((sq, sk, sv), (1.5, 0.5, 2.0)))
+        torch.cuda.synchronize()
+        for b in range(len(qo_lens)):
+            qs, ks = slice(qo_indptr[b], qo_indptr[b + 1]), slice(kv_indptr[b], kv_indptr[b + 1])
+            _check(out[qs], lse[qs], q[qs], k[ks], v[ks], rq, rk, rv, causal=causal,
+                   what=f"run {run} request {b} (qo {qo_lens[b]}, kv {kv_lens[b]})")
+
+
+@pytest.mark.skipif(SM90, reason="checks the refusal on GPUs without the fp8 prefill")
+def test_fp8_q_elsewhere_is_not_implemented():
+    g = cuda_generator("fp8-refusal")
+    q, k, v = _fp8((64, 4, 128), g), _fp8((64, 4, 128), g), _fp8((64, 4, 128), g)
+    with pytest.raises(NotImplementedError, match="sm_90a"):
+        pyflashattn.single_prefill_with_kv_cache(q, k, v)
