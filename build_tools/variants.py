@@ -211,6 +211,10 @@ class HopperPrefillVariant:
     # K/V tiles by TMA from host-encoded tensor maps (PrefillParams.k_tmap / v_tmap), instead of the
     # producer warpgroup's cp.async: single prefill only so far (batch plans encode no maps)
     tma: bool = False
+    # skip-softmax compiled in (PrefillParams.skip_softmax_factor): the "_skip" twin of a shipped
+    # row, run only for calls that ask for it (BatchEngine.apply_skip_softmax); the rows without it
+    # keep every wgmma unserialised (consumer.cuh)
+    skip: bool = False
     tune: bool = False
     impl: str = SM90
     archs: tuple = IMPL_ARCHS[SM90]
@@ -244,13 +248,14 @@ class HopperPrefillVariant:
     def name(self):
         return (f"pfa_prefill_{self.impl}_{self.dtype}_hd{self.head_dim}_m{self.block_m}n{self.block_n}"
                 f"c{self.consumers}s{self.stages}{'_pp' if self.pingpong else ''}{'_paged' if self.paged else ''}"
-                f"{'_tma' if self.tma else ''}")
+                f"{'_tma' if self.tma else ''}{'_skip' if self.skip else ''}")
 
     def source(self):
         return (f'#include "pfa/attention/prefill_sm90.cuh"\n'
                 f"PFA_DEFINE_PREFILL_SM90({self.name}, {DTYPES[self.dtype]}, {self.head_dim}, {self.block_n}, "
                 f"{self.consumers}, {self.stages}, {'true' if self.pingpong else 'false'}, "
-                f"{'true' if self.paged else 'false'}, {'true' if self.tma else 'false'}, {self.smem_bytes})\n")
+                f"{'true' if self.paged else 'false'}, {'true' if self.tma else 'false'}, "
+                f"{'true' if self.skip else 'false'}, {self.smem_bytes})\n")
 
     def manifest(self):
         return {"family": "prefill", "impl": self.impl, "dtype": self.dtype, "kv_dtype": self.dtype,
@@ -258,7 +263,9 @@ class HopperPrefillVariant:
                 "warps": self.threads // WARP_THREADS, "threads": self.threads, "smem_bytes": self.smem_bytes,
                 "ctas_per_sm": 1, "tune": self.tune, "general": False, "paged": self.paged, "decode": False,
                 "rows_fastest": True, "device_scale": True, "tma": self.tma,
-                "skip_softmax_rows": self.WG_ROWS}  # one consumer warpgroup votes (consumer.cuh)
+                # one consumer warpgroup votes (consumer.cuh); a twin is only picked by name
+                "skip_softmax_rows": self.WG_ROWS if self.skip else 0,
+                "twin_of": dataclasses.replace(self, skip=False).name if self.skip else None}
 
 
 @dataclass(frozen=True)
@@ -526,6 +533,8 @@ def variants(tune=False):
                 out += [PrefillVariant(dtype, hd, *t, tune=True) for t in PREFILL_TUNE_TILES[hd]]
         out += [HopperPrefillVariant(dtype, hd, *tile) for hd, tile in HOPPER_TILES.items()]
         out += [HopperPrefillVariant(dtype, hd, *tile, paged=True) for hd, tile in HOPPER_TILES_PAGED.items()]
+        out += [HopperPrefillVariant(dtype, hd, *tile, paged=paged, skip=True)
+                for paged, tiles in ((False, HOPPER_TILES), (True, HOPPER_TILES_PAGED)) for hd, tile in tiles.items()]
         if tune:
             out += [HopperPrefillVariant(dtype, hd, *tile, pingpong=False, tune=True)
                     for hd, tile in HOPPER_TILES.items()]

@@ -61,6 +61,26 @@ def test_impl_preference_orders_the_implementations_within_an_arch(fake, monkeyp
     assert _registry.find("prefill", 0, dtype="bf16", head_dim=128) is mma
 
 
+def test_twins_are_picked_only_by_name(fake):
+    """A skip-softmax twin matches every field of its shipped row: only a request by name gets it."""
+    base = _row("pfa_prefill_sm90_x", "sm_90a", impl="sm90")
+    twin = _row("pfa_prefill_sm90_x_skip", "sm_90a", impl="sm90", twin_of="pfa_prefill_sm90_x", skip_softmax_rows=64)
+    fake([twin, base], H100)
+    assert _registry.find("prefill", 0, dtype="bf16", head_dim=128)["name"] == "pfa_prefill_sm90_x"
+    assert _registry.find("prefill", 0, name="pfa_prefill_sm90_x_skip") is twin
+
+
+def test_every_shipped_sm90_row_has_a_skip_twin():
+    rows = [v for v in variants.variants() if isinstance(v, variants.HopperPrefillVariant) and not v.tune
+            and v.dtype in ("bf16", "f16")]
+    names = {v.name for v in rows}
+    shipped = [v for v in rows if not v.skip]
+    assert shipped and all(v.name + "_skip" in names for v in shipped)
+    for v in rows:
+        m = v.manifest()
+        assert (m["skip_softmax_rows"], m["twin_of"]) == ((64, v.name[:-5]) if v.skip else (0, None))
+
+
 def test_archs_come_before_impls(fake, monkeypatch):
     # an 8.9 GPU walks sm_89 then sm_80: a less preferred family on sm_89 beats a preferred one on sm_80
     monkeypatch.setitem(_registry.IMPL_PREFERENCE, "sm_89", ("new", "sm80"))

@@ -386,7 +386,7 @@ class BatchEngine:
         la = self.attn
         if f and not la.meta.get("skip_softmax_rows"):
             m = la.meta
-            sib = self.launcher("prefill", m["dtype"], m["kv_dtype"], m["head_dim"], True)
+            sib = self.skip_sibling(m)
             if (sib.meta["block_m"], sib.meta["block_n"]) != (m["block_m"], m["block_n"]) or \
                     not sib.meta.get("skip_softmax_rows"):
                 raise NotImplementedError(f"{options.SKIP_SOFTMAX_ARG}: {m['name']} has no skip-softmax and no "
@@ -399,6 +399,17 @@ class BatchEngine:
             self.skip_home, self.attn = None, home
         self.attn.params.skip_softmax_factor = f
         self.skip = f
+
+    def skip_sibling(self, m):
+        """The kernel of the same tile with skip-softmax compiled in, for the plan's kernel (manifest
+        row m): the sm90 family's "_skip" twin, else (sm80 lean) the general kernel of the tile."""
+        if m.get("impl") == "sm90":
+            key = ("skip", m["name"])
+            la = self.launchers.get(key)
+            if la is None:
+                la = self.launchers[key] = _registry.new_launcher("prefill", self.dev, name=m["name"] + "_skip")
+            return la
+        return self.launcher("prefill", m["dtype"], m["kv_dtype"], m["head_dim"], True)
 
     def check_q(self, q, out, lse, return_lse, stream):
         """q, out and lse against the plan; allocates out / lse when not given. Returns

@@ -164,7 +164,8 @@ def _pick(rows, family: str, archs: list, want_name, match: dict):
                 continue
             rank = 0  # a kernel asked for by name: any impl
         else:
-            if row.get("tune") or not all(row.get(k) == v for k, v in match.items()):
+            # tuning rows and twins (a shipped row's variant, e.g. with skip-softmax) only by name
+            if row.get("tune") or row.get("twin_of") or not all(row.get(k) == v for k, v in match.items()):
                 continue
             rank = _impl_rank(row, row["arch"])
             if rank is None:

@@ -23,10 +23,11 @@
 
 namespace pfa {
 
-template <typename T, int HEAD_DIM, int BLOCK_N, int CONSUMERS, int STAGES, bool PINGPONG, bool PAGED, bool TMA>
+template <typename T, int HEAD_DIM, int BLOCK_N, int CONSUMERS, int STAGES, bool PINGPONG, bool PAGED, bool TMA,
+          bool SKIP>
 struct PrefillSm90 : PrefillSm90Config<T, HEAD_DIM, BLOCK_N, CONSUMERS, STAGES, PAGED, TMA> {
   using Cfg = PrefillSm90Config<T, HEAD_DIM, BLOCK_N, CONSUMERS, STAGES, PAGED, TMA>;
-  using Consumer = ConsumerSm90<Cfg, PINGPONG>;
+  using Consumer = ConsumerSm90<Cfg, PINGPONG, SKIP>;
 
   static __device__ __forceinline__ void init_barriers(uint32_t base) {
     ptx::mbar_init(Cfg::q_full(base), Cfg::WG_THREADS);
@@ -80,11 +81,11 @@ struct PrefillSm90 : PrefillSm90Config<T, HEAD_DIM, BLOCK_N, CONSUMERS, STAGES, 
 
 // One extern "C" entry per variant (see PFA_DEFINE_PREFILL_SM80). SMEM: variants.py's smem_bytes,
 // checked against the kernel's layout at compile time.
-#define PFA_DEFINE_PREFILL_SM90(NAME, T, HD, BN, CONSUMERS, STAGES, PINGPONG, PAGED, TMA, SMEM)               \
-  static_assert(pfa::PrefillSm90<T, HD, BN, CONSUMERS, STAGES, PINGPONG, PAGED, TMA>::SMEM_BYTES == (SMEM),   \
+#define PFA_DEFINE_PREFILL_SM90(NAME, T, HD, BN, CONSUMERS, STAGES, PINGPONG, PAGED, TMA, SKIP, SMEM)         \
+  static_assert(pfa::PrefillSm90<T, HD, BN, CONSUMERS, STAGES, PINGPONG, PAGED, TMA, SKIP>::SMEM_BYTES == (SMEM), \
                 #NAME ": variants.py smem_bytes differs from the kernel's shared-memory layout");             \
   extern "C" __global__ void __launch_bounds__((CONSUMERS + 1) * 128, 1)                                      \
       NAME(const __grid_constant__ pfa::PrefillParams p) {                                                    \
     extern __shared__ __align__(1024) char smem[];                                                            \
-    pfa::PrefillSm90<T, HD, BN, CONSUMERS, STAGES, PINGPONG, PAGED, TMA>::run(p, smem);                        \
+    pfa::PrefillSm90<T, HD, BN, CONSUMERS, STAGES, PINGPONG, PAGED, TMA, SKIP>::run(p, smem);                  \
   }

@@ -6,8 +6,10 @@
 //                 shared memory read transposed (MN-major)
 // and it releases each K and V stage to the producer as soon as its wgmma has read it.
 // The first tile's softmax applies corr to an O that is still zero: rescale_o is skipped there.
-// Skip-softmax (PrefillParams::skip_softmax_factor, SkipSoftmax in softmax_state.cuh) votes per
-// warpgroup, its 64 rows (one bar.red): a skipped tile runs no softmax and issues no P V.
+// Skip-softmax (PrefillParams::skip_softmax_factor, SkipSoftmax in softmax_state.cuh), in the SKIP
+// twins only, votes per warpgroup, its 64 rows (one bar.red): a skipped tile runs no softmax and
+// issues no P V. A wgmma behind a data-dependent branch makes ptxas serialise every wgmma of the
+// kernel (C7520), so the kernels without SKIP compile no such branch.
 #pragma once
 #include <math.h>
 #include <stdint.h>
@@ -24,7 +26,7 @@
 
 namespace pfa {
 
-template <class Cfg, bool PINGPONG>
+template <class Cfg, bool PINGPONG, bool SKIP>
 struct ConsumerSm90 {
   using T = typename Cfg::Elem;
   static constexpr int BLOCK_M = Cfg::BLOCK_M, BLOCK_N = Cfg::BLOCK_N, HEAD_DIM = Cfg::HEAD_DIM;
@@ -221,14 +223,14 @@ struct ConsumerSm90 {
       ptx::wgmma_fence();
       issue_qk(s, s_q, base + Cfg::K_OFFSET + st * Cfg::KV_TILE_BYTES, wg);
       ptx::wgmma_commit();
-      if (pv_prev) issue_pv(o, a, base + Cfg::V_OFFSET + prev * Cfg::KV_TILE_BYTES);
+      if (!SKIP || pv_prev) issue_pv(o, a, base + Cfg::V_OFFSET + prev * Cfg::KV_TILE_BYTES);
       ptx::wgmma_commit();
       turn.pass();
       ptx::wgmma_wait<1>();  // S of this tile (groups complete in order); P V still running
       ptx::wgmma_fence_regs(s);
       if (lane == 0) ptx::mbar_arrive(Cfg::k_empty(base, st));
       if (!w.rule.keeps_all(r.q_lo, r.q_hi, n0, n0 + BLOCK_N - 1)) mask(s, r, n0, lane);
-      const bool skipped = softmax(s, m, l, corr, scale, skip.on(), skip, w, r, wg);
+      const bool skipped = softmax(s, m, l, corr, scale, SKIP && skip.on(), skip, w, r, wg);
       ptx::wgmma_wait<0>();
       ptx::wgmma_fence_regs(o);
       ptx::wgmma_keep_regs(a);
@@ -241,7 +243,7 @@ struct ConsumerSm90 {
     ptx::mbar_wait(Cfg::v_full(base, last), ((n - 1) / STAGES) & 1);
     turn.take();
     ptx::wgmma_fence();
-    if (pv_prev) issue_pv(o, a, base + Cfg::V_OFFSET + last * Cfg::KV_TILE_BYTES);
+    if (!SKIP || pv_prev) issue_pv(o, a, base + Cfg::V_OFFSET + last * Cfg::KV_TILE_BYTES);
     ptx::wgmma_commit();
     if (wg != Cfg::CONSUMERS - 1) turn.pass();  // the last consumer's last pass would meet no take
     ptx::wgmma_wait<0>();
