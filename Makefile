@@ -87,7 +87,7 @@ NVCC_DEP := $(if $(filter $(PIP_NVCC),$(NVCC)),$(PIP_NVCC),)
 define arch_rule
 cubins/$(1)/%.cubin: kernel_src/generated/%.cu $(HEADERS) $(NVCC_DEP)
 	@mkdir -p $$(@D)
-	$(NVCC) $(NVCC_FLAGS) $(call gencode,$(1)) -o $$@ $$<
+	sh build_tools/nvcc_guard.sh $(NVCC) $(NVCC_FLAGS) $(call gencode,$(1)) -o $$@ $$<
 endef
 $(foreach a,$(ARCHS),$(eval $(call arch_rule,$(a))))
 
