@@ -282,23 +282,28 @@ PAGE_THREADS = 256
 @dataclass(frozen=True)
 class MergeVariant:
     dtype: str
+    # One CTA per (row, head), its warps sharing the row's chunks (merge.cuh merge_cta): for few
+    # rows over many chunks, where one warp per (row, head) leaves SMs idle and walks every chunk.
+    cta_per_row: bool = False
     tune: bool = False
     impl: str = PORTABLE
     archs: tuple = ARCHS_DEFAULT
 
     @property
     def name(self):
-        return f"pfa_merge_{self.dtype}"
+        return f"pfa_merge{'_cta' if self.cta_per_row else ''}_{self.dtype}"
 
     def source(self):
-        return f'#include "pfa/attention/merge.cuh"\nPFA_DEFINE_MERGE({self.name}, {DTYPES[self.dtype]})\n'
+        macro = "PFA_DEFINE_MERGE_CTA" if self.cta_per_row else "PFA_DEFINE_MERGE"
+        return f'#include "pfa/attention/merge.cuh"\n{macro}({self.name}, {DTYPES[self.dtype]})\n'
 
     def manifest(self):
         # programmatic_launch: it follows the attention kernel on the stream and waits for it in
         # griddepcontrol.wait before reading a partial (sm_90+; launched plainly elsewhere).
         return {"family": "merge", "impl": self.impl, "dtype": self.dtype, "warps": MERGE_THREADS // WARP_THREADS,
-                "threads": MERGE_THREADS, "smem_bytes": 0, "rows_per_block": MERGE_ROWS_PER_BLOCK,
-                "programmatic_launch": True, "tune": self.tune}
+                "threads": MERGE_THREADS, "smem_bytes": 0,
+                "rows_per_block": 1 if self.cta_per_row else MERGE_ROWS_PER_BLOCK,
+                "cta_per_row": self.cta_per_row, "programmatic_launch": True, "tune": self.tune}
 
 
 CASCADE_THREADS = 128  # CascadeMerge::WARPS * 32: one warp per (row, head)
@@ -459,7 +464,7 @@ def variants(tune=False):
                     for hd, tile in HOPPER_TILES.items()]
             out += [HopperPrefillVariant(dtype, hd, *tile, tune=True) for hd, tile in HOPPER_TUNE_TILES]
             out += [HopperPrefillVariant(dtype, hd, *tile, tma=True, tune=True) for hd, tile in HOPPER_TILES.items()]
-        out.append(MergeVariant(dtype))
+        out += [MergeVariant(dtype), MergeVariant(dtype, cta_per_row=True)]
     out += nvfp4_variants()
     out.append(MiscVariant("packbits", PACKBITS_THREADS))
     out += [MiscVariant("cascade", CASCADE_THREADS, dtype) for dtype in CASCADE_DTYPES]

@@ -16,7 +16,7 @@ import numpy as np
 import pytest
 
 from pyflashattn import decode
-from pyflashattn._engine import indices, xqa
+from pyflashattn._engine import indices, params, xqa
 from pyflashattn._engine.xqa import planned_pages
 from pyflashattn._runtime import dtypes as _dtypes
 from pyflashattn.testing.fake_driver import (
@@ -313,6 +313,33 @@ def merge_launch(fake):
     launches = [x for x in fake.cu.launches if x[0].startswith("merge")]
     assert launches, "no merge was launched"
     return launches[-1]
+
+
+@pytest.mark.parametrize("env, cta", [(None, True), ("0", False), ("1", True)])
+def test_split_merge_of_one_request_runs_a_cta_per_row(fake, monkeypatch, env, cta):
+    """One request's HQ rows over 4 chunks leave SMs idle with a warp per (row, head): the merge
+    runs a CTA per (row, head) (grid HQ), unless PYFLASHATTN_MERGE_CTA_PER_ROW forces a form."""
+    if env is None:
+        monkeypatch.delenv(params.MERGE_CTA_ENV, raising=False)
+    else:
+        monkeypatch.setenv(params.MERGE_CTA_ENV, env)
+    w = dec(fake)
+    split_plan(w)
+    w.run(T((1, HQ, D)), cache(), out=T((1, HQ, D), data=0x400000))
+    name, grid, _, mp = merge_launch(fake)
+    assert ("cta_per_row=True" in name) == cta
+    assert grid == ((HQ, 1, 1) if cta else (-(-HQ // params.MERGE_ROWS_PER_BLOCK), 1, 1))
+    assert mp.rows == 1 and mp.num_heads == HQ
+
+
+def test_split_merge_of_many_rows_keeps_a_warp_per_row(fake, monkeypatch):
+    """Enough (row, head) pairs for a CTA of four warps on every SM: the one-warp merge."""
+    monkeypatch.delenv(params.MERGE_CTA_ENV, raising=False)
+    assert params.merge_cta_per_row(0, 1, HQ)
+    sms = 132  # the fake GPU's
+    rows = -(-sms * params.MERGE_ROWS_PER_BLOCK // HQ)
+    assert not params.merge_cta_per_row(0, rows, HQ)
+    assert params.merge_cta_per_row(0, rows - 1, HQ) == ((rows - 1) * HQ < sms * params.MERGE_ROWS_PER_BLOCK)
 
 
 def test_decode_sinks_reach_attention_and_merge_and_a_later_run_clears_them(fake):

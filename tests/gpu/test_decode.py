@@ -178,6 +178,34 @@ def test_batch_decode_block_tables_plan_and_graph():
     _check(out, None, _refs(q, pg2, 1, 32), F16, "graph replay after re-plan")
 
 
+# ---------------------------------------------------------------- split-KV merge forms
+@pytest.mark.parametrize("cta", ["1", "0"], ids=["cta_per_row", "warp_per_row"])
+@pytest.mark.parametrize("d,dtype", [(64, F16), (128, BF16), (256, F16)])
+@pytest.mark.parametrize("kv_lens,fss,window", [
+    ([5000], 32, -1),         # ~157 chunks: 40 a warp in the CTA form (past one 32-chunk weight word)
+    ([0, 3000], 256, -1),     # two requests, one empty; 12 chunks
+    ([70], 32, -1),           # 3 chunks: fewer than the CTA's warps
+    ([2500, 900], 64, 100),   # a window: most chunks hold no visible key (lse = -inf partials)
+], ids=["one-157chunks", "two-12chunks", "one-3chunks", "two-window"])
+def test_split_merge_forms(monkeypatch, cta, d, dtype, kv_lens, fss, window):
+    """Few rows over many KV chunks, merged by either merge kernel (PYFLASHATTN_MERGE_CTA_PER_ROW
+    forces one at plan time); o and lse against float64, with sinks on the first request set."""
+    monkeypatch.setenv("PYFLASHATTN_MERGE_CTA_PER_ROW", cta)
+    hq, hkv, ps = 16, 4, 16
+    g = _gen("merge", cta, d, len(kv_lens), fss)
+    pg = Paged(kv_lens, hkv, d, ps, "NHD", dtype, g)
+    q = _randn((len(kv_lens), hq, d), g, dtype)
+    w = decode.BatchDecodeWithPagedKVCacheWrapper(_ws(), "NHD")
+    w.plan(*pg.args(), hq, hkv, d, ps, q_data_type=dtype, fixed_split_size=fss, window_left=window)
+    assert w._engine.merge is not None and bool(w._engine.merge.meta["cta_per_row"]) == (cta == "1")
+    out = torch.full_like(q, float("nan"))
+    lse = torch.full((q.shape[0], hq), float("nan"), device=DEV)
+    sinks = torch.randn(hq, generator=g, device=DEV) if fss == 32 else None
+    w.run(q, pg.cache, out=out, lse=lse, sinks=sinks)
+    ref = _refs(q, pg, 1, hq, sinks=sinks, window_left=window)
+    _check(out, lse, ref, dtype, f"merge cta_per_row={cta}")
+
+
 # ---------------------------------------------------------------- single decode
 @pytest.mark.parametrize("layout,d,hq,hkv,n,opts", [
     ("NHD", 128, 32, 8, 5000, {}),

@@ -1,0 +1,162 @@
+"""Same-run A/B of the decode switches (issue #18's decode speed goals; H100 shapes: 32 q / 8 kv
+heads, head_dim 128, page 16 in random order) through xqa_batch_decode_with_kv_cache.
+
+    python build_tools/ab_decode.py [--switch merge] [--cases b1_bf16,b1_fp8,...] [--rep 30]
+
+A switch is an environment variable the engine reads at plan time; each of its settings (old,
+new) plans its own engine (XQA caches one per shape, so the cache is swapped per setting). Every
+setting's output is checked against a float32 reference over the same values as the cache holds
+(fp8 / NVFP4 widen exactly to bf16) before it is timed; then the settings are timed in
+interleaved rounds (CUDA events, L2 flushed, median). Printed per case and setting: us, KV bytes
+read per second (as stored), the new / old speed ratio, and the device copy bandwidth of the
+same run for the "vs copy" goal.
+
+Switches:
+  merge  PYFLASHATTN_MERGE_CTA_PER_ROW: old = "0" (one warp per (row, head)), new = unset (a CTA
+         per (row, head) when the one-warp grid leaves SMs idle: few rows over many chunks)
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+
+import torch
+
+import pyflashattn
+from pyflashattn._engine import xqa
+from pyflashattn.bench.decode_xqa import _nvfp4_cache
+from pyflashattn.testing.bench_util import bench_samples_ms, interleaved_median_ms
+
+HQ, HKV, PS = 32, 8, 16
+SWITCHES = {
+    "merge": ("PYFLASHATTN_MERGE_CTA_PER_ROW", {"old": "0", "new": None}),
+}
+# case -> (batch, kv_len, cache kind, q_len)
+CASES = {
+    "b1_bf16": (1, 32768, "bf16", 1), "b1_fp8": (1, 32768, "fp8", 1), "b2_bf16": (2, 16384, "bf16", 1),
+    "b16_bf16": (16, 8192, "bf16", 1), "b16_fp8": (16, 8192, "fp8", 1), "b1_nvfp4": (1, 32768, "nvfp4", 1),
+    "b64_bf16": (64, 4096, "bf16", 1), "b64_fp8": (64, 4096, "fp8", 1), "b64_nvfp4": (64, 4096, "nvfp4", 1),
+}
+REL_TOL = 2e-2  # max |o - ref| over max |ref|: bf16 output rounding and accumulation order
+
+
+def _reference(q, wide, bt, kv_len, scale):
+    """float32 attention of q [B, HQ, D] over the bf16 values of the cache, request by request."""
+    B, _, d = q.shape
+    out = torch.empty(B, HQ, d, dtype=torch.float32, device=q.device)
+    for b in range(B):
+        kv = wide[bt[b].long()]  # [pages, 2, ps, Hkv, D]
+        k = kv[:, 0].reshape(-1, HKV, d)[:kv_len].float()
+        v = kv[:, 1].reshape(-1, HKV, d)[:kv_len].float()
+        qb = q[b].float().view(HKV, HQ // HKV, d)
+        s = torch.einsum("hgd,khd->hgk", qb, k) * scale
+        out[b] = torch.einsum("hgk,khd->hgd", s.softmax(-1), v).reshape(HQ, d)
+    return out
+
+
+def _copy_tbs(warmup, rep):
+    """Device-to-device copy bandwidth (read + write bytes per second) of a 1 GiB buffer."""
+    src = torch.empty(1 << 30, dtype=torch.uint8, device="cuda")
+    dst = torch.empty_like(src)
+    t = sorted(bench_samples_ms(lambda: dst.copy_(src), warmup=warmup, rep=rep))[rep // 2]
+    return 2 * src.numel() / (t * 1e-3) / 1e12
+
+
+def run_case(name, env, settings, ws, warmup, rep, hd=128):
+    B, kv_len, kind, q_len = CASES[name]
+    gen = torch.Generator(device="cuda").manual_seed(sum(name.encode()))
+    pages = B * kv_len // PS
+    codes, sf, wide = _nvfp4_cache(torch, pages, hd, gen)
+    if kind == "fp8":
+        cache, cache_sf = wide.to(torch.float8_e4m3fn), None
+        wide = cache.to(torch.bfloat16)
+    elif kind == "nvfp4":
+        cache, cache_sf = codes, sf
+    else:
+        cache, cache_sf = wide, None
+    elems = 2 * B * kv_len * HKV * hd
+    nbytes = {"bf16": 2 * elems, "fp8": elems, "nvfp4": elems // 2 + elems // 16}[kind]
+    q = torch.randn(B * q_len, HQ, hd, dtype=torch.bfloat16, device="cuda", generator=gen)
+    bt = torch.randperm(pages, device="cuda", generator=gen).to(torch.int32).view(B, -1)
+    sl = torch.full((B,), kv_len, dtype=torch.int32, device="cuda")
+    scale = hd ** -0.5
+    ref = _reference(q, wide, bt, kv_len, scale)
+    outs, engines = {}, {}
+
+    def call():
+        return pyflashattn.decode.xqa_batch_decode_with_kv_cache(q, cache, ws, bt, sl, kv_len, bmm1_scale=scale,
+                                                                 out=outs[cur[0]], kv_cache_sf=cache_sf)
+
+    cur = [None]
+
+    def use(setting):
+        """Point XQA's caches at this setting's planned engine (planning it on first use)."""
+        cur[0] = setting
+        xqa._ENGINES.clear()
+        xqa._FAST.clear()
+        if setting in engines:
+            xqa._ENGINES.update(engines[setting])
+            return
+        value = settings[setting]
+        if value is None:
+            os.environ.pop(env, None)
+        else:
+            os.environ[env] = value
+        outs[setting] = torch.full_like(q, float("nan"))
+        call()
+        torch.cuda.synchronize()
+        engines[setting] = dict(xqa._ENGINES)
+        os.environ.pop(env, None)
+
+    errors = []
+    for s in settings:
+        use(s)
+        err = ((outs[s].float() - ref).abs().max() / ref.abs().max()).item()
+        if not err <= REL_TOL:  # NaN fails too
+            errors.append(f"{s}: max error {err:.3g} over max |ref| (> {REL_TOL})")
+        e = engines[s][next(iter(engines[s]))]
+        print(f"  {name} {s}: attention {e.attn.name} grid {e.attn.grid}"
+              + (f", merge {e.merge.name} grid {e.merge.grid}" if e.merge is not None else ", no merge")
+              + f"; rel. error {err:.2e}")
+    if errors:
+        print(f"  {name}: NOT TIMED: " + "; ".join(errors))
+        return None
+
+    def timer(s):
+        def t(w, r):
+            use(s)
+            return bench_samples_ms(call, warmup=w, rep=r)
+        return t
+
+    ms = interleaved_median_ms({s: timer(s) for s in settings}, warmup, rep, errors)
+    row = {s: (ms[s] * 1e3, nbytes / (ms[s] * 1e-3) / 1e12) for s in ms}
+    for s, (us, tbs) in row.items():
+        print(f"{name:10s} {s:4s} {us:9.1f} us {tbs:6.3f} TB/s")
+    if "old" in row and "new" in row:
+        print(f"{name:10s} new/old speed {row['old'][0] / row['new'][0]:.3f}")
+    xqa._ENGINES.clear()
+    xqa._FAST.clear()
+    return row
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--switch", default="merge", choices=sorted(SWITCHES))
+    ap.add_argument("--cases", default="b1_bf16,b1_fp8,b2_bf16,b16_bf16,b64_bf16,b64_fp8")
+    ap.add_argument("--warmup", type=int, default=5)
+    ap.add_argument("--rep", type=int, default=30)
+    args = ap.parse_args()
+    env, settings = SWITCHES[args.switch]
+    ws = torch.zeros(256 << 20, dtype=torch.uint8, device="cuda")
+    print(f"{torch.cuda.get_device_name()}: switch {args.switch} ({env}: "
+          + ", ".join(f"{k}={v!r}" for k, v in settings.items()) + ")")
+    print(f"device copy {_copy_tbs(args.warmup, args.rep):.3f} TB/s")
+    failed = False
+    for name in args.cases.split(","):
+        failed |= run_case(name, env, settings, ws, args.warmup, args.rep) is None
+    sys.exit(1 if failed else 0)
+
+
+if __name__ == "__main__":
+    main()
