@@ -14,6 +14,9 @@ same run for the "vs copy" goal.
 Switches:
   merge  PYFLASHATTN_MERGE_CTA_PER_ROW: old = "0" (one warp per (row, head)), new = unset (a CTA
          per (row, head) when the one-warp grid leaves SMs idle: few rows over many chunks)
+  spec   PYFLASHATTN_XQA_SPEC_GENERAL: old = "1" (a speculative-decoding mask on the 128-row
+         general kernel), new = unset (on the lean paged decode tile that honours it); the
+         spec8_* cases (8 drafts a request, a random draft mask, GQA 4: 32 packed rows)
 """
 from __future__ import annotations
 
@@ -31,27 +34,38 @@ from pyflashattn.testing.bench_util import bench_samples_ms, interleaved_median_
 HQ, HKV, PS = 32, 8, 16
 SWITCHES = {
     "merge": ("PYFLASHATTN_MERGE_CTA_PER_ROW", {"old": "0", "new": None}),
+    "spec": ("PYFLASHATTN_XQA_SPEC_GENERAL", {"old": "1", "new": None}),
 }
 # case -> (batch, kv_len, cache kind, q_len)
 CASES = {
     "b1_bf16": (1, 32768, "bf16", 1), "b1_fp8": (1, 32768, "fp8", 1), "b2_bf16": (2, 16384, "bf16", 1),
     "b16_bf16": (16, 8192, "bf16", 1), "b16_fp8": (16, 8192, "fp8", 1), "b1_nvfp4": (1, 32768, "nvfp4", 1),
     "b64_bf16": (64, 4096, "bf16", 1), "b64_fp8": (64, 4096, "fp8", 1), "b64_nvfp4": (64, 4096, "nvfp4", 1),
+    "spec8_bf16": (64, 4096, "bf16", 8), "spec8_fp8": (64, 4096, "fp8", 8), "spec8_b1_bf16": (1, 32768, "bf16", 8),
 }
+DEFAULT_CASES = {"merge": "b1_bf16,b1_fp8,b2_bf16,b16_bf16,b64_bf16,b64_fp8",
+                 "spec": "spec8_bf16,spec8_fp8,spec8_b1_bf16,b64_bf16"}
 REL_TOL = 2e-2  # max |o - ref| over max |ref|: bf16 output rounding and accumulation order
 
 
-def _reference(q, wide, bt, kv_len, scale):
-    """float32 attention of q [B, HQ, D] over the bf16 values of the cache, request by request."""
-    B, _, d = q.shape
-    out = torch.empty(B, HQ, d, dtype=torch.float32, device=q.device)
+def _reference(q, wide, bt, kv_len, scale, q_len, bits):
+    """float32 attention of q [B * q_len, HQ, D] over the bf16 values of the cache, request by
+    request; bits [B, q_len] (q_len > 1): draft i sees draft j where bit j of bits[b, i] is set
+    (every key before the drafts is visible)."""
+    d = q.shape[-1]
+    B = q.shape[0] // q_len
+    out = torch.empty(B * q_len, HQ, d, dtype=torch.float32, device=q.device)
     for b in range(B):
         kv = wide[bt[b].long()]  # [pages, 2, ps, Hkv, D]
         k = kv[:, 0].reshape(-1, HKV, d)[:kv_len].float()
         v = kv[:, 1].reshape(-1, HKV, d)[:kv_len].float()
-        qb = q[b].float().view(HKV, HQ // HKV, d)
-        s = torch.einsum("hgd,khd->hgk", qb, k) * scale
-        out[b] = torch.einsum("hgk,khd->hgd", s.softmax(-1), v).reshape(HQ, d)
+        qb = q[b * q_len:(b + 1) * q_len].float().view(q_len, HKV, HQ // HKV, d)
+        s = torch.einsum("qhgd,khd->qhgk", qb, k) * scale
+        if q_len > 1:
+            j = torch.arange(q_len, device=q.device)
+            keep = ((bits[b][:, None] >> j[None, :]) & 1).bool()  # [draft i, draft j]
+            s[..., kv_len - q_len:] = s[..., kv_len - q_len:].masked_fill(~keep[:, None, None, :], float("-inf"))
+        out[b * q_len:(b + 1) * q_len] = torch.einsum("qhgk,khd->qhgd", s.softmax(-1), v).reshape(q_len, HQ, d)
     return out
 
 
@@ -81,12 +95,20 @@ def run_case(name, env, settings, ws, warmup, rep, hd=128):
     bt = torch.randperm(pages, device="cuda", generator=gen).to(torch.int32).view(B, -1)
     sl = torch.full((B,), kv_len, dtype=torch.int32, device="cuda")
     scale = hd ** -0.5
-    ref = _reference(q, wide, bt, kv_len, scale)
+    bits = mask = None
+    if q_len > 1:  # a random draft mask (as the bench's spec8 row), every draft seeing itself
+        bits = torch.randint(0, 1 << q_len, (B, q_len), device="cuda", generator=gen) | (
+            1 << torch.arange(q_len, device="cuda"))
+        mask = torch.zeros(B, q_len, 2, dtype=torch.int16, device="cuda")  # one 32-bit word a draft
+        mask[:, :, 0] = bits.to(torch.int16)
+        mask = mask.view(torch.uint16)
+    ref = _reference(q, wide, bt, kv_len, scale, q_len, bits)
     outs, engines = {}, {}
 
     def call():
         return pyflashattn.decode.xqa_batch_decode_with_kv_cache(q, cache, ws, bt, sl, kv_len, bmm1_scale=scale,
-                                                                 out=outs[cur[0]], kv_cache_sf=cache_sf)
+                                                                 out=outs[cur[0]], kv_cache_sf=cache_sf,
+                                                                 q_len_per_req=q_len, mask=mask)
 
     cur = [None]
 
@@ -143,7 +165,7 @@ def run_case(name, env, settings, ws, warmup, rep, hd=128):
 def main():
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--switch", default="merge", choices=sorted(SWITCHES))
-    ap.add_argument("--cases", default="b1_bf16,b1_fp8,b2_bf16,b16_bf16,b64_bf16,b64_fp8")
+    ap.add_argument("--cases", help="comma-separated keys of CASES (default: the switch's DEFAULT_CASES)")
     ap.add_argument("--warmup", type=int, default=5)
     ap.add_argument("--rep", type=int, default=30)
     args = ap.parse_args()
@@ -153,7 +175,7 @@ def main():
           + ", ".join(f"{k}={v!r}" for k, v in settings.items()) + ")")
     print(f"device copy {_copy_tbs(args.warmup, args.rep):.3f} TB/s")
     failed = False
-    for name in args.cases.split(","):
+    for name in (args.cases or DEFAULT_CASES[args.switch]).split(","):
         failed |= run_case(name, env, settings, ws, args.warmup, args.rep) is None
     sys.exit(1 if failed else 0)
 

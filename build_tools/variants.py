@@ -179,7 +179,7 @@ class PrefillVariant:
                 "threads": self.threads, "smem_bytes": self.smem_bytes, "ctas_per_sm": self.ctas_per_sm,
                 "tune": self.tune, "general": self.general, "paged": self.paged, "decode": self.decode,
                 "rows_fastest": self.rows_fastest, "device_scale": self.device_scale,
-                "skip_softmax_rows": self.skip_softmax_rows}
+                "skip_softmax_rows": self.skip_softmax_rows, "spec_mask": self.spec_mask}
 
     @property
     def device_scale(self):
@@ -192,6 +192,12 @@ class PrefillVariant:
         warp's (its pair's) m16 row tiles; 0 where the kernel lacks it (PrefillSm80Config::
         SKIP_SOFTMAX: the general kernels and the decode tiles have it)."""
         return self.mq * MMA_ROWS if self.general or self.block_m < 128 else 0
+
+    @property
+    def spec_mask(self):
+        # honours XQA's speculative-decoding mask (PrefillParams.spec_mask_words; the general kernels
+        # every custom mask): the lean paged decode tiles (PrefillSm80Config::SPEC_MASK)
+        return self.general or (self.paged and self.block_m < 128)
 
 
 @dataclass(frozen=True)

@@ -527,8 +527,9 @@ def test_xqa_device_scales(fake):
     assert p.scale_dev == 0 and p.v_scale_dev == 0 and len(xqa._ENGINES) == 2
 
 
-@pytest.mark.parametrize("q_len", [2, 33])
-def test_xqa_spec_mask(fake, q_len):
+@pytest.mark.parametrize("q_len", [2, 16, 33])
+def test_xqa_spec_mask(fake, monkeypatch, q_len):
+    monkeypatch.delenv(xqa.SPEC_GENERAL_ENV, raising=False)
     words = -(-q_len // 32)
     mask = dev(fake, np.zeros((B, q_len, 2 * words), np.uint16), U16)
     call_xqa(xqa_args(fake, q_len=q_len, mask=mask))
@@ -538,7 +539,21 @@ def test_xqa_spec_mask(fake, q_len):
     assert staged(fake, p.mask_indptr, B + 1) == [b * q_len * words * 4 for b in range(B + 1)]
     assert staged(fake, p.qo_indptr, B + 1) == [b * q_len for b in range(B + 1)]
     (e,) = xqa._ENGINES.values()
-    assert e.attn.meta["general"]
+    # q_len * group packed rows: a lean paged decode tile holds up to 64 (it honours the mask),
+    # more take the general kernel
+    rows = q_len * HQ // HKV
+    assert e.attn.meta.get("spec_mask") or e.attn.meta["general"]
+    assert (e.attn.meta["decode"], e.attn.meta["general"]) == ((True, False) if rows <= 64 else (False, True))
+    assert e.attn.meta["block_m"] == (min(t for t in (16, 32, 64) if t >= rows) if rows <= 64 else 128)
+
+
+def test_xqa_spec_mask_general_switch(fake, monkeypatch):
+    """PYFLASHATTN_XQA_SPEC_GENERAL=1 (an A/B switch): spec masks on the general kernels."""
+    monkeypatch.setenv(xqa.SPEC_GENERAL_ENV, "1")
+    mask = dev(fake, np.zeros((B, 2, 2), np.uint16), U16)
+    call_xqa(xqa_args(fake, q_len=2, mask=mask))
+    (e,) = xqa._ENGINES.values()
+    assert e.attn.meta["general"] and attn_launch(fake)[3].spec_mask_words == 1
 
 
 def test_xqa_drafts_without_a_mask_are_causal(fake):

@@ -24,6 +24,7 @@ torch = require_cuda_torch()
 
 import pyflashattn  # noqa: E402
 from pyflashattn import decode  # noqa: E402
+from pyflashattn._engine import xqa as xqa_engine  # noqa: E402
 from pyflashattn.testing import attention_ref, to_numpy_f64  # noqa: E402
 from pyflashattn.testing.checks import assert_close  # noqa: E402
 from pyflashattn.testing.gpu import scratch_workspace as _ws, cuda_generator as _gen, cuda_randn as _randn  # noqa: E402
@@ -239,6 +240,8 @@ XQA_CASES = [
     ("spec4-causal", [40, 300], 16, 4, 128, 16, "NHD", BF16, 4, None, "5d"),
     ("spec4-mask", [40, 300, 9], 16, 4, 128, 16, "NHD", F16, 4, "random", "5d"),
     ("spec40-mask", [200, 95], 8, 8, 64, 16, "NHD", F16, 40, "random", "tuple"),
+    ("spec8-g4-mask", [300, 2500, 8], 32, 8, 128, 16, "NHD", BF16, 8, "random", "5d"),
+    ("spec16-g4-d64-mask", [700, 16], 16, 4, 64, 16, "HND", F16, 16, "random", "tuple"),
 ]
 
 
@@ -286,6 +289,33 @@ def test_xqa(case):
     ref = _refs(q, pg, q_len, hq, masks=masks, sinks=sinks, v_scale=1.3, sm_scale=bmm1,
                 causal=q_len > 1 and masks is None)
     _check(out, None, ref, dtype, name)
+
+
+@pytest.mark.parametrize("general", ["0", "1"], ids=["decode_tile", "general"])
+@pytest.mark.parametrize("kv_dtype", [None, torch.float8_e4m3fn], ids=["bf16", "fp8"])
+def test_xqa_spec_mask_on_either_kernel(monkeypatch, general, kv_dtype):
+    """An 8-token draft mask at GQA 4 (32 packed rows): on the lean paged decode tile that honours
+    it, or on the general kernel (PYFLASHATTN_XQA_SPEC_GENERAL=1); long requests split KV."""
+    monkeypatch.setenv("PYFLASHATTN_XQA_SPEC_GENERAL", general)
+    xqa_engine._ENGINES.clear()  # XQA caches a plan per shape, whatever the switch said then
+    xqa_engine._FAST.clear()
+    q_len, hq, hkv, d, ps = 8, 32, 8, 128, 16
+    kv_lens = [5000, 64, 1500]
+    g = _gen("xqa-spec", general, str(kv_dtype))
+    pg = Paged(kv_lens, hkv, d, ps, "NHD", BF16, g, kv_dtype=kv_dtype)
+    q = _randn((len(kv_lens) * q_len, hq, d), g, BF16)
+    mask, masks = _spec_masks(q_len, kv_lens, g)
+    seq = torch.tensor(kv_lens, dtype=torch.int32, device=DEV)
+    out = torch.full_like(q, float("nan"))
+    bmm1 = 1 / math.sqrt(d)
+    decode.xqa_batch_decode_with_kv_cache(q, pg.cache, _ws(), pg.table.to(DEV), seq, max(kv_lens), bmm1_scale=bmm1,
+                                          out=out, q_len_per_req=q_len, mask=mask)
+    (e,) = [e for e in xqa_engine._ENGINES.values() if e.shape[0] == q.shape[0]]
+    assert e.attn.meta["general"] == (general == "1") and e.attn.meta["block_m"] == (128 if general == "1" else 32)
+    xqa_engine._ENGINES.clear()
+    xqa_engine._FAST.clear()
+    ref = _refs(q, pg, q_len, hq, masks=masks, sm_scale=bmm1)
+    _check(out, None, ref, BF16, f"spec mask general={general} {kv_dtype}", FP8_O_TOL if kv_dtype else None)
 
 
 def test_xqa_device_scales_fp8_and_graph():

@@ -116,6 +116,10 @@ struct PrefillSm80Config {
   // skip-softmax calls run on the general kernel of the same tile (BatchEngine.apply_skip_softmax).
   // variants.py's skip_softmax_rows (the manifest) mirrors the rule.
   static constexpr bool SKIP_SOFTMAX = GENERAL || BLOCK_M < 128;
+  // The lean paged decode tiles honour XQA's speculative-decoding mask (spec_mask_words > 0),
+  // the only custom mask they take: 8-token speculative decode then streams K/V as plain decode
+  // does instead of running the 128-row general kernel. variants.py's spec_mask mirrors the rule.
+  static constexpr bool SPEC_MASK = !GENERAL && PAGED && BLOCK_M < 128;
 
   // ---- dynamic shared memory, in this order ----
   // Q, then KV_STAGES (K, V) ring pairs (stage i: K at tile 2i, V at 2i+1), then (fp8, NVFP4) the
