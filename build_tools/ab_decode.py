@@ -3,13 +3,14 @@ heads, head_dim 128, page 16 in random order) through xqa_batch_decode_with_kv_c
 
     python build_tools/ab_decode.py [--switch merge] [--cases b1_bf16,b1_fp8,...] [--rep 30]
 
-A switch is an environment variable the engine reads at plan time; each of its settings (old,
-new) plans its own engine (XQA caches one per shape, so the cache is swapped per setting). Every
+A switch's settings are environment variables the engine reads at plan time and/or a kernel
+forced by name (registry.force: the `make TUNE=1` decode tiles); each setting plans its own engine
+(XQA caches one per shape, so the cache is swapped per setting). Every
 setting's output is checked against a float32 reference over the same values as the cache holds
 (fp8 / NVFP4 widen exactly to bf16) before it is timed; then the settings are timed in
 interleaved rounds (CUDA events, L2 flushed, median). Printed per case and setting: us, KV bytes
-read per second (as stored), the new / old speed ratio, and the device copy bandwidth of the
-same run for the "vs copy" goal.
+read per second (as stored), each setting's speed over "old", and the device copy bandwidth of
+the same run for the "vs copy" goal. A setting that forces no kernel for a case's cache is skipped.
 
 Switches:
   merge  PYFLASHATTN_MERGE_CTA_PER_ROW: old = "0" (one warp per (row, head)), new = unset (a CTA
@@ -17,6 +18,10 @@ Switches:
   spec   PYFLASHATTN_XQA_SPEC_GENERAL: old = "1" (a speculative-decoding mask on the 128-row
          general kernel), new = unset (on the lean paged decode tile that honours it); the
          spec8_* cases (8 drafts a request, a random draft mask, GQA 4: 32 packed rows)
+  waves  PYFLASHATTN_DECODE_SPLIT_WAVES: the decode tiles' split-KV budget in waves (old = the
+         default: 1 for bf16, 2 for fp8 / NVFP4) against 0.5, 1, 2 and 4
+  tile   the 16-row decode tile against the `make TUNE=1` alternatives (variants.DECODE_TUNE_TILES:
+         3 K/V stages; fp8 32-key tiles)
 """
 from __future__ import annotations
 
@@ -28,13 +33,23 @@ import torch
 
 import pyflashattn
 from pyflashattn._engine import xqa
+from pyflashattn._runtime import registry
 from pyflashattn.bench.decode_xqa import _nvfp4_cache
 from pyflashattn.testing.bench_util import bench_samples_ms, interleaved_median_ms
 
 HQ, HKV, PS = 32, 8, 16
+_S3 = {"bf16": "pfa_prefill_sm80_bf16_hd128_m16n32w1s3_lr_paged",
+       "fp8": "pfa_prefill_sm80_bf16_kvfp8_hd128_m16n16w1s3_lr_paged"}
+# switch -> setting -> (environment: variable -> value, None = unset; cache kind -> forced kernel)
 SWITCHES = {
-    "merge": ("PYFLASHATTN_MERGE_CTA_PER_ROW", {"old": "0", "new": None}),
-    "spec": ("PYFLASHATTN_XQA_SPEC_GENERAL", {"old": "1", "new": None}),
+    "merge": {"old": ({"PYFLASHATTN_MERGE_CTA_PER_ROW": "0"}, None),
+              "new": ({"PYFLASHATTN_MERGE_CTA_PER_ROW": None}, None)},
+    "spec": {"old": ({"PYFLASHATTN_XQA_SPEC_GENERAL": "1"}, None),
+             "new": ({"PYFLASHATTN_XQA_SPEC_GENERAL": None}, None)},
+    "waves": {"old": ({"PYFLASHATTN_DECODE_SPLIT_WAVES": None}, None),
+              **{f"w{w}": ({"PYFLASHATTN_DECODE_SPLIT_WAVES": w}, None) for w in ("0.5", "1", "2", "4")}},
+    "tile": {"old": ({}, None), "s3": ({}, _S3),
+             "n32": ({}, {"fp8": "pfa_prefill_sm80_bf16_kvfp8_hd128_m16n32w1s2_lr_paged"})},
 }
 # case -> (batch, kv_len, cache kind, q_len)
 CASES = {
@@ -44,7 +59,9 @@ CASES = {
     "spec8_bf16": (64, 4096, "bf16", 8), "spec8_fp8": (64, 4096, "fp8", 8), "spec8_b1_bf16": (1, 32768, "bf16", 8),
 }
 DEFAULT_CASES = {"merge": "b1_bf16,b1_fp8,b2_bf16,b16_bf16,b64_bf16,b64_fp8",
-                 "spec": "spec8_bf16,spec8_fp8,spec8_b1_bf16,b64_bf16"}
+                 "spec": "spec8_bf16,spec8_fp8,spec8_b1_bf16,b64_bf16",
+                 "waves": "b1_bf16,b1_fp8,b16_bf16,b16_fp8",
+                 "tile": "b64_bf16,b64_fp8,b16_bf16,b1_bf16"}
 REL_TOL = 2e-2  # max |o - ref| over max |ref|: bf16 output rounding and accumulation order
 
 
@@ -77,8 +94,10 @@ def _copy_tbs(warmup, rep):
     return 2 * src.numel() / (t * 1e-3) / 1e12
 
 
-def run_case(name, env, settings, ws, warmup, rep, hd=128):
+def run_case(name, settings, ws, warmup, rep, hd=128):
     B, kv_len, kind, q_len = CASES[name]
+    settings = {s: (env, None if force is None else force[kind]) for s, (env, force) in settings.items()
+                if force is None or kind in force}
     gen = torch.Generator(device="cuda").manual_seed(sum(name.encode()))
     pages = B * kv_len // PS
     codes, sf, wide = _nvfp4_cache(torch, pages, hd, gen)
@@ -120,16 +139,26 @@ def run_case(name, env, settings, ws, warmup, rep, hd=128):
         if setting in engines:
             xqa._ENGINES.update(engines[setting])
             return
-        value = settings[setting]
-        if value is None:
-            os.environ.pop(env, None)
-        else:
-            os.environ[env] = value
-        outs[setting] = torch.full_like(q, float("nan"))
-        call()
-        torch.cuda.synchronize()
+        env, forced = settings[setting]
+        saved = {k: os.environ.get(k) for k in env}
+        for k, v in env.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
+        registry.force("prefill", forced)
+        try:
+            outs[setting] = torch.full_like(q, float("nan"))
+            call()
+            torch.cuda.synchronize()
+        finally:
+            registry.force("prefill", None)
+            for k, v in saved.items():
+                if v is None:
+                    os.environ.pop(k, None)
+                else:
+                    os.environ[k] = v
         engines[setting] = dict(xqa._ENGINES)
-        os.environ.pop(env, None)
 
     errors = []
     for s in settings:
@@ -154,9 +183,8 @@ def run_case(name, env, settings, ws, warmup, rep, hd=128):
     ms = interleaved_median_ms({s: timer(s) for s in settings}, warmup, rep, errors)
     row = {s: (ms[s] * 1e3, nbytes / (ms[s] * 1e-3) / 1e12) for s in ms}
     for s, (us, tbs) in row.items():
-        print(f"{name:10s} {s:4s} {us:9.1f} us {tbs:6.3f} TB/s")
-    if "old" in row and "new" in row:
-        print(f"{name:10s} new/old speed {row['old'][0] / row['new'][0]:.3f}")
+        vs = f"  {row['old'][0] / us:.3f}x old" if "old" in row and s != "old" else ""
+        print(f"{name:14s} {s:4s} {us:9.1f} us {tbs:6.3f} TB/s{vs}")
     xqa._ENGINES.clear()
     xqa._FAST.clear()
     return row
@@ -169,14 +197,14 @@ def main():
     ap.add_argument("--warmup", type=int, default=5)
     ap.add_argument("--rep", type=int, default=30)
     args = ap.parse_args()
-    env, settings = SWITCHES[args.switch]
+    settings = SWITCHES[args.switch]
     ws = torch.zeros(256 << 20, dtype=torch.uint8, device="cuda")
-    print(f"{torch.cuda.get_device_name()}: switch {args.switch} ({env}: "
-          + ", ".join(f"{k}={v!r}" for k, v in settings.items()) + ")")
+    print(f"{torch.cuda.get_device_name()}: switch {args.switch}: "
+          + "; ".join(f"{k} = {env or ''}{' ' + str(f) if f else ''}" for k, (env, f) in settings.items()))
     print(f"device copy {_copy_tbs(args.warmup, args.rep):.3f} TB/s")
     failed = False
     for name in (args.cases or DEFAULT_CASES[args.switch]).split(","):
-        failed |= run_case(name, env, settings, ws, args.warmup, args.rep) is None
+        failed |= run_case(name, settings, ws, args.warmup, args.rep) is None
     sys.exit(1 if failed else 0)
 
 

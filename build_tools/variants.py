@@ -404,6 +404,15 @@ PREFILL_TUNE_TILES = {
           (8, 2, 64, False, 2, 1, False, True)],
 }
 
+# Alternative paged decode tiles for `make TUNE=1` (kv_dtype, head_dim) -> tiles, compared with the
+# defaults by build_tools/ab_decode.py --switch tile: a third K/V stage (two tiles in flight a CTA,
+# four CTAs per SM instead of five) for the bandwidth-bound 16-bit stream; over fp8, 32-key tiles
+# (one widening pass and barrier pair per 32 keys) and a third stage.
+DECODE_TUNE_TILES = {
+    ("", 128): [(1, 1, 32, False, 3, 1, True)],
+    ("fp8", 128): [(1, 1, 32, False, 2, 1, True), (1, 1, 16, False, 3, 1, True)],
+}
+
 
 def _lean_kernel(v):
     """The 128-row lean kernel over the same dtype, head dim, K/V storage and paging as row v."""
@@ -463,6 +472,8 @@ def variants(tune=False):
                                                           decode=True))
             if tune:
                 out += [PrefillVariant(dtype, hd, *t, tune=True) for t in PREFILL_TUNE_TILES[hd]]
+                out += [PrefillVariant(dtype, hd, *t, paged=True, kv_dtype=kv, decode=True, tune=True)
+                        for kv in ("", "fp8") for t in DECODE_TUNE_TILES.get((kv, hd), ())]
         out += [HopperPrefillVariant(dtype, hd, *tile) for hd, tile in HOPPER_TILES.items()]
         out += [HopperPrefillVariant(dtype, hd, *tile, paged=True) for hd, tile in HOPPER_TILES_PAGED.items()]
         if tune:

@@ -16,7 +16,7 @@ import numpy as np
 import pytest
 
 from pyflashattn import decode
-from pyflashattn._engine import indices, params, xqa
+from pyflashattn._engine import indices, params, routing, xqa
 from pyflashattn._engine.xqa import planned_pages
 from pyflashattn._runtime import dtypes as _dtypes
 from pyflashattn.testing.fake_driver import (
@@ -330,6 +330,24 @@ def test_split_merge_of_one_request_runs_a_cta_per_row(fake, monkeypatch, env, c
     assert ("cta_per_row=True" in name) == cta
     assert grid == ((HQ, 1, 1) if cta else (-(-HQ // params.MERGE_ROWS_PER_BLOCK), 1, 1))
     assert mp.rows == 1 and mp.num_heads == HQ
+
+
+def test_decode_split_waves_switch(fake, monkeypatch):
+    """PYFLASHATTN_DECODE_SPLIT_WAVES scales the decode tiles' split budget (read when the route is
+    resolved); unset: one wave, two over a widened (fp8 / NVFP4) cache; not a positive number: refused."""
+    monkeypatch.delenv(routing.DECODE_WAVES_ENV, raising=False)
+    assert routing.decode_waves(False) == 1 and routing.decode_waves(True) == routing.FP8_DECODE_WAVES
+    for waves in (None, "0.5", "3"):
+        if waves is not None:
+            monkeypatch.setenv(routing.DECODE_WAVES_ENV, waves)
+        w = dec(fake)
+        plan_dec(w)
+        ld, budget, cps = w._engine.cfg.route.decode[16]
+        assert budget == int(132 * cps * (1 if waves is None else float(waves)))
+    for bad in ("0", "-1", "x"):
+        monkeypatch.setenv(routing.DECODE_WAVES_ENV, bad)
+        with pytest.raises(ValueError, match=routing.DECODE_WAVES_ENV):
+            routing.decode_waves(False)
 
 
 def test_split_merge_of_many_rows_keeps_a_warp_per_row(fake, monkeypatch):
