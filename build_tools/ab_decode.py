@@ -60,7 +60,7 @@ CASES = {
 }
 DEFAULT_CASES = {"merge": "b1_bf16,b1_fp8,b2_bf16,b16_bf16,b64_bf16,b64_fp8",
                  "spec": "spec8_bf16,spec8_fp8,spec8_b1_bf16,b64_bf16",
-                 "waves": "b1_bf16,b1_fp8,b16_bf16,b16_fp8",
+                 "waves": "b1_bf16,b1_fp8,b16_bf16,b64_bf16,b64_fp8",
                  "tile": "b64_bf16,b64_fp8,b16_bf16,b1_bf16"}
 REL_TOL = 2e-2  # max |o - ref| over max |ref|: bf16 output rounding and accumulation order
 
