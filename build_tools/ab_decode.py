@@ -162,6 +162,9 @@ def run_case(name, settings, ws, warmup, rep, hd=128):
                 else:
                     os.environ[k] = v
         engines[setting] = dict(xqa._ENGINES)
+        (e,) = engines[setting].values()
+        if forced is not None and e.attn.name != forced:
+            raise RuntimeError(f"{setting}: {forced} did not run ({e.attn.name} did): build with `make TUNE=1`")
 
     errors = []
     for s in settings:
@@ -169,7 +172,7 @@ def run_case(name, settings, ws, warmup, rep, hd=128):
         err = ((outs[s].float() - ref).abs().max() / ref.abs().max()).item()
         if not err <= REL_TOL:  # NaN fails too
             errors.append(f"{s}: max error {err:.3g} over max |ref| (> {REL_TOL})")
-        e = engines[s][next(iter(engines[s]))]
+        (e,) = engines[s].values()
         print(f"  {name} {s}: attention {e.attn.name} grid {e.attn.grid}"
               + (f", merge {e.merge.name} grid {e.merge.grid}" if e.merge is not None else ", no merge")
               + f"; rel. error {err:.2e}")
