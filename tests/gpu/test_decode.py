@@ -207,6 +207,40 @@ def test_split_merge_forms(monkeypatch, cta, d, dtype, kv_lens, fss, window):
     _check(out, lse, ref, dtype, f"merge cta_per_row={cta}")
 
 
+# ---------------------------------------------------------------- fp8 widening
+@pytest.mark.parametrize("d", [128, 256])
+@pytest.mark.parametrize("dtype", [F16, BF16])
+@pytest.mark.parametrize("fmt", ["e4m3", "e5m2"])
+def test_fp8_widening_is_exact_for_every_code(fmt, dtype, d):
+    """Every fp8 code but the Inf/NaN encodings, widened by the decode tiles: one key a request, so
+    o is exactly its V row (bit for bit) and the LSE its logit over K's codes (in another order)."""
+    fp8 = torch.float8_e4m3fn if fmt == "e4m3" else torch.float8_e5m2
+    codes = torch.arange(256, dtype=torch.int32)
+    special = (codes & 0x7F) == 0x7F if fmt == "e4m3" else (codes & 0x7C) == 0x7C
+    codes = torch.where(special, torch.zeros_like(codes), codes).to(torch.uint8)
+    B, ps = 256 // d, 16
+    raw = torch.zeros(B + 1, 2, ps, 1, d, dtype=torch.uint8)  # page 0 unused
+    for b in range(B):
+        raw[b + 1, 0, 0, 0] = codes.roll(37)[b * d:(b + 1) * d]
+        raw[b + 1, 1, 0, 0] = codes[b * d:(b + 1) * d]
+    cache = raw.to(DEV).view(fp8)
+    k = [cache[b + 1, 0, :1].float().double() for b in range(B)]  # [1, 1, d]: exact
+    v = [cache[b + 1, 1, :1].float().double() for b in range(B)]
+    g = _gen("fp8-codes", fmt, str(dtype), d)
+    q = _randn((B, 1, d), g, dtype, 1e-3)  # e5m2 keys reach 57344: keep the logits moderate
+    i32 = lambda x: torch.tensor(x, dtype=torch.int32, device=DEV)  # noqa: E731
+    w = decode.BatchDecodeWithPagedKVCacheWrapper(_ws(), "NHD")
+    w.plan(i32(list(range(B + 1))), i32(list(range(1, B + 1))), i32([1] * B), 1, 1, d, ps, q_data_type=dtype,
+           kv_data_type=fp8)
+    out = torch.full_like(q, float("nan"))
+    lse = torch.full((B, 1), float("nan"), device=DEV)
+    w.run(q, cache, out=out, lse=lse)
+    want = torch.stack([x[0] for x in v]).to(DEV)  # [B, 1, d]
+    assert torch.equal(out.double(), want), f"{fmt} -> {dtype}: a widened V code differs"
+    ref_lse = np.concatenate([attention_ref(q[b:b + 1], k[b], v[b])[1] for b in range(B)])
+    assert_close(to_numpy_f64(lse), ref_lse, what=f"{fmt} -> {dtype} lse", **LSE_TOL)
+
+
 # ---------------------------------------------------------------- single decode
 @pytest.mark.parametrize("layout,d,hq,hkv,n,opts", [
     ("NHD", 128, 32, 8, 5000, {}),
