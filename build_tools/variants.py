@@ -196,8 +196,10 @@ class PrefillVariant:
     @property
     def spec_mask(self):
         # honours XQA's speculative-decoding mask (PrefillParams.spec_mask_words; the general kernels
-        # every custom mask): the lean paged decode tiles (PrefillSm80Config::SPEC_MASK)
-        return self.general or (self.paged and self.block_m < 128)
+        # every custom mask): the lean paged hd128 decode tiles over 16-bit or fp8 K/V
+        # (PrefillSm80Config::SPEC_MASK)
+        return self.general or (self.paged and self.block_m < 128 and self.head_dim == 128
+                                and self.kv_dtype != "nvfp4")
 
 
 @dataclass(frozen=True)
