@@ -183,7 +183,7 @@ def test_batch_decode_block_tables_plan_and_graph():
 @pytest.mark.parametrize("cta", ["1", "0"], ids=["cta_per_row", "warp_per_row"])
 @pytest.mark.parametrize("d,dtype", [(64, F16), (128, BF16), (256, F16)])
 @pytest.mark.parametrize("kv_lens,fss,window", [
-    ([5000], 32, -1),         # ~157 chunks: 40 a warp in the CTA form (past one 32-chunk weight word)
+    ([5000], 32, -1),         # 157 chunks (hd64: 79): 40 a warp in the CTA form, past one 32-chunk weight word
     ([0, 3000], 256, -1),     # two requests, one empty; 12 chunks
     ([70], 32, -1),           # 3 chunks: fewer than the CTA's warps
     ([2500, 900], 64, 100),   # a window: most chunks hold no visible key (lse = -inf partials)
