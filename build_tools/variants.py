@@ -96,6 +96,9 @@ class PrefillVariant:
     # The archs it is built for; None = every arch of its impl whose shared memory holds it
     # (variants() narrows the decode tiles to where the host can route them).
     archs: tuple = None
+    # A/B hook (tune rows only): the fp8 widening as it was (sm80/fp8_widen_legacy.cuh), timed
+    # against the current one by build_tools/ab_decode.py --switch tile. Remove once recorded.
+    legacy_widen: bool = False
 
     def __post_init__(self):
         if self.archs is None:
@@ -116,7 +119,7 @@ class PrefillVariant:
     def name(self):
         return (f"pfa_prefill_{self.impl}_{self.dtype}{'_kv' + self.kv_dtype if self.kv_dtype else ''}_hd{self.head_dim}"
                 f"_m{self.block_m}n{self.block_n}w{self.warps}s{self.stages}{'_qr' if self.q_in_regs else ''}{'_lr' if self.lazy_rescale else ''}{'_pr' if self.pair else ''}"
-                f"{'_gen' if self.general else ''}{'_paged' if self.paged else ''}")
+                f"{'_gen' if self.general else ''}{'_paged' if self.paged else ''}{'_lw' if self.legacy_widen else ''}")
 
     @property
     def threads(self):
@@ -165,7 +168,8 @@ class PrefillVariant:
         return self.pair and not self.paged
 
     def source(self):
-        return (f'#include "pfa/attention/prefill_{self.impl}.cuh"\n'
+        return (("#define PFA_FP8_WIDEN_LEGACY 1\n" if self.legacy_widen else "") +
+                f'#include "pfa/attention/prefill_{self.impl}.cuh"\n'
                 f"PFA_DEFINE_PREFILL_{self.impl.upper()}({self.name}, {DTYPES[self.dtype]}, "
                 f"{KV_STORAGE[self.kv_dtype] if self.kv_dtype else DTYPES[self.dtype]}, {self.head_dim}, {self.warps}, "
                 f"{self.mq}, {self.block_n}, {'true' if self.q_in_regs else 'false'}, {self.stages}, {self.min_blocks}, "
@@ -179,7 +183,7 @@ class PrefillVariant:
                 "threads": self.threads, "smem_bytes": self.smem_bytes, "ctas_per_sm": self.ctas_per_sm,
                 "tune": self.tune, "general": self.general, "paged": self.paged, "decode": self.decode,
                 "rows_fastest": self.rows_fastest, "device_scale": self.device_scale,
-                "skip_softmax_rows": self.skip_softmax_rows}
+                "skip_softmax_rows": self.skip_softmax_rows, "spec_mask": self.spec_mask}
 
     @property
     def device_scale(self):
@@ -192,6 +196,14 @@ class PrefillVariant:
         warp's (its pair's) m16 row tiles; 0 where the kernel lacks it (PrefillSm80Config::
         SKIP_SOFTMAX: the general kernels and the decode tiles have it)."""
         return self.mq * MMA_ROWS if self.general or self.block_m < 128 else 0
+
+    @property
+    def spec_mask(self):
+        # honours XQA's speculative-decoding mask (PrefillParams.spec_mask_words; the general kernels
+        # every custom mask): the lean paged hd128 decode tiles over 16-bit or fp8 K/V
+        # (PrefillSm80Config::SPEC_MASK)
+        return self.general or (self.paged and self.block_m < 128 and self.head_dim == 128
+                                and self.kv_dtype != "nvfp4")
 
 
 @dataclass(frozen=True)
@@ -361,23 +373,28 @@ PAGE_THREADS = 256
 @dataclass(frozen=True)
 class MergeVariant:
     dtype: str
+    # One CTA per (row, head), its warps sharing the row's chunks (merge.cuh merge_cta): for few
+    # rows over many chunks, where one warp per (row, head) leaves SMs idle and walks every chunk.
+    cta_per_row: bool = False
     tune: bool = False
     impl: str = PORTABLE
     archs: tuple = ARCHS_DEFAULT
 
     @property
     def name(self):
-        return f"pfa_merge_{self.dtype}"
+        return f"pfa_merge{'_cta' if self.cta_per_row else ''}_{self.dtype}"
 
     def source(self):
-        return f'#include "pfa/attention/merge.cuh"\nPFA_DEFINE_MERGE({self.name}, {DTYPES[self.dtype]})\n'
+        macro = "PFA_DEFINE_MERGE_CTA" if self.cta_per_row else "PFA_DEFINE_MERGE"
+        return f'#include "pfa/attention/merge.cuh"\n{macro}({self.name}, {DTYPES[self.dtype]})\n'
 
     def manifest(self):
         # programmatic_launch: it follows the attention kernel on the stream and waits for it in
         # griddepcontrol.wait before reading a partial (sm_90+; launched plainly elsewhere).
         return {"family": "merge", "impl": self.impl, "dtype": self.dtype, "warps": MERGE_THREADS // WARP_THREADS,
-                "threads": MERGE_THREADS, "smem_bytes": 0, "rows_per_block": MERGE_ROWS_PER_BLOCK,
-                "programmatic_launch": True, "tune": self.tune}
+                "threads": MERGE_THREADS, "smem_bytes": 0,
+                "rows_per_block": 1 if self.cta_per_row else MERGE_ROWS_PER_BLOCK,
+                "cta_per_row": self.cta_per_row, "programmatic_launch": True, "tune": self.tune}
 
 
 CASCADE_THREADS = 128  # CascadeMerge::WARPS * 32: one warp per (row, head)
@@ -472,6 +489,15 @@ PREFILL_TUNE_TILES = {
           (8, 2, 64, False, 2, 1, False, True)],
 }
 
+# Alternative paged decode tiles for `make TUNE=1` (kv_dtype, head_dim) -> tiles, compared with the
+# defaults by build_tools/ab_decode.py --switch tile: a third K/V stage (two tiles in flight a CTA,
+# four CTAs per SM instead of five) for the bandwidth-bound 16-bit stream; over fp8, 32-key tiles
+# (one widening pass and barrier pair per 32 keys) and a third stage.
+DECODE_TUNE_TILES = {
+    ("", 128): [(1, 1, 32, False, 3, 1, True)],
+    ("fp8", 128): [(1, 1, 32, False, 2, 1, True), (1, 1, 16, False, 3, 1, True)],
+}
+
 
 def _lean_kernel(v):
     """The 128-row lean kernel over the same dtype, head dim, K/V storage and paging as row v."""
@@ -531,6 +557,11 @@ def variants(tune=False):
                                                           decode=True))
             if tune:
                 out += [PrefillVariant(dtype, hd, *t, tune=True) for t in PREFILL_TUNE_TILES[hd]]
+                out += [PrefillVariant(dtype, hd, *t, paged=True, kv_dtype=kv, decode=True, tune=True)
+                        for kv in ("", "fp8") for t in DECODE_TUNE_TILES.get((kv, hd), ())]
+                if hd == 128:  # the fp8 16-row decode tile with the widening as it was (A/B hook)
+                    out.append(PrefillVariant(dtype, hd, *DECODE_TILES_FP8[hd], paged=True, kv_dtype="fp8",
+                                              decode=True, tune=True, legacy_widen=True))
         out += [HopperPrefillVariant(dtype, hd, *tile) for hd, tile in HOPPER_TILES.items()]
         out += [HopperPrefillVariant(dtype, hd, *tile, paged=True) for hd, tile in HOPPER_TILES_PAGED.items()]
         out += [HopperPrefillVariant(dtype, hd, *tile, paged=paged, skip=True)
@@ -540,7 +571,7 @@ def variants(tune=False):
                     for hd, tile in HOPPER_TILES.items()]
             out += [HopperPrefillVariant(dtype, hd, *tile, tune=True) for hd, tile in HOPPER_TUNE_TILES]
             out += [HopperPrefillVariant(dtype, hd, *tile, tma=True, tune=True) for hd, tile in HOPPER_TILES.items()]
-        out.append(MergeVariant(dtype))
+        out += [MergeVariant(dtype), MergeVariant(dtype, cta_per_row=True)]
     out += [HopperFp8PrefillVariant(hd, *tile) for hd, tile in HOPPER_FP8_TILES.items()]
     out += nvfp4_variants()
     out.append(MiscVariant("packbits", PACKBITS_THREADS))

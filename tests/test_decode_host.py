@@ -16,7 +16,7 @@ import numpy as np
 import pytest
 
 from pyflashattn import decode
-from pyflashattn._engine import indices, xqa
+from pyflashattn._engine import indices, params, routing, xqa
 from pyflashattn._engine.xqa import planned_pages
 from pyflashattn._runtime import dtypes as _dtypes
 from pyflashattn.testing.fake_driver import (
@@ -315,6 +315,51 @@ def merge_launch(fake):
     return launches[-1]
 
 
+@pytest.mark.parametrize("env, cta", [(None, True), ("0", False), ("1", True)])
+def test_split_merge_of_one_request_runs_a_cta_per_row(fake, monkeypatch, env, cta):
+    """One request's HQ rows over 4 chunks leave SMs idle with a warp per (row, head): the merge
+    runs a CTA per (row, head) (grid HQ), unless PYFLASHATTN_MERGE_CTA_PER_ROW forces a form."""
+    if env is None:
+        monkeypatch.delenv(params.MERGE_CTA_ENV, raising=False)
+    else:
+        monkeypatch.setenv(params.MERGE_CTA_ENV, env)
+    w = dec(fake)
+    split_plan(w)
+    w.run(T((1, HQ, D)), cache(), out=T((1, HQ, D), data=0x400000))
+    name, grid, _, mp = merge_launch(fake)
+    assert ("cta_per_row=True" in name) == cta
+    assert grid == ((HQ, 1, 1) if cta else (-(-HQ // params.MERGE_ROWS_PER_BLOCK), 1, 1))
+    assert mp.rows == 1 and mp.num_heads == HQ
+
+
+def test_decode_split_waves_switch(fake, monkeypatch):
+    """PYFLASHATTN_DECODE_SPLIT_WAVES scales the decode tiles' split budget (read when the route is
+    resolved); unset: one wave, two over a widened (fp8 / NVFP4) cache; not a positive number: refused."""
+    monkeypatch.delenv(routing.DECODE_WAVES_ENV, raising=False)
+    assert routing.decode_waves(False) == 1 and routing.decode_waves(True) == routing.FP8_DECODE_WAVES
+    for waves in (None, "0.5", "3"):
+        if waves is not None:
+            monkeypatch.setenv(routing.DECODE_WAVES_ENV, waves)
+        w = dec(fake)
+        plan_dec(w)
+        ld, budget, cps = w._engine.cfg.route.decode[16]
+        assert budget == int(132 * cps * (1 if waves is None else float(waves)))
+    for bad in ("0", "-1", "x"):
+        monkeypatch.setenv(routing.DECODE_WAVES_ENV, bad)
+        with pytest.raises(ValueError, match=routing.DECODE_WAVES_ENV):
+            routing.decode_waves(False)
+
+
+def test_split_merge_of_many_rows_keeps_a_warp_per_row(fake, monkeypatch):
+    """Enough (row, head) pairs for a CTA of four warps on every SM: the one-warp merge."""
+    monkeypatch.delenv(params.MERGE_CTA_ENV, raising=False)
+    assert params.merge_cta_per_row(0, 1, HQ)
+    sms = 132  # the fake GPU's
+    rows = -(-sms * params.MERGE_ROWS_PER_BLOCK // HQ)
+    assert not params.merge_cta_per_row(0, rows, HQ)
+    assert params.merge_cta_per_row(0, rows - 1, HQ) == ((rows - 1) * HQ < sms * params.MERGE_ROWS_PER_BLOCK)
+
+
 def test_decode_sinks_reach_attention_and_merge_and_a_later_run_clears_them(fake):
     w = dec(fake)
     split_plan(w)
@@ -500,8 +545,9 @@ def test_xqa_device_scales(fake):
     assert p.scale_dev == 0 and p.v_scale_dev == 0 and len(xqa._ENGINES) == 2
 
 
-@pytest.mark.parametrize("q_len", [2, 33])
-def test_xqa_spec_mask(fake, q_len):
+@pytest.mark.parametrize("q_len", [2, 16, 33])
+def test_xqa_spec_mask(fake, monkeypatch, q_len):
+    monkeypatch.delenv(xqa.SPEC_GENERAL_ENV, raising=False)
     words = -(-q_len // 32)
     mask = dev(fake, np.zeros((B, q_len, 2 * words), np.uint16), U16)
     call_xqa(xqa_args(fake, q_len=q_len, mask=mask))
@@ -511,7 +557,21 @@ def test_xqa_spec_mask(fake, q_len):
     assert staged(fake, p.mask_indptr, B + 1) == [b * q_len * words * 4 for b in range(B + 1)]
     assert staged(fake, p.qo_indptr, B + 1) == [b * q_len for b in range(B + 1)]
     (e,) = xqa._ENGINES.values()
-    assert e.attn.meta["general"]
+    # q_len * group packed rows: a lean paged decode tile holds up to 64 (it honours the mask),
+    # more take the general kernel
+    rows = q_len * HQ // HKV
+    assert e.attn.meta.get("spec_mask") or e.attn.meta["general"]
+    assert (e.attn.meta["decode"], e.attn.meta["general"]) == ((True, False) if rows <= 64 else (False, True))
+    assert e.attn.meta["block_m"] == (min(t for t in (16, 32, 64) if t >= rows) if rows <= 64 else 128)
+
+
+def test_xqa_spec_mask_general_switch(fake, monkeypatch):
+    """PYFLASHATTN_XQA_SPEC_GENERAL=1 (an A/B switch): spec masks on the general kernels."""
+    monkeypatch.setenv(xqa.SPEC_GENERAL_ENV, "1")
+    mask = dev(fake, np.zeros((B, 2, 2), np.uint16), U16)
+    call_xqa(xqa_args(fake, q_len=2, mask=mask))
+    (e,) = xqa._ENGINES.values()
+    assert e.attn.meta["general"] and attn_launch(fake)[3].spec_mask_words == 1
 
 
 def test_xqa_drafts_without_a_mask_are_causal(fake):

@@ -39,6 +39,7 @@ KERNELS_sm_80 := \
   pfa_prefill_sm80_f16_kvfp8_hd128_m64n16w4s2_lr_paged \
   pfa_prefill_sm80_f16_hd256_m16n32w1s2_lr \
   pfa_merge_f16 \
+  pfa_merge_cta_f16 \
   pfa_prefill_sm80_bf16_hd64_m128n64w4s2_qr \
   pfa_prefill_sm80_bf16_hd64_m128n64w4s2_qr_paged \
   pfa_prefill_sm80_bf16_hd64_m128n64w4s2_qr_gen \
@@ -77,6 +78,7 @@ KERNELS_sm_80 := \
   pfa_prefill_sm80_bf16_kvfp8_hd128_m64n16w4s2_lr_paged \
   pfa_prefill_sm80_bf16_hd256_m16n32w1s2_lr \
   pfa_merge_bf16 \
+  pfa_merge_cta_bf16 \
   pfa_prefill_sm80_f16_kvnvfp4_hd64_m16n32w1s2_lr_paged \
   pfa_prefill_sm80_f16_kvnvfp4_hd64_m32n32w2s2_lr_paged \
   pfa_prefill_sm80_f16_kvnvfp4_hd64_m64n32w4s2_lr_paged \
@@ -126,6 +128,7 @@ KERNELS_sm_89 := \
   pfa_prefill_sm80_f16_kvfp8_hd128_m64n16w4s2_lr \
   pfa_prefill_sm80_f16_hd256_m16n32w1s2_lr \
   pfa_merge_f16 \
+  pfa_merge_cta_f16 \
   pfa_prefill_sm80_bf16_hd64_m128n64w4s2_qr \
   pfa_prefill_sm80_bf16_hd64_m128n64w4s2_qr_paged \
   pfa_prefill_sm80_bf16_hd64_m128n64w4s2_qr_gen \
@@ -154,6 +157,7 @@ KERNELS_sm_89 := \
   pfa_prefill_sm80_bf16_kvfp8_hd128_m64n16w4s2_lr \
   pfa_prefill_sm80_bf16_hd256_m16n32w1s2_lr \
   pfa_merge_bf16 \
+  pfa_merge_cta_bf16 \
   pfa_prefill_sm80_f16_kvnvfp4_hd64_m16n32w1s2_lr_paged \
   pfa_prefill_sm80_f16_kvnvfp4_hd64_m32n32w2s2_lr_paged \
   pfa_prefill_sm80_f16_kvnvfp4_hd64_m64n32w4s2_lr_paged \
@@ -236,6 +240,7 @@ KERNELS_sm_90a := \
   pfa_prefill_sm90_f16_hd128_m128n128c2s3_pp_paged_skip \
   pfa_prefill_sm90_f16_hd256_m128n80c2s2_pp_paged_skip \
   pfa_merge_f16 \
+  pfa_merge_cta_f16 \
   pfa_prefill_sm80_bf16_hd64_m128n64w4s2_qr \
   pfa_prefill_sm80_bf16_hd64_m128n64w4s2_qr_paged \
   pfa_prefill_sm80_bf16_hd64_m128n64w4s2_qr_gen \
@@ -297,6 +302,7 @@ KERNELS_sm_90a := \
   pfa_prefill_sm90_bf16_hd128_m128n128c2s3_pp_paged_skip \
   pfa_prefill_sm90_bf16_hd256_m128n80c2s2_pp_paged_skip \
   pfa_merge_bf16 \
+  pfa_merge_cta_bf16 \
   pfa_prefill_sm90_e4m3_hd64_m192n128c3s2_pp \
   pfa_prefill_sm90_e4m3_hd128_m128n128c2s2_pp \
   pfa_prefill_sm90_e4m3_hd256_m128n128c2s2_pp_serial \

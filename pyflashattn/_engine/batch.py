@@ -152,7 +152,10 @@ class BatchEngine:
         if need > self.ws_bytes:  # checked before any state changes: a refused plan leaves no trace
             raise ValueError(f"float_workspace_buffer holds {self.ws_bytes} bytes but this plan needs "
                              f"{need}; pass a larger buffer (or disable_split_kv=True)")
-        merge = self.launcher("merge", fp8.merge_dtype(cfg.q_dtype)) if plan.split or cap else None
+        merge_rows = cap["max_total_q"] if cap else plan.total_q
+        merge = (self.launcher("merge", fp8.merge_dtype(cfg.q_dtype),
+                               cta_per_row=params.merge_cta_per_row(self.dev, merge_rows, cfg.num_qo_heads))
+                 if plan.split or cap else None)
         # What goes to the device, in this order: the plan's arrays, qo_indptr, the KV source's index
         # arrays, (graph mode) the chunk size, the mask's offsets.
         if cap is None:
@@ -186,7 +189,7 @@ class BatchEngine:
         self.skip, self.skip_home = 0.0, None  # run(skip_softmax_threshold_scale_factor=...) sets it
         la.params.skip_softmax_factor = 0.0
         if merge is not None:  # a captured graph always holds the merge (a no-op for unsplit rows)
-            params.configure_merge(merge, cap["max_total_q"] if cap else plan.total_q, cfg.num_qo_heads,
+            params.configure_merge(merge, merge_rows, cfg.num_qo_heads,
                                    cfg.head_dim, 0, cfg.opts.lse_scale, cfg.o_format)
         self.merge = merge
         if merge is not None:
@@ -321,14 +324,15 @@ class BatchEngine:
         p.page_size = page_size
         p.page_shift = page_size.bit_length() - 1 if page_size & (page_size - 1) == 0 else -1
 
-    def launcher(self, family, dtype, kv_dtype=None, head_dim=None, general=None, decode=0):
+    def launcher(self, family, dtype, kv_dtype=None, head_dim=None, general=None, decode=0, cta_per_row=False):
         """The wrapper's own Launcher per kernel, reused across plans (creating one costs ~10 us);
-        decode = the decode tile's packed rows (0: the row-tile kernels)."""
-        key = (family, dtype, kv_dtype, head_dim, general, decode)
+        decode = the decode tile's packed rows (0: the row-tile kernels); cta_per_row: the merge
+        kernel with one CTA per (row, head) (params.merge_cta_per_row)."""
+        key = (family, dtype, kv_dtype, head_dim, general, decode, cta_per_row)
         la = self.launchers.get(key)
         if la is None:
             if family == "merge":
-                la = _registry.new_launcher("merge", self.dev, dtype=dtype)
+                la = _registry.new_launcher("merge", self.dev, dtype=dtype, cta_per_row=cta_per_row)
             else:
                 la = routing.new_attention(self.dev, dtype, kv_dtype, head_dim, general, self.paged, decode)
             self.launchers[key] = la

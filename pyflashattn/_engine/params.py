@@ -2,12 +2,16 @@
 from __future__ import annotations
 
 import math
+import os
 
 from .._runtime import cuda as _cuda
 from . import options as _options
 
 LOG2E = 1.4426950408889634
 MERGE_ROWS_PER_BLOCK = 4  # the merge kernel: one warp per (token, head) row, four warps a CTA
+# "0" / "1": the one-warp or the one-CTA-per-row merge kernel whatever the shape (read at plan
+# time; an A/B switch, see merge_cta_per_row). Unset: chosen by shape.
+MERGE_CTA_ENV = "PYFLASHATTN_MERGE_CTA_PER_ROW"
 MAX_GRID_YZ = 65535  # the CUDA limit of gridDim.y / gridDim.z
 
 
@@ -23,14 +27,27 @@ def fill_score_fields(p, dev: int, num_qo_heads: int, num_kv_heads: int, causal:
     p.alibi_slopes = alibi_buffer(dev, num_qo_heads) if opts.pos == "ALIBI" else 0
 
 
+def merge_cta_per_row(dev: int, rows: int, num_heads: int) -> bool:
+    """Whether the split-KV merge of `rows` tokens runs one CTA per (token, head), its warps
+    sharing the row's chunks, instead of one warp: when one warp per row would leave SMs without
+    a CTA (few rows, e.g. one long decode request, whose every row then walks all its chunks
+    alone). PYFLASHATTN_MERGE_CTA_PER_ROW=0 / 1 forces either kernel."""
+    forced = os.environ.get(MERGE_CTA_ENV, "")
+    if forced in ("0", "1"):
+        return forced == "1"
+    return -(-rows * num_heads // MERGE_ROWS_PER_BLOCK) < _cuda.properties(dev)["sm_count"]
+
+
 def configure_merge(mg, rows: int, num_heads: int, head_dim: int, num_splits: int, lse_scale: float,
                     o_format: int = 0) -> None:
     """The merge kernel over `rows` tokens: num_splits chunks each (0: per-token merge_indptr),
-    writing the output in o_format (operands.OUT_*)."""
+    writing the output in o_format (operands.OUT_*); its grid from the kernel's (row, head)
+    pairs per CTA (the manifest's rows_per_block)."""
     mp = mg.params
     mp.rows, mp.num_heads, mp.head_dim, mp.num_kv_chunks = rows, num_heads, head_dim, num_splits
     mp.lse_scale, mp.o_format = lse_scale, o_format
-    mg.configure((max(1, -(-rows * num_heads // MERGE_ROWS_PER_BLOCK)), 1, 1))
+    per_block = mg.meta.get("rows_per_block", MERGE_ROWS_PER_BLOCK)
+    mg.configure((max(1, -(-rows * num_heads // per_block)), 1, 1))
 
 
 _alibi_buffers: dict = {}

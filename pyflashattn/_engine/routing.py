@@ -7,6 +7,8 @@ The registry picks the implementation (kernel family) per arch by preference.
 """
 from __future__ import annotations
 
+import os
+
 from .._runtime import cuda as _cuda, registry as _registry
 
 HEAD_DIMS = (64, 128, 256)
@@ -20,6 +22,23 @@ DECODE_MAX_ROWS = {64: 32, 128: 32, 256: 16}
 # chunks streamed slower than twice as many half chunks: their split-KV budget is two waves (also
 # taken over an NVFP4 cache, whose tiles widen the same way).
 FP8_DECODE_WAVES = 2
+# A tuning switch (read when a plan resolves its route): the decode tiles' split-KV budget in
+# waves of CTAs, for every K/V storage (a positive number; unset: 1, FP8_DECODE_WAVES widened).
+DECODE_WAVES_ENV = "PYFLASHATTN_DECODE_SPLIT_WAVES"
+
+
+def decode_waves(widened: bool) -> float:
+    """The decode tiles' split-KV budget in waves (DECODE_WAVES_ENV, else the measured default)."""
+    forced = os.environ.get(DECODE_WAVES_ENV)
+    if forced:
+        try:
+            waves = float(forced)
+        except ValueError:
+            waves = 0.0
+        if not waves > 0:
+            raise ValueError(f"{DECODE_WAVES_ENV} must be a positive number, got {forced!r}")
+        return waves
+    return FP8_DECODE_WAVES if widened else 1
 # K/V storages built only as paged decode tiles (build_tools/variants.py DECODE_ONLY_KV): every
 # request runs on them, one longer than their rows as several row tiles; lean options only.
 DECODE_ONLY_KV = frozenset(("nvfp4",))
@@ -104,10 +123,11 @@ class Route:
         self.tiles = ()  # the decode tiles' rows, smallest first
         if not general:
             self.decode = {}
+            waves = decode_waves(widened)
             for rows in built_decode_tiles(dev, dtype, kv_dtype, head_dim, paged):
                 ld = launcher("prefill", dtype, kv_dtype, head_dim, False, decode=rows)
                 cps = ctas_per_sm(ld.meta, props)
-                self.decode[rows] = (ld, props["sm_count"] * cps * (FP8_DECODE_WAVES if widened else 1), cps)
+                self.decode[rows] = (ld, max(1, int(props["sm_count"] * cps * waves)), cps)
             self.tiles = tuple(self.decode)
         if self.decode_only and not self.tiles:
             raise RuntimeError(f"no {kv_dtype} K/V kernel for {dtype}, head_dim {head_dim} among the cubins for "

@@ -284,7 +284,8 @@ class SinglePlan:
             pairs = qo_len * num_qo_heads
             self.ws_o_bytes = self.ws_mask_bytes + self.num_chunks * pairs * head_dim * 4
             self.ws_bytes = self.ws_o_bytes + self.num_chunks * pairs * 4
-            self.merge = _registry.new_launcher("merge", self.dev, dtype=fp8.merge_dtype(self.dtype))
+            cta = params.merge_cta_per_row(self.dev, qo_len, num_qo_heads)
+            self.merge = _registry.new_launcher("merge", self.dev, dtype=fp8.merge_dtype(self.dtype), cta_per_row=cta)
             params.configure_merge(self.merge, qo_len, num_qo_heads, head_dim, self.num_chunks, opts.lse_scale,
                                    self.o_format)
 

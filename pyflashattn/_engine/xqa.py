@@ -15,6 +15,7 @@ the host (a sync per call) and raises ValueError naming the argument.
 """
 from __future__ import annotations
 
+import os
 from collections import OrderedDict
 
 import numpy as np
@@ -28,6 +29,7 @@ from .problem import PlanSettings
 _settings = tuple.__new__
 _ENGINES: OrderedDict = OrderedDict()  # plan key -> a planned BatchEngine
 _MAX_ENGINES = 16
+SPEC_GENERAL_ENV = "PYFLASHATTN_XQA_SPEC_GENERAL"  # "1": spec masks on the general kernels (read at plan time)
 _INT32_MAX = 2**31 - 1
 _MASK_DTYPES = (_dtypes.UINT16, _dtypes.INT16)
 _FAST: dict = {}  # torch call signature -> (engine, its per-call constants): the validated calls
@@ -243,9 +245,11 @@ def _engine(dev, workspace, layout, batch, q_len, hq, hkv, hd, page_size, pages,
     e = _ENGINES.get(key)
     if e is None:
         e = BatchEngine(workspace, layout, False, True, capture_safe=True)  # never re-planned: capturable
-        # A speculative-decoding mask takes the general kernels; a device-side logit scale the
-        # kernels that read it (the manifest's device_scale: not the 128-row lean ones).
-        general = bool(words)
+        # A speculative-decoding mask takes the kernels that honour it (the manifest's spec_mask:
+        # the lean paged decode tiles, else the general kernels); a device-side logit scale the
+        # kernels that read it (device_scale: not the 128-row lean ones). SPEC_GENERAL_ENV=1
+        # plans spec masks on the general kernels always (an A/B switch).
+        general = bool(words) and os.environ.get(SPEC_GENERAL_ENV) == "1"
         settings = _settings(PlanSettings, (hq, hkv, hd, "NONE", False, None, None, None, "log2", qdt, kdt,
                                             window_left, 1.0, None, False, general, odt))
         src = indices.block_table_source(batch, q_len, pages * page_size, row_stride, page_size,
@@ -257,7 +261,7 @@ def _engine(dev, workspace, layout, batch, q_len, hq, hkv, hd, page_size, pages,
                 raise ValueError("workspace_buffer" + str(err)[len("float_workspace_buffer"):].split(";")[0] +
                                  "; pass a larger workspace_buffer") from None
             raise
-        if scale_on_device and not e.attn.meta.get("device_scale"):
+        if (words and not e.attn.meta.get("spec_mask")) or (scale_on_device and not e.attn.meta.get("device_scale")):
             e.plan(src, settings._replace(general=True), q_len > 1 and not words, None, None, False, None)
         if len(_ENGINES) >= _MAX_ENGINES:
             _ENGINES.popitem(last=False)

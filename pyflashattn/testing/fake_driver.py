@@ -232,10 +232,14 @@ class FakeEnv:
                 la.meta = dict(misc.manifest(), name=misc.name)
                 return la
             name = family + "".join(f"_{k}={v}" for k, v in sorted(match.items()))
-            if match.get("decode"):  # the decode tiles, as variants.py builds them
+            if family == "merge":  # its table row's grid shape (rows_per_block), the fake's name
+                v = next(v for v in variants if getattr(v, "cta_per_row", None) == match.get("cta_per_row", False)
+                         and v.dtype == match["dtype"])
+                meta = dict(v.manifest(), **match)
+            elif match.get("decode"):  # the decode tiles, as variants.py builds them
                 v = _decode_variant(variants, match)
                 meta = dict(match, block_m=v.block_m, block_n=v.block_n, threads=v.threads, smem_bytes=v.smem_bytes,
-                            ctas_per_sm=v.ctas_per_sm, skip_softmax_rows=v.skip_softmax_rows)
+                            ctas_per_sm=v.ctas_per_sm, skip_softmax_rows=v.skip_softmax_rows, spec_mask=v.spec_mask)
             else:
                 meta = dict(_META.get(match.get("head_dim"), dict(block_m=0, block_n=0, threads=256, ctas_per_sm=1)),
                             smem_bytes=0, **match)

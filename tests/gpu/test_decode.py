@@ -24,6 +24,7 @@ torch = require_cuda_torch()
 
 import pyflashattn  # noqa: E402
 from pyflashattn import decode  # noqa: E402
+from pyflashattn._engine import xqa as xqa_engine  # noqa: E402
 from pyflashattn.testing import attention_ref, to_numpy_f64  # noqa: E402
 from pyflashattn.testing.checks import assert_close  # noqa: E402
 from pyflashattn.testing.gpu import scratch_workspace as _ws, cuda_generator as _gen, cuda_randn as _randn  # noqa: E402
@@ -178,6 +179,68 @@ def test_batch_decode_block_tables_plan_and_graph():
     _check(out, None, _refs(q, pg2, 1, 32), F16, "graph replay after re-plan")
 
 
+# ---------------------------------------------------------------- split-KV merge forms
+@pytest.mark.parametrize("cta", ["1", "0"], ids=["cta_per_row", "warp_per_row"])
+@pytest.mark.parametrize("d,dtype", [(64, F16), (128, BF16), (256, F16)])
+@pytest.mark.parametrize("kv_lens,fss,window", [
+    ([5000], 32, -1),         # 157 chunks (hd64: 79): 40 a warp in the CTA form, past one 32-chunk weight word
+    ([0, 3000], 256, -1),     # two requests, one empty; 12 chunks
+    ([70], 32, -1),           # 3 chunks: fewer than the CTA's warps
+    ([2500, 900], 64, 100),   # a window: most chunks hold no visible key (lse = -inf partials)
+], ids=["one-157chunks", "two-12chunks", "one-3chunks", "two-window"])
+def test_split_merge_forms(monkeypatch, cta, d, dtype, kv_lens, fss, window):
+    """Few rows over many KV chunks, merged by either merge kernel (PYFLASHATTN_MERGE_CTA_PER_ROW
+    forces one at plan time); o and lse against float64, with sinks on the first request set."""
+    monkeypatch.setenv("PYFLASHATTN_MERGE_CTA_PER_ROW", cta)
+    hq, hkv, ps = 16, 4, 16
+    g = _gen("merge", cta, d, len(kv_lens), fss)
+    pg = Paged(kv_lens, hkv, d, ps, "NHD", dtype, g)
+    q = _randn((len(kv_lens), hq, d), g, dtype)
+    w = decode.BatchDecodeWithPagedKVCacheWrapper(_ws(), "NHD")
+    w.plan(*pg.args(), hq, hkv, d, ps, q_data_type=dtype, fixed_split_size=fss, window_left=window)
+    assert w._engine.merge is not None and bool(w._engine.merge.meta["cta_per_row"]) == (cta == "1")
+    out = torch.full_like(q, float("nan"))
+    lse = torch.full((q.shape[0], hq), float("nan"), device=DEV)
+    sinks = torch.randn(hq, generator=g, device=DEV) if fss == 32 else None
+    w.run(q, pg.cache, out=out, lse=lse, sinks=sinks)
+    ref = _refs(q, pg, 1, hq, sinks=sinks, window_left=window)
+    _check(out, lse, ref, dtype, f"merge cta_per_row={cta}")
+
+
+# ---------------------------------------------------------------- fp8 widening
+@pytest.mark.parametrize("d", [128, 256])
+@pytest.mark.parametrize("dtype", [F16, BF16])
+@pytest.mark.parametrize("fmt", ["e4m3", "e5m2"])
+def test_fp8_widening_is_exact_for_every_code(fmt, dtype, d):
+    """Every fp8 code but the Inf/NaN encodings, widened by the decode tiles: one key a request, so
+    o is exactly its V row (bit for bit) and the LSE its logit over K's codes (in another order)."""
+    fp8 = torch.float8_e4m3fn if fmt == "e4m3" else torch.float8_e5m2
+    codes = torch.arange(256, dtype=torch.int32)
+    special = (codes & 0x7F) == 0x7F if fmt == "e4m3" else (codes & 0x7C) == 0x7C
+    codes = torch.where(special, torch.zeros_like(codes), codes).to(torch.uint8)
+    B, ps = 256 // d, 16
+    raw = torch.zeros(B + 1, 2, ps, 1, d, dtype=torch.uint8)  # page 0 unused
+    for b in range(B):
+        raw[b + 1, 0, 0, 0] = codes.roll(37)[b * d:(b + 1) * d]
+        raw[b + 1, 1, 0, 0] = codes[b * d:(b + 1) * d]
+    cache = raw.to(DEV).view(fp8)
+    k = [cache[b + 1, 0, :1].float().double() for b in range(B)]  # [1, 1, d]: exact
+    v = [cache[b + 1, 1, :1].float().double() for b in range(B)]
+    g = _gen("fp8-codes", fmt, str(dtype), d)
+    q = _randn((B, 1, d), g, dtype, 1e-3)  # e5m2 keys reach 57344: keep the logits moderate
+    i32 = lambda x: torch.tensor(x, dtype=torch.int32, device=DEV)  # noqa: E731
+    w = decode.BatchDecodeWithPagedKVCacheWrapper(_ws(), "NHD")
+    w.plan(i32(list(range(B + 1))), i32(list(range(1, B + 1))), i32([1] * B), 1, 1, d, ps, q_data_type=dtype,
+           kv_data_type=fp8)
+    out = torch.full_like(q, float("nan"))
+    lse = torch.full((B, 1), float("nan"), device=DEV)
+    w.run(q, cache, out=out, lse=lse)
+    want = torch.stack([x[0] for x in v]).to(DEV)  # [B, 1, d]
+    assert torch.equal(out.double(), want), f"{fmt} -> {dtype}: a widened V code differs"
+    ref_lse = np.concatenate([attention_ref(q[b:b + 1], k[b], v[b])[1] for b in range(B)])
+    assert_close(to_numpy_f64(lse), ref_lse, what=f"{fmt} -> {dtype} lse", **LSE_TOL)
+
+
 # ---------------------------------------------------------------- single decode
 @pytest.mark.parametrize("layout,d,hq,hkv,n,opts", [
     ("NHD", 128, 32, 8, 5000, {}),
@@ -211,6 +274,8 @@ XQA_CASES = [
     ("spec4-causal", [40, 300], 16, 4, 128, 16, "NHD", BF16, 4, None, "5d"),
     ("spec4-mask", [40, 300, 9], 16, 4, 128, 16, "NHD", F16, 4, "random", "5d"),
     ("spec40-mask", [200, 95], 8, 8, 64, 16, "NHD", F16, 40, "random", "tuple"),
+    ("spec8-g4-mask", [300, 2500, 8], 32, 8, 128, 16, "NHD", BF16, 8, "random", "5d"),
+    ("spec16-g4-d64-mask", [700, 16], 16, 4, 64, 16, "HND", F16, 16, "random", "tuple"),
 ]
 
 
@@ -258,6 +323,33 @@ def test_xqa(case):
     ref = _refs(q, pg, q_len, hq, masks=masks, sinks=sinks, v_scale=1.3, sm_scale=bmm1,
                 causal=q_len > 1 and masks is None)
     _check(out, None, ref, dtype, name)
+
+
+@pytest.mark.parametrize("general", ["0", "1"], ids=["decode_tile", "general"])
+@pytest.mark.parametrize("kv_dtype", [None, torch.float8_e4m3fn], ids=["bf16", "fp8"])
+def test_xqa_spec_mask_on_either_kernel(monkeypatch, general, kv_dtype):
+    """An 8-token draft mask at GQA 4 (32 packed rows): on the lean paged decode tile that honours
+    it, or on the general kernel (PYFLASHATTN_XQA_SPEC_GENERAL=1); long requests split KV."""
+    monkeypatch.setenv("PYFLASHATTN_XQA_SPEC_GENERAL", general)
+    xqa_engine._ENGINES.clear()  # XQA caches a plan per shape, whatever the switch said then
+    xqa_engine._FAST.clear()
+    q_len, hq, hkv, d, ps = 8, 32, 8, 128, 16
+    kv_lens = [5000, 64, 1500]
+    g = _gen("xqa-spec", general, str(kv_dtype))
+    pg = Paged(kv_lens, hkv, d, ps, "NHD", BF16, g, kv_dtype=kv_dtype)
+    q = _randn((len(kv_lens) * q_len, hq, d), g, BF16)
+    mask, masks = _spec_masks(q_len, kv_lens, g)
+    seq = torch.tensor(kv_lens, dtype=torch.int32, device=DEV)
+    out = torch.full_like(q, float("nan"))
+    bmm1 = 1 / math.sqrt(d)
+    decode.xqa_batch_decode_with_kv_cache(q, pg.cache, _ws(), pg.table.to(DEV), seq, max(kv_lens), bmm1_scale=bmm1,
+                                          out=out, q_len_per_req=q_len, mask=mask)
+    (e,) = [e for e in xqa_engine._ENGINES.values() if e.shape[0] == q.shape[0]]
+    assert e.attn.meta["general"] == (general == "1") and e.attn.meta["block_m"] == (128 if general == "1" else 32)
+    xqa_engine._ENGINES.clear()
+    xqa_engine._FAST.clear()
+    ref = _refs(q, pg, q_len, hq, masks=masks, sm_scale=bmm1)
+    _check(out, None, ref, BF16, f"spec mask general={general} {kv_dtype}", FP8_O_TOL if kv_dtype else None)
 
 
 def test_xqa_device_scales_fp8_and_graph():

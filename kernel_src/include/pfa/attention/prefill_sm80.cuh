@@ -41,7 +41,7 @@ struct PrefillSm80 : PrefillSm80Config<T, KV, HEAD_DIM, NUM_WARPS, MQ, BLOCK_N, 
     const int tid = threadIdx.x, lane = tid % Cfg::WARP_SIZE, warp = tid / Cfg::WARP_SIZE;
 
     PrefillWork w;
-    if (!decode_work<Cfg::BLOCK_M, BLOCK_N, PAGED, GENERAL, Cfg::ROWS_FASTEST>(p, w)) return;
+    if (!decode_work<Cfg::BLOCK_M, BLOCK_N, PAGED, GENERAL, Cfg::ROWS_FASTEST, Cfg::SPEC_MASK>(p, w)) return;
     load_q_tile<Cfg>(p, w, smem, sQ_u, tid);
     const KvRingSm80<Cfg> ring = make_kv_ring<Cfg>(p, w, smem, sQ_u, tid);
     ring.prologue(w);

@@ -45,7 +45,8 @@ struct PrefillWork {
 
 // Batch plan: overwrite the single-request defaults with work item `item`'s request, row tile and
 // chunk. False for a padding item (fixed-size CUDA-graph grids pad the list with request -1).
-template <bool PAGED, bool GENERAL>
+// MASKED: the kernel honours a custom mask (GENERAL, or SPEC: speculative-decoding masks only).
+template <bool PAGED, bool MASKED>
 __device__ __forceinline__ bool load_plan_item(const PrefillParams& p, int item, int& tile_m, PrefillWork& w) {
   const int b = reinterpret_cast<const int32_t*>(p.work_request)[item];
   if (b < 0) return false;
@@ -68,7 +69,7 @@ __device__ __forceinline__ bool load_plan_item(const PrefillParams& p, int item,
     w.kv_len = k1 - k0;
   }
   if (w.num_chunks > 1) w.part_base = reinterpret_cast<const int32_t*>(p.o_indptr)[b];
-  if (GENERAL && w.rule.bits != nullptr) w.rule.bits += reinterpret_cast<const int32_t*>(p.mask_indptr)[b];
+  if (MASKED && w.rule.bits != nullptr) w.rule.bits += reinterpret_cast<const int32_t*>(p.mask_indptr)[b];
   return true;
 }
 
@@ -83,8 +84,9 @@ __device__ __forceinline__ bool load_plan_item(const PrefillParams& p, int item,
 // once (far beyond L2 for long hd256 sequences). HONOURS_ROWS_FASTEST compiles the flag in:
 // reading it costs the kernel a register for kv_head, which otherwise is re-read from blockIdx,
 // and that made hd64 measurably slower; only the kernels with the largest K/V per head (hd256)
-// gain enough to pay for it.
-template <int BLOCK_M, int BLOCK_N, bool PAGED, bool GENERAL, bool HONOURS_ROWS_FASTEST>
+// gain enough to pay for it. SPEC: a lean kernel that honours XQA's speculative-decoding mask
+// (spec_mask_words > 0), no other custom mask.
+template <int BLOCK_M, int BLOCK_N, bool PAGED, bool GENERAL, bool HONOURS_ROWS_FASTEST, bool SPEC = false>
 __device__ __forceinline__ bool decode_work(const PrefillParams& p, PrefillWork& w) {
   const bool rows_fastest = HONOURS_ROWS_FASTEST && p.rows_fastest != 0;
   w.kv_head = rows_fastest ? blockIdx.z : blockIdx.x;
@@ -98,9 +100,9 @@ __device__ __forceinline__ bool decode_work(const PrefillParams& p, PrefillWork&
   w.kv_row0 = 0;
   w.part_base = -1;
   w.page_base = 0;
-  w.rule.bits = GENERAL ? reinterpret_cast<const uint8_t*>(p.custom_mask) : nullptr;
+  w.rule.bits = GENERAL || (SPEC && p.spec_mask_words > 0) ? reinterpret_cast<const uint8_t*>(p.custom_mask) : nullptr;
   // Batch plan: grid z indexes the work list, which the plan already ordered longest first.
-  if (p.work_request != 0 && !load_plan_item<PAGED, GENERAL>(p, blockIdx.z, tile_m, w)) return false;
+  if (p.work_request != 0 && !load_plan_item<PAGED, GENERAL || SPEC>(p, blockIdx.z, tile_m, w)) return false;
   w.rows_total = w.qo_len * w.group;
   w.r0 = tile_m * BLOCK_M;
   if (w.r0 >= w.rows_total) return false;
@@ -108,7 +110,7 @@ __device__ __forceinline__ bool decode_work(const PrefillParams& p, PrefillWork&
   w.q_hi = (min(w.r0 + BLOCK_M, w.rows_total) - 1) / w.group;
 
   const MaskRule rule{w.qo_len, w.kv_len, p.causal != 0, p.window_left, w.rule.bits,
-                      GENERAL ? p.spec_mask_words : 0, p.chunk_shift};
+                      GENERAL || SPEC ? p.spec_mask_words : 0, p.chunk_shift};
   w.rule = rule;
   // Batch plans keep the chunk size on the device, so a replayed CUDA graph sees each new plan's.
   const int chunk_size =

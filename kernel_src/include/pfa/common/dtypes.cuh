@@ -44,42 +44,70 @@ struct fp8_storage {
 enum Fp8Format : int { kFp8E4M3 = 1, kFp8E5M2 = 2 };
 
 // Four fp8 values (bytes of x, first in the low byte) -> four T values as two packed pairs,
-// exactly (every e4m3/e5m2 value is representable in fp16 and in bf16). Bit moves only: each
-// byte goes to the top of a 16-bit lane, its exponent+mantissa bits are slid into the target
-// format's fields, and one packed multiply by 2^(target bias - source bias) rebases the
-// exponent (subnormals included, since the multiply normalises them). fp8 Inf/NaN encodings
-// are not preserved (as FlashInfer's fast dequantisation): a KV cache never holds them.
-template <typename T>
-__device__ __forceinline__ uint2 widen_fp8x4(uint32_t x, int fmt);
+// exactly (every e4m3/e5m2 value is representable in fp16 and in bf16). Bit moves only: prmt
+// puts each byte b in a 16-bit lane as (sign(b) ? 0xFF : 0x00) << 8 | b, one shift of the word
+// slides b's exponent+mantissa bits into the target format's fields with a sign copy landing on
+// bit 15, one mask drops the other sign copies (and what the low lane shifted into the high
+// one), and one packed multiply by 2^(target bias - source bias) rebases the exponent
+// (subnormals included, since the multiply normalises them). On sm_89+ fp16 takes the hardware
+// conversion instead. fp8 Inf/NaN encodings are not preserved (as FlashInfer's fast
+// dequantisation): a KV cache never holds them.
+__device__ __forceinline__ uint2 fp8x4_sign_lanes(uint32_t x) {
+  return make_uint2(ptx::prmt(x, 0u, 0x9180), ptx::prmt(x, 0u, 0xB3A2));  // bytes 0, 1 | bytes 2, 3
+}
+// FMT: kFp8E4M3 or kFp8E5M2 (callers branch on PrefillParams::kv_fp8 once, outside their loop).
+template <typename T, int FMT>
+__device__ __forceinline__ uint2 widen_fp8x4(uint32_t x);
 template <>
-__device__ __forceinline__ uint2 widen_fp8x4<half>(uint32_t x, int fmt) {
-  uint32_t u[2] = {__byte_perm(x, 0u, 0x1404), __byte_perm(x, 0u, 0x3424)};  // byte b -> lane bits 15..8
-  if (fmt == kFp8E5M2) return make_uint2(u[0], u[1]);  // e5m2 is the top byte of an fp16
+__device__ __forceinline__ uint2 widen_fp8x4<half, kFp8E5M2>(uint32_t x) {
+  // e5m2 is the top byte of an fp16
+  return make_uint2(__byte_perm(x, 0u, 0x1404), __byte_perm(x, 0u, 0x3424));
+}
+template <>
+__device__ __forceinline__ uint2 widen_fp8x4<half, kFp8E4M3>(uint32_t x) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 890
+  const __half2_raw lo = __nv_cvt_fp8x2_to_halfraw2(static_cast<__nv_fp8x2_storage_t>(x & 0xFFFFu), __NV_E4M3);
+  const __half2_raw hi = __nv_cvt_fp8x2_to_halfraw2(static_cast<__nv_fp8x2_storage_t>(x >> 16), __NV_E4M3);
+  return make_uint2(static_cast<uint32_t>(lo.x) | static_cast<uint32_t>(lo.y) << 16,
+                    static_cast<uint32_t>(hi.x) | static_cast<uint32_t>(hi.y) << 16);
+#else
+  const uint2 l = fp8x4_sign_lanes(x);
+  uint32_t u[2] = {l.x, l.y};
 #pragma unroll
   for (int i = 0; i < 2; ++i) {
-    const uint32_t h = (u[i] & 0x80008000u) | ((u[i] >> 1) & 0x3F803F80u);  // e4m3 fields at fp16's, bias 7
+    const uint32_t h = (u[i] << 7) & 0xBF80BF80u;  // e4m3 fields at fp16's (bias 7), then * 2^8
     half2 v = __hmul2(*reinterpret_cast<const half2*>(&h), __halves2half2(__ushort_as_half(0x5C00),
-                                                                         __ushort_as_half(0x5C00)));  // * 2^8
+                                                                         __ushort_as_half(0x5C00)));
+    u[i] = *reinterpret_cast<uint32_t*>(&v);
+  }
+  return make_uint2(u[0], u[1]);
+#endif
+}
+template <int FMT>
+__device__ __forceinline__ uint2 widen_fp8x4_bf16(uint32_t x) {
+  // e4m3 (bias 7): fields at bf16's (shift 4), then * 2^120; e5m2 (bias 15): shift 5, * 2^112.
+  constexpr bool E4 = FMT == kFp8E4M3;
+  constexpr int SHIFT = E4 ? 4 : 5;
+  constexpr uint32_t KEEP = E4 ? 0x87F087F0u : 0x8FE08FE0u;
+  const unsigned short rebase = E4 ? 0x7B80 : 0x7780;
+  const __nv_bfloat162 k = __halves2bfloat162(__ushort_as_bfloat16(rebase), __ushort_as_bfloat16(rebase));
+  const uint2 l = fp8x4_sign_lanes(x);
+  uint32_t u[2] = {l.x, l.y};
+#pragma unroll
+  for (int i = 0; i < 2; ++i) {
+    const uint32_t b = (u[i] << SHIFT) & KEEP;
+    __nv_bfloat162 v = __hmul2(*reinterpret_cast<const __nv_bfloat162*>(&b), k);
     u[i] = *reinterpret_cast<uint32_t*>(&v);
   }
   return make_uint2(u[0], u[1]);
 }
 template <>
-__device__ __forceinline__ uint2 widen_fp8x4<__nv_bfloat16>(uint32_t x, int fmt) {
-  uint32_t u[2] = {__byte_perm(x, 0u, 0x1404), __byte_perm(x, 0u, 0x3424)};
-  // e4m3 (bias 7): fields at bf16's, then * 2^120; e5m2 (bias 15): fields at bf16's, then * 2^112.
-  const bool e4 = fmt != kFp8E5M2;
-  const int shift = e4 ? 4 : 3;
-  const uint32_t field = e4 ? 0x07F007F0u : 0x0FE00FE0u;
-  const unsigned short rebase = e4 ? 0x7B80 : 0x7780;
-  const __nv_bfloat162 k = __halves2bfloat162(__ushort_as_bfloat16(rebase), __ushort_as_bfloat16(rebase));
-#pragma unroll
-  for (int i = 0; i < 2; ++i) {
-    const uint32_t b = (u[i] & 0x80008000u) | ((u[i] >> shift) & field);
-    __nv_bfloat162 v = __hmul2(*reinterpret_cast<const __nv_bfloat162*>(&b), k);
-    u[i] = *reinterpret_cast<uint32_t*>(&v);
-  }
-  return make_uint2(u[0], u[1]);
+__device__ __forceinline__ uint2 widen_fp8x4<__nv_bfloat16, kFp8E4M3>(uint32_t x) {
+  return widen_fp8x4_bf16<kFp8E4M3>(x);
+}
+template <>
+__device__ __forceinline__ uint2 widen_fp8x4<__nv_bfloat16, kFp8E5M2>(uint32_t x) {
+  return widen_fp8x4_bf16<kFp8E5M2>(x);
 }
 
 // NVFP4 K/V storage (the kv_dtype=nvfp4 kernels): each byte holds two e2m1 codes, the even

@@ -116,6 +116,13 @@ struct PrefillSm80Config {
   // skip-softmax calls run on the general kernel of the same tile (BatchEngine.apply_skip_softmax).
   // variants.py's skip_softmax_rows (the manifest) mirrors the rule.
   static constexpr bool SKIP_SOFTMAX = GENERAL || BLOCK_M < 128;
+  // The lean paged hd128 decode tiles over 16-bit or fp8 K/V honour XQA's speculative-decoding
+  // mask (spec_mask_words > 0), the only custom mask they take: 8-token speculative decode then
+  // streams K/V as plain decode does instead of running the 128-row general kernel. At hd128 the
+  // mask's registers cost nothing (ptxas within +-6); at hd64 it cost 10-14 registers and at
+  // hd256 spills, and XQA refuses masks over NVFP4, so those keep the general kernel for masks.
+  // variants.py's spec_mask mirrors the rule.
+  static constexpr bool SPEC_MASK = !GENERAL && PAGED && BLOCK_M < 128 && HEAD_DIM == 128 && !KV_NVFP4;
 
   // ---- dynamic shared memory, in this order ----
   // Q, then KV_STAGES (K, V) ring pairs (stage i: K at tile 2i, V at 2i+1), then (fp8, NVFP4) the

@@ -144,7 +144,7 @@ struct MainloopSm80 {
           lo -= cbase;
           hi -= cbase;
         }
-        if (GENERAL && rule.bits != nullptr) {
+        if ((GENERAL || Cfg::SPEC_MASK) && rule.bits != nullptr) {
           // keep() for the row's 64 keys as one word (custom bits AND structural range), shifted
           // so that this thread's element (nt, e) is bit 8 nt + e: a constant position.
           static_assert(BLOCK_N <= 64, "row_keep_bits covers 64 keys");
