@@ -208,6 +208,13 @@ def view(x, name: str, *, stream: int | None = None) -> TensorView:
     if dlpack is None:
         raise TypeError(f"{name} must be a DLPack tensor (torch/CuPy/JAX), got {tp.__name__}")
     dl_stream = None
+    if stream is None and fw == "cupy":
+        # No stream given: the launch goes to CuPy's current stream (current_stream), so that is
+        # the consumer stream. __dlpack__(stream=None) would mean the legacy stream, and CuPy
+        # would make it wait on its current stream: illegal while that stream is being captured.
+        dev = getattr(getattr(x, "device", None), "id", None)
+        if dev is not None:
+            stream = current_stream("cupy", dev)
     if stream is not None and fw != "numpy":  # numpy only accepts stream=None
         # A stream only means something to a CUDA producer (others may reject one).
         dlpack_device = getattr(x, "__dlpack_device__", None)
