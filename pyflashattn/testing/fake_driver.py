@@ -10,6 +10,7 @@ fixtures. Numerics are the GPU tests' job.
 from __future__ import annotations
 
 import ctypes
+import hashlib
 import math
 import sys
 import types
@@ -139,7 +140,7 @@ class FakeDriver:
     # kernels
     def cuLaunchKernel(self, func, gx, gy, gz, bx, by, bz, smem, stream, argv_addr, extra):
         name, ptype = func
-        assert (by, bz, extra) == (1, 1, 0) and bx in (32, 64, 128, 256) and smem >= 0
+        assert (by, bz, extra) == (1, 1, 0) and bx in (32, 64, 128, 256, 384, 512) and smem >= 0
         argv = ctypes.cast(argv_addr, ctypes.POINTER(ctypes.c_void_p))
         p = ptype.from_buffer_copy(ctypes.string_at(argv[0], ctypes.sizeof(ptype)))
         grid = (gx, gy, gz)
@@ -169,6 +170,28 @@ class FakeDriver:
                                 cfg.blockDimZ, cfg.sharedMemBytes, cfg.hStream, argv_addr, extra)
         self.log[-1] = ("launch_pdl",) + self.log[-1][1:]
         return r
+
+
+    # tensor maps (cuTensorMapEncodeTiled): 128 bytes, the address / 16 in the first 6 (as a map
+    # may keep it: tma.py learns where) and a digest of everything else after them
+    CUtensorMapDataType = _Enum(CU_TENSOR_MAP_DATA_TYPE_FLOAT16=6, CU_TENSOR_MAP_DATA_TYPE_BFLOAT16=9)
+    CUtensorMapInterleave = _Enum(CU_TENSOR_MAP_INTERLEAVE_NONE=0)
+    CUtensorMapSwizzle = _Enum(CU_TENSOR_MAP_SWIZZLE_128B=3)
+    CUtensorMapL2promotion = _Enum(CU_TENSOR_MAP_L2_PROMOTION_L2_256B=3)
+    CUtensorMapFloatOOBfill = _Enum(CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE=0)
+    cuuint64_t = cuuint32_t = staticmethod(int)
+
+    def cuTensorMapEncodeTiled(self, kind, rank, ptr, dims, strides, box, elem_strides, interleave, swizzle, l2,
+                               oob):
+        assert rank == len(dims) == len(box) == len(elem_strides) == len(strides) + 1 and 3 <= rank <= 5
+        assert ptr % 16 == 0 and all(s % 16 == 0 and 0 < s < 1 << 40 for s in strides)
+        assert all(0 < b <= 256 for b in box) and box[0] * 2 <= 128 and all(0 < d < 1 << 32 for d in dims)
+        geometry = (kind, tuple(dims), tuple(strides), tuple(box), swizzle)
+        self.log.append(("tmap", ptr, geometry))
+        digest = hashlib.sha256(repr(geometry).encode()).digest() * 4
+        buf = ctypes.create_string_buffer((ptr >> 4).to_bytes(6, "little") + digest[:122], 128)
+        self.mem[ctypes.addressof(buf)] = buf
+        return 0, _Enum(getPtr=lambda: ctypes.addressof(buf))
 
 
 def _simulate_packbits(p, grid):
@@ -277,7 +300,7 @@ class FakeEnv:
         return np.frombuffer(ctypes.string_at(addr, n * np.dtype(dtype).itemsize), dtype)
 
     def attn_launches(self):
-        return [x for x in self.cu.launches if x[0].startswith("prefill")]
+        return [x for x in self.cu.launches if x[0].startswith(("prefill", "pfa_prefill"))]
 
     def assert_refused_before_anything_runs(self, call, exc, pattern):
         """call() raises exc (message matching pattern) having launched, copied to the device and
