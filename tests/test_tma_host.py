@@ -12,7 +12,7 @@ import sys
 import pytest
 
 from pyflashattn._engine import routing, tma
-from pyflashattn._runtime import cuda as _cuda, registry as _registry
+from pyflashattn._runtime import cuda as _cuda
 from pyflashattn._runtime.params_gen import PrefillParams
 from pyflashattn.testing.fake_driver import (
     T, D, HKV, KV_INDICES, KV_INDPTR, LAST, NPAGES, PS, TKV, FakeEnv, FakeTorch, cache_t, i32, kv_t, last_attn,
@@ -41,24 +41,8 @@ def _env(monkeypatch, kv_load=None, ship=None):
         monkeypatch.setattr(variants, "HOPPER_KV_LOAD", dict(variants.HOPPER_KV_LOAD, **{s: "tma" for s in ship}))
     rows = variants.variants(tune=True)
     env = FakeEnv(monkeypatch, rows)
-    hopper = {v.name: v for v in rows if isinstance(v, variants.HopperPrefillVariant)}
-    fake_new = _registry.new_launcher
-
-    def new_launcher(family, dev, **match):
-        name = match.get("name")
-        v = hopper.get(name)
-        if v is None and name is None and family == "prefill" and not match.get("decode") \
-                and not match.get("general") and match.get("kv_dtype") == match.get("dtype"):
-            v = next((r for r in hopper.values() if r.dtype == match["dtype"] and r.head_dim == match["head_dim"]
-                      and r.paged == match["paged"] and not r.tune and not r.tma), None)
-        if v is None:
-            return fake_new(family, dev, **match)
-        la = _cuda.Launcher(v.name, (v.name, PrefillParams), PrefillParams, v.threads, v.smem_bytes)
-        la.meta = dict(v.manifest(), name=v.name)
-        return la
-
-    monkeypatch.setattr(_registry, "new_launcher", new_launcher)
-    for name in ("_FIELD", "_TEMPLATES", "_CACHE"):
+    env.use_sm90_rows(monkeypatch, rows)
+    for name in ("_FIELD", "_TEMPLATES"):
         monkeypatch.setattr(tma, name, {})
     if kv_load is None:
         monkeypatch.delenv(routing.KV_LOAD_ENV, raising=False)
@@ -76,7 +60,7 @@ def _map_bytes(p, field):
 
 
 def _expected(ptr, dims, strides, box):
-    return _cuda.encode_tensor_map("f16", ptr, dims, strides, box)
+    return _cuda.tensor_map_bytes(_cuda.encode_tensor_map("f16", ptr, dims, strides, box))
 
 
 def test_ragged_tma_plan_writes_3d_maps_and_patches_new_addresses(monkeypatch):
@@ -208,26 +192,33 @@ def test_fast_path_repoints_the_maps(monkeypatch):
     assert _map_bytes(p, "v_tmap") == _expected(v2._ptr, dims, strides, box)
 
 
-def test_maps_of_a_driver_that_hides_the_address_are_encoded_per_address(monkeypatch):
+def test_maps_of_a_driver_that_hides_the_address_take_the_replace_call(monkeypatch):
     env = _env(monkeypatch, "tma")
-    real = env.cu.cuTensorMapEncodeTiled
+    real_encode, real_replace = env.cu.cuTensorMapEncodeTiled, env.cu.cuTensorMapReplaceAddress
 
-    def scrambled(kind, rank, ptr, *rest):  # the address spread over the map: nothing to patch
-        err, obj = real(kind, rank, ptr, *rest)
-        data = bytearray(ctypes.string_at(obj.getPtr(), 128))
-        data[100] ^= (ptr >> 8) & 0xFF
-        buf = ctypes.create_string_buffer(bytes(data), 128)
-        env.cu.mem[ctypes.addressof(buf)] = buf
-        return err, type(obj)(getPtr=lambda: ctypes.addressof(buf))
+    def scramble(obj, ptr):  # a second copy of address bits elsewhere: no single field to patch
+        ctypes.memmove(obj.getPtr() + 100, bytes([(ptr >> 8) & 0xFF]), 1)
 
-    monkeypatch.setattr(env.cu, "cuTensorMapEncodeTiled", scrambled)
+    def encode(kind, rank, ptr, *rest):
+        err, obj = real_encode(kind, rank, ptr, *rest)
+        scramble(obj, ptr)
+        return err, obj
+
+    def replace(obj, ptr):
+        real_replace(obj, ptr)
+        scramble(obj, ptr)
+        return (0,)
+
+    monkeypatch.setattr(env.cu, "cuTensorMapEncodeTiled", encode)
+    monkeypatch.setattr(env.cu, "cuTensorMapReplaceAddress", replace)
     w = ragged(env)
     plan_ragged(w)
     w.run(q_t(), kv_t(data=0x300000), kv_t(data=0x380000), out=out_t())
     assert tma._FIELD[3] is False
-    n = len(_maps(env))
+    n, start = len(_maps(env)), len(env.cu.log)
     w.run(q_t(), kv_t(data=0x600000), kv_t(data=0x680000), out=out_t())
-    assert len(_maps(env)) == n + 2  # each new address encoded
+    replaced = [x[1] for x in env.cu.log[start:] if x[0] == "tmap_address"]
+    assert len(_maps(env)) == n and replaced == [0x600000, 0x680000]
     dims, strides, box = (D, HKV, tma.ROW_EXTENT), (D * 2, HKV * D * 2), (64, 1, 128)
     assert _map_bytes(last_attn(env)[3], "k_tmap") == _expected(0x600000, dims, strides, box)
 

@@ -195,7 +195,7 @@ class BatchEngine:
         self.skip, self.skip_home = 0.0, None  # run(skip_softmax_threshold_scale_factor=...) sets it
         la.params.skip_softmax_factor = 0.0
         if la.meta.get("tma"):
-            self.kv_maps, self.kv_twin = tma.KvMaps(cfg.q_dtype.short), route.attn
+            self.kv_maps, self.kv_twin = tma.KvMaps(cfg.q_dtype.short, la.params), route.attn
         else:
             self.kv_maps = self.kv_twin = None
         self.kv_fallback = False
@@ -526,7 +526,7 @@ class BatchEngine:
         else:
             kg = tma.ragged_geometry(Hkv, D, p.k_stride_n, p.k_stride_h, item, bn)
             vg = tma.ragged_geometry(Hkv, D, p.v_stride_n, p.v_stride_h, item, bn)
-        self.kv_fallback = not self.kv_maps.point(p, k_ptr, v_ptr, kg, vg)
+        self.kv_fallback = not self.kv_maps.point(k_ptr, v_ptr, kg, vg)
 
     def torch_fast(self, q, kv_parts, out, lse, return_lse, stream, pdl):
         """A run() whose torch tensors have the signature of the last validated run: pointers
@@ -558,7 +558,7 @@ class BatchEngine:
         p = self.attn.params
         p.q, p.k, p.v, p.o = qp, kp, vp, op
         if self.kv_maps is not None:
-            self.kv_maps.repoint(p, kp, vp)
+            self.kv_maps.repoint(kp, vp)
         p.lse = lp = lse.data_ptr() if lse is not None else 0
         if total_q:
             self.pdl(self.attn, pdl)(s)

@@ -214,7 +214,7 @@ class SinglePlan:
         p.v_stride_n, p.v_stride_h = vs
         if self.attn.meta.get("tma"):
             self.tma_geometry = geometry(self.attn.meta["block_n"])
-            self.kv_maps = tma.KvMaps(self.dtype.short)
+            self.kv_maps = tma.KvMaps(self.dtype.short, p)
         p.qo_len, p.kv_len = qo_len, kv_len
         params.fill_score_fields(p, self.dev, num_qo_heads, num_kv_heads, causal, window_left, sm_scale, opts)
         p.o_format = self.o_format
@@ -315,7 +315,7 @@ class SinglePlan:
         if self.fp8:
             fp8.point_scales(p, scale_ptrs or (0, 0, 0))
         if self.kv_maps is not None:
-            self.kv_maps.point(p, k, v, *self.tma_geometry)
+            self.kv_maps.point(k, v, *self.tma_geometry)
         p.v_scale = v_scale
         p.o_stride_n, p.o_stride_h = self.o_strides[0], self.o_strides[1]
         ws = _cuda.Workspace.get(self.dev, stream, self.ws_bytes) if self.ws_bytes else 0

@@ -8,12 +8,13 @@ encodes one CUtensorMap per K and V tensor (cuTensorMapEncodeTiled) into the ker
 Boxes land in shared memory in the kernel's 128-byte-swizzled column blocks.
 
 run() must stay cheap while K/V pointers change every call (a ragged batch's K/V are new tensors
-each step): a map is encoded once per geometry (what it encodes but the address: dims, strides,
-box), and later addresses are patched into those bytes. Where the map keeps its address is not
-documented, so it is learned from the driver once per process and rank (two more encodes of
-probe addresses: the difference must be the address, or address / 16, at one bit position) and
-checked on a third; a driver whose maps do not follow that gets every new address encoded (cached
-per address). Ragged maps cover ROW_EXTENT rows whatever the plan's length: the kernel never
+each step; an encode through cuda.bindings costs several us): a map is encoded once per geometry
+(what it encodes but the address: dims, strides, box), and later addresses are patched into those
+bytes in Python. Where a map keeps its address is not documented, so it is learned from the driver
+once per process and rank (two more encodes of probe addresses: the difference must be the
+address, or address / 16, at one bit position) and checked on a third; where a driver's maps do
+not follow that, each new address goes through cuTensorMapReplaceAddress (the documented way,
+about a us more per map). Ragged maps cover ROW_EXTENT rows whatever the plan's length: the kernel never
 issues a box past a request's last key (it copies the tile holding that key), so one geometry
 serves every plan and a CUDA graph's captured map stays right after a re-plan.
 """
@@ -27,9 +28,9 @@ BOX_COLS = 64  # one 128-byte swizzle row of 16-bit elements
 ROW_EXTENT = (1 << 31) - 1  # ragged rows a map covers (TMA coordinates are signed 32-bit)
 MIN_BOX_ROWS = 16  # ProducerSm90Tma::MIN_BOX_ROWS: smaller pages stay on the cp.async kernel
 MAX_STRIDE = 1 << 40  # cuTensorMapEncodeTiled: byte strides are multiples of 16 below 2^40
-_CACHE: dict = {}
+MAX_ADDRESS = 1 << 57  # device addresses (57-bit virtual addresses at most)
 _CACHE_SIZE = 256
-_TEMPLATES: dict = {}  # geometry -> (address it was encoded with, its bytes as an int)
+_TEMPLATES: dict = {}  # geometry -> (address it was encoded with, its bytes as an int, the driver's map)
 _FIELD: dict = {}  # rank -> (shift, bit position) of the address in a map; False: not patchable
 # probe addresses for learning the address field (only encoded, never dereferenced)
 _PROBES = (0x7F0000000000, 0x7F0000000010, 0x7F0012345670)
@@ -63,7 +64,7 @@ def addressable(geometry: tuple) -> bool:
     return all(0 < s < MAX_STRIDE and s % 16 == 0 for s in strides) and all(0 < d < (1 << 32) for d in dims)
 
 
-def _encode(short: str, ptr: int, geometry: tuple) -> bytes:
+def _encode(short: str, ptr: int, geometry: tuple):
     dims, strides, box = geometry
     return _cuda.encode_tensor_map(short, ptr, dims, strides, box)
 
@@ -71,7 +72,7 @@ def _encode(short: str, ptr: int, geometry: tuple) -> bytes:
 def _learn_field(short: str, geometry: tuple):
     """(shift, bit position) of the address in this rank's maps, or False (see the module doc)."""
     a, b, c = _PROBES
-    xa, xb, xc = (int.from_bytes(_encode(short, x, geometry), "little") for x in _PROBES)
+    xa, xb, xc = (int.from_bytes(_cuda.tensor_map_bytes(_encode(short, x, geometry)), "little") for x in _PROBES)
     for shift in (0, 4):
         step = (b >> shift) - (a >> shift)
         d = xb - xa
@@ -88,66 +89,79 @@ def encode(short: str, ptr: int, geometry: tuple) -> bytes:
     key = (short, geometry)
     tpl = _TEMPLATES.get(key)
     if tpl is not None:
+        a, xa, obj = tpl
         field = _FIELD[len(geometry[0])]
         if field:
-            a, xa = tpl
             shift, pos = field
             return (xa + (((ptr >> shift) - (a >> shift)) << pos)).to_bytes(128, "little")
-        hit = _CACHE.get((key, ptr))
-        if hit is None:
-            if len(_CACHE) >= _CACHE_SIZE:
-                _CACHE.clear()
-            hit = _CACHE[(key, ptr)] = _encode(short, ptr, geometry)
-        return hit
+        _cuda.tensor_map_replace_address(obj, ptr)
+        return _cuda.tensor_map_bytes(obj)
     rank = len(geometry[0])
     if rank not in _FIELD:
         _FIELD[rank] = _learn_field(short, geometry)
-    data = _encode(short, ptr, geometry)
+    obj = _encode(short, ptr, geometry)
+    data = _cuda.tensor_map_bytes(obj)
     if len(_TEMPLATES) >= _CACHE_SIZE:
         _TEMPLATES.clear()
-    _TEMPLATES[key] = (ptr, int.from_bytes(data, "little"))
+    _TEMPLATES[key] = (ptr, int.from_bytes(data, "little"), obj)
     return data
 
 
+class _MapField:
+    """One tensor-map field of a params struct: what it holds, and (where the address field is
+    known) a 64-bit view of the word holding the address, with that word's other bits."""
+
+    __slots__ = ("addr", "ptr", "geometry", "word", "rest", "shift", "bit")
+
+    def __init__(self, p, name: str):
+        self.addr = ctypes.addressof(p) + getattr(type(p), name).offset
+        self.ptr = self.geometry = self.word = None
+
+    def write(self, short: str, ptr: int, geometry: tuple) -> None:
+        if geometry == self.geometry and self.word is not None:
+            self.word.value = self.rest | ((ptr >> self.shift) << self.bit)
+        else:
+            data = encode(short, ptr, geometry)
+            ctypes.memmove(self.addr, data, len(data))
+            self.geometry, self.word = geometry, None
+            field = _FIELD.get(len(geometry[0]))
+            if field:
+                shift, pos = field
+                start = min(pos // 8, 120)
+                bit = pos - 8 * start
+                if ((MAX_ADDRESS >> shift) << bit) < (1 << 64):
+                    self.word = ctypes.c_uint64.from_address(self.addr + start)
+                    self.shift, self.bit = shift, bit
+                    self.rest = self.word.value - ((ptr >> shift) << bit)
+        self.ptr = ptr
+
+
 class KvMaps:
-    """The K and V maps in one launcher's params struct: each field rewritten when its address or
-    geometry changes, nothing encoded when only the address does (a patch; see encode)."""
+    """The K and V maps in one launcher's params struct: a field is encoded when its geometry
+    changes; a new address alone rewrites the word that holds it (see encode)."""
 
     __slots__ = ("short", "k", "v")
 
-    def __init__(self, short: str):
+    def __init__(self, short: str, p):
         self.short = short
-        self.k = self.v = None  # (address, geometry) in the struct's field
+        self.k, self.v = _MapField(p, "k_tmap"), _MapField(p, "v_tmap")
 
-    def point(self, p, k_ptr: int, v_ptr: int, k_geometry: tuple, v_geometry: tuple) -> bool:
-        """Point p's maps at K and V; False (nothing written) where TMA cannot address them."""
+    def point(self, k_ptr: int, v_ptr: int, k_geometry: tuple, v_geometry: tuple) -> bool:
+        """Point the struct's maps at K and V; False (nothing written) where TMA cannot address them."""
         if not (addressable(k_geometry) and addressable(v_geometry)):
             return False
-        if self.k != (k_ptr, k_geometry):
-            _write(p, "k_tmap", encode(self.short, k_ptr, k_geometry))
-            self.k = (k_ptr, k_geometry)
-        if self.v != (v_ptr, v_geometry):
-            _write(p, "v_tmap", encode(self.short, v_ptr, v_geometry))
-            self.v = (v_ptr, v_geometry)
+        k, v = self.k, self.v
+        if k_ptr != k.ptr or k_geometry != k.geometry:
+            k.write(self.short, k_ptr, k_geometry)
+        if v_ptr != v.ptr or v_geometry != v.geometry:
+            v.write(self.short, v_ptr, v_geometry)
         return True
 
-    def repoint(self, p, k_ptr: int, v_ptr: int) -> None:
+    def repoint(self, k_ptr: int, v_ptr: int) -> None:
         """New addresses in the geometries of the last point() (the run() fast path's: same
         shapes and strides)."""
-        if k_ptr != self.k[0]:
-            _write(p, "k_tmap", encode(self.short, k_ptr, self.k[1]))
-            self.k = (k_ptr, self.k[1])
-        if v_ptr != self.v[0]:
-            _write(p, "v_tmap", encode(self.short, v_ptr, self.v[1]))
-            self.v = (v_ptr, self.v[1])
-
-
-_FIELD_OFFSETS: dict = {}
-
-
-def _write(p, field: str, data: bytes) -> None:
-    key = (type(p), field)
-    off = _FIELD_OFFSETS.get(key)
-    if off is None:
-        off = _FIELD_OFFSETS[key] = getattr(type(p), field).offset
-    ctypes.memmove(ctypes.addressof(p) + off, data, len(data))
+        k, v = self.k, self.v
+        if k_ptr != k.ptr:
+            k.write(self.short, k_ptr, k.geometry)
+        if v_ptr != v.ptr:
+            v.write(self.short, v_ptr, v.geometry)

@@ -193,6 +193,12 @@ class FakeDriver:
         self.mem[ctypes.addressof(buf)] = buf
         return 0, _Enum(getPtr=lambda: ctypes.addressof(buf))
 
+    def cuTensorMapReplaceAddress(self, tmap, ptr):
+        assert ptr % 16 == 0
+        self.log.append(("tmap_address", ptr))
+        ctypes.memmove(tmap.getPtr(), (ptr >> 4).to_bytes(6, "little"), 6)
+        return (0,)
+
 
 def _simulate_packbits(p, grid):
     """The packbits kernel (kernel_src/include/pfa/misc/packbits.cuh), segment mode, little."""
@@ -282,6 +288,29 @@ class FakeEnv:
         rows = [dict(v.manifest(), name=v.name, arch="sm_90a") for v in variants]
         monkeypatch.setattr(_registry, "manifest", lambda: {"kernels": rows})
         monkeypatch.setattr(routing, "_decode_rows_cache", {})
+
+    def use_sm90_rows(self, monkeypatch, variants):
+        """Make the 16-bit lean row-tile launchers the sm90 rows among `variants` (variants.py
+        rows, TUNE=1 ones included), by name too: the K/V load routing (routing.kv_load_pair)
+        then sees cp.async rows and their TMA twins as the manifest lists them."""
+        from pyflashattn._runtime.params_gen import PrefillParams as _Params
+        hopper = {v.name: v for v in variants if type(v).__name__ == "HopperPrefillVariant"}
+        fake_new = _registry.new_launcher
+
+        def new_launcher(family, dev, **match):
+            name = match.get("name")
+            v = hopper.get(name)
+            if v is None and name is None and family == "prefill" and not match.get("decode") \
+                    and not match.get("general") and match.get("kv_dtype") == match.get("dtype"):
+                v = next((r for r in hopper.values() if r.dtype == match["dtype"] and r.head_dim == match["head_dim"]
+                          and r.paged == match["paged"] and not r.tune and not r.tma), None)
+            if v is None:
+                return fake_new(family, dev, **match)
+            la = _cuda.Launcher(v.name, (v.name, _Params), _Params, v.threads, v.smem_bytes)
+            la.meta = dict(v.manifest(), name=v.name)
+            return la
+
+        monkeypatch.setattr(_registry, "new_launcher", new_launcher)
 
     def dev(self, data: np.ndarray | bytes | int, dtype=U8, shape=None, strides=None):
         """A fake CUDA tensor over simulated device memory holding ``data`` (or n zero bytes)."""
