@@ -122,7 +122,8 @@ struct ProducerSm90Tma {
     ProducerSm90<Cfg>::load_q(p, w, base + Cfg::Q_OFFSET, tid);
     ptx::cp_async_mbar_arrive(Cfg::q_full(base));
     if (tid >= 32) {
-      ptx::cp_async_wait<0>();  // the Q copies land before the thread exits
+      ptx::cp_async_commit();  // the Q copies land before the thread exits
+      ptx::cp_async_wait<0>();
       return;
     }
     const int lane = tid;
@@ -162,6 +163,7 @@ struct ProducerSm90Tma {
         copy_tile(p, w, v_tile, v, p.v_stride_page, p.v_stride_n, ids, Cfg::v_full(base, s), n0, lane, keep);
       id = next;
     }
+    ptx::cp_async_commit();
     ptx::cp_async_wait<0>();
   }
 };
