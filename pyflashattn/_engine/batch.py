@@ -10,8 +10,6 @@ device address and the grid fixed across plans: graph.py).
 """
 from __future__ import annotations
 
-import ctypes
-
 import numpy as np
 
 from .._runtime import cuda as _cuda, dtypes as _dtypes, registry as _registry, tensor as _tensor
@@ -498,9 +496,8 @@ class BatchEngine:
         elif self.shape[0] == 0:
             return
         if self.kv_fallback:  # K/V that TMA cannot address: the cp.async twin, same tile and struct
-            twin = self.kv_twin
-            ctypes.memmove(ctypes.addressof(twin.params), ctypes.addressof(p), ctypes.sizeof(p))
-            la = twin.configure(la.grid)
+            _cuda.copy_params(self.kv_twin, la)
+            la = self.kv_twin
         self.pdl(la, pdl)(s)
         if self.merge is not None:
             mp = self.merge.params
