@@ -162,6 +162,14 @@ class KvMaps:
         shapes and strides)."""
         k, v = self.k, self.v
         if k_ptr != k.ptr:
-            k.write(self.short, k_ptr, k.geometry)
+            if k.word is not None:  # (write()'s first branch, inlined: this runs every call)
+                k.word.value = k.rest | ((k_ptr >> k.shift) << k.bit)
+                k.ptr = k_ptr
+            else:
+                k.write(self.short, k_ptr, k.geometry)
         if v_ptr != v.ptr:
-            v.write(self.short, v_ptr, v.geometry)
+            if v.word is not None:
+                v.word.value = v.rest | ((v_ptr >> v.shift) << v.bit)
+                v.ptr = v_ptr
+            else:
+                v.write(self.short, v_ptr, v.geometry)
