@@ -195,7 +195,7 @@ def test_broadcast_k_runs_on_the_cp_async_twin(kv_load):
     assert_close(o2, to_numpy_f64(o), what="contiguous k vs broadcast k", atol=0, rtol=0)
 
 
-@pytest.mark.parametrize("d,kv_len,causal", [(128, 8191, False), (128, 1000, True), (64, 4097, True), (256, 777, False)])
+@pytest.mark.parametrize("d,kv_len,causal", [(128, 3001, False), (128, 1000, True), (64, 4097, True), (256, 777, False)])
 def test_single_prefill_tail_tile(d, kv_len, causal, kv_load):
     """Single prefill on the TMA twin (its tail tile copied, its map over ROW_EXTENT rows)."""
     hq, hkv, dt = 2048 // d, 2048 // d // 2, BF16
@@ -209,7 +209,7 @@ def test_single_prefill_tail_tile(d, kv_len, causal, kv_load):
     torch.cuda.synchronize()
     names = [pl.attn.name for pl in single_engine._tls.plans.values() if pl.attn is not None]
     assert names and names[-1].endswith("_tma") is (kv_load == "tma"), names
-    heads = np.array([0, hq // 2, hq - 1])
+    heads = np.array([0, hq - 1])
     o_ref, lse_ref = attention_ref(q, k, v, causal=causal, heads=heads)
     assert_close(to_numpy_f64(o)[:, heads], o_ref, what="single o", **O_TOL[dt])
     assert_close(to_numpy_f64(lse)[:, heads], lse_ref, what="single lse", **LSE_TOL[dt])
