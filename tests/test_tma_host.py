@@ -239,3 +239,20 @@ def test_paged_box_rows_matches_the_kernel_rule():
     assert [tma.paged_box_rows(ps, 128) for ps in (1, 8, 16, 24, 32, 64, 128, 256, 384)] == \
         [0, 0, 16, 0, 32, 64, 128, 128, 128]
     assert [tma.paged_box_rows(ps, 80) for ps in (16, 20, 32, 40, 64, 80, 160)] == [16, 0, 0, 40, 0, 80, 80]
+
+
+def test_a_driver_refusing_the_probe_addresses_takes_the_replace_call(monkeypatch):
+    env = _env(monkeypatch, "tma")
+    real = env.cu.cuTensorMapEncodeTiled
+
+    def picky(kind, rank, ptr, *rest):
+        return (1, None) if ptr in tma._PROBES else real(kind, rank, ptr, *rest)
+
+    monkeypatch.setattr(env.cu, "cuTensorMapEncodeTiled", picky)
+    w = ragged(env)
+    plan_ragged(w)
+    w.run(q_t(), kv_t(data=0x300000), kv_t(data=0x380000), out=out_t())
+    assert tma._FIELD[3] is False
+    w.run(q_t(), kv_t(data=0x600000), kv_t(data=0x680000), out=out_t())
+    dims, strides, box = (D, HKV, tma.ROW_EXTENT), (D * 2, HKV * D * 2), (64, 1, 128)
+    assert _map_bytes(last_attn(env)[3], "v_tmap") == _expected(0x680000, dims, strides, box)

@@ -72,7 +72,10 @@ def _encode(short: str, ptr: int, geometry: tuple):
 def _learn_field(short: str, geometry: tuple):
     """(shift, bit position) of the address in this rank's maps, or False (see the module doc)."""
     a, b, c = _PROBES
-    xa, xb, xc = (int.from_bytes(_cuda.tensor_map_bytes(_encode(short, x, geometry)), "little") for x in _PROBES)
+    try:
+        xa, xb, xc = (int.from_bytes(_cuda.tensor_map_bytes(_encode(short, x, geometry)), "little") for x in _PROBES)
+    except _cuda.CudaError:  # a driver that refuses addresses it did not allocate: nothing learned
+        return False
     for shift in (0, 4):
         step = (b >> shift) - (a >> shift)
         d = xb - xa
