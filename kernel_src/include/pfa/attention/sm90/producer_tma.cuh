@@ -10,7 +10,8 @@
 //    sizes to the cp.async kernel; should one arrive here anyway, every tile takes the copy path
 //    below, slower but right).
 // Lane l issues box l / COL_BLOCKS of column block l % COL_BLOCKS, its page id loaded a tile ahead
-// into a register: no per-row address math, no shared-memory staging, no warpgroup barrier.
+// into a register (and V's, where the call has separate V page ids: PrefillParams::v_page_indices):
+// no per-row address math, no shared-memory staging, no warpgroup barrier.
 //
 // The tile holding the request's last key (n0 + BLOCK_N > kv_len) is copied by the warp with
 // zero-filled cp.async instead: TMA would bring the keys past kv_len (the next request's rows, a
@@ -48,11 +49,14 @@ struct ProducerSm90Tma {
     return fits ? min(ps, BLOCK_N) : 0;
   }
 
-  // Paged: the page id of this lane's box in the tile at n0 (0 when the lane has no box).
-  static __device__ __forceinline__ int32_t box_page_id(const PrefillParams& p, const int32_t* pages, int n0,
+  // Paged: the page id of this lane's box in the tile at n0 (0 when the lane has no box), from K's
+  // page table (V = false) or V's (page_table: K's unless the call has separate V ids).
+  template <bool V>
+  static __device__ __forceinline__ int32_t box_page_id(const PrefillParams& p, const PrefillWork& w, int n0,
                                                         int rows, bool active, int box) {
     if (!active) return 0;
     const int t = n0 + box * rows;
+    const int32_t* pages = page_table<V>(p) + w.page_base;
     return checked_page_id(p, __ldg(pages + (p.page_shift >= 0 ? t >> p.page_shift : t / p.page_size)));
   }
 
@@ -73,12 +77,14 @@ struct ProducerSm90Tma {
     }
   }
 
-  // Paged, the copy path: lane l holds the page ids of rows l, l + 32, ... of the tile at n0
-  // (rows at or past kv_len: 0), loaded together so the copies wait on one page-table latency.
+  // Paged, the copy path: lane l holds the page ids (K's or V's table, as box_page_id) of rows l,
+  // l + 32, ... of the tile at n0 (rows at or past kv_len: 0), loaded together so the copies wait
+  // on one page-table latency.
   static constexpr int ID_REGS = (BLOCK_N + 31) / 32;
+  template <bool V>
   static __device__ __forceinline__ void row_page_ids(const PrefillParams& p, const PrefillWork& w, int n0,
                                                       int lane, int32_t (&ids)[ID_REGS]) {
-    const int32_t* pages = reinterpret_cast<const int32_t*>(p.kv_page_indices) + w.page_base;
+    const int32_t* pages = page_table<V>(p) + w.page_base;
 #pragma unroll
     for (int j = 0; j < ID_REGS; ++j) {
       const int t = n0 + lane + 32 * j;
@@ -132,36 +138,44 @@ struct ProducerSm90Tma {
     const int rows = box_rows(p);
     const int box = lane / COL_BLOCKS, col = lane % COL_BLOCKS;
     const bool active = rows > 0 && box < BLOCK_N / max(rows, 1);
-    const int32_t* pages = reinterpret_cast<const int32_t*>(p.kv_page_indices) + w.page_base;
+    const bool v_ids = PAGED && p.v_page_indices != 0;  // V has page ids of its own
     const T* k = reinterpret_cast<const T*>(p.k) + w.kv_head * p.k_stride_h;
     const T* v = reinterpret_cast<const T*>(p.v) + w.kv_head * p.v_stride_h;
     // A tile goes by TMA when it ends within the request's keys (and the page size has boxes).
     auto by_tma = [&](int n0) { return rows > 0 && n0 + BLOCK_N <= w.kv_len; };
-    int32_t id = PAGED && by_tma(w.tile_start) ? box_page_id(p, pages, w.tile_start, rows, active, box) : 0;
+    int32_t id = 0, id_v = 0;  // this tile's page ids of the lane's box (K's, V's)
+    if (PAGED && by_tma(w.tile_start)) {
+      id = box_page_id<false>(p, w, w.tile_start, rows, active, box);
+      id_v = v_ids ? box_page_id<true>(p, w, w.tile_start, rows, active, box) : id;
+    }
     for (int it = 0; it < w.num_tiles; ++it) {
       const int s = it % STAGES;
       const uint32_t free_parity = ((it / STAGES) & 1) ^ 1;
       const int n0 = w.tile_start + it * BLOCK_N;
       const bool tma = by_tma(n0);
-      // the next tile's page id, loaded while this tile waits for its stage
-      const int32_t next = PAGED && it + 1 < w.num_tiles && by_tma(n0 + BLOCK_N)
-                               ? box_page_id(p, pages, n0 + BLOCK_N, rows, active, box)
-                               : 0;
+      // the next tile's page ids, loaded while this tile waits for its stage
+      int32_t next = 0, next_v = 0;
+      if (PAGED && it + 1 < w.num_tiles && by_tma(n0 + BLOCK_N)) {
+        next = box_page_id<false>(p, w, n0 + BLOCK_N, rows, active, box);
+        next_v = v_ids ? box_page_id<true>(p, w, n0 + BLOCK_N, rows, active, box) : next;
+      }
       const uint32_t k_tile = base + Cfg::K_OFFSET + s * Cfg::KV_TILE_BYTES;
       const uint32_t v_tile = base + Cfg::V_OFFSET + s * Cfg::KV_TILE_BYTES;
       int32_t ids[ID_REGS];
-      if (PAGED && !tma) row_page_ids(p, w, n0, lane, ids);
+      if (PAGED && !tma) row_page_ids<false>(p, w, n0, lane, ids);
       ptx::mbar_wait(Cfg::k_empty(base, s), free_parity);
       if (tma)
         tma_tile(p, w, k_tile, &p.k_tmap, Cfg::k_full(base, s), n0, rows, id, active, box, col, lane, keep);
       else
         copy_tile(p, w, k_tile, k, p.k_stride_page, p.k_stride_n, ids, Cfg::k_full(base, s), n0, lane, keep);
+      if (PAGED && !tma && v_ids) row_page_ids<true>(p, w, n0, lane, ids);
       ptx::mbar_wait(Cfg::v_empty(base, s), free_parity);
       if (tma)
-        tma_tile(p, w, v_tile, &p.v_tmap, Cfg::v_full(base, s), n0, rows, id, active, box, col, lane, keep);
+        tma_tile(p, w, v_tile, &p.v_tmap, Cfg::v_full(base, s), n0, rows, id_v, active, box, col, lane, keep);
       else
         copy_tile(p, w, v_tile, v, p.v_stride_page, p.v_stride_n, ids, Cfg::v_full(base, s), n0, lane, keep);
       id = next;
+      id_v = next_v;
     }
     ptx::cp_async_commit();
     ptx::cp_async_wait<0>();
