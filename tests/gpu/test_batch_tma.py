@@ -141,7 +141,7 @@ def test_ragged_edges_and_nan_after_the_tensor(d, dt, causal, hq, hkv, layout, s
     kv_lens = EDGE_LENS
     qo_lens = [min(kv, 200) for kv in kv_lens]
     if split:  # short queries over long KV: chunk ends inside the requests
-        qo_lens, kv_lens = [1, 5, 16, 3, 1], [9000, 12001, 5000, 129, 16384]
+        qo_lens, kv_lens = [40, 5, 64, 3, 1], [9000, 12001, 5000, 129, 16384]  # past the decode tiles' rows
     total = sum(kv_lens)
     # K / V are the first `total` rows of buffers whose further rows are NaN
     bufs = [torch.full((total + 300, hkv, d), NAN, dtype=dt, device="cuda") for _ in range(2)]
