@@ -256,3 +256,23 @@ def test_a_driver_refusing_the_probe_addresses_takes_the_replace_call(monkeypatc
     w.run(q_t(), kv_t(data=0x600000), kv_t(data=0x680000), out=out_t())
     dims, strides, box = (D, HKV, tma.ROW_EXTENT), (D * 2, HKV * D * 2), (64, 1, 128)
     assert _map_bytes(last_attn(env)[3], "v_tmap") == _expected(0x680000, dims, strides, box)
+
+
+def test_skip_softmax_runs_the_cp_async_skip_twin_and_back(monkeypatch):
+    """A TMA plan's skip-softmax calls run its cp.async row's "_skip" twin (the same tile); back
+    without skip-softmax, the TMA kernel's maps follow the K/V given meanwhile."""
+    env = _env(monkeypatch, "tma")
+    w = ragged(env)
+    plan_ragged(w)
+    tma_name = w._engine.attn.name
+    w.run(q_t(), kv_t(data=0x300000), kv_t(data=0x380000), out=out_t())
+    w.run(q_t(), kv_t(data=0x600000), kv_t(data=0x680000), out=out_t(), skip_softmax_threshold_scale_factor=0.5)
+    name, _, _, p = last_attn(env)
+    assert name == tma_name[:-len("_tma")] + "_skip" and p.skip_softmax_factor == 0.5
+    assert (p.k, p.v) == (0x600000, 0x680000)
+    w.run(q_t(), kv_t(data=0x600000), kv_t(data=0x680000), out=out_t())
+    name, _, _, p = last_attn(env)
+    assert name == tma_name and p.skip_softmax_factor == 0.0
+    dims, strides, box = (D, HKV, tma.ROW_EXTENT), (D * 2, HKV * D * 2), (64, 1, 128)
+    assert _map_bytes(p, "k_tmap") == _expected(0x600000, dims, strides, box)
+    assert _map_bytes(p, "v_tmap") == _expected(0x680000, dims, strides, box)

@@ -411,17 +411,21 @@ class BatchEngine:
             home = self.skip_home
             _cuda.copy_params(home, la)
             self.skip_home, self.attn = None, home
+            if self.kv_maps is not None:  # home's maps came back from the sibling's struct: rewrite them
+                self.kv_maps.forget()
         self.attn.params.skip_softmax_factor = f
         self.skip = f
 
     def skip_sibling(self, m):
         """The kernel of the same tile with skip-softmax compiled in, for the plan's kernel (manifest
-        row m): the sm90 family's "_skip" twin, else (sm80 lean) the general kernel of the tile."""
+        row m): the sm90 family's "_skip" twin (a TMA kernel's: its cp.async row's, which reads no
+        tensor maps), else (sm80 lean) the general kernel of the tile."""
         if m.get("impl") == "sm90":
             key = ("skip", m["name"])
             la = self.launchers.get(key)
             if la is None:
-                la = self.launchers[key] = _registry.new_launcher("prefill", self.dev, name=m["name"] + "_skip")
+                name = m["name"][:-len(routing.TMA_SUFFIX)] if m.get("tma") else m["name"]
+                la = self.launchers[key] = _registry.new_launcher("prefill", self.dev, name=name + "_skip")
             return la
         return self.launcher("prefill", m["dtype"], m["kv_dtype"], m["head_dim"], True)
 
@@ -495,7 +499,7 @@ class BatchEngine:
                 return
         elif self.shape[0] == 0:
             return
-        if self.kv_fallback:  # K/V that TMA cannot address: the cp.async twin, same tile and struct
+        if self.kv_fallback and la.meta.get("tma"):  # K/V TMA cannot address: the cp.async twin, same struct
             _cuda.copy_params(self.kv_twin, la)
             la = self.kv_twin
         self.pdl(la, pdl)(s)

@@ -160,6 +160,12 @@ class KvMaps:
             v.write(self.short, v_ptr, v_geometry)
         return True
 
+    def forget(self) -> None:
+        """The struct's maps were overwritten (a struct copied back into it): the next point() or
+        repoint() writes whole maps."""
+        for f in (self.k, self.v):
+            f.ptr, f.word = None, None
+
     def repoint(self, k_ptr: int, v_ptr: int) -> None:
         """New addresses in the geometries of the last point() (the run() fast path's: same
         shapes and strides)."""
