@@ -91,6 +91,8 @@ __device__ __forceinline__ void tma_load_4d(uint32_t dst, const void* tmap, int 
       "[%0], [%1, {%2, %3, %4, %5}], [%6], %7;\n" ::"r"(dst),
       "l"(tmap), "r"(c0), "r"(c1), "r"(c2), "r"(c3), "r"(bar), "l"(policy)
       : "memory");
+}
+
 // ---- stmatrix (sm_90): four 8 x 8 matrices of b16 from registers to shared memory ----
 // Register q of lane l holds elements (row l / 4, columns 2 * (l % 4) and + 1) of matrix q, as
 // ldmatrix_x4 delivers them; .trans stores element (r, c) as b16 number r of memory row c, and
