@@ -1,12 +1,20 @@
 """Compare prefill tile variants (`make TUNE=1`) on the local GPU: TFLOP/s per variant.
 
     python build_tools/tune_prefill.py [--seqs 4096,16384] [--json out.json]
+    python build_tools/tune_prefill.py --batch [--page-sizes 16,64] [--causal 0,1] [--json out.json]
 
 Each variant is checked against torch SDPA on the timed shape before its number counts.
 Shapes follow the standard sweep: bf16, batch*seq = 16k tokens, heads = 2048 / head_dim.
+
+--batch: the sm90 K/V loads side by side (cp.async against the TMA twins, PFA_SM90_KV_LOAD) on
+`python -m pyflashattn.bench batch`'s 16-request batch (lengths 512..4096, 32 / 8 heads, hd128,
+bf16), ragged and paged (pages in random order), every kernel checked against SDPA per request,
+then timed in interleaved rounds (bench_util.interleaved_median_ms) so both loads see the same
+clocks.
 """
 import argparse
 import json
+import os
 
 import torch
 
@@ -21,9 +29,14 @@ def main():
     ap.add_argument("--json")
     ap.add_argument("--head-dims", default="64,128,256")
     ap.add_argument("--causal", default="0,1", help="which of non-causal (0) / causal (1) to time")
+    ap.add_argument("--batch", action="store_true", help="A/B the sm90 K/V loads on batch prefill")
+    ap.add_argument("--page-sizes", default="16", help="--batch: the paged cache's page sizes")
+    ap.add_argument("--rep", type=int, default=30, help="--batch: timed repetitions per kernel")
     args = ap.parse_args()
     hds = {int(x) for x in args.head_dims.split(",")}
     causals = [bool(int(x)) for x in args.causal.split(",")]
+    if args.batch:
+        return batch_ab(args, causals)
     # Single-prefill candidates only: lean, contiguous, K/V in the query dtype.
     rows = [r for r in _registry.manifest()["kernels"] if r["family"] == "prefill" and r["arch"] == "sm_90a"
             and r["dtype"] == "bf16" and r["kv_dtype"] == "bf16" and not r["general"] and not r["paged"]
@@ -51,5 +64,71 @@ def main():
             json.dump(results, f, indent=1)
 
 
+def batch_ab(args, causals):
+    from pyflashattn._engine.routing import KV_LOAD_ENV
+    from pyflashattn.bench import batch as bb
+    from pyflashattn.testing.bench_util import gpu_warmup, interleaved_median_ms
+
+    ctx = bb._Ctx()
+    lens = bb.batch_lengths("uniform16")
+    qi = bb._indptr(lens)
+    g = bb.HQ // bb.HKV
+    results, errors = [], []
+    gpu_warmup()
+    for causal in causals:
+        q, k, v = bb._make_inputs(ctx, lens, 1234 + causal)
+        refs = []
+        for i in range(len(lens)):
+            s0, s1 = int(qi[i]), int(qi[i + 1])
+            qs, ks, vs = (x.transpose(0, 1).unsqueeze(0) for x in (
+                q[s0:s1], k[s0:s1].repeat_interleave(g, dim=1), v[s0:s1].repeat_interleave(g, dim=1)))
+            refs.append(ctx.sdpa(qs, ks, vs, causal)[0].transpose(0, 1))
+        flops = sum(bb.request_flops(n, n, causal) for n in lens)
+        timers, names = {}, {}
+        for storage in ["ragged"] + [f"paged{ps}" for ps in map(int, args.page_sizes.split(","))]:
+            if storage != "ragged":
+                bb.PAGE_SIZE = int(storage[5:])
+                cache, kv_indptr, indices, last = bb._paged_cache(ctx, lens, k, v, 77)
+            for load in ("cpasync", "tma"):
+                os.environ[KV_LOAD_ENV] = load  # read when a plan routes
+                out = torch.empty_like(q)
+                if storage == "ragged":
+                    w = pyflashattn.BatchPrefillWithRaggedKVCacheWrapper(ctx.ws, "NHD")
+                    w.plan(qi, qi, bb.HQ, bb.HKV, bb.HEAD_DIM, causal=causal, q_data_type=torch.bfloat16)
+                    kv = (k, v)
+                else:
+                    w = pyflashattn.BatchPrefillWithPagedKVCacheWrapper(ctx.ws, "NHD")
+                    w.plan(qi, kv_indptr, indices, last, bb.HQ, bb.HKV, bb.HEAD_DIM, bb.PAGE_SIZE, causal=causal,
+                           q_data_type=torch.bfloat16)
+                    kv = (cache,)
+                key = f"{storage} {load}"
+                names[key] = w._engine.attn.name
+                w.run(q, *kv, out=out)
+                torch.cuda.synchronize()
+                rel = bb._check_per_request(ctx, out, refs, qi)
+                if not rel <= bb.REL_TOL:
+                    errors.append(f"{key} ({names[key]}): worst request rel err {rel:.3g} vs SDPA")
+                    continue
+                timers[key] = (lambda w, kv, out: lambda wu, r: ctx.bench_samples_ms(
+                    lambda: w.run(q, *kv, out=out), warmup=wu, rep=r))(w, kv, out)
+        os.environ.pop(KV_LOAD_ENV, None)
+        for key, ms in interleaved_median_ms(timers, 3, args.rep, errors).items():
+            tf = flops / ms / 1e9
+            results.append({"kernel": names[key], "case": key, "causal": causal, "ms": ms, "tflops": tf})
+            print(f"{key:16s} causal={int(causal)} {names[key]:52s} {ms:8.3f} ms {tf:7.1f} TFLOP/s", flush=True)
+        by = {(r["case"], r["causal"]): r["tflops"] for r in results}
+        for key in timers:
+            if key.endswith("tma") and (key.replace("tma", "cpasync"), causal) in by:
+                print(f"  {key}: TMA / cp.async = {by[(key, causal)] / by[(key.replace('tma', 'cpasync'), causal)]:.3f}")
+        refs.clear()
+        torch.cuda.empty_cache()
+    for e in errors:
+        print("ERROR", e)
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump({"lengths": lens, "results": results, "errors": errors}, f, indent=1)
+    return 1 if errors else 0
+
+
 if __name__ == "__main__":
-    main()
+    raise SystemExit(main())

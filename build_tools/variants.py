@@ -220,8 +220,8 @@ class HopperPrefillVariant:
     # the two consumer warpgroups take turns issuing their GEMMs (consumer.cuh, Turns)
     pingpong: bool = True
     paged: bool = False  # K/V rows through a page table (the batch paged wrapper, block tables)
-    # K/V tiles by TMA from host-encoded tensor maps (PrefillParams.k_tmap / v_tmap), instead of the
-    # producer warpgroup's cp.async: single prefill only so far (batch plans encode no maps)
+    # K/V tiles by TMA from host-encoded tensor maps (PrefillParams.k_tmap / v_tmap; producer_tma.cuh),
+    # instead of the producer warpgroup's cp.async: the TMA twin of the row without it (HOPPER_KV_LOAD)
     tma: bool = False
     # skip-softmax compiled in (PrefillParams.skip_softmax_factor): the "_skip" twin of a shipped
     # row, run only for calls that ask for it (BatchEngine.apply_skip_softmax); the rows without it
@@ -246,10 +246,10 @@ class HopperPrefillVariant:
 
     @property
     def smem_bytes(self):
-        # PrefillSm90Config::SMEM_BYTES: Q, STAGES K and V tiles, 1 + 4 * STAGES mbarriers, (paged)
-        # two tiles' page ids, the alignment slack
+        # PrefillSm90Config::SMEM_BYTES: Q, STAGES K and V tiles, 1 + 4 * STAGES mbarriers, (paged by
+        # cp.async) two tiles' page ids, the alignment slack
         tile = self.block_n * self.head_dim * HALF_BYTES
-        ids = 2 * self.block_n * PAGE_ID_BYTES if self.paged else 0
+        ids = 2 * self.block_n * PAGE_ID_BYTES if self.paged and not self.tma else 0
         return (self.block_m * self.head_dim * HALF_BYTES + 2 * self.stages * tile
                 + (1 + 4 * self.stages) * self.BARRIER_BYTES + ids + self.ATOM_BYTES)
 
@@ -359,6 +359,13 @@ HOPPER_TILES = {64: (128, 3, 2), 128: (128, 2, 2), 256: (80, 2, 2)}
 # Paged K/V: a third stage where shared memory holds it, the producer's page-table lookups have a
 # tile more to land in.
 HOPPER_TILES_PAGED = {64: (128, 2, 3), 128: (128, 2, 3), 256: (80, 2, 2)}
+# How the sm90 family loads K/V, per KV storage: "cpasync" (the producer warpgroup's cp.async,
+# producer.cuh) or "tma" (one producer warp issuing boxes from host-encoded tensor maps,
+# producer_tma.cuh; paged: pages of 16+ rows, smaller ones stay on cp.async). Each default row above
+# has a TMA twin of the same tile (name + "_tma"): a shipped row where the storage says "tma" (the
+# routing then prefers it: pyflashattn/_engine/routing.kv_load_pair), else a tune row (`make TUNE=1`,
+# run by PFA_SM90_KV_LOAD=tma for A/B runs). Flip an entry to ship TMA for that storage.
+HOPPER_KV_LOAD = {"ragged": "cpasync", "paged": "cpasync"}
 # Alternatives for `make TUNE=1`: FA3's non-causal hd128 tile (176 keys), a third K/V stage at hd128,
 # two consumers (128 rows) at hd64.
 HOPPER_TUNE_TILES = [(128, (176, 2, 2)), (128, (128, 2, 3)), (64, (128, 2, 3))]
@@ -566,11 +573,15 @@ def variants(tune=False):
         out += [HopperPrefillVariant(dtype, hd, *tile, paged=True) for hd, tile in HOPPER_TILES_PAGED.items()]
         out += [HopperPrefillVariant(dtype, hd, *tile, paged=paged, skip=True)
                 for paged, tiles in ((False, HOPPER_TILES), (True, HOPPER_TILES_PAGED)) for hd, tile in tiles.items()]
+        for storage, tiles in (("ragged", HOPPER_TILES), ("paged", HOPPER_TILES_PAGED)):
+            twin_tune = HOPPER_KV_LOAD[storage] != "tma"
+            if tune or not twin_tune:
+                out += [HopperPrefillVariant(dtype, hd, *tile, paged=storage == "paged", tma=True, tune=twin_tune)
+                        for hd, tile in tiles.items()]
         if tune:
             out += [HopperPrefillVariant(dtype, hd, *tile, pingpong=False, tune=True)
                     for hd, tile in HOPPER_TILES.items()]
             out += [HopperPrefillVariant(dtype, hd, *tile, tune=True) for hd, tile in HOPPER_TUNE_TILES]
-            out += [HopperPrefillVariant(dtype, hd, *tile, tma=True, tune=True) for hd, tile in HOPPER_TILES.items()]
         out += [MergeVariant(dtype), MergeVariant(dtype, cta_per_row=True)]
     out += [HopperFp8PrefillVariant(hd, *tile) for hd, tile in HOPPER_FP8_TILES.items()]
     out += nvfp4_variants()

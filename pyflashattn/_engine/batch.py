@@ -13,7 +13,7 @@ from __future__ import annotations
 import numpy as np
 
 from .._runtime import cuda as _cuda, dtypes as _dtypes, registry as _registry, tensor as _tensor
-from . import fp8, launch, operands, options, params, routing, schedule
+from . import fp8, launch, operands, options, params, routing, schedule, tma
 from .graph import GraphState, refuse_capture
 from .masks import MaskBuffers
 from .problem import Config, KVSource, PlanSettings
@@ -48,6 +48,10 @@ class BatchEngine:
         self.launchers = {}
         self.configs = {}  # PlanSettings -> Config (see plan)
         self.attn = self.merge = self.schedule = None
+        # a TMA kernel's K/V maps (tma.KvMaps, pointed by run()) and its cp.async twin, which runs
+        # instead where run()'s K/V have strides TMA cannot address (kv_fallback)
+        self.kv_maps = self.kv_twin = None
+        self.kv_fallback = False
         self.consts = None  # the option fields last written into the attention launcher's struct
         self.pending_copy = False
         self.fast_key = None  # run()'s validated torch signature (launch.torch_key), per plan
@@ -137,6 +141,9 @@ class BatchEngine:
             tile = cap.get("decode_rows", tile)
         la, budget, ctas = (dec.get(tile) or dec[route.tiles[-1]]) if tile and dec else \
             (route.attn, route.budget, route.ctas)
+        if la is route.attn and route.tma is not None and \
+                routing.tma_fits(self.paged, src.page_size, la.meta["block_n"], src.total_kv):
+            la = route.tma  # the same tile: the schedule below is the cp.async kernel's
         meta = la.meta
         plan = schedule.schedule_prefill(src.qo, src.qo_lens, src.kv_lens, src.max_qo, src.max_kv, cfg.group,
                                          cfg.num_kv_heads, meta["block_m"], meta["block_n"], budget, bool(causal),
@@ -188,6 +195,11 @@ class BatchEngine:
         self.attn = la
         self.skip, self.skip_home = 0.0, None  # run(skip_softmax_threshold_scale_factor=...) sets it
         la.params.skip_softmax_factor = 0.0
+        if la.meta.get("tma"):
+            self.kv_maps, self.kv_twin = tma.KvMaps(cfg.q_dtype.short, la.params), route.attn
+        else:
+            self.kv_maps = self.kv_twin = None
+        self.kv_fallback = False
         if merge is not None:  # a captured graph always holds the merge (a no-op for unsplit rows)
             params.configure_merge(merge, merge_rows, cfg.num_qo_heads,
                                    cfg.head_dim, 0, cfg.opts.lse_scale, cfg.o_format)
@@ -324,14 +336,17 @@ class BatchEngine:
         p.page_size = page_size
         p.page_shift = page_size.bit_length() - 1 if page_size & (page_size - 1) == 0 else -1
 
-    def launcher(self, family, dtype, kv_dtype=None, head_dim=None, general=None, decode=0, cta_per_row=False):
+    def launcher(self, family, dtype, kv_dtype=None, head_dim=None, general=None, decode=0, cta_per_row=False,
+                 name=None):
         """The wrapper's own Launcher per kernel, reused across plans (creating one costs ~10 us);
         decode = the decode tile's packed rows (0: the row-tile kernels); cta_per_row: the merge
-        kernel with one CTA per (row, head) (params.merge_cta_per_row)."""
-        key = (family, dtype, kv_dtype, head_dim, general, decode, cta_per_row)
+        kernel with one CTA per (row, head) (params.merge_cta_per_row); name: a kernel by name."""
+        key = (family, dtype, kv_dtype, head_dim, general, decode, cta_per_row, name)
         la = self.launchers.get(key)
         if la is None:
-            if family == "merge":
+            if name is not None:
+                la = _registry.new_launcher(family, self.dev, name=name)
+            elif family == "merge":
                 la = _registry.new_launcher("merge", self.dev, dtype=dtype, cta_per_row=cta_per_row)
             else:
                 la = routing.new_attention(self.dev, dtype, kv_dtype, head_dim, general, self.paged, decode)
@@ -401,17 +416,21 @@ class BatchEngine:
             home = self.skip_home
             _cuda.copy_params(home, la)
             self.skip_home, self.attn = None, home
+            if self.kv_maps is not None:  # home's maps came back from the sibling's struct: rewrite them
+                self.kv_maps.forget()
         self.attn.params.skip_softmax_factor = f
         self.skip = f
 
     def skip_sibling(self, m):
         """The kernel of the same tile with skip-softmax compiled in, for the plan's kernel (manifest
-        row m): the sm90 family's "_skip" twin, else (sm80 lean) the general kernel of the tile."""
+        row m): the sm90 family's "_skip" twin (a TMA kernel's: its cp.async row's, which reads no
+        tensor maps), else (sm80 lean) the general kernel of the tile."""
         if m.get("impl") == "sm90":
             key = ("skip", m["name"])
             la = self.launchers.get(key)
             if la is None:
-                la = self.launchers[key] = _registry.new_launcher("prefill", self.dev, name=m["name"] + "_skip")
+                name = m["name"][:-len(routing.TMA_SUFFIX)] if m.get("tma") else m["name"]
+                la = self.launchers[key] = _registry.new_launcher("prefill", self.dev, name=name + "_skip")
             return la
         return self.launcher("prefill", m["dtype"], m["kv_dtype"], m["head_dim"], True)
 
@@ -473,7 +492,8 @@ class BatchEngine:
             refuse_capture(s)
         if self.pending_copy or self.graph is not None:
             self._before_launch(s)
-        p = self.attn.params
+        la = self.attn
+        p = la.params
         p.q, p.o = qv.ptr, ov.ptr
         p.q_stride_n, p.q_stride_h = qv.strides[0], qv.strides[1]
         p.o_stride_n, p.o_stride_h = ov.strides[0], ov.strides[1]
@@ -484,7 +504,10 @@ class BatchEngine:
                 return
         elif self.shape[0] == 0:
             return
-        self.pdl(self.attn, pdl)(s)
+        if self.kv_fallback and la.meta.get("tma"):  # K/V TMA cannot address: the cp.async twin, same struct
+            _cuda.copy_params(self.kv_twin, la)
+            la = self.kv_twin
+        self.pdl(la, pdl)(s)
         if self.merge is not None:
             mp = self.merge.params
             mp.o, mp.lse = ov.ptr, (lv.ptr if lv is not None else 0)
@@ -493,8 +516,23 @@ class BatchEngine:
 
     def remember(self, q, kv_parts, out, lse, return_lse):
         """After a validated run: its torch signature, for the fast path (out / lse as the caller
-        passed them: None when we allocated)."""
-        self.fast_key = launch.torch_key(q, kv_parts, out, lse, bool(return_lse)) if launch.is_torch(q) else None
+        passed them: None when we allocated; none for K/V on the cp.async fallback)."""
+        self.fast_key = launch.torch_key(q, kv_parts, out, lse, bool(return_lse)) \
+            if launch.is_torch(q) and not self.kv_fallback else None
+
+    def _point_maps(self, p, k_ptr: int, v_ptr: int, num_pages: int):
+        """A TMA plan's K/V maps from the struct's strides (num_pages: the paged cache's pages, 0 =
+        ragged); K/V that TMA cannot address run on the cp.async twin (kv_fallback)."""
+        _, _, Hkv, D = self.shape
+        item, bn = self.cfg.kv_dtype.bits // 8, self.attn.meta["block_n"]
+        if self.paged:
+            rows, ps = tma.paged_box_rows(self.src.page_size, bn), self.src.page_size
+            kg = tma.paged_geometry(num_pages, ps, Hkv, D, (p.k_stride_page, p.k_stride_n, p.k_stride_h), item, rows)
+            vg = tma.paged_geometry(num_pages, ps, Hkv, D, (p.v_stride_page, p.v_stride_n, p.v_stride_h), item, rows)
+        else:
+            kg = tma.ragged_geometry(Hkv, D, p.k_stride_n, p.k_stride_h, item, bn)
+            vg = tma.ragged_geometry(Hkv, D, p.v_stride_n, p.v_stride_h, item, bn)
+        self.kv_fallback = not self.kv_maps.point(k_ptr, v_ptr, kg, vg)
 
     def torch_fast(self, q, kv_parts, out, lse, return_lse, stream, pdl):
         """A run() whose torch tensors have the signature of the last validated run: pointers
@@ -525,6 +563,8 @@ class BatchEngine:
             lse = _tensor.torch_empty_f32(q, (total_q, Hq))
         p = self.attn.params
         p.q, p.k, p.v, p.o = qp, kp, vp, op
+        if self.kv_maps is not None:
+            self.kv_maps.repoint(kp, vp)
         p.lse = lp = lse.data_ptr() if lse is not None else 0
         if total_q:
             self.pdl(self.attn, pdl)(s)
@@ -580,6 +620,8 @@ class BatchEngine:
         p.k, p.v = k_ptr, v_ptr
         p.k_stride_page, p.k_stride_n, p.k_stride_h = operands.paged_kv_strides(self.kv_layout, ks)
         p.v_stride_page, p.v_stride_n, p.v_stride_h = operands.paged_kv_strides(self.kv_layout, vs)
+        if self.kv_maps is not None:
+            self._point_maps(p, k_ptr, v_ptr, num_pages)
         self.launch(qv, ov, lv, s, enable_pdl)
         if kv_cache_sf is None:  # (NVFP4: every run points the scales, no fast path)
             self.remember(q, kv_parts, out, lse, return_lse)
@@ -662,6 +704,8 @@ class BatchEngine:
         p.k_stride_n, p.k_stride_h = operands.ragged_kv_strides(self.kv_layout, kv.strides)
         p.v_stride_n, p.v_stride_h = operands.ragged_kv_strides(self.kv_layout, vv.strides)
         self.kv_ptr_offset = None
+        if self.kv_maps is not None:
+            self._point_maps(p, kv.ptr, vv.ptr, 0)
         self.launch(qv, ov, lv, s, enable_pdl)
         self.remember(q, (k, v), out, lse, return_lse)
         return finish(out_, lse_, return_lse)

@@ -10,6 +10,7 @@ from __future__ import annotations
 import os
 
 from .._runtime import cuda as _cuda, registry as _registry
+from . import tma
 
 HEAD_DIMS = (64, 128, 256)
 SMEM_RESERVED_PER_CTA = 1024  # the driver's shared memory per resident CTA
@@ -42,6 +43,63 @@ def decode_waves(widened: bool) -> float:
 # K/V storages built only as paged decode tiles (build_tools/variants.py DECODE_ONLY_KV): every
 # request runs on them, one longer than their rows as several row tiles; lean options only.
 DECODE_ONLY_KV = frozenset(("nvfp4",))
+
+
+# How the sm90 family loads K/V (build_tools/variants.py HOPPER_KV_LOAD): a row-tile kernel's TMA
+# twin (its name + TMA_SUFFIX: the same tile, K/V by TMA boxes) runs instead of it wherever the twin
+# is a shipped row and the call's K/V allow TMA (tma_fits, tma.addressable). PFA_SM90_KV_LOAD
+# overrides the table for A/B runs and tests: "tma" runs the twins even as tune rows (`make
+# TUNE=1`), "cpasync" never runs them.
+KV_LOAD_ENV = "PFA_SM90_KV_LOAD"
+KV_LOADS = ("tma", "cpasync")
+TMA_SUFFIX = "_tma"
+
+
+def kv_load_override():
+    """PFA_SM90_KV_LOAD: "tma", "cpasync" or None (unset: the variant table decides)."""
+    want = os.environ.get(KV_LOAD_ENV, "").strip().lower()
+    if want and want not in KV_LOADS:
+        raise ValueError(f"{KV_LOAD_ENV}={want!r}: expected one of {KV_LOADS} (or unset)")
+    return want or None
+
+
+def _built_row(dev: int, name: str):
+    archs = _registry.arch_candidates(_cuda.properties(dev)["cc"])
+    return next((r for r in _registry.manifest()["kernels"] if r["name"] == name and r["arch"] in archs), None)
+
+
+def kv_load_pair(dev: int, la, named):
+    """(the cp.async kernel, its TMA twin or None) for row-tile launcher la; named(name) makes a
+    launcher by kernel name. A TMA kernel forced by name (registry.force) is its own twin, its
+    cp.async sibling the fallback."""
+    meta = la.meta
+    if meta.get("tma"):
+        base = _built_row(dev, meta["name"][:-len(TMA_SUFFIX)])
+        if base is None:
+            raise RuntimeError(f"{meta['name']} loads K/V by TMA; its cp.async sibling (for K/V that TMA cannot "
+                               "address) is not built")
+        return named(base["name"]), la
+    if meta.get("impl") != "sm90":
+        return la, None
+    want = kv_load_override()
+    row = _built_row(dev, meta["name"] + TMA_SUFFIX)
+    if want == "tma" and row is None and not any(r.get("tma") for r in _registry.manifest()["kernels"]):
+        raise RuntimeError(f"{KV_LOAD_ENV}=tma, but no TMA kernel is among the built cubins: build the TMA "
+                           "rows with `make TUNE=1` (or ship them: variants.HOPPER_KV_LOAD)")
+    # (a row without a twin, e.g. an fp8 or tune tile, keeps its cp.async load)
+    if row is None or want == "cpasync" or (row.get("tune") and want != "tma"):
+        return la, None
+    twin = named(row["name"])
+    tm = twin.meta
+    if (tm["block_m"], tm["block_n"], tm["ctas_per_sm"]) != (meta["block_m"], meta["block_n"], meta["ctas_per_sm"]):
+        raise RuntimeError(f"{tm['name']} is no twin of {meta['name']}: their tiles differ")
+    return la, twin
+
+
+def tma_fits(paged: bool, page_size: int, block_n: int, total_kv: int) -> bool:
+    """Whether a plan's K/V geometry has TMA boxes: pages of tma.paged_box_rows, ragged rows
+    within the 32-bit coordinates."""
+    return tma.paged_box_rows(page_size, block_n) > 0 if paged else total_kv < tma.ROW_EXTENT
 
 
 def ctas_per_sm(meta: dict, props: dict) -> int:
@@ -101,22 +159,23 @@ def new_attention(dev: int, dtype: str, kv_dtype: str, head_dim: int, general: b
 
 class Route:
     """The kernels a batch plan may run, resolved once per plan settings: the row-tile kernel
-    (`attn`, `ctas`, `budget` = CTAs per wave; None for a decode-only K/V storage) and, for lean
+    (`attn`, `ctas`, `budget` = CTAs per wave; None for a decode-only K/V storage), its TMA twin
+    (`tma`, or None; the plan runs it where tma_fits) and, for lean
     options, the decode tiles by rows: decode[rows] = (launcher, budget, ctas), their rows in
     `tiles` (the plan picks one per batch with decode_tile_rows; `decode_only`: always one)."""
 
-    __slots__ = ("attn", "ctas", "budget", "decode", "tiles", "decode_only")
+    __slots__ = ("attn", "tma", "ctas", "budget", "decode", "tiles", "decode_only")
 
     def __init__(self, launcher, dev: int, dtype: str, kv_dtype: str, head_dim: int, general: bool, paged: bool,
                  widened: bool):
         """widened: the K/V tiles are widened in the kernel (fp8, NVFP4): two waves of split budget."""
         props = _cuda.properties(dev)
         self.decode_only = kv_dtype in DECODE_ONLY_KV
-        self.attn = self.ctas = self.budget = None
+        self.attn = self.tma = self.ctas = self.budget = None
         if not self.decode_only:
-            self.attn = launcher("prefill", dtype, kv_dtype, head_dim, general)
-            if self.attn.meta.get("tma"):  # only by registry.force: batch plans encode no tensor maps
-                raise ValueError(f"{self.attn.meta['name']} loads K/V by TMA, which only single prefill drives")
+            # attn: the cp.async kernel; tma: its TMA twin where the K/V load says so (kv_load_pair)
+            self.attn, self.tma = kv_load_pair(dev, launcher("prefill", dtype, kv_dtype, head_dim, general),
+                                               lambda name: launcher("prefill", dtype, name=name))
             self.ctas = ctas_per_sm(self.attn.meta, props)
             self.budget = props["sm_count"] * self.ctas
         self.decode = None

@@ -176,7 +176,7 @@ class SinglePlan:
 
     __slots__ = ("o_shape", "o_strides", "lse_shape", "dtype", "odt", "o_format", "fp8", "heads", "attn", "merge",
                  "num_chunks", "ws_mask_bytes", "ws_o_bytes", "ws_bytes", "dev", "mask_kind", "mask_bits",
-                 "tma_geometry")
+                 "kv_maps", "tma_geometry")
 
     def __init__(self, qv, kv, vv, ov, lv, causal, kv_layout, window_left, sm_scale, opts=options.PLAIN,
                  mask_kind=None, mv=None, o_dtype=None):
@@ -191,22 +191,30 @@ class SinglePlan:
         if causal and kv_len < qo_len:
             raise ValueError(f"causal attention needs kv_len >= qo_len, got kv_len={kv_len}, qo_len={qo_len}")
         sm_scale = options.softmax_scale(sm_scale, head_dim)
-        self.attn = self.merge = self.tma_geometry = None
+        self.attn = self.merge = self.kv_maps = self.tma_geometry = None
         if qo_len * num_qo_heads == 0:
             return  # nothing to compute: empty outputs
         _cuda.ensure_context(self.dev)
         general = opts.general or mask_kind is not None
         if self.fp8:
             fp8.check_call(self.dev, general, False)
-        self._route_and_schedule(qo_len, kv_len, num_qo_heads, num_kv_heads, head_dim, causal, window_left, general)
+        ks = operands.ragged_kv_strides(kv_layout, kv.strides)
+        vs = operands.ragged_kv_strides(kv_layout, vv.strides)
+        item = self.dtype.bits // 8
+        # K/V by TMA where the routing says so (routing.kv_load_pair) and TMA can address them: the
+        # maps encode these strides (run() adds the pointers)
+        geometry = lambda bn: (tma.ragged_geometry(num_kv_heads, head_dim, *ks, item, bn),  # noqa: E731
+                               tma.ragged_geometry(num_kv_heads, head_dim, *vs, item, bn))
+        tma_ok = kv_len < tma.ROW_EXTENT and all(map(tma.addressable, geometry(1)))
+        self._route_and_schedule(qo_len, kv_len, num_qo_heads, num_kv_heads, head_dim, causal, window_left, general,
+                                 tma_ok)
         p = self.attn.params
         p.q_stride_n, p.q_stride_h = qv.strides[0], qv.strides[1]
-        p.k_stride_n, p.k_stride_h = operands.ragged_kv_strides(kv_layout, kv.strides)
-        p.v_stride_n, p.v_stride_h = operands.ragged_kv_strides(kv_layout, vv.strides)
-        # TMA kernels: what their K/V tensor maps encode besides the pointers (run() adds those)
-        self.tma_geometry = ((self.dtype.short, kv_len, num_kv_heads, head_dim, (p.k_stride_n, p.k_stride_h),
-                              (p.v_stride_n, p.v_stride_h), self.dtype.bits // 8)
-                             if self.attn.meta.get("tma") else None)
+        p.k_stride_n, p.k_stride_h = ks
+        p.v_stride_n, p.v_stride_h = vs
+        if self.attn.meta.get("tma"):
+            self.tma_geometry = geometry(self.attn.meta["block_n"])
+            self.kv_maps = tma.KvMaps(self.dtype.short, p)
         p.qo_len, p.kv_len = qo_len, kv_len
         params.fill_score_fields(p, self.dev, num_qo_heads, num_kv_heads, causal, window_left, sm_scale, opts)
         p.o_format = self.o_format
@@ -246,16 +254,20 @@ class SinglePlan:
         return qo_len, kv_len, num_qo_heads, num_kv_heads, head_dim
 
     def _route_and_schedule(self, qo_len, kv_len, num_qo_heads, num_kv_heads, head_dim, causal, window_left,
-                            general):
+                            general, tma_ok):
         """The kernel (a decode tile for a request of few packed rows: decode, speculative decode,
-        a short append, whose launch is a stream over K/V; else the row-tile kernel), its KV
-        chunks from the one scheduler, and the grid."""
+        a short append, whose launch is a stream over K/V; else the row-tile kernel, or its TMA
+        twin where tma_ok), its KV chunks from the one scheduler, and the grid."""
         dev, short = self.dev, self.dtype.short
         group = num_qo_heads // num_kv_heads
         props = _cuda.properties(dev)
         tile = 0 if general else routing.decode_tile_rows(
             head_dim, qo_len * group, routing.built_decode_tiles(dev, short, short, head_dim, False))
-        la = self.attn = routing.new_attention(dev, short, short, head_dim, general, False, tile)
+        la = routing.new_attention(dev, short, short, head_dim, general, False, tile)
+        if not tile:
+            la, twin = routing.kv_load_pair(dev, la, lambda name: _registry.new_launcher("prefill", dev, name=name))
+            la = twin if twin is not None and tma_ok else la
+        self.attn = la
         meta = la.meta
         row_tiles = -(-qo_len * group // meta["block_m"])
         if row_tiles > params.MAX_GRID_YZ:
@@ -303,8 +315,8 @@ class SinglePlan:
         p.q, p.k, p.v, p.o = q, k, v, o
         if self.fp8:
             fp8.point_scales(p, scale_ptrs or (0, 0, 0))
-        if self.tma_geometry is not None:
-            tma.point_kv_maps(p, self.attn.meta, self.tma_geometry, k, v)
+        if self.kv_maps is not None:
+            self.kv_maps.point(k, v, *self.tma_geometry)
         p.v_scale = v_scale
         p.o_stride_n, p.o_stride_h = self.o_strides[0], self.o_strides[1]
         ws = _cuda.Workspace.get(self.dev, stream, self.ws_bytes) if self.ws_bytes else 0

@@ -1,10 +1,22 @@
 """Tensor maps for the sm90 kernels that load K/V by TMA (a manifest row with "tma"): the host
 encodes one CUtensorMap per K and V tensor (cuTensorMapEncodeTiled) into the kernel parameters
-(PrefillParams.k_tmap / v_tmap), 3-D over (head_dim, kv heads, rows) with boxes of 64 elements x
-1 head x block_n rows, which land in shared memory in the kernel's swizzled column blocks.
+(PrefillParams.k_tmap / v_tmap), read by kernel_src/include/pfa/attention/sm90/producer_tma.cuh:
+  - contiguous / ragged K/V: 3-D (head_dim, kv heads, rows), boxes of 64 columns x 1 head x
+    block_n rows;
+  - a paged cache: 4-D (head_dim, page slot, kv head, page), boxes of 64 columns x box_rows slots
+    (min(page_size, block_n)) x 1 head x 1 page.
+Boxes land in shared memory in the kernel's 128-byte-swizzled column blocks.
 
-Encoding is a driver call per tensor, so maps are cached by everything they encode (pointer,
-extents, strides): a caller that reuses its K/V buffers pays it once.
+run() must stay cheap while K/V pointers change every call (a ragged batch's K/V are new tensors
+each step; an encode through cuda.bindings costs several us): a map is encoded once per geometry
+(what it encodes but the address: dims, strides, box), and later addresses are patched into those
+bytes in Python. Where a map keeps its address is not documented, so it is learned from the driver
+once per process and rank (two more encodes of probe addresses: the difference must be the
+address, or address / 16, at one bit position) and checked on a third; where a driver's maps do
+not follow that, each new address goes through cuTensorMapReplaceAddress (the documented way,
+about a us more per map). Ragged maps cover ROW_EXTENT rows whatever the plan's length: the kernel never
+issues a box past a request's last key (it copies the tile holding that key), so one geometry
+serves every plan and a CUDA graph's captured map stays right after a re-plan.
 """
 from __future__ import annotations
 
@@ -13,29 +25,160 @@ import ctypes
 from .._runtime import cuda as _cuda
 
 BOX_COLS = 64  # one 128-byte swizzle row of 16-bit elements
-_CACHE: dict = {}
+ROW_EXTENT = (1 << 31) - 1  # ragged rows a map covers (TMA coordinates are signed 32-bit)
+MIN_BOX_ROWS = 16  # ProducerSm90Tma::MIN_BOX_ROWS: smaller pages stay on the cp.async kernel
+MAX_STRIDE = 1 << 40  # cuTensorMapEncodeTiled: byte strides are multiples of 16 below 2^40
+MAX_ADDRESS = 1 << 57  # device addresses (57-bit virtual addresses at most)
 _CACHE_SIZE = 256
+_TEMPLATES: dict = {}  # geometry -> (address it was encoded with, its bytes as an int, the driver's map)
+_FIELD: dict = {}  # rank -> (shift, bit position) of the address in a map; False: not patchable
+# probe addresses for learning the address field (only encoded, never dereferenced)
+_PROBES = (0x7F0000000000, 0x7F0000000010, 0x7F0012345670)
 
 
-def kv_map(dtype_short: str, ptr: int, rows: int, heads: int, head_dim: int, stride_n: int, stride_h: int,
-           itemsize: int, box_rows: int) -> bytes:
-    """The 128-byte map of one K or V tensor: `rows` rows of `heads` heads of head_dim elements,
-    strides in elements."""
-    key = (dtype_short, ptr, rows, heads, head_dim, stride_n, stride_h, box_rows)
-    hit = _CACHE.get(key)
-    if hit is None:
-        if len(_CACHE) >= _CACHE_SIZE:
-            _CACHE.clear()
-        hit = _CACHE[key] = _cuda.encode_tensor_map_3d(
-            dtype_short, ptr, (head_dim, heads, rows), (stride_h * itemsize, stride_n * itemsize),
-            (BOX_COLS, 1, box_rows))
-    return hit
+def paged_box_rows(page_size: int, block_n: int) -> int:
+    """Rows per box of a paged map (ProducerSm90Tma::box_rows): min(page_size, block_n) where whole
+    boxes tile a block_n-key tile and start on a swizzle atom; 0 = no TMA for this page size."""
+    if page_size < MIN_BOX_ROWS or page_size % 8 or (block_n % page_size and page_size % block_n):
+        return 0
+    return min(page_size, block_n)
 
 
-def point_kv_maps(p, meta: dict, geometry: tuple, k_ptr: int, v_ptr: int) -> None:
-    """Write the K and V maps into params p (a TMA kernel's). geometry = (dtype_short, rows,
-    heads, head_dim, (k stride_n, stride_h), (v stride_n, stride_h), itemsize)."""
-    short, rows, heads, hd, ks, vs, item = geometry
-    for field, ptr, st in (("k_tmap", k_ptr, ks), ("v_tmap", v_ptr, vs)):
-        data = kv_map(short, ptr, rows, heads, hd, st[0], st[1], item, meta["block_n"])
-        ctypes.memmove(ctypes.addressof(getattr(p, field)), data, len(data))
+def ragged_geometry(heads: int, head_dim: int, stride_n: int, stride_h: int, itemsize: int, block_n: int) -> tuple:
+    """(dims, byte strides, box) of a contiguous / ragged K or V tensor (strides in elements)."""
+    return ((head_dim, heads, ROW_EXTENT), (stride_h * itemsize, stride_n * itemsize), (BOX_COLS, 1, block_n))
+
+
+def paged_geometry(pages: int, page_size: int, heads: int, head_dim: int, strides: tuple, itemsize: int,
+                   box_rows: int) -> tuple:
+    """(dims, byte strides, box) of a paged K or V cache; strides = (page, slot, head) in elements."""
+    sp, sn, sh = strides
+    return ((head_dim, page_size, heads, pages), (sn * itemsize, sh * itemsize, sp * itemsize),
+            (BOX_COLS, box_rows, 1, 1))
+
+
+def addressable(geometry: tuple) -> bool:
+    """Whether TMA can address this geometry (the operand checks already require 16-byte rows;
+    left: zero strides of broadcast views, huge strides, empty dims)."""
+    dims, strides, _ = geometry
+    return all(0 < s < MAX_STRIDE and s % 16 == 0 for s in strides) and all(0 < d < (1 << 32) for d in dims)
+
+
+def _encode(short: str, ptr: int, geometry: tuple):
+    dims, strides, box = geometry
+    return _cuda.encode_tensor_map(short, ptr, dims, strides, box)
+
+
+def _learn_field(short: str, geometry: tuple):
+    """(shift, bit position) of the address in this rank's maps, or False (see the module doc)."""
+    a, b, c = _PROBES
+    try:
+        xa, xb, xc = (int.from_bytes(_cuda.tensor_map_bytes(_encode(short, x, geometry)), "little") for x in _PROBES)
+    except _cuda.CudaError:  # a driver that refuses addresses it did not allocate: nothing learned
+        return False
+    for shift in (0, 4):
+        step = (b >> shift) - (a >> shift)
+        d = xb - xa
+        if step <= 0 or d <= 0 or d % step or (d // step) & (d // step - 1):
+            continue
+        pos = (d // step).bit_length() - 1
+        if xa + (((c >> shift) - (a >> shift)) << pos) == xc:
+            return shift, pos
+    return False
+
+
+def encode(short: str, ptr: int, geometry: tuple) -> bytes:
+    """The 128-byte map of the tensor at ptr with this geometry (see the module doc for the cost)."""
+    key = (short, geometry)
+    tpl = _TEMPLATES.get(key)
+    if tpl is not None:
+        a, xa, obj = tpl
+        field = _FIELD[len(geometry[0])]
+        if field:
+            shift, pos = field
+            return (xa + (((ptr >> shift) - (a >> shift)) << pos)).to_bytes(128, "little")
+        _cuda.tensor_map_replace_address(obj, ptr)
+        return _cuda.tensor_map_bytes(obj)
+    rank = len(geometry[0])
+    if rank not in _FIELD:
+        _FIELD[rank] = _learn_field(short, geometry)
+    obj = _encode(short, ptr, geometry)
+    data = _cuda.tensor_map_bytes(obj)
+    if len(_TEMPLATES) >= _CACHE_SIZE:
+        _TEMPLATES.clear()
+    _TEMPLATES[key] = (ptr, int.from_bytes(data, "little"), obj)
+    return data
+
+
+class _MapField:
+    """One tensor-map field of a params struct: what it holds, and (where the address field is
+    known) a 64-bit view of the word holding the address, with that word's other bits."""
+
+    __slots__ = ("addr", "ptr", "geometry", "word", "rest", "shift", "bit")
+
+    def __init__(self, p, name: str):
+        self.addr = ctypes.addressof(p) + getattr(type(p), name).offset
+        self.ptr = self.geometry = self.word = None
+
+    def write(self, short: str, ptr: int, geometry: tuple) -> None:
+        if geometry == self.geometry and self.word is not None:
+            self.word.value = self.rest | ((ptr >> self.shift) << self.bit)
+        else:
+            data = encode(short, ptr, geometry)
+            ctypes.memmove(self.addr, data, len(data))
+            self.geometry, self.word = geometry, None
+            field = _FIELD.get(len(geometry[0]))
+            if field:
+                shift, pos = field
+                start = min(pos // 8, 120)
+                bit = pos - 8 * start
+                if ((MAX_ADDRESS >> shift) << bit) < (1 << 64):
+                    self.word = ctypes.c_uint64.from_address(self.addr + start)
+                    self.shift, self.bit = shift, bit
+                    self.rest = self.word.value - ((ptr >> shift) << bit)
+        self.ptr = ptr
+
+
+class KvMaps:
+    """The K and V maps in one launcher's params struct: a field is encoded when its geometry
+    changes; a new address alone rewrites the word that holds it (see encode)."""
+
+    __slots__ = ("short", "k", "v")
+
+    def __init__(self, short: str, p):
+        self.short = short
+        self.k, self.v = _MapField(p, "k_tmap"), _MapField(p, "v_tmap")
+
+    def point(self, k_ptr: int, v_ptr: int, k_geometry: tuple, v_geometry: tuple) -> bool:
+        """Point the struct's maps at K and V; False (nothing written) where TMA cannot address them."""
+        if not (addressable(k_geometry) and addressable(v_geometry)):
+            return False
+        k, v = self.k, self.v
+        if k_ptr != k.ptr or k_geometry != k.geometry:
+            k.write(self.short, k_ptr, k_geometry)
+        if v_ptr != v.ptr or v_geometry != v.geometry:
+            v.write(self.short, v_ptr, v_geometry)
+        return True
+
+    def forget(self) -> None:
+        """The struct's maps were overwritten (a struct copied back into it): the next point() or
+        repoint() writes whole maps."""
+        for f in (self.k, self.v):
+            f.ptr, f.word = None, None
+
+    def repoint(self, k_ptr: int, v_ptr: int) -> None:
+        """New addresses in the geometries of the last point() (the run() fast path's: same
+        shapes and strides)."""
+        k, v = self.k, self.v
+        if k_ptr != k.ptr:
+            if k.word is not None:  # (write()'s first branch, inlined: this runs every call)
+                k.word.value = k.rest | ((k_ptr >> k.shift) << k.bit)
+                k.ptr = k_ptr
+            else:
+                k.write(self.short, k_ptr, k.geometry)
+        if v_ptr != v.ptr:
+            if v.word is not None:
+                v.word.value = v.rest | ((v_ptr >> v.shift) << v.bit)
+                v.ptr = v_ptr
+            else:
+                v.write(self.short, v_ptr, v.geometry)

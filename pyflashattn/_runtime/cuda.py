@@ -408,20 +408,33 @@ class Workspace:
         return ws.ptr
 
 
-def encode_tensor_map_3d(dtype_short: str, ptr: int, dims: tuple, strides_bytes: tuple, box: tuple) -> bytes:
-    """A tiled CUtensorMap (cuTensorMapEncodeTiled) of a 16-bit 3-D tensor at `ptr`: dims
-    innermost first, the byte strides of dims 1 and 2, boxes of `box` elements landing in shared
+def encode_tensor_map(dtype_short: str, ptr: int, dims: tuple, strides_bytes: tuple, box: tuple) -> bytes:
+    """A tiled CUtensorMap (cuTensorMapEncodeTiled) of a 16-bit tensor at `ptr` of rank len(dims):
+    dims innermost first, the byte strides of dims 1.., boxes of `box` elements landing in shared
     memory in the 128-byte swizzle (the wgmma layout), out-of-range elements read as zeros.
-    Returns its 128 bytes, for a kernel-parameter field."""
+    Returns the driver's CUtensorMap object (tensor_map_bytes: its 128 bytes, for a
+    kernel-parameter field)."""
     cu = driver()
     dt = cu.CUtensorMapDataType
     kind = {"bf16": dt.CU_TENSOR_MAP_DATA_TYPE_BFLOAT16, "f16": dt.CU_TENSOR_MAP_DATA_TYPE_FLOAT16}[dtype_short]
+    rank = len(dims)
     err, tmap = cu.cuTensorMapEncodeTiled(
-        kind, 3, ptr, [cu.cuuint64_t(d) for d in dims], [cu.cuuint64_t(s) for s in strides_bytes],
-        [cu.cuuint32_t(b) for b in box], [cu.cuuint32_t(1)] * 3, cu.CUtensorMapInterleave.CU_TENSOR_MAP_INTERLEAVE_NONE,
+        kind, rank, ptr, [cu.cuuint64_t(d) for d in dims], [cu.cuuint64_t(s) for s in strides_bytes],
+        [cu.cuuint32_t(b) for b in box], [cu.cuuint32_t(1)] * rank,
+        cu.CUtensorMapInterleave.CU_TENSOR_MAP_INTERLEAVE_NONE,
         cu.CUtensorMapSwizzle.CU_TENSOR_MAP_SWIZZLE_128B, cu.CUtensorMapL2promotion.CU_TENSOR_MAP_L2_PROMOTION_L2_256B,
         cu.CUtensorMapFloatOOBfill.CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE)
     if err != cu.CUresult.CUDA_SUCCESS:
         raise CudaError(f"cuTensorMapEncodeTiled failed ({_err_name(cu, err)}): dims {dims}, strides {strides_bytes}, "
                         f"box {box}")
+    return tmap
+
+
+def tensor_map_bytes(tmap) -> bytes:
+    """The 128 bytes of a CUtensorMap object."""
     return ctypes.string_at(tmap.getPtr(), 128)
+
+
+def tensor_map_replace_address(tmap, ptr: int) -> None:
+    """Point an encoded CUtensorMap object at another tensor of its geometry (cuTensorMapReplaceAddress)."""
+    check(driver().cuTensorMapReplaceAddress(tmap, ptr), "cuTensorMapReplaceAddress")

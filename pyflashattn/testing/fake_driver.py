@@ -10,6 +10,7 @@ fixtures. Numerics are the GPU tests' job.
 from __future__ import annotations
 
 import ctypes
+import hashlib
 import math
 import sys
 import types
@@ -139,7 +140,7 @@ class FakeDriver:
     # kernels
     def cuLaunchKernel(self, func, gx, gy, gz, bx, by, bz, smem, stream, argv_addr, extra):
         name, ptype = func
-        assert (by, bz, extra) == (1, 1, 0) and bx in (32, 64, 128, 256) and smem >= 0
+        assert (by, bz, extra) == (1, 1, 0) and bx in (32, 64, 128, 256, 384, 512) and smem >= 0
         argv = ctypes.cast(argv_addr, ctypes.POINTER(ctypes.c_void_p))
         p = ptype.from_buffer_copy(ctypes.string_at(argv[0], ctypes.sizeof(ptype)))
         grid = (gx, gy, gz)
@@ -169,6 +170,34 @@ class FakeDriver:
                                 cfg.blockDimZ, cfg.sharedMemBytes, cfg.hStream, argv_addr, extra)
         self.log[-1] = ("launch_pdl",) + self.log[-1][1:]
         return r
+
+
+    # tensor maps (cuTensorMapEncodeTiled): 128 bytes, the address / 16 in the first 6 (as a map
+    # may keep it: tma.py learns where) and a digest of everything else after them
+    CUtensorMapDataType = _Enum(CU_TENSOR_MAP_DATA_TYPE_FLOAT16=6, CU_TENSOR_MAP_DATA_TYPE_BFLOAT16=9)
+    CUtensorMapInterleave = _Enum(CU_TENSOR_MAP_INTERLEAVE_NONE=0)
+    CUtensorMapSwizzle = _Enum(CU_TENSOR_MAP_SWIZZLE_128B=3)
+    CUtensorMapL2promotion = _Enum(CU_TENSOR_MAP_L2_PROMOTION_L2_256B=3)
+    CUtensorMapFloatOOBfill = _Enum(CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE=0)
+    cuuint64_t = cuuint32_t = staticmethod(int)
+
+    def cuTensorMapEncodeTiled(self, kind, rank, ptr, dims, strides, box, elem_strides, interleave, swizzle, l2,
+                               oob):
+        assert rank == len(dims) == len(box) == len(elem_strides) == len(strides) + 1 and 3 <= rank <= 5
+        assert ptr % 16 == 0 and all(s % 16 == 0 and 0 < s < 1 << 40 for s in strides)
+        assert all(0 < b <= 256 for b in box) and box[0] * 2 <= 128 and all(0 < d < 1 << 32 for d in dims)
+        geometry = (kind, tuple(dims), tuple(strides), tuple(box), swizzle)
+        self.log.append(("tmap", ptr, geometry))
+        digest = hashlib.sha256(repr(geometry).encode()).digest() * 4
+        buf = ctypes.create_string_buffer((ptr >> 4).to_bytes(6, "little") + digest[:122], 128)
+        self.mem[ctypes.addressof(buf)] = buf
+        return 0, _Enum(getPtr=lambda: ctypes.addressof(buf))
+
+    def cuTensorMapReplaceAddress(self, tmap, ptr):
+        assert ptr % 16 == 0
+        self.log.append(("tmap_address", ptr))
+        ctypes.memmove(tmap.getPtr(), (ptr >> 4).to_bytes(6, "little"), 6)
+        return (0,)
 
 
 def _simulate_packbits(p, grid):
@@ -264,6 +293,29 @@ class FakeEnv:
         monkeypatch.setattr(_registry, "manifest", lambda: {"kernels": rows})
         monkeypatch.setattr(routing, "_decode_rows_cache", {})
 
+    def use_sm90_rows(self, monkeypatch, variants):
+        """Make the 16-bit lean row-tile launchers the sm90 rows among `variants` (variants.py
+        rows, TUNE=1 ones included), by name too: the K/V load routing (routing.kv_load_pair)
+        then sees cp.async rows and their TMA twins as the manifest lists them."""
+        from pyflashattn._runtime.params_gen import PrefillParams as _Params
+        hopper = {v.name: v for v in variants if type(v).__name__ == "HopperPrefillVariant"}
+        fake_new = _registry.new_launcher
+
+        def new_launcher(family, dev, **match):
+            name = match.get("name")
+            v = hopper.get(name)
+            if v is None and name is None and family == "prefill" and not match.get("decode") \
+                    and not match.get("general") and match.get("kv_dtype") == match.get("dtype"):
+                v = next((r for r in hopper.values() if r.dtype == match["dtype"] and r.head_dim == match["head_dim"]
+                          and r.paged == match["paged"] and not (r.tune or r.tma or r.skip)), None)
+            if v is None:
+                return fake_new(family, dev, **match)
+            la = _cuda.Launcher(v.name, (v.name, _Params), _Params, v.threads, v.smem_bytes)
+            la.meta = dict(v.manifest(), name=v.name)
+            return la
+
+        monkeypatch.setattr(_registry, "new_launcher", new_launcher)
+
     def dev(self, data: np.ndarray | bytes | int, dtype=U8, shape=None, strides=None):
         """A fake CUDA tensor over simulated device memory holding ``data`` (or n zero bytes)."""
         raw = data if isinstance(data, (bytes, int)) else np.ascontiguousarray(data).tobytes()
@@ -281,7 +333,7 @@ class FakeEnv:
         return np.frombuffer(ctypes.string_at(addr, n * np.dtype(dtype).itemsize), dtype)
 
     def attn_launches(self):
-        return [x for x in self.cu.launches if x[0].startswith("prefill")]
+        return [x for x in self.cu.launches if x[0].startswith(("prefill", "pfa_prefill"))]
 
     def assert_refused_before_anything_runs(self, call, exc, pattern):
         """call() raises exc (message matching pattern) having launched, copied to the device and

@@ -37,7 +37,9 @@ pytestmark = pytest.mark.gpu
 torch = require_cuda_torch()
 
 import pyflashattn  # noqa: E402  (after the GPU probe: the CPU box must skip, not error)
-from pyflashattn._engine.routing import DECODE_MAX_ROWS, built_decode_tiles, decode_tile_rows  # noqa: E402
+from pyflashattn._engine.routing import (  # noqa: E402
+    DECODE_MAX_ROWS, KV_LOAD_ENV, built_decode_tiles, decode_tile_rows, tma_fits)
+from pyflashattn._runtime import registry as _registry  # noqa: E402
 from pyflashattn.testing import attention_ref, to_numpy_f64  # noqa: E402
 from pyflashattn.testing.frameworks import capture_torch_graph as _capture  # noqa: E402
 from pyflashattn.testing.checks import assert_close, batch_heads_to_check  # noqa: E402
@@ -75,6 +77,29 @@ def _workspace():
     if not _WS:
         _WS.append(torch.empty(WS_BYTES, dtype=torch.uint8, device=DEV))
     return _WS[0]
+
+
+# The sm90 family's K/V load (routing.kv_load_pair): "default" runs what the variant table ships,
+# "tma" the TMA twins (PFA_SM90_KV_LOAD=tma; tune rows until shipped: `make TUNE=1`), so the tests
+# taking the kv_load fixture run on both producers.
+@pytest.fixture(params=["default", "tma"])
+def kv_load(request, monkeypatch):
+    if request.param == "tma":
+        if torch.cuda.get_device_capability() != (9, 0):
+            pytest.skip("the TMA K/V kernels are sm_90a only")
+        if not any(r.get("tma") for r in _registry.manifest()["kernels"]):
+            pytest.skip("the TMA twins are not built (make TUNE=1)")
+        monkeypatch.setenv(KV_LOAD_ENV, "tma")
+    _registry.force("prefill", None)  # drops cached plans made under the other load
+    yield request.param
+    _registry.force("prefill", None)
+
+
+def _assert_kv_load(w, kv_load, paged, page_size):
+    """Under "tma", an sm90 row-tile plan runs the TMA twin exactly where its pages make boxes."""
+    meta = w._engine.attn.meta
+    if kv_load == "tma" and meta.get("impl") == "sm90":
+        assert bool(meta.get("tma")) is tma_fits(paged, page_size, meta["block_n"], 0), meta["name"]
 
 
 # ---------------------------------------------------------------------------------------
@@ -399,11 +424,13 @@ def _kv_inputs(kind, b, layout, seed):
 
 @pytest.mark.parametrize("key,kind,batch,qo_max,kv_max,mode,pin,ps,hq,hkv,d,dtype,layout,causal,form",
                          [pytest.param(*c, id=c[0]) for c in GRID])
-def test_batch_grid(key, kind, batch, qo_max, kv_max, mode, pin, ps, hq, hkv, d, dtype, layout, causal, form):
+def test_batch_grid(key, kind, batch, qo_max, kv_max, mode, pin, ps, hq, hkv, d, dtype, layout, causal, form,
+                    kv_load):
     b, pg, kv_args = _build(key, kind, batch, qo_max, kv_max, mode, pin, ps, hq, hkv, d, dtype, layout, form)
     snap = [x.clone() for x in [b.q] + _tensors(kv_args)]
     w = _wrapper_for(kind, layout)
     _plan(w, kind, b, pg, causal)
+    _assert_kv_load(w, kv_load, kind == "paged", ps)
     # a decode tile exactly when every request is within DECODE_MAX_ROWS packed rows: the smallest
     # that holds the longest
     short = {"fp16": "f16", "bf16": "bf16"}[dtype]
@@ -532,7 +559,7 @@ def test_single_decode_tile_matches_one_request_batch(qo, hq, hkv, hd, dtype, ca
 # Empty requests and rows with no visible key
 # ---------------------------------------------------------------------------------------
 @pytest.mark.parametrize("kind", ["paged", "ragged"])
-def test_empty_requests_and_fully_masked_rows(kind):
+def test_empty_requests_and_fully_masked_rows(kind, kv_load):
     # (qo, kv): causal kv < qo (the first 30 rows see nothing), no queries, no keys, kv = qo,
     # one key, and a request with no queries and no keys.
     pairs = [(50, 20), (0, 100), (10, 0), (64, 64), (3, 1), (0, 0), (7, 200)]
@@ -568,7 +595,7 @@ def test_batch_without_query_tokens(kind):
     ("paged", "HND", True, "fp16"), ("paged", "NHD", False, "bf16"),
     ("ragged", "NHD", True, "bf16"), ("ragged", "NHD", False, "fp16"),
 ])
-def test_split_kv_batch(kind, layout, causal, dtype):
+def test_split_kv_batch(kind, layout, causal, dtype, kv_load):
     qo_lens = [1, 0, 2, 5, 16, 33, 1, 64]
     kv_lens = [16384, 3000, 4096, 12000, 8192, 16000, 0, 10000]
     dt = DTYPES[dtype]
@@ -576,6 +603,7 @@ def test_split_kv_batch(kind, layout, causal, dtype):
     pg, kv_args = _kv_inputs(kind, b, layout, _seed("split-pages", kind, layout, causal))
     w = _wrapper_for(kind, layout)
     _plan(w, kind, b, pg, causal)
+    _assert_kv_load(w, kv_load, kind == "paged", 16)
     assert w.workspace_size() > 0, "this batch should be split across CTAs (split-KV is what it tests)"
     o, lse = _run_into(w, b, kv_args)
     _check_batch(b, o, lse, causal, {}, _seed("split-heads"), "split-kv")
@@ -583,7 +611,7 @@ def test_split_kv_batch(kind, layout, causal, dtype):
 
 @pytest.mark.parametrize("kind", ["paged", "ragged"])
 @pytest.mark.parametrize("hq,hkv,d", [(8, 2, 64), (32, 8, 128), (8, 8, 256)])
-def test_merge_of_many_chunks(kind, hq, hkv, d):
+def test_merge_of_many_chunks(kind, hq, hkv, d, kv_load):
     # One-tile chunks: 1 .. 130 partial states per row, around the merge kernel's 32-split
     # weight batches and its 4-split unrolled loads (and every head_dim's column stripes).
     kv_lens = [64, 100, 1984, 2048, 2049, 2350, 4096, 5000, 8300]
@@ -606,7 +634,7 @@ def test_merge_of_many_chunks(kind, hq, hkv, d):
 # ---------------------------------------------------------------------------------------
 @pytest.mark.parametrize("kind", ["paged", "ragged"])
 @pytest.mark.parametrize("case", ["few_long", "split"])
-def test_enable_pdl_chain_reads_the_finished_previous_output(kind, case):
+def test_enable_pdl_chain_reads_the_finished_previous_output(kind, case, kv_load):
     split = case == "split"
     qo_lens, kv_lens = ([1, 2, 5, 16], [16384, 9000, 12000, 8192]) if split else ([128], [16384])
     b = _make_batch(qo_lens, kv_lens, 32, 8, 128, BF16, _seed("pdl", kind, case))
@@ -664,7 +692,7 @@ def _others(seed, n, qo_max, kv_max, hq, hkv, d, dt):
 
 @pytest.mark.parametrize("kind", ["paged", "ragged"])
 @pytest.mark.parametrize("split", ["fixed_split_size", "disable_split_kv"])
-def test_batch_invariance(kind, split):
+def test_batch_invariance(kind, split, kv_load):
     hq, hkv, d, dt, ps = 32, 8, 128, BF16, 16
     kw = dict(fixed_split_size=512) if split == "fixed_split_size" else dict(disable_split_kv=True)
     # the target: a short query over a long KV, which the default scheduler would split
@@ -719,7 +747,7 @@ def test_batch_invariance(kind, split):
 # Reuse: one plan, many runs (layers); re-planning to other shapes
 # ---------------------------------------------------------------------------------------
 @pytest.mark.parametrize("kind", ["paged", "ragged"])
-def test_plan_once_run_per_layer_then_replan(kind):
+def test_plan_once_run_per_layer_then_replan(kind, kv_load):
     w = _wrapper_for(kind, "NHD")
     for shape_id, (qo_max, kv_max, batch, causal) in enumerate([(200, 2000, 9, True), (50, 6000, 30, False),
                                                                   (1024, 1024, 2, True)]):
@@ -996,7 +1024,7 @@ def _graph_rounds_decode32():
 
 
 @pytest.mark.parametrize("decode32", [False, True])
-def test_cuda_graph_paged_replay_after_replan(decode32):
+def test_cuda_graph_paged_replay_after_replan(decode32, kv_load):
     hq, hkv, d, ps, dt, layout = 32, 8, 128, 16, F16, "HND"
     max_batch, max_pages, pool = 8, 2048, 2400
     causal = True
@@ -1023,6 +1051,7 @@ def test_cuda_graph_paged_replay_after_replan(decode32):
         q_static[:n].copy_(b.q)
         w.plan(b.qo_indptr, kv_indptr, indices, last, hq, hkv, d, ps, causal=causal, q_data_type=dt)
         assert w._engine.schedule.block_m == (32 if decode32 else 128), "the graph keeps its first plan's tile"
+        _assert_kv_load(w, kv_load, True, ps)
         out.fill_(NAN)
         lse.fill_(NAN)
         if g is None:
@@ -1053,7 +1082,7 @@ def _graph_rounds_decode():
 
 
 @pytest.mark.parametrize("decode", [False, True])
-def test_cuda_graph_ragged_replay_after_replan(decode):
+def test_cuda_graph_ragged_replay_after_replan(decode, kv_load):
     hq, hkv, d, dt = 16, 4, 128, BF16
     max_batch = 8
     causal = True
@@ -1082,6 +1111,7 @@ def test_cuda_graph_ragged_replay_after_replan(decode):
         v_static[:m].copy_(b.v)
         _plan_ragged(w, b, causal)
         assert w._engine.attn.meta["decode"] is decode, "the graph keeps its first plan's tile"
+        _assert_kv_load(w, kv_load, False, 0)
         out.fill_(NAN)
         lse.fill_(NAN)
         if g is None:

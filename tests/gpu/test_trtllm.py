@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import math
 import zlib
+from collections import OrderedDict
 
 import numpy as np
 import pytest
@@ -27,6 +28,9 @@ pytestmark = pytest.mark.gpu
 torch = require_cuda_torch()
 
 import pyflashattn  # noqa: E402
+from pyflashattn._engine import trtllm as _trtllm, trtllm_device as _trtllm_device  # noqa: E402
+from pyflashattn._engine.routing import KV_LOAD_ENV  # noqa: E402
+from pyflashattn._runtime import registry as _registry  # noqa: E402
 from pyflashattn.testing import to_numpy_f64  # noqa: E402
 from pyflashattn.testing.checks import assert_close  # noqa: E402
 from pyflashattn.testing.reference import alibi_slopes  # noqa: E402
@@ -37,6 +41,23 @@ TOL = {F16: dict(atol=1e-3, rtol=1e-3), BF16: dict(atol=1e-2, rtol=1e-2), E4M3: 
 WS = []
 fmha = pyflashattn.prefill.trtllm_fmha_v2_prefill
 context = pyflashattn.prefill.trtllm_batch_context_with_kv_cache
+
+
+@pytest.fixture(params=["default", "tma"])
+def kv_load(request, monkeypatch):
+    """The sm90 family's K/V load: what the variant table ships, or the TMA twins
+    (PFA_SM90_KV_LOAD=tma, `make TUNE=1`); the facades' engine caches start empty either way."""
+    if request.param == "tma":
+        if torch.cuda.get_device_capability() != (9, 0):
+            pytest.skip("the TMA K/V kernels are sm_90a only")
+        if not any(r.get("tma") for r in _registry.manifest()["kernels"]):
+            pytest.skip("the TMA twins are not built (make TUNE=1)")
+        monkeypatch.setenv(KV_LOAD_ENV, "tma")
+    monkeypatch.setattr(_trtllm, "_ENGINES", OrderedDict())
+    monkeypatch.setattr(_trtllm_device, "_ENGINES", OrderedDict())
+    _registry.force("prefill", None)
+    yield request.param
+    _registry.force("prefill", None)
 
 
 def workspace():
@@ -179,7 +200,7 @@ def test_fmha_layouts_and_masks(layout, mask, dtype):
 @pytest.mark.parametrize("ps", [16, 32, 64, 128])
 @pytest.mark.parametrize("group", [1, 4, 8])
 @pytest.mark.parametrize("d", [64, 128, 256])
-def test_fmha_paged_geometry(ps, group, d):
+def test_fmha_paged_geometry(ps, group, d, kv_load):
     ql, kl = [33, 200, 1], [500, 200, 129]
     q, k, v, cq, ck, sl = make_inputs(ql, kl, 2 * group, 2, d, BF16, seed=ps * d + group)
     out = poisoned(q.shape, BF16)
@@ -226,7 +247,7 @@ def test_fmha_softmax_stats(sinks):
 @pytest.mark.parametrize("form", ["tensor", "tuple", "separate_ids"])
 @pytest.mark.parametrize("tensor_scales", [False, True])
 @pytest.mark.parametrize("host", [False, True], ids=["device_meta", "host_meta"])
-def test_context(layout, form, tensor_scales, host):
+def test_context(layout, form, tensor_scales, host, kv_load):
     ql, kl = [17, 256, 1], [300, 256, 64]
     q, k, v, cq, ck, sl = make_inputs(ql, kl, 8, 1, 128, BF16, seed=17)
     cache, table = page_cache(k, v, kl, 32, layout, seed=5)

@@ -1,7 +1,8 @@
 // Hopper (sm_90a) prefill: warp-specialised, wgmma, mbarrier-pipelined. The entry header the
 // generated translation units include: the kernel's run() and PFA_DEFINE_PREFILL_SM90.
 //   work.cuh           which request, row tile and KV chunk; the key range (shared with sm80)
-//   sm90/producer.cuh  warpgroup 0: Q, then the K/V ring (cp.async, or TMA boxes, completing on mbarriers)
+//   sm90/producer.cuh  warpgroup 0: Q, then the K/V ring by cp.async, completing on mbarriers
+//   sm90/producer_tma.cuh  or (TMA) the K/V ring as TMA boxes issued by one warp
 //   sm90/consumer.cuh  warpgroups 1..CONSUMERS: 64 rows each, S = Q K^T and O += P V on wgmma,
 //                      overlapped with the softmax; PINGPONG alternates the two consumers' GEMMs
 //   sm90/epilogue.cuh  normalise, then O + LSE or split-KV partials (epilogue.cuh layouts)
@@ -16,6 +17,7 @@
 #include "pfa/attention/sm90/consumer.cuh"
 #include "pfa/attention/sm90/epilogue.cuh"
 #include "pfa/attention/sm90/producer.cuh"
+#include "pfa/attention/sm90/producer_tma.cuh"
 #include "pfa/attention/work.cuh"
 #include "pfa/ptx/mma_sm80.cuh"
 #include "pfa/ptx/pdl.cuh"
@@ -33,7 +35,7 @@ struct PrefillSm90 : PrefillSm90Config<T, HEAD_DIM, BLOCK_N, CONSUMERS, STAGES, 
     ptx::mbar_init(Cfg::q_full(base), Cfg::WG_THREADS);
 #pragma unroll
     for (int s = 0; s < STAGES; ++s) {
-      // one cp.async arrival per producer thread, or (TMA) the issuing thread's expect_tx arrival
+      // one cp.async arrival per producer thread, or (TMA) the issuing warp's one arrival
       ptx::mbar_init(Cfg::k_full(base, s), Cfg::TMA ? 1 : Cfg::WG_THREADS);
       ptx::mbar_init(Cfg::v_full(base, s), Cfg::TMA ? 1 : Cfg::WG_THREADS);
       ptx::mbar_init(Cfg::k_empty(base, s), CONSUMERS * 4);  // one arrival per consumer warp
@@ -69,7 +71,10 @@ struct PrefillSm90 : PrefillSm90Config<T, HEAD_DIM, BLOCK_N, CONSUMERS, STAGES, 
     __syncthreads();
     if (wg == 0) {
       ptx::setmaxnreg_dec<Cfg::PRODUCER_REGS>();
-      ProducerSm90<Cfg>::run(p, w, base, smem + (base - ptx::smem_u32(smem)), tid);
+      if constexpr (Cfg::TMA)
+        ProducerSm90Tma<Cfg>::run(p, w, base, tid);
+      else
+        ProducerSm90<Cfg>::run(p, w, base, smem + (base - ptx::smem_u32(smem)), tid);
     } else {
       ptx::setmaxnreg_inc<Cfg::CONSUMER_REGS>();
       consume(p, w, base, wg - 1, tid % Cfg::WG_THREADS);

@@ -83,6 +83,16 @@ __device__ __forceinline__ void tma_load_3d(uint32_t dst, const void* tmap, int 
       : "memory");
 }
 
+// The same over a 4-D tensor map (paged K/V: column, page slot, head, page).
+__device__ __forceinline__ void tma_load_4d(uint32_t dst, const void* tmap, int c0, int c1, int c2, int c3,
+                                            uint32_t bar, uint64_t policy) {
+  asm volatile(
+      "cp.async.bulk.tensor.4d.shared::cluster.global.tile.mbarrier::complete_tx::bytes.L2::cache_hint "
+      "[%0], [%1, {%2, %3, %4, %5}], [%6], %7;\n" ::"r"(dst),
+      "l"(tmap), "r"(c0), "r"(c1), "r"(c2), "r"(c3), "r"(bar), "l"(policy)
+      : "memory");
+}
+
 // ---- stmatrix (sm_90): four 8 x 8 matrices of b16 from registers to shared memory ----
 // Register q of lane l holds elements (row l / 4, columns 2 * (l % 4) and + 1) of matrix q, as
 // ldmatrix_x4 delivers them; .trans stores element (r, c) as b16 number r of memory row c, and

@@ -5,7 +5,7 @@
 // 128-byte-swizzle layout (ptx/sm90.cuh): column blocks of 64 elements, 128-byte rows, chunk c of
 // row r at c ^ (r % 8). Layout, each part 1024-byte aligned:
 //   Q [BLOCK_M x D] | K stages [STAGES][BLOCK_N x D] | V stages [STAGES][BLOCK_N x D] | mbarriers
-//   | (PAGED) page ids [2][BLOCK_N]
+//   | (PAGED, by cp.async) page ids [2][BLOCK_N]
 #pragma once
 #include <stdint.h>
 
@@ -17,11 +17,10 @@ struct PrefillSm90Config {
   static_assert(sizeof(T_) == 2, "16-bit Q/K/V");
   static constexpr int HEAD_DIM = HEAD_DIM_, BLOCK_N = BLOCK_N_, CONSUMERS = CONSUMERS_, STAGES = STAGES_;
   static constexpr bool PAGED = PAGED_;
-  // K/V tiles by TMA (PrefillParams::k_tmap / v_tmap, contiguous rows only): one producer thread
-  // issues HEAD_DIM / 64 boxes a tile instead of every producer thread a cp.async per chunk.
+  // K/V tiles by TMA (PrefillParams::k_tmap / v_tmap; producer_tma.cuh): one producer warp issues
+  // the boxes of a tile instead of every producer thread a cp.async per chunk.
   static constexpr bool TMA = TMA_;
-  static_assert(!(PAGED && TMA), "TMA tiles take contiguous K/V rows");
-  static_assert(!PAGED || BLOCK_N <= 128, "paged: one producer thread stages each row's page id");
+  static_assert(!PAGED || TMA || BLOCK_N <= 128, "paged: one producer thread stages each row's page id");
   static constexpr int WG_THREADS = 128;
   static constexpr int WG_ROWS = 64;  // rows of one m64 wgmma: one consumer warpgroup
   static constexpr int THREADS = (CONSUMERS + 1) * WG_THREADS;
@@ -41,10 +40,10 @@ struct PrefillSm90Config {
   static constexpr int BAR_OFFSET = V_OFFSET + STAGES * KV_TILE_BYTES;
   // q_full, then per stage k_full, v_full, k_empty, v_empty
   static constexpr int NUM_BARRIERS = 1 + 4 * STAGES;
-  // PAGED: the page id of every row of a tile, double-buffered (the producer stages a tile's ids
-  // while its threads may still read the previous tile's)
+  // PAGED by cp.async: the page id of every row of a tile, double-buffered (the producer stages a
+  // tile's ids while its threads may still read the previous tile's); TMA keeps them in registers
   static constexpr int IDS_OFFSET = BAR_OFFSET + NUM_BARRIERS * 8;
-  static constexpr int IDS_BYTES = PAGED ? 2 * BLOCK_N * 4 : 0;
+  static constexpr int IDS_BYTES = PAGED && !TMA ? 2 * BLOCK_N * 4 : 0;
   // + 1024: the dynamic shared memory base is rounded up to the swizzle atom at run time
   static constexpr int SMEM_BYTES = IDS_OFFSET + IDS_BYTES + ATOM_BYTES;
   // named barriers: 0 = __syncthreads, 1 .. CONSUMERS = the consumers' turns (consumer.cuh), then

@@ -96,33 +96,6 @@ struct ProducerSm90 {
     }
   }
 
-  // TMA: one K or V tile (keys [n0, n0 + BLOCK_N) of the request, HEAD_DIM / 64 boxes of 64
-  // columns) issued by one thread against its full barrier; rows past the tensor arrive as zeros
-  // (rows past kv_len are masked by the consumers in any case).
-  static __device__ __forceinline__ void tma_tile(uint32_t s_tile, const void* tmap, uint32_t full, int kv_head,
-                                                  int64_t row, uint64_t policy) {
-    ptx::mbar_arrive_expect_tx(full, Cfg::KV_TILE_BYTES);
-#pragma unroll
-    for (int c = 0; c < Cfg::HEAD_DIM / 64; ++c)
-      ptx::tma_load_3d(s_tile + c * BLOCK_N * Cfg::ROW_BYTES, tmap, c * 64, kv_head, (int)row, full, policy);
-  }
-
-  // TMA K/V: one thread issues every tile (the others have nothing to copy after Q).
-  static __device__ __forceinline__ void run_tma(const PrefillParams& p, const PrefillWork& w, uint32_t base, int tid,
-                                                 uint64_t policy) {
-    if (tid != 0) return;
-    const RaggedKvRows rows{w.kv_row0};
-    for (int it = 0; it < w.num_tiles; ++it) {
-      const int s = it % STAGES;
-      const uint32_t free_parity = ((it / STAGES) & 1) ^ 1;
-      const int64_t row = rows.row(w.tile_start, it * BLOCK_N);
-      ptx::mbar_wait(Cfg::k_empty(base, s), free_parity);
-      tma_tile(base + Cfg::K_OFFSET + s * Cfg::KV_TILE_BYTES, &p.k_tmap, Cfg::k_full(base, s), w.kv_head, row, policy);
-      ptx::mbar_wait(Cfg::v_empty(base, s), free_parity);
-      tma_tile(base + Cfg::V_OFFSET + s * Cfg::KV_TILE_BYTES, &p.v_tmap, Cfg::v_full(base, s), w.kv_head, row, policy);
-    }
-  }
-
   // One K or V tile by cp.async into stage `s`, through the request's addressing (paged: the
   // staged page ids s_ids), then its full barrier once the stage is free.
   static __device__ __forceinline__ void copy_tile(const PrefillParams& p, const PrefillWork& w, uint32_t s_tile,
@@ -142,11 +115,6 @@ struct ProducerSm90 {
                                              int tid) {
     load_q(p, w, base + Cfg::Q_OFFSET, tid);
     ptx::cp_async_mbar_arrive(Cfg::q_full(base));
-    if constexpr (Cfg::TMA) {
-      run_tma(p, w, base, tid, ptx::l2_evict_last());
-      ptx::cp_async_wait<0>();  // the Q copies
-      return;
-    }
     const T* k = reinterpret_cast<const T*>(p.k) + w.kv_head * p.k_stride_h;
     const T* v = reinterpret_cast<const T*>(p.v) + w.kv_head * p.v_stride_h;
     const int32_t* pages = reinterpret_cast<const int32_t*>(p.kv_page_indices) + w.page_base;

@@ -1,0 +1,185 @@
+// The producer warpgroup of the sm_90a prefill when K/V come by TMA (PrefillSm90Config::TMA):
+// Q as in producer.cuh, then one warp issues the K/V ring's boxes from the host-encoded tensor
+// maps (PrefillParams::k_tmap / v_tmap, pyflashattn/_engine/tma.py); the other warps are done.
+//
+//  - contiguous / ragged K/V: a 3-D map (column, kv head, row) over the whole K (V) tensor; a tile
+//    is HEAD_DIM / 64 boxes of BLOCK_N rows at row kv_row0 + n0.
+//  - paged K/V: a 4-D map (column, page slot, kv head, page) over the cache; a tile is BLOCK_N / R
+//    boxes of R = min(page_size, BLOCK_N) rows per column block, each at its page's id (page_size
+//    divides BLOCK_N or BLOCK_N divides page_size, page_size >= 16: the host routes other page
+//    sizes to the cp.async kernel; should one arrive here anyway, every tile takes the copy path
+//    below, slower but right).
+// Lane l issues box l / COL_BLOCKS of column block l % COL_BLOCKS, its page id loaded a tile ahead
+// into a register (and V's, where the call has separate V page ids: PrefillParams::v_page_indices):
+// no per-row address math, no shared-memory staging, no warpgroup barrier.
+//
+// The tile holding the request's last key (n0 + BLOCK_N > kv_len) is copied by the warp with
+// zero-filled cp.async instead: TMA would bring the keys past kv_len (the next request's rows, a
+// last page's unused slots, which may hold NaN or Inf and make 0 * V NaN in O += P V). So no box
+// ever reads past a request's keys, and the ragged map's row extent need not follow the plan.
+#pragma once
+#include <stdint.h>
+
+#include "pfa/attention/kv_source.cuh"
+#include "pfa/attention/params.h"
+#include "pfa/attention/sm90/config.cuh"
+#include "pfa/attention/sm90/producer.cuh"
+#include "pfa/attention/work.cuh"
+#include "pfa/ptx/mma_sm80.cuh"
+#include "pfa/ptx/sm90.cuh"
+
+namespace pfa {
+
+template <class Cfg>
+struct ProducerSm90Tma {
+  static constexpr bool PAGED = Cfg::PAGED;
+  using T = typename Cfg::Elem;
+  static constexpr int BLOCK_N = Cfg::BLOCK_N, STAGES = Cfg::STAGES, CPR = Cfg::CPR;
+  static constexpr int COL_BLOCKS = Cfg::HEAD_DIM / 64;  // boxes of 64 columns (one swizzle row)
+  static constexpr int MIN_BOX_ROWS = 16;                // the smallest page a box covers
+  static_assert(COL_BLOCKS * (BLOCK_N / MIN_BOX_ROWS) <= 32, "one lane per (box, column block)");
+  static_assert(32 % CPR == 0 || CPR % 32 == 0, "whole rows per warp pass");
+
+  // Rows per box (paged: min(page_size, BLOCK_N); 0 = no TMA geometry for this page size).
+  static __device__ __forceinline__ int box_rows(const PrefillParams& p) {
+    if constexpr (!PAGED) return BLOCK_N;
+    const int ps = p.page_size;
+    // whole boxes per tile, each starting on a 1024-byte swizzle atom (8 rows)
+    const bool fits = ps >= MIN_BOX_ROWS && ps % 8 == 0 && (BLOCK_N % ps == 0 || ps % BLOCK_N == 0);
+    return fits ? min(ps, BLOCK_N) : 0;
+  }
+
+  // Paged: the page id of this lane's box in the tile at n0 (0 when the lane has no box), from K's
+  // page table (V = false) or V's (page_table: K's unless the call has separate V ids).
+  template <bool V>
+  static __device__ __forceinline__ int32_t box_page_id(const PrefillParams& p, const PrefillWork& w, int n0,
+                                                        int rows, bool active, int box) {
+    if (!active) return 0;
+    const int t = n0 + box * rows;
+    const int32_t* pages = page_table<V>(p) + w.page_base;
+    return checked_page_id(p, __ldg(pages + (p.page_shift >= 0 ? t >> p.page_shift : t / p.page_size)));
+  }
+
+  // One K or V tile by TMA: lane 0 announces the tile's bytes, every lane with a box issues it.
+  static __device__ __forceinline__ void tma_tile(const PrefillParams& p, const PrefillWork& w, uint32_t s_tile,
+                                                  const void* tmap, uint32_t full, int n0, int rows, int32_t id,
+                                                  bool active, int box, int col, int lane, uint64_t policy) {
+    if (lane == 0) ptx::mbar_arrive_expect_tx(full, Cfg::KV_TILE_BYTES);
+    __syncwarp();
+    if (!active) return;
+    const uint32_t dst = s_tile + (col * BLOCK_N + box * rows) * Cfg::ROW_BYTES;
+    if constexpr (PAGED) {
+      const int t = n0 + box * rows;
+      const int slot = p.page_shift >= 0 ? t & (p.page_size - 1) : t % p.page_size;
+      ptx::tma_load_4d(dst, tmap, col * 64, slot, w.kv_head, id, full, policy);
+    } else {
+      ptx::tma_load_3d(dst, tmap, col * 64, w.kv_head, (int)RaggedKvRows{w.kv_row0}.row(n0, 0), full, policy);
+    }
+  }
+
+  // Paged, the copy path: lane l holds the page ids (K's or V's table, as box_page_id) of rows l,
+  // l + 32, ... of the tile at n0 (rows at or past kv_len: 0), loaded together so the copies wait
+  // on one page-table latency.
+  static constexpr int ID_REGS = (BLOCK_N + 31) / 32;
+  template <bool V>
+  static __device__ __forceinline__ void row_page_ids(const PrefillParams& p, const PrefillWork& w, int n0,
+                                                      int lane, int32_t (&ids)[ID_REGS]) {
+    const int32_t* pages = page_table<V>(p) + w.page_base;
+#pragma unroll
+    for (int j = 0; j < ID_REGS; ++j) {
+      const int t = n0 + lane + 32 * j;
+      const int pg = p.page_shift >= 0 ? t >> p.page_shift : t / p.page_size;
+      ids[j] = t < w.kv_len ? checked_page_id(p, __ldg(pages + pg)) : 0;
+    }
+  }
+
+  // One K or V tile by the warp's cp.async, keys at or past kv_len zero-filled; completes `full`
+  // (initialised for one arrival) once every copy has landed.
+  static __device__ __forceinline__ void copy_tile(const PrefillParams& p, const PrefillWork& w, uint32_t s_tile,
+                                                   const T* head, int64_t stride_page, int64_t stride_n,
+                                                   const int32_t (&ids)[ID_REGS], uint32_t full, int n0, int lane,
+                                                   uint64_t policy) {
+    // one warp pass covers whole rows: the row's id register is the same for every lane
+#pragma unroll 1
+    for (int i = lane; i < BLOCK_N * CPR; i += 32) {
+      const int r = i / CPR, chunk = i % CPR, t = n0 + r;
+      const bool valid = t < w.kv_len;
+      const T* src = head;
+      if constexpr (PAGED) {
+        int32_t id = ids[0];
+#pragma unroll
+        for (int j = 1; j < ID_REGS; ++j) id = r / 32 == j ? ids[j] : id;
+        id = __shfl_sync(0xffffffffu, id, r % 32);
+        if (valid) src = head + (int64_t)id * stride_page + (int64_t)(t % p.page_size) * stride_n + chunk * 8;
+      } else {
+        if (valid) src = head + RaggedKvRows{w.kv_row0}.row(n0, r) * stride_n + chunk * 8;
+      }
+      ptx::cp_async_16_hint(s_tile + Cfg::swz(BLOCK_N, r, chunk), src, valid, policy);
+    }
+    ptx::cp_async_commit();
+    ptx::cp_async_wait<0>();
+    ptx::fence_proxy_async();  // the wgmma reads the tile through the async proxy
+    __syncwarp();
+    if (lane == 0) ptx::mbar_arrive(full);
+  }
+
+  // base: the aligned shared-memory base (shared window).
+  static __device__ __forceinline__ void run(const PrefillParams& p, const PrefillWork& w, uint32_t base, int tid) {
+    ProducerSm90<Cfg>::load_q(p, w, base + Cfg::Q_OFFSET, tid);
+    ptx::cp_async_mbar_arrive(Cfg::q_full(base));
+    if (tid >= 32) {
+      ptx::cp_async_commit();  // the Q copies land before the thread exits
+      ptx::cp_async_wait<0>();
+      return;
+    }
+    const int lane = tid;
+    // Every row tile of the head reads these K/V rows again: keep them in L2 over Q and outputs.
+    const uint64_t keep = ptx::l2_evict_last();
+    const int rows = box_rows(p);
+    const int box = lane / COL_BLOCKS, col = lane % COL_BLOCKS;
+    const bool active = rows > 0 && box < BLOCK_N / max(rows, 1);
+    const bool v_ids = PAGED && p.v_page_indices != 0;  // V has page ids of its own
+    const T* k = reinterpret_cast<const T*>(p.k) + w.kv_head * p.k_stride_h;
+    const T* v = reinterpret_cast<const T*>(p.v) + w.kv_head * p.v_stride_h;
+    // A tile goes by TMA when it ends within the request's keys (and the page size has boxes).
+    auto by_tma = [&](int n0) { return rows > 0 && n0 + BLOCK_N <= w.kv_len; };
+    int32_t id = 0, id_v = 0;  // this tile's page ids of the lane's box (K's, V's)
+    if (PAGED && by_tma(w.tile_start)) {
+      id = box_page_id<false>(p, w, w.tile_start, rows, active, box);
+      id_v = v_ids ? box_page_id<true>(p, w, w.tile_start, rows, active, box) : id;
+    }
+    for (int it = 0; it < w.num_tiles; ++it) {
+      const int s = it % STAGES;
+      const uint32_t free_parity = ((it / STAGES) & 1) ^ 1;
+      const int n0 = w.tile_start + it * BLOCK_N;
+      const bool tma = by_tma(n0);
+      // the next tile's page ids, loaded while this tile waits for its stage
+      int32_t next = 0, next_v = 0;
+      if (PAGED && it + 1 < w.num_tiles && by_tma(n0 + BLOCK_N)) {
+        next = box_page_id<false>(p, w, n0 + BLOCK_N, rows, active, box);
+        next_v = v_ids ? box_page_id<true>(p, w, n0 + BLOCK_N, rows, active, box) : next;
+      }
+      const uint32_t k_tile = base + Cfg::K_OFFSET + s * Cfg::KV_TILE_BYTES;
+      const uint32_t v_tile = base + Cfg::V_OFFSET + s * Cfg::KV_TILE_BYTES;
+      int32_t ids[ID_REGS];
+      if (PAGED && !tma) row_page_ids<false>(p, w, n0, lane, ids);
+      ptx::mbar_wait(Cfg::k_empty(base, s), free_parity);
+      if (tma)
+        tma_tile(p, w, k_tile, &p.k_tmap, Cfg::k_full(base, s), n0, rows, id, active, box, col, lane, keep);
+      else
+        copy_tile(p, w, k_tile, k, p.k_stride_page, p.k_stride_n, ids, Cfg::k_full(base, s), n0, lane, keep);
+      if (PAGED && !tma && v_ids) row_page_ids<true>(p, w, n0, lane, ids);
+      ptx::mbar_wait(Cfg::v_empty(base, s), free_parity);
+      if (tma)
+        tma_tile(p, w, v_tile, &p.v_tmap, Cfg::v_full(base, s), n0, rows, id_v, active, box, col, lane, keep);
+      else
+        copy_tile(p, w, v_tile, v, p.v_stride_page, p.v_stride_n, ids, Cfg::v_full(base, s), n0, lane, keep);
+      id = next;
+      id_v = next_v;
+    }
+    ptx::cp_async_commit();
+    ptx::cp_async_wait<0>();
+  }
+};
+
+}  // namespace pfa

@@ -1,0 +1,278 @@
+"""K/V by TMA in the batch plans, on the simulated driver: which kernel a plan routes to (the
+variant table's HOPPER_KV_LOAD, PFA_SM90_KV_LOAD, page sizes), the tensor maps run() writes
+(geometry, addresses patched without a new encode, the fast path), and the cp.async twin for K/V
+that TMA cannot address."""
+from __future__ import annotations
+
+import ctypes
+import dataclasses
+import pathlib
+import sys
+
+import pytest
+
+from pyflashattn._engine import routing, tma
+from pyflashattn._runtime import cuda as _cuda
+from pyflashattn._runtime.params_gen import PrefillParams
+from pyflashattn.testing.fake_driver import (
+    T, D, HKV, KV_INDICES, KV_INDPTR, LAST, NPAGES, PS, TKV, FakeEnv, FakeTorch, cache_t, i32, kv_t, last_attn,
+    out_t, paged, plan_ragged, q_t, ragged)
+
+sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent.parent / "build_tools"))
+import variants  # noqa: E402
+
+HQ = 8
+# paged plans: 160 and 68 packed rows, past the paged decode tiles (64 rows): the row-tile kernel
+QO_LONG = i32(0, 40, 40, 57)
+
+
+def q_long():
+    return T((57, HQ, D), data=0x100000)
+
+
+def out_long():
+    return T((57, HQ, D), data=0x400000)
+
+
+def _env(monkeypatch, kv_load=None, ship=None):
+    """A fake env whose 16-bit lean row-tile launchers are the sm90 rows of the variant table
+    (TUNE=1 rows included); ship: HOPPER_KV_LOAD entries to flip to "tma"."""
+    if ship:
+        monkeypatch.setattr(variants, "HOPPER_KV_LOAD", dict(variants.HOPPER_KV_LOAD, **{s: "tma" for s in ship}))
+    rows = variants.variants(tune=True)
+    env = FakeEnv(monkeypatch, rows)
+    env.use_sm90_rows(monkeypatch, rows)
+    for name in ("_FIELD", "_TEMPLATES"):
+        monkeypatch.setattr(tma, name, {})
+    if kv_load is None:
+        monkeypatch.delenv(routing.KV_LOAD_ENV, raising=False)
+    else:
+        monkeypatch.setenv(routing.KV_LOAD_ENV, kv_load)
+    return env
+
+
+def _maps(env):
+    return [x for x in env.cu.log if x[0] == "tmap"]
+
+
+def _map_bytes(p, field):
+    return ctypes.string_at(ctypes.addressof(p) + getattr(PrefillParams, field).offset, 128)
+
+
+def _expected(ptr, dims, strides, box):
+    return _cuda.tensor_map_bytes(_cuda.encode_tensor_map("f16", ptr, dims, strides, box))
+
+
+def test_ragged_tma_plan_writes_3d_maps_and_patches_new_addresses(monkeypatch):
+    env = _env(monkeypatch, "tma")
+    w = ragged(env)
+    plan_ragged(w)
+    assert w._engine.attn.name.endswith("_tma") and w._engine.attn.meta["tma"]
+    k, v = kv_t(data=0x300000), kv_t(data=0x380000)
+    w.run(q_t(), k, v, out=out_t())
+    name, _, _, p = last_attn(env)
+    assert name.endswith("_tma")
+    dims, strides, box = (D, HKV, tma.ROW_EXTENT), (D * 2, HKV * D * 2), (64, 1, 128)
+    assert _map_bytes(p, "k_tmap") == _expected(0x300000, dims, strides, box)
+    assert _map_bytes(p, "v_tmap") == _expected(0x380000, dims, strides, box)
+    encoded = len(_maps(env))
+    # new K/V addresses, the same geometry: patched, not encoded
+    w.run(q_t(), kv_t(data=0x600000), kv_t(data=0x680000), out=out_t())
+    p = last_attn(env)[3]
+    assert len(_maps(env)) == encoded
+    assert _map_bytes(p, "k_tmap") == _expected(0x600000, dims, strides, box)
+    assert _map_bytes(p, "v_tmap") == _expected(0x680000, dims, strides, box)
+
+
+@pytest.mark.parametrize("ps,tma_kernel", [(16, True), (64, True), (32, True), (1, False), (8, False), (24, False),
+                                           (256, True)])
+def test_paged_tma_only_where_pages_make_whole_boxes(monkeypatch, ps, tma_kernel):
+    env = _env(monkeypatch, "tma")
+    w = paged(env)
+    pages = i32(0, 2, 3, 3)
+    lens = i32(min(3, ps), ps, 0)
+    w.plan(QO_LONG, pages, KV_INDICES, lens, HQ, HKV, D, ps)
+    assert bool(w._engine.attn.meta.get("tma")) is tma_kernel
+    assert routing.tma_fits(True, ps, 128, 0) is tma_kernel
+    cache = cache_t() if ps == PS else None
+    if cache is None:
+        cache = T((NPAGES, 2, ps, HKV, D), data=0x200000)
+    w.run(q_long(), cache, out=out_long())
+    name, _, _, p = last_attn(env)
+    assert name.endswith("_tma") is tma_kernel
+    if tma_kernel:
+        rows = min(ps, 128)
+        dims = (D, ps, HKV, NPAGES)
+        strides = (HKV * D * 2, D * 2, 2 * ps * HKV * D * 2)
+        assert _map_bytes(p, "k_tmap") == _expected(0x200000, dims, strides, (64, rows, 1, 1))
+        assert _map_bytes(p, "v_tmap") == _expected(0x200000 + ps * HKV * D * 2, dims, strides, (64, rows, 1, 1))
+    else:
+        assert not _maps(env)
+
+
+def test_hnd_paged_map_strides(monkeypatch):
+    env = _env(monkeypatch, "tma")
+    w = paged(env, layout="HND")
+    w.plan(QO_LONG, KV_INDPTR, KV_INDICES, LAST, HQ, HKV, D, PS)
+    w.run(q_long(), cache_t(layout="HND"), out=out_long())
+    p = last_attn(env)[3]
+    # [pages, 2, heads, slots, D]: slot stride D, head stride PS * D
+    dims, strides = (D, PS, HKV, NPAGES), (D * 2, PS * D * 2, 2 * HKV * PS * D * 2)
+    assert _map_bytes(p, "k_tmap") == _expected(0x200000, dims, strides, (64, 16, 1, 1))
+
+
+@pytest.mark.parametrize("kv_load,ship,want_tma", [(None, (), False), ("cpasync", ("ragged", "paged"), False),
+                                                   (None, ("ragged",), True), ("tma", (), True)])
+def test_table_entry_and_override_pick_the_load(monkeypatch, kv_load, ship, want_tma):
+    env = _env(monkeypatch, kv_load, ship)
+    w = ragged(env)
+    plan_ragged(w)
+    assert bool(w._engine.attn.meta.get("tma")) is want_tma
+    twin = [v for v in variants.variants() if isinstance(v, variants.HopperPrefillVariant) and v.tma]
+    assert bool(twin) is bool(ship)  # shipped twins are built without TUNE=1
+
+
+def test_shipped_paged_twin_is_routed_without_the_override(monkeypatch):
+    env = _env(monkeypatch, None, ("paged",))
+    w = paged(env)
+    w.plan(QO_LONG, KV_INDPTR, KV_INDICES, LAST, HQ, HKV, D, PS)
+    assert w._engine.attn.name.endswith("_paged_tma")
+    w = ragged(env)
+    plan_ragged(w)
+    assert not w._engine.attn.meta.get("tma")
+
+
+def test_override_names_an_unbuilt_twin(monkeypatch):
+    rows = [v for v in variants.variants(tune=True) if not getattr(v, "tma", False)]
+    monkeypatch.setattr(variants, "variants", lambda tune=False: rows)
+    env = _env(monkeypatch, "tma")
+    w = ragged(env)
+    with pytest.raises(RuntimeError, match="TUNE=1"):
+        plan_ragged(w)
+    monkeypatch.setenv(routing.KV_LOAD_ENV, "fast")
+    with pytest.raises(ValueError, match=routing.KV_LOAD_ENV):
+        routing.kv_load_override()
+
+
+def test_unaddressable_kv_runs_the_cp_async_twin(monkeypatch):
+    env = _env(monkeypatch, "tma")
+    w = ragged(env)
+    plan_ragged(w)
+    # one head broadcast over the kv heads (stride 0): the operand checks take it, TMA cannot
+    k = kv_t(data=0x300000, strides=(D, 0, 1))
+    w.run(q_t(), k, kv_t(data=0x380000), out=out_t())
+    name, grid, _, p = last_attn(env)
+    assert not name.endswith("_tma") and w._engine.kv_fallback
+    assert (p.k, p.v, p.k_stride_h, p.k_stride_n) == (0x300000, 0x380000, 0, D)
+    assert grid == w._engine.attn.grid
+    # and back on TMA for addressable K/V
+    w.run(q_t(), kv_t(data=0x300000), kv_t(data=0x380000), out=out_t())
+    assert last_attn(env)[0].endswith("_tma") and not w._engine.kv_fallback
+
+
+def test_fast_path_repoints_the_maps(monkeypatch):
+    env = _env(monkeypatch, "tma")
+    ft = FakeTorch(env)
+    monkeypatch.setitem(sys.modules, "torch", ft.module)
+    from pyflashattn._runtime import tensor as _tensor
+    monkeypatch.setattr(_tensor, "_TORCH_STRIDED", {"torch.strided"})
+    monkeypatch.setattr(_tensor, "_TORCH_BY_NAME", {})
+    w = ragged(env)
+    plan_ragged(w)
+    q, o = ft.tensor((17, HQ, D), "float16"), ft.tensor((17, HQ, D), "float16")
+    w.run(q, ft.tensor((TKV, HKV, D), "float16"), ft.tensor((TKV, HKV, D), "float16"), out=o)
+    assert w._engine.fast_key is not None
+    encoded = len(_maps(env))
+    k2, v2 = ft.tensor((TKV, HKV, D), "float16"), ft.tensor((TKV, HKV, D), "float16")
+    w.run(q, k2, v2, out=o)
+    p = last_attn(env)[3]
+    assert (p.k, p.v) == (k2._ptr, v2._ptr) and len(_maps(env)) == encoded
+    dims, strides, box = (D, HKV, tma.ROW_EXTENT), (D * 2, HKV * D * 2), (64, 1, 128)
+    assert _map_bytes(p, "k_tmap") == _expected(k2._ptr, dims, strides, box)
+    assert _map_bytes(p, "v_tmap") == _expected(v2._ptr, dims, strides, box)
+
+
+def test_maps_of_a_driver_that_hides_the_address_take_the_replace_call(monkeypatch):
+    env = _env(monkeypatch, "tma")
+    real_encode, real_replace = env.cu.cuTensorMapEncodeTiled, env.cu.cuTensorMapReplaceAddress
+
+    def scramble(obj, ptr):  # a second copy of address bits elsewhere: no single field to patch
+        ctypes.memmove(obj.getPtr() + 100, bytes([(ptr >> 8) & 0xFF]), 1)
+
+    def encode(kind, rank, ptr, *rest):
+        err, obj = real_encode(kind, rank, ptr, *rest)
+        scramble(obj, ptr)
+        return err, obj
+
+    def replace(obj, ptr):
+        real_replace(obj, ptr)
+        scramble(obj, ptr)
+        return (0,)
+
+    monkeypatch.setattr(env.cu, "cuTensorMapEncodeTiled", encode)
+    monkeypatch.setattr(env.cu, "cuTensorMapReplaceAddress", replace)
+    w = ragged(env)
+    plan_ragged(w)
+    w.run(q_t(), kv_t(data=0x300000), kv_t(data=0x380000), out=out_t())
+    assert tma._FIELD[3] is False
+    n, start = len(_maps(env)), len(env.cu.log)
+    w.run(q_t(), kv_t(data=0x600000), kv_t(data=0x680000), out=out_t())
+    replaced = [x[1] for x in env.cu.log[start:] if x[0] == "tmap_address"]
+    assert len(_maps(env)) == n and replaced == [0x600000, 0x680000]
+    dims, strides, box = (D, HKV, tma.ROW_EXTENT), (D * 2, HKV * D * 2), (64, 1, 128)
+    assert _map_bytes(last_attn(env)[3], "k_tmap") == _expected(0x600000, dims, strides, box)
+
+
+def test_twins_share_the_tile_and_smem_layout():
+    rows = {v.name: v for v in variants.variants(tune=True) if isinstance(v, variants.HopperPrefillVariant)}
+    for name, v in rows.items():
+        if v.tma:
+            base = rows[name[:-len(routing.TMA_SUFFIX)]]
+            assert dataclasses.replace(base, tma=True, tune=v.tune) == v
+            # no page-id staging in the TMA layout
+            assert v.smem_bytes == base.smem_bytes - (2 * base.block_n * 4 if v.paged else 0)
+    assert {tuple(sorted(variants.HOPPER_KV_LOAD))} == {("paged", "ragged")}
+
+
+def test_paged_box_rows_matches_the_kernel_rule():
+    # ProducerSm90Tma::box_rows: ps >= 16, a multiple of 8, dividing block_n or divided by it
+    assert [tma.paged_box_rows(ps, 128) for ps in (1, 8, 16, 24, 32, 64, 128, 256, 384)] == \
+        [0, 0, 16, 0, 32, 64, 128, 128, 128]
+    assert [tma.paged_box_rows(ps, 80) for ps in (16, 20, 32, 40, 64, 80, 160)] == [16, 0, 0, 40, 0, 80, 80]
+
+
+def test_a_driver_refusing_the_probe_addresses_takes_the_replace_call(monkeypatch):
+    env = _env(monkeypatch, "tma")
+    real = env.cu.cuTensorMapEncodeTiled
+
+    def picky(kind, rank, ptr, *rest):
+        return (1, None) if ptr in tma._PROBES else real(kind, rank, ptr, *rest)
+
+    monkeypatch.setattr(env.cu, "cuTensorMapEncodeTiled", picky)
+    w = ragged(env)
+    plan_ragged(w)
+    w.run(q_t(), kv_t(data=0x300000), kv_t(data=0x380000), out=out_t())
+    assert tma._FIELD[3] is False
+    w.run(q_t(), kv_t(data=0x600000), kv_t(data=0x680000), out=out_t())
+    dims, strides, box = (D, HKV, tma.ROW_EXTENT), (D * 2, HKV * D * 2), (64, 1, 128)
+    assert _map_bytes(last_attn(env)[3], "v_tmap") == _expected(0x680000, dims, strides, box)
+
+
+def test_skip_softmax_runs_the_cp_async_skip_twin_and_back(monkeypatch):
+    """A TMA plan's skip-softmax calls run its cp.async row's "_skip" twin (the same tile); back
+    without skip-softmax, the TMA kernel's maps follow the K/V given meanwhile."""
+    env = _env(monkeypatch, "tma")
+    w = ragged(env)
+    plan_ragged(w)
+    tma_name = w._engine.attn.name
+    w.run(q_t(), kv_t(data=0x300000), kv_t(data=0x380000), out=out_t())
+    w.run(q_t(), kv_t(data=0x600000), kv_t(data=0x680000), out=out_t(), skip_softmax_threshold_scale_factor=0.5)
+    name, _, _, p = last_attn(env)
+    assert name == tma_name[:-len("_tma")] + "_skip" and p.skip_softmax_factor == 0.5
+    assert (p.k, p.v) == (0x600000, 0x680000)
+    w.run(q_t(), kv_t(data=0x600000), kv_t(data=0x680000), out=out_t())
+    name, _, _, p = last_attn(env)
+    assert name == tma_name and p.skip_softmax_factor == 0.0
+    dims, strides, box = (D, HKV, tma.ROW_EXTENT), (D * 2, HKV * D * 2), (64, 1, 128)
+    assert _map_bytes(p, "k_tmap") == _expected(0x600000, dims, strides, box)
+    assert _map_bytes(p, "v_tmap") == _expected(0x680000, dims, strides, box)
