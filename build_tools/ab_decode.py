@@ -21,8 +21,7 @@ Switches:
   waves  PYFLASHATTN_DECODE_SPLIT_WAVES: the decode tiles' split-KV budget in waves (old = the
          default: 1 for bf16, 2 for fp8 / NVFP4) against 0.5, 1, 2 and 4
   tile   the 16-row decode tile against the `make TUNE=1` alternatives (variants.DECODE_TUNE_TILES:
-         3 K/V stages; fp8 32-key tiles; 3 stages with half a wave of split budget; "lw": the
-         fp8 widening as it was, so "old" against "lw" is the widening change)
+         3 K/V stages; fp8 32-key tiles; 3 stages with half a wave of split budget)
 """
 from __future__ import annotations
 
@@ -53,9 +52,7 @@ SWITCHES = {
              "n32": ({}, {"fp8": "pfa_prefill_sm80_bf16_kvfp8_hd128_m16n32w1s2_lr_paged"}),
              # longer walks a CTA with more in flight each: for B=1, whose 13-tile chunks ramp up
              # and down at 72% of DRAM peak
-             "s3w.5": ({"PYFLASHATTN_DECODE_SPLIT_WAVES": "0.5"}, _S3),
-             # the fp8 widening as it was (an A/B hook): "x old" below 1 = today's widening is faster
-             "lw": ({}, {"fp8": "pfa_prefill_sm80_bf16_kvfp8_hd128_m16n16w1s2_lr_paged_lw"})},
+             "s3w.5": ({"PYFLASHATTN_DECODE_SPLIT_WAVES": "0.5"}, _S3)},
 }
 # case -> (batch, kv_len, cache kind, q_len)
 CASES = {

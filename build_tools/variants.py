@@ -96,9 +96,6 @@ class PrefillVariant:
     # The archs it is built for; None = every arch of its impl whose shared memory holds it
     # (variants() narrows the decode tiles to where the host can route them).
     archs: tuple = None
-    # A/B hook (tune rows only): the fp8 widening as it was (sm80/fp8_widen_legacy.cuh), timed
-    # against the current one by build_tools/ab_decode.py --switch tile. Remove once recorded.
-    legacy_widen: bool = False
 
     def __post_init__(self):
         if self.archs is None:
@@ -119,7 +116,7 @@ class PrefillVariant:
     def name(self):
         return (f"pfa_prefill_{self.impl}_{self.dtype}{'_kv' + self.kv_dtype if self.kv_dtype else ''}_hd{self.head_dim}"
                 f"_m{self.block_m}n{self.block_n}w{self.warps}s{self.stages}{'_qr' if self.q_in_regs else ''}{'_lr' if self.lazy_rescale else ''}{'_pr' if self.pair else ''}"
-                f"{'_gen' if self.general else ''}{'_paged' if self.paged else ''}{'_lw' if self.legacy_widen else ''}")
+                f"{'_gen' if self.general else ''}{'_paged' if self.paged else ''}")
 
     @property
     def threads(self):
@@ -168,8 +165,7 @@ class PrefillVariant:
         return self.pair and not self.paged
 
     def source(self):
-        return (("#define PFA_FP8_WIDEN_LEGACY 1\n" if self.legacy_widen else "") +
-                f'#include "pfa/attention/prefill_{self.impl}.cuh"\n'
+        return (f'#include "pfa/attention/prefill_{self.impl}.cuh"\n'
                 f"PFA_DEFINE_PREFILL_{self.impl.upper()}({self.name}, {DTYPES[self.dtype]}, "
                 f"{KV_STORAGE[self.kv_dtype] if self.kv_dtype else DTYPES[self.dtype]}, {self.head_dim}, {self.warps}, "
                 f"{self.mq}, {self.block_n}, {'true' if self.q_in_regs else 'false'}, {self.stages}, {self.min_blocks}, "
@@ -365,7 +361,7 @@ HOPPER_TILES_PAGED = {64: (128, 2, 3), 128: (128, 2, 3), 256: (80, 2, 2)}
 # has a TMA twin of the same tile (name + "_tma"): a shipped row where the storage says "tma" (the
 # routing then prefers it: pyflashattn/_engine/routing.kv_load_pair), else a tune row (`make TUNE=1`,
 # run by PFA_SM90_KV_LOAD=tma for A/B runs). Flip an entry to ship TMA for that storage.
-HOPPER_KV_LOAD = {"ragged": "cpasync", "paged": "cpasync"}
+HOPPER_KV_LOAD = {"ragged": "cpasync", "paged": "tma"}
 # Alternatives for `make TUNE=1`: FA3's non-causal hd128 tile (176 keys), a third K/V stage at hd128,
 # two consumers (128 rows) at hd64.
 HOPPER_TUNE_TILES = [(128, (176, 2, 2)), (128, (128, 2, 3)), (64, (128, 2, 3))]
@@ -566,9 +562,6 @@ def variants(tune=False):
                 out += [PrefillVariant(dtype, hd, *t, tune=True) for t in PREFILL_TUNE_TILES[hd]]
                 out += [PrefillVariant(dtype, hd, *t, paged=True, kv_dtype=kv, decode=True, tune=True)
                         for kv in ("", "fp8") for t in DECODE_TUNE_TILES.get((kv, hd), ())]
-                if hd == 128:  # the fp8 16-row decode tile with the widening as it was (A/B hook)
-                    out.append(PrefillVariant(dtype, hd, *DECODE_TILES_FP8[hd], paged=True, kv_dtype="fp8",
-                                              decode=True, tune=True, legacy_widen=True))
         out += [HopperPrefillVariant(dtype, hd, *tile) for hd, tile in HOPPER_TILES.items()]
         out += [HopperPrefillVariant(dtype, hd, *tile, paged=True) for hd, tile in HOPPER_TILES_PAGED.items()]
         out += [HopperPrefillVariant(dtype, hd, *tile, paged=paged, skip=True)

@@ -36,9 +36,10 @@ def out_long():
 
 def _env(monkeypatch, kv_load=None, ship=None):
     """A fake env whose 16-bit lean row-tile launchers are the sm90 rows of the variant table
-    (TUNE=1 rows included); ship: HOPPER_KV_LOAD entries to flip to "tma"."""
-    if ship:
-        monkeypatch.setattr(variants, "HOPPER_KV_LOAD", dict(variants.HOPPER_KV_LOAD, **{s: "tma" for s in ship}))
+    (TUNE=1 rows included); ship: the HOPPER_KV_LOAD entries that say "tma" (the others "cpasync",
+    whatever the shipped table says)."""
+    monkeypatch.setattr(variants, "HOPPER_KV_LOAD", {s: "tma" if s in (ship or ()) else "cpasync"
+                                                     for s in variants.HOPPER_KV_LOAD})
     rows = variants.variants(tune=True)
     env = FakeEnv(monkeypatch, rows)
     env.use_sm90_rows(monkeypatch, rows)

@@ -16,9 +16,6 @@
 #include "pfa/attention/work.cuh"
 #include "pfa/common/dtypes.cuh"
 #include "pfa/ptx/mma_sm80.cuh"
-#ifdef PFA_FP8_WIDEN_LEGACY
-#include "pfa/attention/sm80/fp8_widen_legacy.cuh"
-#endif
 
 namespace pfa {
 
@@ -197,27 +194,11 @@ struct KvRingSm80 {
   // with its conversion's constants in the instructions.
   template <int TILES>
   __device__ __forceinline__ void widen_fp8(const char* ring, char* wide) const {
-#ifdef PFA_FP8_WIDEN_LEGACY  // the A/B rows of the widening as it was (sm80/fp8_widen_legacy.cuh)
-    constexpr int CHUNKS = BLOCK_N * KV_CPR;
-    const int fmt = p.kv_fp8;
-#pragma unroll 4
-    for (int i = tid; i < TILES * CHUNKS; i += THREADS) {
-      const int tile = i / CHUNKS, j = i % CHUNKS;
-      const int row = j / KV_CPR, c = j % KV_CPR;
-      const uint4 raw = *reinterpret_cast<const uint4*>(ring + tile * RING_TILE_BYTES + j * CHUNK_BYTES);
-      const uint2 a = widen_fp8x4_legacy<T>(raw.x, fmt), b = widen_fp8x4_legacy<T>(raw.y, fmt);
-      const uint2 c2 = widen_fp8x4_legacy<T>(raw.z, fmt), d = widen_fp8x4_legacy<T>(raw.w, fmt);
-      char* dst = wide + tile * TILE_BYTES;
-      *reinterpret_cast<uint4*>(dst + Cfg::swz(row, 2 * c) * CHUNK_BYTES) = make_uint4(a.x, a.y, b.x, b.y);
-      *reinterpret_cast<uint4*>(dst + Cfg::swz(row, 2 * c + 1) * CHUNK_BYTES) = make_uint4(c2.x, c2.y, d.x, d.y);
-    }
-#else
     if (p.kv_fp8 == kFp8E5M2) {
       widen_fp8_as<TILES, kFp8E5M2>(ring, wide);
     } else {
       widen_fp8_as<TILES, kFp8E4M3>(ring, wide);
     }
-#endif
   }
   template <int TILES, int FMT>
   __device__ __forceinline__ void widen_fp8_as(const char* ring, char* wide) const {
