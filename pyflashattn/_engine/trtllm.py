@@ -30,18 +30,6 @@ _MAX_ENGINES = 16
 _FP8 = (_dtypes.FLOAT8_E4M3, _dtypes.FLOAT8_E5M2)
 
 
-def host_array(x, name: str, dev: int, dtypes=(_dtypes.INT32,)) -> np.ndarray:
-    """A device (or host) index tensor of any rank, checked and copied to the host (a sync)."""
-    if isinstance(x, np.ndarray):
-        return x
-    v = _tensor.view(x, name)
-    operands.require_device(v, name, dev, "query")
-    if v.dtype not in dtypes:
-        raise TypeError(f"{name} must be {' or '.join(d.name for d in dtypes)}, got {v.dtype.name}")
-    flat = indices.host_int(x if v.ndim == 1 else x.reshape(-1), name)
-    return flat.reshape(v.shape)
-
-
 def sinks_arg(sinks):
     """sinks as FlashInfer types it: a [H] tensor, or a list holding one."""
     if isinstance(sinks, (list, tuple)):
@@ -76,9 +64,9 @@ def host_lengths(seq_lens, cum_seq_lens_q, cum_seq_lens_kv, batch_size, max_q_le
     """Both APIs' length metadata on the host (one sync), checked against each other and the
     bounds: (cum_seq_lens_q, q lengths, kv lengths)."""
     ints = (_dtypes.INT32, _dtypes.UINT32)
-    seq = host_array(seq_lens, "seq_lens", dev, ints)
-    cq = host_array(cum_seq_lens_q, "cum_seq_lens_q", dev, ints)
-    ck = host_array(cum_seq_lens_kv, "cum_seq_lens_kv", dev, ints)
+    seq = trtllm_device.host_array(seq_lens, "seq_lens", dev, ints)
+    cq = trtllm_device.host_array(cum_seq_lens_q, "cum_seq_lens_q", dev, ints)
+    ck = trtllm_device.host_array(cum_seq_lens_kv, "cum_seq_lens_kv", dev, ints)
     ql, kl = operands.trtllm_lengths(seq, cq, ck, batch_size, max_q_len, max_kv_len)
     return cq, ck, ql, kl
 
@@ -176,7 +164,7 @@ def _host_plan(dev, workspace, kv_layout, qv, heads, dtypes, mask, pos, cap, gen
     else:
         if paging.block_tables is None:
             raise ValueError("block_tables is required for a paged KV cache")
-        table = host_array(paging.block_tables, "block_tables", dev)
+        table = trtllm_device.host_array(paging.block_tables, "block_tables", dev)
         k_ids, v_ids = operands.block_table_rows(table, bounds[0], paging.page_size, kl,
                                                  max(paging.k_pages, paging.v_pages), paging.separate)
         if paging.separate and k_ids.size and int(k_ids.max()) >= paging.k_pages:

@@ -26,6 +26,7 @@ from collections import OrderedDict
 
 import numpy as np
 
+from .._runtime import dtypes as _dtypes, tensor as _tensor
 from . import indices, operands
 from .batch import BatchEngine
 from .metadata_check import ENV, metadata_checks_enabled
@@ -105,6 +106,18 @@ def point(e: BatchEngine, cum_q: int, max_q: int, max_kv: int, ragged_kv=0, page
     p.kv_max_len = min(max_kv, e.src.max_kv)  # the pages the plan covers (<= a table row)
 
 
+def host_array(x, name: str, dev: int, dtypes=(_dtypes.INT32,)) -> np.ndarray:
+    """A device (or host) index tensor of any rank, checked and copied to the host (a sync)."""
+    if isinstance(x, np.ndarray):
+        return x
+    v = _tensor.view(x, name)
+    operands.require_device(v, name, dev, "query")
+    if v.dtype not in dtypes:
+        raise TypeError(f"{name} must be {' or '.join(d.name for d in dtypes)}, got {v.dtype.name}")
+    flat = indices.host_int(x if v.ndim == 1 else x.reshape(-1), name)
+    return flat.reshape(v.shape)
+
+
 def check_on_host(dev, seq_lens, cum_q, cum_kv, batch, max_q, max_kv, q_tokens, kv_tokens=None,
                   tables=None) -> None:
     """PYFLASHATTN_CHECK_METADATA=1: the device metadata copied to the host (a sync) and checked
@@ -112,11 +125,10 @@ def check_on_host(dev, seq_lens, cum_q, cum_kv, batch, max_q, max_kv, q_tokens, 
     pages K ids may address, separate, pages V ids may address)."""
     if not metadata_checks_enabled():
         return
-    from . import trtllm  # (trtllm imports this module)
-    ints = (operands._dtypes.INT32, operands._dtypes.UINT32)
-    seq = trtllm.host_array(seq_lens, "seq_lens", dev, ints)
-    cq = trtllm.host_array(cum_q, "cum_seq_lens_q", dev, ints)
-    ck = trtllm.host_array(cum_kv, "cum_seq_lens_kv", dev, ints)
+    ints = (_dtypes.INT32, _dtypes.UINT32)
+    seq = host_array(seq_lens, "seq_lens", dev, ints)
+    cq = host_array(cum_q, "cum_seq_lens_q", dev, ints)
+    ck = host_array(cum_kv, "cum_seq_lens_kv", dev, ints)
     ql, kl = operands.trtllm_lengths(seq, cq, ck, batch, max_q, max_kv)
     if int(cq[-1]) > q_tokens:
         raise ValueError(f"cum_seq_lens_q[-1] = {int(cq[-1])} exceeds the query's {q_tokens} tokens ({ENV}=1)")
@@ -124,7 +136,7 @@ def check_on_host(dev, seq_lens, cum_q, cum_kv, batch, max_q, max_kv, q_tokens, 
         raise ValueError(f"cum_seq_lens_kv[-1] = {int(ck[-1])} exceeds K/V's {kv_tokens} rows ({ENV}=1)")
     if tables is not None:
         bt, ps, k_pages, separate, v_pages = tables
-        table = trtllm.host_array(bt, "block_tables", dev)
+        table = host_array(bt, "block_tables", dev)
         k_ids, v_ids = operands.block_table_rows(table, batch, ps, kl, v_pages if separate else k_pages, separate)
         if separate and k_ids.size and int(k_ids.max()) >= k_pages:
             raise ValueError(f"block_tables holds K page id {int(k_ids.max())} outside the cache's {k_pages} pages "

@@ -10,7 +10,7 @@ import numpy as np
 from .._runtime import dtypes as _dtypes, tensor as _tensor
 from . import operands, options, trtllm
 from .metadata_check import metadata_checks_enabled
-from .trtllm import host_array
+from .trtllm_device import host_array
 
 
 def _parts(qkv, n: int, layout: str) -> tuple:
