@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 
 from pyflashattn import FP4Tensor, fp4, prefill, utils
-from pyflashattn._engine import operands, trtllm
+from pyflashattn._engine import operands, trtllm, trtllm_device
 from pyflashattn._runtime import dtypes as _dtypes
 from pyflashattn.testing import nvfp4
 from pyflashattn.testing.fake_driver import BF16, E4M3, WS, T
@@ -29,6 +29,7 @@ COLS = HQ * D // 16  # scale columns (a multiple of 4 already)
 @pytest.fixture(autouse=True)
 def fresh_engines(monkeypatch):
     monkeypatch.setattr(trtllm, "_ENGINES", OrderedDict())
+    monkeypatch.setattr(trtllm_device, "_ENGINES", OrderedDict())
 
 
 # ---- numpy helpers ---------------------------------------------------------------------------------
@@ -132,11 +133,11 @@ def test_nvfp4_output_in_place_params(fake):
     assert res.scale_start_index == 37 and res.original_shape == (TQ, HQ, D)
     name, p, merges = structs(fake)
     assert "paged" in name
-    assert (p.o_format, p.o, p.o_sf, p.o_sf_row0, p.o_sf_cols) == (operands.OUT_NVFP4, 0xA00000, 0xB00000, 37, COLS)
+    assert (p.o_format, p.o, p.o_sf, p.o_sf_row0) == (operands.OUT_NVFP4, 0xA00000, 0xB00000, 37)
     assert p.o_sf_scale == pytest.approx(300.0) and p.v_scale == pytest.approx(1.5)
     assert (p.o_stride_n, p.o_stride_h) == (HQ * D, D)  # e2m1 elements: twice the byte strides
     for m in merges:
-        assert (m.o_format, m.o_sf, m.o_sf_row0, m.o_sf_cols, m.o_stride_n) == (3, 0xB00000, 37, COLS, HQ * D)
+        assert (m.o_format, m.o_sf, m.o_sf_row0, m.o_stride_n) == (3, 0xB00000, 37, HQ * D)
     # out_dtype may be left out when out is an FP4Tensor (FlashInfer's rule); lse comes back beside it
     lse = T((TQ, HQ), _dtypes.FLOAT32, data=0x900000)
     res, got = call(fake, out=fp4_out(), o_sf_scale=2.0, lse=lse, return_lse=True)
@@ -144,18 +145,16 @@ def test_nvfp4_output_in_place_params(fake):
 
 
 def test_nvfp4_output_split_kv_merges_in_nvfp4(fake):
-    """A long request splits over KV chunks: the merge writes the NVFP4 rows (o_format 3, scales)."""
-    kl, ql = (4000,), (3,)
-    pages = -(-kl[0] // PS)
-    table = np.arange(pages, dtype=np.int32)[None]
-    cum = lambda x: fake.dev(np.concatenate([[0], np.cumsum(x)]).astype(np.int32), _dtypes.INT32)  # noqa: E731
+    """A long request splits over KV chunks (host metadata: the exact plan): the merge writes the
+    NVFP4 rows (o_format 3, the scales from row 5)."""
+    kl = 4000
+    pages = -(-kl // PS)
     out = FP4Tensor(T((3, HQ, D // 2), U8, data=0xA00000), T((128, COLS), E4M3, data=0xB00000), 5)
-    context(T((3, HQ, D)), T((pages, 2, HKV, PS, D)), WS(fake), Reshapable(*fake.dev(table, _dtypes.INT32,
-                                                                                       shape=table.shape).args),
-            fake.dev(np.asarray(kl, np.int32), _dtypes.INT32), 3, kl[0], 0.1, 1.0, 1, cum(ql), cum(kl), out=out,
-            out_dtype="nvfp4", o_sf_scale=1.0)
+    context(T((3, HQ, D)), T((pages, 2, HKV, PS, D)), WS(fake), np.arange(pages, dtype=np.int32)[None],
+            np.array([kl], np.int32), 3, kl, 0.1, 1.0, 1, np.array([0, 3], np.int32), np.array([0, kl], np.int32),
+            out=out, out_dtype="nvfp4", o_sf_scale=1.0)
     _, p, merges = structs(fake)
-    assert merges and all((m.o_format, m.o_sf, m.o_sf_row0) == (3, 0xB00000, 5) for m in merges)
+    assert p.o_format == 3 and merges and all((m.o_format, m.o_sf, m.o_sf_row0) == (3, 0xB00000, 5) for m in merges)
 
 
 @pytest.mark.parametrize("kw, exc, pattern", [
@@ -293,36 +292,56 @@ def call_hd(fake, d, **kw):
                 out=FP4Tensor(T((TQ, HQ, d // 2), U8), T((128, HQ * d // 16), E4M3)), o_sf_scale=1.0, **kw)
 
 
-def test_nvfp4_output_routes_to_kernels_that_write_it(fake):
-    s1 = fake.dev(np.array([0.1], np.float32), _dtypes.FLOAT32)
-    call_hd(fake, 128, bmm1_scale=s1)  # tensor scales: the general kernel, which has it at hd128
-    name = structs(fake)[0]
-    assert "general=True" in name and "nvfp4_out=True" in name
-    call_hd(fake, 256)  # lean hd256: it has it
-    assert "nvfp4_out=True" in structs(fake)[0]
-    # 20 queries x GQA 4 = 80 rows: the 128-row lean kernel, whose skip-softmax sibling (the general
-    # kernel of its tile) must write NVFP4 too, its struct a copy of the plan's (scales included)
+def long_call(fake, **kw):
+    """20 queries x GQA 4 = 80 packed rows over 20 keys: the 128-row lean kernel (no decode tile),
+    into an FP4Tensor from scale row 9."""
     cum = lambda x: fake.dev(np.array([0, x], np.int32), _dtypes.INT32)  # noqa: E731
     table = Reshapable(*fake.dev(np.array([[0, 1]], np.int32), _dtypes.INT32, shape=(1, 2)).args)
     out = FP4Tensor(T((20, HQ, D // 2), U8, data=0xA00000), T((128, COLS), E4M3, data=0xB00000), 9)
-    context(T((20, HQ, D)), T((NPAGES, 2, HKV, PS, D)), WS(fake), table, fake.dev(np.array([20], np.int32),
-                                                                                 _dtypes.INT32),
-            20, 20, 0.1, 1.0, 1, cum(20), cum(20), out=out, o_sf_scale=2.0, skip_softmax_threshold_scale_factor=100.0)
+    args = dict(bmm1_scale=0.1, skip_softmax_threshold_scale_factor=None)
+    args.update(kw)
+    return context(T((20, HQ, D)), T((NPAGES, 2, HKV, PS, D)), WS(fake), table,
+                   fake.dev(np.array([20], np.int32), _dtypes.INT32), 20, 20, args["bmm1_scale"], 1.0, 1, cum(20),
+                   cum(20), out=out, o_sf_scale=2.0,
+                   skip_softmax_threshold_scale_factor=args["skip_softmax_threshold_scale_factor"])
+
+
+def test_nvfp4_output_routes_to_kernels_that_write_it(fake):
+    long_call(fake)
     name, p, _ = structs(fake)
-    assert "general=True" in name and "nvfp4_out=True" in name and "decode=False" in name
+    assert "general=False" in name and "decode=False" in name and "nvfp4_out=True" in name
+    # tensor scales: the lean kernel does not read scale_dev, so the general one (with NVFP4) runs
+    long_call(fake, bmm1_scale=fake.dev(np.array([0.1], np.float32), _dtypes.FLOAT32))
+    name, p, _ = structs(fake)
+    assert "general=True" in name and "nvfp4_out=True" in name and p.o_format == 3
+    # skip-softmax: the lean plan's sibling (the general kernel of its tile) writes NVFP4 too, its
+    # struct a copy of the plan's, scales included
+    long_call(fake, skip_softmax_threshold_scale_factor=100.0)
+    name, p, _ = structs(fake)
+    assert "general=True" in name and "decode=False" in name
     assert (p.o_format, p.o_sf, p.o_sf_row0, p.skip_softmax_factor) == (3, 0xB00000, 9, 100.0)
+    call_hd(fake, 256)  # a decode-sized hd256 call: lean kernels have it
+    assert "nvfp4_out=True" in structs(fake)[0]
 
 
 @pytest.mark.parametrize("kw, pattern", [
-    (dict(bmm2_scale="tensor"), "out_dtype='nvfp4'"),
+    (dict(bmm1_scale="tensor"), "out_dtype='nvfp4'"),
     (dict(skip_softmax_threshold_scale_factor=100.0), "skip_softmax_threshold_scale_factor"),
 ])
 def test_nvfp4_output_refused_where_no_kernel_writes_it(fake, kw, pattern):
-    """The hd256 general kernels lack it (their registers cannot spare it): tensor scales, and
-    skip-softmax on a lean hd256 plan (which runs on the general kernel), raise before launching."""
-    if kw.get("bmm2_scale") == "tensor":
-        kw = dict(bmm2_scale=fake.dev(np.array([1.0], np.float32), _dtypes.FLOAT32))
+    """The hd256 general kernels lack it (their registers cannot spare it): tensor scales on the
+    128-row hd256 kernel (which does not read them: the general one would), and skip-softmax on a
+    lean hd256 plan (which runs on the general kernel), raise before launching."""
+    if kw.get("bmm1_scale") == "tensor":
+        kw = dict(bmm1_scale=fake.dev(np.array([0.1], np.float32), _dtypes.FLOAT32))
+    cum = lambda x: np.array([0, x], np.int32)  # noqa: E731
+    d = 256
+    out = FP4Tensor(T((20, HQ, d // 2), U8), T((128, HQ * d // 16), E4M3))
+    args = dict(bmm1_scale=0.1, skip_softmax_threshold_scale_factor=None)
+    args.update(kw)
     n = len(fake.attn_launches())
     with pytest.raises(NotImplementedError, match=pattern):
-        call_hd(fake, 256, **kw)
+        context(T((20, HQ, d)), T((NPAGES, 2, HKV, PS, d)), WS(fake), np.array([[0, 1]], np.int32),
+                np.array([20], np.int32), 20, 20, args["bmm1_scale"], 1.0, 1, cum(20), cum(20), out=out,
+                o_sf_scale=2.0, skip_softmax_threshold_scale_factor=args["skip_softmax_threshold_scale_factor"])
     assert len(fake.attn_launches()) == n

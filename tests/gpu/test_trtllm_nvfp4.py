@@ -40,7 +40,7 @@ pytestmark = pytest.mark.gpu
 torch = require_cuda_torch()
 
 import pyflashattn  # noqa: E402
-from pyflashattn._engine import trtllm as _trtllm  # noqa: E402
+from pyflashattn._engine import trtllm as _trtllm, trtllm_device as _trtllm_device  # noqa: E402
 from pyflashattn.testing import attention_ref, nvfp4, to_numpy_f64  # noqa: E402
 from pyflashattn.testing.checks import assert_close  # noqa: E402
 from pyflashattn.testing.gpu import scratch_workspace as _ws  # noqa: E402
@@ -59,8 +59,16 @@ def _rng(*key):
     return np.random.default_rng(zlib.crc32(repr(key).encode()))
 
 
-def _cum(x):
-    return torch.tensor(np.concatenate([[0], np.cumsum(x)]), dtype=torch.int32, device=DEV)
+def _meta(ql, kl, table, host):
+    """(seq_lens, cum_seq_lens_q, cum_seq_lens_kv, block_tables): numpy (host metadata: an exact plan,
+    split KV where it pays) or CUDA tensors (device metadata: a cached plan, never split)."""
+    arrays = (np.asarray(kl, np.int32), np.concatenate([[0], np.cumsum(ql)]).astype(np.int32),
+              np.concatenate([[0], np.cumsum(kl)]).astype(np.int32), table.cpu().numpy())
+    return arrays if host else tuple(torch.from_numpy(a).to(DEV) for a in arrays)
+
+
+def _last_engine(host):
+    return next(reversed((_trtllm if host else _trtllm_device)._ENGINES.values()))
 
 
 def _scatter(kl, ps, rows, pool, perm):
@@ -150,20 +158,21 @@ def _others_poisoned(res, start, tokens, what):
     assert (lin[outside] == POISON).all(), f"{what}: scale rows outside the call's were written"
 
 
-# name, q lens, kv lens, Hq, Hkv, D, page size, layout, dtype, out ("alloc" / start row), bmm scales, window_left
+# name, q lens, kv lens, Hq, Hkv, D, page size, layout, dtype, out ("alloc" / start row), bmm scales, window_left,
+# host metadata (the split cases: device metadata plans never split)
 OUT_CASES = [
-    ("bf16-d128-g4-alloc", [17, 256, 1], [300, 256, 64], 8, 2, 128, 32, "HND", BF16, "alloc", "float", -1),
-    ("f16-d64-g1-inplace37", [5, 130], [5, 200], 4, 4, 64, 16, "NHD", F16, 37, "float", -1),
-    ("bf16-d256-g8-inplace129", [33, 7], [100, 700], 16, 2, 256, 64, "HND", BF16, 129, "float", 50),
-    ("f16-d128-g4-tensor-scales", [40, 3], [90, 300], 8, 2, 128, 16, "HND", F16, 5, "tensor", -1),
-    ("bf16-d128-g8-split8k", [4, 1], [8000, 6000], 16, 2, 128, 16, "HND", BF16, 200, "float", -1),
-    ("bf16-d64-g4-split8k-tensor", [2], [9000], 8, 2, 64, 64, "NHD", BF16, "alloc", "tensor", -1),
+    ("bf16-d128-g4-alloc", [17, 256, 1], [300, 256, 64], 8, 2, 128, 32, "HND", BF16, "alloc", "float", -1, False),
+    ("f16-d64-g1-inplace37-host", [5, 130], [5, 200], 4, 4, 64, 16, "NHD", F16, 37, "float", -1, True),
+    ("bf16-d256-g8-inplace129", [33, 7], [100, 700], 16, 2, 256, 64, "HND", BF16, 129, "float", 50, False),
+    ("f16-d128-g4-tensor-scales", [40, 3], [90, 300], 8, 2, 128, 16, "HND", F16, 5, "tensor", -1, False),
+    ("bf16-d128-g8-split8k", [4, 1], [8000, 6000], 16, 2, 128, 16, "HND", BF16, 200, "float", -1, True),
+    ("bf16-d64-g4-split8k-tensor", [2], [9000], 8, 2, 64, 64, "NHD", BF16, "alloc", "tensor", -1, True),
 ]
 
 
 @pytest.mark.parametrize("case", OUT_CASES, ids=[c[0] for c in OUT_CASES])
 def test_nvfp4_output(case):
-    name, ql, kl, hq, hkv, d, ps, layout, dtype, out_kind, scales, wl = case
+    name, ql, kl, hq, hkv, d, ps, layout, dtype, out_kind, scales, wl, host = case
     rng = _rng("out", name)
     q, k, v, cache, table = _inputs(ql, kl, hq, hkv, d, dtype, ps, layout, rng)
     s1, s2 = S1, S2
@@ -172,9 +181,9 @@ def test_nvfp4_output(case):
     start = 0 if out_kind == "alloc" else out_kind
     out = None if out_kind == "alloc" else _in_place(sum(ql), hq, d, start)
     lse = torch.full((sum(ql), hq), float("nan"), device=DEV)
-    res = context(q, cache, _ws(), table, torch.tensor(kl, dtype=torch.int32, device=DEV), max(ql), max(kl), s1, s2,
-                  len(ql), _cum(ql), _cum(kl), window_left=wl, out=out, out_dtype="nvfp4", o_sf_scale=G,
-                  o_sf_vec_size=16, kv_layout=layout, lse=lse)
+    sl, cq, ck, bt = _meta(ql, kl, table, host)
+    res = context(q, cache, _ws(), bt, sl, max(ql), max(kl), s1, s2, len(ql), cq, ck, window_left=wl, out=out,
+                  out_dtype="nvfp4", o_sf_scale=G, o_sf_vec_size=16, kv_layout=layout, lse=lse)
     assert isinstance(res, pyflashattn.FP4Tensor) and res.dtype == "nvfp4"
     if out is None:
         assert res.scale.dtype == torch.float8_e4m3fn and tuple(res.scale.shape) == (-(-sum(ql) // 128) * 128,
@@ -182,8 +191,9 @@ def test_nvfp4_output(case):
     else:
         assert res.data.data_ptr() == out.data.data_ptr() and res.scale.data_ptr() == out.scale.data_ptr()
         _others_poisoned(res, start, sum(ql), name)
+    e = _last_engine(host)
+    assert e.attn.meta.get("nvfp4_out") and e.cfg.o_format == 3
     if "split" in name:
-        e = next(reversed(_trtllm._ENGINES.values()))
         assert e.merge is not None and e.schedule.split, "a few queries over many keys were meant to split"
     o_ref, lse_ref = _refs(to_numpy_f64(q), k, v, ql, kl, S1, S2, wl)
     check_nvfp4(res, o_ref, dtype, name, start)
@@ -202,8 +212,9 @@ def test_nvfp4_output_shared_scale_tensor():
     for ql, kl, start in ((ql1, kl1, 0), (ql2, kl2, t1)):
         q, k, v, cache, table = _inputs(ql, kl, hq, hkv, d, BF16, ps, "HND", rng)
         data = torch.full((sum(ql), hq, d // 2), POISON, dtype=torch.uint8, device=DEV)
-        res = context(q, cache, _ws(), table, torch.tensor(kl, dtype=torch.int32, device=DEV), max(ql), max(kl), S1,
-                      S2, len(ql), _cum(ql), _cum(kl), out=pyflashattn.FP4Tensor(data, scale, start), o_sf_scale=G)
+        sl, cq, ck, bt = _meta(ql, kl, table, False)
+        res = context(q, cache, _ws(), bt, sl, max(ql), max(kl), S1, S2, len(ql), cq, ck,
+                      out=pyflashattn.FP4Tensor(data, scale, start), o_sf_scale=G)
         results.append((res, _refs(to_numpy_f64(q), k, v, ql, kl, S1, S2)[0], start))
     for i, (res, o_ref, start) in enumerate(results):
         check_nvfp4(res, o_ref, BF16, f"call {i}", start)
@@ -237,7 +248,7 @@ KV_CASES = [
     ("bf16-d128-g4-hnd-tensor", [17, 200, 1], [300, 200, 64], 8, 2, 128, 16, "HND", BF16, "tensor", "bf16"),
     ("f16-d64-g1-nhd-tuple", [5, 40], [5, 129], 4, 4, 64, 32, "NHD", F16, "tuple", "f16"),
     ("bf16-d256-g8-hnd-tuple-alias", [9, 3], [60, 500], 16, 2, 256, 64, "HND", BF16, "tuple_alias", "bf16"),
-    ("bf16-d128-g8-hnd-nvfp4-out", [30, 2], [64, 3000], 16, 2, 128, 32, "HND", BF16, "tensor", "nvfp4"),
+    ("bf16-d128-g8-hnd-nvfp4-out-host", [30, 2], [64, 3000], 16, 2, 128, 32, "HND", BF16, "tensor", "nvfp4"),
 ]
 
 
@@ -255,10 +266,11 @@ def test_context_nvfp4_kv(case):
     else:
         kw.update(out=torch.full_like(q, float("nan")))
     lse = torch.full((sum(ql), hq), float("nan"), device=DEV)
-    res = context(q, cache, _ws(), table, torch.tensor(kl, dtype=torch.int32, device=DEV), max(ql), max(kl),
-                  sm * K_GLOBAL, V_GLOBAL, len(ql), _cum(ql), _cum(kl), kv_layout=layout, lse=lse, **kw)
-    e = next(reversed(_trtllm._ENGINES.values()))
-    assert e.attn.meta["kv_dtype"] == "nvfp4"
+    host = "host" in name
+    sl, cq, ck, bt = _meta(ql, kl, table, host)
+    res = context(q, cache, _ws(), bt, sl, max(ql), max(kl), sm * K_GLOBAL, V_GLOBAL, len(ql), cq, ck,
+                  kv_layout=layout, lse=lse, **kw)
+    assert _last_engine(host).attn.meta["kv_dtype"] == "nvfp4"
     o_ref, lse_ref = _refs(to_numpy_f64(q), k * K_GLOBAL, v * V_GLOBAL, ql, kl, sm, 1.0)
     if out_kind == "nvfp4":
         check_nvfp4(res, o_ref, dtype, name, 3)
