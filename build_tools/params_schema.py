@@ -111,7 +111,8 @@ PREFILL = (
          "also needs kv >= floor(pos(q) / chunk) * chunk (MaskRule::left); 0 = none (a zeroed struct)"),
         ("o_format", "i32", "the output's element format (OutFormat): 0 = the kernel's 16-bit type, 1 = the other "
          "16-bit type (fp16 <-> bf16), 2 = float8_e4m3fn (saturated to +-448, round to nearest even); "
-         "strides stay in elements"),
+         "strides stay in elements; 3 = NVFP4 (e2m1 code pairs, low nibble first, strides in e2m1 elements = "
+         "twice the bytes, block scales at o_sf)"),
         ("skip_softmax_factor", "f32", "skip-softmax sparsity (TRT-LLM's skip_softmax_threshold_scale_factor, semantics "
          "1.12): threshold T = factor / kv_len of the request; a KV tile whose row maxes all lie below the running "
          "maxes by more than ln(1/T) (every valid row of the kernel's vote group: SkipSoftmax in softmax_state.cuh) "
@@ -125,6 +126,13 @@ PREFILL = (
          "0 = none"),
         ("v_scale_heads", "ptr", "fp8 Q: float32 [Hkv] scale of each kv head's V, multiplying its output rows "
          "(scale_v); 0 = none"),
+        ("o_sf", "ptr", "NVFP4 output (o_format 3): its float8_e4m3fn block scales, one per 16 head-dim elements "
+         "of a (token, q head), in the 128x4 swizzle (nvfp4_out.cuh) of a [rows, Hq * D / 16] tensor (a multiple "
+         "of 4 columns for every head dim); 0 otherwise. With o_sf_row0 and o_sf_scale it fills the struct's "
+         "last 16 bytes, so its size and every other field's offset stay as they were"),
+        ("o_sf_row0", "i32", "NVFP4 output: the o_sf row of token 0 (FP4Tensor.scale_start_index)"),
+        ("o_sf_scale", "f32", "NVFP4 output: the encode-side global scale: block scale = e4m3(o_sf_scale * amax / 6), "
+         "value = e2m1 * scale / o_sf_scale"),
     ],
 )
 
@@ -147,6 +155,9 @@ MERGE = (
         ("num_kv_chunks", "i32", "single request: KV chunks per row (0: per-token merge_indptr)"),
         ("lse_scale", "f32", "applied to the final LSE only (partials stay base 2)"),
         ("o_format", "i32", "the output's element format, as PrefillParams.o_format"),
+        ("o_sf", "ptr", "NVFP4 output: its block scales (PrefillParams.o_sf)"),
+        ("o_sf_row0", "i32", "NVFP4 output: as PrefillParams.o_sf_row0"),
+        ("o_sf_scale", "f32", "NVFP4 output: as PrefillParams.o_sf_scale"),
     ],
 )
 

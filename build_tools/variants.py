@@ -179,7 +179,14 @@ class PrefillVariant:
                 "threads": self.threads, "smem_bytes": self.smem_bytes, "ctas_per_sm": self.ctas_per_sm,
                 "tune": self.tune, "general": self.general, "paged": self.paged, "decode": self.decode,
                 "rows_fastest": self.rows_fastest, "device_scale": self.device_scale,
-                "skip_softmax_rows": self.skip_softmax_rows, "spec_mask": self.spec_mask}
+                "skip_softmax_rows": self.skip_softmax_rows, "spec_mask": self.spec_mask,
+                "nvfp4_out": self.nvfp4_out}
+
+    @property
+    def nvfp4_out(self):
+        """Whether the kernel writes the NVFP4 output (PrefillSm80Config::NVFP4_OUT): the paged
+        kernels but the hd256 general ones (warp pairs)."""
+        return self.paged and not (self.general and self.pair)
 
     @property
     def device_scale(self):
@@ -273,7 +280,8 @@ class HopperPrefillVariant:
                 "rows_fastest": True, "device_scale": True, "tma": self.tma,
                 # one consumer warpgroup votes (consumer.cuh); a twin is only picked by name
                 "skip_softmax_rows": self.WG_ROWS if self.skip else 0,
-                "twin_of": dataclasses.replace(self, skip=False).name if self.skip else None}
+                "twin_of": dataclasses.replace(self, skip=False).name if self.skip else None,
+                "nvfp4_out": self.paged and self.head_dim <= 128}  # PrefillSm90Config::NVFP4_OUT
 
 
 @dataclass(frozen=True)

@@ -4,8 +4,9 @@ Prebuilt SASS cubins (kernel_src/ -> cubins/ via make) launched from pure Python
 DLPack CUDA tensor (torch, CuPy, JAX); outputs come back in the caller's framework, on the
 caller's stream.
 """
-from . import cascade, decode, page, prefill, quantization
+from . import cascade, decode, fp4, page, prefill, quantization, utils
 from .cascade import merge_state, merge_state_in_place, merge_states
+from .fp4 import FP4Tensor
 from .decode import BatchDecodeWithPagedKVCacheWrapper, single_decode_with_kv_cache, xqa_batch_decode_with_kv_cache
 from .page import append_paged_kv_cache, get_batch_indices_positions, get_seq_lens
 from .prefill import (BatchPrefillWithPagedKVCacheWrapper, BatchPrefillWithRaggedKVCacheWrapper,
@@ -13,7 +14,7 @@ from .prefill import (BatchPrefillWithPagedKVCacheWrapper, BatchPrefillWithRagge
                       trtllm_batch_context_with_kv_cache, trtllm_fmha_v2_prefill)
 
 __version__ = "0.1.0"
-__all__ = ["cascade", "decode", "page", "prefill", "quantization",
+__all__ = ["cascade", "decode", "fp4", "page", "prefill", "quantization", "utils", "FP4Tensor",
            "merge_state", "merge_state_in_place", "merge_states",
            "BatchDecodeWithPagedKVCacheWrapper", "single_decode_with_kv_cache", "xqa_batch_decode_with_kv_cache",
            "append_paged_kv_cache", "get_batch_indices_positions", "get_seq_lens",

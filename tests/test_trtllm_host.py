@@ -306,11 +306,11 @@ def test_context_separate_ids(fake, device):
 
 @pytest.mark.parametrize("kw, exc, pattern", [
     (dict(kv_layout="XYZ"), ValueError, "kv_layout|layout"),
-    (dict(out_dtype="nvfp4"), NotImplementedError, "nvfp4"),
-    (dict(o_sf_scale=1.0), NotImplementedError, "o_sf_scale"),
-    (dict(o_sf_vec_size=16), NotImplementedError, "o_sf_vec_size"),
-    (dict(kv_block_scales=T((NPAGES, 2, HKV, PS, D // 16), E4M3)), NotImplementedError, "kv_block_scales"),
-    (dict(kv_cache_sf=T((NPAGES, 2, HKV, PS, D // 16), E4M3)), NotImplementedError, "kv_cache_sf"),
+    (dict(out_dtype="nvfp4"), ValueError, "o_sf_scale"),
+    (dict(o_sf_scale=1.0), ValueError, "o_sf_scale"),
+    (dict(o_sf_vec_size=16), ValueError, "o_sf_vec_size"),
+    (dict(kv_block_scales=T((NPAGES, 2, HKV, PS, D // 16), E4M3)), TypeError, "kv_block_scales"),
+    (dict(kv_cache_sf=T((NPAGES, 2, HKV, PS, D // 16), E4M3)), TypeError, "kv_cache_sf"),
     (dict(skip_softmax_threshold_scale_factor=-0.5), ValueError, "skip_softmax_threshold_scale_factor"),
     (dict(causal=False, window_left=4), NotImplementedError, "window_left"),
     (dict(out_dtype="float32"), TypeError, "out_dtype"),

@@ -262,7 +262,14 @@ class BatchEngine:
         if fp8.is_fp8(qdt):
             fp8.check_call(self.dev, general, self.paged)
         kind = "fp8" if kv_fp8 else "nvfp4" if nvfp4 else qdt.short  # the kernels' kv_dtype
-        route = routing.Route(self.launcher, self.dev, qdt.short, kind, hd, general, self.paged, kind != qdt.short)
+        fp4_out = o_format == operands.OUT_NVFP4
+        if fp4_out and not routing.nvfp4_out_built(self.dev, qdt.short, kind, hd, general, self.paged):
+            raise NotImplementedError(
+                f"out_dtype='nvfp4': no kernel writes the NVFP4 output for this call (paged KV, head_dim {hd}, "
+                f"{'general options / tensor bmm scales' if general else 'lean'}): the hd256 general kernels lack "
+                "it (their registers cannot spare it); use float bmm scales")
+        route = routing.Route(self.launcher, self.dev, qdt.short, kind, hd, general, self.paged, kind != qdt.short,
+                              fp4_out)
         return Config(hq, hkv, hd, hq // hkv, opts, qdt, kdt, kv_fp8, nvfp4, window_left, sm_scale, fss, route, odt,
                       o_format)
 
@@ -337,11 +344,12 @@ class BatchEngine:
         p.page_shift = page_size.bit_length() - 1 if page_size & (page_size - 1) == 0 else -1
 
     def launcher(self, family, dtype, kv_dtype=None, head_dim=None, general=None, decode=0, cta_per_row=False,
-                 name=None):
+                 name=None, nvfp4_out=False):
         """The wrapper's own Launcher per kernel, reused across plans (creating one costs ~10 us);
         decode = the decode tile's packed rows (0: the row-tile kernels); cta_per_row: the merge
-        kernel with one CTA per (row, head) (params.merge_cta_per_row); name: a kernel by name."""
-        key = (family, dtype, kv_dtype, head_dim, general, decode, cta_per_row, name)
+        kernel with one CTA per (row, head) (params.merge_cta_per_row); name: a kernel by name;
+        nvfp4_out: one that writes the NVFP4 output (the manifest's nvfp4_out)."""
+        key = (family, dtype, kv_dtype, head_dim, general, decode, cta_per_row, name, nvfp4_out)
         la = self.launchers.get(key)
         if la is None:
             if name is not None:
@@ -349,7 +357,8 @@ class BatchEngine:
             elif family == "merge":
                 la = _registry.new_launcher("merge", self.dev, dtype=dtype, cta_per_row=cta_per_row)
             else:
-                la = routing.new_attention(self.dev, dtype, kv_dtype, head_dim, general, self.paged, decode)
+                la = routing.new_attention(self.dev, dtype, kv_dtype, head_dim, general, self.paged, decode,
+                                           nvfp4_out)
             self.launchers[key] = la
         return la
 
@@ -406,6 +415,10 @@ class BatchEngine:
         if f and not la.meta.get("skip_softmax_rows"):
             m = la.meta
             sib = self.skip_sibling(m)
+            if self.cfg.o_format == operands.OUT_NVFP4 and not sib.meta.get("nvfp4_out"):
+                raise NotImplementedError(f"{options.SKIP_SOFTMAX_ARG} with out_dtype='nvfp4': the kernel skip-softmax "
+                                          f"runs on ({sib.meta.get('name', sib.name)}) lacks the NVFP4 output (the "
+                                          "hd256 general kernels)")
             if (sib.meta["block_m"], sib.meta["block_n"]) != (m["block_m"], m["block_n"]) or \
                     not sib.meta.get("skip_softmax_rows"):
                 raise NotImplementedError(f"{options.SKIP_SOFTMAX_ARG}: {m['name']} has no skip-softmax and no "
@@ -454,11 +467,12 @@ class BatchEngine:
         if hs is not None and fw != "cupy":
             qv = _tensor.view(q, "q", stream=hs)
         odt = self.cfg.o_dtype
+        od = D // 2 if self.cfg.o_format == operands.OUT_NVFP4 else D  # NVFP4: code pairs, two a byte
         if out is None:
-            out, ov = _tensor.empty(qv, (total_q, Hq, D), odt, s)
+            out, ov = _tensor.empty(qv, (total_q, Hq, od), odt, s)
         else:
             ov = _tensor.view(out, "out")
-            operands.check_out(ov, (total_q, Hq, D), odt, self.dev, _PLAN_DEVICE,
+            operands.check_out(ov, (total_q, Hq, od), odt, self.dev, _PLAN_DEVICE,
                                "q has " if odt is dtype else "plan() was told o_data_type=")
         lv = None
         if lse is not None:
@@ -496,7 +510,10 @@ class BatchEngine:
         p = la.params
         p.q, p.o = qv.ptr, ov.ptr
         p.q_stride_n, p.q_stride_h = qv.strides[0], qv.strides[1]
-        p.o_stride_n, p.o_stride_h = ov.strides[0], ov.strides[1]
+        osn, osh = ov.strides[0], ov.strides[1]
+        if self.cfg.o_format == operands.OUT_NVFP4:  # the kernels count e2m1 elements, two a byte
+            osn, osh = 2 * osn, 2 * osh
+        p.o_stride_n, p.o_stride_h = osn, osh
         p.lse = lv.ptr if lv is not None else 0
         if self.device_lengths:
             p.q_tokens = qv.shape[0]
@@ -511,7 +528,7 @@ class BatchEngine:
         if self.merge is not None:
             mp = self.merge.params
             mp.o, mp.lse = ov.ptr, (lv.ptr if lv is not None else 0)
-            mp.o_stride_n, mp.o_stride_h = ov.strides[0], ov.strides[1]
+            mp.o_stride_n, mp.o_stride_h = osn, osh
             self.merge(s)
 
     def remember(self, q, kv_parts, out, lse, return_lse):

@@ -108,8 +108,21 @@ def check_out(ov, shape: tuple, dtype, dev: int, ref: str = "q", expected: str =
 
 # The output formats every attention kernel writes (PrefillParams / MergeParams.o_format,
 # OutFormat in kernel_src/include/pfa/common/dtypes.cuh): the query dtype, the other 16-bit type,
-# float8_e4m3fn (saturated to +-448, rounded to nearest even).
-OUT_ELEM, OUT_OTHER16, OUT_E4M3 = 0, 1, 2
+# float8_e4m3fn (saturated to +-448, rounded to nearest even), NVFP4 (e2m1 code pairs in uint8 with
+# swizzled e4m3 block scales: the TRT-LLM context API's FP4Tensor, nvfp4_out.py).
+OUT_ELEM, OUT_OTHER16, OUT_E4M3, OUT_NVFP4 = 0, 1, 2, 3
+
+
+class _Nvfp4Output:
+    """The o_data_type that plans the NVFP4 output: only the TRT-LLM context API passes it (it
+    points the block scales, nvfp4_out.py); a user's o_data_type string never becomes it."""
+    name = "nvfp4"
+
+    def __repr__(self):
+        return "NVFP4_OUTPUT"
+
+
+NVFP4_OUTPUT = _Nvfp4Output()
 
 
 def output_dtype(o_data_type, q_dtype, name: str = "o_data_type"):
@@ -117,6 +130,8 @@ def output_dtype(o_data_type, q_dtype, name: str = "o_data_type"):
     or (name="out") as out's dtype: float16, bfloat16 or float8_e4m3fn."""
     if o_data_type is None or o_data_type is q_dtype:
         return q_dtype, OUT_ELEM
+    if o_data_type is NVFP4_OUTPUT:  # the data container of e2m1 code pairs
+        return _dtypes.UINT8, OUT_NVFP4
     odt = o_data_type if isinstance(o_data_type, _dtypes.DType) else dtype_arg(o_data_type, name)
     if odt is q_dtype:
         return q_dtype, OUT_ELEM
@@ -534,14 +549,18 @@ def trtllm_device_block_table(block_tables, batch: int, separate: bool, pages_ne
     return v.ptr, (v.ptr + 4 * v.strides[1] if separate else 0), row, width
 
 
-def trtllm_kv(kv_dtype, num_kv_heads: int, kv_head_dim: int, qv, packed: bool = False, fp8: bool = False) -> None:
+def trtllm_kv(kv_dtype, num_kv_heads: int, kv_head_dim: int, qv, packed: bool = False, fp8: bool = False,
+              nvfp4: bool = False) -> None:
     """A TRT-LLM call's K/V against its query: the query's dtype (fp8 e4m3 / e5m2 too where fp8
-    K/V is taken: the context API), the query's head_dim, and (PACKED_QKV) as many heads."""
-    if kv_dtype is not qv.dtype and not (fp8 and kv_dtype in (_dtypes.FLOAT8_E4M3, _dtypes.FLOAT8_E5M2)):
-        raise TypeError(f"K/V must have the query's dtype ({qv.dtype.name}){' or fp8' if fp8 else ''}, got "
-                        f"{kv_dtype.name}")
-    if kv_head_dim != qv.shape[2]:
-        raise ValueError(f"the K/V head_dim {kv_head_dim} differs from the query's {qv.shape[2]}")
+    K/V is taken, NVFP4 code pairs where an NVFP4 cache is: the context API), the query's
+    head_dim (an NVFP4 row: head_dim / 2 bytes), and (PACKED_QKV) as many heads."""
+    nv = nvfp4 and kv_dtype in NVFP4_CODES
+    if kv_dtype is not qv.dtype and not nv and not (fp8 and kv_dtype in (_dtypes.FLOAT8_E4M3, _dtypes.FLOAT8_E5M2)):
+        raise TypeError(f"K/V must have the query's dtype ({qv.dtype.name}){' or fp8' if fp8 else ''}"
+                        f"{' or NVFP4 (uint8 code pairs)' if nvfp4 else ''}, got {kv_dtype.name}")
+    if (2 * kv_head_dim if nv else kv_head_dim) != qv.shape[2]:
+        raise ValueError(f"the K/V head_dim {2 * kv_head_dim if nv else kv_head_dim} differs from the query's "
+                         f"{qv.shape[2]}" + (f" (NVFP4: {kv_head_dim} bytes of code pairs a row)" if nv else ""))
     if num_kv_heads <= 0 or qv.shape[1] % num_kv_heads:
         raise ValueError(f"the query's heads ({qv.shape[1]}) must be a multiple of K/V's ({num_kv_heads})")
     if packed and num_kv_heads != qv.shape[1]:

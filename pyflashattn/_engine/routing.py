@@ -149,12 +149,33 @@ def decode_tile_rows(head_dim: int, rows: int, tiles: tuple, decode_only: bool =
 
 
 def new_attention(dev: int, dtype: str, kv_dtype: str, head_dim: int, general: bool, paged: bool,
-                  decode_rows: int = 0):
+                  decode_rows: int = 0, nvfp4_out: bool = False):
     """A fresh launcher (its own params struct) for the attention kernel of this problem:
-    decode_rows = the decode tile's packed rows, 0 for the row-tile kernels."""
+    decode_rows = the decode tile's packed rows, 0 for the row-tile kernels; nvfp4_out: a kernel
+    that writes the NVFP4 output (the manifest's nvfp4_out; on sm_90a the sm80 family where the
+    sm90 row lacks it)."""
     tile = dict(decode=True, block_m=decode_rows) if decode_rows else dict(decode=False)
+    if nvfp4_out:
+        tile["nvfp4_out"] = True
     return _registry.new_launcher("prefill", dev, dtype=dtype, kv_dtype=kv_dtype, head_dim=head_dim,
                                   general=general, paged=paged, **tile)
+
+
+def nvfp4_out_built(dev: int, dtype: str, kv_dtype: str, head_dim: int, general: bool, paged: bool) -> bool:
+    """Whether this device's cubins write the NVFP4 output for such a plan: a row-tile kernel with
+    the manifest's nvfp4_out (PrefillSm80Config / PrefillSm90Config::NVFP4_OUT: the paged kernels
+    but the sm80 hd256 general ones and the sm90 hd256 ones), or, for a decode-only K/V storage,
+    its decode tiles (paged: all have it)."""
+    if kv_dtype in DECODE_ONLY_KV:
+        return bool(built_decode_tiles(dev, dtype, kv_dtype, head_dim, paged))
+    for arch in _registry.arch_candidates(_cuda.properties(dev)["cc"]):
+        rows = [r for r in _registry.manifest()["kernels"]
+                if r["arch"] == arch and r["family"] == "prefill" and not r.get("decode") and not r.get("tune")
+                and r["dtype"] == dtype and r["kv_dtype"] == kv_dtype and r["head_dim"] == head_dim
+                and r["paged"] == paged and r["general"] == general]
+        if rows:
+            return any(r.get("nvfp4_out") for r in rows)
+    return False
 
 
 class Route:
@@ -167,15 +188,16 @@ class Route:
     __slots__ = ("attn", "tma", "ctas", "budget", "decode", "tiles", "decode_only")
 
     def __init__(self, launcher, dev: int, dtype: str, kv_dtype: str, head_dim: int, general: bool, paged: bool,
-                 widened: bool):
-        """widened: the K/V tiles are widened in the kernel (fp8, NVFP4): two waves of split budget."""
+                 widened: bool, nvfp4_out: bool = False):
+        """widened: the K/V tiles are widened in the kernel (fp8, NVFP4): two waves of split budget.
+        nvfp4_out: only kernels that write the NVFP4 output (new_attention)."""
         props = _cuda.properties(dev)
         self.decode_only = kv_dtype in DECODE_ONLY_KV
         self.attn = self.tma = self.ctas = self.budget = None
         if not self.decode_only:
             # attn: the cp.async kernel; tma: its TMA twin where the K/V load says so (kv_load_pair)
-            self.attn, self.tma = kv_load_pair(dev, launcher("prefill", dtype, kv_dtype, head_dim, general),
-                                               lambda name: launcher("prefill", dtype, name=name))
+            row_tile = launcher("prefill", dtype, kv_dtype, head_dim, general, nvfp4_out=nvfp4_out)
+            self.attn, self.tma = kv_load_pair(dev, row_tile, lambda name: launcher("prefill", dtype, name=name))
             self.ctas = ctas_per_sm(self.attn.meta, props)
             self.budget = props["sm_count"] * self.ctas
         self.decode = None
@@ -184,7 +206,7 @@ class Route:
             self.decode = {}
             waves = decode_waves(widened)
             for rows in built_decode_tiles(dev, dtype, kv_dtype, head_dim, paged):
-                ld = launcher("prefill", dtype, kv_dtype, head_dim, False, decode=rows)
+                ld = launcher("prefill", dtype, kv_dtype, head_dim, False, decode=rows, nvfp4_out=nvfp4_out)
                 cps = ctas_per_sm(ld.meta, props)
                 self.decode[rows] = (ld, max(1, int(props["sm_count"] * cps * waves)), cps)
             self.tiles = tuple(self.decode)

@@ -21,7 +21,7 @@ from typing import NamedTuple
 import numpy as np
 
 from .._runtime import dtypes as _dtypes, tensor as _tensor
-from . import indices, launch, operands, trtllm_device
+from . import indices, launch, nvfp4_out, operands, trtllm_device
 from .batch import BatchEngine
 from .problem import PlanSettings
 
@@ -42,10 +42,11 @@ def sinks_arg(sinks):
 def out_dtype_arg(out_dtype, out, q_dtype):
     """The output dtype: out_dtype, else out's, else q's (16-bit or e4m3; fp32 refused)."""
     if isinstance(out_dtype, str) and out_dtype.lower() == "nvfp4":
-        raise NotImplementedError("out_dtype='nvfp4': the NVFP4 (FP4Tensor) output is not implemented in "
-                                  "pyflashattn yet (16-bit and float8_e4m3fn outputs are)")
+        raise NotImplementedError("out_dtype='nvfp4': trtllm_fmha_v2_prefill has no NVFP4 output (16-bit and "
+                                  "float8_e4m3fn outputs; trtllm_batch_context_with_kv_cache writes FP4Tensors)")
     if out is not None and hasattr(out, "scale") and hasattr(out, "data"):
-        raise NotImplementedError("out: an FP4Tensor output is not implemented in pyflashattn yet")
+        raise NotImplementedError("out: trtllm_fmha_v2_prefill has no FP4Tensor output (trtllm_batch_context_with_"
+                                  "kv_cache has)")
     if out_dtype is not None:
         return operands.output_dtype(out_dtype, q_dtype, "out_dtype")[0]
     if out is not None:
@@ -83,12 +84,14 @@ class Paging(NamedTuple):
 
 
 def attend(dev, workspace, kv_layout, q, kv, heads, dtypes, mask, pos, cap, s1, s2, sinks, stats, out, lse, return_lse,
-           pdl, lengths, paging=None, skip_softmax=0.0):
+           pdl, lengths, paging=None, skip_softmax=0.0, kv_cache_sf=None, o_sf_scale=None):
     """Run one TRT-LLM call. kv: (k, v) rows [tokens, Hkv, D] (paging None) or the paged cache
     form run_paged takes; heads = (Hq, Hkv, D); dtypes = (q, kv, out); mask = (causal,
     window_left, chunk); s1 / s2 = scale_value()s; lengths = (seq_lens, cum_seq_lens_q,
     cum_seq_lens_kv, batch_size, max_q_len, max_kv_len); skip_softmax: the validated skip-softmax
-    factor (0 = off). Returns out (with stats / lse)."""
+    factor (0 = off); kv_cache_sf: an NVFP4 cache's block scales (run_paged's form); o_sf_scale:
+    given for the NVFP4 output (out dtype operands.NVFP4_OUTPUT; out an FP4Tensor or None,
+    nvfp4_out.bind). Returns out (with stats / lse)."""
     seq_lens, cum_q, cum_kv, batch, max_q, max_kv = lengths
     B, mq, mk = operands.trtllm_bounds(batch, max_q, max_kv)
     qv = _tensor.view(q, "query")
@@ -115,12 +118,18 @@ def attend(dev, workspace, kv_layout, q, kv, heads, dtypes, mask, pos, cap, s1, 
     p = e.attn.params
     p.scale_dev, p.v_scale_dev = s1[1], s2[1]
     p.softmax_stats = st_v.ptr if st_v is not None else 0
+    finish = None
+    if o_sf_scale is not None:  # out: the FP4Tensor's data from here on
+        out, finish = nvfp4_out.bind(e, out, qv, heads[2], o_sf_scale, launch.call_stream(None, qv.framework, dev))
     if ragged:
         res = e.run_ragged(q, kv[0], kv[1], k_scale=s1[0], v_scale=s2[0], out=out, lse=lse, return_lse=return_lse,
                            enable_pdl=pdl, sinks=sinks, skip_softmax_threshold_scale_factor=skip_softmax)
     else:
         res = e.run_paged(q, kv, k_scale=s1[0], v_scale=s2[0], out=out, lse=lse, return_lse=return_lse,
-                          enable_pdl=pdl, sinks=sinks, skip_softmax_threshold_scale_factor=skip_softmax)
+                          enable_pdl=pdl, sinks=sinks, skip_softmax_threshold_scale_factor=skip_softmax,
+                          kv_cache_sf=kv_cache_sf)
+    if finish is not None:
+        res = finish(res)
     return (res, _tensor.finalize(st)) if stats else res
 
 

@@ -268,12 +268,16 @@ class FakeEnv:
             elif match.get("decode"):  # the decode tiles, as variants.py builds them
                 v = _decode_variant(variants, match)
                 meta = dict(match, block_m=v.block_m, block_n=v.block_n, threads=v.threads, smem_bytes=v.smem_bytes,
-                            ctas_per_sm=v.ctas_per_sm, skip_softmax_rows=v.skip_softmax_rows, spec_mask=v.spec_mask)
+                            ctas_per_sm=v.ctas_per_sm, skip_softmax_rows=v.skip_softmax_rows, spec_mask=v.spec_mask,
+                            nvfp4_out=v.nvfp4_out, device_scale=v.device_scale)
             else:
                 meta = dict(_META.get(match.get("head_dim"), dict(block_m=0, block_n=0, threads=256, ctas_per_sm=1)),
                             smem_bytes=0, **match)
                 # the sm80 rule (variants.py): the general 128-row kernels vote per warp, the lean ones lack it
                 meta.setdefault("skip_softmax_rows", 32 if match.get("general") else 0)
+                # NVFP4 output (variants.py's nvfp4_out): asked for by match; paged kernels but hd256 general
+                meta.setdefault("nvfp4_out", bool(match.get("paged")) and not (match.get("general") and
+                                                                             match.get("head_dim") == 256))
             la = _cuda.Launcher(name, (name, ptype), ptype, meta["threads"], meta["smem_bytes"])
             la.meta = meta
             return la

@@ -11,6 +11,10 @@ The layout is FlashInfer's FA2 / XQA one (its flashinfer-semantics notes, sectio
 * value = e2m1(code) * e4m3(scale) * global scale, where the global scale is the caller's (the
   kernels take K's in the logit scale and V's in the output scale).
 
+The second half covers the NVFP4 *output* (the FP4Tensor of trtllm_batch_context_with_kv_cache):
+its block scales in the 128x4 swizzle, dequantisation with the encode-side global scale, and the
+error bound e2m1's resolution allows.
+
 Everything is exact float64 arithmetic: ``dequantize`` of any codes and scales is what the
 kernels compute (e2m1 * e4m3 needs 5 significant bits, which fp16 and bf16 hold).
 """
@@ -19,7 +23,8 @@ from __future__ import annotations
 import numpy as np
 
 __all__ = ["BLOCK", "E2M1_VALUES", "e4m3_values", "encode_e4m3", "encode_e2m1", "quantize", "dequantize",
-           "pack_codes", "unpack_codes", "random_codes", "random_scales"]
+           "pack_codes", "unpack_codes", "random_codes", "random_scales", "swizzle_scales", "unswizzle_scales",
+           "dequantize_output", "output_error_bound"]
 
 BLOCK = 16  # elements per block scale
 E2M1_VALUES = np.array([0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0])
@@ -116,3 +121,56 @@ def random_scales(rng: np.random.Generator, shape, lo: float = 2.0**-4, hi: floa
     """Random positive e4m3 scale bits with values in [lo, hi] (default: moderate logits)."""
     cand = np.flatnonzero((_E4M3_POS >= lo) & (_E4M3_POS <= hi))
     return cand[rng.integers(0, len(cand), size=shape)].astype(np.uint8)
+
+
+# ---- the NVFP4 output (FP4Tensor of trtllm_batch_context_with_kv_cache) ----------------------------
+# Its block scales are per 16 elements of a (token, q head) row, held in the 128x4 swizzle of a
+# [round_up(tokens, 128), round_up(H * D / 16, 4)] tensor (pyflashattn.fp4.scale_offset), and
+# value = e2m1(code) * e4m3(scale) / o_sf_scale.
+
+def swizzle_scales(linear, rows: int | None = None) -> np.ndarray:
+    """The swizzled scale tensor [rows, round_up(C, 4)] (rows: a multiple of 128, default linear's
+    rounded up) of linear scale bits [n, C], by the byte offsets of fp4.scale_offset; rows past n
+    and columns past C hold 0."""
+    from ..fp4 import scale_offset
+
+    lin = np.asarray(linear, np.uint8)
+    n, c_in = lin.shape
+    rows = -(-n // 128) * 128 if rows is None else rows
+    cols = -(-c_in // 4) * 4
+    out = np.zeros(rows * cols, np.uint8)
+    r, c = np.meshgrid(np.arange(n), np.arange(c_in), indexing="ij")
+    out[scale_offset(r, c, cols)] = lin
+    return out.reshape(rows, cols)
+
+
+def unswizzle_scales(swizzled) -> np.ndarray:
+    """Linear scale bits [R, C] of a swizzled scale tensor [R, C], by reshaping its 512-byte atoms
+    ([R/128, C/4] atoms of [32 rows, 4 row groups, 4 columns]): an independent reading of the
+    layout that swizzle_scales writes."""
+    s = np.asarray(swizzled, np.uint8)
+    R, C = s.shape
+    return s.reshape(R // 128, C // 4, 32, 4, 4).transpose(0, 3, 2, 1, 4).reshape(R, C)
+
+
+def dequantize_output(data, scale, start: int, o_sf_scale: float) -> np.ndarray:
+    """float64 [T, H, D] of an NVFP4 output: data uint8 [T, H, D/2], scale the swizzled scale bits
+    [R, C], rows start .. start + T its scales."""
+    data = np.asarray(data, np.uint8)
+    T, H, half = data.shape
+    lin = unswizzle_scales(scale)[start:start + T, :H * half * 2 // BLOCK].reshape(T, H, -1)
+    return dequantize(data, lin) / o_sf_scale
+
+
+def output_error_bound(ref, scale, start: int, o_sf_scale: float) -> np.ndarray:
+    """The largest error NVFP4 quantisation may leave on each element of ref [T, H, D], given the
+    block scales the kernel chose (swizzled bits, from row start): half the e2m1 grid step at the
+    element's magnitude in scale units (.25 below 2, .5 below 4, 1 above), plus what saturation
+    at 6 cuts off, times scale / o_sf_scale."""
+    ref = np.asarray(ref, np.float64)
+    T, H, D = ref.shape
+    sf = _E4M3[unswizzle_scales(scale)[start:start + T, :H * D // BLOCK]].reshape(T, H, D // BLOCK)
+    unit = np.repeat(sf, BLOCK, axis=-1) / o_sf_scale  # value of one e2m1 unit
+    y = np.abs(ref) / np.where(unit > 0, unit, np.inf)
+    half_step = np.where(y < 2, 0.25, np.where(y < 4, 0.5, 1.0))
+    return np.where(unit > 0, (half_step + np.maximum(y - 6, 0)) * unit, np.abs(ref))  # scale 0: codes 0

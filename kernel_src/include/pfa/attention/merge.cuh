@@ -1,12 +1,13 @@
 // Merge split-KV partial states: o = sum_s w_s o_s / sum_s w_s with w_s = 2^(lse_s - max lse),
 // lse = max + log2(sum w). All-(-inf) rows (no key anywhere) give o = 0, lse = -inf, never NaN.
 // The merged row is written in the output's format (MergeParams::o_format, as the attention
-// kernel's unsplit rows). Two kernels (variants.py MergeVariant.cta_per_row): one warp per
+// kernel's unsplit rows; NVFP4 by store_nvfp4). Two kernels (variants.py MergeVariant.cta_per_row): one warp per
 // (row, head), or, for few rows over many chunks, one CTA per (row, head) whose warps share its
 // chunks (the host picks by rows x heads against the SMs).
 #pragma once
 #include <math.h>
 
+#include "pfa/attention/nvfp4_out.cuh"
 #include "pfa/attention/params.h"
 #include "pfa/attention/softmax_state.cuh"
 #include "pfa/common/dtypes.cuh"
@@ -119,6 +120,10 @@ struct MergeStates {
   template <int STRIPES>
   static __device__ __forceinline__ void store(const MergeParams& p, int lane, int hd, int row, int head,
                                                const float4 (&acc)[STRIPES], float inv, float lse) {
+    if (p.o_format == kOutNvfp4) {
+      store_nvfp4<STRIPES>(p, lane, hd, row, head, acc, inv, lse);
+      return;
+    }
     const int c0 = lane * 4;
     auto has = [&](int st) { return c0 + 128 * st < hd; };
     const int fmt = p.o_format;
@@ -134,6 +139,29 @@ struct MergeStates {
       } else {
         *reinterpret_cast<uint2*>(out + (elem + 128 * st) * 2) = make_uint2(lo, hi);
       }
+    }
+    if (p.lse != 0 && lane == 0) reinterpret_cast<float*>(p.lse)[(int64_t)row * p.num_heads + head] = lse * p.lse_scale;
+  }
+
+  // The merged row in NVFP4 (nvfp4_out.cuh): a quad of lanes holds a 16-column block; every lane of
+  // the (whole) warp runs the shuffles (hd64's idle lanes hold zeros) and stores its two code-pair
+  // bytes, the quad's first lane the block's scale; lane 0 writes the LSE.
+  template <int STRIPES>
+  static __device__ __forceinline__ void store_nvfp4(const MergeParams& p, int lane, int hd, int row, int head,
+                                                     const float4 (&acc)[STRIPES], float inv, float lse) {
+    const int c0 = lane * 4;
+    const int64_t elem = row * p.o_stride_n + head * p.o_stride_h + c0;  // in e2m1 elements, two a byte
+    char* out = reinterpret_cast<char*>(p.o);
+#pragma unroll
+    for (int st = 0; st < STRIPES; ++st) {
+      const float4 v = make_float4(acc[st].x * inv, acc[st].y * inv, acc[st].z * inv, acc[st].w * inv);
+      const Nvfp4Out::Block blk = Nvfp4Out::block(Nvfp4Out::quad_amax(v.x, v.y, v.z, v.w), p.o_sf_scale);
+      const int col = c0 + 128 * st;
+      if (col >= hd) continue;
+      *reinterpret_cast<uint16_t*>(out + ((elem + 128 * st) >> 1)) =
+          (uint16_t)(Nvfp4Out::pack2(v.x, v.y, blk.to_code) | Nvfp4Out::pack2(v.z, v.w, blk.to_code) << 8);
+      if (lane % 4 == 0)
+        Nvfp4Out::store_scale(p, row, head * (hd / 16) + col / 16, p.num_heads * (hd / 16), blk.sf_bits);
     }
     if (p.lse != 0 && lane == 0) reinterpret_cast<float*>(p.lse)[(int64_t)row * p.num_heads + head] = lse * p.lse_scale;
   }

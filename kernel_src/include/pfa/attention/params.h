@@ -87,11 +87,14 @@ struct PrefillParams {
   int32_t num_pages;  // paged KV: pages in the cache; a page id outside [0, num_pages) is clamped into it, so bad metadata never reads outside the cache (0 = ids trusted, plan() checked them)
   int32_t spec_mask_words;  // > 0: custom_mask is a speculative-decoding mask (XQA's): per query row spec_mask_words little-endian 32-bit words, bit j = draft key j of the request's last qo_len keys; the keys before the drafts are always visible. 0 = custom_mask is packed bits q * kv_len + kv
   int32_t chunk_shift;  // chunked attention (TRT-LLM): log2 of the chunk size (>= 1); with causal, row q also needs kv >= floor(pos(q) / chunk) * chunk (MaskRule::left); 0 = none (a zeroed struct)
-  int32_t o_format;  // the output's element format (OutFormat): 0 = the kernel's 16-bit type, 1 = the other 16-bit type (fp16 <-> bf16), 2 = float8_e4m3fn (saturated to +-448, round to nearest even); strides stay in elements
+  int32_t o_format;  // the output's element format (OutFormat): 0 = the kernel's 16-bit type, 1 = the other 16-bit type (fp16 <-> bf16), 2 = float8_e4m3fn (saturated to +-448, round to nearest even); strides stay in elements; 3 = NVFP4 (e2m1 code pairs, low nibble first, strides in e2m1 elements = twice the bytes, block scales at o_sf)
   float skip_softmax_factor;  // skip-softmax sparsity (TRT-LLM's skip_softmax_threshold_scale_factor, semantics 1.12): threshold T = factor / kv_len of the request; a KV tile whose row maxes all lie below the running maxes by more than ln(1/T) (every valid row of the kernel's vote group: SkipSoftmax in softmax_state.cuh) adds nothing to the sum or output and is skipped. 0 = off (kernels without it are never given a nonzero value: the manifest's skip_softmax_rows)
   uint64_t q_scale_heads;  // fp8 Q (the e4m3 sm90 kernels): float32 [Hq] dequantisation scale of each query head, multiplying that head's logits (FlashInfer's scale_q); 0 = none
   uint64_t k_scale_heads;  // fp8 Q: float32 [Hkv] scale of each kv head's K, multiplying its logits (scale_k); 0 = none
   uint64_t v_scale_heads;  // fp8 Q: float32 [Hkv] scale of each kv head's V, multiplying its output rows (scale_v); 0 = none
+  uint64_t o_sf;  // NVFP4 output (o_format 3): its float8_e4m3fn block scales, one per 16 head-dim elements of a (token, q head), in the 128x4 swizzle (nvfp4_out.cuh) of a [rows, Hq * D / 16] tensor (a multiple of 4 columns for every head dim); 0 otherwise. With o_sf_row0 and o_sf_scale it fills the struct's last 16 bytes, so its size and every other field's offset stay as they were
+  int32_t o_sf_row0;  // NVFP4 output: the o_sf row of token 0 (FP4Tensor.scale_start_index)
+  float o_sf_scale;  // NVFP4 output: the encode-side global scale: block scale = e4m3(o_sf_scale * amax / 6), value = e2m1 * scale / o_sf_scale
 };
 static_assert(sizeof(PrefillParams) == 768, "PrefillParams size drifted from the schema");
 static_assert(offsetof(PrefillParams, k_tmap) == 0, "PrefillParams.k_tmap offset");
@@ -172,6 +175,9 @@ static_assert(offsetof(PrefillParams, skip_softmax_factor) == 720, "PrefillParam
 static_assert(offsetof(PrefillParams, q_scale_heads) == 728, "PrefillParams.q_scale_heads offset");
 static_assert(offsetof(PrefillParams, k_scale_heads) == 736, "PrefillParams.k_scale_heads offset");
 static_assert(offsetof(PrefillParams, v_scale_heads) == 744, "PrefillParams.v_scale_heads offset");
+static_assert(offsetof(PrefillParams, o_sf) == 752, "PrefillParams.o_sf offset");
+static_assert(offsetof(PrefillParams, o_sf_row0) == 760, "PrefillParams.o_sf_row0 offset");
+static_assert(offsetof(PrefillParams, o_sf_scale) == 764, "PrefillParams.o_sf_scale offset");
 
 // combine split-KV partials (float32 o, base-2 lse) into the final output
 struct MergeParams {
@@ -189,8 +195,11 @@ struct MergeParams {
   int32_t num_kv_chunks;  // single request: KV chunks per row (0: per-token merge_indptr)
   float lse_scale;  // applied to the final LSE only (partials stay base 2)
   int32_t o_format;  // the output's element format, as PrefillParams.o_format
+  uint64_t o_sf;  // NVFP4 output: its block scales (PrefillParams.o_sf)
+  int32_t o_sf_row0;  // NVFP4 output: as PrefillParams.o_sf_row0
+  float o_sf_scale;  // NVFP4 output: as PrefillParams.o_sf_scale
 };
-static_assert(sizeof(MergeParams) == 88, "MergeParams size drifted from the schema");
+static_assert(sizeof(MergeParams) == 104, "MergeParams size drifted from the schema");
 static_assert(offsetof(MergeParams, o_partial) == 0, "MergeParams.o_partial offset");
 static_assert(offsetof(MergeParams, lse_partial) == 8, "MergeParams.lse_partial offset");
 static_assert(offsetof(MergeParams, o) == 16, "MergeParams.o offset");
@@ -205,6 +214,9 @@ static_assert(offsetof(MergeParams, head_dim) == 72, "MergeParams.head_dim offse
 static_assert(offsetof(MergeParams, num_kv_chunks) == 76, "MergeParams.num_kv_chunks offset");
 static_assert(offsetof(MergeParams, lse_scale) == 80, "MergeParams.lse_scale offset");
 static_assert(offsetof(MergeParams, o_format) == 84, "MergeParams.o_format offset");
+static_assert(offsetof(MergeParams, o_sf) == 88, "MergeParams.o_sf offset");
+static_assert(offsetof(MergeParams, o_sf_row0) == 96, "MergeParams.o_sf_row0 offset");
+static_assert(offsetof(MergeParams, o_sf_scale) == 100, "MergeParams.o_sf_scale offset");
 
 // pack bool/uint8 values into bits (one output byte per thread), optionally per segment
 struct PackbitsParams {

@@ -23,11 +23,13 @@
 
 namespace pfa {
 
-// What EpilogueSm90 reads of its config: the output's own 16-bit type and the head dim.
+// What EpilogueSm90 reads of its config: the output's own 16-bit type, the head dim, and whether
+// it writes the NVFP4 output (not these non-paged kernels: the context API runs on paged ones).
 template <class Out16, int HD>
 struct Sm90Fp8OutCfg {
   using Elem = Out16;
   static constexpr int HEAD_DIM = HD;
+  static constexpr bool NVFP4_OUT = false;
 };
 
 template <int HEAD_DIM, int CONSUMERS, int STAGES, bool PINGPONG, bool OVERLAP>

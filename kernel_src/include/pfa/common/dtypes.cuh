@@ -201,7 +201,9 @@ __device__ __forceinline__ uint4 widen_fp4x8<__nv_bfloat16>(uint32_t x, uint32_t
 // The output's element format (PrefillParams / MergeParams::o_format). A runtime field rather
 // than kernel variants: only the stores that write a finished row look at it, so every kernel
 // writes every format without one more instantiation per output dtype.
-enum OutFormat : int { kOutElem = 0, kOutOther16 = 1, kOutE4M3 = 2 };
+// kOutNvfp4: e2m1 code pairs with e4m3 block scales (pfa/attention/nvfp4_out.cuh), written only by
+// the kernels that compile it in (the host routes that format there).
+enum OutFormat : int { kOutElem = 0, kOutOther16 = 1, kOutE4M3 = 2, kOutNvfp4 = 3 };
 
 template <typename T>
 struct Other16;  // the other 16-bit type: fp16 <-> bf16

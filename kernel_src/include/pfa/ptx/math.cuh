@@ -12,6 +12,14 @@ __device__ __forceinline__ float exp2_approx(float x) {
   return y;
 }
 
+// 1/x, MUFU.RCP with flush-to-zero (about 1 ulp): no IEEE slow path, whose subroutine call would
+// cost registers where it is inlined.
+__device__ __forceinline__ float rcp_approx(float x) {
+  float y;
+  asm("rcp.approx.ftz.f32 %0, %1;\n" : "=f"(y) : "f"(x));
+  return y;
+}
+
 // prmt.b32, default mode: byte n of the result is byte (sel >> 4n) & 7 of {b, a} (a = bytes
 // 0-3), or, where bit 3 of that selector nibble is set, the sign bit of that byte replicated
 // (0x00 / 0xFF). __byte_perm is documented without the replication, hence the inline PTX.

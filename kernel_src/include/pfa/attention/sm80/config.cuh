@@ -123,6 +123,11 @@ struct PrefillSm80Config {
   // hd256 spills, and XQA refuses masks over NVFP4, so those keep the general kernel for masks.
   // variants.py's spec_mask mirrors the rule.
   static constexpr bool SPEC_MASK = !GENERAL && PAGED && BLOCK_M < 128 && HEAD_DIM == 128 && !KV_NVFP4;
+  // Whether the epilogue writes the NVFP4 output format (o_format kOutNvfp4): the paged kernels,
+  // which the TRT-LLM context API (its only user) runs on, except the hd256 general ones (warp
+  // pairs), whose mainloop it pushed into spills (sm_80: 4 -> 56 bytes, reloads in the tile loop).
+  // variants.py's nvfp4_out (the manifest) mirrors the rule; the host routes NVFP4 outputs by it.
+  static constexpr bool NVFP4_OUT = PAGED && !(GENERAL && PAIR);
 
   // ---- dynamic shared memory, in this order ----
   // Q, then KV_STAGES (K, V) ring pairs (stage i: K at tile 2i, V at 2i+1), then (fp8, NVFP4) the

@@ -1,12 +1,14 @@
 // Epilogue of the sm80 prefill: finish the online softmax on the fragment rows, then write the
 // CTA's rows: the output in its format (p.o_format: the query dtype, the other 16-bit type or
-// e4m3, staged through shared memory for coalesced stores) and LSE, or (split KV) normalised
-// fp32 partials and their base-2 LSE for the merge kernel. The layouts written are epilogue.cuh's.
+// e4m3, staged through shared memory for coalesced stores; where compiled in, NVFP4: store_nvfp4)
+// and LSE, or (split KV) normalised fp32 partials and their base-2 LSE for the merge kernel. The
+// layouts written are epilogue.cuh's.
 #pragma once
 #include <math.h>
 #include <stdint.h>
 
 #include "pfa/attention/epilogue.cuh"
+#include "pfa/attention/nvfp4_out.cuh"
 #include "pfa/attention/params.h"
 #include "pfa/attention/sm80/fragments.cuh"
 #include "pfa/attention/softmax_state.cuh"
@@ -113,6 +115,66 @@ struct EpilogueSm80 {
       }
   }
 
+  // The NVFP4 output (o_format kOutNvfp4, kernels with Cfg::NVFP4_OUT): the warp's rows staged as
+  // fp32 through its own slice of sQ, half of its column tiles at a time (fp32 takes twice the
+  // 16-bit staging), then each lane quantises whole 16-column blocks of a row from shared memory
+  // (amax, e4m3 scale, 16 codes: nvfp4_out.cuh) and stores their 8 bytes and the scale. Quantising
+  // there, out of the unrolled staging loop, keeps the fragment registers' pressure that of the
+  // 16-bit store (the hd256 general kernels have none to spare).
+  static __device__ __forceinline__ void store_nvfp4(const PrefillParams& p, const PrefillWork& w, char* smem,
+                                                     const int2* row_map, const Role& wr, int lane, const OAcc& o) {
+    static_assert(O_DT % 4 == 0, "whole 16-column blocks in each half of a warp's column tiles");
+    constexpr int HALF = O_DT / 2, BLOCKS = HALF / 2;  // column tiles, 16-column blocks per pass
+    char* out = reinterpret_cast<char*>(p.o);
+    const float g = p.o_sf_scale;
+#pragma unroll
+    for (int h = 0; h < 2; ++h) {
+      __syncwarp();
+      // fp32 tile dd of this pass: chunk slots 2 dd (its elements 0-3: lanes 4k, 4k+1) and 2 dd + 1 (4-7)
+#pragma unroll
+      for (int mt = 0; mt < MQ; ++mt)
+#pragma unroll
+        for (int hf = 0; hf < 2; ++hf) {
+          const int row = wr.warp_row0 + mt * 16 + lane / 4 + hf * 8;
+#pragma unroll
+          for (int dd = 0; dd < HALF; ++dd) {
+            const int d = h * HALF + dd;
+            *reinterpret_cast<float2*>(smem + Cfg::swz(row, wr.dcol0 / 8 + 2 * dd + (lane % 4) / 2) * Cfg::CHUNK_BYTES +
+                                       (lane % 2) * 8) = make_float2(o[mt][d][2 * hf], o[mt][d][2 * hf + 1]);
+          }
+        }
+      __syncwarp();
+      for (int i = lane; i < MQ * 16 * BLOCKS; i += 32) {
+        const int row = wr.warp_row0 + i / BLOCKS, b = i % BLOCKS;
+        if (w.r0 + row >= w.rows_total) continue;
+        // two reads of the block's four chunks (amax, then codes): fewer registers than holding 16 values
+        auto chunk = [&](int c) {
+          return *reinterpret_cast<const float4*>(smem + Cfg::swz(row, wr.dcol0 / 8 + 4 * b + c) * Cfg::CHUNK_BYTES);
+        };
+        float amax = 0.f;
+#pragma unroll
+        for (int c = 0; c < 4; ++c) {
+          const float4 v = chunk(c);
+          amax = fmaxf(fmaxf(amax, fmaxf(fabsf(v.x), fabsf(v.y))), fmaxf(fabsf(v.z), fabsf(v.w)));
+        }
+        const Nvfp4Out::Block blk = Nvfp4Out::block(amax, g);
+        uint32_t codes[2] = {0u, 0u};
+#pragma unroll
+        for (int c = 0; c < 4; ++c) {
+          const float4 v = chunk(c);
+          codes[c / 2] |= (Nvfp4Out::pack2(v.x, v.y, blk.to_code) | Nvfp4Out::pack2(v.z, v.w, blk.to_code) << 8)
+                          << (16 * (c % 2));
+        }
+        const int2 th = token_head(w, row_map, row);
+        const int tile = wr.dcol0 / 8 + h * HALF + 2 * b;  // the block's first column tile in the head
+        const int64_t elem = output_offset(p, w, th.x, th.y) + tile * 8;  // e2m1 elements: two a byte
+        *reinterpret_cast<uint2*>(out + (elem >> 1)) = make_uint2(codes[0], codes[1]);
+        Nvfp4Out::store_scale(p, w.q_row0 + th.x, th.y * (HEAD_DIM / 16) + tile / 2, p.num_qo_heads * (HEAD_DIM / 16),
+                              blk.sf_bits);
+      }
+    }
+  }
+
   // One chunk: O in the output format (p.o_format) and (if requested) the LSE.
   static __device__ __forceinline__ void store_output(const PrefillParams& p, const PrefillWork& w, char* smem,
                                                       const int2* row_map, int num_heads, const Role& wr, int lane,
@@ -124,32 +186,37 @@ struct EpilogueSm80 {
     // 8 bytes on its way out. (A runtime format, converted right here: the 128-row lean kernels and
     // the decode tiles allocate their registers exactly as with the 16-bit store alone; an fp32
     // staging with the conversion in the copy-out loop measured no better.)
-    const int fmt = p.o_format;
-    __syncwarp();
+    if (Cfg::NVFP4_OUT && p.o_format == kOutNvfp4) {
+      store_nvfp4(p, w, smem, row_map, wr, lane, o);
+    } else {
+      const int fmt = p.o_format;
+      __syncwarp();
 #pragma unroll
-    for (int mt = 0; mt < MQ; ++mt)
+      for (int mt = 0; mt < MQ; ++mt)
 #pragma unroll
-      for (int hf = 0; hf < 2; ++hf) {
-        const int row = wr.warp_row0 + mt * 16 + lane / 4 + hf * 8;
+        for (int hf = 0; hf < 2; ++hf) {
+          const int row = wr.warp_row0 + mt * 16 + lane / 4 + hf * 8;
 #pragma unroll
-        for (int d = 0; d < O_DT; ++d) {
-          const uint32_t v = pack_out2<T>(o[mt][d][2 * hf], o[mt][d][2 * hf + 1], fmt);
-          *reinterpret_cast<uint32_t*>(smem + Cfg::swz(row, wr.dcol0 / 8 + d) * Cfg::CHUNK_BYTES + (lane % 4) * 4) = v;
+          for (int d = 0; d < O_DT; ++d) {
+            const uint32_t v = pack_out2<T>(o[mt][d][2 * hf], o[mt][d][2 * hf + 1], fmt);
+            *reinterpret_cast<uint32_t*>(smem + Cfg::swz(row, wr.dcol0 / 8 + d) * Cfg::CHUNK_BYTES + (lane % 4) * 4) =
+                v;
+          }
         }
-      }
-    __syncwarp();
-    char* out = reinterpret_cast<char*>(p.o);
-    const bool fp8 = fmt == kOutE4M3;
-    for (int i = lane; i < MQ * 16 * O_DT; i += 32) {
-      const int row = wr.warp_row0 + i / O_DT, chunk = wr.dcol0 / 8 + i % O_DT;
-      if (w.r0 + row < w.rows_total) {
-        const int2 th = token_head(w, row_map, row);
-        const int64_t elem = output_offset(p, w, th.x, th.y) + chunk * 8;
-        const uint4 staged = *reinterpret_cast<const uint4*>(smem + Cfg::swz(row, chunk) * Cfg::CHUNK_BYTES);
-        if (fp8) {
-          *reinterpret_cast<uint2*>(out + elem) = compact_fp8x8(staged);
-        } else {
-          *reinterpret_cast<uint4*>(out + elem * 2) = staged;
+      __syncwarp();
+      char* out = reinterpret_cast<char*>(p.o);
+      const bool fp8 = fmt == kOutE4M3;
+      for (int i = lane; i < MQ * 16 * O_DT; i += 32) {
+        const int row = wr.warp_row0 + i / O_DT, chunk = wr.dcol0 / 8 + i % O_DT;
+        if (w.r0 + row < w.rows_total) {
+          const int2 th = token_head(w, row_map, row);
+          const int64_t elem = output_offset(p, w, th.x, th.y) + chunk * 8;
+          const uint4 staged = *reinterpret_cast<const uint4*>(smem + Cfg::swz(row, chunk) * Cfg::CHUNK_BYTES);
+          if (fp8) {
+            *reinterpret_cast<uint2*>(out + elem) = compact_fp8x8(staged);
+          } else {
+            *reinterpret_cast<uint4*>(out + elem * 2) = staged;
+          }
         }
       }
     }

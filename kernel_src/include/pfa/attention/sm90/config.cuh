@@ -17,6 +17,10 @@ struct PrefillSm90Config {
   static_assert(sizeof(T_) == 2, "16-bit Q/K/V");
   static constexpr int HEAD_DIM = HEAD_DIM_, BLOCK_N = BLOCK_N_, CONSUMERS = CONSUMERS_, STAGES = STAGES_;
   static constexpr bool PAGED = PAGED_;
+  // Whether the epilogue writes the NVFP4 output (o_format kOutNvfp4): the paged kernels up to
+  // hd128 (the context API runs on paged kernels; at hd256 it added tile-loop reloads of spilled
+  // values). variants.py's nvfp4_out mirrors the rule; the host routes NVFP4 outputs by it.
+  static constexpr bool NVFP4_OUT = PAGED && HEAD_DIM_ <= 128;
   // K/V tiles by TMA (PrefillParams::k_tmap / v_tmap; producer_tma.cuh): one producer warp issues
   // the boxes of a tile instead of every producer thread a cp.async per chunk.
   static constexpr bool TMA = TMA_;

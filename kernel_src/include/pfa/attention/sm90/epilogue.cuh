@@ -1,11 +1,12 @@
 // Epilogue of a consumer warpgroup of the sm_90a prefill: finish the online softmax of its rows,
-// then write them (epilogue.cuh's layouts): O in the output format and the LSE, attention sinks on an unsplit
-// row, or (split KV) normalised fp32 partials and their base-2 LSE for the merge kernel.
+// then write them (epilogue.cuh's layouts): O in the output format (NVFP4: store_nvfp4) and the LSE, attention
+// sinks on an unsplit row, or (split KV) normalised fp32 partials and their base-2 LSE for the merge kernel.
 #pragma once
 #include <math.h>
 #include <stdint.h>
 
 #include "pfa/attention/epilogue.cuh"
+#include "pfa/attention/nvfp4_out.cuh"
 #include "pfa/attention/params.h"
 #include "pfa/attention/softmax_state.cuh"
 #include "pfa/attention/variant.cuh"
@@ -33,6 +34,12 @@ struct EpilogueSm90 {
       for (int j = 0; j < O_COLS; ++j) {
         o[4 * j + 2 * i] *= inv;
         o[4 * j + 2 * i + 1] *= inv;
+      }
+    }
+    if constexpr (Cfg::NVFP4_OUT) {
+      if (w.num_chunks == 1 && p.o_format == kOutNvfp4) {
+        store_nvfp4(p, w, tile_row, lane, o, lse);
+        return;
       }
     }
     const int col = 2 * (lane % 4);
@@ -67,6 +74,45 @@ struct EpilogueSm90 {
           *reinterpret_cast<float2*>(op + 8 * j) = make_float2(o[4 * j + 2 * i], o[4 * j + 2 * i + 1]);
         if (lane % 4 == 0) reinterpret_cast<float*>(p.lse_partial)[idx] = lse[i];
       }
+    }
+  }
+
+  // An unsplit row in NVFP4 (nvfp4_out.cuh), its sink applied (lse moved to include it), and its LSE.
+  // A quad holds a row's 16-column blocks (column tiles 2k, 2k + 1: four values a lane), so every
+  // lane runs the shuffles, rows past the tile's end included; their stores are skipped. Each lane's
+  // code-pair bytes are transposed across the quad so that every lane stores four consecutive bytes.
+  static __device__ __forceinline__ void store_nvfp4(const PrefillParams& p, const PrefillWork& w,
+                                                     const int (&tile_row)[2], int lane, const float (&o)[O_ACC],
+                                                     float (&lse)[2]) {
+    const float g = p.o_sf_scale;
+    char* out = reinterpret_cast<char*>(p.o);
+#pragma unroll
+    for (int i = 0; i < 2; ++i) {
+      const int r = w.r0 + tile_row[i];
+      const bool live = r < w.rows_total;
+      const int token = r / w.group, head = w.kv_head * w.group + r % w.group;
+      const float f = p.sinks != 0 ? sink_factor(reinterpret_cast<const float*>(p.sinks)[head], lse[i]) : 1.f;
+      // byte offset of the row's first code pair; lane q stores column tiles 4c + q
+      const int64_t row_byte = output_offset(p, w, token, head) >> 1;
+#pragma unroll
+      for (int c = 0; c < O_COLS / 4; ++c) {
+        uint32_t bytes = 0;
+#pragma unroll
+        for (int b = 0; b < 2; ++b) {  // the two blocks of column tiles 4c .. 4c + 3
+          const int j = 4 * c + 2 * b;
+          const float a0 = o[4 * j + 2 * i] * f, a1 = o[4 * j + 2 * i + 1] * f;
+          const float b0 = o[4 * j + 4 + 2 * i] * f, b1 = o[4 * j + 5 + 2 * i] * f;
+          const Nvfp4Out::Block blk = Nvfp4Out::block(Nvfp4Out::quad_amax(a0, a1, b0, b1), g);
+          bytes |= (Nvfp4Out::pack2(a0, a1, blk.to_code) | Nvfp4Out::pack2(b0, b1, blk.to_code) << 8) << (16 * b);
+          if (live && lane % 4 == 0)
+            Nvfp4Out::store_scale(p, w.q_row0 + token, head * (HEAD_DIM / 16) + j / 2, p.num_qo_heads * (HEAD_DIM / 16),
+                                  blk.sf_bits);
+        }
+        bytes = Nvfp4Out::quad_transpose(bytes, lane);
+        if (live) *reinterpret_cast<uint32_t*>(out + row_byte + 4 * (4 * c + lane % 4)) = bytes;
+      }
+      if (live && p.lse != 0 && lane % 4 == 0)
+        reinterpret_cast<float*>(p.lse)[lse_index(w, p.num_qo_heads, token, head)] = lse[i] * p.lse_scale;
     }
   }
 };
