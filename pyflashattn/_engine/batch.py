@@ -545,7 +545,10 @@ class BatchEngine:
         if self.paged:
             rows, ps = tma.paged_box_rows(self.src.page_size, bn), self.src.page_size
             kg = tma.paged_geometry(num_pages, ps, Hkv, D, (p.k_stride_page, p.k_stride_n, p.k_stride_h), item, rows)
-            vg = tma.paged_geometry(num_pages, ps, Hkv, D, (p.v_stride_page, p.v_stride_n, p.v_stride_h), item, rows)
+            # separate V ids (TRT-LLM) may count from K's base across K and V (the fmha tuple form):
+            # V's map then spans the pages they address, p.num_pages (trtllm_device.point)
+            v_pages = max(num_pages, p.num_pages) if p.v_page_indices else num_pages
+            vg = tma.paged_geometry(v_pages, ps, Hkv, D, (p.v_stride_page, p.v_stride_n, p.v_stride_h), item, rows)
         else:
             kg = tma.ragged_geometry(Hkv, D, p.k_stride_n, p.k_stride_h, item, bn)
             vg = tma.ragged_geometry(Hkv, D, p.v_stride_n, p.v_stride_h, item, bn)

@@ -56,3 +56,11 @@ def scratch_workspace():
     if not _WORKSPACE:
         _WORKSPACE.append(torch.empty(WORKSPACE_BYTES, dtype=torch.uint8, device="cuda"))
     return _WORKSPACE[0]
+
+
+def tma_built(paged: bool) -> bool:
+    """Whether this build has the sm90 TMA K/V twins for paged (else ragged) plans: shipped per
+    storage by variants.HOPPER_KV_LOAD, the others only in `make TUNE=1` builds."""
+    from pyflashattn._runtime import registry
+
+    return any(r.get("tma") and bool(r.get("paged")) == paged for r in registry.manifest()["kernels"])

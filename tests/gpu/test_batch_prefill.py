@@ -30,7 +30,7 @@ from types import SimpleNamespace
 import numpy as np
 import pytest
 
-from pyflashattn.testing.gpu import require_cuda_torch
+from pyflashattn.testing.gpu import require_cuda_torch, tma_built
 
 pytestmark = pytest.mark.gpu
 
@@ -99,7 +99,8 @@ def _assert_kv_load(w, kv_load, paged, page_size):
     """Under "tma", an sm90 row-tile plan runs the TMA twin exactly where its pages make boxes."""
     meta = w._engine.attn.meta
     if kv_load == "tma" and meta.get("impl") == "sm90":
-        assert bool(meta.get("tma")) is tma_fits(paged, page_size, meta["block_n"], 0), meta["name"]
+        want = tma_fits(paged, page_size, meta["block_n"], 0) and tma_built(paged)
+        assert bool(meta.get("tma")) is want, meta["name"]
 
 
 # ---------------------------------------------------------------------------------------
