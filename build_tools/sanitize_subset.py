@@ -1,0 +1,68 @@
+"""A representative subset of the library's kernels, small shapes, for compute-sanitizer:
+
+    compute-sanitizer --tool memcheck|racecheck|synccheck python build_tools/sanitize_subset.py
+
+One call each: sm90 single prefill (cp.async, causal, partial tiles), sm90 paged batch by TMA
+(page 16, pages shuffled) and by cp.async (page 8), sm90 ragged batch with split KV and its merge,
+sm90 fp8 prefill, the sm80 decode tile through XQA (bf16 and fp8 caches), a TRT-LLM context call
+over device metadata. Every output is checked for NaN; the sanitizer's report is the point.
+"""
+import numpy as np
+import torch
+
+import pyflashattn
+from pyflashattn import decode, prefill
+
+DEV, BF16 = "cuda", torch.bfloat16
+
+
+def rnd(*shape, dtype=BF16):
+    return torch.randn(*shape, device=DEV).to(dtype)
+
+
+def finite(name, x):
+    x = x[0] if isinstance(x, tuple) else x
+    assert torch.isfinite(x.float()).all(), name
+    print(name, "ok")
+
+
+def main():
+    torch.manual_seed(0)
+    ws = torch.zeros(64 << 20, dtype=torch.uint8, device=DEV)
+    q, k, v = rnd(200, 8, 128), rnd(333, 2, 128), rnd(333, 2, 128)
+    finite("single sm90", pyflashattn.single_prefill_with_kv_cache(q, k, v, causal=True))
+    qo, kv = np.array([0, 70, 130], np.int32), np.array([0, 300, 333], np.int32)
+    w = pyflashattn.BatchPrefillWithRaggedKVCacheWrapper(ws, "NHD")
+    w.plan(qo, kv, 8, 2, 128, causal=True, fixed_split_size=128, q_data_type=BF16)
+    finite("ragged split", w.run(q[:130], k, v))
+    for ps in (16, 8):  # 16: TMA boxes; 8: cp.async
+        lens = [300, 33]
+        pages = [-(-n // ps) for n in lens]
+        perm = torch.randperm(sum(pages) + 3).to(torch.int32)[:sum(pages)]
+        cache = rnd(sum(pages) + 3, 2, ps, 2, 128)
+        indptr = np.concatenate([[0], np.cumsum(pages)]).astype(np.int32)
+        last = np.array([n - (p - 1) * ps for n, p in zip(lens, pages)], np.int32)
+        wp = pyflashattn.BatchPrefillWithPagedKVCacheWrapper(ws, "NHD")
+        wp.plan(qo, indptr, perm.numpy(), last, 8, 2, 128, ps, causal=True, q_data_type=BF16)
+        finite(f"paged page {ps} ({wp._engine.attn.name})", wp.run(q[:130], cache))
+    e4 = torch.float8_e4m3fn
+    finite("fp8 prefill", pyflashattn.single_prefill_with_kv_cache(q.to(e4), k.to(e4), v.to(e4), causal=True,
+                                                                    o_dtype=BF16))
+    B, P, ps = 4, 64, 16
+    cache = rnd(P, 2, ps, 2, 128)
+    bt = torch.randperm(P, device=DEV).to(torch.int32).view(B, -1)
+    sl = torch.tensor([200, 1, 77, 256], dtype=torch.int32, device=DEV)
+    qd = rnd(B, 8, 128)
+    finite("xqa bf16", decode.xqa_batch_decode_with_kv_cache(qd, cache, ws, bt, sl, 256))
+    finite("xqa fp8", decode.xqa_batch_decode_with_kv_cache(qd, cache.to(e4), ws, bt, sl, 256))
+    cq = torch.tensor([0, 50, 51, 120, 130], dtype=torch.int32, device=DEV)
+    ck = torch.tensor([0, 200, 201, 278, 534], dtype=torch.int32, device=DEV)
+    out = torch.empty(130, 8, 128, dtype=BF16, device=DEV)
+    hnd = cache.transpose(2, 3).contiguous()
+    finite("trtllm context", prefill.trtllm_batch_context_with_kv_cache(
+        q[:130], hnd, ws, bt, sl, 70, 256, 0.1, 1.0, B, cq, ck, out=out))
+    torch.cuda.synchronize()
+
+
+if __name__ == "__main__":
+    main()
