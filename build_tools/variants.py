@@ -349,7 +349,9 @@ class HopperFp8PrefillVariant:
                 "head_dim": self.head_dim, "block_m": self.block_m, "block_n": self.block_n,
                 "warps": self.threads // WARP_THREADS, "threads": self.threads, "smem_bytes": self.smem_bytes,
                 "ctas_per_sm": 1, "tune": self.tune, "general": False, "paged": False, "decode": False,
-                "rows_fastest": True, "device_scale": False, "tma": False, "out16": "bf16", "skip_softmax_rows": 0}
+                # device_scale: ConsumerSm90Fp8::row_scales starts from logit_scale(p) (scale_dev) and
+                # the shared sm90 epilogue's output_scale(p) reads v_scale_dev
+                "rows_fastest": True, "device_scale": True, "tma": False, "out16": "bf16", "skip_softmax_rows": 0}
 
 
 # head_dim -> (consumers, stages, overlap) of the sm_90a fp8 prefill (hd64: three consumers, as the

@@ -176,8 +176,8 @@ def test_fmha_refuses_inconsistent_lengths_and_devices(fake):
     cpu.args = cpu.args[:5] + ((1, 0),)
     with pytest.raises(ValueError, match="CUDA|cuda|device"):
         separate_call(fake, qkv=(cpu, T((TKV, HKV, D)), T((TKV, HKV, D))))
-    with pytest.raises(NotImplementedError, match="fp8 Q.K path"):
-        separate_call(fake, qkv=(T((TQ, HQ, D), E4M3), T((TKV, HKV, D), E4M3), T((TKV, HKV, D), E4M3)))
+    with pytest.raises(NotImplementedError, match="float8_e5m2 queries"):
+        separate_call(fake, qkv=fp8_qkv(_dtypes.FLOAT8_E5M2))
     assert not fake.attn_launches()
 
 
@@ -274,6 +274,86 @@ def test_fmha_paged_tuple_with_k_v_offsets(fake, device):
         assert fake.read(p.v_page_indices, 3, np.int32).tolist() == [9, 6, 7]
     with pytest.raises(ValueError, match="tuple form of one allocation"):
         paged_call(fake, table=np.stack([TABLE, v_ids], axis=1), device=device)  # a 5-D cache
+
+
+# ---- fp8 e4m3 inputs (the sm_90a fp8 prefill, fp8.py) ----------------------------------------------
+def fp8_qkv(dtype=E4M3, kv_dtype=None):
+    kv = kv_dtype or dtype
+    return T((TQ, HQ, D), dtype), T((TKV, HKV, D), kv), T((TKV, HKV, D), kv)
+
+
+@pytest.mark.parametrize("device", [False, True], ids=["host", "device"])
+@pytest.mark.parametrize("out_dtype, fmt", [(None, operands.OUT_E4M3), ("bfloat16", operands.OUT_ELEM),
+                                            ("float16", operands.OUT_OTHER16)])
+def test_fmha_fp8_plans_the_e4m3_kernel(fake, device, out_dtype, fmt):
+    """e4m3 q, k, v plan the fp8 prefill row (lean: not a general kernel); bmm1 is the logit scale,
+    bmm2 the output multiplier, no per-head scale tensors; the output q's dtype unless asked."""
+    o = separate_call(fake, device=device, qkv=fp8_qkv(), out_dtype=out_dtype, out=out_for(out_dtype or "e4m3"),
+                      bmm1_scale=0.25, bmm2_scale=0.5, mask_mode="padding")
+    name, p = last_params(fake)
+    assert "dtype=e4m3" in name and "kv_dtype=e4m3" in name and "general=False" in name and "paged=False" in name
+    assert p.o_format == fmt and o.args[2] is _dtypes.normalize(out_dtype or "float8_e4m3fn")
+    assert math.isclose(p.sm_scale_log2, 0.25 * LOG2E, rel_tol=1e-6) and math.isclose(p.v_scale, 0.5)
+    assert (p.q_scale_heads, p.k_scale_heads, p.v_scale_heads) == (0, 0, 0) and p.scale_dev == p.v_scale_dev == 0
+    assert p.causal == 0 and p.kv_fp8 == 0
+    if device:
+        assert p.qo_max_len == 12 and p.kv_max_len == 19 and len(trtllm_device._ENGINES) == 1
+    else:
+        assert p.qo_max_len == 0 and len(trtllm._ENGINES) == 1
+
+
+@pytest.mark.parametrize("device", [False, True], ids=["host", "device"])
+def test_fmha_fp8_masks_sinks_and_device_scales(fake, device):
+    """The mask rules and sinks are the fp8 kernels' too; tensor bmm scales are read on the device
+    by the fp8 row itself (its manifest's device_scale), not moved to a general kernel."""
+    s1 = fake.dev(np.array([0.1], np.float32), F32)
+    s2 = fake.dev(np.array([2.0], np.float32), F32)
+    sinks = fake.dev(np.zeros(HQ, np.float32), F32)
+    for mode, wl, chunk, want in (("causal", -1, 0, (1, -1, 0)), ("sliding_window", 7, 0, (1, 7, 0)),
+                                  ("chunked", -1, 64, (1, -1, 6))):
+        separate_call(fake, device=device, qkv=fp8_qkv(), out=out_for("e4m3"), mask_mode=mode, window_left=wl,
+                      chunked_attention_size=chunk, bmm1_scale=s1, bmm2_scale=s2, sinks=[sinks])
+        name, p = last_params(fake)
+        assert "dtype=e4m3" in name and "general=False" in name
+        assert (p.causal, p.window_left, p.chunk_shift) == want
+        assert p.scale_dev == s1.args[3] and p.v_scale_dev == s2.args[3] and p.sinks == sinks.args[3]
+        assert math.isclose(p.sm_scale_log2, LOG2E, rel_tol=1e-6) and p.v_scale == 1.0
+
+
+@pytest.mark.parametrize("kw, exc, pattern", [
+    (dict(pos_encoding_mode="alibi"), NotImplementedError, "pos_encoding_mode='alibi' with fp8"),
+    (dict(logits_soft_cap_scale=30.0), NotImplementedError, "logits_soft_cap_scale with fp8"),
+    (dict(save_softmax_stats=True), NotImplementedError, "save_softmax_stats with fp8"),
+    (dict(skip_softmax_threshold_scale_factor=1.0), NotImplementedError, "skip_softmax_threshold_scale_factor"),
+    (dict(qkv=fp8_qkv(E4M3, BF16)), TypeError, "K/V must have the query's dtype"),
+    (dict(out_dtype="float32"), TypeError, "out_dtype"),
+])
+def test_fmha_fp8_refuses_before_launch(fake, kw, exc, pattern):
+    kw.setdefault("qkv", fp8_qkv())
+    kw.setdefault("out", out_for("e4m3"))
+    with pytest.raises(exc, match=pattern):
+        separate_call(fake, **kw)
+    assert not fake.attn_launches()
+
+
+@pytest.mark.parametrize("layout", ["Q_PAGED_KV_HND", "Q_PAGED_KV_NHD"])
+def test_fp8_paged_and_context_say_the_kernel_does_not_exist(fake, layout):
+    shape = (NPAGES, 2, HKV, PS, D) if layout.endswith("HND") else (NPAGES, 2, PS, HKV, D)
+    with pytest.raises(NotImplementedError, match="qkv: .*paged fp8 prefill kernel does not exist yet"):
+        paged_call(fake, layout, qkv=(T((TQ, HQ, D), E4M3), T(shape, E4M3)), out=out_for("e4m3"))
+    with pytest.raises(NotImplementedError, match="query: .*paged fp8 prefill kernel does not exist yet"):
+        context_call(fake, query=T((TQ, HQ, D), E4M3), kv_cache=T((NPAGES, 2, HKV, PS, D), E4M3),
+                     out=out_for("e4m3"))
+    assert not fake.attn_launches()
+
+
+@pytest.mark.parametrize("device", [False, True], ids=["host", "device"])
+def test_fmha_fp8_off_sm90_says_so(fake, monkeypatch, device):
+    from pyflashattn._runtime import cuda as _cuda
+    monkeypatch.setattr(_cuda, "properties", lambda dev: {"sm_count": 108, "cc": (8, 0), "smem_per_sm": 167936})
+    with pytest.raises(NotImplementedError, match=r"compute capability 8\.0\) has no fp8 Q K\^T path"):
+        separate_call(fake, device=device, qkv=fp8_qkv(), out=out_for("e4m3"))
+    assert not fake.attn_launches()
 
 
 # ---- trtllm_batch_context_with_kv_cache -------------------------------------------------------------

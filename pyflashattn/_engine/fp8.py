@@ -26,6 +26,9 @@ from . import operands, options
 FP8 = _dtypes.FLOAT8_E4M3
 OWN16 = _dtypes.BFLOAT16  # the fp8 kernels' own 16-bit output type (o_format 0)
 SCALE_NAMES = ("scale_q", "scale_k", "scale_v")
+# Why an fp8 query over a paged cache is refused (check_call, and the TRT-LLM paged entry points).
+PAGED_REFUSAL = ("the paged fp8 prefill kernel does not exist yet: an fp8 (float8_e4m3fn) q runs on the sm_90a fp8 "
+                 "prefill over contiguous or ragged K/V only")
 
 
 def is_fp8(dtype) -> bool:
@@ -64,8 +67,7 @@ def check_call(dev: int, general: bool, paged: bool) -> None:
             f"(compute capability {cc[0]}.{cc[1]}) has no fp8 Q K^T path here (fp8 K/V with a float16 / bfloat16 "
             "q runs everywhere)")
     if paged:
-        raise NotImplementedError("fp8 (float8_e4m3fn) q over a paged KV cache is not implemented in pyflashattn "
-                                  "(the fp8 prefill takes contiguous or ragged K/V)")
+        raise NotImplementedError(f"a paged KV cache with an fp8 q: {PAGED_REFUSAL}")
     if general:
         raise NotImplementedError("fp8 (float8_e4m3fn) q with a custom mask, logits_soft_cap, ALiBi or RoPE is not "
                                   "implemented in pyflashattn (causal, window_left, LSE and sinks are)")

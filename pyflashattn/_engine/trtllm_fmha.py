@@ -8,7 +8,7 @@ import math
 import numpy as np
 
 from .._runtime import dtypes as _dtypes, tensor as _tensor
-from . import operands, options, trtllm
+from . import fp8, operands, options, trtllm
 from .metadata_check import metadata_checks_enabled
 from .trtllm_device import host_array
 
@@ -84,11 +84,13 @@ def fmha_v2_prefill(qkv, input_layout, workspace_buffer, seq_lens, max_q_len, ma
     qv = _tensor.view(q, "qkv (query)")
     operands.require_cuda(qv, "qkv (query)")
     dev = qv.device_id
-    operands.trtllm_query(qv, "qkv", "an fp8 Q.K path is not built yet")
+    operands.trtllm_query(qv, "qkv", None if ragged else fp8.PAGED_REFUSAL)
     hq, hd = qv.shape[1], qv.shape[2]
     stats = operands.bool_arg(save_softmax_stats, "save_softmax_stats")
     pos = operands.trtllm_pos_encoding(pos_encoding_mode)
     cap = None if logits_soft_cap_scale in (None, 0, 0.0) else float(logits_soft_cap_scale)
+    if fp8.is_fp8(qv.dtype):
+        _fp8_options(pos, cap, stats, skip)
     odt = trtllm.out_dtype_arg(out_dtype, out, qv.dtype)
     s1 = trtllm.scale_value(1.0 / math.sqrt(hd) if _is_zero(bmm1_scale) else bmm1_scale, "bmm1_scale", dev)
     s2 = trtllm.scale_value(bmm2_scale, "bmm2_scale", dev)
@@ -104,6 +106,19 @@ def fmha_v2_prefill(qkv, input_layout, workspace_buffer, seq_lens, max_q_len, ma
     return trtllm.attend(dev, workspace_buffer, kv_layout, q, kv, (hq, hkv, hd), (qv.dtype, kdt, odt), mask, pos, cap,
                          s1, s2, trtllm.sinks_arg(sinks), stats, out, None, False, None,
                          (seq_lens, cum_seq_lens_q, cum_seq_lens_kv, batch_size, max_q_len, max_kv_len), paging, skip)
+
+
+def _fp8_options(pos, cap, stats, skip) -> None:
+    """The options the fp8 prefill kernels lack (fp8.py: lean options only), refused by name
+    before any plan; sm_90 and the K/V layout are fp8.check_call's (at plan)."""
+    for on, name in ((pos != "NONE", "pos_encoding_mode='alibi'"), (cap is not None, "logits_soft_cap_scale"),
+                     (stats, "save_softmax_stats")):
+        if on:
+            raise NotImplementedError(f"{name} with fp8 (float8_e4m3fn) qkv is not implemented in pyflashattn (the "
+                                      "fp8 prefill kernels take causal, padding, sliding-window and chunked masks, "
+                                      "sinks and bmm1 / bmm2 scales)")
+    if skip:
+        fp8.refuse_skip_softmax()
 
 
 def _same_lengths(cum_q, cum_kv):

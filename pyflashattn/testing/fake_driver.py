@@ -278,6 +278,10 @@ class FakeEnv:
                 # NVFP4 output (variants.py's nvfp4_out): asked for by match; paged kernels but hd256 general
                 meta.setdefault("nvfp4_out", bool(match.get("paged")) and not (match.get("general") and
                                                                              match.get("head_dim") == 256))
+                if match.get("dtype") == "e4m3":  # the sm90 fp8 rows: their manifest's device_scale
+                    meta.setdefault("device_scale", next(v.manifest()["device_scale"] for v in variants
+                                                         if type(v).__name__ == "HopperFp8PrefillVariant"
+                                                         and v.head_dim == match.get("head_dim")))
             la = _cuda.Launcher(name, (name, ptype), ptype, meta["threads"], meta["smem_bytes"])
             la.meta = meta
             return la

@@ -1,0 +1,217 @@
+"""trtllm_fmha_v2_prefill with float8_e4m3fn q, k and v (the sm_90a fp8 prefill), GPU, against the
+float64 reference on the DEQUANTISED inputs (the fp8 values as float64).
+
+bmm1_scale (the logit scale, semantics 1.13: sm_scale * q_scale * k_scale) is 1.3 / sqrt(D) and
+bmm2_scale (the output multiplier) 1.7, never 1, as numbers and as one-element device tensors,
+so a dropped or misplaced scale fails. Layouts PACKED_QKV (MHA), CONTIGUOUS_Q_KV and
+SEPARATE_Q_K_V (GQA 4); masks causal, padding, sliding_window, chunked; requests of 1, 63, 129 and
+1000 queries in one batch (the non-packed layouts with more keys than queries: bottom-right);
+host (numpy) and device metadata; outputs e4m3 (FlashInfer's default for an e4m3 query: q's
+dtype), bfloat16 and float16.
+
+Tolerances are FlashInfer's fp8 tests' (semantics 1.14): 16-bit output atol 4e-2, rtol 8e-2; e4m3
+output 1e-1. V is drawn at std 0.5: the kernel rounds P to e4m3 before P V (tests/gpu/
+test_fp8_prefill.py has the arithmetic: at std 1 and an output scale near 2 the P rounding
+alone reaches the atol; at 0.5 it stays well under). No LSE: save_softmax_stats is refused for
+fp8 (the host tests check that). Outputs are poisoned out= buffers (NaN; e4m3 0x7f, e4m3fn's
+NaN); NaN never passes. On a GPU other than sm_90 the NotImplementedError is checked instead.
+
+    python -m pytest -q tests/gpu/test_trtllm_fp8.py
+"""
+from __future__ import annotations
+
+import math
+from collections import OrderedDict
+
+import numpy as np
+import pytest
+
+from pyflashattn.testing.gpu import cuda_generator, require_cuda_torch, scratch_workspace
+
+pytestmark = pytest.mark.gpu
+
+torch = require_cuda_torch()
+if not hasattr(torch, "float8_e4m3fn"):
+    pytest.skip("this torch has no float8 dtypes", allow_module_level=True)
+
+import pyflashattn  # noqa: E402
+from pyflashattn._engine import trtllm as _trtllm, trtllm_device as _trtllm_device  # noqa: E402
+from pyflashattn.testing import to_numpy_f64  # noqa: E402
+from pyflashattn.testing.checks import assert_close  # noqa: E402
+from pyflashattn.testing.frameworks import capture_torch_graph  # noqa: E402
+from pyflashattn.testing.reference import attention_ref  # noqa: E402
+
+DEV = "cuda"
+E4M3, BF16, F16 = torch.float8_e4m3fn, torch.bfloat16, torch.float16
+SM90 = torch.cuda.get_device_capability() == (9, 0)
+O_TOL = {BF16: dict(atol=4e-2, rtol=8e-2), F16: dict(atol=4e-2, rtol=8e-2), E4M3: dict(atol=1e-1, rtol=1e-1)}
+V_STD = 0.5
+QL = (1, 63, 129, 1000)
+KL_MORE = (1, 100, 129, 1030)  # keys beyond the queries (the non-packed layouts)
+BMM1, BMM2 = 1.3, 1.7  # bmm1 = BMM1 / sqrt(D)
+fmha = pyflashattn.prefill.trtllm_fmha_v2_prefill
+needs_sm90 = pytest.mark.skipif(not SM90, reason="the fp8 prefill kernels are sm_90a only")
+
+
+@pytest.fixture(autouse=True)
+def fresh_engines(monkeypatch):
+    monkeypatch.setattr(_trtllm, "_ENGINES", OrderedDict())
+    monkeypatch.setattr(_trtllm_device, "_ENGINES", OrderedDict())
+
+
+def cum(lens):
+    return np.concatenate([[0], np.cumsum(lens)]).astype(np.int32)
+
+
+def poisoned(shape, dtype):
+    if dtype == E4M3:
+        return torch.full(shape, 0x7F, dtype=torch.uint8, device=DEV).view(E4M3)
+    return torch.full(shape, float("nan"), dtype=dtype, device=DEV)
+
+
+def fp8_rows(shape, g, v_axis):
+    """fp32 normal rows, the V slice (index 2 or 1 of axis 1, per v_axis) at std V_STD, as e4m3."""
+    x = torch.randn(shape, generator=g, device=DEV, dtype=torch.float32)
+    if v_axis is not None:
+        x[:, v_axis] *= V_STD
+    return x.to(E4M3)
+
+
+def make_qkv(layout, ql, kl, hq, hkv, d, g):
+    """(qkv argument, q, k, v as e4m3 views of it)."""
+    if layout == "PACKED_QKV":
+        t = fp8_rows((sum(ql), 3, hq, d), g, 2)
+        return t, t[:, 0], t[:, 1], t[:, 2]
+    q = fp8_rows((sum(ql), hq, d), g, None)
+    if layout == "CONTIGUOUS_Q_KV":
+        kv = fp8_rows((sum(kl), 2, hkv, d), g, 1)
+        return (q, kv), q, kv[:, 0], kv[:, 1]
+    kv = fp8_rows((sum(kl), 2, hkv, d), g, 1)
+    k, v = kv[:, 0].contiguous(), kv[:, 1].contiguous()
+    return (q, k, v), q, k, v
+
+
+def chunk_mask(lq, lk, chunk):
+    qi, ki = np.arange(lq)[:, None], np.arange(lk)[None, :]
+    p = qi + lk - lq
+    return (ki <= p) & (ki >= (p // chunk) * chunk)
+
+
+def reference(q, k, v, ql, kl, d, causal, wl, chunk):
+    q, k, v = (to_numpy_f64(t.float()) for t in (q, k, v))
+    cq, ck = cum(ql), cum(kl)
+    outs = []
+    for b in range(len(ql)):
+        qb, kb, vb = q[cq[b]:cq[b + 1]], k[ck[b]:ck[b + 1]], v[ck[b]:ck[b + 1]]
+        mask = chunk_mask(ql[b], kl[b], chunk) if chunk else None
+        o, _ = attention_ref(qb, kb, vb, causal=causal and not chunk, sm_scale=BMM1 / math.sqrt(d), window_left=wl,
+                             custom_mask=mask)
+        outs.append(o * BMM2)
+    return np.concatenate(outs)
+
+
+def run_case(layout, mode, out_dtype, device_meta, d=128, hq=8, hkv=2, tensor_scales=False, wl=-1, chunk=0):
+    if layout == "PACKED_QKV":
+        hkv = hq
+    ql = QL
+    kl = QL if layout == "PACKED_QKV" else KL_MORE
+    g = cuda_generator("trtllm-fp8", layout, mode, str(out_dtype), device_meta, d, hq, hkv, tensor_scales, wl, chunk)
+    qkv, q, k, v = make_qkv(layout, ql, kl, hq, hkv, d, g)
+    meta = (np.asarray(kl, np.int32), cum(ql), cum(kl))
+    if device_meta:
+        meta = tuple(torch.from_numpy(a).to(DEV) for a in meta)
+    if layout == "PACKED_QKV":
+        meta = meta[:2] + (meta[1],)
+    s1, s2 = BMM1 / math.sqrt(d), BMM2
+    if tensor_scales:
+        s1, s2 = (torch.tensor([x], dtype=torch.float32, device=DEV) for x in (s1, s2))
+    out = poisoned((sum(ql), hq, d), out_dtype)
+    res = fmha(qkv, layout, scratch_workspace(), meta[0], max(ql), max(kl), s1, s2, len(ql), meta[1], meta[2],
+               out=out, out_dtype=None if out_dtype == E4M3 else out_dtype, mask_mode=mode, window_left=wl,
+               chunked_attention_size=chunk)
+    assert res is out
+    torch.cuda.synchronize()
+    ref = reference(q, k, v, ql, kl, d, mode != "padding", wl, chunk)
+    assert_close(out.float(), ref, **O_TOL[out_dtype],
+                 what=f"{layout} {mode} out={out_dtype} device_meta={device_meta} d={d} Hq={hq} Hkv={hkv} "
+                      f"tensor_scales={tensor_scales} wl={wl} chunk={chunk}")
+
+
+@needs_sm90
+@pytest.mark.parametrize("device_meta", [False, True], ids=["host_meta", "device_meta"])
+@pytest.mark.parametrize("out_dtype", [E4M3, BF16, F16], ids=["e4m3", "bf16", "f16"])
+@pytest.mark.parametrize("mode", ["causal", "padding"])
+@pytest.mark.parametrize("layout", ["PACKED_QKV", "CONTIGUOUS_Q_KV", "SEPARATE_Q_K_V"])
+def test_fmha_fp8_layouts(layout, mode, out_dtype, device_meta):
+    run_case(layout, mode, out_dtype, device_meta)
+
+
+@needs_sm90
+@pytest.mark.parametrize("device_meta", [False, True], ids=["host_meta", "device_meta"])
+@pytest.mark.parametrize("d", [64, 128, 256])
+def test_fmha_fp8_head_dims_and_device_scales(d, device_meta):
+    run_case("SEPARATE_Q_K_V", "causal", BF16, device_meta, d=d, tensor_scales=True)
+
+
+@needs_sm90
+@pytest.mark.parametrize("device_meta", [False, True], ids=["host_meta", "device_meta"])
+@pytest.mark.parametrize("mode, wl, chunk", [("sliding_window", 100, 0), ("causal", 31, 0), ("chunked", -1, 64)])
+@pytest.mark.parametrize("hq, hkv", [(8, 1), (4, 4)])
+def test_fmha_fp8_window_chunk_gqa(mode, wl, chunk, hq, hkv, device_meta):
+    run_case("CONTIGUOUS_Q_KV", mode, E4M3, device_meta, hq=hq, hkv=hkv, wl=wl, chunk=chunk)
+
+
+@needs_sm90
+def test_fmha_fp8_device_metadata_graph_replays_new_lengths():
+    """One eager call plans the shape key; the captured call (out given, device metadata and bmm
+    scales) replays over new lengths and new fp8 rows written into the same buffers."""
+    hq, hkv, d, cap_q, cap_kv = 8, 2, 128, 2048, 2304
+    q = torch.zeros(cap_q, hq, d, dtype=torch.uint8, device=DEV).view(E4M3)
+    k = torch.zeros(cap_kv, hkv, d, dtype=torch.uint8, device=DEV).view(E4M3)
+    v = torch.zeros(cap_kv, hkv, d, dtype=torch.uint8, device=DEV).view(E4M3)
+    out = poisoned((cap_q, hq, d), BF16)
+    cq, ck = (torch.zeros(5, dtype=torch.int32, device=DEV) for _ in range(2))
+    sl = torch.zeros(4, dtype=torch.int32, device=DEV)
+    s1 = torch.tensor([BMM1 / math.sqrt(d)], dtype=torch.float32, device=DEV)
+    s2 = torch.tensor([BMM2], dtype=torch.float32, device=DEV)
+
+    def load(seed, ql, kl):
+        g = cuda_generator("trtllm-fp8-graph", seed)
+        _, qn, kn, vn = make_qkv("SEPARATE_Q_K_V", ql, kl, hq, hkv, d, g)
+        q[:sum(ql)].copy_(qn)
+        k[:sum(kl)].copy_(kn)
+        v[:sum(kl)].copy_(vn)
+        cq.copy_(torch.from_numpy(cum(ql)))
+        ck.copy_(torch.from_numpy(cum(kl)))
+        sl.copy_(torch.from_numpy(np.asarray(kl, np.int32)))
+        out.fill_(float("nan"))
+        return qn, kn, vn
+
+    def call():
+        fmha((q, k, v), "SEPARATE_Q_K_V", scratch_workspace(), sl, 1000, 1030, s1, s2, 4, cq, ck, out=out,
+             out_dtype=BF16, mask_mode="causal")
+
+    def check(qn, kn, vn, ql, kl, what):
+        torch.cuda.synchronize()
+        ref = reference(qn, kn, vn, ql, kl, d, True, -1, 0)
+        assert_close(out[:sum(ql)].float(), ref, **O_TOL[BF16], what=what)
+
+    batches = [(QL, KL_MORE), ((1000, 5, 63, 1), (1030, 64, 63, 2)), ((17, 900, 1, 129), (17, 901, 700, 129))]
+    qkv = load(0, *batches[0])
+    call()
+    check(*qkv, *batches[0], "eager")
+    graph = capture_torch_graph(call)
+    for i, (ql, kl) in enumerate(batches):
+        qkv = load(i + 1, ql, kl)
+        graph.replay()
+        check(*qkv, ql, kl, f"replay {i}")
+
+
+@pytest.mark.skipif(SM90, reason="checks the refusal off sm_90")
+def test_fmha_fp8_off_sm90_is_not_implemented():
+    g = cuda_generator("trtllm-fp8-off-sm90")
+    qkv, *_ = make_qkv("SEPARATE_Q_K_V", (5,), (5,), 4, 4, 128, g)
+    meta = (np.array([5], np.int32), cum((5,)), cum((5,)))
+    with pytest.raises(NotImplementedError, match=r"no fp8 Q K\^T path"):
+        fmha(qkv, "SEPARATE_Q_K_V", scratch_workspace(), meta[0], 5, 5, 0.1, 1.0, 1, meta[1], meta[2],
+             out=poisoned((5, 4, 128), BF16))
