@@ -127,8 +127,11 @@ def test_hnd_paged_map_strides(monkeypatch):
 def test_table_entry_and_override_pick_the_load(monkeypatch, kv_load, ship, want_tma):
     env = _env(monkeypatch, kv_load, ship)
     w = ragged(env)
-    plan_ragged(w)
+    # requests long enough for the twin (routing.TMA_MIN_TILES), so the table / override decides
+    w.plan(i32(0, 5, 5, 17), i32(0, 3000, 6000, 6000), HQ, HKV, D)
     assert bool(w._engine.attn.meta.get("tma")) is want_tma
+    plan_ragged(w)  # short requests: the twin only when forced
+    assert bool(w._engine.attn.meta.get("tma")) is (kv_load == "tma")
     twin = [v for v in variants.variants() if isinstance(v, variants.HopperPrefillVariant) and v.tma]
     assert bool(twin) is bool(ship)  # shipped twins are built without TUNE=1
 
@@ -136,7 +139,14 @@ def test_table_entry_and_override_pick_the_load(monkeypatch, kv_load, ship, want
 def test_shipped_paged_twin_is_routed_without_the_override(monkeypatch):
     env = _env(monkeypatch, None, ("paged",))
     w = paged(env)
+    # short requests (under routing.TMA_MIN_TILES key tiles on average) keep the cp.async kernel
     w.plan(QO_LONG, KV_INDPTR, KV_INDICES, LAST, HQ, HKV, D, PS)
+    assert not w._engine.attn.meta.get("tma")
+    # long ones take the twin: requests of 100 and 120 pages of 16 keys and an empty one (a mean of
+    # 1173 keys, over 8 tiles of 128)
+    n = (100, 120)
+    indptr = i32(0, n[0], n[0] + n[1], n[0] + n[1])
+    w.plan(QO_LONG, indptr, i32(*range(sum(n))), i32(16, 16, 0), HQ, HKV, D, PS)
     assert w._engine.attn.name.endswith("_paged_tma")
     w = ragged(env)
     plan_ragged(w)
