@@ -484,3 +484,19 @@ if given is not None:
         o, lse = attention_ref(q, k, v, **opts)
         o_n, lse_n = naive_attention(q, k, v, slopes=slopes, **opts)
         _assert_same(o, lse, o_n, lse_n)
+
+
+def test_page_spans_lays_requests_out_in_perm_order():
+    """pyflashattn.testing.gpu.page_spans (the GPU tests' paged-cache layout): every key row lands
+    once, on the pages perm hands out in order, the table padded with the filler id."""
+    from pyflashattn.testing.gpu import page_spans
+
+    kl, ps = [33, 0, 16, 17], 16
+    perm = np.random.default_rng(0).permutation(10)
+    table, spans = page_spans(kl, ps, perm, 9)
+    assert table.dtype == np.int32 and table.shape == (4, 3)
+    assert [pid for pid, _, _ in spans] == perm[:6].tolist()
+    assert table[0].tolist() == perm[:3].tolist() and table[1].tolist() == [9, 9, 9]
+    rows = np.concatenate([np.arange(lo, hi) for _, lo, hi in spans])
+    assert rows.tolist() == list(range(sum(kl)))
+    assert all(hi - lo <= ps for _, lo, hi in spans)

@@ -6,7 +6,8 @@ from __future__ import annotations
 
 import zlib
 
-__all__ = ["require_cuda_torch", "require_cupy", "cuda_generator", "cuda_randn", "scratch_workspace"]
+__all__ = ["require_cuda_torch", "require_cupy", "cuda_generator", "cuda_randn", "scratch_workspace", "tma_built",
+           "select_kv_load", "page_spans"]
 
 WORKSPACE_BYTES = 1 << 28
 _WORKSPACE: list = []
@@ -64,3 +65,41 @@ def tma_built(paged: bool) -> bool:
     from pyflashattn._runtime import registry
 
     return any(r.get("tma") and bool(r.get("paged")) == paged for r in registry.manifest()["kernels"])
+
+
+def select_kv_load(load: str, monkeypatch) -> None:
+    """The sm90 family's K/V load for one test: "default" (what the variant table ships), or
+    "cpasync" / "tma" forced through PFA_SM90_KV_LOAD (skipped off sm_90a, and "tma" where no TMA
+    twin is built); cached routes are dropped so plans pick up the choice."""
+    import pytest
+    import torch
+
+    from pyflashattn._engine.routing import KV_LOAD_ENV
+    from pyflashattn._runtime import registry
+
+    if load != "default":
+        if torch.cuda.get_device_capability() != (9, 0):
+            pytest.skip("the sm90 family's K/V loads are sm_90a only")
+        if load == "tma" and not any(r.get("tma") for r in registry.manifest()["kernels"]):
+            pytest.skip("no TMA twin is built (make TUNE=1, or variants.HOPPER_KV_LOAD)")
+        monkeypatch.setenv(KV_LOAD_ENV, load)
+    registry.force("prefill", None)
+
+
+def page_spans(kv_lens, page_size: int, perm, filler: int):
+    """Requests of kv_lens keys laid out on pages in the order perm hands page ids out: (block
+    table int32 [B, max pages] padded with filler, [(page id, first key row, end row)] in the
+    requests' concatenated key rows), for a test to copy each span's K / V rows into its page."""
+    import numpy as np
+
+    pages = [-(-int(n) // page_size) for n in kv_lens]
+    table = np.full((len(pages), max(max(pages, default=0), 1)), filler, np.int32)
+    spans, c0, used = [], 0, 0
+    for b, n in enumerate(kv_lens):
+        for j in range(pages[b]):
+            pid = int(perm[used])
+            used += 1
+            table[b, j] = pid
+            spans.append((pid, c0 + j * page_size, min(c0 + (j + 1) * page_size, c0 + int(n))))
+        c0 += int(n)
+    return table, spans

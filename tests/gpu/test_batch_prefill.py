@@ -30,7 +30,7 @@ from types import SimpleNamespace
 import numpy as np
 import pytest
 
-from pyflashattn.testing.gpu import require_cuda_torch, tma_built
+from pyflashattn.testing.gpu import require_cuda_torch, select_kv_load, tma_built
 
 pytestmark = pytest.mark.gpu
 
@@ -38,7 +38,7 @@ torch = require_cuda_torch()
 
 import pyflashattn  # noqa: E402  (after the GPU probe: the CPU box must skip, not error)
 from pyflashattn._engine.routing import (  # noqa: E402
-    DECODE_MAX_ROWS, KV_LOAD_ENV, built_decode_tiles, decode_tile_rows, tma_fits)
+    DECODE_MAX_ROWS, built_decode_tiles, decode_tile_rows, tma_fits)
 from pyflashattn._runtime import registry as _registry  # noqa: E402
 from pyflashattn.testing import attention_ref, to_numpy_f64  # noqa: E402
 from pyflashattn.testing.frameworks import capture_torch_graph as _capture  # noqa: E402
@@ -84,13 +84,7 @@ def _workspace():
 # taking the kv_load fixture run on both producers.
 @pytest.fixture(params=["default", "tma"])
 def kv_load(request, monkeypatch):
-    if request.param == "tma":
-        if torch.cuda.get_device_capability() != (9, 0):
-            pytest.skip("the TMA K/V kernels are sm_90a only")
-        if not any(r.get("tma") for r in _registry.manifest()["kernels"]):
-            pytest.skip("the TMA twins are not built (make TUNE=1)")
-        monkeypatch.setenv(KV_LOAD_ENV, "tma")
-    _registry.force("prefill", None)  # drops cached plans made under the other load
+    select_kv_load(request.param, monkeypatch)
     yield request.param
     _registry.force("prefill", None)
 

@@ -16,7 +16,8 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from pyflashattn.testing.gpu import cuda_generator, cuda_randn, require_cuda_torch, scratch_workspace, tma_built
+from pyflashattn.testing.gpu import (cuda_generator, cuda_randn, require_cuda_torch, scratch_workspace, select_kv_load,
+                                     tma_built)
 
 pytestmark = pytest.mark.gpu
 
@@ -24,7 +25,7 @@ torch = require_cuda_torch()
 
 import pyflashattn  # noqa: E402
 from pyflashattn._engine import single as single_engine  # noqa: E402
-from pyflashattn._engine.routing import KV_LOAD_ENV, tma_fits  # noqa: E402
+from pyflashattn._engine.routing import tma_fits  # noqa: E402
 from pyflashattn._runtime import registry as _registry  # noqa: E402
 from pyflashattn.testing import attention_ref, to_numpy_f64  # noqa: E402
 from pyflashattn.testing.checks import assert_close, batch_heads_to_check  # noqa: E402
@@ -41,10 +42,7 @@ EDGE_LENS = [1, 63, 64, 65, 127, 128, 129, 255, 257, 1000, 2049, 3001]
 def kv_load(request, monkeypatch):
     if torch.cuda.get_device_capability() != (9, 0):
         pytest.skip("the sm90 family's K/V loads: sm_90a only")
-    if request.param == "tma" and not any(r.get("tma") for r in _registry.manifest()["kernels"]):
-        pytest.skip("the TMA twins are not built (make TUNE=1)")
-    monkeypatch.setenv(KV_LOAD_ENV, request.param)
-    _registry.force("prefill", None)  # drops plans cached under the other load
+    select_kv_load(request.param, monkeypatch)
     yield request.param
     _registry.force("prefill", None)
 

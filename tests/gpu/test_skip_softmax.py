@@ -26,7 +26,7 @@ from collections import OrderedDict
 import numpy as np
 import pytest
 
-from pyflashattn.testing.gpu import require_cuda_torch, scratch_workspace
+from pyflashattn.testing.gpu import page_spans, require_cuda_torch, scratch_workspace
 
 pytestmark = pytest.mark.gpu
 
@@ -95,20 +95,11 @@ def cum(lens):
 def paged(k, v, kl, ps, seed):
     """A [P, 2, ps, Hkv, D] (NHD) cache of k / v on shuffled pages, and its block table [B, M]."""
     rng = np.random.default_rng(seed)
-    pages = [-(-n // ps) for n in kl]
-    total = sum(pages) + 1
-    perm = rng.permutation(total)
-    table = np.full((len(kl), max(max(pages), 1)), total - 1, np.int32)
+    total = sum(-(-n // ps) for n in kl) + 1
+    table, spans = page_spans(kl, ps, rng.permutation(total), total - 1)
     cache = torch.randn(total, 2, ps, k.shape[1], k.shape[2], device=DEV).to(k.dtype)
-    c0, used = 0, 0
-    for b, n in enumerate(kl):
-        for j in range(pages[b]):
-            pid = int(perm[used])
-            used += 1
-            table[b, j] = pid
-            lo, hi = c0 + j * ps, min(c0 + (j + 1) * ps, c0 + n)
-            cache[pid, 0, :hi - lo], cache[pid, 1, :hi - lo] = k[lo:hi], v[lo:hi]
-        c0 += n
+    for pid, lo, hi in spans:
+        cache[pid, 0, :hi - lo], cache[pid, 1, :hi - lo] = k[lo:hi], v[lo:hi]
     return cache, torch.tensor(table, device=DEV)
 
 

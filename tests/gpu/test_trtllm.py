@@ -21,7 +21,7 @@ from collections import OrderedDict
 import numpy as np
 import pytest
 
-from pyflashattn.testing.gpu import require_cuda_torch
+from pyflashattn.testing.gpu import page_spans, require_cuda_torch, select_kv_load
 
 pytestmark = pytest.mark.gpu
 
@@ -29,7 +29,6 @@ torch = require_cuda_torch()
 
 import pyflashattn  # noqa: E402
 from pyflashattn._engine import trtllm as _trtllm, trtllm_device as _trtllm_device  # noqa: E402
-from pyflashattn._engine.routing import KV_LOAD_ENV  # noqa: E402
 from pyflashattn._runtime import registry as _registry  # noqa: E402
 from pyflashattn.testing import to_numpy_f64  # noqa: E402
 from pyflashattn.testing.checks import assert_close  # noqa: E402
@@ -45,17 +44,11 @@ context = pyflashattn.prefill.trtllm_batch_context_with_kv_cache
 
 @pytest.fixture(params=["default", "tma"])
 def kv_load(request, monkeypatch):
-    """The sm90 family's K/V load: what the variant table ships, or the TMA twins
-    (PFA_SM90_KV_LOAD=tma, `make TUNE=1`); the facades' engine caches start empty either way."""
-    if request.param == "tma":
-        if torch.cuda.get_device_capability() != (9, 0):
-            pytest.skip("the TMA K/V kernels are sm_90a only")
-        if not any(r.get("tma") for r in _registry.manifest()["kernels"]):
-            pytest.skip("the TMA twins are not built (make TUNE=1)")
-        monkeypatch.setenv(KV_LOAD_ENV, "tma")
+    """The sm90 family's K/V load: what the variant table ships, or the TMA twins; the facades'
+    engine caches start empty either way."""
+    select_kv_load(request.param, monkeypatch)
     monkeypatch.setattr(_trtllm, "_ENGINES", OrderedDict())
     monkeypatch.setattr(_trtllm_device, "_ENGINES", OrderedDict())
-    _registry.force("prefill", None)
     yield request.param
     _registry.force("prefill", None)
 
@@ -110,23 +103,11 @@ def page_cache(k, v, kl, ps, layout, seed):
     """A paged cache [P, 2, ...] of k / v (a random page permutation, random garbage elsewhere)
     and its int32 block tables [B, M]."""
     rng = np.random.default_rng(seed)
-    pages = [-(-n // ps) for n in kl]
-    total = sum(pages) + 3
-    perm = rng.permutation(total)
-    M = max(max(pages), 1)
-    table = np.full((len(kl), M), total - 1, np.int32)
-    hkv, d = k.shape[1], k.shape[2]
-    cache = torch.randn(total, 2, ps, hkv, d, device=DEV).to(k.dtype) * 4
-    c0, used = 0, 0
-    for b, n in enumerate(kl):
-        for j in range(pages[b]):
-            pid = int(perm[used])
-            used += 1
-            table[b, j] = pid
-            lo, hi = c0 + j * ps, min(c0 + (j + 1) * ps, c0 + n)
-            cache[pid, 0, :hi - lo] = k[lo:hi]
-            cache[pid, 1, :hi - lo] = v[lo:hi]
-        c0 += n
+    total = sum(-(-n // ps) for n in kl) + 3
+    table, spans = page_spans(kl, ps, rng.permutation(total), total - 1)
+    cache = torch.randn(total, 2, ps, k.shape[1], k.shape[2], device=DEV).to(k.dtype) * 4
+    for pid, lo, hi in spans:
+        cache[pid, 0, :hi - lo], cache[pid, 1, :hi - lo] = k[lo:hi], v[lo:hi]
     if layout == "HND":
         cache = cache.transpose(2, 3).contiguous()
     return cache, torch.tensor(table, device=DEV)

@@ -43,7 +43,7 @@ import pyflashattn  # noqa: E402
 from pyflashattn._engine import trtllm as _trtllm, trtllm_device as _trtllm_device  # noqa: E402
 from pyflashattn.testing import attention_ref, nvfp4, to_numpy_f64  # noqa: E402
 from pyflashattn.testing.checks import assert_close  # noqa: E402
-from pyflashattn.testing.gpu import scratch_workspace as _ws  # noqa: E402
+from pyflashattn.testing.gpu import page_spans, scratch_workspace as _ws  # noqa: E402
 
 DEV = "cuda"
 F16, BF16 = torch.float16, torch.bfloat16
@@ -74,18 +74,10 @@ def _last_engine(host):
 def _scatter(kl, ps, rows, pool, perm):
     """Each request's rows ([sum(kl), Hkv, X] per part, parts K then V) into pool [P, 2, ps, Hkv, X]
     at the page ids perm hands out, in order; returns the block table [B, M]."""
-    pages = [-(-n // ps) for n in kl]
-    table = np.full((len(kl), max(max(pages), 1)), pool.shape[0] - 1, np.int32)
-    c0, used = 0, 0
-    for b, n in enumerate(kl):
-        for j in range(pages[b]):
-            pid = int(perm[used])
-            used += 1
-            table[b, j] = pid
-            lo, hi = c0 + j * ps, min(c0 + (j + 1) * ps, c0 + n)
-            for part, r in enumerate(rows):
-                pool[pid, part, :hi - lo] = r[lo:hi]
-        c0 += n
+    table, spans = page_spans(kl, ps, perm, pool.shape[0] - 1)
+    for pid, lo, hi in spans:
+        for part, r in enumerate(rows):
+            pool[pid, part, :hi - lo] = r[lo:hi]
     return table
 
 
