@@ -31,19 +31,6 @@ struct PrefillSm90 : PrefillSm90Config<T, HEAD_DIM, BLOCK_N, CONSUMERS, STAGES, 
   using Cfg = PrefillSm90Config<T, HEAD_DIM, BLOCK_N, CONSUMERS, STAGES, PAGED, TMA>;
   using Consumer = ConsumerSm90<Cfg, PINGPONG, SKIP>;
 
-  static __device__ __forceinline__ void init_barriers(uint32_t base) {
-    ptx::mbar_init(Cfg::q_full(base), Cfg::WG_THREADS);
-#pragma unroll
-    for (int s = 0; s < STAGES; ++s) {
-      // one cp.async arrival per producer thread, or (TMA) the issuing warp's one arrival
-      ptx::mbar_init(Cfg::k_full(base, s), Cfg::TMA ? 1 : Cfg::WG_THREADS);
-      ptx::mbar_init(Cfg::v_full(base, s), Cfg::TMA ? 1 : Cfg::WG_THREADS);
-      ptx::mbar_init(Cfg::k_empty(base, s), CONSUMERS * 4);  // one arrival per consumer warp
-      ptx::mbar_init(Cfg::v_empty(base, s), CONSUMERS * 4);
-    }
-    ptx::mbar_fence_init();
-  }
-
   // wg: the consumer's index (0 .. CONSUMERS - 1); tid: the thread's index within its warpgroup.
   static __device__ __forceinline__ void consume(const PrefillParams& p, const PrefillWork& w, uint32_t base, int wg,
                                                  int tid) {
@@ -67,7 +54,7 @@ struct PrefillSm90 : PrefillSm90Config<T, HEAD_DIM, BLOCK_N, CONSUMERS, STAGES, 
     // costs is no constraint here.
     if (!decode_work<Cfg::BLOCK_M, BLOCK_N, PAGED, false, true>(p, w)) return;
     const int tid = threadIdx.x, wg = tid / Cfg::WG_THREADS;
-    if (tid == 0) init_barriers(base);
+    if (tid == 0) init_ring_barriers<Cfg>(base);
     __syncthreads();
     if (wg == 0) {
       ptx::setmaxnreg_dec<Cfg::PRODUCER_REGS>();

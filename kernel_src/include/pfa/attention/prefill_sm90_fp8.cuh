@@ -38,18 +38,6 @@ struct PrefillSm90Fp8 : PrefillSm90Fp8Config<HEAD_DIM, CONSUMERS, STAGES> {
   using Consumer = ConsumerSm90Fp8<Cfg, PINGPONG, OVERLAP>;
   using OutCfg = Sm90Fp8OutCfg<typename Cfg::Out16, HEAD_DIM>;
 
-  static __device__ __forceinline__ void init_barriers(uint32_t base) {
-    ptx::mbar_init(Cfg::q_full(base), Cfg::WG_THREADS);
-#pragma unroll
-    for (int s = 0; s < STAGES; ++s) {
-      ptx::mbar_init(Cfg::k_full(base, s), Cfg::WG_THREADS);  // one cp.async arrival per producer thread
-      ptx::mbar_init(Cfg::v_full(base, s), Cfg::WG_THREADS);  // one arrival per thread after its transpose
-      ptx::mbar_init(Cfg::k_empty(base, s), CONSUMERS * 4);   // one arrival per consumer warp
-      ptx::mbar_init(Cfg::v_empty(base, s), CONSUMERS * 4);
-    }
-    ptx::mbar_fence_init();
-  }
-
   static __device__ __forceinline__ void consume(const PrefillParams& p, const PrefillWork& w, uint32_t base, int wg,
                                                  int tid) {
     const int lane = tid % 32, warp = tid / 32;
@@ -78,7 +66,7 @@ struct PrefillSm90Fp8 : PrefillSm90Fp8Config<HEAD_DIM, CONSUMERS, STAGES> {
     PrefillWork w;
     if (!decode_work<Cfg::BLOCK_M, Cfg::BLOCK_N, false, false, true>(p, w)) return;
     const int tid = threadIdx.x, wg = tid / Cfg::WG_THREADS;
-    if (tid == 0) init_barriers(base);
+    if (tid == 0) init_ring_barriers<Cfg>(base);
     __syncthreads();
     if (wg == 0) {
       ptx::setmaxnreg_dec<Cfg::PRODUCER_REGS>();

@@ -19,28 +19,33 @@
 #include <cuda_fp8.h>
 #include <stdint.h>
 
+#include "pfa/attention/sm90/pipeline.cuh"
+
 namespace pfa {
 
+// The shared-memory offset of the mbarriers: behind Q, the K and Vt stages and the two raw V tiles
+// (one-byte elements, rows padded to 128 bytes at head_dim 64).
+constexpr int sm90_fp8_bar_offset(int head_dim, int consumers, int stages) {
+  const int row_pad = head_dim < 128 ? 128 : head_dim;
+  return consumers * 64 * row_pad + stages * 128 * row_pad + stages * head_dim * 128 + 2 * 128 * row_pad;
+}
+
 template <int HEAD_DIM_, int CONSUMERS_, int STAGES_>
-struct PrefillSm90Fp8Config {
+struct PrefillSm90Fp8Config : Sm90Pipeline<CONSUMERS_, STAGES_, sm90_fp8_bar_offset(HEAD_DIM_, CONSUMERS_, STAGES_)> {
+  using Base = Sm90Pipeline<CONSUMERS_, STAGES_, sm90_fp8_bar_offset(HEAD_DIM_, CONSUMERS_, STAGES_)>;
+  using Base::ATOM_BYTES, Base::BAR_OFFSET, Base::BLOCK_M, Base::NUM_BARRIERS, Base::ROW_BYTES, Base::STAGES;
   using Elem = __nv_fp8_e4m3;  // Q, K, V
   // The output's "own" 16-bit type for o_format (0 = bf16, 1 = fp16, 2 = e4m3), as the 16-bit
   // kernels' o_format counts from their query dtype.
   using Out16 = __nv_bfloat16;
-  static constexpr int HEAD_DIM = HEAD_DIM_, BLOCK_N = 128, CONSUMERS = CONSUMERS_, STAGES = STAGES_;
+  static constexpr int HEAD_DIM = HEAD_DIM_, BLOCK_N = 128;
   static constexpr bool PAGED = false, TMA = false;
-  static constexpr int WG_THREADS = 128;
-  static constexpr int WG_ROWS = 64;  // rows of one m64 wgmma: one consumer warpgroup
-  static constexpr int THREADS = (CONSUMERS + 1) * WG_THREADS;
-  static constexpr int BLOCK_M = CONSUMERS * WG_ROWS;
   static_assert(HEAD_DIM == 64 || HEAD_DIM % 128 == 0, "fp8: head_dim in whole (or, 64, half) swizzle rows");
 
-  static constexpr int CHUNK_BYTES = 16;
   static constexpr int CHUNK_ELEMS = 16;                 // e4m3 elements per 16-byte chunk
   static constexpr int CPR = HEAD_DIM / CHUNK_ELEMS;     // 16-byte chunks per Q / K / V row
-  static constexpr int ROW_BYTES = 128;                  // one row of one column block
-  static constexpr int ATOM_BYTES = 8 * ROW_BYTES;       // the swizzle's 8-row repeat
-  static constexpr int ROW_PAD = HEAD_DIM < ROW_BYTES ? ROW_BYTES : HEAD_DIM;  // bytes of a stored Q / K / V row
+  // bytes of a stored Q / K / V row (swz: chunk < 4 at head_dim 64, the first half of each row)
+  static constexpr int ROW_PAD = HEAD_DIM < ROW_BYTES ? ROW_BYTES : HEAD_DIM;
   static constexpr int Q_BYTES = BLOCK_M * ROW_PAD;
   static constexpr int K_TILE_BYTES = BLOCK_N * ROW_PAD;   // a K or raw V tile
   static constexpr int VT_TILE_BYTES = HEAD_DIM * BLOCK_N;  // a Vt tile: HEAD_DIM rows of BLOCK_N keys
@@ -49,38 +54,11 @@ struct PrefillSm90Fp8Config {
   static constexpr int V_OFFSET = K_OFFSET + STAGES * K_TILE_BYTES;  // the Vt stages
   static constexpr int RAW_OFFSET = V_OFFSET + STAGES * VT_TILE_BYTES;
   static constexpr int RAW_TILES = 2;
-  static constexpr int BAR_OFFSET = RAW_OFFSET + RAW_TILES * K_TILE_BYTES;
-  // q_full, then per stage k_full, v_full (Vt written), k_empty, v_empty
-  static constexpr int NUM_BARRIERS = 1 + 4 * STAGES;
+  static_assert(BAR_OFFSET == RAW_OFFSET + RAW_TILES * K_TILE_BYTES, "sm90_fp8_bar_offset: the mbarriers follow raw V");
   // + 1024: the dynamic shared memory base is rounded up to the swizzle atom at run time
   static constexpr int SMEM_BYTES = BAR_OFFSET + NUM_BARRIERS * 8 + ATOM_BYTES;
-  // named barriers: 0 = __syncthreads, 1 .. CONSUMERS = the consumers' turns, then the producer's
-  static constexpr int PRODUCER_BAR = 1 + CONSUMERS;
   static_assert(K_TILE_BYTES % ATOM_BYTES == 0 && VT_TILE_BYTES % ATOM_BYTES == 0 && Q_BYTES % ATOM_BYTES == 0,
                 "1024-byte tiles");
-
-  // Producer registers after setmaxnreg, and the consumers' (PrefillSm90Config's split).
-  static constexpr int PRODUCER_REGS = CONSUMERS == 2 ? 40 : 32;
-  static constexpr int CONSUMER_REGS = CONSUMERS == 2 ? 232 : 160;
-  static_assert(PRODUCER_REGS * WG_THREADS + CONSUMER_REGS * WG_THREADS * CONSUMERS <= 65536, "register file");
-
-  // Byte offset of (row, 16-byte chunk) in a swizzled tile of `rows` rows (chunk < 4 at head_dim 64:
-  // the first half of each 128-byte row).
-  static __device__ __forceinline__ uint32_t swz(int rows, int row, int chunk) {
-    return (uint32_t)((chunk >> 3) * rows * ROW_BYTES + row * ROW_BYTES + (((chunk & 7) ^ (row & 7)) << 4));
-  }
-
-  static __device__ __forceinline__ uint32_t q_full(uint32_t base) { return base + BAR_OFFSET; }
-  static __device__ __forceinline__ uint32_t k_full(uint32_t base, int s) { return base + BAR_OFFSET + 8 * (1 + s); }
-  static __device__ __forceinline__ uint32_t v_full(uint32_t base, int s) {
-    return base + BAR_OFFSET + 8 * (1 + STAGES + s);
-  }
-  static __device__ __forceinline__ uint32_t k_empty(uint32_t base, int s) {
-    return base + BAR_OFFSET + 8 * (1 + 2 * STAGES + s);
-  }
-  static __device__ __forceinline__ uint32_t v_empty(uint32_t base, int s) {
-    return base + BAR_OFFSET + 8 * (1 + 3 * STAGES + s);
-  }
 };
 
 }  // namespace pfa

@@ -26,6 +26,7 @@
 
 #include "pfa/attention/kv_source.cuh"
 #include "pfa/attention/params.h"
+#include "pfa/attention/sm90/producer.cuh"
 #include "pfa/attention/work.cuh"
 #include "pfa/ptx/mma_sm80.cuh"
 #include "pfa/ptx/sm90.cuh"
@@ -43,22 +44,9 @@ struct ProducerSm90Fp8 {
   static constexpr int T_STEPS = (BLOCK_N / 16) * (HEAD_DIM / 32);
   static_assert(T_STEPS % 4 == 0 && BLOCK_N == 128, "whole steps per warp; one 128-byte Vt row per dim");
 
-  // Q: BLOCK_M packed rows (row r = token r / group, head kv_head * group + r % group), rows past
-  // the request zero-filled (ProducerSm90::load_q with one-byte elements).
+  // Q (load_q_rows, producer.cuh): one-byte elements, 16 a chunk
   static __device__ __forceinline__ void load_q(const PrefillParams& p, const PrefillWork& w, uint32_t s_q, int tid) {
-    const uint8_t* q = reinterpret_cast<const uint8_t*>(p.q);
-    const uint64_t once = ptx::l2_evict_first();  // each Q row is read by one CTA
-    const int chunk = tid % CPR;
-#pragma unroll 4
-    for (int row = tid / CPR; row < Cfg::BLOCK_M; row += ROW_STEP) {
-      const int r = w.r0 + row;
-      const bool valid = r < w.rows_total;
-      const int rr = valid ? r : 0;
-      const int qi = rr / w.group, h = w.kv_head * w.group + rr % w.group;
-      ptx::cp_async_16_hint(s_q + Cfg::swz(Cfg::BLOCK_M, row, chunk),
-                            q + (w.q_row0 + qi) * p.q_stride_n + h * p.q_stride_h + chunk * Cfg::CHUNK_ELEMS, valid,
-                            once);
-    }
+    load_q_rows<Cfg, uint8_t, CPR, ROW_STEP>(p, w, s_q, tid);
   }
 
   // One K or raw V tile: keys [n0, n0 + BLOCK_N) from `head` (the kv head's base, rows at

@@ -18,6 +18,42 @@
 
 namespace pfa {
 
+// Q: BLOCK_M packed rows (row r = token r / group, head kv_head * group + r % group) of elements E
+// into the 128-byte-swizzled Q tile at s_q, CPR 16-byte chunks a row, ROW_STEP rows between one
+// thread's chunks; rows past the request zero-filled. Shared by the 16-bit and the fp8 producers.
+template <class Cfg, typename E, int CPR, int ROW_STEP>
+__device__ __forceinline__ void load_q_rows(const PrefillParams& p, const PrefillWork& w, uint32_t s_q, int tid) {
+  constexpr int CHUNK_ELEMS = Cfg::CHUNK_BYTES / int(sizeof(E));
+  const E* q = reinterpret_cast<const E*>(p.q);
+  const uint64_t once = ptx::l2_evict_first();  // each Q row is read by one CTA
+  const int chunk = tid % CPR;
+#pragma unroll 4
+  for (int row = tid / CPR; row < Cfg::BLOCK_M; row += ROW_STEP) {
+    const int r = w.r0 + row;
+    const bool valid = r < w.rows_total;
+    const int rr = valid ? r : 0;
+    const int qi = rr / w.group, h = w.kv_head * w.group + rr % w.group;
+    ptx::cp_async_16_hint(s_q + Cfg::swz(Cfg::BLOCK_M, row, chunk),
+                          q + (w.q_row0 + qi) * p.q_stride_n + h * p.q_stride_h + chunk * CHUNK_ELEMS, valid, once);
+  }
+}
+
+// The pipeline's mbarriers (the Cfg's q_full, then per stage k_full, v_full, k_empty, v_empty):
+// the full ones count one arrival per producer thread (its cp.async, or in the fp8 kernels its
+// V transpose), or (TMA) the issuing warp's one; the empty ones one per consumer warp.
+template <class Cfg>
+__device__ __forceinline__ void init_ring_barriers(uint32_t base) {
+  ptx::mbar_init(Cfg::q_full(base), Cfg::WG_THREADS);
+#pragma unroll
+  for (int s = 0; s < Cfg::STAGES; ++s) {
+    ptx::mbar_init(Cfg::k_full(base, s), Cfg::TMA ? 1 : Cfg::WG_THREADS);
+    ptx::mbar_init(Cfg::v_full(base, s), Cfg::TMA ? 1 : Cfg::WG_THREADS);
+    ptx::mbar_init(Cfg::k_empty(base, s), Cfg::CONSUMERS * 4);
+    ptx::mbar_init(Cfg::v_empty(base, s), Cfg::CONSUMERS * 4);
+  }
+  ptx::mbar_fence_init();
+}
+
 template <class Cfg>
 struct ProducerSm90 {
   static constexpr bool PAGED = Cfg::PAGED;
@@ -27,21 +63,8 @@ struct ProducerSm90 {
   static_assert(Cfg::WG_THREADS % CPR == 0 && BLOCK_N % ROW_STEP == 0 && Cfg::BLOCK_M % ROW_STEP == 0,
                 "whole rows per pass");
 
-  // Q: BLOCK_M packed rows (row r = token r / group, head kv_head * group + r % group), rows past
-  // the request zero-filled.
   static __device__ __forceinline__ void load_q(const PrefillParams& p, const PrefillWork& w, uint32_t s_q, int tid) {
-    const T* q = reinterpret_cast<const T*>(p.q);
-    const uint64_t once = ptx::l2_evict_first();  // each Q row is read by one CTA
-    const int chunk = tid % CPR;
-#pragma unroll 4
-    for (int row = tid / CPR; row < Cfg::BLOCK_M; row += ROW_STEP) {
-      const int r = w.r0 + row;
-      const bool valid = r < w.rows_total;
-      const int rr = valid ? r : 0;
-      const int qi = rr / w.group, h = w.kv_head * w.group + rr % w.group;
-      ptx::cp_async_16_hint(s_q + Cfg::swz(Cfg::BLOCK_M, row, chunk),
-                            q + (w.q_row0 + qi) * p.q_stride_n + h * p.q_stride_h + chunk * 8, valid, once);
-    }
+    load_q_rows<Cfg, T, CPR, ROW_STEP>(p, w, s_q, tid);
   }
 
   // One K or V tile: keys [n0, n0 + BLOCK_N) of the request's rows from `head` (the kv head's

@@ -1,0 +1,50 @@
+// What every sm_90a prefill configuration shares (config.cuh: 16-bit Q/K/V, fp8_config.cuh: e4m3):
+// the warp roles (one producer warpgroup, CONSUMERS consumer warpgroups of 64 rows) and their
+// register split, the 128-byte swizzle, and the mbarrier ring at BAR_OFFSET behind the tiles
+// (q_full, then per stage k_full, v_full, k_empty, v_empty). A configuration derives from it with
+// its own layout's BAR_OFFSET.
+#pragma once
+#include <stdint.h>
+
+namespace pfa {
+
+template <int CONSUMERS_, int STAGES_, int BAR_OFFSET_>
+struct Sm90Pipeline {
+  static constexpr int CONSUMERS = CONSUMERS_, STAGES = STAGES_, BAR_OFFSET = BAR_OFFSET_;
+  static constexpr int WG_THREADS = 128;
+  static constexpr int WG_ROWS = 64;  // rows of one m64 wgmma: one consumer warpgroup
+  static constexpr int THREADS = (CONSUMERS + 1) * WG_THREADS;
+  static constexpr int BLOCK_M = CONSUMERS * WG_ROWS;
+  static constexpr int CHUNK_BYTES = 16;
+  static constexpr int ROW_BYTES = 128;             // one row of one column block
+  static constexpr int ATOM_BYTES = 8 * ROW_BYTES;  // the swizzle's 8-row repeat
+  static constexpr int NUM_BARRIERS = 1 + 4 * STAGES;
+  // named barriers: 0 = __syncthreads, 1 .. CONSUMERS = the consumers' turns, then the producer's
+  static constexpr int PRODUCER_BAR = 1 + CONSUMERS;
+
+  // Producer registers after setmaxnreg, and the consumers': together within the register file
+  // (65536 per SM, one CTA per SM).
+  static constexpr int PRODUCER_REGS = CONSUMERS == 2 ? 40 : 32;
+  static constexpr int CONSUMER_REGS = CONSUMERS == 2 ? 232 : 160;
+  static_assert(PRODUCER_REGS * WG_THREADS + CONSUMER_REGS * WG_THREADS * CONSUMERS <= 65536, "register file");
+
+  // Byte offset of (row, 16-byte chunk) in a swizzled tile of `rows` rows.
+  static __device__ __forceinline__ uint32_t swz(int rows, int row, int chunk) {
+    return (uint32_t)((chunk >> 3) * rows * ROW_BYTES + row * ROW_BYTES + (((chunk & 7) ^ (row & 7)) << 4));
+  }
+
+  // mbarrier addresses (shared window) from the aligned base.
+  static __device__ __forceinline__ uint32_t q_full(uint32_t base) { return base + BAR_OFFSET; }
+  static __device__ __forceinline__ uint32_t k_full(uint32_t base, int s) { return base + BAR_OFFSET + 8 * (1 + s); }
+  static __device__ __forceinline__ uint32_t v_full(uint32_t base, int s) {
+    return base + BAR_OFFSET + 8 * (1 + STAGES + s);
+  }
+  static __device__ __forceinline__ uint32_t k_empty(uint32_t base, int s) {
+    return base + BAR_OFFSET + 8 * (1 + 2 * STAGES + s);
+  }
+  static __device__ __forceinline__ uint32_t v_empty(uint32_t base, int s) {
+    return base + BAR_OFFSET + 8 * (1 + 3 * STAGES + s);
+  }
+};
+
+}  // namespace pfa
