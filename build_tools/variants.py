@@ -209,8 +209,26 @@ class PrefillVariant:
                                 and self.kv_dtype != "nvfp4")
 
 
+class Sm90Roles:
+    """What the sm_90a variants share with their kernels' Sm90Pipeline (sm90/pipeline.cuh): one
+    producer warpgroup and `consumers` consumer warpgroups of 64 rows, tiles aligned to the
+    1024-byte swizzle atom, 8-byte mbarriers."""
+    WG_ROWS = 64
+    WG_THREADS = 128
+    ATOM_BYTES = 1024  # the 128-byte swizzle's 8-row atom: tiles aligned to it (slack for the base)
+    BARRIER_BYTES = 8
+
+    @property
+    def block_m(self):
+        return self.consumers * self.WG_ROWS
+
+    @property
+    def threads(self):
+        return (self.consumers + 1) * self.WG_THREADS
+
+
 @dataclass(frozen=True)
-class HopperPrefillVariant:
+class HopperPrefillVariant(Sm90Roles):
     """A row of the sm_90a prefill family (prefill_sm90.cuh): one producer warpgroup and
     `consumers` warpgroups of 64 rows (BLOCK_M = 64 * consumers), a `stages`-deep K/V ring of
     block_n-key tiles. The registry prefers it on sm_90a wherever a row matches the call; what it
@@ -233,19 +251,6 @@ class HopperPrefillVariant:
     tune: bool = False
     impl: str = SM90
     archs: tuple = IMPL_ARCHS[SM90]
-
-    WG_ROWS = 64
-    WG_THREADS = 128
-    ATOM_BYTES = 1024  # the 128-byte swizzle's 8-row atom: tiles aligned to it (slack for the base)
-    BARRIER_BYTES = 8
-
-    @property
-    def block_m(self):
-        return self.consumers * self.WG_ROWS
-
-    @property
-    def threads(self):
-        return (self.consumers + 1) * self.WG_THREADS
 
     @property
     def smem_bytes(self):
@@ -285,7 +290,7 @@ class HopperPrefillVariant:
 
 
 @dataclass(frozen=True)
-class HopperFp8PrefillVariant:
+class HopperFp8PrefillVariant(Sm90Roles):
     """A row of the sm_90a fp8 prefill (prefill_sm90_fp8.cuh): e4m3 Q, K and V on e4m3 wgmma, into
     a bf16 / fp16 / e4m3 output (o_format counted from bf16). One producer warpgroup (Q, K, and V
     transposed for the P V wgmma) and `consumers` warpgroups of 64 rows; 128-key tiles (one Vt row
@@ -305,20 +310,8 @@ class HopperFp8PrefillVariant:
     block_n = 128
     paged = False
     tma = False
-    WG_ROWS = 64
-    WG_THREADS = 128
-    ATOM_BYTES = 1024
-    BARRIER_BYTES = 8
     RAW_V_TILES = 2  # PrefillSm90Fp8Config::RAW_TILES
     ROW_BYTES = 128  # one 128-byte swizzle row
-
-    @property
-    def block_m(self):
-        return self.consumers * self.WG_ROWS
-
-    @property
-    def threads(self):
-        return (self.consumers + 1) * self.WG_THREADS
 
     @property
     def smem_bytes(self):
