@@ -186,3 +186,22 @@ def test_missing_cubin_says_rebuild(cubin_tree):
     path.unlink()
     with pytest.raises(RuntimeError, match=r"pfa_merge_bf16\.cubin.*rebuild"):
         _registry.new_launcher("merge", 0, dtype="bf16")
+
+
+def test_force_family_env_picks_one_family(fake, monkeypatch):
+    """PFA_FORCE_FAMILY runs either family on the same call; a bad value names the variable."""
+    mma = _row("pfa_prefill_sm80_x", "sm_90a", impl="sm80")
+    hopper = _row("pfa_prefill_sm90_x", "sm_90a", impl="sm90")
+    fake([mma, hopper], H100)
+    monkeypatch.delenv("PFA_FORCE_FAMILY", raising=False)
+    assert _registry.find("prefill", 0, dtype="bf16", head_dim=128)["name"] == "pfa_prefill_sm90_x"
+    monkeypatch.setenv("PFA_FORCE_FAMILY", "sm80")
+    assert _registry.find("prefill", 0, dtype="bf16", head_dim=128)["name"] == "pfa_prefill_sm80_x"
+    monkeypatch.setenv("PFA_FORCE_FAMILY", "sm90")
+    assert _registry.find("prefill", 0, dtype="bf16", head_dim=128)["name"] == "pfa_prefill_sm90_x"
+    fake([mma], A100 | {"cc": (8, 0)})
+    with pytest.raises(RuntimeError):  # sm80 GPUs have no sm90 rows: no kernel, said plainly
+        _registry.find("prefill", 0, dtype="bf16", head_dim=128)
+    monkeypatch.setenv("PFA_FORCE_FAMILY", "sm100")
+    with pytest.raises(ValueError, match="PFA_FORCE_FAMILY"):
+        _registry.find("prefill", 0, dtype="bf16", head_dim=128)

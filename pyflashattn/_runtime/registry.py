@@ -36,6 +36,11 @@ IMPL_PREFERENCE: dict[str, tuple[str, ...]] = {
     "sm_89": ("sm80",),
     "sm_90a": ("sm90", "sm80"),
 }
+# PFA_FORCE_FAMILY=sm80|sm90: every arch picks only that family's rows (benchmarks and tests run
+# either family on the same inputs). Read at each kernel lookup; plans and launchers already made
+# keep theirs (registry.force("prefill", None) drops the cached ones). A call the forced family
+# does not cover finds no kernel and says so.
+FORCE_FAMILY_ENV = "PFA_FORCE_FAMILY"
 PORTABLE = "portable"  # variants.py's impl of the merge / packbits rows (also: rows without "impl")
 DECODE_TILE_ROWS = 16  # the decode tile picked unless another is named: one warp's m16 row tile
 
@@ -148,8 +153,18 @@ def _impl_rank(row: dict, arch: str):
     impl = row.get("impl", PORTABLE)
     if impl == PORTABLE:
         return 0
-    order = IMPL_PREFERENCE.get(arch, ())
+    order = _forced_family() or IMPL_PREFERENCE.get(arch, ())
     return order.index(impl) if impl in order else None
+
+
+def _forced_family() -> tuple:
+    """PFA_FORCE_FAMILY as a one-family preference order, or () when unset."""
+    fam = os.environ.get(FORCE_FAMILY_ENV)
+    if not fam:
+        return ()
+    if fam not in ("sm80", "sm90"):
+        raise ValueError(f"{FORCE_FAMILY_ENV}={fam!r}: must be sm80 or sm90 (or unset)")
+    return (fam,)
 
 
 def _pick(rows, family: str, archs: list, want_name, match: dict):
@@ -182,6 +197,7 @@ def _find(family: str, device_id: int, match: dict) -> dict:
     if not archs:
         raise RuntimeError(f"pyflashattn has no kernels for compute capability {cc[0]}.{cc[1]} "
                            "(supported: 8.x as sm_80/sm_89, 9.0 as sm_90a)")
+    _forced_family()  # a bad PFA_FORCE_FAMILY is refused before any lookup
     m = manifest()
     rows = m["kernels"]
     want_name = match.pop("name", None)
