@@ -120,6 +120,10 @@ def attend(dev, workspace, kv_layout, q, kv, heads, dtypes, mask, pos, cap, s1, 
                                  launch.call_stream(None, qv.framework, dev))
     p = e.attn.params
     p.scale_dev, p.v_scale_dev = s1[1], s2[1]
+    if paging is not None and not on_device:
+        # the pages the ids may address, as trtllm_device.point sets them: the tuple form's V ids
+        # count from K's base past K's pages, and V's TMA map (BatchEngine._point_maps) spans them
+        p.num_pages = max(paging.k_pages, paging.v_pages)
     p.softmax_stats = st_v.ptr if st_v is not None else 0
     finish = None
     if o_sf_scale is not None:  # out: the FP4Tensor's data from here on

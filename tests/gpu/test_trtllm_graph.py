@@ -12,18 +12,20 @@ reference (checks.assert_close: NaN never passes).
 from __future__ import annotations
 
 import math
+from collections import OrderedDict
 
 import numpy as np
 import pytest
 
-from pyflashattn.testing.gpu import cuda_generator, cuda_randn, require_cuda_torch, require_cupy, scratch_workspace
+from pyflashattn.testing.gpu import (cuda_generator, cuda_randn, require_cuda_torch, require_cupy, scratch_workspace,
+                                     select_kv_load)
 
 pytestmark = pytest.mark.gpu
 
 torch = require_cuda_torch()
 
 import pyflashattn  # noqa: E402
-from pyflashattn._engine import metadata_check  # noqa: E402
+from pyflashattn._engine import metadata_check, trtllm as _trtllm  # noqa: E402
 from pyflashattn.testing.checks import assert_close  # noqa: E402
 from pyflashattn.testing.frameworks import capture_torch_graph  # noqa: E402
 from pyflashattn.testing.reference import attention_ref  # noqa: E402
@@ -140,9 +142,12 @@ class Static:
 FORMS = ["separate_q_k_v", "contiguous", "fmha_paged", "fmha_tuple", "context", "context_separate"]
 
 
-def call_for(st: Static, form, layout):
-    """The captured call of each form (out given, device metadata)."""
+def call_for(st: Static, form, layout, host=False):
+    """The captured call of each form (out given, device metadata; host: the metadata copied to
+    numpy arrays at each call instead, the host path)."""
     ws = scratch_workspace()
+    if host:
+        return lambda: call_for(HostMeta(st), form, layout)()
     common = dict(workspace_buffer=ws, seq_lens=st.sl, max_q_len=MAX_Q, max_kv_len=MAX_KV, bmm1_scale=SCALE1,
                   bmm2_scale=SCALE2, batch_size=B, cum_seq_lens_q=st.cq, cum_seq_lens_kv=st.ck, out=st.out)
     if form == "separate_q_k_v":
@@ -160,6 +165,32 @@ def call_for(st: Static, form, layout):
     return lambda: context(st.q, st.cache, ws, st.table3 if separate else st.table2, st.sl, MAX_Q, MAX_KV, SCALE1,
                            SCALE2, B, st.cq, st.ck, out=st.out, kv_layout=layout,
                            uses_shared_paged_kv_idx=not separate)
+
+
+class HostMeta:
+    """st with its metadata (lengths, block tables) as numpy copies: the host-metadata path."""
+
+    def __init__(self, st: Static):
+        self.__dict__.update(st.__dict__)
+        for name in ("sl", "cq", "ck", "table2", "table3"):
+            setattr(self, name, getattr(st, name).cpu().numpy())
+
+
+@pytest.mark.parametrize("kv_load", ["default", "tma"])
+@pytest.mark.parametrize("form", ["fmha_tuple", "context_separate"])
+def test_separate_ids_host_metadata(form, kv_load, monkeypatch):
+    """Separate K / V page ids from host metadata on both sm90 K/V loads: the tuple form's V ids
+    count from K's base past K's pages, which V's tensor map must span."""
+    select_kv_load(kv_load, monkeypatch)
+    monkeypatch.setattr(_trtllm, "_ENGINES", OrderedDict())
+    st = Static("HND")
+    fn = call_for(st, form, "HND", host=True)
+    for seed in (21, 22):
+        b = Batch(seed, True)
+        _load(st, b, form, "HND")
+        fn()
+        torch.cuda.synchronize()
+        b.check(st.out, f"{form} host {kv_load} {seed}")
 
 
 def _load(st, b, form, layout):
