@@ -168,12 +168,15 @@ def call_for(st: Static, form, layout, host=False):
 
 
 class HostMeta:
-    """st with its metadata (lengths, block tables) as numpy copies: the host-metadata path."""
+    """st with its metadata (lengths, block tables) as numpy copies: the host-metadata path, whose
+    exact plan takes q / out of exactly the batch's tokens (views of st's)."""
 
     def __init__(self, st: Static):
         self.__dict__.update(st.__dict__)
         for name in ("sl", "cq", "ck", "table2", "table3"):
             setattr(self, name, getattr(st, name).cpu().numpy())
+        n = int(self.cq[-1])
+        self.q, self.out = st.q[:n], st.out[:n]
 
 
 @pytest.mark.parametrize("kv_load", ["default", "tma"])
