@@ -101,7 +101,8 @@ PREFILL = (
         ("qo_max_len", "i32", "> 0: qo_indptr is the caller's device array (TRT-LLM): a request's first row is "
          "clamped into [0, q_tokens] and its length to qo_max_len (the plan's row tiles cover it) and the tokens "
          "left, so bad metadata never reads or writes outside q / o; 0 = qo_indptr built by plan() (trusted)"),
-        ("kv_tokens", "i32", "ragged K/V with kv_max_len > 0: rows in K / V (a request's rows are clamped into them)"),
+        ("kv_tokens", "i32", "ragged K/V: rows in K / V (with kv_max_len > 0 a request's rows are clamped into "
+         "them; the TMA kernels issue a box only within them; 0 = unknown: a request's last tile is copied)"),
         ("num_pages", "i32", "paged KV: pages in the cache; a page id outside [0, num_pages) is clamped into it, "
          "so bad metadata never reads outside the cache (0 = ids trusted, plan() checked them)"),
         ("spec_mask_words", "i32", "> 0: custom_mask is a speculative-decoding mask (XQA's): per query row "

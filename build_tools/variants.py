@@ -255,11 +255,12 @@ class HopperPrefillVariant(Sm90Roles):
     @property
     def smem_bytes(self):
         # PrefillSm90Config::SMEM_BYTES: Q, STAGES K and V tiles, 1 + 4 * STAGES mbarriers, (paged by
-        # cp.async) two tiles' page ids, the alignment slack
+        # cp.async) two tiles' page ids, (TMA) the tail tile's mbarrier, the alignment slack
         tile = self.block_n * self.head_dim * HALF_BYTES
         ids = 2 * self.block_n * PAGE_ID_BYTES if self.paged and not self.tma else 0
+        tail = self.BARRIER_BYTES if self.tma else 0
         return (self.block_m * self.head_dim * HALF_BYTES + 2 * self.stages * tile
-                + (1 + 4 * self.stages) * self.BARRIER_BYTES + ids + self.ATOM_BYTES)
+                + (1 + 4 * self.stages) * self.BARRIER_BYTES + ids + tail + self.ATOM_BYTES)
 
     def fits(self, arch):
         return self.smem_bytes <= SMEM_OPTIN[arch]
@@ -364,7 +365,7 @@ HOPPER_TILES_PAGED = {64: (128, 2, 3), 128: (128, 2, 3), 256: (80, 2, 2)}
 # has a TMA twin of the same tile (name + "_tma"): a shipped row where the storage says "tma" (the
 # routing then prefers it: pyflashattn/_engine/routing.kv_load_pair), else a tune row (`make TUNE=1`,
 # run by PFA_SM90_KV_LOAD=tma for A/B runs). Flip an entry to ship TMA for that storage.
-HOPPER_KV_LOAD = {"ragged": "cpasync", "paged": "tma"}
+HOPPER_KV_LOAD = {"ragged": "tma", "paged": "tma"}
 # Alternatives for `make TUNE=1`: FA3's non-causal hd128 tile (176 keys), a third K/V stage at hd128,
 # two consumers (128 rows) at hd64.
 HOPPER_TUNE_TILES = [(128, (176, 2, 2)), (128, (128, 2, 3)), (64, (128, 2, 3))]

@@ -715,13 +715,14 @@ class BatchEngine:
         total_kv = self.src.total_kv
         if self.device_lengths and kv.ndim == 3:  # the kernel clamps each request's rows into K / V
             total_kv = kv.shape[0 if self.kv_layout == "NHD" else 1]
-            self.attn.params.kv_tokens = total_kv
         want = (total_kv, Hkv, D) if self.kv_layout == "NHD" else (Hkv, total_kv, D)
         for t, n in ((kv, "k"), (vv, "v")):
             if t.shape != want:
                 raise ValueError(f"{n} must have shape {want} (kv_indptr[-1], num_kv_heads, head_dim in "
                                  f"{self.kv_layout}), got {t.shape}")
         p = self.attn.params
+        # K / V's rows: device lengths are clamped into them; a TMA kernel's boxes stay within them
+        p.kv_tokens = total_kv
         p.k, p.v = kv.ptr, vv.ptr
         p.k_stride_n, p.k_stride_h = operands.ragged_kv_strides(self.kv_layout, kv.strides)
         p.v_stride_n, p.v_stride_h = operands.ragged_kv_strides(self.kv_layout, vv.strides)

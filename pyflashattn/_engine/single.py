@@ -216,6 +216,7 @@ class SinglePlan:
             self.tma_geometry = geometry(self.attn.meta["block_n"])
             self.kv_maps = tma.KvMaps(self.dtype.short, p)
         p.qo_len, p.kv_len = qo_len, kv_len
+        p.kv_tokens = kv_len  # K / V's rows: a TMA kernel's boxes stay within them
         params.fill_score_fields(p, self.dev, num_qo_heads, num_kv_heads, causal, window_left, sm_scale, opts)
         p.o_format = self.o_format
         self._size_workspace(qo_len, num_qo_heads, head_dim, opts)

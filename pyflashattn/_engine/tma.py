@@ -15,8 +15,9 @@ once per process and rank (two more encodes of probe addresses: the difference m
 address, or address / 16, at one bit position) and checked on a third; where a driver's maps do
 not follow that, each new address goes through cuTensorMapReplaceAddress (the documented way,
 about a us more per map). Ragged maps cover ROW_EXTENT rows whatever the plan's length: the kernel never
-issues a box past a request's last key (it copies the tile holding that key), so one geometry
-serves every plan and a CUDA graph's captured map stays right after a re-plan.
+issues a box past K / V's rows (PrefillParams.kv_tokens, set by run(); a tile whose box would pass
+them is copied), so one geometry serves every plan and a CUDA graph's captured map stays right
+after a re-plan.
 """
 from __future__ import annotations
 

@@ -5,10 +5,11 @@ rows until variants.HOPPER_KV_LOAD ships them, so "tma" needs `make TUNE=1`).
 The edges of producer_tma.cuh: page sizes whose pages make whole boxes (16..256; hd256's 80-key
 tiles: 16, 40, 80, 160) and those that stay on cp.async (1, 8, 24, 48); pages in random order;
 lengths around the tile and page boundaries (1, 63, 64, 65, 127, 128, 129, ps +- 1), so the tile
-holding a request's last key (copied with zero fill, never by TMA) is every kind of partial;
-NaN and Inf in every cache slot no request owns (the tail of each last page, unused pages) and
-NaN rows after a ragged K/V tensor's end (a slice of a bigger buffer): a box that read them
-would poison O through 0 * NaN in P V; split KV (chunk ends inside a request); GQA, causal, NHD
+holding a request's last key (by TMA with V's rows past the request zeroed, or copied with zero
+fill where its box would pass the tensor's end) is every kind of partial;
+NaN and Inf in every cache slot no request owns (the tail of each last page, unused pages), in
+the next request's rows of a ragged K/V, and NaN rows after a ragged K/V tensor's end (a slice
+of a bigger buffer): a box that read them into O would poison it through 0 * NaN in P V; split KV (chunk ends inside a request); GQA, causal, NHD
 and HND; a broadcast K view (stride 0) that TMA cannot address, which runs on the cp.async twin.
 """
 from __future__ import annotations
@@ -163,6 +164,37 @@ def test_ragged_edges_and_nan_after_the_tensor(d, dt, causal, hq, hkv, layout, s
     _check(q, lambda i: nhd(k, i), lambda i: nhd(v, i), qo_lens, kv_lens, o, lse, causal, dt, "ragged", hq)
 
 
+@pytest.mark.parametrize("d,dt,causal", [(128, BF16, False), (64, F16, True), (256, BF16, False)])
+def test_ragged_nan_in_the_next_request_stays_there(d, dt, causal, kv_load):
+    """A tail box of request i reads request i + 1's first rows (a ragged K/V holds them next):
+    with NaN in that request's V and Inf in its K, every other request stays exact (the producer
+    zeroes V's rows past a request before P V; masked keys ignore K). The poisoned request's own
+    output is NaN, as it must be."""
+    hq, hkv = 16, 4
+    g = cuda_generator("tma-ragged-next", d, causal)
+    kv_lens, bad = [300, 129, 1000, 65, 777], 2
+    qo_lens = [100, 129, 64, 65, 200]
+    ki, qi = _indptr(kv_lens), _indptr(qo_lens)
+    total = int(ki[-1])
+    k, v = cuda_randn((total, hkv, d), g, dt), cuda_randn((total, hkv, d), g, dt)
+    k[ki[bad]:ki[bad + 1]] = float("inf")
+    v[ki[bad]:ki[bad + 1]] = NAN
+    q = cuda_randn((int(qi[-1]), hq, d), g, dt)
+    w = pyflashattn.BatchPrefillWithRaggedKVCacheWrapper(scratch_workspace(), "NHD")
+    w.plan(qi, ki, hq, hkv, d, causal=causal, q_data_type=dt)
+    _assert_load(w, kv_load, False, 0)
+    o = torch.full_like(q, NAN)
+    lse = torch.full((q.shape[0], hq), NAN, dtype=torch.float32, device="cuda")
+    w.run(q, k, v, out=o, lse=lse)
+    torch.cuda.synchronize()
+    keep = [i for i in range(len(kv_lens)) if i != bad]
+    rows = lambda t: torch.cat([t[qi[i]:qi[i + 1]] for i in keep])  # noqa: E731
+    _check(rows(q), lambda i: k[ki[keep[i]]:ki[keep[i] + 1]], lambda i: v[ki[keep[i]]:ki[keep[i] + 1]],
+           [qo_lens[i] for i in keep], [kv_lens[i] for i in keep],
+           rows(o), rows(lse), causal, dt, "ragged next-request NaN", hq)
+    assert torch.isnan(o[qi[bad]:qi[bad + 1]].float()).any(), "the poisoned request's own output should be NaN"
+
+
 def test_broadcast_k_runs_on_the_cp_async_twin(kv_load):
     """K with a zero head stride (one head expanded over the kv heads) passes the operand checks
     but no tensor map: the TMA plan launches its cp.async twin for it, with the same result."""
@@ -195,7 +227,8 @@ def test_broadcast_k_runs_on_the_cp_async_twin(kv_load):
 
 @pytest.mark.parametrize("d,kv_len,causal", [(128, 3001, False), (128, 1000, True), (64, 4097, True), (256, 777, False)])
 def test_single_prefill_tail_tile(d, kv_len, causal, kv_load):
-    """Single prefill on the TMA twin (its tail tile copied, its map over ROW_EXTENT rows)."""
+    """Single prefill on the TMA twin (its tail tile copied: a box would pass K / V's end; its map
+    over ROW_EXTENT rows)."""
     hq, hkv, dt = 2048 // d, 2048 // d // 2, BF16
     g = cuda_generator("tma-single", d, kv_len, causal)
     qo = kv_len if not causal else kv_len // 2

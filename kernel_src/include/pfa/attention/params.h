@@ -83,7 +83,7 @@ struct PrefillParams {
   int32_t kv_max_len;  // key counts read from the device are clamped to it: block table (kv_seq_lens), at most the keys its table row's planned pages hold, so no row is read past its table; ragged (> 0: kv_indptr is the caller's device array, TRT-LLM), with kv_tokens; 0 = ragged kv_indptr built by plan()
   int32_t q_tokens;  // with qo_max_len: tokens in q / o
   int32_t qo_max_len;  // > 0: qo_indptr is the caller's device array (TRT-LLM): a request's first row is clamped into [0, q_tokens] and its length to qo_max_len (the plan's row tiles cover it) and the tokens left, so bad metadata never reads or writes outside q / o; 0 = qo_indptr built by plan() (trusted)
-  int32_t kv_tokens;  // ragged K/V with kv_max_len > 0: rows in K / V (a request's rows are clamped into them)
+  int32_t kv_tokens;  // ragged K/V: rows in K / V (with kv_max_len > 0 a request's rows are clamped into them; the TMA kernels issue a box only within them; 0 = unknown: a request's last tile is copied)
   int32_t num_pages;  // paged KV: pages in the cache; a page id outside [0, num_pages) is clamped into it, so bad metadata never reads outside the cache (0 = ids trusted, plan() checked them)
   int32_t spec_mask_words;  // > 0: custom_mask is a speculative-decoding mask (XQA's): per query row spec_mask_words little-endian 32-bit words, bit j = draft key j of the request's last qo_len keys; the keys before the drafts are always visible. 0 = custom_mask is packed bits q * kv_len + kv
   int32_t chunk_shift;  // chunked attention (TRT-LLM): log2 of the chunk size (>= 1); with causal, row q also needs kv >= floor(pos(q) / chunk) * chunk (MaskRule::left); 0 = none (a zeroed struct)

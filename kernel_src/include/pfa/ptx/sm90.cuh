@@ -64,6 +64,11 @@ __device__ __forceinline__ void cp_async_16_hint(uint32_t dst, const void* src, 
 // generic) before later async-proxy accesses (wgmma operand reads, TMA).
 __device__ __forceinline__ void fence_proxy_async() { asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory"); }
 
+// Sixteen zero bytes at a shared-memory address (the TMA producer's zeroed tail rows).
+__device__ __forceinline__ void st_shared_zero16(uint32_t addr) {
+  asm volatile("st.shared.v4.b32 [%0], {%1, %1, %1, %1};\n" ::"r"(addr), "r"(0) : "memory");
+}
+
 // Arrive on named barrier `id` without waiting (the threads that bar.sync on it wait for
 // `threads` arrivals in all). Barrier 0 is __syncthreads'.
 __device__ __forceinline__ void bar_arrive(int id, int threads) {

@@ -5,7 +5,7 @@
 // 128-byte-swizzle layout (ptx/sm90.cuh): column blocks of 64 elements, 128-byte rows, chunk c of
 // row r at c ^ (r % 8). Layout, each part 1024-byte aligned:
 //   Q [BLOCK_M x D] | K stages [STAGES][BLOCK_N x D] | V stages [STAGES][BLOCK_N x D] | mbarriers
-//   | (PAGED, by cp.async) page ids [2][BLOCK_N]
+//   | (PAGED, by cp.async) page ids [2][BLOCK_N] | (TMA) the tail tile's mbarrier
 #pragma once
 #include <stdint.h>
 
@@ -50,8 +50,12 @@ struct PrefillSm90Config
   // tile's ids while its threads may still read the previous tile's); TMA keeps them in registers
   static constexpr int IDS_OFFSET = BAR_OFFSET + NUM_BARRIERS * 8;
   static constexpr int IDS_BYTES = PAGED && !TMA ? 2 * BLOCK_N * 4 : 0;
+  // TMA: the mbarrier a request's last V tile lands on before the producer zeroes its rows past
+  // kv_len and completes the stage itself (producer_tma.cuh)
+  static constexpr int TAIL_BAR_OFFSET = IDS_OFFSET + IDS_BYTES;
+  static constexpr int TAIL_BAR_BYTES = TMA ? 8 : 0;
   // + 1024: the dynamic shared memory base is rounded up to the swizzle atom at run time
-  static constexpr int SMEM_BYTES = IDS_OFFSET + IDS_BYTES + ATOM_BYTES;
+  static constexpr int SMEM_BYTES = TAIL_BAR_OFFSET + TAIL_BAR_BYTES + ATOM_BYTES;
   // named barriers after the pipeline's (sm90/pipeline.cuh): each consumer's skip-softmax vote
   static constexpr int SKIP_VOTE_BAR = PRODUCER_BAR + 1;  // + the consumer's index
   static_assert(SKIP_VOTE_BAR + CONSUMERS <= 16, "16 named barriers");

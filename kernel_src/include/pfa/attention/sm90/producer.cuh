@@ -40,7 +40,8 @@ __device__ __forceinline__ void load_q_rows(const PrefillParams& p, const Prefil
 
 // The pipeline's mbarriers (the Cfg's q_full, then per stage k_full, v_full, k_empty, v_empty):
 // the full ones count one arrival per producer thread (its cp.async, or in the fp8 kernels its
-// V transpose), or (TMA) the issuing warp's one; the empty ones one per consumer warp.
+// V transpose), or (TMA) the issuing warp's one; the empty ones one per consumer warp; (TMA) the
+// tail tile's barrier one, the issuing warp's.
 template <class Cfg>
 __device__ __forceinline__ void init_ring_barriers(uint32_t base) {
   ptx::mbar_init(Cfg::q_full(base), Cfg::WG_THREADS);
@@ -51,6 +52,7 @@ __device__ __forceinline__ void init_ring_barriers(uint32_t base) {
     ptx::mbar_init(Cfg::k_empty(base, s), Cfg::CONSUMERS * 4);
     ptx::mbar_init(Cfg::v_empty(base, s), Cfg::CONSUMERS * 4);
   }
+  if constexpr (Cfg::TMA) ptx::mbar_init(base + Cfg::TAIL_BAR_OFFSET, 1);
   ptx::mbar_fence_init();
 }
 

@@ -13,10 +13,15 @@
 // into a register (and V's, where the call has separate V page ids: PrefillParams::v_page_indices):
 // no per-row address math, no shared-memory staging, no warpgroup barrier.
 //
-// The tile holding the request's last key (n0 + BLOCK_N > kv_len) is copied by the warp with
-// zero-filled cp.async instead: TMA would bring the keys past kv_len (the next request's rows, a
-// last page's unused slots, which may hold NaN or Inf and make 0 * V NaN in O += P V). So no box
-// ever reads past a request's keys, and the ragged map's row extent need not follow the plan.
+// The tile holding the request's last key (the tail: n0 + BLOCK_N > kv_len) goes by TMA too where
+// its boxes stay inside the tensors: paged, the boxes of the request's own pages (none past them:
+// the page table ends there); ragged, a box ending within K / V's rows (PrefillParams::kv_tokens;
+// the ragged map's row extent is ROW_EXTENT, so the map itself bounds nothing). Its V boxes land on
+// the tail barrier instead of the stage's; the warp then zeroes V's rows at or past kv_len (a last
+// page's unused slots, the next request's rows, or a box not issued may hold NaN / Inf, and
+// 0 * NaN is NaN in O += P V) and completes the stage itself. K's rows past kv_len need nothing:
+// the consumers mask those keys to -inf whatever S holds. A tail whose box would pass the tensor
+// (the last request of a ragged K / V, kv_tokens 0) is copied by the warp with zero-filled cp.async.
 #pragma once
 #include <stdint.h>
 
@@ -49,32 +54,60 @@ struct ProducerSm90Tma {
     return fits ? min(ps, BLOCK_N) : 0;
   }
 
-  // Paged: the page id of this lane's box in the tile at n0 (0 when the lane has no box), from K's
-  // page table (V = false) or V's (page_table: K's unless the call has separate V ids).
+  // Whether the tile at n0 goes by TMA (see the header): whole tiles always, the tail where its
+  // boxes stay inside the tensors.
+  static __device__ __forceinline__ bool by_tma(const PrefillParams& p, const PrefillWork& w, int rows, int n0) {
+    if (rows == 0) return false;
+    if (PAGED || n0 + BLOCK_N <= w.kv_len) return true;
+    return (int64_t)w.kv_row0 + n0 + BLOCK_N <= (int64_t)p.kv_tokens;
+  }
+  // Boxes of the tile at n0 that start below kv_len (all of them but in the tail).
+  static __device__ __forceinline__ int live_boxes(const PrefillWork& w, int rows, int n0) {
+    return min(BLOCK_N / rows, (w.kv_len - n0 + rows - 1) / rows);
+  }
+
+  // Paged: the page id of this lane's box in the tile at n0 (0 when the lane has no live box), from
+  // K's page table (V = false) or V's (page_table: K's unless the call has separate V ids).
   template <bool V>
   static __device__ __forceinline__ int32_t box_page_id(const PrefillParams& p, const PrefillWork& w, int n0,
-                                                        int rows, bool active, int box) {
-    if (!active) return 0;
+                                                        int rows, int box) {
+    if (box >= live_boxes(w, rows, n0)) return 0;
     const int t = n0 + box * rows;
     const int32_t* pages = page_table<V>(p) + w.page_base;
     return checked_page_id(p, __ldg(pages + (p.page_shift >= 0 ? t >> p.page_shift : t / p.page_size)));
   }
 
-  // One K or V tile by TMA: lane 0 announces the tile's bytes, every lane with a box issues it.
+  // One K or V tile by TMA, its first `live` boxes (live_boxes) completing on `bar`: lane 0
+  // announces their bytes, every lane with a live box issues it.
   static __device__ __forceinline__ void tma_tile(const PrefillParams& p, const PrefillWork& w, uint32_t s_tile,
-                                                  const void* tmap, uint32_t full, int n0, int rows, int32_t id,
-                                                  bool active, int box, int col, int lane, uint64_t policy) {
-    if (lane == 0) ptx::mbar_arrive_expect_tx(full, Cfg::KV_TILE_BYTES);
+                                                  const void* tmap, uint32_t bar, int n0, int rows, int live,
+                                                  int32_t id, int box, int col, int lane, uint64_t policy) {
+    if (lane == 0) ptx::mbar_arrive_expect_tx(bar, live * rows * COL_BLOCKS * Cfg::ROW_BYTES);
     __syncwarp();
-    if (!active) return;
+    if (box >= live) return;
     const uint32_t dst = s_tile + (col * BLOCK_N + box * rows) * Cfg::ROW_BYTES;
     if constexpr (PAGED) {
       const int t = n0 + box * rows;
       const int slot = p.page_shift >= 0 ? t & (p.page_size - 1) : t % p.page_size;
-      ptx::tma_load_4d(dst, tmap, col * 64, slot, w.kv_head, id, full, policy);
+      ptx::tma_load_4d(dst, tmap, col * 64, slot, w.kv_head, id, bar, policy);
     } else {
-      ptx::tma_load_3d(dst, tmap, col * 64, w.kv_head, (int)RaggedKvRows{w.kv_row0}.row(n0, 0), full, policy);
+      ptx::tma_load_3d(dst, tmap, col * 64, w.kv_head, (int)RaggedKvRows{w.kv_row0}.row(n0, 0), bar, policy);
     }
+  }
+
+  // The tail's V tile: its boxes land on the tail barrier (phase `parity`), then the warp zeroes
+  // rows kv_len - n0 .. BLOCK_N - 1 and completes the stage's `full` barrier (one arrival).
+  static __device__ __forceinline__ void tma_tail_v(const PrefillParams& p, const PrefillWork& w, uint32_t s_tile,
+                                                    uint32_t tail, uint32_t parity, uint32_t full, int n0, int rows,
+                                                    int32_t id, int box, int col, int lane, uint64_t policy) {
+    tma_tile(p, w, s_tile, &p.v_tmap, tail, n0, rows, live_boxes(w, rows, n0), id, box, col, lane, policy);
+    ptx::mbar_wait(tail, parity);
+#pragma unroll 1
+    for (int i = (w.kv_len - n0) * CPR + lane; i < BLOCK_N * CPR; i += 32)
+      ptx::st_shared_zero16(s_tile + Cfg::swz(BLOCK_N, i / CPR, i % CPR));
+    ptx::fence_proxy_async();  // the wgmma reads the zeroed rows through the async proxy
+    __syncwarp();
+    if (lane == 0) ptx::mbar_arrive(full);
   }
 
   // Paged, the copy path: lane l holds the page ids (K's or V's table, as box_page_id) of rows l,
@@ -136,28 +169,27 @@ struct ProducerSm90Tma {
     // Every row tile of the head reads these K/V rows again: keep them in L2 over Q and outputs.
     const uint64_t keep = ptx::l2_evict_last();
     const int rows = box_rows(p);
-    const int box = lane / COL_BLOCKS, col = lane % COL_BLOCKS;
-    const bool active = rows > 0 && box < BLOCK_N / max(rows, 1);
+    const int box = rows > 0 ? lane / COL_BLOCKS : BLOCK_N, col = lane % COL_BLOCKS;  // box: none without rows
     const bool v_ids = PAGED && p.v_page_indices != 0;  // V has page ids of its own
     const T* k = reinterpret_cast<const T*>(p.k) + w.kv_head * p.k_stride_h;
     const T* v = reinterpret_cast<const T*>(p.v) + w.kv_head * p.v_stride_h;
-    // A tile goes by TMA when it ends within the request's keys (and the page size has boxes).
-    auto by_tma = [&](int n0) { return rows > 0 && n0 + BLOCK_N <= w.kv_len; };
+    // A CTA's key range holds at most one tail (the request's last tile): its barrier's phase 0.
+    const uint32_t tail_bar = base + Cfg::TAIL_BAR_OFFSET;
     int32_t id = 0, id_v = 0;  // this tile's page ids of the lane's box (K's, V's)
-    if (PAGED && by_tma(w.tile_start)) {
-      id = box_page_id<false>(p, w, w.tile_start, rows, active, box);
-      id_v = v_ids ? box_page_id<true>(p, w, w.tile_start, rows, active, box) : id;
+    if (PAGED && by_tma(p, w, rows, w.tile_start)) {
+      id = box_page_id<false>(p, w, w.tile_start, rows, box);
+      id_v = v_ids ? box_page_id<true>(p, w, w.tile_start, rows, box) : id;
     }
     for (int it = 0; it < w.num_tiles; ++it) {
       const int s = it % STAGES;
       const uint32_t free_parity = ((it / STAGES) & 1) ^ 1;
       const int n0 = w.tile_start + it * BLOCK_N;
-      const bool tma = by_tma(n0);
+      const bool tma = by_tma(p, w, rows, n0), tail = n0 + BLOCK_N > w.kv_len;
       // the next tile's page ids, loaded while this tile waits for its stage
       int32_t next = 0, next_v = 0;
-      if (PAGED && it + 1 < w.num_tiles && by_tma(n0 + BLOCK_N)) {
-        next = box_page_id<false>(p, w, n0 + BLOCK_N, rows, active, box);
-        next_v = v_ids ? box_page_id<true>(p, w, n0 + BLOCK_N, rows, active, box) : next;
+      if (PAGED && it + 1 < w.num_tiles && by_tma(p, w, rows, n0 + BLOCK_N)) {
+        next = box_page_id<false>(p, w, n0 + BLOCK_N, rows, box);
+        next_v = v_ids ? box_page_id<true>(p, w, n0 + BLOCK_N, rows, box) : next;
       }
       const uint32_t k_tile = base + Cfg::K_OFFSET + s * Cfg::KV_TILE_BYTES;
       const uint32_t v_tile = base + Cfg::V_OFFSET + s * Cfg::KV_TILE_BYTES;
@@ -165,15 +197,20 @@ struct ProducerSm90Tma {
       if (PAGED && !tma) row_page_ids<false>(p, w, n0, lane, ids);
       ptx::mbar_wait(Cfg::k_empty(base, s), free_parity);
       if (tma)
-        tma_tile(p, w, k_tile, &p.k_tmap, Cfg::k_full(base, s), n0, rows, id, active, box, col, lane, keep);
+        tma_tile(p, w, k_tile, &p.k_tmap, Cfg::k_full(base, s), n0, rows, live_boxes(w, rows, n0), id, box, col,
+                 lane, keep);
       else
         copy_tile(p, w, k_tile, k, p.k_stride_page, p.k_stride_n, ids, Cfg::k_full(base, s), n0, lane, keep);
       if (PAGED && !tma && v_ids) row_page_ids<true>(p, w, n0, lane, ids);
       ptx::mbar_wait(Cfg::v_empty(base, s), free_parity);
-      if (tma)
-        tma_tile(p, w, v_tile, &p.v_tmap, Cfg::v_full(base, s), n0, rows, id_v, active, box, col, lane, keep);
-      else
+      if (tma && !tail) {
+        tma_tile(p, w, v_tile, &p.v_tmap, Cfg::v_full(base, s), n0, rows, BLOCK_N / rows, id_v, box, col, lane,
+                 keep);
+      } else if (tma) {
+        tma_tail_v(p, w, v_tile, tail_bar, 0, Cfg::v_full(base, s), n0, rows, id_v, box, col, lane, keep);
+      } else {
         copy_tile(p, w, v_tile, v, p.v_stride_page, p.v_stride_n, ids, Cfg::v_full(base, s), n0, lane, keep);
+      }
       id = next;
       id_v = next_v;
     }
