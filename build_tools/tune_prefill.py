@@ -1,7 +1,8 @@
 """Compare prefill tile variants (`make TUNE=1`) on the local GPU: TFLOP/s per variant.
 
     python build_tools/tune_prefill.py [--seqs 4096,16384] [--json out.json]
-    python build_tools/tune_prefill.py --batch [--page-sizes 16,64] [--causal 0,1] [--json out.json]
+    python build_tools/tune_prefill.py --batch [--page-sizes 16,64] [--causal 0,1] [--lengths 32,32,32,32]
+                                       [--json out.json]
 
 Each variant is checked against torch SDPA on the timed shape before its number counts.
 Shapes follow the standard sweep: bf16, batch*seq = 16k tokens, heads = 2048 / head_dim.
@@ -32,6 +33,8 @@ def main():
     ap.add_argument("--batch", action="store_true", help="A/B the sm90 K/V loads on batch prefill")
     ap.add_argument("--page-sizes", default="16", help="--batch: the paged cache's page sizes")
     ap.add_argument("--rep", type=int, default=30, help="--batch: timed repetitions per kernel")
+    ap.add_argument("--lengths", default="uniform16",
+                    help="--batch: a named batch of bench batch (uniform16, skewed) or request lengths, e.g. 32,32,32,32")
     args = ap.parse_args()
     hds = {int(x) for x in args.head_dims.split(",")}
     causals = [bool(int(x)) for x in args.causal.split(",")]
@@ -70,7 +73,8 @@ def batch_ab(args, causals):
     from pyflashattn.testing.bench_util import gpu_warmup, interleaved_median_ms
 
     ctx = bb._Ctx()
-    lens = bb.batch_lengths("uniform16")
+    lens = ([int(x) for x in args.lengths.split(",")] if args.lengths[:1].isdigit()
+            else bb.batch_lengths(args.lengths))
     qi = bb._indptr(lens)
     g = bb.HQ // bb.HKV
     results, errors = [], []
