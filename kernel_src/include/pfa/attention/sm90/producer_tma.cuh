@@ -1,6 +1,7 @@
 // The producer warpgroup of the sm_90a prefill when K/V come by TMA (PrefillSm90Config::TMA):
 // Q as in producer.cuh, then one warp issues the K/V ring's boxes from the host-encoded tensor
-// maps (PrefillParams::k_tmap / v_tmap, pyflashattn/_engine/tma.py); the other warps are done.
+// maps (PrefillParams::k_tmap / v_tmap, pyflashattn/_engine/tma.py); the other warps only help
+// copy the tiles that do not go by TMA.
 //
 //  - contiguous / ragged K/V: a 3-D map (column, kv head, row) over the whole K (V) tensor; a tile
 //    is HEAD_DIM / 64 boxes of BLOCK_N rows at row kv_row0 + n0.
@@ -21,7 +22,8 @@
 // page's unused slots, the next request's rows, or a box not issued may hold NaN / Inf, and
 // 0 * NaN is NaN in O += P V) and completes the stage itself. K's rows past kv_len need nothing:
 // the consumers mask those keys to -inf whatever S holds. A tail whose box would pass the tensor
-// (the last request of a ragged K / V, kv_tokens 0) is copied by the warp with zero-filled cp.async.
+// (the last request of a ragged K / V, kv_tokens 0) is copied by the producer warpgroup with
+// zero-filled cp.async.
 #pragma once
 #include <stdint.h>
 
@@ -126,15 +128,20 @@ struct ProducerSm90Tma {
     }
   }
 
-  // One K or V tile by the warp's cp.async, keys at or past kv_len zero-filled; completes `full`
-  // (initialised for one arrival) once every copy has landed.
+  // One K or V tile by the producer warpgroup's cp.async, keys at or past kv_len zero-filled: warp
+  // 0 waits for the stage (`empty`), the producer barrier hands it to the other warps (which skip
+  // the TMA tiles, so they never wait on a ring barrier whose phase they have not followed), and
+  // `full` (one arrival) completes once every copy has landed.
   static __device__ __forceinline__ void copy_tile(const PrefillParams& p, const PrefillWork& w, uint32_t s_tile,
                                                    const T* head, int64_t stride_page, int64_t stride_n,
-                                                   const int32_t (&ids)[ID_REGS], uint32_t full, int n0, int lane,
-                                                   uint64_t policy) {
-    // one warp pass covers whole rows: the row's id register is the same for every lane
+                                                   const int32_t (&ids)[ID_REGS], uint32_t empty, uint32_t free_parity,
+                                                   uint32_t full, int n0, int tid, uint64_t policy) {
+    if (tid < 32) ptx::mbar_wait(empty, free_parity);
+    ptx::bar_sync(Cfg::PRODUCER_BAR, Cfg::WG_THREADS);
+    // one warp pass covers whole rows of one 32-row group: the row's id register is the same for
+    // every lane
 #pragma unroll 1
-    for (int i = lane; i < BLOCK_N * CPR; i += 32) {
+    for (int i = tid; i < BLOCK_N * CPR; i += Cfg::WG_THREADS) {
       const int r = i / CPR, chunk = i % CPR, t = n0 + r;
       const bool valid = t < w.kv_len;
       const T* src = head;
@@ -152,20 +159,15 @@ struct ProducerSm90Tma {
     ptx::cp_async_commit();
     ptx::cp_async_wait<0>();
     ptx::fence_proxy_async();  // the wgmma reads the tile through the async proxy
-    __syncwarp();
-    if (lane == 0) ptx::mbar_arrive(full);
+    ptx::bar_sync(Cfg::PRODUCER_BAR, Cfg::WG_THREADS);
+    if (tid == 0) ptx::mbar_arrive(full);
   }
 
   // base: the aligned shared-memory base (shared window).
   static __device__ __forceinline__ void run(const PrefillParams& p, const PrefillWork& w, uint32_t base, int tid) {
     ProducerSm90<Cfg>::load_q(p, w, base + Cfg::Q_OFFSET, tid);
     ptx::cp_async_mbar_arrive(Cfg::q_full(base));
-    if (tid >= 32) {
-      ptx::cp_async_commit();  // the Q copies land before the thread exits
-      ptx::cp_async_wait<0>();
-      return;
-    }
-    const int lane = tid;
+    const int warp = tid / 32, lane = tid % 32;
     // Every row tile of the head reads these K/V rows again: keep them in L2 over Q and outputs.
     const uint64_t keep = ptx::l2_evict_last();
     const int rows = box_rows(p);
@@ -175,8 +177,8 @@ struct ProducerSm90Tma {
     const T* v = reinterpret_cast<const T*>(p.v) + w.kv_head * p.v_stride_h;
     // A CTA's key range holds at most one tail (the request's last tile): its barrier's phase 0.
     const uint32_t tail_bar = base + Cfg::TAIL_BAR_OFFSET;
-    int32_t id = 0, id_v = 0;  // this tile's page ids of the lane's box (K's, V's)
-    if (PAGED && by_tma(p, w, rows, w.tile_start)) {
+    int32_t id = 0, id_v = 0;  // warp 0: this tile's page ids of the lane's box (K's, V's)
+    if (PAGED && warp == 0 && by_tma(p, w, rows, w.tile_start)) {
       id = box_page_id<false>(p, w, w.tile_start, rows, box);
       id_v = v_ids ? box_page_id<true>(p, w, w.tile_start, rows, box) : id;
     }
@@ -185,31 +187,33 @@ struct ProducerSm90Tma {
       const uint32_t free_parity = ((it / STAGES) & 1) ^ 1;
       const int n0 = w.tile_start + it * BLOCK_N;
       const bool tma = by_tma(p, w, rows, n0), tail = n0 + BLOCK_N > w.kv_len;
+      if (warp != 0 && tma) continue;  // warps 1..3 take part in the copied tiles only
       // the next tile's page ids, loaded while this tile waits for its stage
       int32_t next = 0, next_v = 0;
-      if (PAGED && it + 1 < w.num_tiles && by_tma(p, w, rows, n0 + BLOCK_N)) {
+      if (PAGED && warp == 0 && it + 1 < w.num_tiles && by_tma(p, w, rows, n0 + BLOCK_N)) {
         next = box_page_id<false>(p, w, n0 + BLOCK_N, rows, box);
         next_v = v_ids ? box_page_id<true>(p, w, n0 + BLOCK_N, rows, box) : next;
       }
       const uint32_t k_tile = base + Cfg::K_OFFSET + s * Cfg::KV_TILE_BYTES;
       const uint32_t v_tile = base + Cfg::V_OFFSET + s * Cfg::KV_TILE_BYTES;
-      int32_t ids[ID_REGS];
-      if (PAGED && !tma) row_page_ids<false>(p, w, n0, lane, ids);
-      ptx::mbar_wait(Cfg::k_empty(base, s), free_parity);
-      if (tma)
+      if (tma) {
+        ptx::mbar_wait(Cfg::k_empty(base, s), free_parity);
         tma_tile(p, w, k_tile, &p.k_tmap, Cfg::k_full(base, s), n0, rows, live_boxes(w, rows, n0), id, box, col,
                  lane, keep);
-      else
-        copy_tile(p, w, k_tile, k, p.k_stride_page, p.k_stride_n, ids, Cfg::k_full(base, s), n0, lane, keep);
-      if (PAGED && !tma && v_ids) row_page_ids<true>(p, w, n0, lane, ids);
-      ptx::mbar_wait(Cfg::v_empty(base, s), free_parity);
-      if (tma && !tail) {
-        tma_tile(p, w, v_tile, &p.v_tmap, Cfg::v_full(base, s), n0, rows, BLOCK_N / rows, id_v, box, col, lane,
-                 keep);
-      } else if (tma) {
-        tma_tail_v(p, w, v_tile, tail_bar, 0, Cfg::v_full(base, s), n0, rows, id_v, box, col, lane, keep);
+        ptx::mbar_wait(Cfg::v_empty(base, s), free_parity);
+        if (!tail)
+          tma_tile(p, w, v_tile, &p.v_tmap, Cfg::v_full(base, s), n0, rows, BLOCK_N / rows, id_v, box, col, lane,
+                   keep);
+        else
+          tma_tail_v(p, w, v_tile, tail_bar, 0, Cfg::v_full(base, s), n0, rows, id_v, box, col, lane, keep);
       } else {
-        copy_tile(p, w, v_tile, v, p.v_stride_page, p.v_stride_n, ids, Cfg::v_full(base, s), n0, lane, keep);
+        int32_t ids[ID_REGS];
+        if (PAGED) row_page_ids<false>(p, w, n0, lane, ids);
+        copy_tile(p, w, k_tile, k, p.k_stride_page, p.k_stride_n, ids, Cfg::k_empty(base, s), free_parity,
+                  Cfg::k_full(base, s), n0, tid, keep);
+        if (PAGED && v_ids) row_page_ids<true>(p, w, n0, lane, ids);
+        copy_tile(p, w, v_tile, v, p.v_stride_page, p.v_stride_n, ids, Cfg::v_empty(base, s), free_parity,
+                  Cfg::v_full(base, s), n0, tid, keep);
       }
       id = next;
       id_v = next_v;
