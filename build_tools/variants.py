@@ -347,7 +347,8 @@ class HopperFp8PrefillVariant(Sm90Roles):
                 "ctas_per_sm": 1, "tune": self.tune, "general": False, "paged": self.paged, "decode": False,
                 # device_scale: ConsumerSm90Fp8::row_scales starts from logit_scale(p) (scale_dev) and
                 # the shared sm90 epilogue's output_scale(p) reads v_scale_dev
-                "rows_fastest": True, "device_scale": True, "tma": False, "out16": "bf16", "skip_softmax_rows": 0}
+                "rows_fastest": True, "device_scale": True, "tma": False, "out16": "bf16", "skip_softmax_rows": 0,
+                "nvfp4_out": self.paged}  # Sm90Fp8OutCfg::NVFP4_OUT
 
 
 # head_dim -> (consumers, stages, overlap) of the sm_90a fp8 prefill (hd64: three consumers, as the

@@ -404,7 +404,6 @@ def test_context_fp8_query_plans_the_paged_e4m3_kernel(fake, device, shared):
 
 
 @pytest.mark.parametrize("kw, exc, pattern", [
-    (dict(out_dtype="nvfp4", o_sf_scale=1.0), NotImplementedError, r"out_dtype='nvfp4' with an fp8"),
     (dict(kv_cache=T((NPAGES, 2, HKV, PS, D), BF16)), TypeError, "K/V must have the query's dtype"),
     (dict(kv_cache=T((NPAGES, 2, HKV, PS, D), _dtypes.FLOAT8_E5M2)), TypeError, "float8_e5m2 with an fp8 query"),
     (dict(skip_softmax_threshold_scale_factor=1.0), NotImplementedError, "skip_softmax_threshold_scale_factor"),

@@ -15,7 +15,8 @@ semantics 1.9), shared by single prefill and the batch wrappers.
   sinks). FlashInfer's single prefill asserts window_left == -1 for fp8; here the window is
   applied like everywhere else (the one mask predicate). Everything else raises
   NotImplementedError naming what is missing: another GPU (sm_80 / sm_89 have no fp8 Q K^T path
-  in pyflashattn), custom masks and score transforms, the NVFP4 output.
+  in pyflashattn), custom masks and score transforms. The paged rows also write the context API's
+  NVFP4 output (FlashInfer's rule: an fp8 query).
 """
 from __future__ import annotations
 
@@ -43,11 +44,10 @@ def kv_dtype(kv_data_type, name: str = "kv_data_type"):
 
 
 def output_dtype(o_data_type, name: str = "o_data_type"):
-    """(output dtype, PrefillParams.o_format counted from OWN16) of an fp8-Q call; None: e4m3."""
-    if o_data_type is operands.NVFP4_OUTPUT:
-        raise NotImplementedError(f"{name}='nvfp4' with an fp8 (float8_e4m3fn) query: the fp8 prefill kernels do not "
-                                  "write the NVFP4 output in pyflashattn (bfloat16, float16 and float8_e4m3fn outputs; "
-                                  "a float16 / bfloat16 query writes NVFP4)")
+    """(output dtype, PrefillParams.o_format counted from OWN16) of an fp8-Q call; None: e4m3; the
+    context API's NVFP4 output (operands.NVFP4_OUTPUT) as for any query."""
+    if o_data_type is operands.NVFP4_OUTPUT:  # the context API's (the paged fp8 rows write it)
+        return operands.output_dtype(o_data_type, FP8, name)
     odt = FP8 if o_data_type is None else (o_data_type if isinstance(o_data_type, _dtypes.DType)
                                            else operands.dtype_arg(o_data_type, name))
     if odt is OWN16:

@@ -5,7 +5,7 @@ trtllm_device.py)."""
 from __future__ import annotations
 
 from .._runtime import tensor as _tensor
-from . import fp8, nvfp4_out, operands, options, trtllm
+from . import nvfp4_out, operands, options, trtllm
 from .xqa import _block_scales
 
 
@@ -56,8 +56,6 @@ def batch_context(query, kv_cache, workspace_buffer, block_tables, seq_lens, max
     skip = options.skip_softmax_factor(skip_softmax_threshold_scale_factor)
     hq, hd = qv.shape[1], qv.shape[2]
     odt = operands.NVFP4_OUTPUT if fp4_out else trtllm.out_dtype_arg(out_dtype, out, qv.dtype)
-    if fp8.is_fp8(qv.dtype):  # the fp8 prefill's outputs (the NVFP4 one refused by name), before any plan
-        fp8.output_dtype(odt, "out_dtype")
     causal, window_left = operands.trtllm_context_mask(causal, window_left)
     separate = not operands.bool_arg(uses_shared_paged_kv_idx, "uses_shared_paged_kv_idx")
     cache, kshape, (ps, hkv, dk), _ = operands.paged_cache(kv_cache, layout)

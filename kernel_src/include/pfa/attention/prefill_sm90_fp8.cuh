@@ -9,8 +9,8 @@
 // Scales (FlashInfer's fp8 prefill, semantics 1.9): logits of q head h, kv head g get
 // sm_scale * q_scale_heads[h] * k_scale_heads[g] (and the LSE is over those logits); output rows
 // of kv head g get v_scale * v_scale_heads[g]. Contiguous, ragged or (PAGED) paged K/V, separate V
-// page ids included; causal / window / none, LSE, split KV, sinks; the options of the general
-// kernels are refused by the host.
+// page ids included; causal / window / none, LSE, split KV, sinks, (PAGED) the NVFP4 output; the
+// options of the general kernels are refused by the host.
 #pragma once
 #include <stdint.h>
 
@@ -26,19 +26,21 @@
 namespace pfa {
 
 // What EpilogueSm90 reads of its config: the output's own 16-bit type, the head dim, and whether
-// it writes the NVFP4 output (not the fp8 kernels).
-template <class Out16, int HD>
+// it writes the NVFP4 output (o_format kOutNvfp4): the paged kernels (the TRT-LLM context API runs
+// on paged kernels; at every head dim without a spill, unlike the 16-bit hd256 row). variants.py's
+// nvfp4_out mirrors the rule; the host routes NVFP4 outputs by it.
+template <class Out16, int HD, bool PAGED>
 struct Sm90Fp8OutCfg {
   using Elem = Out16;
   static constexpr int HEAD_DIM = HD;
-  static constexpr bool NVFP4_OUT = false;
+  static constexpr bool NVFP4_OUT = PAGED;
 };
 
 template <int HEAD_DIM, int CONSUMERS, int STAGES, bool PINGPONG, bool OVERLAP, bool PAGED>
 struct PrefillSm90Fp8 : PrefillSm90Fp8Config<HEAD_DIM, CONSUMERS, STAGES, PAGED> {
   using Cfg = PrefillSm90Fp8Config<HEAD_DIM, CONSUMERS, STAGES, PAGED>;
   using Consumer = ConsumerSm90Fp8<Cfg, PINGPONG, OVERLAP>;
-  using OutCfg = Sm90Fp8OutCfg<typename Cfg::Out16, HEAD_DIM>;
+  using OutCfg = Sm90Fp8OutCfg<typename Cfg::Out16, HEAD_DIM, PAGED>;
 
   static __device__ __forceinline__ void consume(const PrefillParams& p, const PrefillWork& w, uint32_t base, int wg,
                                                  int tid) {
