@@ -136,7 +136,8 @@ struct ProducerSm90 {
                                                    uint32_t free_parity, int tid, uint64_t policy) {
     ptx::mbar_wait(empty, free_parity);
     if constexpr (PAGED)
-      load_paged_tile<Cfg, T, CPR, ROW_STEP, 4>(s_tile, head, p, s_ids, stride_page, stride_n, n0, w.kv_len, tid, policy);
+      load_paged_tile<Cfg, T, CPR, ROW_STEP, 4>(s_tile, head, p, s_ids, stride_page, stride_n, n0, w.kv_len, tid,
+                                                policy);
     else
       load_tile(s_tile, head, stride_n, RaggedKvRows{w.kv_row0}.row(0, 0), n0, w.kv_len, tid, policy);
     ptx::cp_async_mbar_arrive(full);
