@@ -295,7 +295,8 @@ class HopperFp8PrefillVariant(Sm90Roles):
     """A row of the sm_90a fp8 prefill (prefill_sm90_fp8.cuh): e4m3 Q, K and V on e4m3 wgmma, into
     a bf16 / fp16 / e4m3 output (o_format counted from bf16). One producer warpgroup (Q, K, and V
     transposed for the P V wgmma) and `consumers` warpgroups of 64 rows; 128-key tiles (one Vt row
-    per head-dim column is one 128-byte swizzle row). Contiguous and ragged K/V only."""
+    per head-dim column is one 128-byte swizzle row). Contiguous and ragged K/V, or (paged) a paged
+    cache by cp.async through staged page ids."""
     head_dim: int
     consumers: int
     stages: int
@@ -303,13 +304,13 @@ class HopperFp8PrefillVariant(Sm90Roles):
     # S, P and the 128-register O together spill and serialise the wgmmas
     overlap: bool = True
     pingpong: bool = True
+    paged: bool = False  # K/V rows through a page table (PrefillSm90Fp8Config::PAGED)
     tune: bool = False
     impl: str = SM90
     archs: tuple = IMPL_ARCHS[SM90]
 
     dtype = "e4m3"  # Q, K and V: the manifest's dtype and kv_dtype
     block_n = 128
-    paged = False
     tma = False
     RAW_V_TILES = 2  # PrefillSm90Fp8Config::RAW_TILES
     ROW_BYTES = 128  # one 128-byte swizzle row
@@ -317,12 +318,13 @@ class HopperFp8PrefillVariant(Sm90Roles):
     @property
     def smem_bytes(self):
         # PrefillSm90Fp8Config::SMEM_BYTES: Q, STAGES K and Vt tiles, the raw V tiles, 1 + 4 * STAGES
-        # mbarriers, the alignment slack (one byte per element; Q / K / raw V rows padded to the
-        # 128-byte swizzle row at head_dim 64: ROW_PAD)
+        # mbarriers, (paged) one tile's K and V page ids, the alignment slack (one byte per element;
+        # Q / K / raw V rows padded to the 128-byte swizzle row at head_dim 64: ROW_PAD)
         row = max(self.ROW_BYTES, self.head_dim * FP8_BYTES)
         vt = self.head_dim * self.block_n * FP8_BYTES
+        ids = 2 * self.block_n * PAGE_ID_BYTES if self.paged else 0
         return (self.block_m * row + (self.stages + self.RAW_V_TILES) * self.block_n * row + self.stages * vt
-                + (1 + 4 * self.stages) * self.BARRIER_BYTES + self.ATOM_BYTES)
+                + (1 + 4 * self.stages) * self.BARRIER_BYTES + ids + self.ATOM_BYTES)
 
     def fits(self, arch):
         return self.smem_bytes <= SMEM_OPTIN[arch]
@@ -330,26 +332,29 @@ class HopperFp8PrefillVariant(Sm90Roles):
     @property
     def name(self):
         return (f"pfa_prefill_{self.impl}_{self.dtype}_hd{self.head_dim}_m{self.block_m}n{self.block_n}"
-                f"c{self.consumers}s{self.stages}{'_pp' if self.pingpong else ''}{'' if self.overlap else '_serial'}")
+                f"c{self.consumers}s{self.stages}{'_pp' if self.pingpong else ''}{'' if self.overlap else '_serial'}"
+                f"{'_paged' if self.paged else ''}")
 
     def source(self):
         return (f'#include "pfa/attention/prefill_sm90_fp8.cuh"\n'
                 f"PFA_DEFINE_PREFILL_SM90_FP8({self.name}, {self.head_dim}, {self.consumers}, {self.stages}, "
                 f"{'true' if self.pingpong else 'false'}, {'true' if self.overlap else 'false'}, "
-                f"{self.smem_bytes})\n")
+                f"{'true' if self.paged else 'false'}, {self.smem_bytes})\n")
 
     def manifest(self):
         return {"family": "prefill", "impl": self.impl, "dtype": self.dtype, "kv_dtype": self.dtype,
                 "head_dim": self.head_dim, "block_m": self.block_m, "block_n": self.block_n,
                 "warps": self.threads // WARP_THREADS, "threads": self.threads, "smem_bytes": self.smem_bytes,
-                "ctas_per_sm": 1, "tune": self.tune, "general": False, "paged": False, "decode": False,
+                "ctas_per_sm": 1, "tune": self.tune, "general": False, "paged": self.paged, "decode": False,
                 # device_scale: ConsumerSm90Fp8::row_scales starts from logit_scale(p) (scale_dev) and
                 # the shared sm90 epilogue's output_scale(p) reads v_scale_dev
-                "rows_fastest": True, "device_scale": True, "tma": False, "out16": "bf16", "skip_softmax_rows": 0}
+                "rows_fastest": True, "device_scale": True, "tma": False, "out16": "bf16", "skip_softmax_rows": 0,
+                "nvfp4_out": self.paged}  # Sm90Fp8OutCfg::NVFP4_OUT
 
 
 # head_dim -> (consumers, stages, overlap) of the sm_90a fp8 prefill (hd64: three consumers, as the
-# 16-bit family's hd64 row).
+# 16-bit family's hd64 row); the paged rows take the same tiles (hd256: the page ids fill what is
+# left of the shared memory).
 HOPPER_FP8_TILES = {64: (3, 2, True), 128: (2, 2, True), 256: (2, 2, False)}
 
 # head_dim -> (block_n, consumers, stages) of the sm_90a family: FlashAttention-3's tile shapes
@@ -580,7 +585,8 @@ def variants(tune=False):
                     for hd, tile in HOPPER_TILES.items()]
             out += [HopperPrefillVariant(dtype, hd, *tile, tune=True) for hd, tile in HOPPER_TUNE_TILES]
         out += [MergeVariant(dtype), MergeVariant(dtype, cta_per_row=True)]
-    out += [HopperFp8PrefillVariant(hd, *tile) for hd, tile in HOPPER_FP8_TILES.items()]
+    out += [HopperFp8PrefillVariant(hd, *tile, paged=paged) for paged in (False, True)
+            for hd, tile in HOPPER_FP8_TILES.items()]
     out += nvfp4_variants()
     out.append(MiscVariant("packbits", PACKBITS_THREADS))
     out += [MiscVariant("cascade", CASCADE_THREADS, dtype) for dtype in CASCADE_DTYPES]

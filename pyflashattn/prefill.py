@@ -93,8 +93,9 @@ class BatchPrefillWithPagedKVCacheWrapper(_BatchPrefillWrapper):
     +-448, round to nearest even, after v_scale); run()'s out= must have it (both wrappers).
     run(k_scale=, v_scale=) (default 1.0) scale the logits (sm_scale * k_scale, also in the LSE)
     and the output (times v_scale) inside the kernel, for every KV dtype; q_scale multiplies the
-    logits like k_scale. An fp8 query (q_data_type float8_e4m3fn) is implemented for contiguous
-    and ragged K/V only: plan() raises NotImplementedError here (see the ragged wrapper).
+    logits like k_scale. An fp8 query (q_data_type float8_e4m3fn, kv_data_type float8_e4m3fn)
+    runs on the sm90 fp8 prefill's paged rows (H100 / H200; any page size): run(q_scale=,
+    k_scale=, v_scale=) then also take float32 per-head tensors, as in the ragged wrapper.
 
     plan() reads the index arrays on the host (device arrays are copied to the host once, which
     synchronises: pass numpy arrays to avoid it). plan(non_blocking=...) is accepted for

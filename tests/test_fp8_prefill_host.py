@@ -4,14 +4,15 @@ become the sm90 fp8 kernel's params; what the fp8 kernels do not cover raises be
 Numerics: tests/gpu/test_fp8_prefill.py."""
 from __future__ import annotations
 
+import numpy as np
 import pytest
 
 import pyflashattn
 from pyflashattn._engine import fp8, single
 from pyflashattn._runtime import cuda as _cuda, dtypes as _dtypes, tensor as _tensor
 from pyflashattn.testing.fake_driver import (
-    BF16, D, E4M3, F16, HKV, HQ, LOG2E, T, TQ, f32, i32, kv_t, last_attn, paged, plan_paged, plan_ragged, q_t,
-    ragged)
+    BF16, D, E4M3, F16, HKV, HQ, LOG2E, PS, QO, T, TQ, cache_t, f32, i32, kv_t, last_attn, paged, plan_paged,
+    plan_ragged, q_t, ragged)
 
 F32 = _dtypes.FLOAT32
 N, HQS, HKVS = 300, 8, 2  # single prefill: qo_len = kv_len, GQA 4
@@ -194,10 +195,68 @@ def test_ragged_16_bit_plan_refuses_scale_tensors(fake):
         w.run(q_t(BF16), kv_t(BF16), kv_t(BF16, data=0x380000), q_scale=_scales(HQ, HKV)[0])
 
 
-def test_paged_fp8_q_is_not_implemented(fake):
+@pytest.mark.parametrize("layout", ["NHD", "HND"])
+def test_paged_fp8_plan_and_run_launch_the_paged_fp8_kernel(fake, layout):
+    """An e4m3 q over an e4m3 paged cache plans the paged sm90 fp8 row (lean); run() points the
+    cache, its page metadata and the per-head scales as for the ragged wrapper."""
+    w = paged(fake, layout=layout)
+    plan_paged(w, q_data_type="float8_e4m3fn", kv_data_type="float8_e4m3fn", o_data_type="bfloat16", causal=True)
+    m = w._engine.attn.meta
+    assert (m["dtype"], m["kv_dtype"], m["paged"], m["general"]) == ("e4m3", "e4m3", True, False)
+    sq, sk, sv = _scales(HQ, HKV)
+    out = T((TQ, HQ, D), BF16, data=0x400000)
+    cache = cache_t(E4M3, layout)
+    w.run(q_t(E4M3), cache, q_scale=sq, k_scale=sk, v_scale=sv, out=out)
+    name, _, _, p = last_attn(fake)
+    assert "dtype=e4m3" in name and "paged=True" in name
+    assert (p.q_scale_heads, p.k_scale_heads, p.v_scale_heads) == (0x610000, 0x620000, 0x630000)
+    assert p.o_format == 0 and p.causal == 1 and p.kv_fp8 == 0
+    assert (p.page_size, p.page_shift) == (PS, 4) and p.v_page_indices == 0
+    assert fake.read(p.kv_page_indices, 3, np.int32).tolist() == [4, 1, 0]
+    # strides in one-byte elements; V one page-half past K
+    page, slot = (2 * PS * HKV * D, HKV * D) if layout == "NHD" else (2 * HKV * PS * D, D)
+    assert (p.k_stride_page, p.k_stride_n, p.v_stride_page, p.v_stride_n) == (page, slot, page, slot)
+    assert p.v - p.k == page // 2
+    w.run(q_t(E4M3), cache, q_scale=2.0, k_scale=1.5, v_scale=0.5, out=out)
+    p = last_attn(fake)[3]
+    assert (p.q_scale_heads, p.k_scale_heads, p.v_scale_heads) == (0, 0, 0)
+    assert p.sm_scale_log2 == f32(3.0 * LOG2E / D ** 0.5) and p.v_scale == 0.5
+
+
+def test_paged_fp8_any_page_size_and_e4m3_output(fake):
     w = paged(fake)
-    with pytest.raises(NotImplementedError, match=r"paged KV cache"):
+    w.plan(QO, i32(0, 4, 6, 6), i32(4, 1, 0, 3, 2, 5), i32(2, 5, 0), HQ, HKV, D, 5, q_data_type="float8_e4m3fn",
+           kv_data_type="float8_e4m3fn")
+    assert w._engine.cfg.o_format == 2
+    w.run(q_t(E4M3), T((6, 2, 5, HKV, D), E4M3, data=0x200000), out=T((TQ, HQ, D), E4M3, data=0x400000))
+    p = last_attn(fake)[3]
+    assert (p.page_size, p.page_shift, p.o_format) == (5, -1, 2)
+
+
+@pytest.mark.parametrize("plan, run_cache, exc, pattern", [
+    (dict(kv_data_type="float8_e5m2"), None, TypeError, r"kv_data_type float8_e5m2 with an fp8 query"),
+    (dict(kv_data_type="float8_e4m3fn", logits_soft_cap=30.0), None, NotImplementedError, r"logits_soft_cap"),
+    (dict(kv_data_type="float8_e4m3fn"), BF16, TypeError, r"bfloat16"),
+])
+def test_paged_fp8_refusals(fake, plan, run_cache, exc, pattern):
+    w = paged(fake)
+    if run_cache is None:
+        with pytest.raises(exc, match=pattern):
+            plan_paged(w, q_data_type="float8_e4m3fn", **plan)
+    else:
+        plan_paged(w, q_data_type="float8_e4m3fn", **plan)
+        with pytest.raises(exc, match=pattern):
+            w.run(q_t(E4M3), cache_t(run_cache), out=T((TQ, HQ, D), E4M3, data=0x400000))
+    assert not fake.attn_launches()
+
+
+@pytest.mark.parametrize("cc", [(8, 0), (8, 9)])
+def test_paged_fp8_off_sm90_is_not_implemented(fake, monkeypatch, cc):
+    monkeypatch.setattr(_cuda, "properties", lambda dev: {"sm_count": 132, "cc": cc, "smem_per_sm": 233472})
+    w = paged(fake)
+    with pytest.raises(NotImplementedError, match=rf"sm_90a.*compute capability {cc[0]}\.{cc[1]}"):
         plan_paged(w, q_data_type="float8_e4m3fn", kv_data_type="float8_e4m3fn")
+    assert not fake.attn_launches()
 
 
 def test_fp8_rows_of_the_variant_table():
@@ -206,10 +265,12 @@ def test_fp8_rows_of_the_variant_table():
     sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent.parent / "build_tools"))
     import variants
     rows = [v for v in variants.variants() if isinstance(v, variants.HopperFp8PrefillVariant)]
-    assert {v.head_dim for v in rows} == {64, 128, 256}  # every head dim of routing.HEAD_DIMS
+    # every head dim of routing.HEAD_DIMS, ragged and paged
+    assert {(v.head_dim, v.paged) for v in rows} == {(hd, pg) for hd in (64, 128, 256) for pg in (False, True)}
     for v in rows:
         assert v.archs == ("sm_90a",) and v.smem_bytes <= variants.SMEM_OPTIN["sm_90a"]
         assert v.manifest()["dtype"] == v.manifest()["kv_dtype"] == E4M3.short
+        assert v.manifest()["paged"] == v.paged and v.name.endswith("_paged") == v.paged
     assert fp8.FP8 is E4M3
 
 

@@ -336,14 +336,95 @@ def test_fmha_fp8_refuses_before_launch(fake, kw, exc, pattern):
     assert not fake.attn_launches()
 
 
+def fp8_cache(layout="HND"):
+    return T((NPAGES, 2, HKV, PS, D) if layout.endswith("HND") else (NPAGES, 2, PS, HKV, D), E4M3, data=0x200000)
+
+
+def assert_paged_fp8(fake, fmt):
+    """The last launch ran the paged sm90 fp8 row (lean), in output format fmt."""
+    name, p = last_params(fake)
+    assert "dtype=e4m3" in name and "kv_dtype=e4m3" in name and "paged=True" in name and "general=False" in name
+    assert p.o_format == fmt and p.kv_fp8 == 0 and (p.q_scale_heads, p.k_scale_heads, p.v_scale_heads) == (0, 0, 0)
+    return p
+
+
+@pytest.mark.parametrize("device", [False, True], ids=["host", "device"])
 @pytest.mark.parametrize("layout", ["Q_PAGED_KV_HND", "Q_PAGED_KV_NHD"])
-def test_fp8_paged_and_context_say_the_kernel_does_not_exist(fake, layout):
-    shape = (NPAGES, 2, HKV, PS, D) if layout.endswith("HND") else (NPAGES, 2, PS, HKV, D)
-    with pytest.raises(NotImplementedError, match="qkv: .*paged fp8 prefill kernel does not exist yet"):
-        paged_call(fake, layout, qkv=(T((TQ, HQ, D), E4M3), T(shape, E4M3)), out=out_for("e4m3"))
-    with pytest.raises(NotImplementedError, match="query: .*paged fp8 prefill kernel does not exist yet"):
-        context_call(fake, query=T((TQ, HQ, D), E4M3), kv_cache=T((NPAGES, 2, HKV, PS, D), E4M3),
-                     out=out_for("e4m3"))
+@pytest.mark.parametrize("out_dtype, fmt", [(None, operands.OUT_E4M3), ("bfloat16", operands.OUT_ELEM)])
+def test_fmha_fp8_paged_layouts_plan_the_paged_e4m3_kernel(fake, device, layout, out_dtype, fmt):
+    """e4m3 q over an e4m3 paged cache (5-D, either layout) plans the paged fp8 row; bmm1 / bmm2
+    numbers are the logit scale / the output multiplier."""
+    paged_call(fake, layout, device=device, qkv=(T((TQ, HQ, D), E4M3), fp8_cache(layout)), out_dtype=out_dtype,
+               out=out_for(out_dtype or "e4m3"), bmm1_scale=0.25, bmm2_scale=0.5)
+    p = assert_paged_fp8(fake, fmt)
+    assert math.isclose(p.sm_scale_log2, 0.25 * LOG2E, rel_tol=1e-6) and math.isclose(p.v_scale, 0.5)
+    assert p.scale_dev == p.v_scale_dev == 0 and p.page_size == PS and p.causal == 1 and p.v_page_indices == 0
+    assert p.k == 0x200000 and p.k_stride_page == 2 * HKV * PS * D
+
+
+@pytest.mark.parametrize("device", [False, True], ids=["host", "device"])
+def test_fmha_fp8_tuple_form_with_separate_ids(fake, device):
+    """The (k, v) tuple with [B, 2, M] offsets from K's base: V read from K's base by V's own ids,
+    on the fp8 kernel too; tensor bmm scales read on the device by the fp8 row itself."""
+    k = T((NPAGES, HKV, PS, D), E4M3, data=0x100000)
+    v = T((NPAGES, HKV, PS, D), E4M3, data=0x100000 + NPAGES * HKV * PS * D)
+    v_ids = np.array([[9, 6, 7], [10, 11, 11], [11, 11, 11]], np.int32)  # V's pages: K's base + 6 ..
+    s1 = fake.dev(np.array([0.1], np.float32), F32)
+    s2 = fake.dev(np.array([2.0], np.float32), F32)
+    paged_call(fake, table=np.stack([TABLE, v_ids], axis=1), device=device, qkv=(T((TQ, HQ, D), E4M3), (k, v)),
+               out=out_for("bfloat16"), out_dtype="bfloat16", bmm1_scale=s1, bmm2_scale=s2)
+    p = assert_paged_fp8(fake, operands.OUT_ELEM)
+    assert p.k == p.v == 0x100000 and p.scale_dev == s1.args[3] and p.v_scale_dev == s2.args[3]
+    if device:
+        assert p.num_pages == 2 * NPAGES and p.v_page_indices == p.kv_page_indices + 4 * 3
+    else:
+        assert fake.read(p.v_page_indices, 3, np.int32).tolist() == [9, 6, 10]
+
+
+@pytest.mark.parametrize("device", [False, True], ids=["host", "device"])
+@pytest.mark.parametrize("shared", [True, False])
+def test_context_fp8_query_plans_the_paged_e4m3_kernel(fake, device, shared):
+    """The context API with an e4m3 query and cache: the paged fp8 row, bf16 or e4m3 out, float or
+    tensor bmm scales, shared or separate ([B, 2, M]) page ids."""
+    v_ids = np.array([[2, 3, 0], [1, 5, 5], [5, 5, 5]], np.int32)
+    table = TABLE if shared else np.stack([TABLE, v_ids], axis=1)
+    context_call(fake, table=table, device=device, uses_shared_paged_kv_idx=shared, query=T((TQ, HQ, D), E4M3),
+                 kv_cache=fp8_cache(), out_dtype="bfloat16", bmm1_scale=0.5, bmm2_scale=0.25)
+    p = assert_paged_fp8(fake, operands.OUT_ELEM)
+    assert math.isclose(p.sm_scale_log2, 0.5 * LOG2E, rel_tol=1e-6) and math.isclose(p.v_scale, 0.25)
+    assert (p.v_page_indices != 0) == (not shared)
+    if not shared and not device:
+        assert fake.read(p.v_page_indices, 3, np.int32).tolist() == [2, 3, 1]
+    s1 = fake.dev(np.array([0.1], np.float32), F32)
+    s2 = fake.dev(np.array([2.0], np.float32), F32)
+    context_call(fake, table=table, device=device, uses_shared_paged_kv_idx=shared, query=T((TQ, HQ, D), E4M3),
+                 kv_cache=fp8_cache(), out=out_for("e4m3"), bmm1_scale=s1, bmm2_scale=s2)
+    p = assert_paged_fp8(fake, operands.OUT_E4M3)
+    assert p.scale_dev == s1.args[3] and p.v_scale_dev == s2.args[3]
+
+
+@pytest.mark.parametrize("kw, exc, pattern", [
+    (dict(kv_cache=T((NPAGES, 2, HKV, PS, D), BF16)), TypeError, "K/V must have the query's dtype"),
+    (dict(kv_cache=T((NPAGES, 2, HKV, PS, D), _dtypes.FLOAT8_E5M2)), TypeError, "float8_e5m2 with an fp8 query"),
+    (dict(skip_softmax_threshold_scale_factor=1.0), NotImplementedError, "skip_softmax_threshold_scale_factor"),
+    (dict(query=T((TQ, HQ, D), _dtypes.FLOAT8_E5M2)), NotImplementedError, "query: float8_e5m2 queries"),
+])
+def test_context_fp8_refuses_before_launch(fake, kw, exc, pattern):
+    kw.setdefault("query", T((TQ, HQ, D), E4M3))
+    kw.setdefault("kv_cache", fp8_cache())
+    if kw.get("out_dtype") != "nvfp4":
+        kw.setdefault("out", out_for("e4m3"))
+    with pytest.raises(exc, match=pattern):
+        context_call(fake, **kw)
+    assert not fake.attn_launches()
+
+
+@pytest.mark.parametrize("device", [False, True], ids=["host", "device"])
+def test_context_fp8_off_sm90_says_so(fake, monkeypatch, device):
+    from pyflashattn._runtime import cuda as _cuda
+    monkeypatch.setattr(_cuda, "properties", lambda dev: {"sm_count": 108, "cc": (8, 0), "smem_per_sm": 167936})
+    with pytest.raises(NotImplementedError, match=r"compute capability 8\.0\) has no fp8 Q K\^T path"):
+        context_call(fake, device=device, query=T((TQ, HQ, D), E4M3), kv_cache=fp8_cache(), out=out_for("e4m3"))
     assert not fake.attn_launches()
 
 

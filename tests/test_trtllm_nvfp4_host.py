@@ -157,6 +157,30 @@ def test_nvfp4_output_split_kv_merges_in_nvfp4(fake):
     assert p.o_format == 3 and merges and all((m.o_format, m.o_sf, m.o_sf_row0) == (3, 0xB00000, 5) for m in merges)
 
 
+@pytest.mark.parametrize("d", [64, 128, 256])
+def test_nvfp4_output_from_an_fp8_query(fake, d):
+    """FlashInfer's form: an e4m3 query over an e4m3 cache runs the paged fp8 row, which writes the
+    NVFP4 output (o_format 3, as from a 16-bit query); split rows merge (bf16) into NVFP4 too."""
+    out = FP4Tensor(T((TQ, HQ, d // 2), U8, data=0xA00000), T((128, HQ * d // 16), E4M3, data=0xB00000), 3)
+    res = call(fake, query=T((TQ, HQ, d), E4M3), cache=T((NPAGES, 2, HKV, PS, d), E4M3), out=out,
+               o_sf_scale=300.0)
+    assert isinstance(res, FP4Tensor) and res.data is out.data
+    name, p, _ = structs(fake)
+    assert "dtype=e4m3" in name and "paged=True" in name and "nvfp4_out=True" in name
+    assert (p.o_format, p.o, p.o_sf, p.o_sf_row0) == (operands.OUT_NVFP4, 0xA00000, 0xB00000, 3)
+    assert p.o_sf_scale == pytest.approx(300.0) and (p.o_stride_n, p.o_stride_h) == (HQ * d, d)
+    kl = 4000
+    pages = -(-kl // PS)
+    out = FP4Tensor(T((3, HQ, d // 2), U8, data=0xA00000), T((128, HQ * d // 16), E4M3, data=0xB00000), 5)
+    context(T((3, HQ, d), E4M3), T((pages, 2, HKV, PS, d), E4M3), WS(fake), np.arange(pages, dtype=np.int32)[None],
+            np.array([kl], np.int32), 3, kl, 0.1, 1.0, 1, np.array([0, 3], np.int32), np.array([0, kl], np.int32),
+            out=out, out_dtype="nvfp4", o_sf_scale=1.0)
+    name, p, merges = structs(fake)
+    assert "dtype=e4m3" in name and p.o_format == 3 and merges
+    assert all((m.o_format, m.o_sf, m.o_sf_row0) == (3, 0xB00000, 5) for m in merges)
+    assert all(x[0].startswith("merge") and "dtype=bf16" in x[0] for x in fake.cu.launches[-len(merges):])
+
+
 @pytest.mark.parametrize("kw, exc, pattern", [
     (dict(out_dtype="nvfp4", o_sf_scale=1.0, o_sf_vec_size=32), ValueError, "o_sf_vec_size"),
     (dict(out_dtype="nvfp4"), ValueError, "o_sf_scale"),

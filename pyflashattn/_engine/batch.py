@@ -262,7 +262,7 @@ class BatchEngine:
             operands.nvfp4_settings(self.paged, general, hd)
         _cuda.ensure_context(self.dev)
         if fp8.is_fp8(qdt):
-            fp8.check_call(self.dev, general, self.paged)
+            fp8.check_call(self.dev, general)
         kind = "fp8" if kv_fp8 else "nvfp4" if nvfp4 else qdt.short  # the kernels' kv_dtype
         fp4_out = o_format == operands.OUT_NVFP4
         if fp4_out and not routing.nvfp4_out_built(self.dev, qdt.short, kind, hd, general, self.paged):

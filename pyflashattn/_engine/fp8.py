@@ -10,11 +10,13 @@ semantics 1.9), shared by single prefill and the batch wrappers.
   head g times scale_v[g]. Numbers fold into sm_scale and v_scale on the host; tensors travel as
   PrefillParams.q_scale_heads / k_scale_heads / v_scale_heads, read by the kernel.
 - where: the sm_90a fp8 prefill kernels (prefill_sm90_fp8.cuh), head_dim 64, 128 and 256,
-  contiguous or ragged K/V, lean options (causal, window_left, LSE, sinks). FlashInfer's single
-  prefill asserts window_left == -1 for fp8; here the window is applied like everywhere else (the
-  one mask predicate). Everything else raises NotImplementedError naming what is missing: another
-  GPU (sm_80 / sm_89 have no fp8 Q K^T path in pyflashattn), a paged cache, custom masks and score
-  transforms.
+  contiguous, ragged or paged K/V (the paged batch wrapper, the TRT-LLM context API and fmha_v2's
+  paged layouts: any page size, separate V page ids), lean options (causal, window_left, LSE,
+  sinks). FlashInfer's single prefill asserts window_left == -1 for fp8; here the window is
+  applied like everywhere else (the one mask predicate). Everything else raises
+  NotImplementedError naming what is missing: another GPU (sm_80 / sm_89 have no fp8 Q K^T path
+  in pyflashattn), custom masks and score transforms. The paged rows also write the context API's
+  NVFP4 output (FlashInfer's rule: an fp8 query).
 """
 from __future__ import annotations
 
@@ -26,9 +28,6 @@ from . import operands, options
 FP8 = _dtypes.FLOAT8_E4M3
 OWN16 = _dtypes.BFLOAT16  # the fp8 kernels' own 16-bit output type (o_format 0)
 SCALE_NAMES = ("scale_q", "scale_k", "scale_v")
-# Why an fp8 query over a paged cache is refused (check_call, and the TRT-LLM paged entry points).
-PAGED_REFUSAL = ("the paged fp8 prefill kernel does not exist yet: an fp8 (float8_e4m3fn) q runs on the sm_90a fp8 "
-                 "prefill over contiguous or ragged K/V only")
 
 
 def is_fp8(dtype) -> bool:
@@ -45,7 +44,10 @@ def kv_dtype(kv_data_type, name: str = "kv_data_type"):
 
 
 def output_dtype(o_data_type, name: str = "o_data_type"):
-    """(output dtype, PrefillParams.o_format counted from OWN16) of an fp8-Q call; None: e4m3."""
+    """(output dtype, PrefillParams.o_format counted from OWN16) of an fp8-Q call; None: e4m3; the
+    context API's NVFP4 output (operands.NVFP4_OUTPUT) as for any query."""
+    if o_data_type is operands.NVFP4_OUTPUT:  # the context API's (the paged fp8 rows write it)
+        return operands.output_dtype(o_data_type, FP8, name)
     odt = FP8 if o_data_type is None else (o_data_type if isinstance(o_data_type, _dtypes.DType)
                                            else operands.dtype_arg(o_data_type, name))
     if odt is OWN16:
@@ -58,7 +60,7 @@ def output_dtype(o_data_type, name: str = "o_data_type"):
                     f"got {odt.name}")
 
 
-def check_call(dev: int, general: bool, paged: bool) -> None:
+def check_call(dev: int, general: bool) -> None:
     """What the fp8 kernels cover (module docstring); NotImplementedError naming the rest."""
     cc = _cuda.properties(dev)["cc"]
     if cc[0] != 9:
@@ -66,8 +68,6 @@ def check_call(dev: int, general: bool, paged: bool) -> None:
             f"fp8 (float8_e4m3fn) q: pyflashattn's fp8 prefill runs on fp8 wgmma (sm_90a: H100 / H200); this GPU "
             f"(compute capability {cc[0]}.{cc[1]}) has no fp8 Q K^T path here (fp8 K/V with a float16 / bfloat16 "
             "q runs everywhere)")
-    if paged:
-        raise NotImplementedError(f"a paged KV cache with an fp8 q: {PAGED_REFUSAL}")
     if general:
         raise NotImplementedError("fp8 (float8_e4m3fn) q with a custom mask, logits_soft_cap, ALiBi or RoPE is not "
                                   "implemented in pyflashattn (causal, window_left, LSE and sinks are)")

@@ -8,8 +8,9 @@ values times o_sf_scale / scale, rounded to nearest with ties to the even code
 (kernel_src/include/pfa/attention/nvfp4_out.cuh). Split-KV rows are quantised by the merge
 kernel, so the format plans like any other.
 
-FlashInfer requires an fp8 query for this output; here the query may be 16-bit too (an
-extension: the quantisation reads only the finished fp32 rows, whatever the query's dtype).
+FlashInfer requires an fp8 query for this output (the paged sm90 fp8 rows write it); here the
+query may be 16-bit too (an extension: the quantisation reads only the finished fp32 rows,
+whatever the query's dtype).
 """
 from __future__ import annotations
 

@@ -472,17 +472,15 @@ def paged_cache(kv_cache, layout: str, kv_dims=(1, 2)) -> tuple:
     return form, shape, geometry, shift
 
 
-def trtllm_query(qv, name: str, fp8_refusal: str | None) -> None:
-    """A TRT-LLM query, [tokens, heads, head_dim]: 16-bit, or float8_e4m3fn where fp8_refusal is
-    None (the caller runs it on the fp8 prefill, fp8.py); an fp8 query otherwise raises
-    NotImplementedError naming `name` and saying why (fp8_refusal)."""
-    fp8_ok = fp8_refusal is None and qv.dtype is _dtypes.FLOAT8_E4M3
-    if qv.dtype in (_dtypes.FLOAT8_E4M3, _dtypes.FLOAT8_E5M2) and not fp8_ok:
-        why = fp8_refusal or "the fp8 prefill takes float8_e4m3fn"
-        raise NotImplementedError(f"{name}: {qv.dtype.name} queries are not implemented in pyflashattn here ({why})")
-    if qv.dtype not in (_dtypes.FLOAT16, _dtypes.BFLOAT16) and not fp8_ok:
-        raise TypeError(f"{name} must be float16 or bfloat16{'' if fp8_refusal else ' or float8_e4m3fn'}, got "
-                        f"{qv.dtype.name}")
+def trtllm_query(qv, name: str) -> None:
+    """A TRT-LLM query, [tokens, heads, head_dim]: float16, bfloat16 or float8_e4m3fn (the caller
+    runs an fp8 one on the fp8 prefill, fp8.py, over any K/V layout); a float8_e5m2 query raises
+    NotImplementedError naming `name`."""
+    if qv.dtype is _dtypes.FLOAT8_E5M2:
+        raise NotImplementedError(f"{name}: float8_e5m2 queries are not implemented in pyflashattn (the fp8 prefill "
+                                  "takes float8_e4m3fn)")
+    if qv.dtype not in (_dtypes.FLOAT16, _dtypes.BFLOAT16, _dtypes.FLOAT8_E4M3):
+        raise TypeError(f"{name} must be float16, bfloat16 or float8_e4m3fn, got {qv.dtype.name}")
     if qv.ndim != 3:
         raise ValueError(f"{name} must be [num_tokens, num_heads, head_dim], got shape {qv.shape}")
 

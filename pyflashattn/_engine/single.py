@@ -197,7 +197,7 @@ class SinglePlan:
         _cuda.ensure_context(self.dev)
         general = opts.general or mask_kind is not None
         if self.fp8:
-            fp8.check_call(self.dev, general, False)
+            fp8.check_call(self.dev, general)
         ks = operands.ragged_kv_strides(kv_layout, kv.strides)
         vs = operands.ragged_kv_strides(kv_layout, vv.strides)
         item = self.dtype.bits // 8

@@ -10,7 +10,8 @@ bmm1_scale is the logit scale (sm_scale * q_scale * k_scale, semantics 1.13): th
 is 1 and bmm1 is run()'s k_scale, so a new value only rewrites one struct field; bmm2_scale is
 run()'s v_scale, the in-kernel output multiplier (every output dtype, fp8 included). Tensor
 scales are read on the device (scale_dev / v_scale_dev) by the kernels whose manifest says device_scale.
-An e4m3 query (the non-paged fmha layouts) plans the sm_90a fp8 prefill (fp8.py): the same
+An e4m3 query (every fmha layout, and the context API over an e4m3 cache) plans the sm_90a fp8
+prefill (fp8.py; its paged rows for a paged cache): the same
 plan with q / kv dtype float8_e4m3fn, bmm1 / bmm2 run()'s number k_scale / v_scale as above.
 The workspace is split-KV scratch only: pyflashattn keeps no state in it, so it needs no zeros
 (FlashInfer's contract that the caller zeroes it once is harmless here).

@@ -5,7 +5,7 @@ trtllm_device.py)."""
 from __future__ import annotations
 
 from .._runtime import tensor as _tensor
-from . import fp8, nvfp4_out, operands, options, trtllm
+from . import nvfp4_out, operands, options, trtllm
 from .xqa import _block_scales
 
 
@@ -52,7 +52,7 @@ def batch_context(query, kv_cache, workspace_buffer, block_tables, seq_lens, max
     qv = _tensor.view(query, "query")
     operands.require_cuda(qv, "query")
     dev = qv.device_id
-    operands.trtllm_query(qv, "query", fp8.PAGED_REFUSAL)
+    operands.trtllm_query(qv, "query")
     skip = options.skip_softmax_factor(skip_softmax_threshold_scale_factor)
     hq, hd = qv.shape[1], qv.shape[2]
     odt = operands.NVFP4_OUTPUT if fp4_out else trtllm.out_dtype_arg(out_dtype, out, qv.dtype)

@@ -84,7 +84,7 @@ def fmha_v2_prefill(qkv, input_layout, workspace_buffer, seq_lens, max_q_len, ma
     qv = _tensor.view(q, "qkv (query)")
     operands.require_cuda(qv, "qkv (query)")
     dev = qv.device_id
-    operands.trtllm_query(qv, "qkv", None if ragged else fp8.PAGED_REFUSAL)
+    operands.trtllm_query(qv, "qkv")
     hq, hd = qv.shape[1], qv.shape[2]
     stats = operands.bool_arg(save_softmax_stats, "save_softmax_stats")
     pos = operands.trtllm_pos_encoding(pos_encoding_mode)

@@ -13,15 +13,23 @@ for a row dominated by two or three keys is an error of ~1.5 % of |scale_v * v|;
 and scale_v up to 2 a numpy model of the kernel's arithmetic reached 1.3x the atol, at 0.5 it
 stays under 0.65x (any misplaced key, scale or tile is far outside).
 
+The paged wrapper (the paged fp8 rows) runs the same batches from a cache of float8_e4m3fn pages
+in a random page order among garbage pages (finite values 4x larger, never read): page sizes 1,
+16 and 64 at GQA 1 / 4 / 8, head dims 64 / 128 / 256, causal or not, odd lengths, a request
+without queries and one without keys; page sizes 5 (not a power of two), 32 and 128 in both
+layouts, the e4m3 output, window_left and split KV.
+
 Outputs go into poisoned buffers (NaN; an e4m3 output filled with 0x7f, e4m3fn's NaN), the LSE
 always requested. On a GPU other than sm_90 the module checks the NotImplementedError instead.
+
+    python -m pytest -q tests/gpu/test_fp8_prefill.py
 """
 from __future__ import annotations
 
 import numpy as np
 import pytest
 
-from pyflashattn.testing.gpu import cuda_generator, require_cuda_torch, scratch_workspace
+from pyflashattn.testing.gpu import cuda_generator, page_spans, require_cuda_torch, scratch_workspace
 
 pytestmark = pytest.mark.gpu
 
@@ -178,9 +186,102 @@ def test_ragged_batch_fp8(d, causal, o_dtype):
                    what=f"run {run} request {b} (qo {qo_lens[b]}, kv {kv_lens[b]})")
 
 
+# ---------------------------------------------------------------------------------------------
+# the paged wrapper over an e4m3 cache (the paged fp8 rows)
+# ---------------------------------------------------------------------------------------------
+PAGED_QO = (1, 63, 0, 129, 17, 300)  # a request without queries, one without keys (17 x 0)
+PAGED_KV = (1, 127, 65, 1000, 0, 301)
+
+
+def _indptr(lens):
+    return np.concatenate([[0], np.cumsum(lens)]).astype(np.int32)
+
+
+def _paged_cache(k, v, kv_lens, ps, layout, g):
+    """The requests' e4m3 K / V rows [tokens, Hkv, D] on pages of ps rows, handed out in a random
+    order among garbage pages: (cache [P, 2, ps, Hkv, D] (NHD) or [P, 2, Hkv, ps, D] (HND),
+    kv_indptr, kv_indices, kv_last_page_len). Copies go through uint8 views (fp8 indexing may lack
+    a torch kernel)."""
+    pages = [-(-n // ps) for n in kv_lens]
+    total = sum(pages) + 3
+    table, spans = page_spans(kv_lens, ps, np.random.default_rng(ps).permutation(total), total - 1)
+    store = _fp8((total, 2, ps) + tuple(k.shape[1:]), g, 4.0).view(torch.uint8)
+    k8, v8 = k.view(torch.uint8), v.view(torch.uint8)
+    for pid, lo, hi in spans:
+        store[pid, 0, :hi - lo], store[pid, 1, :hi - lo] = k8[lo:hi], v8[lo:hi]
+    if layout == "HND":
+        store = store.transpose(2, 3).contiguous()
+    indices = np.concatenate([table[b, :n] for b, n in enumerate(pages)]).astype(np.int32)
+    last = np.asarray([n - (p - 1) * ps if p else 0 for n, p in zip(kv_lens, pages)], np.int32)
+    return store.view(E4M3), _indptr(pages), indices, last
+
+
+def _paged_case(ps, hq, hkv, d, causal, o_dtype=torch.bfloat16, layout="NHD", window_left=-1, qo_lens=PAGED_QO,
+                kv_lens=PAGED_KV, number_run=False):
+    """Plan and run the paged wrapper with per-head scale tensors (and, number_run, again with
+    numbers: the per-head pointers must be gone), checking every request's rows and LSE."""
+    g = cuda_generator("fp8-paged", ps, hq, hkv, d, causal, str(o_dtype), layout, window_left, qo_lens, kv_lens)
+    qo_indptr, kv_rows = _indptr(qo_lens), _indptr(kv_lens)
+    q = _fp8((int(qo_indptr[-1]), hq, d), g)
+    k, v = _fp8((int(kv_rows[-1]), hkv, d), g), _fp8((int(kv_rows[-1]), hkv, d), g, V_STD)
+    sq, sk, sv = _head_scales(hq, g), _head_scales(hkv, g), _head_scales(hkv, g)
+    cache, kv_indptr, indices, last = _paged_cache(k, v, kv_lens, ps, layout, g)
+    w = pyflashattn.BatchPrefillWithPagedKVCacheWrapper(scratch_workspace(), layout)
+    w.plan(qo_indptr, kv_indptr, indices, last, hq, hkv, d, ps, causal=causal, window_left=window_left,
+           q_data_type=E4M3, kv_data_type=E4M3, o_data_type=o_dtype)
+    assert w._engine.attn.meta["paged"] and w._engine.attn.meta["dtype"] == "e4m3"
+    for run in range(2 if number_run else 1):
+        out = _poisoned((q.shape[0], hq, d), o_dtype)
+        lse = _poisoned((q.shape[0], hq), torch.float32)
+        if run == 0:
+            w.run(q, cache, q_scale=sq, k_scale=sk, v_scale=sv, out=out, lse=lse)
+            rq, rk, rv = sq, sk, sv
+        else:
+            w.run(q, cache, q_scale=1.5, k_scale=0.5, v_scale=0.75, out=out, lse=lse)
+            rq, rk, rv = (torch.full_like(t, x) for t, x in zip((sq, sk, sv), (1.5, 0.5, 0.75)))
+        torch.cuda.synchronize()
+        for b in range(len(qo_lens)):
+            qs, ks = slice(qo_indptr[b], qo_indptr[b + 1]), slice(kv_rows[b], kv_rows[b + 1])
+            if qo_lens[b]:
+                _check(out[qs], lse[qs], q[qs], k[ks], v[ks], rq, rk, rv, causal=causal, window_left=window_left,
+                       what=f"paged ps={ps} {layout} Hq={hq} Hkv={hkv} d={d} run {run} request {b} "
+                            f"(qo {qo_lens[b]}, kv {kv_lens[b]})")
+    return w
+
+
+@needs_sm90
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("d", [64, 128, 256])
+@pytest.mark.parametrize("hq, hkv", [(4, 4), (8, 2), (16, 2)])
+@pytest.mark.parametrize("ps", [1, 16, 64])
+def test_paged_batch_fp8(ps, hq, hkv, d, causal):
+    _paged_case(ps, hq, hkv, d, causal)
+
+
+@needs_sm90
+@pytest.mark.parametrize("o_dtype", [torch.bfloat16, E4M3])
+@pytest.mark.parametrize("layout", ["NHD", "HND"])
+@pytest.mark.parametrize("ps", [5, 32, 128])
+def test_paged_batch_fp8_page_sizes_layouts_outputs(ps, layout, o_dtype):
+    _paged_case(ps, 8, 2, 128, True, o_dtype, layout, number_run=True)
+
+
+@needs_sm90
+@pytest.mark.parametrize("d", [64, 128, 256])
+def test_paged_batch_fp8_window_and_split_kv(d):
+    _paged_case(16, 8, 2, d, True, window_left=100)
+    # few rows over many keys: the plan splits KV (asserted), partials merge into the output
+    w = _paged_case(16, 8, 2, d, False, qo_lens=(16, 1), kv_lens=(16384, 5000))
+    assert w._engine.schedule.split
+
+
 @pytest.mark.skipif(SM90, reason="checks the refusal on GPUs without the fp8 prefill")
 def test_fp8_q_elsewhere_is_not_implemented():
     g = cuda_generator("fp8-refusal")
     q, k, v = _fp8((64, 4, 128), g), _fp8((64, 4, 128), g), _fp8((64, 4, 128), g)
     with pytest.raises(NotImplementedError, match="sm_90a"):
         pyflashattn.single_prefill_with_kv_cache(q, k, v)
+    cache, kv_indptr, indices, last = _paged_cache(k, v, (64,), 16, "NHD", g)
+    w = pyflashattn.BatchPrefillWithPagedKVCacheWrapper(scratch_workspace(), "NHD")
+    with pytest.raises(NotImplementedError, match="sm_90a"):
+        w.plan(_indptr((64,)), kv_indptr, indices, last, 4, 4, 128, 16, q_data_type=E4M3, kv_data_type=E4M3)

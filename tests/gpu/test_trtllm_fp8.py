@@ -1,5 +1,6 @@
-"""trtllm_fmha_v2_prefill with float8_e4m3fn q, k and v (the sm_90a fp8 prefill), GPU, against the
-float64 reference on the DEQUANTISED inputs (the fp8 values as float64).
+"""trtllm_fmha_v2_prefill and trtllm_batch_context_with_kv_cache with float8_e4m3fn q, k and v (the
+sm_90a fp8 prefill; its paged rows for a paged cache), GPU, against the float64 reference on the
+DEQUANTISED inputs (the fp8 values as float64).
 
 bmm1_scale (the logit scale, semantics 1.13: sm_scale * q_scale * k_scale) is 1.3 / sqrt(D) and
 bmm2_scale (the output multiplier) 1.7, never 1, as numbers and as one-element device tensors,
@@ -7,13 +8,17 @@ so a dropped or misplaced scale fails. Layouts PACKED_QKV (MHA), CONTIGUOUS_Q_KV
 SEPARATE_Q_K_V (GQA 4); masks causal, padding, sliding_window, chunked; requests of 1, 63, 129 and
 1000 queries in one batch (the non-packed layouts with more keys than queries: bottom-right);
 host (numpy) and device metadata; outputs e4m3 (FlashInfer's default for an e4m3 query: q's
-dtype), bfloat16 and float16.
+dtype), bfloat16 and float16. Paged: Q_PAGED_KV_NHD / HND over a 5-D cache, and the (k, v) tuple
+with [B, 2, M] offsets from K's base (V's pages in their own random order); page sizes 1, 16, 32,
+64, 128; the context API over an e4m3 cache (5-D or (k, v) tuple, shared or separate page ids,
+HND or NHD, causal or not), with its LSE checked (base 2 of the bmm1-scaled logits). Pages are
+handed out in a random order among garbage pages (finite, 4x larger, never read).
 
 Tolerances are FlashInfer's fp8 tests' (semantics 1.14): 16-bit output atol 4e-2, rtol 8e-2; e4m3
 output 1e-1. V is drawn at std 0.5: the kernel rounds P to e4m3 before P V (tests/gpu/
 test_fp8_prefill.py has the arithmetic: at std 1 and an output scale near 2 the P rounding
-alone reaches the atol; at 0.5 it stays well under). No LSE: save_softmax_stats is refused for
-fp8 (the host tests check that). Outputs are poisoned out= buffers (NaN; e4m3 0x7f, e4m3fn's
+alone reaches the atol; at 0.5 it stays well under). fmha_v2 returns no LSE: save_softmax_stats
+is refused for fp8 (the host tests check that); the context API's LSE gets 1e-2 / 1e-3. Outputs are poisoned out= buffers (NaN; e4m3 0x7f, e4m3fn's
 NaN); NaN never passes. On a GPU other than sm_90 the NotImplementedError is checked instead.
 
     python -m pytest -q tests/gpu/test_trtllm_fp8.py
@@ -26,7 +31,7 @@ from collections import OrderedDict
 import numpy as np
 import pytest
 
-from pyflashattn.testing.gpu import cuda_generator, require_cuda_torch, scratch_workspace
+from pyflashattn.testing.gpu import cuda_generator, page_spans, require_cuda_torch, scratch_workspace
 
 pytestmark = pytest.mark.gpu
 
@@ -45,11 +50,13 @@ DEV = "cuda"
 E4M3, BF16, F16 = torch.float8_e4m3fn, torch.bfloat16, torch.float16
 SM90 = torch.cuda.get_device_capability() == (9, 0)
 O_TOL = {BF16: dict(atol=4e-2, rtol=8e-2), F16: dict(atol=4e-2, rtol=8e-2), E4M3: dict(atol=1e-1, rtol=1e-1)}
+LSE_TOL = dict(atol=1e-2, rtol=1e-3)
 V_STD = 0.5
 QL = (1, 63, 129, 1000)
 KL_MORE = (1, 100, 129, 1030)  # keys beyond the queries (the non-packed layouts)
 BMM1, BMM2 = 1.3, 1.7  # bmm1 = BMM1 / sqrt(D)
 fmha = pyflashattn.prefill.trtllm_fmha_v2_prefill
+context = pyflashattn.prefill.trtllm_batch_context_with_kv_cache
 needs_sm90 = pytest.mark.skipif(not SM90, reason="the fp8 prefill kernels are sm_90a only")
 
 
@@ -98,28 +105,73 @@ def chunk_mask(lq, lk, chunk):
 
 
 def reference(q, k, v, ql, kl, d, causal, wl, chunk):
+    """(output, LSE: base 2 of the bmm1-scaled logits) of the batch in float64."""
     q, k, v = (to_numpy_f64(t.float()) for t in (q, k, v))
     cq, ck = cum(ql), cum(kl)
-    outs = []
+    outs, lses = [], []
     for b in range(len(ql)):
         qb, kb, vb = q[cq[b]:cq[b + 1]], k[ck[b]:ck[b + 1]], v[ck[b]:ck[b + 1]]
         mask = chunk_mask(ql[b], kl[b], chunk) if chunk else None
-        o, _ = attention_ref(qb, kb, vb, causal=causal and not chunk, sm_scale=BMM1 / math.sqrt(d), window_left=wl,
-                             custom_mask=mask)
+        o, lse = attention_ref(qb, kb, vb, causal=causal and not chunk, sm_scale=BMM1 / math.sqrt(d), window_left=wl,
+                               custom_mask=mask)
         outs.append(o * BMM2)
-    return np.concatenate(outs)
+        lses.append(lse)
+    return np.concatenate(outs), np.concatenate(lses)
 
 
-def run_case(layout, mode, out_dtype, device_meta, d=128, hq=8, hkv=2, tensor_scales=False, wl=-1, chunk=0):
+def fp8_pages(rows, kl, ps, perm, g):
+    """e4m3 rows [tokens, Hkv, D] of requests of kl keys on pages of ps rows, handed out in the
+    order perm among garbage pages: (uint8 pages [len(perm), ps, Hkv, D], int32 table [B, M])."""
+    table, spans = page_spans(kl, ps, perm, len(perm) - 1)
+    pages = (torch.randn((len(perm), ps) + tuple(rows.shape[1:]), generator=g, device=DEV) * 4).to(E4M3)
+    pages, src = pages.view(torch.uint8), rows.view(torch.uint8)
+    for pid, lo, hi in spans:
+        pages[pid, :hi - lo] = src[lo:hi]
+    return pages, table
+
+
+def paged_kv(k, v, kl, ps, layout, g, separate):
+    """K and V pages (uint8 [P, ps, Hkv, D], HND: [P, Hkv, ps, D]) and their block tables [B, M]:
+    V's pages in their own random order when separate, else at K's ids."""
+    rng = np.random.default_rng(ps)
+    total = sum(-(-n // ps) for n in kl) + 3
+    k_perm = rng.permutation(total)
+    kp, kt = fp8_pages(k, kl, ps, k_perm, g)
+    vp, vt = fp8_pages(v, kl, ps, rng.permutation(total) if separate else k_perm, g)
+    if layout == "HND":
+        kp, vp = (t.transpose(1, 2).contiguous() for t in (kp, vp))
+    return kp, vp, kt, vt
+
+
+def paged_qkv(q, k, v, kl, ps, layout, g, tuple_form):
+    """fmha's paged qkv and block tables: a 5-D cache [P, 2, ...] with [B, M] tables, or
+    (tuple_form) (k, v) views of one allocation with [B, 2, M] offsets from K's base."""
+    kp, vp, kt, vt = paged_kv(k, v, kl, ps, layout, g, tuple_form)
+    if not tuple_form:
+        return (q, torch.stack([kp, vp], 1).view(E4M3)), kt
+    buf = torch.cat([kp, vp]).view(E4M3)
+    n = kp.shape[0]
+    return (q, (buf[:n], buf[n:])), np.stack([kt, vt + n], 1).astype(np.int32)
+
+
+def device_or_host(arrays, device_meta):
+    return tuple(torch.from_numpy(a).to(DEV) for a in arrays) if device_meta else arrays
+
+
+def run_case(layout, mode, out_dtype, device_meta, d=128, hq=8, hkv=2, tensor_scales=False, wl=-1, chunk=0, ps=16,
+             tuple_form=False):
     if layout == "PACKED_QKV":
         hkv = hq
     ql = QL
     kl = QL if layout == "PACKED_QKV" else KL_MORE
-    g = cuda_generator("trtllm-fp8", layout, mode, str(out_dtype), device_meta, d, hq, hkv, tensor_scales, wl, chunk)
+    g = cuda_generator("trtllm-fp8", layout, mode, str(out_dtype), device_meta, d, hq, hkv, tensor_scales, wl, chunk,
+                       ps, tuple_form)
     qkv, q, k, v = make_qkv(layout, ql, kl, hq, hkv, d, g)
-    meta = (np.asarray(kl, np.int32), cum(ql), cum(kl))
-    if device_meta:
-        meta = tuple(torch.from_numpy(a).to(DEV) for a in meta)
+    tables = None
+    if layout.startswith("Q_PAGED"):
+        qkv, tables = paged_qkv(q, k, v, kl, ps, layout[-3:], g, tuple_form)
+        tables, = device_or_host((tables,), device_meta)
+    meta = device_or_host((np.asarray(kl, np.int32), cum(ql), cum(kl)), device_meta)
     if layout == "PACKED_QKV":
         meta = meta[:2] + (meta[1],)
     s1, s2 = BMM1 / math.sqrt(d), BMM2
@@ -127,14 +179,14 @@ def run_case(layout, mode, out_dtype, device_meta, d=128, hq=8, hkv=2, tensor_sc
         s1, s2 = (torch.tensor([x], dtype=torch.float32, device=DEV) for x in (s1, s2))
     out = poisoned((sum(ql), hq, d), out_dtype)
     res = fmha(qkv, layout, scratch_workspace(), meta[0], max(ql), max(kl), s1, s2, len(ql), meta[1], meta[2],
-               out=out, out_dtype=None if out_dtype == E4M3 else out_dtype, mask_mode=mode, window_left=wl,
-               chunked_attention_size=chunk)
+               block_tables=tables, out=out, out_dtype=None if out_dtype == E4M3 else out_dtype, mask_mode=mode,
+               window_left=wl, chunked_attention_size=chunk)
     assert res is out
     torch.cuda.synchronize()
-    ref = reference(q, k, v, ql, kl, d, mode != "padding", wl, chunk)
+    ref, _ = reference(q, k, v, ql, kl, d, mode != "padding", wl, chunk)
     assert_close(out.float(), ref, **O_TOL[out_dtype],
                  what=f"{layout} {mode} out={out_dtype} device_meta={device_meta} d={d} Hq={hq} Hkv={hkv} "
-                      f"tensor_scales={tensor_scales} wl={wl} chunk={chunk}")
+                      f"tensor_scales={tensor_scales} wl={wl} chunk={chunk} ps={ps} tuple_form={tuple_form}")
 
 
 @needs_sm90
@@ -193,7 +245,7 @@ def test_fmha_fp8_device_metadata_graph_replays_new_lengths():
 
     def check(qn, kn, vn, ql, kl, what):
         torch.cuda.synchronize()
-        ref = reference(qn, kn, vn, ql, kl, d, True, -1, 0)
+        ref, _ = reference(qn, kn, vn, ql, kl, d, True, -1, 0)
         assert_close(out[:sum(ql)].float(), ref, **O_TOL[BF16], what=what)
 
     batches = [(QL, KL_MORE), ((1000, 5, 63, 1), (1030, 64, 63, 2)), ((17, 900, 1, 129), (17, 901, 700, 129))]
@@ -205,6 +257,78 @@ def test_fmha_fp8_device_metadata_graph_replays_new_lengths():
         qkv = load(i + 1, ql, kl)
         graph.replay()
         check(*qkv, ql, kl, f"replay {i}")
+
+
+@needs_sm90
+@pytest.mark.parametrize("device_meta", [False, True], ids=["host_meta", "device_meta"])
+@pytest.mark.parametrize("out_dtype", [E4M3, BF16], ids=["e4m3", "bf16"])
+@pytest.mark.parametrize("mode", ["causal", "padding"])
+@pytest.mark.parametrize("layout", ["Q_PAGED_KV_NHD", "Q_PAGED_KV_HND"])
+def test_fmha_fp8_paged_layouts(layout, mode, out_dtype, device_meta):
+    run_case(layout, mode, out_dtype, device_meta)
+
+
+@needs_sm90
+@pytest.mark.parametrize("device_meta", [False, True], ids=["host_meta", "device_meta"])
+@pytest.mark.parametrize("d", [64, 128, 256])
+@pytest.mark.parametrize("ps", [1, 16, 32, 64, 128])
+def test_fmha_fp8_paged_tuple_form_page_sizes_device_scales(ps, d, device_meta):
+    run_case("Q_PAGED_KV_HND", "causal", BF16, device_meta, d=d, tensor_scales=True, ps=ps, tuple_form=True)
+
+
+@needs_sm90
+@pytest.mark.parametrize("mode, wl, chunk", [("sliding_window", 100, 0), ("chunked", -1, 64)])
+@pytest.mark.parametrize("hq, hkv", [(8, 1), (4, 4)])
+def test_fmha_fp8_paged_window_chunk_gqa(mode, wl, chunk, hq, hkv):
+    run_case("Q_PAGED_KV_NHD", mode, E4M3, True, hq=hq, hkv=hkv, wl=wl, chunk=chunk, ps=32)
+
+
+def run_context(form, out_dtype, tensor_scales, device_meta, layout="HND", d=128, hq=8, hkv=2, causal=True, wl=-1,
+                ps=16):
+    """The context API over an e4m3 cache: form "5d" ([P, 2, ...]) or "tuple" ((k, v) page tensors),
+    with "_separate" [B, 2, M] tables (V's pages in their own order); output and LSE checked."""
+    ql, kl = QL, KL_MORE
+    g = cuda_generator("trtllm-fp8-context", form, str(out_dtype), tensor_scales, device_meta, layout, d, hq, hkv,
+                       causal, wl, ps)
+    _, q, k, v = make_qkv("SEPARATE_Q_K_V", ql, kl, hq, hkv, d, g)
+    separate = form.endswith("_separate")
+    kp, vp, kt, vt = paged_kv(k, v, kl, ps, layout, g, separate)
+    cache = (kp.view(E4M3), vp.view(E4M3)) if form.startswith("tuple") else torch.stack([kp, vp], 1).view(E4M3)
+    table, sl, cq, ck = device_or_host((np.stack([kt, vt], 1).astype(np.int32) if separate else kt, np.asarray(kl, np.int32), cum(ql),
+                                        cum(kl)), device_meta)
+    s1, s2 = BMM1 / math.sqrt(d), BMM2
+    if tensor_scales:
+        s1, s2 = (torch.tensor([x], dtype=torch.float32, device=DEV) for x in (s1, s2))
+    out = poisoned((sum(ql), hq, d), out_dtype)
+    lse = poisoned((sum(ql), hq), torch.float32)
+    res = context(q, cache, scratch_workspace(), table, sl, max(ql), max(kl), s1, s2, len(ql), cq, ck, window_left=wl,
+                  out=out, out_dtype=out_dtype, kv_layout=layout, lse=lse, uses_shared_paged_kv_idx=not separate,
+                  causal=causal)
+    assert res is out
+    torch.cuda.synchronize()
+    ref, lse_ref = reference(q, k, v, ql, kl, d, causal, wl, 0)
+    what = (f"context {form} {layout} out={out_dtype} tensor_scales={tensor_scales} device_meta={device_meta} d={d} "
+            f"Hq={hq} Hkv={hkv} causal={causal} wl={wl} ps={ps}")
+    assert_close(out.float(), ref, **O_TOL[out_dtype], what=what)
+    assert_close(lse, lse_ref, **LSE_TOL, what=f"lse {what}")
+
+
+@needs_sm90
+@pytest.mark.parametrize("device_meta", [False, True], ids=["host_meta", "device_meta"])
+@pytest.mark.parametrize("tensor_scales", [False, True], ids=["float_scales", "tensor_scales"])
+@pytest.mark.parametrize("out_dtype", [BF16, E4M3], ids=["bf16", "e4m3"])
+@pytest.mark.parametrize("form", ["5d", "5d_separate", "tuple", "tuple_separate"])
+def test_context_fp8(form, out_dtype, tensor_scales, device_meta):
+    run_context(form, out_dtype, tensor_scales, device_meta)
+
+
+@needs_sm90
+@pytest.mark.parametrize("causal, wl", [(True, -1), (True, 100), (False, -1)])
+@pytest.mark.parametrize("d", [64, 128, 256])
+@pytest.mark.parametrize("layout", ["HND", "NHD"])
+def test_context_fp8_geometry(layout, d, causal, wl):
+    run_context("5d_separate", BF16, False, True, layout=layout, d=d, causal=causal, wl=wl, ps=32)
+    run_context("tuple", E4M3, True, False, layout=layout, d=d, hq=8, hkv=1, causal=causal, wl=wl, ps=64)
 
 
 @pytest.mark.skipif(SM90, reason="checks the refusal off sm_90")

@@ -9,8 +9,10 @@ e2m1's resolution: half the grid step at the element's magnitude in units of its
 scale / o_sf_scale (testing.nvfp4.output_error_bound), plus the 16-bit outputs' tolerance for the
 attention itself (its fp32 rows differ from float64 by that much, which may move a value across a
 rounding midpoint). Every block scale must be e4m3(o_sf_scale * amax / 6) of the reference row's
-block, or the e4m3 value next to it. The query is 16-bit: FlashInfer requires an fp8 query for
-this output, pyflashattn takes both (the quantisation reads only the finished fp32 rows).
+block, or the e4m3 value next to it. The query is 16-bit or (FlashInfer's form, sm_90 only: the
+paged fp8 rows) float8_e4m3fn over an e4m3 cache; fp8 cases take FlashInfer's fp8 tolerance for
+the attention itself (4e-2 / 8e-2, V at std 0.5: tests/gpu/test_fp8_prefill.py says why) and
+1e-2 / 1e-3 for the LSE.
 
 In-place FP4Tensor outputs start at a non-zero scale_start_index inside a larger scale tensor whose
 every byte (and the data) is poisoned with 0xFF (an e4m3 NaN): the rows the call owns must come
@@ -47,8 +49,11 @@ from pyflashattn.testing.gpu import page_spans, scratch_workspace as _ws  # noqa
 
 DEV = "cuda"
 F16, BF16 = torch.float16, torch.bfloat16
-O_TOL = {F16: dict(atol=1e-3, rtol=1e-3), BF16: dict(atol=1e-2, rtol=1e-2)}
-LSE_TOL = dict(atol=2e-3, rtol=1e-4)
+E4M3 = getattr(torch, "float8_e4m3fn", None)
+SM90 = torch.cuda.get_device_capability() == (9, 0)
+O_TOL = {F16: dict(atol=1e-3, rtol=1e-3), BF16: dict(atol=1e-2, rtol=1e-2), E4M3: dict(atol=4e-2, rtol=8e-2)}
+LSE_TOL = {F16: dict(atol=2e-3, rtol=1e-4), BF16: dict(atol=2e-3, rtol=1e-4), E4M3: dict(atol=1e-2, rtol=1e-3)}
+FP8_V_STD = 0.5
 G = 300.0  # o_sf_scale, as FlashInfer's tests
 S1, S2 = 0.08, 1.5  # bmm1_scale, bmm2_scale (bmm2 multiplies before the block amax)
 POISON = 0xFF
@@ -124,15 +129,20 @@ def check_nvfp4(res, o_ref, dtype, what, start=0):
     assert (data & 0x8).any() and (data & 0x80).any(), f"{what}: no negative codes in either nibble"
 
 
+def _cast(x, dtype):
+    """x (float64 torch) in dtype; fp8 through float32 (the conversion every torch has)."""
+    return x.float().to(dtype) if dtype is E4M3 else x.to(dtype)
+
+
 def _inputs(ql, kl, hq, hkv, d, dtype, ps, layout, rng):
-    q = torch.from_numpy(rng.standard_normal((sum(ql), hq, d))).to(DEV, dtype)
-    k = torch.from_numpy(rng.standard_normal((sum(kl), hkv, d))).to(dtype)
-    v = torch.from_numpy(rng.standard_normal((sum(kl), hkv, d))).to(dtype)
+    q = _cast(torch.from_numpy(rng.standard_normal((sum(ql), hq, d))).to(DEV), dtype)
+    k = _cast(torch.from_numpy(rng.standard_normal((sum(kl), hkv, d))), dtype)
+    v = _cast(torch.from_numpy(rng.standard_normal((sum(kl), hkv, d)) * (FP8_V_STD if dtype is E4M3 else 1)), dtype)
     pages = sum(-(-n // ps) for n in kl) + 3
     pool = rng.standard_normal((pages, 2, ps, hkv, d)) * 4  # garbage pages: a wrong page is a wrong answer
     table = _scatter(kl, ps, (k.float().numpy(), v.float().numpy()), pool, rng.permutation(pages))
-    cache = _to_layout(pool, layout).to(dtype)
-    return q, to_numpy_f64(k), to_numpy_f64(v), cache, torch.from_numpy(table).to(DEV)
+    cache = _cast(_to_layout(pool, layout), dtype)
+    return q, to_numpy_f64(k.float()), to_numpy_f64(v.float()), cache, torch.from_numpy(table).to(DEV)
 
 
 def _in_place(tokens, hq, d, start, extra=150):
@@ -160,11 +170,15 @@ OUT_CASES = [
     ("bf16-d128-g8-split8k", [4, 1], [8000, 6000], 16, 2, 128, 16, "HND", BF16, 200, "float", -1, True),
     ("bf16-d64-g4-split8k-tensor", [2], [9000], 8, 2, 64, 64, "NHD", BF16, "alloc", "tensor", -1, True),
 ]
+# FlashInfer's form: an e4m3 query and cache (the paged sm90 fp8 rows, every head dim), each case again
+OUT_CASES += [("e4m3-" + c[0].split("-", 1)[1], *c[1:8], E4M3, *c[9:]) for c in OUT_CASES]
 
 
 @pytest.mark.parametrize("case", OUT_CASES, ids=[c[0] for c in OUT_CASES])
 def test_nvfp4_output(case):
     name, ql, kl, hq, hkv, d, ps, layout, dtype, out_kind, scales, wl, host = case
+    if dtype is E4M3 and not SM90:
+        pytest.skip("an fp8 query runs on the sm_90a fp8 prefill only")
     rng = _rng("out", name)
     q, k, v, cache, table = _inputs(ql, kl, hq, hkv, d, dtype, ps, layout, rng)
     s1, s2 = S1, S2
@@ -185,11 +199,12 @@ def test_nvfp4_output(case):
         _others_poisoned(res, start, sum(ql), name)
     e = _last_engine(host)
     assert e.attn.meta.get("nvfp4_out") and e.cfg.o_format == 3
+    assert (e.attn.meta["dtype"] == "e4m3") == (dtype is E4M3)
     if "split" in name:
         assert e.merge is not None and e.schedule.split, "a few queries over many keys were meant to split"
-    o_ref, lse_ref = _refs(to_numpy_f64(q), k, v, ql, kl, S1, S2, wl)
+    o_ref, lse_ref = _refs(to_numpy_f64(q.float()), k, v, ql, kl, S1, S2, wl)
     check_nvfp4(res, o_ref, dtype, name, start)
-    assert_close(lse, lse_ref, what=f"{name} lse", **LSE_TOL)
+    assert_close(lse, lse_ref, what=f"{name} lse", **LSE_TOL[dtype])
 
 
 def test_nvfp4_output_shared_scale_tensor():
@@ -270,4 +285,4 @@ def test_context_nvfp4_kv(case):
     else:
         assert res is kw["out"]
         assert_close(res, o_ref, what=f"{name} o", **O_TOL[dtype])
-    assert_close(lse, lse_ref, what=f"{name} lse", **LSE_TOL)
+    assert_close(lse, lse_ref, what=f"{name} lse", **LSE_TOL[dtype])

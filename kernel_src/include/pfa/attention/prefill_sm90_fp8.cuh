@@ -2,13 +2,15 @@
 // output (PrefillParams::o_format counts from bf16 here). The entry header of the generated
 // translation units: PrefillSm90Fp8::run and PFA_DEFINE_PREFILL_SM90_FP8.
 //   sm90/fp8_config.cuh    tile shape and shared-memory layout (Q, K ring, Vt ring, raw V)
-//   sm90/fp8_producer.cuh  warpgroup 0: Q, K tiles, V tiles transposed into the Vt ring
+//   sm90/fp8_producer.cuh  warpgroup 0: Q, K tiles, V tiles transposed into the Vt ring (ragged
+//                          rows, or PAGED: a paged cache through staged page ids)
 //   sm90/fp8_consumer.cuh  warpgroups 1..CONSUMERS: the 16-bit family's tile loop on e4m3 wgmma
 //   sm90/epilogue.cuh      the 16-bit family's epilogue, after O is scaled by scale_v[kv head]
 // Scales (FlashInfer's fp8 prefill, semantics 1.9): logits of q head h, kv head g get
 // sm_scale * q_scale_heads[h] * k_scale_heads[g] (and the LSE is over those logits); output rows
-// of kv head g get v_scale * v_scale_heads[g]. Contiguous or ragged K/V; causal / window / none,
-// LSE, split KV, sinks; the options of the general kernels are refused by the host.
+// of kv head g get v_scale * v_scale_heads[g]. Contiguous, ragged or (PAGED) paged K/V, separate V
+// page ids included; causal / window / none, LSE, split KV, sinks, (PAGED) the NVFP4 output; the
+// options of the general kernels are refused by the host.
 #pragma once
 #include <stdint.h>
 
@@ -24,19 +26,21 @@
 namespace pfa {
 
 // What EpilogueSm90 reads of its config: the output's own 16-bit type, the head dim, and whether
-// it writes the NVFP4 output (not these non-paged kernels: the context API runs on paged ones).
-template <class Out16, int HD>
+// it writes the NVFP4 output (o_format kOutNvfp4): the paged kernels (the TRT-LLM context API runs
+// on paged kernels; at every head dim without a spill, unlike the 16-bit hd256 row). variants.py's
+// nvfp4_out mirrors the rule; the host routes NVFP4 outputs by it.
+template <class Out16, int HD, bool PAGED>
 struct Sm90Fp8OutCfg {
   using Elem = Out16;
   static constexpr int HEAD_DIM = HD;
-  static constexpr bool NVFP4_OUT = false;
+  static constexpr bool NVFP4_OUT = PAGED;
 };
 
-template <int HEAD_DIM, int CONSUMERS, int STAGES, bool PINGPONG, bool OVERLAP>
-struct PrefillSm90Fp8 : PrefillSm90Fp8Config<HEAD_DIM, CONSUMERS, STAGES> {
-  using Cfg = PrefillSm90Fp8Config<HEAD_DIM, CONSUMERS, STAGES>;
+template <int HEAD_DIM, int CONSUMERS, int STAGES, bool PINGPONG, bool OVERLAP, bool PAGED>
+struct PrefillSm90Fp8 : PrefillSm90Fp8Config<HEAD_DIM, CONSUMERS, STAGES, PAGED> {
+  using Cfg = PrefillSm90Fp8Config<HEAD_DIM, CONSUMERS, STAGES, PAGED>;
   using Consumer = ConsumerSm90Fp8<Cfg, PINGPONG, OVERLAP>;
-  using OutCfg = Sm90Fp8OutCfg<typename Cfg::Out16, HEAD_DIM>;
+  using OutCfg = Sm90Fp8OutCfg<typename Cfg::Out16, HEAD_DIM, PAGED>;
 
   static __device__ __forceinline__ void consume(const PrefillParams& p, const PrefillWork& w, uint32_t base, int wg,
                                                  int tid) {
@@ -64,13 +68,13 @@ struct PrefillSm90Fp8 : PrefillSm90Fp8Config<HEAD_DIM, CONSUMERS, STAGES> {
     ptx::wait_prior_grids();
     const uint32_t base = (ptx::smem_u32(smem) + Cfg::ATOM_BYTES - 1) & ~(uint32_t)(Cfg::ATOM_BYTES - 1);
     PrefillWork w;
-    if (!decode_work<Cfg::BLOCK_M, Cfg::BLOCK_N, false, false, true>(p, w)) return;
+    if (!decode_work<Cfg::BLOCK_M, Cfg::BLOCK_N, PAGED, false, true>(p, w)) return;
     const int tid = threadIdx.x, wg = tid / Cfg::WG_THREADS;
     if (tid == 0) init_ring_barriers<Cfg>(base);
     __syncthreads();
     if (wg == 0) {
       ptx::setmaxnreg_dec<Cfg::PRODUCER_REGS>();
-      ProducerSm90Fp8<Cfg>::run(p, w, base, tid);
+      ProducerSm90Fp8<Cfg>::run(p, w, base, smem + (base - ptx::smem_u32(smem)), tid);
     } else {
       ptx::setmaxnreg_inc<Cfg::CONSUMER_REGS>();
       consume(p, w, base, wg - 1, tid % Cfg::WG_THREADS);
@@ -82,11 +86,11 @@ struct PrefillSm90Fp8 : PrefillSm90Fp8Config<HEAD_DIM, CONSUMERS, STAGES> {
 
 // One extern "C" entry per variant (as PFA_DEFINE_PREFILL_SM90). SMEM: variants.py's smem_bytes,
 // checked against the kernel's layout at compile time.
-#define PFA_DEFINE_PREFILL_SM90_FP8(NAME, HD, CONSUMERS, STAGES, PINGPONG, OVERLAP, SMEM)                    \
-  static_assert(pfa::PrefillSm90Fp8<HD, CONSUMERS, STAGES, PINGPONG, OVERLAP>::SMEM_BYTES == (SMEM),       \
+#define PFA_DEFINE_PREFILL_SM90_FP8(NAME, HD, CONSUMERS, STAGES, PINGPONG, OVERLAP, PAGED, SMEM)             \
+  static_assert(pfa::PrefillSm90Fp8<HD, CONSUMERS, STAGES, PINGPONG, OVERLAP, PAGED>::SMEM_BYTES == (SMEM), \
                 #NAME ": variants.py smem_bytes differs from the kernel's shared-memory layout");          \
   extern "C" __global__ void __launch_bounds__((CONSUMERS + 1) * 128, 1)                                   \
       NAME(const __grid_constant__ pfa::PrefillParams p) {                                                 \
     extern __shared__ __align__(1024) char smem[];                                                         \
-    pfa::PrefillSm90Fp8<HD, CONSUMERS, STAGES, PINGPONG, OVERLAP>::run(p, smem);                            \
+    pfa::PrefillSm90Fp8<HD, CONSUMERS, STAGES, PINGPONG, OVERLAP, PAGED>::run(p, smem);                     \
   }

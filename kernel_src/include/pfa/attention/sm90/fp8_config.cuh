@@ -8,7 +8,7 @@
 // copies each V tile as it is stored ([key][dim], the "raw" tile) and transposes it into a Vt
 // stage (fp8_producer.cuh). Layout, each part 1024-byte aligned:
 //   Q [BLOCK_M x D] | K stages [STAGES][BLOCK_N x D] | Vt stages [STAGES][D x BLOCK_N]
-//   | raw V [2][BLOCK_N x D] | mbarriers
+//   | raw V [2][BLOCK_N x D] | mbarriers | (PAGED) page ids of one tile: K's [BLOCK_N], V's [BLOCK_N]
 // Every tile in the 128-byte swizzle: column blocks of 128 bytes, chunk c of row r at c ^ (r % 8).
 // BLOCK_N is 128: one Vt row (a head-dim column of V) is exactly one 128-byte swizzle row. At
 // head_dim 64 the Q, K and raw V rows (64 bytes) are stored as the first half of 128-byte swizzle
@@ -30,7 +30,7 @@ constexpr int sm90_fp8_bar_offset(int head_dim, int consumers, int stages) {
   return consumers * 64 * row_pad + stages * 128 * row_pad + stages * head_dim * 128 + 2 * 128 * row_pad;
 }
 
-template <int HEAD_DIM_, int CONSUMERS_, int STAGES_>
+template <int HEAD_DIM_, int CONSUMERS_, int STAGES_, bool PAGED_>
 struct PrefillSm90Fp8Config : Sm90Pipeline<CONSUMERS_, STAGES_, sm90_fp8_bar_offset(HEAD_DIM_, CONSUMERS_, STAGES_)> {
   using Base = Sm90Pipeline<CONSUMERS_, STAGES_, sm90_fp8_bar_offset(HEAD_DIM_, CONSUMERS_, STAGES_)>;
   using Base::ATOM_BYTES, Base::BAR_OFFSET, Base::BLOCK_M, Base::NUM_BARRIERS, Base::ROW_BYTES, Base::STAGES;
@@ -39,7 +39,7 @@ struct PrefillSm90Fp8Config : Sm90Pipeline<CONSUMERS_, STAGES_, sm90_fp8_bar_off
   // kernels' o_format counts from their query dtype.
   using Out16 = __nv_bfloat16;
   static constexpr int HEAD_DIM = HEAD_DIM_, BLOCK_N = 128;
-  static constexpr bool PAGED = false, TMA = false;
+  static constexpr bool PAGED = PAGED_, TMA = false;
   static_assert(HEAD_DIM == 64 || HEAD_DIM % 128 == 0, "fp8: head_dim in whole (or, 64, half) swizzle rows");
 
   static constexpr int CHUNK_ELEMS = 16;                 // e4m3 elements per 16-byte chunk
@@ -55,8 +55,12 @@ struct PrefillSm90Fp8Config : Sm90Pipeline<CONSUMERS_, STAGES_, sm90_fp8_bar_off
   static constexpr int RAW_OFFSET = V_OFFSET + STAGES * VT_TILE_BYTES;
   static constexpr int RAW_TILES = 2;
   static_assert(BAR_OFFSET == RAW_OFFSET + RAW_TILES * K_TILE_BYTES, "sm90_fp8_bar_offset: the mbarriers follow raw V");
+  // PAGED: the page id of every row of the next tile to copy, K's then V's (V's own ids, or unused
+  // when V shares K's); one buffer: the producer's two barriers a tile order its reads and writes
+  static constexpr int IDS_OFFSET = BAR_OFFSET + NUM_BARRIERS * 8;
+  static constexpr int IDS_BYTES = PAGED ? 2 * BLOCK_N * 4 : 0;
   // + 1024: the dynamic shared memory base is rounded up to the swizzle atom at run time
-  static constexpr int SMEM_BYTES = BAR_OFFSET + NUM_BARRIERS * 8 + ATOM_BYTES;
+  static constexpr int SMEM_BYTES = IDS_OFFSET + IDS_BYTES + ATOM_BYTES;
   static_assert(K_TILE_BYTES % ATOM_BYTES == 0 && VT_TILE_BYTES % ATOM_BYTES == 0 && Q_BYTES % ATOM_BYTES == 0,
                 "1024-byte tiles");
 };

@@ -56,6 +56,40 @@ __device__ __forceinline__ void init_ring_barriers(uint32_t base) {
   ptx::mbar_fence_init();
 }
 
+// Paged K/V by cp.async, shared by the 16-bit and the fp8 producers. The page id of row `tid` of
+// the tile at n0 (PagedKvRows' addressing: key t sits in slot t % page_size of page
+// pages[t / page_size], ids clamped into the cache when the host could not check them); 0 for a
+// thread past the tile's rows or a row past the request.
+template <int BLOCK_N>
+__device__ __forceinline__ int32_t paged_row_id(const PrefillParams& p, const int32_t* pages, int n0, int kv_len,
+                                                int tid) {
+  const int t = n0 + tid;
+  if (tid >= BLOCK_N || t >= kv_len) return 0;
+  const int pg = p.page_shift >= 0 ? t >> p.page_shift : t / p.page_size;
+  return checked_page_id(p, __ldg(pages + pg));
+}
+
+// One K or V tile (Cfg::BLOCK_N rows of elements E, keys [n0, n0 + BLOCK_N)) from a paged cache
+// into the 128-byte-swizzled tile at s_tile: row r's page id staged in s_ids[r], CPR 16-byte
+// chunks a row, ROW_STEP rows between one thread's chunks, UNROLL rows a pass; keys at or past
+// kv_len zero-filled. `head`: the kv head's base; strides in elements.
+template <class Cfg, typename E, int CPR, int ROW_STEP, int UNROLL>
+__device__ __forceinline__ void load_paged_tile(uint32_t s_tile, const E* head, const PrefillParams& p,
+                                                const int32_t* s_ids, int64_t stride_page, int64_t stride_n, int n0,
+                                                int kv_len, int tid, uint64_t policy) {
+  constexpr int CHUNK_ELEMS = Cfg::CHUNK_BYTES / int(sizeof(E));
+  const int chunk = tid % CPR, r0 = tid / CPR;
+  const bool pow2 = p.page_shift >= 0;
+#pragma unroll(UNROLL)
+  for (int i = 0; i < Cfg::BLOCK_N / ROW_STEP; ++i) {
+    const int r = r0 + i * ROW_STEP, t = n0 + r;
+    const bool valid = t < kv_len;
+    const int slot = pow2 ? t & (p.page_size - 1) : t % p.page_size;
+    const E* src = head + (int64_t)s_ids[r] * stride_page + (int64_t)slot * stride_n + chunk * CHUNK_ELEMS;
+    ptx::cp_async_16_hint(s_tile + Cfg::swz(Cfg::BLOCK_N, r, chunk), valid ? src : head, valid, policy);
+  }
+}
+
 template <class Cfg>
 struct ProducerSm90 {
   static constexpr bool PAGED = Cfg::PAGED;
@@ -86,39 +120,14 @@ struct ProducerSm90 {
     }
   }
 
-  // Paged K/V: the page id of row `tid` of the tile at n0 (PagedKvRows' addressing: key t sits in
-  // slot t % page_size of page kv_page_indices[page_base + t / page_size], ids clamped into the
-  // cache when the host could not check them). Loaded one tile ahead into a register, then
-  // staged in shared memory for the whole warpgroup (stage_page_ids), so no row's copy waits on
-  // a dependent page-table load. Separate V ids (v_page_indices) are loaded when V's tile is
-  // copied and staged after K's copies, in the second buffer (K's ids then always use the first):
-  // each staging barrier also retires every read of the buffer it is about to overwrite next.
-  static __device__ __forceinline__ int32_t row_page_id(const PrefillParams& p, const int32_t* pages, int n0,
-                                                        int kv_len, int tid) {
-    const int t = n0 + tid;
-    if (tid >= BLOCK_N || t >= kv_len) return 0;
-    const int pg = p.page_shift >= 0 ? t >> p.page_shift : t / p.page_size;
-    return checked_page_id(p, __ldg(pages + pg));
-  }
+  // Paged K/V (paged_row_id, load_paged_tile): each row's page id is loaded one tile ahead into a
+  // register, then staged in shared memory for the whole warpgroup (stage_page_ids), so no row's
+  // copy waits on a dependent page-table load. Separate V ids (v_page_indices) are loaded when V's
+  // tile is copied and staged after K's copies, in the second buffer (K's ids then always use the
+  // first): each staging barrier also retires every read of the buffer it is about to overwrite next.
   static __device__ __forceinline__ void stage_page_ids(int32_t* s_ids, int32_t id, int tid) {
     if (tid < BLOCK_N) s_ids[tid] = id;
     ptx::bar_sync(Cfg::PRODUCER_BAR, Cfg::WG_THREADS);
-  }
-
-  // One K or V tile from a paged cache, its rows' page ids staged in s_ids.
-  static __device__ __forceinline__ void load_tile_paged(uint32_t s_tile, const T* head, const PrefillParams& p,
-                                                         const int32_t* s_ids, int64_t stride_page, int64_t stride_n,
-                                                         int n0, int kv_len, int tid, uint64_t policy) {
-    const int chunk = tid % CPR, r0 = tid / CPR;
-    const bool pow2 = p.page_shift >= 0;
-#pragma unroll 4
-    for (int i = 0; i < BLOCK_N / ROW_STEP; ++i) {
-      const int r = r0 + i * ROW_STEP, t = n0 + r;
-      const bool valid = t < kv_len;
-      const int slot = pow2 ? t & (p.page_size - 1) : t % p.page_size;
-      const T* src = head + (int64_t)s_ids[r] * stride_page + (int64_t)slot * stride_n + chunk * 8;
-      ptx::cp_async_16_hint(s_tile + Cfg::swz(BLOCK_N, r, chunk), valid ? src : head, valid, policy);
-    }
   }
 
   // One K or V tile by cp.async into stage `s`, through the request's addressing (paged: the
@@ -129,7 +138,8 @@ struct ProducerSm90 {
                                                    uint32_t free_parity, int tid, uint64_t policy) {
     ptx::mbar_wait(empty, free_parity);
     if constexpr (PAGED)
-      load_tile_paged(s_tile, head, p, s_ids, stride_page, stride_n, n0, w.kv_len, tid, policy);
+      load_paged_tile<Cfg, T, CPR, ROW_STEP, 4>(s_tile, head, p, s_ids, stride_page, stride_n, n0, w.kv_len, tid,
+                                                policy);
     else
       load_tile(s_tile, head, stride_n, RaggedKvRows{w.kv_row0}.row(0, 0), n0, w.kv_len, tid, policy);
     ptx::cp_async_mbar_arrive(full);
@@ -145,7 +155,7 @@ struct ProducerSm90 {
     const int32_t* pages = reinterpret_cast<const int32_t*>(p.kv_page_indices) + w.page_base;
     // Every row tile of the head reads these K/V rows again: keep them in L2 over Q and outputs.
     const uint64_t keep = ptx::l2_evict_last();
-    int32_t next_id = PAGED ? row_page_id(p, pages, w.tile_start, w.kv_len, tid) : 0;
+    int32_t next_id = PAGED ? paged_row_id<BLOCK_N>(p, pages, w.tile_start, w.kv_len, tid) : 0;
     for (int it = 0; it < w.num_tiles; ++it) {
       const int s = it % STAGES;
       const uint32_t free_parity = ((it / STAGES) & 1) ^ 1;
@@ -158,13 +168,13 @@ struct ProducerSm90 {
           s_v_ids = s_ids + BLOCK_N;
         }
         stage_page_ids(s_ids, next_id, tid);
-        if (it + 1 < w.num_tiles) next_id = row_page_id(p, pages, n0 + BLOCK_N, w.kv_len, tid);
+        if (it + 1 < w.num_tiles) next_id = paged_row_id<BLOCK_N>(p, pages, n0 + BLOCK_N, w.kv_len, tid);
       }
       copy_tile(p, w, base + Cfg::K_OFFSET + s * Cfg::KV_TILE_BYTES, k, p.k_stride_page, p.k_stride_n, s_ids, n0,
                 Cfg::k_empty(base, s), Cfg::k_full(base, s), free_parity, tid, keep);
       if constexpr (PAGED) {
         if (p.v_page_indices != 0)
-          stage_page_ids(s_v_ids, row_page_id(p, page_table<true>(p) + w.page_base, n0, w.kv_len, tid), tid);
+          stage_page_ids(s_v_ids, paged_row_id<BLOCK_N>(p, page_table<true>(p) + w.page_base, n0, w.kv_len, tid), tid);
       }
       copy_tile(p, w, base + Cfg::V_OFFSET + s * Cfg::KV_TILE_BYTES, v, p.v_stride_page, p.v_stride_n, s_v_ids, n0,
                 Cfg::v_empty(base, s), Cfg::v_full(base, s), free_parity, tid, keep);
