@@ -254,13 +254,12 @@ class HopperPrefillVariant(Sm90Roles):
 
     @property
     def smem_bytes(self):
-        # PrefillSm90Config::SMEM_BYTES: Q, STAGES K and V tiles, 1 + 4 * STAGES mbarriers, (paged by
-        # cp.async) two tiles' page ids, (TMA) the tail tile's mbarrier, the alignment slack
+        # PrefillSm90Config::SMEM_BYTES: Q, STAGES K and V tiles, 1 + 4 * STAGES mbarriers, (TMA) the
+        # tail tile's mbarrier, the alignment slack
         tile = self.block_n * self.head_dim * HALF_BYTES
-        ids = 2 * self.block_n * PAGE_ID_BYTES if self.paged and not self.tma else 0
         tail = self.BARRIER_BYTES if self.tma else 0
         return (self.block_m * self.head_dim * HALF_BYTES + 2 * self.stages * tile
-                + (1 + 4 * self.stages) * self.BARRIER_BYTES + ids + tail + self.ATOM_BYTES)
+                + (1 + 4 * self.stages) * self.BARRIER_BYTES + tail + self.ATOM_BYTES)
 
     def fits(self, arch):
         return self.smem_bytes <= SMEM_OPTIN[arch]

@@ -61,7 +61,7 @@ struct PrefillSm90 : PrefillSm90Config<T, HEAD_DIM, BLOCK_N, CONSUMERS, STAGES, 
       if constexpr (Cfg::TMA)
         ProducerSm90Tma<Cfg>::run(p, w, base, tid);
       else
-        ProducerSm90<Cfg>::run(p, w, base, smem + (base - ptx::smem_u32(smem)), tid);
+        ProducerSm90<Cfg>::run(p, w, base, tid);
     } else {
       ptx::setmaxnreg_inc<Cfg::CONSUMER_REGS>();
       consume(p, w, base, wg - 1, tid % Cfg::WG_THREADS);

@@ -5,7 +5,7 @@
 // 128-byte-swizzle layout (ptx/sm90.cuh): column blocks of 64 elements, 128-byte rows, chunk c of
 // row r at c ^ (r % 8). Layout, each part 1024-byte aligned:
 //   Q [BLOCK_M x D] | K stages [STAGES][BLOCK_N x D] | V stages [STAGES][BLOCK_N x D] | mbarriers
-//   | (PAGED, by cp.async) page ids [2][BLOCK_N] | (TMA) the tail tile's mbarrier
+//   | (TMA) the tail tile's mbarrier
 #pragma once
 #include <stdint.h>
 
@@ -35,7 +35,7 @@ struct PrefillSm90Config
   // K/V tiles by TMA (PrefillParams::k_tmap / v_tmap; producer_tma.cuh): one producer warp issues
   // the boxes of a tile instead of every producer thread a cp.async per chunk.
   static constexpr bool TMA = TMA_;
-  static_assert(!PAGED || TMA || BLOCK_N <= 128, "paged: one producer thread stages each row's page id");
+  static_assert(!PAGED || TMA || BLOCK_N <= 128, "paged by cp.async: one lane of a producer warp owns each row");
   static_assert(HEAD_DIM % 64 == 0, "head_dim in whole 128-byte swizzle blocks");
   static_assert(BLOCK_N % 16 == 0 && BLOCK_N <= 256, "BLOCK_N: k-steps of 16 keys, one wgmma N");
 
@@ -46,13 +46,9 @@ struct PrefillSm90Config
   static constexpr int K_OFFSET = Q_OFFSET + Q_BYTES;
   static constexpr int V_OFFSET = K_OFFSET + STAGES * KV_TILE_BYTES;
   static_assert(BAR_OFFSET == V_OFFSET + STAGES * KV_TILE_BYTES, "sm90_bar_offset: the mbarriers follow V");
-  // PAGED by cp.async: the page id of every row of a tile, double-buffered (the producer stages a
-  // tile's ids while its threads may still read the previous tile's); TMA keeps them in registers
-  static constexpr int IDS_OFFSET = BAR_OFFSET + NUM_BARRIERS * 8;
-  static constexpr int IDS_BYTES = PAGED && !TMA ? 2 * BLOCK_N * 4 : 0;
   // TMA: the mbarrier a request's last V tile lands on before the producer zeroes its rows past
   // kv_len and completes the stage itself (producer_tma.cuh)
-  static constexpr int TAIL_BAR_OFFSET = IDS_OFFSET + IDS_BYTES;
+  static constexpr int TAIL_BAR_OFFSET = BAR_OFFSET + NUM_BARRIERS * 8;
   static constexpr int TAIL_BAR_BYTES = TMA ? 8 : 0;
   // + 1024: the dynamic shared memory base is rounded up to the swizzle atom at run time
   static constexpr int SMEM_BYTES = TAIL_BAR_OFFSET + TAIL_BAR_BYTES + ATOM_BYTES;

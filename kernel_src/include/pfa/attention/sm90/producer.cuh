@@ -120,64 +120,95 @@ struct ProducerSm90 {
     }
   }
 
-  // Paged K/V (paged_row_id, load_paged_tile): each row's page id is loaded one tile ahead into a
-  // register, then staged in shared memory for the whole warpgroup (stage_page_ids), so no row's
-  // copy waits on a dependent page-table load. Separate V ids (v_page_indices) are loaded when V's
-  // tile is copied and staged after K's copies, in the second buffer (K's ids then always use the
-  // first): each staging barrier also retires every read of the buffer it is about to overwrite next.
-  static __device__ __forceinline__ void stage_page_ids(int32_t* s_ids, int32_t id, int tid) {
-    if (tid < BLOCK_N) s_ids[tid] = id;
-    ptx::bar_sync(Cfg::PRODUCER_BAR, Cfg::WG_THREADS);
+  // Paged K/V: every row's address is worked out once, by one lane, not by each of the CPR threads
+  // that copy its chunks. Lane l of warp w owns row owned_row(w, l), one of the WARP_ROWS rows its
+  // warp copies; it loads that row's page id one tile ahead (checked_page_id) and turns it into the
+  // row's byte offset within the kv head (page_offset); each copy then takes its row's offset
+  // from the owning lane by shuffle. No per-copy page arithmetic (it was ~26 instructions a
+  // 16-byte copy, which made the producer warps, not the memory, the paged kernels' limit), no
+  // shared-memory staging, no producer barrier.
+  static constexpr int WARP_R0 = 32 / CPR;                           // rows one warp pass covers
+  static constexpr int WARP_ROWS = WARP_R0 * (BLOCK_N / ROW_STEP);  // rows one warp copies
+  static_assert(32 % CPR == 0 && WARP_ROWS <= 32, "one owning lane per row of a warp");
+  static __device__ __forceinline__ int owned_row(int tid) {
+    const int lane = tid % 32;
+    return tid / 32 * WARP_R0 + lane % WARP_R0 + ROW_STEP * (lane / WARP_R0);
+  }
+  // The page id of key t (the owned row of a tile), 0 for a lane without a row or a key past kv_len.
+  static __device__ __forceinline__ int32_t owned_page_id(const PrefillParams& p, const int32_t* pages, int t,
+                                                          int kv_len, int tid) {
+    if (tid % 32 >= WARP_ROWS || t >= kv_len) return 0;
+    return checked_page_id(p, __ldg(pages + (p.page_shift >= 0 ? t >> p.page_shift : t / p.page_size)));
+  }
+  // Byte offset of key t within a kv head: id * stride_page + slot * stride_n (elements), 0 past kv_len.
+  static __device__ __forceinline__ int64_t page_offset(const PrefillParams& p, int32_t id, int t, int kv_len,
+                                                        int64_t stride_page, int64_t stride_n) {
+    const int slot = p.page_shift >= 0 ? t & (p.page_size - 1) : t % p.page_size;
+    return t < kv_len ? ((int64_t)id * stride_page + (int64_t)slot * stride_n) * (int64_t)sizeof(T) : 0;
   }
 
-  // One K or V tile by cp.async into stage `s`, through the request's addressing (paged: the
-  // staged page ids s_ids), then its full barrier once the stage is free.
-  static __device__ __forceinline__ void copy_tile(const PrefillParams& p, const PrefillWork& w, uint32_t s_tile,
-                                                   const T* head, int64_t stride_page, int64_t stride_n,
-                                                   const int32_t* s_ids, int n0, uint32_t empty, uint32_t full,
-                                                   uint32_t free_parity, int tid, uint64_t policy) {
+  // One paged K or V tile: row r's byte offset from its owning lane (row_off: this lane's row's).
+  static __device__ __forceinline__ void load_tile_paged(uint32_t s_tile, const T* head, int64_t row_off, int n0,
+                                                         int kv_len, int tid, uint64_t policy) {
+    const int chunk = tid % CPR, r0 = tid / CPR, b = r0 % WARP_R0;
+    const char* src = reinterpret_cast<const char*>(head) + chunk * Cfg::CHUNK_BYTES;
+#pragma unroll 4
+    for (int i = 0; i < BLOCK_N / ROW_STEP; ++i) {
+      const int r = r0 + i * ROW_STEP;
+      const int64_t off = __shfl_sync(0xffffffffu, row_off, i * WARP_R0 + b);
+      ptx::cp_async_16_hint(s_tile + Cfg::swz(BLOCK_N, r, chunk), src + off, n0 + r < kv_len, policy);
+    }
+  }
+
+  // One K or V tile by cp.async into stage `s`, through the request's addressing (paged: row_off,
+  // see above), then its full barrier once the stage is free.
+  static __device__ __forceinline__ void copy_tile(const PrefillWork& w, uint32_t s_tile, const T* head,
+                                                   int64_t stride_n, int64_t row_off, int n0, uint32_t empty,
+                                                   uint32_t full, uint32_t free_parity, int tid, uint64_t policy) {
     ptx::mbar_wait(empty, free_parity);
     if constexpr (PAGED)
-      load_paged_tile<Cfg, T, CPR, ROW_STEP, 4>(s_tile, head, p, s_ids, stride_page, stride_n, n0, w.kv_len, tid,
-                                                policy);
+      load_tile_paged(s_tile, head, row_off, n0, w.kv_len, tid, policy);
     else
       load_tile(s_tile, head, stride_n, RaggedKvRows{w.kv_row0}.row(0, 0), n0, w.kv_len, tid, policy);
     ptx::cp_async_mbar_arrive(full);
   }
 
-  // base / smem: the aligned shared-memory base as a shared-window address and as a pointer.
-  static __device__ __forceinline__ void run(const PrefillParams& p, const PrefillWork& w, uint32_t base, char* smem,
-                                             int tid) {
+  // base: the aligned shared-memory base as a shared-window address.
+  static __device__ __forceinline__ void run(const PrefillParams& p, const PrefillWork& w, uint32_t base, int tid) {
     load_q(p, w, base + Cfg::Q_OFFSET, tid);
     ptx::cp_async_mbar_arrive(Cfg::q_full(base));
     const T* k = reinterpret_cast<const T*>(p.k) + w.kv_head * p.k_stride_h;
     const T* v = reinterpret_cast<const T*>(p.v) + w.kv_head * p.v_stride_h;
-    const int32_t* pages = reinterpret_cast<const int32_t*>(p.kv_page_indices) + w.page_base;
+    // Paged: K's page table, and V's (its own ids where the call has them, else K's)
+    const int32_t* k_pages = page_table<false>(p) + w.page_base;
+    const int32_t* v_pages = page_table<true>(p) + w.page_base;
+    const bool v_ids = PAGED && p.v_page_indices != 0;
+    const int row = owned_row(tid);
     // Every row tile of the head reads these K/V rows again: keep them in L2 over Q and outputs.
     const uint64_t keep = ptx::l2_evict_last();
-    int32_t next_id = PAGED ? paged_row_id<BLOCK_N>(p, pages, w.tile_start, w.kv_len, tid) : 0;
+    int32_t next_k = 0, next_v = 0;  // the owned row's page ids in the next tile
+    if constexpr (PAGED) {
+      next_k = owned_page_id(p, k_pages, w.tile_start + row, w.kv_len, tid);
+      next_v = v_ids ? owned_page_id(p, v_pages, w.tile_start + row, w.kv_len, tid) : next_k;
+    }
     for (int it = 0; it < w.num_tiles; ++it) {
       const int s = it % STAGES;
       const uint32_t free_parity = ((it / STAGES) & 1) ^ 1;
       const int n0 = w.tile_start + it * BLOCK_N;
-      int32_t* s_ids = reinterpret_cast<int32_t*>(smem + Cfg::IDS_OFFSET) + (it & 1) * BLOCK_N;
-      int32_t* s_v_ids = s_ids;
+      int64_t k_off = 0, v_off = 0;
       if constexpr (PAGED) {
-        if (p.v_page_indices != 0) {
-          s_ids = reinterpret_cast<int32_t*>(smem + Cfg::IDS_OFFSET);
-          s_v_ids = s_ids + BLOCK_N;
+        const int t = n0 + row;
+        k_off = page_offset(p, next_k, t, w.kv_len, p.k_stride_page, p.k_stride_n);
+        v_off = page_offset(p, next_v, t, w.kv_len, p.v_stride_page, p.v_stride_n);
+        if (it + 1 < w.num_tiles) {
+          next_k = owned_page_id(p, k_pages, t + BLOCK_N, w.kv_len, tid);
+          next_v = v_ids ? owned_page_id(p, v_pages, t + BLOCK_N, w.kv_len, tid) : next_k;
         }
-        stage_page_ids(s_ids, next_id, tid);
-        if (it + 1 < w.num_tiles) next_id = paged_row_id<BLOCK_N>(p, pages, n0 + BLOCK_N, w.kv_len, tid);
       }
-      copy_tile(p, w, base + Cfg::K_OFFSET + s * Cfg::KV_TILE_BYTES, k, p.k_stride_page, p.k_stride_n, s_ids, n0,
-                Cfg::k_empty(base, s), Cfg::k_full(base, s), free_parity, tid, keep);
-      if constexpr (PAGED) {
-        if (p.v_page_indices != 0)
-          stage_page_ids(s_v_ids, paged_row_id<BLOCK_N>(p, page_table<true>(p) + w.page_base, n0, w.kv_len, tid), tid);
-      }
-      copy_tile(p, w, base + Cfg::V_OFFSET + s * Cfg::KV_TILE_BYTES, v, p.v_stride_page, p.v_stride_n, s_v_ids, n0,
-                Cfg::v_empty(base, s), Cfg::v_full(base, s), free_parity, tid, keep);
+      copy_tile(w, base + Cfg::K_OFFSET + s * Cfg::KV_TILE_BYTES, k, p.k_stride_n, k_off, n0, Cfg::k_empty(base, s),
+                Cfg::k_full(base, s), free_parity, tid, keep);
+      copy_tile(w, base + Cfg::V_OFFSET + s * Cfg::KV_TILE_BYTES, v, p.v_stride_n, v_off, n0, Cfg::v_empty(base, s),
+                Cfg::v_full(base, s), free_parity, tid, keep);
     }
     // Every cp.async lands before the warpgroup exits (the barriers they arrive on live in the
     // CTA's shared memory).
