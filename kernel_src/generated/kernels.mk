@@ -19,6 +19,8 @@ KERNELS_sm_80 := \
   pfa_prefill_sm80_f16_kvfp8_hd64_m16n32w1s2_lr_paged \
   pfa_prefill_sm80_f16_kvfp8_hd64_m32n32w2s2_lr_paged \
   pfa_prefill_sm80_f16_kvfp8_hd64_m64n32w4s2_lr_paged \
+  pfa_prefill_sm80_f16_hd64_m128n64w4s3_qr \
+  pfa_prefill_sm80_f16_hd64_m256n64w8s2_qr \
   pfa_prefill_sm80_f16_hd128_m128n64w4s2_lr \
   pfa_prefill_sm80_f16_hd128_m128n64w4s2_lr_paged \
   pfa_prefill_sm80_f16_hd128_m128n64w4s2_gen \
@@ -37,7 +39,16 @@ KERNELS_sm_80 := \
   pfa_prefill_sm80_f16_kvfp8_hd128_m16n16w1s2_lr_paged \
   pfa_prefill_sm80_f16_kvfp8_hd128_m32n16w2s2_lr_paged \
   pfa_prefill_sm80_f16_kvfp8_hd128_m64n16w4s2_lr_paged \
+  pfa_prefill_sm80_f16_hd128_m128n64w8s2_qr \
+  pfa_prefill_sm80_f16_hd128_m128n48w4s2 \
+  pfa_prefill_sm80_f16_hd128_m128n64w4s1 \
+  pfa_prefill_sm80_f16_hd128_m128n32w4s3 \
+  pfa_prefill_sm80_f16_hd128_m16n32w1s3_lr_paged \
+  pfa_prefill_sm80_f16_kvfp8_hd128_m16n32w1s2_lr_paged \
+  pfa_prefill_sm80_f16_kvfp8_hd128_m16n16w1s3_lr_paged \
   pfa_prefill_sm80_f16_hd256_m16n32w1s2_lr \
+  pfa_prefill_sm80_f16_hd256_m64n64w4s1_lr \
+  pfa_prefill_sm80_f16_hd256_m128n32w8s3 \
   pfa_merge_f16 \
   pfa_merge_cta_f16 \
   pfa_prefill_sm80_bf16_hd64_m128n64w4s2_qr \
@@ -58,6 +69,8 @@ KERNELS_sm_80 := \
   pfa_prefill_sm80_bf16_kvfp8_hd64_m16n32w1s2_lr_paged \
   pfa_prefill_sm80_bf16_kvfp8_hd64_m32n32w2s2_lr_paged \
   pfa_prefill_sm80_bf16_kvfp8_hd64_m64n32w4s2_lr_paged \
+  pfa_prefill_sm80_bf16_hd64_m128n64w4s3_qr \
+  pfa_prefill_sm80_bf16_hd64_m256n64w8s2_qr \
   pfa_prefill_sm80_bf16_hd128_m128n64w4s2_lr \
   pfa_prefill_sm80_bf16_hd128_m128n64w4s2_lr_paged \
   pfa_prefill_sm80_bf16_hd128_m128n64w4s2_gen \
@@ -76,7 +89,16 @@ KERNELS_sm_80 := \
   pfa_prefill_sm80_bf16_kvfp8_hd128_m16n16w1s2_lr_paged \
   pfa_prefill_sm80_bf16_kvfp8_hd128_m32n16w2s2_lr_paged \
   pfa_prefill_sm80_bf16_kvfp8_hd128_m64n16w4s2_lr_paged \
+  pfa_prefill_sm80_bf16_hd128_m128n64w8s2_qr \
+  pfa_prefill_sm80_bf16_hd128_m128n48w4s2 \
+  pfa_prefill_sm80_bf16_hd128_m128n64w4s1 \
+  pfa_prefill_sm80_bf16_hd128_m128n32w4s3 \
+  pfa_prefill_sm80_bf16_hd128_m16n32w1s3_lr_paged \
+  pfa_prefill_sm80_bf16_kvfp8_hd128_m16n32w1s2_lr_paged \
+  pfa_prefill_sm80_bf16_kvfp8_hd128_m16n16w1s3_lr_paged \
   pfa_prefill_sm80_bf16_hd256_m16n32w1s2_lr \
+  pfa_prefill_sm80_bf16_hd256_m64n64w4s1_lr \
+  pfa_prefill_sm80_bf16_hd256_m128n32w8s3 \
   pfa_merge_bf16 \
   pfa_merge_cta_bf16 \
   pfa_prefill_sm80_f16_kvnvfp4_hd64_m16n32w1s2_lr_paged \
@@ -118,6 +140,8 @@ KERNELS_sm_89 := \
   pfa_prefill_sm80_f16_kvfp8_hd64_m16n32w1s2_lr_paged \
   pfa_prefill_sm80_f16_kvfp8_hd64_m32n32w2s2_lr_paged \
   pfa_prefill_sm80_f16_kvfp8_hd64_m64n32w4s2_lr_paged \
+  pfa_prefill_sm80_f16_hd64_m128n64w4s3_qr \
+  pfa_prefill_sm80_f16_hd64_m256n64w8s2_qr \
   pfa_prefill_sm80_f16_hd128_m128n64w4s2_lr \
   pfa_prefill_sm80_f16_hd128_m128n64w4s2_gen \
   pfa_prefill_sm80_f16_hd128_m16n32w1s2_lr \
@@ -126,7 +150,12 @@ KERNELS_sm_89 := \
   pfa_prefill_sm80_f16_kvfp8_hd128_m16n16w1s2_lr \
   pfa_prefill_sm80_f16_kvfp8_hd128_m32n16w2s2_lr \
   pfa_prefill_sm80_f16_kvfp8_hd128_m64n16w4s2_lr \
+  pfa_prefill_sm80_f16_hd128_m128n64w8s2_qr \
+  pfa_prefill_sm80_f16_hd128_m128n48w4s2 \
+  pfa_prefill_sm80_f16_hd128_m128n64w4s1 \
+  pfa_prefill_sm80_f16_hd128_m128n32w4s3 \
   pfa_prefill_sm80_f16_hd256_m16n32w1s2_lr \
+  pfa_prefill_sm80_f16_hd256_m64n64w4s1_lr \
   pfa_merge_f16 \
   pfa_merge_cta_f16 \
   pfa_prefill_sm80_bf16_hd64_m128n64w4s2_qr \
@@ -147,6 +176,8 @@ KERNELS_sm_89 := \
   pfa_prefill_sm80_bf16_kvfp8_hd64_m16n32w1s2_lr_paged \
   pfa_prefill_sm80_bf16_kvfp8_hd64_m32n32w2s2_lr_paged \
   pfa_prefill_sm80_bf16_kvfp8_hd64_m64n32w4s2_lr_paged \
+  pfa_prefill_sm80_bf16_hd64_m128n64w4s3_qr \
+  pfa_prefill_sm80_bf16_hd64_m256n64w8s2_qr \
   pfa_prefill_sm80_bf16_hd128_m128n64w4s2_lr \
   pfa_prefill_sm80_bf16_hd128_m128n64w4s2_gen \
   pfa_prefill_sm80_bf16_hd128_m16n32w1s2_lr \
@@ -155,7 +186,12 @@ KERNELS_sm_89 := \
   pfa_prefill_sm80_bf16_kvfp8_hd128_m16n16w1s2_lr \
   pfa_prefill_sm80_bf16_kvfp8_hd128_m32n16w2s2_lr \
   pfa_prefill_sm80_bf16_kvfp8_hd128_m64n16w4s2_lr \
+  pfa_prefill_sm80_bf16_hd128_m128n64w8s2_qr \
+  pfa_prefill_sm80_bf16_hd128_m128n48w4s2 \
+  pfa_prefill_sm80_bf16_hd128_m128n64w4s1 \
+  pfa_prefill_sm80_bf16_hd128_m128n32w4s3 \
   pfa_prefill_sm80_bf16_hd256_m16n32w1s2_lr \
+  pfa_prefill_sm80_bf16_hd256_m64n64w4s1_lr \
   pfa_merge_bf16 \
   pfa_merge_cta_bf16 \
   pfa_prefill_sm80_f16_kvnvfp4_hd64_m16n32w1s2_lr_paged \
@@ -197,6 +233,8 @@ KERNELS_sm_90a := \
   pfa_prefill_sm80_f16_kvfp8_hd64_m16n32w1s2_lr_paged \
   pfa_prefill_sm80_f16_kvfp8_hd64_m32n32w2s2_lr_paged \
   pfa_prefill_sm80_f16_kvfp8_hd64_m64n32w4s2_lr_paged \
+  pfa_prefill_sm80_f16_hd64_m128n64w4s3_qr \
+  pfa_prefill_sm80_f16_hd64_m256n64w8s2_qr \
   pfa_prefill_sm80_f16_hd128_m128n64w4s2_lr \
   pfa_prefill_sm80_f16_hd128_m128n64w4s2_lr_paged \
   pfa_prefill_sm80_f16_hd128_m128n64w4s2_gen \
@@ -215,6 +253,13 @@ KERNELS_sm_90a := \
   pfa_prefill_sm80_f16_kvfp8_hd128_m16n16w1s2_lr_paged \
   pfa_prefill_sm80_f16_kvfp8_hd128_m32n16w2s2_lr_paged \
   pfa_prefill_sm80_f16_kvfp8_hd128_m64n16w4s2_lr_paged \
+  pfa_prefill_sm80_f16_hd128_m128n64w8s2_qr \
+  pfa_prefill_sm80_f16_hd128_m128n48w4s2 \
+  pfa_prefill_sm80_f16_hd128_m128n64w4s1 \
+  pfa_prefill_sm80_f16_hd128_m128n32w4s3 \
+  pfa_prefill_sm80_f16_hd128_m16n32w1s3_lr_paged \
+  pfa_prefill_sm80_f16_kvfp8_hd128_m16n32w1s2_lr_paged \
+  pfa_prefill_sm80_f16_kvfp8_hd128_m16n16w1s3_lr_paged \
   pfa_prefill_sm80_f16_hd256_m128n64w8s2_lr_pr \
   pfa_prefill_sm80_f16_hd256_m128n64w8s2_lr_pr_paged \
   pfa_prefill_sm80_f16_hd256_m128n64w8s2_pr_gen \
@@ -227,6 +272,10 @@ KERNELS_sm_90a := \
   pfa_prefill_sm80_f16_kvfp8_hd256_m128n64w8s2_pr_gen_paged \
   pfa_prefill_sm80_f16_kvfp8_hd256_m16n32w2s2_lr_pr \
   pfa_prefill_sm80_f16_kvfp8_hd256_m16n32w2s2_lr_pr_paged \
+  pfa_prefill_sm80_f16_hd256_m64n64w4s1_lr \
+  pfa_prefill_sm80_f16_hd256_m128n64w8s2 \
+  pfa_prefill_sm80_f16_hd256_m128n32w8s3 \
+  pfa_prefill_sm80_f16_hd256_m128n64w8s2_pr \
   pfa_prefill_sm90_f16_hd64_m192n128c3s2_pp \
   pfa_prefill_sm90_f16_hd128_m128n128c2s2_pp \
   pfa_prefill_sm90_f16_hd256_m128n80c2s2_pp \
@@ -245,6 +294,12 @@ KERNELS_sm_90a := \
   pfa_prefill_sm90_f16_hd64_m128n128c2s3_pp_paged_tma \
   pfa_prefill_sm90_f16_hd128_m128n128c2s3_pp_paged_tma \
   pfa_prefill_sm90_f16_hd256_m128n80c2s2_pp_paged_tma \
+  pfa_prefill_sm90_f16_hd64_m192n128c3s2 \
+  pfa_prefill_sm90_f16_hd128_m128n128c2s2 \
+  pfa_prefill_sm90_f16_hd256_m128n80c2s2 \
+  pfa_prefill_sm90_f16_hd128_m128n176c2s2_pp \
+  pfa_prefill_sm90_f16_hd128_m128n128c2s3_pp \
+  pfa_prefill_sm90_f16_hd64_m128n128c2s3_pp \
   pfa_merge_f16 \
   pfa_merge_cta_f16 \
   pfa_prefill_sm80_bf16_hd64_m128n64w4s2_qr \
@@ -265,6 +320,8 @@ KERNELS_sm_90a := \
   pfa_prefill_sm80_bf16_kvfp8_hd64_m16n32w1s2_lr_paged \
   pfa_prefill_sm80_bf16_kvfp8_hd64_m32n32w2s2_lr_paged \
   pfa_prefill_sm80_bf16_kvfp8_hd64_m64n32w4s2_lr_paged \
+  pfa_prefill_sm80_bf16_hd64_m128n64w4s3_qr \
+  pfa_prefill_sm80_bf16_hd64_m256n64w8s2_qr \
   pfa_prefill_sm80_bf16_hd128_m128n64w4s2_lr \
   pfa_prefill_sm80_bf16_hd128_m128n64w4s2_lr_paged \
   pfa_prefill_sm80_bf16_hd128_m128n64w4s2_gen \
@@ -283,6 +340,13 @@ KERNELS_sm_90a := \
   pfa_prefill_sm80_bf16_kvfp8_hd128_m16n16w1s2_lr_paged \
   pfa_prefill_sm80_bf16_kvfp8_hd128_m32n16w2s2_lr_paged \
   pfa_prefill_sm80_bf16_kvfp8_hd128_m64n16w4s2_lr_paged \
+  pfa_prefill_sm80_bf16_hd128_m128n64w8s2_qr \
+  pfa_prefill_sm80_bf16_hd128_m128n48w4s2 \
+  pfa_prefill_sm80_bf16_hd128_m128n64w4s1 \
+  pfa_prefill_sm80_bf16_hd128_m128n32w4s3 \
+  pfa_prefill_sm80_bf16_hd128_m16n32w1s3_lr_paged \
+  pfa_prefill_sm80_bf16_kvfp8_hd128_m16n32w1s2_lr_paged \
+  pfa_prefill_sm80_bf16_kvfp8_hd128_m16n16w1s3_lr_paged \
   pfa_prefill_sm80_bf16_hd256_m128n64w8s2_lr_pr \
   pfa_prefill_sm80_bf16_hd256_m128n64w8s2_lr_pr_paged \
   pfa_prefill_sm80_bf16_hd256_m128n64w8s2_pr_gen \
@@ -295,6 +359,10 @@ KERNELS_sm_90a := \
   pfa_prefill_sm80_bf16_kvfp8_hd256_m128n64w8s2_pr_gen_paged \
   pfa_prefill_sm80_bf16_kvfp8_hd256_m16n32w2s2_lr_pr \
   pfa_prefill_sm80_bf16_kvfp8_hd256_m16n32w2s2_lr_pr_paged \
+  pfa_prefill_sm80_bf16_hd256_m64n64w4s1_lr \
+  pfa_prefill_sm80_bf16_hd256_m128n64w8s2 \
+  pfa_prefill_sm80_bf16_hd256_m128n32w8s3 \
+  pfa_prefill_sm80_bf16_hd256_m128n64w8s2_pr \
   pfa_prefill_sm90_bf16_hd64_m192n128c3s2_pp \
   pfa_prefill_sm90_bf16_hd128_m128n128c2s2_pp \
   pfa_prefill_sm90_bf16_hd256_m128n80c2s2_pp \
@@ -313,6 +381,12 @@ KERNELS_sm_90a := \
   pfa_prefill_sm90_bf16_hd64_m128n128c2s3_pp_paged_tma \
   pfa_prefill_sm90_bf16_hd128_m128n128c2s3_pp_paged_tma \
   pfa_prefill_sm90_bf16_hd256_m128n80c2s2_pp_paged_tma \
+  pfa_prefill_sm90_bf16_hd64_m192n128c3s2 \
+  pfa_prefill_sm90_bf16_hd128_m128n128c2s2 \
+  pfa_prefill_sm90_bf16_hd256_m128n80c2s2 \
+  pfa_prefill_sm90_bf16_hd128_m128n176c2s2_pp \
+  pfa_prefill_sm90_bf16_hd128_m128n128c2s3_pp \
+  pfa_prefill_sm90_bf16_hd64_m128n128c2s3_pp \
   pfa_merge_bf16 \
   pfa_merge_cta_bf16 \
   pfa_prefill_sm90_e4m3_hd64_m192n128c3s2_pp \

@@ -129,7 +129,7 @@ struct ProducerSm90 {
   // shared-memory staging, no producer barrier.
   static constexpr int WARP_R0 = 32 / CPR;                           // rows one warp pass covers
   static constexpr int WARP_ROWS = WARP_R0 * (BLOCK_N / ROW_STEP);  // rows one warp copies
-  static_assert(32 % CPR == 0 && WARP_ROWS <= 32, "one owning lane per row of a warp");
+  static_assert(!PAGED || (32 % CPR == 0 && WARP_ROWS <= 32), "paged: one owning lane per row of a warp");
   static __device__ __forceinline__ int owned_row(int tid) {
     const int lane = tid % 32;
     return tid / 32 * WARP_R0 + lane % WARP_R0 + ROW_STEP * (lane / WARP_R0);
