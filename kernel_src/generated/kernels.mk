@@ -19,8 +19,6 @@ KERNELS_sm_80 := \
   pfa_prefill_sm80_f16_kvfp8_hd64_m16n32w1s2_lr_paged \
   pfa_prefill_sm80_f16_kvfp8_hd64_m32n32w2s2_lr_paged \
   pfa_prefill_sm80_f16_kvfp8_hd64_m64n32w4s2_lr_paged \
-  pfa_prefill_sm80_f16_hd64_m128n64w4s3_qr \
-  pfa_prefill_sm80_f16_hd64_m256n64w8s2_qr \
   pfa_prefill_sm80_f16_hd128_m128n64w4s2_lr \
   pfa_prefill_sm80_f16_hd128_m128n64w4s2_lr_paged \
   pfa_prefill_sm80_f16_hd128_m128n64w4s2_gen \
@@ -39,16 +37,7 @@ KERNELS_sm_80 := \
   pfa_prefill_sm80_f16_kvfp8_hd128_m16n16w1s2_lr_paged \
   pfa_prefill_sm80_f16_kvfp8_hd128_m32n16w2s2_lr_paged \
   pfa_prefill_sm80_f16_kvfp8_hd128_m64n16w4s2_lr_paged \
-  pfa_prefill_sm80_f16_hd128_m128n64w8s2_qr \
-  pfa_prefill_sm80_f16_hd128_m128n48w4s2 \
-  pfa_prefill_sm80_f16_hd128_m128n64w4s1 \
-  pfa_prefill_sm80_f16_hd128_m128n32w4s3 \
-  pfa_prefill_sm80_f16_hd128_m16n32w1s3_lr_paged \
-  pfa_prefill_sm80_f16_kvfp8_hd128_m16n32w1s2_lr_paged \
-  pfa_prefill_sm80_f16_kvfp8_hd128_m16n16w1s3_lr_paged \
   pfa_prefill_sm80_f16_hd256_m16n32w1s2_lr \
-  pfa_prefill_sm80_f16_hd256_m64n64w4s1_lr \
-  pfa_prefill_sm80_f16_hd256_m128n32w8s3 \
   pfa_merge_f16 \
   pfa_merge_cta_f16 \
   pfa_prefill_sm80_bf16_hd64_m128n64w4s2_qr \
@@ -69,8 +58,6 @@ KERNELS_sm_80 := \
   pfa_prefill_sm80_bf16_kvfp8_hd64_m16n32w1s2_lr_paged \
   pfa_prefill_sm80_bf16_kvfp8_hd64_m32n32w2s2_lr_paged \
   pfa_prefill_sm80_bf16_kvfp8_hd64_m64n32w4s2_lr_paged \
-  pfa_prefill_sm80_bf16_hd64_m128n64w4s3_qr \
-  pfa_prefill_sm80_bf16_hd64_m256n64w8s2_qr \
   pfa_prefill_sm80_bf16_hd128_m128n64w4s2_lr \
   pfa_prefill_sm80_bf16_hd128_m128n64w4s2_lr_paged \
   pfa_prefill_sm80_bf16_hd128_m128n64w4s2_gen \
@@ -89,16 +76,7 @@ KERNELS_sm_80 := \
   pfa_prefill_sm80_bf16_kvfp8_hd128_m16n16w1s2_lr_paged \
   pfa_prefill_sm80_bf16_kvfp8_hd128_m32n16w2s2_lr_paged \
   pfa_prefill_sm80_bf16_kvfp8_hd128_m64n16w4s2_lr_paged \
-  pfa_prefill_sm80_bf16_hd128_m128n64w8s2_qr \
-  pfa_prefill_sm80_bf16_hd128_m128n48w4s2 \
-  pfa_prefill_sm80_bf16_hd128_m128n64w4s1 \
-  pfa_prefill_sm80_bf16_hd128_m128n32w4s3 \
-  pfa_prefill_sm80_bf16_hd128_m16n32w1s3_lr_paged \
-  pfa_prefill_sm80_bf16_kvfp8_hd128_m16n32w1s2_lr_paged \
-  pfa_prefill_sm80_bf16_kvfp8_hd128_m16n16w1s3_lr_paged \
   pfa_prefill_sm80_bf16_hd256_m16n32w1s2_lr \
-  pfa_prefill_sm80_bf16_hd256_m64n64w4s1_lr \
-  pfa_prefill_sm80_bf16_hd256_m128n32w8s3 \
   pfa_merge_bf16 \
   pfa_merge_cta_bf16 \
   pfa_prefill_sm80_f16_kvnvfp4_hd64_m16n32w1s2_lr_paged \
@@ -140,8 +118,6 @@ KERNELS_sm_89 := \
   pfa_prefill_sm80_f16_kvfp8_hd64_m16n32w1s2_lr_paged \
   pfa_prefill_sm80_f16_kvfp8_hd64_m32n32w2s2_lr_paged \
   pfa_prefill_sm80_f16_kvfp8_hd64_m64n32w4s2_lr_paged \
-  pfa_prefill_sm80_f16_hd64_m128n64w4s3_qr \
-  pfa_prefill_sm80_f16_hd64_m256n64w8s2_qr \
   pfa_prefill_sm80_f16_hd128_m128n64w4s2_lr \
   pfa_prefill_sm80_f16_hd128_m128n64w4s2_gen \
   pfa_prefill_sm80_f16_hd128_m16n32w1s2_lr \
@@ -150,12 +126,7 @@ KERNELS_sm_89 := \
   pfa_prefill_sm80_f16_kvfp8_hd128_m16n16w1s2_lr \
   pfa_prefill_sm80_f16_kvfp8_hd128_m32n16w2s2_lr \
   pfa_prefill_sm80_f16_kvfp8_hd128_m64n16w4s2_lr \
-  pfa_prefill_sm80_f16_hd128_m128n64w8s2_qr \
-  pfa_prefill_sm80_f16_hd128_m128n48w4s2 \
-  pfa_prefill_sm80_f16_hd128_m128n64w4s1 \
-  pfa_prefill_sm80_f16_hd128_m128n32w4s3 \
   pfa_prefill_sm80_f16_hd256_m16n32w1s2_lr \
-  pfa_prefill_sm80_f16_hd256_m64n64w4s1_lr \
   pfa_merge_f16 \
   pfa_merge_cta_f16 \
   pfa_prefill_sm80_bf16_hd64_m128n64w4s2_qr \
@@ -176,8 +147,6 @@ KERNELS_sm_89 := \
   pfa_prefill_sm80_bf16_kvfp8_hd64_m16n32w1s2_lr_paged \
   pfa_prefill_sm80_bf16_kvfp8_hd64_m32n32w2s2_lr_paged \
   pfa_prefill_sm80_bf16_kvfp8_hd64_m64n32w4s2_lr_paged \
-  pfa_prefill_sm80_bf16_hd64_m128n64w4s3_qr \
-  pfa_prefill_sm80_bf16_hd64_m256n64w8s2_qr \
   pfa_prefill_sm80_bf16_hd128_m128n64w4s2_lr \
   pfa_prefill_sm80_bf16_hd128_m128n64w4s2_gen \
   pfa_prefill_sm80_bf16_hd128_m16n32w1s2_lr \
@@ -186,12 +155,7 @@ KERNELS_sm_89 := \
   pfa_prefill_sm80_bf16_kvfp8_hd128_m16n16w1s2_lr \
   pfa_prefill_sm80_bf16_kvfp8_hd128_m32n16w2s2_lr \
   pfa_prefill_sm80_bf16_kvfp8_hd128_m64n16w4s2_lr \
-  pfa_prefill_sm80_bf16_hd128_m128n64w8s2_qr \
-  pfa_prefill_sm80_bf16_hd128_m128n48w4s2 \
-  pfa_prefill_sm80_bf16_hd128_m128n64w4s1 \
-  pfa_prefill_sm80_bf16_hd128_m128n32w4s3 \
   pfa_prefill_sm80_bf16_hd256_m16n32w1s2_lr \
-  pfa_prefill_sm80_bf16_hd256_m64n64w4s1_lr \
   pfa_merge_bf16 \
   pfa_merge_cta_bf16 \
   pfa_prefill_sm80_f16_kvnvfp4_hd64_m16n32w1s2_lr_paged \
@@ -233,8 +197,6 @@ KERNELS_sm_90a := \
   pfa_prefill_sm80_f16_kvfp8_hd64_m16n32w1s2_lr_paged \
   pfa_prefill_sm80_f16_kvfp8_hd64_m32n32w2s2_lr_paged \
   pfa_prefill_sm80_f16_kvfp8_hd64_m64n32w4s2_lr_paged \
-  pfa_prefill_sm80_f16_hd64_m128n64w4s3_qr \
-  pfa_prefill_sm80_f16_hd64_m256n64w8s2_qr \
   pfa_prefill_sm80_f16_hd128_m128n64w4s2_lr \
   pfa_prefill_sm80_f16_hd128_m128n64w4s2_lr_paged \
   pfa_prefill_sm80_f16_hd128_m128n64w4s2_gen \
@@ -253,13 +215,6 @@ KERNELS_sm_90a := \
   pfa_prefill_sm80_f16_kvfp8_hd128_m16n16w1s2_lr_paged \
   pfa_prefill_sm80_f16_kvfp8_hd128_m32n16w2s2_lr_paged \
   pfa_prefill_sm80_f16_kvfp8_hd128_m64n16w4s2_lr_paged \
-  pfa_prefill_sm80_f16_hd128_m128n64w8s2_qr \
-  pfa_prefill_sm80_f16_hd128_m128n48w4s2 \
-  pfa_prefill_sm80_f16_hd128_m128n64w4s1 \
-  pfa_prefill_sm80_f16_hd128_m128n32w4s3 \
-  pfa_prefill_sm80_f16_hd128_m16n32w1s3_lr_paged \
-  pfa_prefill_sm80_f16_kvfp8_hd128_m16n32w1s2_lr_paged \
-  pfa_prefill_sm80_f16_kvfp8_hd128_m16n16w1s3_lr_paged \
   pfa_prefill_sm80_f16_hd256_m128n64w8s2_lr_pr \
   pfa_prefill_sm80_f16_hd256_m128n64w8s2_lr_pr_paged \
   pfa_prefill_sm80_f16_hd256_m128n64w8s2_pr_gen \
@@ -272,10 +227,6 @@ KERNELS_sm_90a := \
   pfa_prefill_sm80_f16_kvfp8_hd256_m128n64w8s2_pr_gen_paged \
   pfa_prefill_sm80_f16_kvfp8_hd256_m16n32w2s2_lr_pr \
   pfa_prefill_sm80_f16_kvfp8_hd256_m16n32w2s2_lr_pr_paged \
-  pfa_prefill_sm80_f16_hd256_m64n64w4s1_lr \
-  pfa_prefill_sm80_f16_hd256_m128n64w8s2 \
-  pfa_prefill_sm80_f16_hd256_m128n32w8s3 \
-  pfa_prefill_sm80_f16_hd256_m128n64w8s2_pr \
   pfa_prefill_sm90_f16_hd64_m192n128c3s2_pp \
   pfa_prefill_sm90_f16_hd128_m128n128c2s2_pp \
   pfa_prefill_sm90_f16_hd256_m128n80c2s2_pp \
@@ -291,15 +242,6 @@ KERNELS_sm_90a := \
   pfa_prefill_sm90_f16_hd64_m192n128c3s2_pp_tma \
   pfa_prefill_sm90_f16_hd128_m128n128c2s2_pp_tma \
   pfa_prefill_sm90_f16_hd256_m128n80c2s2_pp_tma \
-  pfa_prefill_sm90_f16_hd64_m128n128c2s3_pp_paged_tma \
-  pfa_prefill_sm90_f16_hd128_m128n128c2s3_pp_paged_tma \
-  pfa_prefill_sm90_f16_hd256_m128n80c2s2_pp_paged_tma \
-  pfa_prefill_sm90_f16_hd64_m192n128c3s2 \
-  pfa_prefill_sm90_f16_hd128_m128n128c2s2 \
-  pfa_prefill_sm90_f16_hd256_m128n80c2s2 \
-  pfa_prefill_sm90_f16_hd128_m128n176c2s2_pp \
-  pfa_prefill_sm90_f16_hd128_m128n128c2s3_pp \
-  pfa_prefill_sm90_f16_hd64_m128n128c2s3_pp \
   pfa_merge_f16 \
   pfa_merge_cta_f16 \
   pfa_prefill_sm80_bf16_hd64_m128n64w4s2_qr \
@@ -320,8 +262,6 @@ KERNELS_sm_90a := \
   pfa_prefill_sm80_bf16_kvfp8_hd64_m16n32w1s2_lr_paged \
   pfa_prefill_sm80_bf16_kvfp8_hd64_m32n32w2s2_lr_paged \
   pfa_prefill_sm80_bf16_kvfp8_hd64_m64n32w4s2_lr_paged \
-  pfa_prefill_sm80_bf16_hd64_m128n64w4s3_qr \
-  pfa_prefill_sm80_bf16_hd64_m256n64w8s2_qr \
   pfa_prefill_sm80_bf16_hd128_m128n64w4s2_lr \
   pfa_prefill_sm80_bf16_hd128_m128n64w4s2_lr_paged \
   pfa_prefill_sm80_bf16_hd128_m128n64w4s2_gen \
@@ -340,13 +280,6 @@ KERNELS_sm_90a := \
   pfa_prefill_sm80_bf16_kvfp8_hd128_m16n16w1s2_lr_paged \
   pfa_prefill_sm80_bf16_kvfp8_hd128_m32n16w2s2_lr_paged \
   pfa_prefill_sm80_bf16_kvfp8_hd128_m64n16w4s2_lr_paged \
-  pfa_prefill_sm80_bf16_hd128_m128n64w8s2_qr \
-  pfa_prefill_sm80_bf16_hd128_m128n48w4s2 \
-  pfa_prefill_sm80_bf16_hd128_m128n64w4s1 \
-  pfa_prefill_sm80_bf16_hd128_m128n32w4s3 \
-  pfa_prefill_sm80_bf16_hd128_m16n32w1s3_lr_paged \
-  pfa_prefill_sm80_bf16_kvfp8_hd128_m16n32w1s2_lr_paged \
-  pfa_prefill_sm80_bf16_kvfp8_hd128_m16n16w1s3_lr_paged \
   pfa_prefill_sm80_bf16_hd256_m128n64w8s2_lr_pr \
   pfa_prefill_sm80_bf16_hd256_m128n64w8s2_lr_pr_paged \
   pfa_prefill_sm80_bf16_hd256_m128n64w8s2_pr_gen \
@@ -359,10 +292,6 @@ KERNELS_sm_90a := \
   pfa_prefill_sm80_bf16_kvfp8_hd256_m128n64w8s2_pr_gen_paged \
   pfa_prefill_sm80_bf16_kvfp8_hd256_m16n32w2s2_lr_pr \
   pfa_prefill_sm80_bf16_kvfp8_hd256_m16n32w2s2_lr_pr_paged \
-  pfa_prefill_sm80_bf16_hd256_m64n64w4s1_lr \
-  pfa_prefill_sm80_bf16_hd256_m128n64w8s2 \
-  pfa_prefill_sm80_bf16_hd256_m128n32w8s3 \
-  pfa_prefill_sm80_bf16_hd256_m128n64w8s2_pr \
   pfa_prefill_sm90_bf16_hd64_m192n128c3s2_pp \
   pfa_prefill_sm90_bf16_hd128_m128n128c2s2_pp \
   pfa_prefill_sm90_bf16_hd256_m128n80c2s2_pp \
@@ -378,15 +307,6 @@ KERNELS_sm_90a := \
   pfa_prefill_sm90_bf16_hd64_m192n128c3s2_pp_tma \
   pfa_prefill_sm90_bf16_hd128_m128n128c2s2_pp_tma \
   pfa_prefill_sm90_bf16_hd256_m128n80c2s2_pp_tma \
-  pfa_prefill_sm90_bf16_hd64_m128n128c2s3_pp_paged_tma \
-  pfa_prefill_sm90_bf16_hd128_m128n128c2s3_pp_paged_tma \
-  pfa_prefill_sm90_bf16_hd256_m128n80c2s2_pp_paged_tma \
-  pfa_prefill_sm90_bf16_hd64_m192n128c3s2 \
-  pfa_prefill_sm90_bf16_hd128_m128n128c2s2 \
-  pfa_prefill_sm90_bf16_hd256_m128n80c2s2 \
-  pfa_prefill_sm90_bf16_hd128_m128n176c2s2_pp \
-  pfa_prefill_sm90_bf16_hd128_m128n128c2s3_pp \
-  pfa_prefill_sm90_bf16_hd64_m128n128c2s3_pp \
   pfa_merge_bf16 \
   pfa_merge_cta_bf16 \
   pfa_prefill_sm90_e4m3_hd64_m192n128c3s2_pp \
