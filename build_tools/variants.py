@@ -295,7 +295,7 @@ class HopperFp8PrefillVariant(Sm90Roles):
     a bf16 / fp16 / e4m3 output (o_format counted from bf16). One producer warpgroup (Q, K, and V
     transposed for the P V wgmma) and `consumers` warpgroups of 64 rows; 128-key tiles (one Vt row
     per head-dim column is one 128-byte swizzle row). Contiguous and ragged K/V, or (paged) a paged
-    cache by cp.async through staged page ids."""
+    cache by cp.async (owned-row copies, producer.cuh)."""
     head_dim: int
     consumers: int
     stages: int
@@ -317,13 +317,12 @@ class HopperFp8PrefillVariant(Sm90Roles):
     @property
     def smem_bytes(self):
         # PrefillSm90Fp8Config::SMEM_BYTES: Q, STAGES K and Vt tiles, the raw V tiles, 1 + 4 * STAGES
-        # mbarriers, (paged) one tile's K and V page ids, the alignment slack (one byte per element;
-        # Q / K / raw V rows padded to the 128-byte swizzle row at head_dim 64: ROW_PAD)
+        # mbarriers and the alignment slack; paged rows stage no page ids (one byte per element; Q / K /
+        # raw V rows padded to the 128-byte swizzle row at head_dim 64: ROW_PAD)
         row = max(self.ROW_BYTES, self.head_dim * FP8_BYTES)
         vt = self.head_dim * self.block_n * FP8_BYTES
-        ids = 2 * self.block_n * PAGE_ID_BYTES if self.paged else 0
         return (self.block_m * row + (self.stages + self.RAW_V_TILES) * self.block_n * row + self.stages * vt
-                + (1 + 4 * self.stages) * self.BARRIER_BYTES + ids + self.ATOM_BYTES)
+                + (1 + 4 * self.stages) * self.BARRIER_BYTES + self.ATOM_BYTES)
 
     def fits(self, arch):
         return self.smem_bytes <= SMEM_OPTIN[arch]

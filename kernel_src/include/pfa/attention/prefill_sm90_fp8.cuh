@@ -3,7 +3,7 @@
 // translation units: PrefillSm90Fp8::run and PFA_DEFINE_PREFILL_SM90_FP8.
 //   sm90/fp8_config.cuh    tile shape and shared-memory layout (Q, K ring, Vt ring, raw V)
 //   sm90/fp8_producer.cuh  warpgroup 0: Q, K tiles, V tiles transposed into the Vt ring (ragged
-//                          rows, or PAGED: a paged cache through staged page ids)
+//                          rows, or PAGED: a paged cache by owned-row copies)
 //   sm90/fp8_consumer.cuh  warpgroups 1..CONSUMERS: the 16-bit family's tile loop on e4m3 wgmma
 //   sm90/epilogue.cuh      the 16-bit family's epilogue, after O is scaled by scale_v[kv head]
 // Scales (FlashInfer's fp8 prefill, semantics 1.9): logits of q head h, kv head g get
@@ -74,7 +74,7 @@ struct PrefillSm90Fp8 : PrefillSm90Fp8Config<HEAD_DIM, CONSUMERS, STAGES, PAGED>
     __syncthreads();
     if (wg == 0) {
       ptx::setmaxnreg_dec<Cfg::PRODUCER_REGS>();
-      ProducerSm90Fp8<Cfg>::run(p, w, base, smem + (base - ptx::smem_u32(smem)), tid);
+      ProducerSm90Fp8<Cfg>::run(p, w, base, tid);
     } else {
       ptx::setmaxnreg_inc<Cfg::CONSUMER_REGS>();
       consume(p, w, base, wg - 1, tid % Cfg::WG_THREADS);

@@ -8,7 +8,7 @@
 // copies each V tile as it is stored ([key][dim], the "raw" tile) and transposes it into a Vt
 // stage (fp8_producer.cuh). Layout, each part 1024-byte aligned:
 //   Q [BLOCK_M x D] | K stages [STAGES][BLOCK_N x D] | Vt stages [STAGES][D x BLOCK_N]
-//   | raw V [2][BLOCK_N x D] | mbarriers | (PAGED) page ids of one tile: K's [BLOCK_N], V's [BLOCK_N]
+//   | raw V [2][BLOCK_N x D] | mbarriers
 // Every tile in the 128-byte swizzle: column blocks of 128 bytes, chunk c of row r at c ^ (r % 8).
 // BLOCK_N is 128: one Vt row (a head-dim column of V) is exactly one 128-byte swizzle row. At
 // head_dim 64 the Q, K and raw V rows (64 bytes) are stored as the first half of 128-byte swizzle
@@ -55,12 +55,9 @@ struct PrefillSm90Fp8Config : Sm90Pipeline<CONSUMERS_, STAGES_, sm90_fp8_bar_off
   static constexpr int RAW_OFFSET = V_OFFSET + STAGES * VT_TILE_BYTES;
   static constexpr int RAW_TILES = 2;
   static_assert(BAR_OFFSET == RAW_OFFSET + RAW_TILES * K_TILE_BYTES, "sm90_fp8_bar_offset: the mbarriers follow raw V");
-  // PAGED: the page id of every row of the next tile to copy, K's then V's (V's own ids, or unused
-  // when V shares K's); one buffer: the producer's two barriers a tile order its reads and writes
-  static constexpr int IDS_OFFSET = BAR_OFFSET + NUM_BARRIERS * 8;
-  static constexpr int IDS_BYTES = PAGED ? 2 * BLOCK_N * 4 : 0;
-  // + 1024: the dynamic shared memory base is rounded up to the swizzle atom at run time
-  static constexpr int SMEM_BYTES = IDS_OFFSET + IDS_BYTES + ATOM_BYTES;
+  // + 1024: the dynamic shared memory base is rounded up to the swizzle atom at run time (PAGED
+  // too: its page ids stay in the producer's registers, producer.cuh OwnedRows)
+  static constexpr int SMEM_BYTES = BAR_OFFSET + NUM_BARRIERS * 8 + ATOM_BYTES;
   static_assert(K_TILE_BYTES % ATOM_BYTES == 0 && VT_TILE_BYTES % ATOM_BYTES == 0 && Q_BYTES % ATOM_BYTES == 0,
                 "1024-byte tiles");
 };

@@ -1,8 +1,8 @@
 // The producer warpgroup of the sm_90a fp8 prefill: Q once, then per key tile its K into the K
 // ring (as the 16-bit producer: cp.async, arriving on k_full) and its V transposed into the Vt
 // ring, the B operand of O += P V (8-bit wgmma reads B K-major only). K/V rows: contiguous /
-// ragged, or (PAGED) a paged cache through staged page ids (the 16-bit producer's paged_row_id /
-// load_paged_tile; V's own ids when v_page_indices is set).
+// ragged, or (PAGED) a paged cache by the 16-bit producer's owned-row copies (producer.cuh,
+// OwnedRows; V's own ids when v_page_indices is set).
 //
 // V's transpose: each V tile is copied as stored ([key][dim], the raw tile, 2 buffers) and, once
 // it has landed, the four producer warps turn it into Vt [dim][key] in shared memory with
@@ -91,92 +91,82 @@ struct ProducerSm90Fp8 {
   }
 
   // One K or raw V tile, keys [n0, n0 + BLOCK_N) from `head` (the kv head's base) through the
-  // request's addressing: ragged rows from row0, or (PAGED) the page ids staged in s_ids.
-  static __device__ __forceinline__ void copy_tile(const PrefillParams& p, const PrefillWork& w, uint32_t s_tile,
-                                                   const uint8_t* head, int64_t stride_page, int64_t stride_n,
-                                                   int64_t row0, const int32_t* s_ids, int n0, int tid,
+  // request's addressing: ragged rows from row0, or (PAGED) this lane's owned row's byte offset
+  // row_off (load_tile_paged, producer.cuh).
+  static __device__ __forceinline__ void copy_tile(const PrefillWork& w, uint32_t s_tile, const uint8_t* head,
+                                                   int64_t stride_n, int64_t row0, int64_t row_off, int n0, int tid,
                                                    uint64_t policy) {
     if constexpr (Cfg::PAGED)
-      load_paged_tile<Cfg, uint8_t, CPR, ROW_STEP, LOAD_UNROLL>(s_tile, head, p, s_ids, stride_page, stride_n, n0,
-                                                                w.kv_len, tid, policy);
+      load_tile_paged<Cfg, uint8_t, CPR, ROW_STEP, LOAD_UNROLL>(s_tile, head, row_off, n0, w.kv_len, tid, policy);
     else
       load_tile(s_tile, head, stride_n, row0, n0, w.kv_len, tid, policy);
   }
 
-  // Paged: the page ids of one tile's rows (paged_row_id, producer.cuh), one row a thread: K's, and
-  // V's own where the call has separate ones (v_page_indices; else 0, unused). Loaded into
-  // registers a tile before they are staged, so the page-table reads hide behind a tile's copies
-  // and transpose.
+  // Paged: the owned row's page ids (owned_page_id, producer.cuh) of the tile at n0: K's, and V's
+  // (its own where the call has them, else K's).
   struct TileIds {
     int32_t k, v;
   };
-  static_assert(!Cfg::PAGED || Cfg::WG_THREADS == BLOCK_N, "paged: one producer thread per row's page id");
-  static __device__ __forceinline__ TileIds tile_ids(const PrefillParams& p, const PrefillWork& w, int n0, int tid) {
-    TileIds ids{paged_row_id<BLOCK_N>(p, page_table<false>(p) + w.page_base, n0, w.kv_len, tid), 0};
-    if (p.v_page_indices != 0)
-      ids.v = paged_row_id<BLOCK_N>(p, page_table<true>(p) + w.page_base, n0, w.kv_len, tid);
+  static __device__ __forceinline__ TileIds tile_ids(const PrefillParams& p, const PrefillWork& w, int n0, int row,
+                                                     int tid) {
+    const int t = n0 + row;
+    TileIds ids;
+    ids.k = owned_page_id<Cfg, CPR, ROW_STEP>(p, page_table<false>(p) + w.page_base, t, w.kv_len, tid);
+    ids.v = p.v_page_indices != 0
+                ? owned_page_id<Cfg, CPR, ROW_STEP>(p, page_table<true>(p) + w.page_base, t, w.kv_len, tid)
+                : ids.k;
     return ids;
   }
-  // The staged ids: K's at s_ids[0, BLOCK_N), V's own (separate ids) behind them.
-  static __device__ __forceinline__ void stage_ids(int32_t* s_ids, TileIds ids, int tid) {
-    s_ids[tid] = ids.k;
-    s_ids[BLOCK_N + tid] = ids.v;
-  }
-  static __device__ __forceinline__ const int32_t* v_ids(const PrefillParams& p, const int32_t* s_ids) {
-    return p.v_page_indices != 0 ? s_ids + BLOCK_N : s_ids;
-  }
 
-  // base / smem: the aligned shared-memory base as a shared-window address and as a pointer. Per
-  // tile it: raw V(it + 1) and K(it + 1) are issued, then V(it) (landed: cp.async.wait_group + a
-  // producer barrier) is transposed into its Vt stage, fenced for the async proxy (the consumers'
-  // wgmma) and announced on v_full; a second barrier frees its raw buffer for V(it + 2).
-  // PAGED: the copies of tile it + 1 read its page ids from the one staged buffer; the ids of tile
-  // it + 2 are written between the two barriers (after every read of tile it + 1's, before any
-  // of their own), so the buffer needs no barrier of its own but in the prologue.
-  static __device__ __forceinline__ void run(const PrefillParams& p, const PrefillWork& w, uint32_t base, char* smem,
-                                             int tid) {
+  // base: the aligned shared-memory base as a shared-window address. Per tile it: raw V(it + 1)
+  // and K(it + 1) are issued, then V(it) (landed: cp.async.wait_group + a producer barrier) is
+  // transposed into its Vt stage, fenced for the async proxy (the consumers' wgmma) and announced
+  // on v_full; a second barrier frees its raw buffer for V(it + 2).
+  // PAGED: `ids` holds the owned row's page ids of the next tile to copy; each copy's row offset
+  // (page_offset) is worked out just before it, and the ids of the tile after are loaded between
+  // the two copies, so their page-table reads hide behind the K stage wait and the transpose.
+  static __device__ __forceinline__ void run(const PrefillParams& p, const PrefillWork& w, uint32_t base, int tid) {
     load_q(p, w, base + Cfg::Q_OFFSET, tid);
     ptx::cp_async_mbar_arrive(Cfg::q_full(base));
     const uint8_t* k = reinterpret_cast<const uint8_t*>(p.k) + w.kv_head * p.k_stride_h;
     const uint8_t* v = reinterpret_cast<const uint8_t*>(p.v) + w.kv_head * p.v_stride_h;
     const int64_t row0 = RaggedKvRows{w.kv_row0}.row(0, 0);
-    int32_t* s_ids = reinterpret_cast<int32_t*>(smem + Cfg::IDS_OFFSET);
     const int n = w.num_tiles;
+    const int row = Cfg::PAGED ? owned_row<Cfg, CPR, ROW_STEP>(tid) : 0;
     // Every row tile of the head reads these K/V rows again: keep them in L2 over Q and outputs.
     const uint64_t keep = ptx::l2_evict_last();
-    TileIds next{0, 0};
+    TileIds ids{0, 0};
+    if constexpr (Cfg::PAGED) ids = tile_ids(p, w, w.tile_start, row, tid);
+    // The byte offsets of the owned row of the tile at n0 within the kv head (PAGED; else unused)
+    auto k_off = [&](int n0) {
+      return Cfg::PAGED ? page_offset<uint8_t>(p, ids.k, n0 + row, w.kv_len, p.k_stride_page, p.k_stride_n) : 0;
+    };
+    auto v_off = [&](int n0) {
+      return Cfg::PAGED ? page_offset<uint8_t>(p, ids.v, n0 + row, w.kv_len, p.v_stride_page, p.v_stride_n) : 0;
+    };
     if (n > 0) {
-      if constexpr (Cfg::PAGED) {
-        stage_ids(s_ids, tile_ids(p, w, w.tile_start, tid), tid);
-        if (n > 1) next = tile_ids(p, w, w.tile_start + BLOCK_N, tid);
-        ptx::bar_sync(Cfg::PRODUCER_BAR, Cfg::WG_THREADS);  // tile 0's ids staged
-      }
-      copy_tile(p, w, base + Cfg::K_OFFSET, k, p.k_stride_page, p.k_stride_n, row0, s_ids, w.tile_start, tid, keep);
+      const int n1 = w.tile_start;
+      copy_tile(w, base + Cfg::K_OFFSET, k, p.k_stride_n, row0, k_off(n1), n1, tid, keep);
       ptx::cp_async_mbar_arrive(Cfg::k_full(base, 0));
-      copy_tile(p, w, base + Cfg::RAW_OFFSET, v, p.v_stride_page, p.v_stride_n, row0, v_ids(p, s_ids), w.tile_start,
-                tid, keep);
+      copy_tile(w, base + Cfg::RAW_OFFSET, v, p.v_stride_n, row0, v_off(n1), n1, tid, keep);
       ptx::cp_async_commit();
       if constexpr (Cfg::PAGED) {
-        if (n > 1) {
-          ptx::bar_sync(Cfg::PRODUCER_BAR, Cfg::WG_THREADS);  // tile 0's ids read by all
-          stage_ids(s_ids, next, tid);
-          ptx::bar_sync(Cfg::PRODUCER_BAR, Cfg::WG_THREADS);  // tile 1's staged
-        }
+        if (n > 1) ids = tile_ids(p, w, n1 + BLOCK_N, row, tid);
       }
     }
     for (int it = 0; it < n; ++it) {
-      if constexpr (Cfg::PAGED) {
-        if (it + 2 < n) next = tile_ids(p, w, w.tile_start + (it + 2) * BLOCK_N, tid);
-      }
       if (it + 1 < n) {
         // raw V(it + 1) first: its buffer is free (the barrier ending tile it - 1), while K(it + 1)
         // waits for the consumers to release a K stage
         const int s1 = (it + 1) % STAGES, n1 = w.tile_start + (it + 1) * BLOCK_N;
-        copy_tile(p, w, base + Cfg::RAW_OFFSET + ((it + 1) & 1) * Cfg::K_TILE_BYTES, v, p.v_stride_page,
-                  p.v_stride_n, row0, v_ids(p, s_ids), n1, tid, keep);
-        ptx::mbar_wait(Cfg::k_empty(base, s1), (((it + 1) / STAGES) & 1) ^ 1);
-        copy_tile(p, w, base + Cfg::K_OFFSET + s1 * Cfg::K_TILE_BYTES, k, p.k_stride_page, p.k_stride_n, row0, s_ids,
+        copy_tile(w, base + Cfg::RAW_OFFSET + ((it + 1) & 1) * Cfg::K_TILE_BYTES, v, p.v_stride_n, row0, v_off(n1),
                   n1, tid, keep);
+        const int64_t k_row_off = k_off(n1);
+        if constexpr (Cfg::PAGED) {
+          if (it + 2 < n) ids = tile_ids(p, w, n1 + BLOCK_N, row, tid);
+        }
+        ptx::mbar_wait(Cfg::k_empty(base, s1), (((it + 1) / STAGES) & 1) ^ 1);
+        copy_tile(w, base + Cfg::K_OFFSET + s1 * Cfg::K_TILE_BYTES, k, p.k_stride_n, row0, k_row_off, n1, tid, keep);
         ptx::cp_async_mbar_arrive(Cfg::k_full(base, s1));  // (once V(it + 1) has landed too)
         ptx::cp_async_commit();
         ptx::cp_async_wait<1>();  // this thread's copies of V(it) (and earlier) have landed
@@ -190,9 +180,6 @@ struct ProducerSm90Fp8 {
                   tid);
       ptx::fence_proxy_async();  // the stmatrix writes (generic proxy) before the consumers' wgmma reads
       ptx::mbar_arrive(Cfg::v_full(base, s));
-      if constexpr (Cfg::PAGED) {
-        if (it + 2 < n) stage_ids(s_ids, next, tid);
-      }
       ptx::bar_sync(Cfg::PRODUCER_BAR, Cfg::WG_THREADS);  // raw buffer it & 1 read by all: free for V(it + 2)
     }
     // Every cp.async lands before the warpgroup exits (the barriers they arrive on live in the

@@ -56,37 +56,60 @@ __device__ __forceinline__ void init_ring_barriers(uint32_t base) {
   ptx::mbar_fence_init();
 }
 
-// Paged K/V by cp.async, shared by the 16-bit and the fp8 producers. The page id of row `tid` of
-// the tile at n0 (PagedKvRows' addressing: key t sits in slot t % page_size of page
-// pages[t / page_size], ids clamped into the cache when the host could not check them); 0 for a
-// thread past the tile's rows or a row past the request.
-template <int BLOCK_N>
-__device__ __forceinline__ int32_t paged_row_id(const PrefillParams& p, const int32_t* pages, int n0, int kv_len,
-                                                int tid) {
-  const int t = n0 + tid;
-  if (tid >= BLOCK_N || t >= kv_len) return 0;
-  const int pg = p.page_shift >= 0 ? t >> p.page_shift : t / p.page_size;
-  return checked_page_id(p, __ldg(pages + pg));
+// Paged K/V by cp.async, shared by the 16-bit and the fp8 producers (elements E, CPR 16-byte
+// chunks a row, ROW_STEP rows between one thread's chunks; PagedKvRows' addressing: key t sits in
+// slot t % page_size of page pages[t / page_size]). Every row's address is worked out once, by one
+// lane, not by each of the CPR threads that copy its chunks. Lane l of warp w owns row
+// owned_row(w, l), one of the WARP_ROWS rows its warp copies; it loads that row's page id one tile
+// ahead (owned_page_id) and turns it into the row's byte offset within the kv head (page_offset);
+// each copy then takes its row's offset from the owning lane by shuffle (load_tile_paged). No
+// per-copy page arithmetic (it was ~26 instructions a 16-byte copy, which made the producer warps,
+// not the memory, the paged kernels' limit), no shared-memory staging, no producer barrier.
+template <class Cfg, int CPR, int ROW_STEP>
+struct OwnedRows {
+  static constexpr int WARP_R0 = 32 / CPR;                                // rows one warp pass covers
+  static constexpr int WARP_ROWS = WARP_R0 * (Cfg::BLOCK_N / ROW_STEP);  // rows one warp copies
+  // (checked where a paged row instantiates owned_page_id / load_tile_paged)
+  static constexpr bool FITS = 32 % CPR == 0 && ROW_STEP % WARP_R0 == 0 && WARP_ROWS <= 32;
+};
+template <class Cfg, int CPR, int ROW_STEP>
+__device__ __forceinline__ int owned_row(int tid) {
+  constexpr int WARP_R0 = OwnedRows<Cfg, CPR, ROW_STEP>::WARP_R0;
+  const int lane = tid % 32;
+  return tid / 32 * WARP_R0 + lane % WARP_R0 + ROW_STEP * (lane / WARP_R0);
 }
-
-// One K or V tile (Cfg::BLOCK_N rows of elements E, keys [n0, n0 + BLOCK_N)) from a paged cache
-// into the 128-byte-swizzled tile at s_tile: row r's page id staged in s_ids[r], CPR 16-byte
-// chunks a row, ROW_STEP rows between one thread's chunks, UNROLL rows a pass; keys at or past
-// kv_len zero-filled. `head`: the kv head's base; strides in elements.
+// The page id of key t (the owned row of a tile), ids clamped into the cache when the host could
+// not check them (checked_page_id); 0 for a lane without a row or a key past kv_len.
+template <class Cfg, int CPR, int ROW_STEP>
+__device__ __forceinline__ int32_t owned_page_id(const PrefillParams& p, const int32_t* pages, int t, int kv_len,
+                                                 int tid) {
+  using Rows = OwnedRows<Cfg, CPR, ROW_STEP>;
+  static_assert(Rows::FITS, "paged: one owning lane per row of a warp");
+  if (tid % 32 >= Rows::WARP_ROWS || t >= kv_len) return 0;
+  return checked_page_id(p, __ldg(pages + (p.page_shift >= 0 ? t >> p.page_shift : t / p.page_size)));
+}
+// Byte offset of key t within a kv head: id * stride_page + slot * stride_n (elements E), 0 past kv_len.
+template <typename E>
+__device__ __forceinline__ int64_t page_offset(const PrefillParams& p, int32_t id, int t, int kv_len,
+                                               int64_t stride_page, int64_t stride_n) {
+  const int slot = p.page_shift >= 0 ? t & (p.page_size - 1) : t % p.page_size;
+  return t < kv_len ? ((int64_t)id * stride_page + (int64_t)slot * stride_n) * (int64_t)sizeof(E) : 0;
+}
+// One paged K or V tile (Cfg::BLOCK_N rows of elements E, keys [n0, n0 + BLOCK_N)) into the
+// 128-byte-swizzled tile at s_tile, UNROLL rows a pass: row r's byte offset from its owning lane
+// (row_off: this lane's row's); keys at or past kv_len zero-filled. `head`: the kv head's base.
 template <class Cfg, typename E, int CPR, int ROW_STEP, int UNROLL>
-__device__ __forceinline__ void load_paged_tile(uint32_t s_tile, const E* head, const PrefillParams& p,
-                                                const int32_t* s_ids, int64_t stride_page, int64_t stride_n, int n0,
-                                                int kv_len, int tid, uint64_t policy) {
-  constexpr int CHUNK_ELEMS = Cfg::CHUNK_BYTES / int(sizeof(E));
-  const int chunk = tid % CPR, r0 = tid / CPR;
-  const bool pow2 = p.page_shift >= 0;
+__device__ __forceinline__ void load_tile_paged(uint32_t s_tile, const E* head, int64_t row_off, int n0, int kv_len,
+                                                int tid, uint64_t policy) {
+  using Rows = OwnedRows<Cfg, CPR, ROW_STEP>;
+  static_assert(Rows::FITS, "paged: one owning lane per row of a warp");
+  const int chunk = tid % CPR, r0 = tid / CPR, b = r0 % Rows::WARP_R0;
+  const char* src = reinterpret_cast<const char*>(head) + chunk * Cfg::CHUNK_BYTES;
 #pragma unroll(UNROLL)
   for (int i = 0; i < Cfg::BLOCK_N / ROW_STEP; ++i) {
-    const int r = r0 + i * ROW_STEP, t = n0 + r;
-    const bool valid = t < kv_len;
-    const int slot = pow2 ? t & (p.page_size - 1) : t % p.page_size;
-    const E* src = head + (int64_t)s_ids[r] * stride_page + (int64_t)slot * stride_n + chunk * CHUNK_ELEMS;
-    ptx::cp_async_16_hint(s_tile + Cfg::swz(Cfg::BLOCK_N, r, chunk), valid ? src : head, valid, policy);
+    const int r = r0 + i * ROW_STEP;
+    const int64_t off = __shfl_sync(0xffffffffu, row_off, i * Rows::WARP_R0 + b);
+    ptx::cp_async_16_hint(s_tile + Cfg::swz(Cfg::BLOCK_N, r, chunk), src + off, n0 + r < kv_len, policy);
   }
 }
 
@@ -120,54 +143,14 @@ struct ProducerSm90 {
     }
   }
 
-  // Paged K/V: every row's address is worked out once, by one lane, not by each of the CPR threads
-  // that copy its chunks. Lane l of warp w owns row owned_row(w, l), one of the WARP_ROWS rows its
-  // warp copies; it loads that row's page id one tile ahead (checked_page_id) and turns it into the
-  // row's byte offset within the kv head (page_offset); each copy then takes its row's offset
-  // from the owning lane by shuffle. No per-copy page arithmetic (it was ~26 instructions a
-  // 16-byte copy, which made the producer warps, not the memory, the paged kernels' limit), no
-  // shared-memory staging, no producer barrier.
-  static constexpr int WARP_R0 = 32 / CPR;                           // rows one warp pass covers
-  static constexpr int WARP_ROWS = WARP_R0 * (BLOCK_N / ROW_STEP);  // rows one warp copies
-  static_assert(!PAGED || (32 % CPR == 0 && WARP_ROWS <= 32), "paged: one owning lane per row of a warp");
-  static __device__ __forceinline__ int owned_row(int tid) {
-    const int lane = tid % 32;
-    return tid / 32 * WARP_R0 + lane % WARP_R0 + ROW_STEP * (lane / WARP_R0);
-  }
-  // The page id of key t (the owned row of a tile), 0 for a lane without a row or a key past kv_len.
-  static __device__ __forceinline__ int32_t owned_page_id(const PrefillParams& p, const int32_t* pages, int t,
-                                                          int kv_len, int tid) {
-    if (tid % 32 >= WARP_ROWS || t >= kv_len) return 0;
-    return checked_page_id(p, __ldg(pages + (p.page_shift >= 0 ? t >> p.page_shift : t / p.page_size)));
-  }
-  // Byte offset of key t within a kv head: id * stride_page + slot * stride_n (elements), 0 past kv_len.
-  static __device__ __forceinline__ int64_t page_offset(const PrefillParams& p, int32_t id, int t, int kv_len,
-                                                        int64_t stride_page, int64_t stride_n) {
-    const int slot = p.page_shift >= 0 ? t & (p.page_size - 1) : t % p.page_size;
-    return t < kv_len ? ((int64_t)id * stride_page + (int64_t)slot * stride_n) * (int64_t)sizeof(T) : 0;
-  }
-
-  // One paged K or V tile: row r's byte offset from its owning lane (row_off: this lane's row's).
-  static __device__ __forceinline__ void load_tile_paged(uint32_t s_tile, const T* head, int64_t row_off, int n0,
-                                                         int kv_len, int tid, uint64_t policy) {
-    const int chunk = tid % CPR, r0 = tid / CPR, b = r0 % WARP_R0;
-    const char* src = reinterpret_cast<const char*>(head) + chunk * Cfg::CHUNK_BYTES;
-#pragma unroll 4
-    for (int i = 0; i < BLOCK_N / ROW_STEP; ++i) {
-      const int r = r0 + i * ROW_STEP;
-      const int64_t off = __shfl_sync(0xffffffffu, row_off, i * WARP_R0 + b);
-      ptx::cp_async_16_hint(s_tile + Cfg::swz(BLOCK_N, r, chunk), src + off, n0 + r < kv_len, policy);
-    }
-  }
-
   // One K or V tile by cp.async into stage `s`, through the request's addressing (paged: row_off,
-  // see above), then its full barrier once the stage is free.
+  // OwnedRows above), then its full barrier once the stage is free.
   static __device__ __forceinline__ void copy_tile(const PrefillWork& w, uint32_t s_tile, const T* head,
                                                    int64_t stride_n, int64_t row_off, int n0, uint32_t empty,
                                                    uint32_t full, uint32_t free_parity, int tid, uint64_t policy) {
     ptx::mbar_wait(empty, free_parity);
     if constexpr (PAGED)
-      load_tile_paged(s_tile, head, row_off, n0, w.kv_len, tid, policy);
+      load_tile_paged<Cfg, T, CPR, ROW_STEP, 4>(s_tile, head, row_off, n0, w.kv_len, tid, policy);
     else
       load_tile(s_tile, head, stride_n, RaggedKvRows{w.kv_row0}.row(0, 0), n0, w.kv_len, tid, policy);
     ptx::cp_async_mbar_arrive(full);
@@ -183,13 +166,13 @@ struct ProducerSm90 {
     const int32_t* k_pages = page_table<false>(p) + w.page_base;
     const int32_t* v_pages = page_table<true>(p) + w.page_base;
     const bool v_ids = PAGED && p.v_page_indices != 0;
-    const int row = owned_row(tid);
+    const int row = owned_row<Cfg, CPR, ROW_STEP>(tid);
     // Every row tile of the head reads these K/V rows again: keep them in L2 over Q and outputs.
     const uint64_t keep = ptx::l2_evict_last();
     int32_t next_k = 0, next_v = 0;  // the owned row's page ids in the next tile
     if constexpr (PAGED) {
-      next_k = owned_page_id(p, k_pages, w.tile_start + row, w.kv_len, tid);
-      next_v = v_ids ? owned_page_id(p, v_pages, w.tile_start + row, w.kv_len, tid) : next_k;
+      next_k = owned_page_id<Cfg, CPR, ROW_STEP>(p, k_pages, w.tile_start + row, w.kv_len, tid);
+      next_v = v_ids ? owned_page_id<Cfg, CPR, ROW_STEP>(p, v_pages, w.tile_start + row, w.kv_len, tid) : next_k;
     }
     for (int it = 0; it < w.num_tiles; ++it) {
       const int s = it % STAGES;
@@ -198,11 +181,11 @@ struct ProducerSm90 {
       int64_t k_off = 0, v_off = 0;
       if constexpr (PAGED) {
         const int t = n0 + row;
-        k_off = page_offset(p, next_k, t, w.kv_len, p.k_stride_page, p.k_stride_n);
-        v_off = page_offset(p, next_v, t, w.kv_len, p.v_stride_page, p.v_stride_n);
+        k_off = page_offset<T>(p, next_k, t, w.kv_len, p.k_stride_page, p.k_stride_n);
+        v_off = page_offset<T>(p, next_v, t, w.kv_len, p.v_stride_page, p.v_stride_n);
         if (it + 1 < w.num_tiles) {
-          next_k = owned_page_id(p, k_pages, t + BLOCK_N, w.kv_len, tid);
-          next_v = v_ids ? owned_page_id(p, v_pages, t + BLOCK_N, w.kv_len, tid) : next_k;
+          next_k = owned_page_id<Cfg, CPR, ROW_STEP>(p, k_pages, t + BLOCK_N, w.kv_len, tid);
+          next_v = v_ids ? owned_page_id<Cfg, CPR, ROW_STEP>(p, v_pages, t + BLOCK_N, w.kv_len, tid) : next_k;
         }
       }
       copy_tile(w, base + Cfg::K_OFFSET + s * Cfg::KV_TILE_BYTES, k, p.k_stride_n, k_off, n0, Cfg::k_empty(base, s),
