@@ -2,10 +2,12 @@
 
     compute-sanitizer --tool memcheck|racecheck|synccheck python build_tools/sanitize_subset.py
 
-One call each: sm90 single prefill (cp.async, causal, partial tiles), sm90 paged batch by TMA
-(page 16, pages shuffled) and by cp.async (page 8), sm90 ragged batch with split KV and its merge,
-sm90 fp8 prefill, the sm80 decode tile through XQA (bf16 and fp8 caches), a TRT-LLM context call
-over device metadata. Every output is checked for NaN; the sanitizer's report is the point.
+One call each: sm90 single prefill (TMA K/V, causal, partial tiles: the tail copied), sm90 paged
+batch by the cp.async producer's owned-row copies (pages 16 and 8, shuffled; with PFA_SM90_KV_LOAD=tma
+and a `make TUNE=1` build, page 16 by TMA boxes), sm90 ragged batch with split KV and its merge (TMA,
+a tail box with V's rows zeroed), sm90 fp8 prefill, single and over a paged fp8 cache, the sm80
+decode tile through XQA (bf16 and fp8 caches), a TRT-LLM context call over device metadata. Every
+output is checked for NaN; the sanitizer's report is the point.
 """
 import numpy as np
 import torch
@@ -35,7 +37,7 @@ def main():
     w = pyflashattn.BatchPrefillWithRaggedKVCacheWrapper(ws, "NHD")
     w.plan(qo, kv, 8, 2, 128, causal=True, fixed_split_size=128, q_data_type=BF16)
     finite("ragged split", w.run(q[:130], k, v))
-    for ps in (16, 8):  # 16: TMA boxes; 8: cp.async
+    for ps in (16, 8):  # 16: boxes where PFA_SM90_KV_LOAD=tma runs the TMA twin; 8: cp.async always
         lens = [300, 33]
         pages = [-(-n // ps) for n in lens]
         perm = torch.randperm(sum(pages) + 3).to(torch.int32)[:sum(pages)]
@@ -46,6 +48,10 @@ def main():
         wp.plan(qo, indptr, perm.numpy(), last, 8, 2, 128, ps, causal=True, q_data_type=BF16)
         finite(f"paged page {ps} ({wp._engine.attn.name})", wp.run(q[:130], cache))
     e4 = torch.float8_e4m3fn
+    wp = pyflashattn.BatchPrefillWithPagedKVCacheWrapper(ws, "NHD")
+    wp.plan(qo, indptr, perm.numpy(), last, 8, 2, 128, ps, causal=True, q_data_type=e4, kv_data_type=e4,
+            o_data_type=BF16)
+    finite(f"paged fp8 page {ps} ({wp._engine.attn.name})", wp.run(q[:130].to(e4), cache.to(e4)))
     finite("fp8 prefill", pyflashattn.single_prefill_with_kv_cache(q.to(e4), k.to(e4), v.to(e4), causal=True,
                                                                     o_dtype=BF16))
     B, P, ps = 4, 64, 16
