@@ -367,10 +367,10 @@ HOPPER_TILES_PAGED = {64: (128, 2, 3), 128: (128, 2, 3), 256: (80, 2, 2)}
 # producer_tma.cuh; paged: pages of 16+ rows, smaller ones stay on cp.async). Each default row above
 # has a TMA twin of the same tile (name + "_tma"): a shipped row where the storage says "tma" (the
 # routing then prefers it: pyflashattn/_engine/routing.kv_load_pair), else a tune row (`make TUNE=1`,
-# run by PFA_SM90_KV_LOAD=tma for A/B runs). Flip an entry to ship TMA for that storage. Paged stays on
-# cp.async: a page of 16 rows is a box of 16 rows, and 32 small boxes a tile made the TMA unit the
-# limit (H200, 16 x 512-4096, page 16: TMA 0.87x the cp.async producer's owned-row copies).
-HOPPER_KV_LOAD = {"ragged": "tma", "paged": "cpasync"}
+# run by PFA_SM90_KV_LOAD=tma for A/B runs). Flip an entry to ship TMA for that storage. Paged plans
+# take the TMA twin only for pages of 32+ rows (routing.tma_pays: 16-row boxes make the TMA unit
+# the limit).
+HOPPER_KV_LOAD = {"ragged": "tma", "paged": "tma"}
 # Alternatives for `make TUNE=1`: FA3's non-causal hd128 tile (176 keys), a third K/V stage at hd128,
 # two consumers (128 rows) at hd64.
 HOPPER_TUNE_TILES = [(128, (176, 2, 2)), (128, (128, 2, 3)), (64, (128, 2, 3))]

@@ -9,6 +9,7 @@ import dataclasses
 import pathlib
 import sys
 
+import numpy as np
 import pytest
 
 from pyflashattn._engine import routing, tma
@@ -142,11 +143,13 @@ def test_shipped_paged_twin_is_routed_without_the_override(monkeypatch):
     # short requests (under routing.TMA_MIN_TILES key tiles on average) keep the cp.async kernel
     w.plan(QO_LONG, KV_INDPTR, KV_INDICES, LAST, HQ, HKV, D, PS)
     assert not w._engine.attn.meta.get("tma")
-    # long ones take the twin: requests of 100 and 120 pages of 16 keys and an empty one (a mean of
-    # 1173 keys, over 8 tiles of 128)
+    # long ones take the twin where pages make boxes of 32+ rows (routing.PAGED_TMA_MIN_BOX_ROWS):
+    # requests of 100 and 120 pages and an empty one (a mean of 1173 / 2347 keys, over 8 tiles of 128)
     n = (100, 120)
     indptr = i32(0, n[0], n[0] + n[1], n[0] + n[1])
     w.plan(QO_LONG, indptr, i32(*range(sum(n))), i32(16, 16, 0), HQ, HKV, D, PS)
+    assert not w._engine.attn.meta.get("tma")  # 16-row pages: the cp.async kernel
+    w.plan(QO_LONG, indptr, i32(*range(sum(n))), i32(32, 32, 0), HQ, HKV, D, 32)
     assert w._engine.attn.name.endswith("_paged_tma")
     w = ragged(env)
     plan_ragged(w)
@@ -287,3 +290,16 @@ def test_skip_softmax_runs_the_cp_async_skip_twin_and_back(monkeypatch):
     dims, strides, box = (D, HKV, tma.ROW_EXTENT), (D * 2, HKV * D * 2), (64, 1, 128)
     assert _map_bytes(p, "k_tmap") == _expected(0x600000, dims, strides, box)
     assert _map_bytes(p, "v_tmap") == _expected(0x680000, dims, strides, box)
+
+
+def test_tma_pays_paged_from_32_row_boxes_and_long_requests(monkeypatch):
+    monkeypatch.delenv(routing.KV_LOAD_ENV, raising=False)
+    long_, short = np.full(4, 4096), np.full(4, 32)
+    assert not routing.tma_pays(True, 16, long_, 128, False)  # 16-row boxes: the cp.async copies
+    assert not routing.tma_pays(True, 16, long_, 128, True)  # a frozen (graph) plan too
+    assert routing.tma_pays(True, 32, long_, 128, False) and routing.tma_pays(True, 64, long_, 128, True)
+    assert not routing.tma_pays(True, 64, short, 128, False)  # one-tile requests
+    assert routing.tma_pays(True, 64, short, 128, True)  # unless the kernel is frozen
+    assert routing.tma_pays(False, 0, long_, 128, False) and not routing.tma_pays(False, 0, short, 128, False)
+    monkeypatch.setenv(routing.KV_LOAD_ENV, "tma")  # A/B runs and tests: the twin wherever it fits
+    assert routing.tma_pays(True, 16, short, 128, False)

@@ -143,8 +143,7 @@ class BatchEngine:
             (route.attn, route.budget, route.ctas)
         if la is route.attn and route.tma is not None and \
                 routing.tma_fits(self.paged, src.page_size, la.meta["block_n"], src.total_kv) and \
-                (cap is not None or routing.kv_load_override() == "tma" or
-                 routing.tma_pays(src.kv_lens, la.meta["block_n"])):
+                routing.tma_pays(self.paged, src.page_size, src.kv_lens, la.meta["block_n"], cap is not None):
             la = route.tma  # the same tile: the schedule below is the cp.async kernel's
         meta = la.meta
         plan = schedule.schedule_prefill(src.qo, src.qo_lens, src.kv_lens, src.max_qo, src.max_kv, cfg.group,

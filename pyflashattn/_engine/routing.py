@@ -107,13 +107,23 @@ def tma_fits(paged: bool, page_size: int, block_n: int, total_kv: int) -> bool:
 # 32/8 heads, hd128, page 16): 4 requests of 32 keys 25.1 us by TMA against 11.0 by cp.async.
 # That tile now goes by TMA too where its boxes stay inside K / V (producer_tma.cuh).
 TMA_MIN_TILES = 8
+# Paged TMA pays from boxes of PAGED_TMA_MIN_BOX_ROWS rows: a page of 16 rows is a box of 16 rows,
+# 32 boxes a 128-key tile, and the TMA unit, not memory, then limits the kernel. Same run, H200,
+# 16 x 512-4096, 32/8, hd128, NHD: page 16 TMA 0.87x the cp.async producer's owned-row copies, page
+# 64 0.97-1.04x; the TRT-LLM context API (page 32, HND) paged by TMA cost +4.4% over contiguous at
+# 16k tokens, by the cp.async copies +20.8%.
+PAGED_TMA_MIN_BOX_ROWS = 32
 
 
-def tma_pays(kv_lens, block_n: int) -> bool:
-    """Whether a plan's requests are long enough for the TMA twin: at least TMA_MIN_TILES key
-    tiles on average (graph-mode plans, whose kernel is frozen, and PFA_SM90_KV_LOAD=tma take the
-    twin whatever the lengths)."""
-    return len(kv_lens) > 0 and float(kv_lens.mean()) >= TMA_MIN_TILES * block_n
+def tma_pays(paged: bool, page_size: int, kv_lens, block_n: int, frozen: bool) -> bool:
+    """Whether a plan whose K/V TMA can address (tma_fits) runs the TMA twin: PFA_SM90_KV_LOAD=tma
+    always; paged, boxes of at least PAGED_TMA_MIN_BOX_ROWS rows; then a frozen kernel (graph-mode
+    plans) or requests of TMA_MIN_TILES key tiles on average."""
+    if kv_load_override() == "tma":
+        return True
+    if paged and tma.paged_box_rows(page_size, block_n) < PAGED_TMA_MIN_BOX_ROWS:
+        return False
+    return frozen or (len(kv_lens) > 0 and float(kv_lens.mean()) >= TMA_MIN_TILES * block_n)
 
 
 def ctas_per_sm(meta: dict, props: dict) -> int:
