@@ -68,12 +68,13 @@ struct ProducerSm90Tma {
     return min(BLOCK_N / rows, (w.kv_len - n0 + rows - 1) / rows);
   }
 
-  // Paged: the page id of this lane's box in the tile at n0 (0 when the lane has no live box), from
-  // K's page table (V = false) or V's (page_table: K's unless the call has separate V ids).
+  // Paged: the page id of this lane's box in the tile at n0 (0 when the lane has none of the tile's
+  // `live` boxes), from K's page table (V = false) or V's (page_table: K's unless the call has
+  // separate V ids).
   template <bool V>
   static __device__ __forceinline__ int32_t box_page_id(const PrefillParams& p, const PrefillWork& w, int n0,
-                                                        int rows, int box) {
-    if (box >= live_boxes(w, rows, n0)) return 0;
+                                                        int rows, int box, int live) {
+    if (box >= live) return 0;
     const int t = n0 + box * rows;
     const int32_t* pages = page_table<V>(p) + w.page_base;
     return checked_page_id(p, __ldg(pages + (p.page_shift >= 0 ? t >> p.page_shift : t / p.page_size)));
@@ -177,10 +178,14 @@ struct ProducerSm90Tma {
     const T* v = reinterpret_cast<const T*>(p.v) + w.kv_head * p.v_stride_h;
     // A CTA's key range holds at most one tail (the request's last tile): its barrier's phase 0.
     const uint32_t tail_bar = base + Cfg::TAIL_BAR_OFFSET;
+    // Boxes of a whole tile, once: the steady state does no division (live_boxes only in the tail).
+    const int all_boxes = rows > 0 ? BLOCK_N / rows : 0;
+    auto boxes_of = [&](int n0) { return n0 + BLOCK_N <= w.kv_len ? all_boxes : live_boxes(w, rows, n0); };
     int32_t id = 0, id_v = 0;  // warp 0: this tile's page ids of the lane's box (K's, V's)
     if (PAGED && warp == 0 && by_tma(p, w, rows, w.tile_start)) {
-      id = box_page_id<false>(p, w, w.tile_start, rows, box);
-      id_v = v_ids ? box_page_id<true>(p, w, w.tile_start, rows, box) : id;
+      const int live = boxes_of(w.tile_start);
+      id = box_page_id<false>(p, w, w.tile_start, rows, box, live);
+      id_v = v_ids ? box_page_id<true>(p, w, w.tile_start, rows, box, live) : id;
     }
     for (int it = 0; it < w.num_tiles; ++it) {
       const int s = it % STAGES;
@@ -191,19 +196,19 @@ struct ProducerSm90Tma {
       // the next tile's page ids, loaded while this tile waits for its stage
       int32_t next = 0, next_v = 0;
       if (PAGED && warp == 0 && it + 1 < w.num_tiles && by_tma(p, w, rows, n0 + BLOCK_N)) {
-        next = box_page_id<false>(p, w, n0 + BLOCK_N, rows, box);
-        next_v = v_ids ? box_page_id<true>(p, w, n0 + BLOCK_N, rows, box) : next;
+        const int live = boxes_of(n0 + BLOCK_N);
+        next = box_page_id<false>(p, w, n0 + BLOCK_N, rows, box, live);
+        next_v = v_ids ? box_page_id<true>(p, w, n0 + BLOCK_N, rows, box, live) : next;
       }
       const uint32_t k_tile = base + Cfg::K_OFFSET + s * Cfg::KV_TILE_BYTES;
       const uint32_t v_tile = base + Cfg::V_OFFSET + s * Cfg::KV_TILE_BYTES;
       if (tma) {
         ptx::mbar_wait(Cfg::k_empty(base, s), free_parity);
-        tma_tile(p, w, k_tile, &p.k_tmap, Cfg::k_full(base, s), n0, rows, live_boxes(w, rows, n0), id, box, col,
-                 lane, keep);
+        tma_tile(p, w, k_tile, &p.k_tmap, Cfg::k_full(base, s), n0, rows, tail ? live_boxes(w, rows, n0) : all_boxes,
+                 id, box, col, lane, keep);
         ptx::mbar_wait(Cfg::v_empty(base, s), free_parity);
         if (!tail)
-          tma_tile(p, w, v_tile, &p.v_tmap, Cfg::v_full(base, s), n0, rows, BLOCK_N / rows, id_v, box, col, lane,
-                   keep);
+          tma_tile(p, w, v_tile, &p.v_tmap, Cfg::v_full(base, s), n0, rows, all_boxes, id_v, box, col, lane, keep);
         else
           tma_tail_v(p, w, v_tile, tail_bar, 0, Cfg::v_full(base, s), n0, rows, id_v, box, col, lane, keep);
       } else {
