@@ -109,9 +109,9 @@ def tma_fits(paged: bool, page_size: int, block_n: int, total_kv: int) -> bool:
 TMA_MIN_TILES = 8
 # Paged TMA pays from boxes of PAGED_TMA_MIN_BOX_ROWS rows: a page of 16 rows is a box of 16 rows,
 # 32 boxes a 128-key tile, and the TMA unit, not memory, then limits the kernel. Same run, H200,
-# 16 x 512-4096, 32/8, hd128, NHD: page 16 TMA 0.87x the cp.async producer's owned-row copies, page
-# 64 0.97-1.04x; the TRT-LLM context API (page 32, HND) paged by TMA cost +4.4% over contiguous at
-# 16k tokens, by the cp.async copies +20.8%.
+# 16 x 512-4096, 32/8, hd128, NHD, TMA / the cp.async producer's owned-row copies (full / causal):
+# page 16 0.91 / 0.94, page 32 1.03 / 1.02; the TRT-LLM context API (page 32, HND, 1 x 16k causal)
+# 1.10x.
 PAGED_TMA_MIN_BOX_ROWS = 32
 
 
