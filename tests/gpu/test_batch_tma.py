@@ -75,6 +75,19 @@ def _assert_load(w, kv_load, paged, page_size):
     assert bool(meta.get("tma")) is want, meta["name"]
 
 
+def _ragged_run(q, k, v, qi, ki, hkv, causal, dt, kv_load, layout="NHD"):
+    """A ragged plan over (qi, ki), its K/V load checked, run into NaN-poisoned out / lse."""
+    hq, d = q.shape[1], q.shape[2]
+    w = pyflashattn.BatchPrefillWithRaggedKVCacheWrapper(scratch_workspace(), layout)
+    w.plan(qi, ki, hq, hkv, d, causal=causal, q_data_type=dt)
+    _assert_load(w, kv_load, False, 0)
+    o = torch.full_like(q, NAN)
+    lse = torch.full((q.shape[0], hq), NAN, dtype=torch.float32, device="cuda")
+    w.run(q, k, v, out=o, lse=lse)
+    torch.cuda.synchronize()
+    return w, o, lse
+
+
 # (head_dim, page_size, layout, dtype, causal, hq, hkv)
 PAGED_CASES = [
     (128, 16, "NHD", BF16, True, 32, 8), (128, 16, "HND", F16, False, 32, 4), (128, 32, "NHD", F16, True, 16, 16),
@@ -151,15 +164,9 @@ def test_ragged_edges_and_nan_after_the_tensor(d, dt, causal, hq, hkv, layout, s
         k, v = (t.transpose(0, 1).contiguous() for t in (k, v))
     ki, qi = _indptr(kv_lens), _indptr(qo_lens)
     q = cuda_randn((int(qi[-1]), hq, d), g, dt)
-    w = pyflashattn.BatchPrefillWithRaggedKVCacheWrapper(scratch_workspace(), layout)
-    w.plan(qi, ki, hq, hkv, d, causal=causal, q_data_type=dt)
-    _assert_load(w, kv_load, False, 0)
+    w, o, lse = _ragged_run(q, k, v, qi, ki, hkv, causal, dt, kv_load, layout)
     if split:
         assert w.workspace_size() > 0, "this batch should be split across CTAs"
-    o = torch.full_like(q, NAN)
-    lse = torch.full((q.shape[0], hq), NAN, dtype=torch.float32, device="cuda")
-    w.run(q, k, v, out=o, lse=lse)
-    torch.cuda.synchronize()
     nhd = (lambda t, i: t[ki[i]:ki[i + 1]]) if layout == "NHD" else (lambda t, i: t[:, ki[i]:ki[i + 1]].transpose(0, 1))
     _check(q, lambda i: nhd(k, i), lambda i: nhd(v, i), qo_lens, kv_lens, o, lse, causal, dt, "ragged", hq)
 
@@ -180,13 +187,7 @@ def test_ragged_nan_in_the_next_request_stays_there(d, dt, causal, kv_load):
     k[ki[bad]:ki[bad + 1]] = float("inf")
     v[ki[bad]:ki[bad + 1]] = NAN
     q = cuda_randn((int(qi[-1]), hq, d), g, dt)
-    w = pyflashattn.BatchPrefillWithRaggedKVCacheWrapper(scratch_workspace(), "NHD")
-    w.plan(qi, ki, hq, hkv, d, causal=causal, q_data_type=dt)
-    _assert_load(w, kv_load, False, 0)
-    o = torch.full_like(q, NAN)
-    lse = torch.full((q.shape[0], hq), NAN, dtype=torch.float32, device="cuda")
-    w.run(q, k, v, out=o, lse=lse)
-    torch.cuda.synchronize()
+    _, o, lse = _ragged_run(q, k, v, qi, ki, hkv, causal, dt, kv_load)
     keep = [i for i in range(len(kv_lens)) if i != bad]
     rows = lambda t: torch.cat([t[qi[i]:qi[i + 1]] for i in keep])  # noqa: E731
     _check(rows(q), lambda i: k[ki[keep[i]]:ki[keep[i] + 1]], lambda i: v[ki[keep[i]]:ki[keep[i] + 1]],
@@ -206,13 +207,7 @@ def test_broadcast_k_runs_on_the_cp_async_twin(kv_load):
     v = cuda_randn((total, hkv, d), g, dt)
     ki, qi = _indptr(kv_lens), _indptr(qo_lens)
     q = cuda_randn((int(qi[-1]), hq, d), g, dt)
-    w = pyflashattn.BatchPrefillWithRaggedKVCacheWrapper(scratch_workspace(), "NHD")
-    w.plan(qi, ki, hq, hkv, d, causal=True, q_data_type=dt)
-    _assert_load(w, kv_load, False, 0)
-    o = torch.full_like(q, NAN)
-    lse = torch.full((q.shape[0], hq), NAN, dtype=torch.float32, device="cuda")
-    w.run(q, k, v, out=o, lse=lse)
-    torch.cuda.synchronize()
+    w, o, lse = _ragged_run(q, k, v, qi, ki, hkv, True, dt, kv_load)
     assert w._engine.kv_fallback is (kv_load == "tma" and tma_built(False))
     kc = k.contiguous()
     _check(q, lambda i: kc[ki[i]:ki[i + 1]], lambda i: v[ki[i]:ki[i + 1]], qo_lens, kv_lens, o, lse, True, dt,
