@@ -130,14 +130,15 @@ class PrefillVariant:
     @property
     def smem_bytes(self):
         # PrefillSm80::SMEM_BYTES (the generated source static_asserts the two agree): Q + the K/V
-        # stages; fp8 / NVFP4 K/V: the narrow ring plus one widened K/V pair; + the paged kernels'
+        # stages; fp8 / NVFP4 K/V: the narrow ring plus one widened K/V pair (none: reg_widen); + the paged kernels'
         # page-id staging (max_page_ids int32 entries), the others' row map (8 bytes per packed row);
         # + (pair) per warp and lane a float4 of row maxes and the warp's P words (mq * block_n / 8).
         # (the hd256 fp8 / NVFP4 decode tiles widen K and V one after the other into one tile:
         # PrefillSm80::SPLIT_WIDEN)
         kv_tile = self.block_n * self.head_dim  # elements of one K (or V) tile
         split_widen = self.block_m == MMA_ROWS and self.head_dim >= SPLIT_WIDEN_MIN_HD
-        wide = (1 if split_widen else 2) * kv_tile * HALF_BYTES  # the widened K and V (or one of them)
+        # the widened K and V (or one of them); none where fragments widen in registers
+        wide = 0 if self.reg_widen else (1 if split_widen else 2) * kv_tile * HALF_BYTES
         # each stage holds a K and a V tile
         kv = (2 * self.stages * kv_tile * HALF_BYTES if not self.kv_dtype
               else 2 * self.stages * self.block_n * self.ring_row_bytes + wide)
@@ -145,6 +146,12 @@ class PrefillVariant:
                if self.pair else 0)
         rows = self.max_page_ids * PAGE_ID_BYTES if self.paged else self.block_m * ROW_MAP_BYTES
         return self.block_m * self.head_dim * HALF_BYTES + kv + rows + xch
+
+    @property
+    def reg_widen(self):
+        """fp8 K/V widened in registers, fragment by fragment (PrefillSm80Config::KV_REG_WIDEN):
+        the one-warp decode tiles, the only reader of their K/V tiles."""
+        return self.kv_dtype == "fp8" and self.block_m == MMA_ROWS and not self.pair and not self.general
 
     @property
     def ring_row_bytes(self):
@@ -180,7 +187,7 @@ class PrefillVariant:
                 "tune": self.tune, "general": self.general, "paged": self.paged, "decode": self.decode,
                 "rows_fastest": self.rows_fastest, "device_scale": self.device_scale,
                 "skip_softmax_rows": self.skip_softmax_rows, "spec_mask": self.spec_mask,
-                "nvfp4_out": self.nvfp4_out}
+                "nvfp4_out": self.nvfp4_out, "reg_widen": self.reg_widen}
 
     @property
     def nvfp4_out(self):
@@ -461,16 +468,15 @@ DECODE_TILES = {
     128: (1, 1, 32, False, 2, 1, True),
     256: (1, 1, 32, False, 2, 1, True),
 }
-# The decode tile over an fp8 K/V cache. Its warps widen every K/V tile into a 16-bit copy in
-# shared memory (~2 instructions an element): with the 16-bit tiles' shapes that is latency-bound
-# at 2-3 warps per SM, slower than a 16-bit cache. Smaller tiles fit more CTAs per SM, and a warp
-# pair (2 warps, the same 16 rows: PAIR) halves each warp's widening; which wins per head dim was
-# measured under the two-wave split budget (_batch_prefill._FP8_DECODE_WAVES): one warp on 16-key
-# tiles at hd128, a warp pair on 32-key tiles at hd256, hd64 kept at 32 keys (NOTES.md; the pair
-# is not an option at hd64, see PrefillSm80's PAIR assert).
+# The decode tile over an fp8 K/V cache. The one-warp tiles (hd64, hd128) widen K/V fragments in
+# registers and run fp16 MMAs (reg_widen, sm80/fp8_frags.cuh); at hd128, 32-key tiles streamed a
+# B=64 x 4096 batch 1.27x faster than 16-key ones on an H200 (B=1 x 32768: 0.97x) and 64-key ones
+# lost (fewer CTAs per SM). hd256 keeps a warp pair (2 warps, the same 16 rows: PAIR) that widens
+# each K/V tile into a 16-bit copy in shared memory, half a tile a warp; the pair is not an option
+# at hd64 (see PrefillSm80's PAIR assert). NOTES.md has the measurements.
 DECODE_TILES_FP8 = {
     64: (1, 1, 32, False, 2, 1, True),
-    128: (1, 1, 16, False, 2, 1, True),
+    128: (1, 1, 32, False, 2, 1, True),
     256: (2, 1, 32, False, 2, 1, True, True),
 }
 # The wide decode tiles: rows -> head_dim -> tile, 32 or 64 packed rows on 2 or 4 warps with 16 rows
@@ -490,7 +496,11 @@ WIDE_DECODE_TILES_FP8 = {
 # The decode tiles over an NVFP4 cache: the fp8 cache's shapes (the same widening-bound stream, a
 # ring row of 9/16 of fp8's bytes); paged only (NVFP4 caches are paged: the scales share the
 # page table). Not yet measured against alternatives on a GPU.
-DECODE_TILES_NVFP4 = DECODE_TILES_FP8
+DECODE_TILES_NVFP4 = {
+    64: (1, 1, 32, False, 2, 1, True),
+    128: (1, 1, 16, False, 2, 1, True),
+    256: (2, 1, 32, False, 2, 1, True, True),
+}
 WIDE_DECODE_TILES_NVFP4 = WIDE_DECODE_TILES_FP8
 # Alternatives the tuning sweep compares against the defaults.
 PREFILL_TUNE_TILES = {
@@ -503,11 +513,12 @@ PREFILL_TUNE_TILES = {
 
 # Alternative paged decode tiles for `make TUNE=1` (kv_dtype, head_dim) -> tiles, compared with the
 # defaults by build_tools/ab_decode.py --switch tile: a third K/V stage (two tiles in flight a CTA,
-# four CTAs per SM instead of five) for the bandwidth-bound 16-bit stream; over fp8, 32-key tiles
-# (one widening pass and barrier pair per 32 keys) and a third stage.
+# four CTAs per SM instead of five) for the bandwidth-bound 16-bit stream; over fp8 (widened in
+# registers), 16- and 64-key tiles (more CTAs per SM / more bytes in flight a warp) and a third stage.
 DECODE_TUNE_TILES = {
     ("", 128): [(1, 1, 32, False, 3, 1, True)],
-    ("fp8", 128): [(1, 1, 32, False, 2, 1, True), (1, 1, 16, False, 3, 1, True)],
+    ("fp8", 128): [(1, 1, 16, False, 2, 1, True), (1, 1, 64, False, 2, 1, True), (1, 1, 32, False, 3, 1, True)],
+    ("fp8", 64): [(1, 1, 64, False, 2, 1, True)],
 }
 
 

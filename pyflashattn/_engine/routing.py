@@ -19,9 +19,11 @@ SMEM_RESERVED_PER_CTA = 1024  # the driver's shared memory per resident CTA
 # decode tile always go there (decode_tile_rows). Beyond these bounds the 128-row kernel was
 # faster on an H100 (NOTES.md, session 11): at hd256 already for 2 x 16 rows.
 DECODE_MAX_ROWS = {64: 32, 128: 32, 256: 16}
-# Over an fp8 cache the decode tiles widen every K/V tile (latency-bound), and one wave of equal
-# chunks streamed slower than twice as many half chunks: their split-KV budget is two waves (also
-# taken over an NVFP4 cache, whose tiles widen the same way).
+# Decode tiles that widen every K/V tile into shared memory (the NVFP4 tiles, the fp8 wide and
+# warp-pair tiles) are latency-bound, and one wave of equal chunks streamed slower than twice as
+# many half chunks: their split-KV budget is two waves. The fp8 tiles that widen fragments in
+# registers (the manifest's reg_widen) take one wave, as 16-bit K/V do (1.02-1.04x over two on an
+# H200, NOTES.md).
 FP8_DECODE_WAVES = 2
 # A tuning switch (read when a plan resolves its route): the decode tiles' split-KV budget in
 # waves of CTAs, for every K/V storage (a positive number; unset: 1, FP8_DECODE_WAVES widened).
@@ -213,7 +215,8 @@ class Route:
 
     def __init__(self, launcher, dev: int, dtype: str, kv_dtype: str, head_dim: int, general: bool, paged: bool,
                  widened: bool, nvfp4_out: bool = False):
-        """widened: the K/V tiles are widened in the kernel (fp8, NVFP4): two waves of split budget.
+        """widened: the K/V tiles are widened in the kernel (fp8, NVFP4): two waves of split budget
+        where they widen in shared memory (decode_waves).
         nvfp4_out: only kernels that write the NVFP4 output (new_attention)."""
         props = _cuda.properties(dev)
         self.decode_only = kv_dtype in DECODE_ONLY_KV
@@ -228,10 +231,10 @@ class Route:
         self.tiles = ()  # the decode tiles' rows, smallest first
         if not general:
             self.decode = {}
-            waves = decode_waves(widened)
             for rows in built_decode_tiles(dev, dtype, kv_dtype, head_dim, paged):
                 ld = launcher("prefill", dtype, kv_dtype, head_dim, False, decode=rows, nvfp4_out=nvfp4_out)
                 cps = ctas_per_sm(ld.meta, props)
+                waves = decode_waves(widened and not ld.meta.get("reg_widen", False))
                 self.decode[rows] = (ld, max(1, int(props["sm_count"] * cps * waves)), cps)
             self.tiles = tuple(self.decode)
         if self.decode_only and not self.tiles:

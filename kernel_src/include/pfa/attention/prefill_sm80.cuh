@@ -5,6 +5,7 @@
 //   sm80/tile_loads.cuh Q gather, the cp.async K/V ring (kv_source.cuh addresses the rows)
 //   sm80/mainloop.cuh   per KV tile: S = Q K^T, transforms (variant.cuh, rope.cuh), mask
 //                       (mask.cuh), online softmax (softmax_state.cuh), O += P V
+//   sm80/fp8_frags.cuh  S = Q K^T and O += P V of the one-warp decode tiles over an fp8 cache
 //   sm80/epilogue.cuh   normalise, then O + LSE or split-KV partials (epilogue.cuh layouts)
 // sm80/config.cuh holds the tile shape, the per-shape choices and the shared-memory layout.
 #pragma once
@@ -13,6 +14,7 @@
 #include "pfa/attention/params.h"
 #include "pfa/attention/sm80/config.cuh"
 #include "pfa/attention/sm80/epilogue.cuh"
+#include "pfa/attention/sm80/fp8_frags.cuh"
 #include "pfa/attention/sm80/fragments.cuh"
 #include "pfa/attention/sm80/mainloop.cuh"
 #include "pfa/attention/sm80/tile_loads.cuh"
@@ -43,8 +45,18 @@ struct PrefillSm80 : PrefillSm80Config<T, KV, HEAD_DIM, NUM_WARPS, MQ, BLOCK_N, 
     PrefillWork w;
     if (!decode_work<Cfg::BLOCK_M, BLOCK_N, PAGED, GENERAL, Cfg::ROWS_FASTEST, Cfg::SPEC_MASK>(p, w)) return;
     load_q_tile<Cfg>(p, w, smem, sQ_u, tid);
+    // KV_REG_WIDEN: Q is a cp.async group of its own, rewritten while tile 0 lands
+    if constexpr (Cfg::KV_REG_WIDEN) ptx::cp_async_commit();
     const KvRingSm80<Cfg> ring = make_kv_ring<Cfg>(p, w, smem, sQ_u, tid);
     ring.prologue(w);
+    // KV_REG_WIDEN: Q reordered for the fp8 fragments (bf16: as fp16, its logits times 2^-q_log2,
+    // undone in the logit scale; fp8_frags.cuh).
+    int q_log2 = 0;
+    if constexpr (Cfg::KV_REG_WIDEN) {
+      ptx::cp_async_wait<KV_STAGES - 1>();
+      __syncthreads();
+      q_log2 = Fp8FragsSm80<Cfg>::prepare_q(smem, lane);
+    }
 
     const WarpRoleSm80<Cfg> wr(lane, warp, smem);
     float o[MQ][Cfg::O_DT][4];
@@ -54,7 +66,8 @@ struct PrefillSm80 : PrefillSm80Config<T, KV, HEAD_DIM, NUM_WARPS, MQ, BLOCK_N, 
     // A device-side logit scale (scale_dev) is honoured by the general kernels and the decode
     // tiles (the manifest's device_scale): reading it costs the 128-row lean kernels a register
     // across the tile loop, and spills there.
-    const float scale = Cfg::DEVICE_SCALE ? logit_scale(p) : p.sm_scale_log2;
+    float scale = Cfg::DEVICE_SCALE ? logit_scale(p) : p.sm_scale_log2;
+    if constexpr (Cfg::KV_REG_WIDEN) scale *= Fp8FragsSm80<Cfg>::pow2(q_log2);
     // GENERAL: score transforms that leave logits in log2 units, so softmax then uses scale 1.
     const LogitTransform xf = GENERAL ? LogitTransform::make(p) : LogitTransform{};
     const float scale_eff = xf.kind == LogitTransform::kPlain ? scale : 1.f;
@@ -62,6 +75,9 @@ struct PrefillSm80 : PrefillSm80Config<T, KV, HEAD_DIM, NUM_WARPS, MQ, BLOCK_N, 
     typename Mainloop::AlibiRows alibi_q;
     if constexpr (GENERAL) Mainloop::init_alibi(alibi_slope, alibi_q, xf, p, w, wr);
     const LdsmOffsetsSm80<Cfg> off(wr);
+    // KV_REG_WIDEN: the fp8 fragment reads' lane offsets (fp8_frags.cuh)
+    uint32_t f8_kv[4];
+    if constexpr (Cfg::KV_REG_WIDEN) Fp8FragsSm80<Cfg>::offsets(lane, f8_kv);
 
     // The tile loop, and every fragment array of a tile, stay in this frame, next to the
     // accumulators the loop carries: the compiler orders the loop-carried registers by the
@@ -70,9 +86,10 @@ struct PrefillSm80 : PrefillSm80Config<T, KV, HEAD_DIM, NUM_WARPS, MQ, BLOCK_N, 
     for (int it = 0; it < w.num_tiles; ++it) {
       const int n0 = w.tile_start + it * BLOCK_N;
       const int stage = KV_STAGES > 1 ? it % KV_STAGES : 0;
-      // The 16-bit tiles the MMAs read: the ring stage itself, or (fp8, NVFP4) the widened tile(s).
+      // The tiles the MMAs read: the ring stage itself, or (fp8, NVFP4 widened in shared memory)
+      // the widened tile(s).
       const uint32_t sK_u = Cfg::KV_WIDEN ? ring.s_wide : ring.s_ring + 2 * stage * Cfg::RING_TILE_BYTES;
-      const uint32_t sV_u = Cfg::SPLIT_WIDEN ? sK_u : sK_u + Cfg::TILE_BYTES;
+      const uint32_t sV_u = Cfg::SPLIT_WIDEN ? sK_u : sK_u + (Cfg::KV_WIDEN ? Cfg::TILE_BYTES : Cfg::RING_TILE_BYTES);
       ring.begin_tile(w, it, n0, stage);
       if constexpr (GENERAL) {
         if (p.rope) Mainloop::rope_tiles(p, w, smem, sQ_u, sK_u, it, n0, tid);
@@ -83,7 +100,11 @@ struct PrefillSm80 : PrefillSm80Config<T, KV, HEAD_DIM, NUM_WARPS, MQ, BLOCK_N, 
       float s[MQ][Cfg::S_NT][4];
       uint32_t qk_a[MQ][4];
       uint32_t qk_b[4];
-      Mainloop::qk(s, qk_a, qk_b, qf, sQ_u, sK_u, off);
+      if constexpr (Cfg::KV_REG_WIDEN) {
+        Fp8FragsSm80<Cfg>::qk(s, p.kv_fp8, sQ_u, sK_u, off.q, f8_kv);
+      } else {
+        Mainloop::qk(s, qk_a, qk_b, qf, sQ_u, sK_u, off);
+      }
       if constexpr (GENERAL) Mainloop::transform_scores(s, xf, alibi_slope, alibi_q, n0, wr);
       Mainloop::mask_scores(s, w.rule, w.q_lo, w.q_hi, w.r0, w.group, n0, wr);
       uint32_t pp[MQ][Cfg::S_NT][2];
@@ -98,8 +119,13 @@ struct PrefillSm80 : PrefillSm80Config<T, KV, HEAD_DIM, NUM_WARPS, MQ, BLOCK_N, 
       ring.mid_tile(w, it, n0, stage);
       uint32_t pv_a[MQ][4];
       uint32_t pv_b[4];
-      if (!skipped) Mainloop::pv(o, pp, pq, pv_a, pv_b, sV_u, off, wr);
+      if constexpr (Cfg::KV_REG_WIDEN) {
+        if (!skipped) Fp8FragsSm80<Cfg>::pv(o, pp, p.kv_fp8, sV_u, f8_kv);
+      } else {
+        if (!skipped) Mainloop::pv(o, pp, pq, pv_a, pv_b, sV_u, off, wr);
+      }
     }
+    if constexpr (Cfg::KV_REG_WIDEN) Fp8FragsSm80<Cfg>::finish_o(o, lane);
     ptx::cp_async_wait<0>();
     __syncthreads();  // with zero tiles, other threads' Q copies may still target this warp's rows
 

@@ -15,7 +15,8 @@
 //
 // fp8 K/V (KV = fp8_storage): the ring holds one-byte tiles exactly as they sit in global memory
 // (half the bytes per load); after a tile lands, the CTA widens it once into 16-bit tiles in the
-// swizzled layout, so the MMA path is the same as for 16-bit K/V.
+// swizzled layout, so the MMA path is the same as for 16-bit K/V. The one-warp decode tiles
+// instead widen fp8 fragments in registers (KV_REG_WIDEN, sm80/fp8_frags.cuh).
 // NVFP4 K/V (KV = nvfp4_storage, paged decode tiles only): each ring tile holds the rows' e2m1
 // code pairs (HEAD_DIM / 2 bytes a row), then their e4m3 block scales (HEAD_DIM / 16 bytes a
 // row); the widening multiplies each code by its block's scale (sm80/nvfp4_tiles.cuh).
@@ -25,6 +26,17 @@
 #include "pfa/common/dtypes.cuh"
 
 namespace pfa {
+
+// The 16-bit type of P and of the K / V fragments the MMAs read: the query dtype, or fp16 where fp8
+// K/V widen in registers (sm80/fp8_frags.cuh: every e4m3 / e5m2 value is an fp16).
+template <bool FP16, typename T>
+struct MmaElemSm80 {
+  using type = T;
+};
+template <typename T>
+struct MmaElemSm80<true, T> {
+  using type = half;
+};
 
 template <typename T, typename KV, int HEAD_DIM_, int NUM_WARPS_, int MQ_, int BLOCK_N_, bool Q_IN_REGS_,
           int KV_STAGES_, bool GENERAL_, bool PAGED_, bool LAZY_RESCALE_, bool PAIR_>
@@ -77,8 +89,16 @@ struct PrefillSm80Config {
   static constexpr int MAX_PAGE_IDS = BLOCK_M > 16 || HEAD_DIM > 128 ? 2048 : 1024;
   static constexpr bool KV_NVFP4 = KvStorage<KV>::NVFP4;
   static constexpr bool KV_FP8 = sizeof(KV) == 1 && !KV_NVFP4;
+  // fp8 K/V in the one-warp 16-row decode tiles: read from the ring straight into MMA fragments
+  // and widened in registers (sm80/fp8_frags.cuh), with no widened copy in shared memory and no
+  // barrier pair around one. The warp is the only reader of each element, so nothing is widened
+  // twice; the wide decode tiles (2-4 warps on one K/V tile), the pairs and the 128-row kernels
+  // keep the shared widening, which serves all their warps at once. variants.py mirrors the rule.
+  static constexpr bool KV_REG_WIDEN = KV_FP8 && BLOCK_M == 16 && !PAIR && !GENERAL;
   // The ring holds a narrower form of K/V that the CTA widens into 16-bit tiles (fp8, NVFP4).
-  static constexpr bool KV_WIDEN = KV_FP8 || KV_NVFP4;
+  static constexpr bool KV_WIDEN = (KV_FP8 && !KV_REG_WIDEN) || KV_NVFP4;
+  static_assert(!KV_REG_WIDEN || !Q_IN_REGS, "the register-widened tiles read Q in their own fragment order");
+  using PElem = typename MmaElemSm80<KV_REG_WIDEN, T>::type;  // P, packed for O += P V
   // Masked tiles of the lean kernels. hd64 / hd256 test each element against its row's key
   // range (MaskRule::row_range, computed once per row; the tile test too), which measured faster
   // there on H100, causal and not. In hd128 that form was slower everywhere, since it moved the
@@ -88,7 +108,7 @@ struct PrefillSm80Config {
   // new forms made them slower.
   static constexpr bool ROW_RANGE_MASK = !GENERAL && HEAD_DIM != 128;
   static constexpr bool ROW_END_MASK = !GENERAL && HEAD_DIM == 128;
-  static_assert(sizeof(KV) == sizeof(T) || KV_WIDEN, "K/V are in the query dtype, one-byte fp8 or NVFP4");
+  static_assert(sizeof(KV) == sizeof(T) || KV_FP8 || KV_NVFP4, "K/V are in the query dtype, one-byte fp8 or NVFP4");
   static_assert(!KV_NVFP4 || PAGED, "NVFP4 K/V come from a paged cache (their scales share its page table)");
   static constexpr int NVFP4_BLOCK = 16;  // head-dim elements per NVFP4 block scale
   // Bytes of one K/V row as stored: its elements, or (NVFP4) its code pairs.
@@ -154,6 +174,7 @@ struct PrefillSm80Config {
       XCH_OFFSET + (PAIR ? THREADS * ((int)sizeof(float4) + XCH_P_WORDS * (int)sizeof(uint32_t)) : 0);
   static_assert(KV_STAGES >= 1 && KV_STAGES <= 4, "KV_STAGES: 1 = FA2 interleave, >= 2 = K/V ring");
   static_assert(!KV_WIDEN || KV_STAGES >= 2, "fp8 / NVFP4 K/V widen whole ring stages (K and V together)");
+  static_assert(!KV_REG_WIDEN || KV_STAGES >= 2, "the register-widened tiles run the K/V ring");
   static_assert(HEAD_DIM % 64 == 0, "the XOR swizzle needs at least 8 chunks per row");
   static_assert(!KV_WIDEN || WIDE_OFFSET % SWIZZLE_BYTES == 0, "the widened tiles start on a swizzle period");
   static_assert(BLOCK_N % 16 == 0, "BLOCK_N must be a multiple of 16");
@@ -164,11 +185,21 @@ struct PrefillSm80Config {
   // eight rows an ldmatrix phase reads into eight different 16-byte bank groups.
   static __device__ __forceinline__ int swz(int row, int chunk) { return row * CPR + (chunk ^ (row & 7)); }
 
+  // The register-widened fp8 ring's swizzle: chunk ^ fp8_swz(row) puts the 8 rows an ldmatrix
+  // phase reads (16 bytes each) into 8 different 16-byte bank groups. A 128-byte line holds
+  // FP8_ROWS_PER_LINE rows (hd64: 2), so the XOR takes the row's line. Period: 8 rows.
+  static constexpr int FP8_ROWS_PER_LINE = KV_CPR >= 8 ? 1 : 8 / KV_CPR;
+  static __device__ __forceinline__ int fp8_swz(int row) {
+    return (row / FP8_ROWS_PER_LINE) & (KV_CPR >= 8 ? 7 : KV_CPR - 1);
+  }
+
   // Byte offset of K/V chunk (row, chunk) in a ring tile: 16-bit tiles are swizzled for
-  // ldmatrix; fp8 / NVFP4 tiles stay linear (the widening pass reads them chunk by chunk,
-  // conflict-free).
+  // ldmatrix, and so are the register-widened fp8 tiles (fp8_swz); the fp8 / NVFP4 tiles of the
+  // shared widening stay linear (that pass reads them chunk by chunk, conflict-free).
   static __device__ __forceinline__ uint32_t ring_off(int row, int chunk) {
-    return KV_WIDEN ? (row * KV_CPR + chunk) * CHUNK_BYTES : swz(row, chunk) * CHUNK_BYTES;
+    if constexpr (KV_WIDEN) return (row * KV_CPR + chunk) * CHUNK_BYTES;
+    if constexpr (KV_REG_WIDEN) return (row * KV_CPR + (chunk ^ fp8_swz(row))) * CHUNK_BYTES;
+    return swz(row, chunk) * CHUNK_BYTES;
   }
 };
 

@@ -254,7 +254,8 @@ struct MainloopSm80 {
         // Round P to 16 bits now: the packed copy is all P V needs, so the fp32 S registers
         // die here instead of living through the P V loop.
 #pragma unroll
-        for (int nt = 0; nt < S_NT; ++nt) pp[mt][nt][hf] = Pack2<T>::from(s[mt][nt][2 * hf], s[mt][nt][2 * hf + 1]);
+        for (int nt = 0; nt < S_NT; ++nt)
+          pp[mt][nt][hf] = Pack2<typename Cfg::PElem>::from(s[mt][nt][2 * hf], s[mt][nt][2 * hf + 1]);
         if constexpr (!Cfg::LAZY_RESCALE) {
 #pragma unroll
           for (int d = 0; d < O_DT; ++d) {
