@@ -21,8 +21,8 @@ Switches:
   waves  PYFLASHATTN_DECODE_SPLIT_WAVES: the decode tiles' split-KV budget in waves (old = the
          default: 1 for bf16, 2 for fp8 / NVFP4) against 0.5, 1, 2 and 4
   tile   the 16-row decode tile against the `make TUNE=1` alternatives (variants.DECODE_TUNE_TILES:
-         3 K/V stages; fp8 16- and 64-key tiles, 32 keys on 3 stages; 3 stages with half a wave of
-         split budget)
+         3 K/V stages; fp8 32- and 64-key tiles, 32 keys on 3 stages or capped at 12 CTAs per SM;
+         3 stages with half a wave of split budget)
 """
 from __future__ import annotations
 
@@ -49,9 +49,11 @@ SWITCHES = {
     "waves": {"old": ({"PYFLASHATTN_DECODE_SPLIT_WAVES": None}, None),
               **{f"w{w}": ({"PYFLASHATTN_DECODE_SPLIT_WAVES": w}, None) for w in ("0.5", "1", "2", "4")}},
     "tile": {"old": ({}, None), "s3": ({}, _S3),
-             "n16": ({}, {"fp8": "pfa_prefill_sm80_bf16_kvfp8_hd128_m16n16w1s2_lr_paged"}),
+             "n32": ({}, {"fp8": "pfa_prefill_sm80_bf16_kvfp8_hd128_m16n32w1s2_lr_paged"}),
              "n64": ({}, {"fp8": "pfa_prefill_sm80_bf16_kvfp8_hd128_m16n64w1s2_lr_paged"}),
              "n32s3": ({}, {"fp8": "pfa_prefill_sm80_bf16_kvfp8_hd128_m16n32w1s3_lr_paged"}),
+             # registers capped for 12 warps per SM (min blocks; shared memory allows 9)
+             "n32b12": ({}, {"fp8": "pfa_prefill_sm80_bf16_kvfp8_hd128_m16n32w1s2_lr_b12_paged"}),
              # longer walks a CTA with more in flight each: for B=1, whose 13-tile chunks ramp up
              # and down at 72% of DRAM peak
              "s3w.5": ({"PYFLASHATTN_DECODE_SPLIT_WAVES": "0.5"}, _S3)},

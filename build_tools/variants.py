@@ -116,6 +116,7 @@ class PrefillVariant:
     def name(self):
         return (f"pfa_prefill_{self.impl}_{self.dtype}{'_kv' + self.kv_dtype if self.kv_dtype else ''}_hd{self.head_dim}"
                 f"_m{self.block_m}n{self.block_n}w{self.warps}s{self.stages}{'_qr' if self.q_in_regs else ''}{'_lr' if self.lazy_rescale else ''}{'_pr' if self.pair else ''}"
+                f"{f'_b{self.min_blocks}' if self.decode and self.min_blocks > 1 else ''}"
                 f"{'_gen' if self.general else ''}{'_paged' if self.paged else ''}")
 
     @property
@@ -125,7 +126,7 @@ class PrefillVariant:
     @property
     def ctas_per_sm(self):
         """The CTAs per SM the variant is designed for (the host's planning figure)."""
-        return DECODE_CTAS_PER_SM if self.decode else self.min_blocks
+        return max(DECODE_CTAS_PER_SM, self.min_blocks) if self.decode else self.min_blocks
 
     @property
     def smem_bytes(self):
@@ -469,14 +470,16 @@ DECODE_TILES = {
     256: (1, 1, 32, False, 2, 1, True),
 }
 # The decode tile over an fp8 K/V cache. The one-warp tiles (hd64, hd128) widen K/V fragments in
-# registers and run fp16 MMAs (reg_widen, sm80/fp8_frags.cuh); at hd128, 32-key tiles streamed a
-# B=64 x 4096 batch 1.27x faster than 16-key ones on an H200 (B=1 x 32768: 0.97x) and 64-key ones
-# lost (fewer CTAs per SM). hd256 keeps a warp pair (2 warps, the same 16 rows: PAIR) that widens
-# each K/V tile into a 16-bit copy in shared memory, half a tile a warp; the pair is not an option
-# at hd64 (see PrefillSm80's PAIR assert). NOTES.md has the measurements.
+# registers and run fp16 MMAs (reg_widen, sm80/fp8_frags.cuh). hd128: 16-key tiles with the
+# registers capped at 128 (min blocks 16: four warps a scheduler, 13 CTAs per SM by shared memory)
+# streamed B=64 x 4096 1.02x and B=16 x 8192 1.05x faster than uncapped 32-key tiles on an H200
+# (B=1 x 32768: 1.00x); uncapped 16-key tiles (8 CTAs per SM, register-bound) lost 0.94-0.98x at
+# B=16-64 and 64-key tiles lost everywhere. hd256 keeps a warp pair (2 warps, the same 16 rows:
+# PAIR) that widens each K/V tile into a 16-bit copy in shared memory, half a tile a warp; the pair
+# is not an option at hd64 (see PrefillSm80's PAIR assert). NOTES.md has the measurements.
 DECODE_TILES_FP8 = {
     64: (1, 1, 32, False, 2, 1, True),
-    128: (1, 1, 32, False, 2, 1, True),
+    128: (1, 1, 16, False, 2, 16, True),
     256: (2, 1, 32, False, 2, 1, True, True),
 }
 # The wide decode tiles: rows -> head_dim -> tile, 32 or 64 packed rows on 2 or 4 warps with 16 rows
@@ -514,10 +517,12 @@ PREFILL_TUNE_TILES = {
 # Alternative paged decode tiles for `make TUNE=1` (kv_dtype, head_dim) -> tiles, compared with the
 # defaults by build_tools/ab_decode.py --switch tile: a third K/V stage (two tiles in flight a CTA,
 # four CTAs per SM instead of five) for the bandwidth-bound 16-bit stream; over fp8 (widened in
-# registers), 16- and 64-key tiles (more CTAs per SM / more bytes in flight a warp) and a third stage.
+# registers), 32- and 64-key tiles (more bytes in flight a warp), 32 keys on a third stage or with
+# registers capped for 12 CTAs per SM.
 DECODE_TUNE_TILES = {
     ("", 128): [(1, 1, 32, False, 3, 1, True)],
-    ("fp8", 128): [(1, 1, 16, False, 2, 1, True), (1, 1, 64, False, 2, 1, True), (1, 1, 32, False, 3, 1, True)],
+    ("fp8", 128): [(1, 1, 32, False, 2, 1, True), (1, 1, 64, False, 2, 1, True), (1, 1, 32, False, 3, 1, True),
+                   (1, 1, 32, False, 2, 12, True)],
     ("fp8", 64): [(1, 1, 64, False, 2, 1, True)],
 }
 

@@ -31,10 +31,10 @@ KERNELS_sm_80 := \
   pfa_prefill_sm80_f16_kvfp8_hd128_m128n64w4s2_lr_paged \
   pfa_prefill_sm80_f16_kvfp8_hd128_m128n64w4s2_gen \
   pfa_prefill_sm80_f16_kvfp8_hd128_m128n64w4s2_gen_paged \
-  pfa_prefill_sm80_f16_kvfp8_hd128_m16n32w1s2_lr \
+  pfa_prefill_sm80_f16_kvfp8_hd128_m16n16w1s2_lr_b16 \
   pfa_prefill_sm80_f16_kvfp8_hd128_m32n16w2s2_lr \
   pfa_prefill_sm80_f16_kvfp8_hd128_m64n16w4s2_lr \
-  pfa_prefill_sm80_f16_kvfp8_hd128_m16n32w1s2_lr_paged \
+  pfa_prefill_sm80_f16_kvfp8_hd128_m16n16w1s2_lr_b16_paged \
   pfa_prefill_sm80_f16_kvfp8_hd128_m32n16w2s2_lr_paged \
   pfa_prefill_sm80_f16_kvfp8_hd128_m64n16w4s2_lr_paged \
   pfa_prefill_sm80_f16_hd256_m16n32w1s2_lr \
@@ -70,10 +70,10 @@ KERNELS_sm_80 := \
   pfa_prefill_sm80_bf16_kvfp8_hd128_m128n64w4s2_lr_paged \
   pfa_prefill_sm80_bf16_kvfp8_hd128_m128n64w4s2_gen \
   pfa_prefill_sm80_bf16_kvfp8_hd128_m128n64w4s2_gen_paged \
-  pfa_prefill_sm80_bf16_kvfp8_hd128_m16n32w1s2_lr \
+  pfa_prefill_sm80_bf16_kvfp8_hd128_m16n16w1s2_lr_b16 \
   pfa_prefill_sm80_bf16_kvfp8_hd128_m32n16w2s2_lr \
   pfa_prefill_sm80_bf16_kvfp8_hd128_m64n16w4s2_lr \
-  pfa_prefill_sm80_bf16_kvfp8_hd128_m16n32w1s2_lr_paged \
+  pfa_prefill_sm80_bf16_kvfp8_hd128_m16n16w1s2_lr_b16_paged \
   pfa_prefill_sm80_bf16_kvfp8_hd128_m32n16w2s2_lr_paged \
   pfa_prefill_sm80_bf16_kvfp8_hd128_m64n16w4s2_lr_paged \
   pfa_prefill_sm80_bf16_hd256_m16n32w1s2_lr \
@@ -123,7 +123,7 @@ KERNELS_sm_89 := \
   pfa_prefill_sm80_f16_hd128_m16n32w1s2_lr \
   pfa_prefill_sm80_f16_kvfp8_hd128_m128n64w4s2_lr \
   pfa_prefill_sm80_f16_kvfp8_hd128_m128n64w4s2_gen \
-  pfa_prefill_sm80_f16_kvfp8_hd128_m16n32w1s2_lr \
+  pfa_prefill_sm80_f16_kvfp8_hd128_m16n16w1s2_lr_b16 \
   pfa_prefill_sm80_f16_kvfp8_hd128_m32n16w2s2_lr \
   pfa_prefill_sm80_f16_kvfp8_hd128_m64n16w4s2_lr \
   pfa_prefill_sm80_f16_hd256_m16n32w1s2_lr \
@@ -152,7 +152,7 @@ KERNELS_sm_89 := \
   pfa_prefill_sm80_bf16_hd128_m16n32w1s2_lr \
   pfa_prefill_sm80_bf16_kvfp8_hd128_m128n64w4s2_lr \
   pfa_prefill_sm80_bf16_kvfp8_hd128_m128n64w4s2_gen \
-  pfa_prefill_sm80_bf16_kvfp8_hd128_m16n32w1s2_lr \
+  pfa_prefill_sm80_bf16_kvfp8_hd128_m16n16w1s2_lr_b16 \
   pfa_prefill_sm80_bf16_kvfp8_hd128_m32n16w2s2_lr \
   pfa_prefill_sm80_bf16_kvfp8_hd128_m64n16w4s2_lr \
   pfa_prefill_sm80_bf16_hd256_m16n32w1s2_lr \
@@ -209,10 +209,10 @@ KERNELS_sm_90a := \
   pfa_prefill_sm80_f16_kvfp8_hd128_m128n64w4s2_lr_paged \
   pfa_prefill_sm80_f16_kvfp8_hd128_m128n64w4s2_gen \
   pfa_prefill_sm80_f16_kvfp8_hd128_m128n64w4s2_gen_paged \
-  pfa_prefill_sm80_f16_kvfp8_hd128_m16n32w1s2_lr \
+  pfa_prefill_sm80_f16_kvfp8_hd128_m16n16w1s2_lr_b16 \
   pfa_prefill_sm80_f16_kvfp8_hd128_m32n16w2s2_lr \
   pfa_prefill_sm80_f16_kvfp8_hd128_m64n16w4s2_lr \
-  pfa_prefill_sm80_f16_kvfp8_hd128_m16n32w1s2_lr_paged \
+  pfa_prefill_sm80_f16_kvfp8_hd128_m16n16w1s2_lr_b16_paged \
   pfa_prefill_sm80_f16_kvfp8_hd128_m32n16w2s2_lr_paged \
   pfa_prefill_sm80_f16_kvfp8_hd128_m64n16w4s2_lr_paged \
   pfa_prefill_sm80_f16_hd256_m128n64w8s2_lr_pr \
@@ -277,10 +277,10 @@ KERNELS_sm_90a := \
   pfa_prefill_sm80_bf16_kvfp8_hd128_m128n64w4s2_lr_paged \
   pfa_prefill_sm80_bf16_kvfp8_hd128_m128n64w4s2_gen \
   pfa_prefill_sm80_bf16_kvfp8_hd128_m128n64w4s2_gen_paged \
-  pfa_prefill_sm80_bf16_kvfp8_hd128_m16n32w1s2_lr \
+  pfa_prefill_sm80_bf16_kvfp8_hd128_m16n16w1s2_lr_b16 \
   pfa_prefill_sm80_bf16_kvfp8_hd128_m32n16w2s2_lr \
   pfa_prefill_sm80_bf16_kvfp8_hd128_m64n16w4s2_lr \
-  pfa_prefill_sm80_bf16_kvfp8_hd128_m16n32w1s2_lr_paged \
+  pfa_prefill_sm80_bf16_kvfp8_hd128_m16n16w1s2_lr_b16_paged \
   pfa_prefill_sm80_bf16_kvfp8_hd128_m32n16w2s2_lr_paged \
   pfa_prefill_sm80_bf16_kvfp8_hd128_m64n16w4s2_lr_paged \
   pfa_prefill_sm80_bf16_hd256_m128n64w8s2_lr_pr \
