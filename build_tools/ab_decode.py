@@ -52,6 +52,8 @@ SWITCHES = {
              "n32": ({}, {"fp8": "pfa_prefill_sm80_bf16_kvfp8_hd128_m16n32w1s2_lr_paged"}),
              "n64": ({}, {"fp8": "pfa_prefill_sm80_bf16_kvfp8_hd128_m16n64w1s2_lr_paged"}),
              "n32s3": ({}, {"fp8": "pfa_prefill_sm80_bf16_kvfp8_hd128_m16n32w1s3_lr_paged"}),
+             # 16-bit K/V, 16-key tiles capped at 128 registers (9 CTAs per SM by shared memory)
+             "n16b16": ({}, {"bf16": "pfa_prefill_sm80_bf16_hd128_m16n16w1s2_lr_b16_paged"}),
              # registers capped for 12 warps per SM (min blocks; shared memory allows 9)
              "n32b12": ({}, {"fp8": "pfa_prefill_sm80_bf16_kvfp8_hd128_m16n32w1s2_lr_b12_paged"}),
              # longer walks a CTA with more in flight each: for B=1, whose 13-tile chunks ramp up

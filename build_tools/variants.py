@@ -520,7 +520,7 @@ PREFILL_TUNE_TILES = {
 # registers), 32- and 64-key tiles (more bytes in flight a warp), 32 keys on a third stage or with
 # registers capped for 12 CTAs per SM.
 DECODE_TUNE_TILES = {
-    ("", 128): [(1, 1, 32, False, 3, 1, True)],
+    ("", 128): [(1, 1, 32, False, 3, 1, True), (1, 1, 16, False, 2, 16, True)],
     ("fp8", 128): [(1, 1, 32, False, 2, 1, True), (1, 1, 64, False, 2, 1, True), (1, 1, 32, False, 3, 1, True),
                    (1, 1, 32, False, 2, 12, True)],
     ("fp8", 64): [(1, 1, 64, False, 2, 1, True)],
