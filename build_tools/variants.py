@@ -150,9 +150,10 @@ class PrefillVariant:
 
     @property
     def reg_widen(self):
-        """fp8 K/V widened in registers, fragment by fragment (PrefillSm80Config::KV_REG_WIDEN):
-        the one-warp decode tiles, the only reader of their K/V tiles."""
-        return self.kv_dtype == "fp8" and self.block_m == MMA_ROWS and not self.pair and not self.general
+        """fp8 / NVFP4 K/V widened in registers, fragment by fragment (PrefillSm80Config::
+        KV_REG_WIDEN): the one-warp decode tiles, the only reader of their K/V tiles."""
+        return (self.kv_dtype in ("fp8", "nvfp4") and self.block_m == MMA_ROWS and not self.pair
+                and not self.general)
 
     @property
     def ring_row_bytes(self):
@@ -496,12 +497,13 @@ WIDE_DECODE_TILES_FP8 = {
     32: {64: (2, 1, 32, False, 2, 1, True), 128: (2, 1, 16, False, 2, 1, True)},
     64: {64: (4, 1, 32, False, 2, 1, True), 128: (4, 1, 16, False, 2, 1, True)},
 }
-# The decode tiles over an NVFP4 cache: the fp8 cache's shapes (the same widening-bound stream, a
-# ring row of 9/16 of fp8's bytes); paged only (NVFP4 caches are paged: the scales share the
-# page table). Not yet measured against alternatives on a GPU.
+# The decode tiles over an NVFP4 cache; paged only (NVFP4 caches are paged: the scales share the
+# page table). hd64 / hd128 widen fragments in registers (reg_widen, sm80/nvfp4_frags.cuh) with the
+# registers capped at 128 (min blocks 16; ptxas: no spills), as the hd128 fp8 tile; hd256 keeps the
+# warp pair and its shared widening. Not yet measured against alternatives on a GPU.
 DECODE_TILES_NVFP4 = {
-    64: (1, 1, 32, False, 2, 1, True),
-    128: (1, 1, 16, False, 2, 1, True),
+    64: (1, 1, 32, False, 2, 16, True),
+    128: (1, 1, 16, False, 2, 16, True),
     256: (2, 1, 32, False, 2, 1, True, True),
 }
 WIDE_DECODE_TILES_NVFP4 = WIDE_DECODE_TILES_FP8

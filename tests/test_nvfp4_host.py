@@ -112,9 +112,14 @@ def _byte_perm(a, b, sel, sign_mode):
 
 
 def _device_body(kind):
+    """widen_fp4x8<kind>'s source, after (fp16) the helper that holds its table and sign selectors."""
     src = (ROOT / "kernel_src/include/pfa/common/dtypes.cuh").read_text()
-    start = src.index(f"uint4 widen_fp4x8<{kind}>(uint32_t x, uint32_t scale) {{")
-    return src[start:src.index("\n}\n", start)]
+
+    def body(head):
+        start = src.index(head)
+        return src[start:src.index("\n}\n", start)]
+    own = body(f"uint4 widen_fp4x8<{kind}>(uint32_t x, uint32_t scale) {{")
+    return (body("void fp4x8_f16_high_bytes(uint32_t x, uint32_t& a, uint32_t& b) {") + own) if kind == "half" else own
 
 
 def _emulate_widen_fp4x8(kind, x):

@@ -79,17 +79,17 @@ KERNELS_sm_80 := \
   pfa_prefill_sm80_bf16_hd256_m16n32w1s2_lr \
   pfa_merge_bf16 \
   pfa_merge_cta_bf16 \
-  pfa_prefill_sm80_f16_kvnvfp4_hd64_m16n32w1s2_lr_paged \
+  pfa_prefill_sm80_f16_kvnvfp4_hd64_m16n32w1s2_lr_b16_paged \
   pfa_prefill_sm80_f16_kvnvfp4_hd64_m32n32w2s2_lr_paged \
   pfa_prefill_sm80_f16_kvnvfp4_hd64_m64n32w4s2_lr_paged \
-  pfa_prefill_sm80_f16_kvnvfp4_hd128_m16n16w1s2_lr_paged \
+  pfa_prefill_sm80_f16_kvnvfp4_hd128_m16n16w1s2_lr_b16_paged \
   pfa_prefill_sm80_f16_kvnvfp4_hd128_m32n16w2s2_lr_paged \
   pfa_prefill_sm80_f16_kvnvfp4_hd128_m64n16w4s2_lr_paged \
   pfa_prefill_sm80_f16_kvnvfp4_hd256_m16n32w2s2_lr_pr_paged \
-  pfa_prefill_sm80_bf16_kvnvfp4_hd64_m16n32w1s2_lr_paged \
+  pfa_prefill_sm80_bf16_kvnvfp4_hd64_m16n32w1s2_lr_b16_paged \
   pfa_prefill_sm80_bf16_kvnvfp4_hd64_m32n32w2s2_lr_paged \
   pfa_prefill_sm80_bf16_kvnvfp4_hd64_m64n32w4s2_lr_paged \
-  pfa_prefill_sm80_bf16_kvnvfp4_hd128_m16n16w1s2_lr_paged \
+  pfa_prefill_sm80_bf16_kvnvfp4_hd128_m16n16w1s2_lr_b16_paged \
   pfa_prefill_sm80_bf16_kvnvfp4_hd128_m32n16w2s2_lr_paged \
   pfa_prefill_sm80_bf16_kvnvfp4_hd128_m64n16w4s2_lr_paged \
   pfa_prefill_sm80_bf16_kvnvfp4_hd256_m16n32w2s2_lr_pr_paged \
@@ -158,17 +158,17 @@ KERNELS_sm_89 := \
   pfa_prefill_sm80_bf16_hd256_m16n32w1s2_lr \
   pfa_merge_bf16 \
   pfa_merge_cta_bf16 \
-  pfa_prefill_sm80_f16_kvnvfp4_hd64_m16n32w1s2_lr_paged \
+  pfa_prefill_sm80_f16_kvnvfp4_hd64_m16n32w1s2_lr_b16_paged \
   pfa_prefill_sm80_f16_kvnvfp4_hd64_m32n32w2s2_lr_paged \
   pfa_prefill_sm80_f16_kvnvfp4_hd64_m64n32w4s2_lr_paged \
-  pfa_prefill_sm80_f16_kvnvfp4_hd128_m16n16w1s2_lr_paged \
+  pfa_prefill_sm80_f16_kvnvfp4_hd128_m16n16w1s2_lr_b16_paged \
   pfa_prefill_sm80_f16_kvnvfp4_hd128_m32n16w2s2_lr_paged \
   pfa_prefill_sm80_f16_kvnvfp4_hd128_m64n16w4s2_lr_paged \
   pfa_prefill_sm80_f16_kvnvfp4_hd256_m16n32w2s2_lr_pr_paged \
-  pfa_prefill_sm80_bf16_kvnvfp4_hd64_m16n32w1s2_lr_paged \
+  pfa_prefill_sm80_bf16_kvnvfp4_hd64_m16n32w1s2_lr_b16_paged \
   pfa_prefill_sm80_bf16_kvnvfp4_hd64_m32n32w2s2_lr_paged \
   pfa_prefill_sm80_bf16_kvnvfp4_hd64_m64n32w4s2_lr_paged \
-  pfa_prefill_sm80_bf16_kvnvfp4_hd128_m16n16w1s2_lr_paged \
+  pfa_prefill_sm80_bf16_kvnvfp4_hd128_m16n16w1s2_lr_b16_paged \
   pfa_prefill_sm80_bf16_kvnvfp4_hd128_m32n16w2s2_lr_paged \
   pfa_prefill_sm80_bf16_kvnvfp4_hd128_m64n16w4s2_lr_paged \
   pfa_prefill_sm80_bf16_kvnvfp4_hd256_m16n32w2s2_lr_pr_paged \
@@ -321,17 +321,17 @@ KERNELS_sm_90a := \
   pfa_prefill_sm90_e4m3_hd64_m192n128c3s2_pp_paged \
   pfa_prefill_sm90_e4m3_hd128_m128n128c2s2_pp_paged \
   pfa_prefill_sm90_e4m3_hd256_m128n128c2s2_pp_serial_paged \
-  pfa_prefill_sm80_f16_kvnvfp4_hd64_m16n32w1s2_lr_paged \
+  pfa_prefill_sm80_f16_kvnvfp4_hd64_m16n32w1s2_lr_b16_paged \
   pfa_prefill_sm80_f16_kvnvfp4_hd64_m32n32w2s2_lr_paged \
   pfa_prefill_sm80_f16_kvnvfp4_hd64_m64n32w4s2_lr_paged \
-  pfa_prefill_sm80_f16_kvnvfp4_hd128_m16n16w1s2_lr_paged \
+  pfa_prefill_sm80_f16_kvnvfp4_hd128_m16n16w1s2_lr_b16_paged \
   pfa_prefill_sm80_f16_kvnvfp4_hd128_m32n16w2s2_lr_paged \
   pfa_prefill_sm80_f16_kvnvfp4_hd128_m64n16w4s2_lr_paged \
   pfa_prefill_sm80_f16_kvnvfp4_hd256_m16n32w2s2_lr_pr_paged \
-  pfa_prefill_sm80_bf16_kvnvfp4_hd64_m16n32w1s2_lr_paged \
+  pfa_prefill_sm80_bf16_kvnvfp4_hd64_m16n32w1s2_lr_b16_paged \
   pfa_prefill_sm80_bf16_kvnvfp4_hd64_m32n32w2s2_lr_paged \
   pfa_prefill_sm80_bf16_kvnvfp4_hd64_m64n32w4s2_lr_paged \
-  pfa_prefill_sm80_bf16_kvnvfp4_hd128_m16n16w1s2_lr_paged \
+  pfa_prefill_sm80_bf16_kvnvfp4_hd128_m16n16w1s2_lr_b16_paged \
   pfa_prefill_sm80_bf16_kvnvfp4_hd128_m32n16w2s2_lr_paged \
   pfa_prefill_sm80_bf16_kvnvfp4_hd128_m64n16w4s2_lr_paged \
   pfa_prefill_sm80_bf16_kvnvfp4_hd256_m16n32w2s2_lr_pr_paged \

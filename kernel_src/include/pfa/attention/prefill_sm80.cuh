@@ -5,16 +5,21 @@
 //   sm80/tile_loads.cuh Q gather, the cp.async K/V ring (kv_source.cuh addresses the rows)
 //   sm80/mainloop.cuh   per KV tile: S = Q K^T, transforms (variant.cuh, rope.cuh), mask
 //                       (mask.cuh), online softmax (softmax_state.cuh), O += P V
-//   sm80/fp8_frags.cuh  S = Q K^T and O += P V of the one-warp decode tiles over an fp8 cache
+//   sm80/reg_frags.cuh  S = Q K^T and O += P V of the one-warp decode tiles over an fp8 / NVFP4
+//                       cache (fp8_frags.cuh, nvfp4_frags.cuh)
 //   sm80/epilogue.cuh   normalise, then O + LSE or split-KV partials (epilogue.cuh layouts)
 // sm80/config.cuh holds the tile shape, the per-shape choices and the shared-memory layout.
 #pragma once
 #include <stdint.h>
 
+#include <type_traits>
+
 #include "pfa/attention/params.h"
 #include "pfa/attention/sm80/config.cuh"
 #include "pfa/attention/sm80/epilogue.cuh"
 #include "pfa/attention/sm80/fp8_frags.cuh"
+#include "pfa/attention/sm80/nvfp4_frags.cuh"
+#include "pfa/attention/sm80/reg_frags.cuh"
 #include "pfa/attention/sm80/fragments.cuh"
 #include "pfa/attention/sm80/mainloop.cuh"
 #include "pfa/attention/sm80/tile_loads.cuh"
@@ -31,6 +36,8 @@ struct PrefillSm80 : PrefillSm80Config<T, KV, HEAD_DIM, NUM_WARPS, MQ, BLOCK_N, 
   using Cfg = PrefillSm80Config<T, KV, HEAD_DIM, NUM_WARPS, MQ, BLOCK_N, Q_IN_REGS, KV_STAGES, GENERAL, PAGED,
                                 LAZY_RESCALE, PAIR>;
   using Mainloop = MainloopSm80<Cfg>;
+  // KV_REG_WIDEN: the register-widened K/V fragments (reg_frags.cuh)
+  using RegFrags = typename std::conditional<Cfg::KV_NVFP4, Nvfp4FragsSm80<Cfg>, Fp8FragsSm80<Cfg>>::type;
 
   static __device__ __forceinline__ void run(const PrefillParams& p, char* smem) {
     // The split-KV merge after this kernel is launched programmatically: it may start (and
@@ -55,7 +62,7 @@ struct PrefillSm80 : PrefillSm80Config<T, KV, HEAD_DIM, NUM_WARPS, MQ, BLOCK_N, 
     if constexpr (Cfg::KV_REG_WIDEN) {
       ptx::cp_async_wait<KV_STAGES - 1>();
       __syncthreads();
-      q_log2 = Fp8FragsSm80<Cfg>::prepare_q(smem, lane);
+      q_log2 = RegFragsSm80<Cfg>::template prepare_q<RegFrags::Q_WORDS_PER_LANE>(smem, lane);
     }
 
     const WarpRoleSm80<Cfg> wr(lane, warp, smem);
@@ -67,7 +74,7 @@ struct PrefillSm80 : PrefillSm80Config<T, KV, HEAD_DIM, NUM_WARPS, MQ, BLOCK_N, 
     // tiles (the manifest's device_scale): reading it costs the 128-row lean kernels a register
     // across the tile loop, and spills there.
     float scale = Cfg::DEVICE_SCALE ? logit_scale(p) : p.sm_scale_log2;
-    if constexpr (Cfg::KV_REG_WIDEN) scale *= Fp8FragsSm80<Cfg>::pow2(q_log2);
+    if constexpr (Cfg::KV_REG_WIDEN) scale *= RegFragsSm80<Cfg>::pow2(q_log2);
     // GENERAL: score transforms that leave logits in log2 units, so softmax then uses scale 1.
     const LogitTransform xf = GENERAL ? LogitTransform::make(p) : LogitTransform{};
     const float scale_eff = xf.kind == LogitTransform::kPlain ? scale : 1.f;
@@ -75,9 +82,9 @@ struct PrefillSm80 : PrefillSm80Config<T, KV, HEAD_DIM, NUM_WARPS, MQ, BLOCK_N, 
     typename Mainloop::AlibiRows alibi_q;
     if constexpr (GENERAL) Mainloop::init_alibi(alibi_slope, alibi_q, xf, p, w, wr);
     const LdsmOffsetsSm80<Cfg> off(wr);
-    // KV_REG_WIDEN: the fp8 fragment reads' lane offsets (fp8_frags.cuh)
-    uint32_t f8_kv[4];
-    if constexpr (Cfg::KV_REG_WIDEN) Fp8FragsSm80<Cfg>::offsets(lane, f8_kv);
+    // KV_REG_WIDEN: the narrow ring tiles' ldmatrix lane offsets
+    uint32_t narrow_kv[4];
+    if constexpr (Cfg::KV_REG_WIDEN) RegFragsSm80<Cfg>::offsets(lane, narrow_kv);
 
     // The tile loop, and every fragment array of a tile, stay in this frame, next to the
     // accumulators the loop carries: the compiler orders the loop-carried registers by the
@@ -101,7 +108,7 @@ struct PrefillSm80 : PrefillSm80Config<T, KV, HEAD_DIM, NUM_WARPS, MQ, BLOCK_N, 
       uint32_t qk_a[MQ][4];
       uint32_t qk_b[4];
       if constexpr (Cfg::KV_REG_WIDEN) {
-        Fp8FragsSm80<Cfg>::qk(s, p.kv_fp8, sQ_u, sK_u, off.q, f8_kv);
+        RegFrags::qk(s, p, sQ_u, sK_u, off.q, narrow_kv);
       } else {
         Mainloop::qk(s, qk_a, qk_b, qf, sQ_u, sK_u, off);
       }
@@ -120,12 +127,12 @@ struct PrefillSm80 : PrefillSm80Config<T, KV, HEAD_DIM, NUM_WARPS, MQ, BLOCK_N, 
       uint32_t pv_a[MQ][4];
       uint32_t pv_b[4];
       if constexpr (Cfg::KV_REG_WIDEN) {
-        if (!skipped) Fp8FragsSm80<Cfg>::pv(o, pp, p.kv_fp8, sV_u, f8_kv);
+        if (!skipped) RegFrags::pv(o, pp, p, sV_u, narrow_kv);
       } else {
         if (!skipped) Mainloop::pv(o, pp, pq, pv_a, pv_b, sV_u, off, wr);
       }
     }
-    if constexpr (Cfg::KV_REG_WIDEN) Fp8FragsSm80<Cfg>::finish_o(o, lane);
+    if constexpr (Cfg::KV_REG_WIDEN) RegFrags::finish_o(o, lane);
     ptx::cp_async_wait<0>();
     __syncthreads();  // with zero tiles, other threads' Q copies may still target this warp's rows
 

@@ -145,6 +145,17 @@ __device__ __forceinline__ uint32_t e4m3_lanes_to<__nv_bfloat16>(uint32_t u) {
   return *reinterpret_cast<uint32_t*>(&v);
 }
 
+// Two e4m3 values (bytes 0 and 1 of x) -> a packed fp16 pair, byte 0 in the low half, exactly:
+// the hardware conversion on sm_89+.
+__device__ __forceinline__ uint32_t e4m3x2_to_half2(uint32_t x) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 890
+  const __half2_raw h = __nv_cvt_fp8x2_to_halfraw2(static_cast<__nv_fp8x2_storage_t>(x & 0xFFFFu), __NV_E4M3);
+  return static_cast<uint32_t>(h.x) | static_cast<uint32_t>(h.y) << 16;
+#else
+  return e4m3_lanes_to<half>(__byte_perm(x, 0u, 0x1404));
+#endif
+}
+
 // Two e4m3 block scales (bytes 0 and 1 of x) -> each as a packed pair of T (both lanes the same
 // scale), the multiplier of its block's code pairs.
 template <typename T>
@@ -160,15 +171,21 @@ __device__ __forceinline__ uint2 nvfp4_scale_pairs(uint32_t x) {
 // byte permute per four codes (fp16: only the high byte is nonzero; bf16: a high- and a
 // low-byte table); its sign (bit 3) is spread to the high bytes by a sign-replicating permute.
 // Negative codes, -0 included, keep their sign.
+// Eight e2m1 codes (the nibbles of x) -> the high bytes of their fp16 encodings (the low bytes
+// are 0), sign included: codes 0-3 in the bytes of a, 4-7 in those of b.
+__device__ __forceinline__ void fp4x8_f16_high_bytes(uint32_t x, uint32_t& a, uint32_t& b) {
+  // fp16 high bytes of 0, .5, 1, 1.5 and 2, 3, 4, 6
+  constexpr uint32_t HI_0_3 = 0x3E3C3800u, HI_4_7 = 0x46444240u;
+  const uint32_t mag = x & 0x77777777u, y = x << 4;  // y: the even codes' signs at the byte tops
+  a = __byte_perm(HI_0_3, HI_4_7, mag) | (ptx::prmt(x, y, 0x9D8C) & 0x80808080u);        // codes 0-3
+  b = __byte_perm(HI_0_3, HI_4_7, mag >> 16) | (ptx::prmt(x, y, 0xBFAE) & 0x80808080u);  // 4-7
+}
 template <typename T>
 __device__ __forceinline__ uint4 widen_fp4x8(uint32_t x, uint32_t scale);
 template <>
 __device__ __forceinline__ uint4 widen_fp4x8<half>(uint32_t x, uint32_t scale) {
-  // fp16 high bytes of 0, .5, 1, 1.5 and 2, 3, 4, 6 (their low bytes are 0)
-  constexpr uint32_t HI_0_3 = 0x3E3C3800u, HI_4_7 = 0x46444240u;
-  const uint32_t mag = x & 0x77777777u, y = x << 4;  // y: the even codes' signs at the byte tops
-  const uint32_t a = __byte_perm(HI_0_3, HI_4_7, mag) | (ptx::prmt(x, y, 0x9D8C) & 0x80808080u);  // codes 0-3
-  const uint32_t b = __byte_perm(HI_0_3, HI_4_7, mag >> 16) | (ptx::prmt(x, y, 0xBFAE) & 0x80808080u);  // 4-7
+  uint32_t a, b;
+  fp4x8_f16_high_bytes(x, a, b);
   const half2 s = *reinterpret_cast<const half2*>(&scale);
   uint32_t w[4] = {__byte_perm(a, 0u, 0x1404), __byte_perm(a, 0u, 0x3424), __byte_perm(b, 0u, 0x1404),
                    __byte_perm(b, 0u, 0x3424)};  // each code's byte to the top of its 16-bit lane

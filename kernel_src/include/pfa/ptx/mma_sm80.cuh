@@ -1,6 +1,6 @@
 // Thin named wrappers over the sm_80+ warp-level PTX the FA2-class kernels use:
-// cp.async (global -> shared, 16 B or 4 / 8 B, zero-fill), ldmatrix (x4, optionally transposed) and
-// mma.sync m16n8k16 with fp32 accumulation. One place for inline asm, nothing clever.
+// cp.async (global -> shared, 16 B or 4 / 8 B, zero-fill), ldmatrix (x4, optionally transposed),
+// 4- and 8-byte shared loads and mma.sync m16n8k16 with fp32 accumulation. One place for inline asm, nothing clever.
 #pragma once
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
@@ -58,6 +58,18 @@ __device__ __forceinline__ void ldmatrix_x4(uint32_t (&r)[4], uint32_t addr) {
 __device__ __forceinline__ void ldmatrix_x4_trans(uint32_t (&r)[4], uint32_t addr) {
   asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0,%1,%2,%3}, [%4];\n"
                : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3]) : "r"(addr));
+}
+
+// Shared-memory loads of one and two 32-bit words (addr aligned to their size).
+__device__ __forceinline__ uint32_t lds_32(uint32_t addr) {
+  uint32_t a;
+  asm volatile("ld.shared.b32 %0, [%1];\n" : "=r"(a) : "r"(addr));
+  return a;
+}
+__device__ __forceinline__ uint2 lds_64(uint32_t addr) {
+  uint2 a;
+  asm volatile("ld.shared.v2.b32 {%0, %1}, [%2];\n" : "=r"(a.x), "=r"(a.y) : "r"(addr));
+  return a;
 }
 
 // D = A(16x16, row) * B(16x8, col) + D, fp32 accumulators.

@@ -89,14 +89,15 @@ struct PrefillSm80Config {
   static constexpr int MAX_PAGE_IDS = BLOCK_M > 16 || HEAD_DIM > 128 ? 2048 : 1024;
   static constexpr bool KV_NVFP4 = KvStorage<KV>::NVFP4;
   static constexpr bool KV_FP8 = sizeof(KV) == 1 && !KV_NVFP4;
-  // fp8 K/V in the one-warp 16-row decode tiles: read from the ring straight into MMA fragments
-  // and widened in registers (sm80/fp8_frags.cuh), with no widened copy in shared memory and no
-  // barrier pair around one. The warp is the only reader of each element, so nothing is widened
-  // twice; the wide decode tiles (2-4 warps on one K/V tile), the pairs and the 128-row kernels
-  // keep the shared widening, which serves all their warps at once. variants.py mirrors the rule.
-  static constexpr bool KV_REG_WIDEN = KV_FP8 && BLOCK_M == 16 && !PAIR && !GENERAL;
+  // fp8 / NVFP4 K/V in the one-warp 16-row decode tiles: read from the ring straight into MMA
+  // fragments and widened in registers (sm80/reg_frags.cuh, fp8_frags.cuh, nvfp4_frags.cuh), with
+  // no widened copy in shared memory and no barrier pair around one. The warp is the only reader
+  // of each element, so nothing is widened twice; the wide decode tiles (2-4 warps on one K/V
+  // tile), the pairs and the 128-row kernels keep the shared widening, which serves all their
+  // warps at once. variants.py mirrors the rule.
+  static constexpr bool KV_REG_WIDEN = (KV_FP8 || KV_NVFP4) && BLOCK_M == 16 && !PAIR && !GENERAL;
   // The ring holds a narrower form of K/V that the CTA widens into 16-bit tiles (fp8, NVFP4).
-  static constexpr bool KV_WIDEN = (KV_FP8 && !KV_REG_WIDEN) || KV_NVFP4;
+  static constexpr bool KV_WIDEN = (KV_FP8 || KV_NVFP4) && !KV_REG_WIDEN;
   static_assert(!KV_REG_WIDEN || !Q_IN_REGS, "the register-widened tiles read Q in their own fragment order");
   using PElem = typename MmaElemSm80<KV_REG_WIDEN, T>::type;  // P, packed for O += P V
   // Masked tiles of the lean kernels. hd64 / hd256 test each element against its row's key
@@ -185,7 +186,7 @@ struct PrefillSm80Config {
   // eight rows an ldmatrix phase reads into eight different 16-byte bank groups.
   static __device__ __forceinline__ int swz(int row, int chunk) { return row * CPR + (chunk ^ (row & 7)); }
 
-  // The register-widened fp8 ring's swizzle: chunk ^ fp8_swz(row) puts the 8 rows an ldmatrix
+  // The register-widened rings' swizzle (fp8 rows, NVFP4 code rows): chunk ^ fp8_swz(row) puts the 8 rows an ldmatrix
   // phase reads (16 bytes each) into 8 different 16-byte bank groups. A 128-byte line holds
   // FP8_ROWS_PER_LINE rows (hd64: 2), so the XOR takes the row's line. Period: 8 rows.
   static constexpr int FP8_ROWS_PER_LINE = KV_CPR >= 8 ? 1 : 8 / KV_CPR;

@@ -50,7 +50,8 @@ __device__ __forceinline__ void load_nvfp4_stage(const PrefillParams& p, const R
       paged.locate(min(t, kv_len - 1), fast, id, slot);
       if (code) {
         const int c = i % KV_CPR;
-        const uint32_t so = row * Cfg::KV_ROW_BYTES + c * CHUNK;
+        // linear, or (KV_REG_WIDEN) swizzled for the fragment reads
+        const uint32_t so = Cfg::KV_REG_WIDEN ? Cfg::ring_off(row, c) : row * Cfg::KV_ROW_BYTES + c * CHUNK;
         const uint64_t k_off = nvfp4_page_offset(id, slot, p.k_stride_page, p.k_stride_n, fast) + c * CHUNK;
         const uint64_t v_off = nvfp4_page_offset(id, slot, p.v_stride_page, p.v_stride_n, fast) + c * CHUNK;
         ptx::cp_async_16(s_k + so, k_codes + k_off, t < kv_len);
