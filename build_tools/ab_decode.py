@@ -50,10 +50,13 @@ SWITCHES = {
               **{f"w{w}": ({"PYFLASHATTN_DECODE_SPLIT_WAVES": w}, None) for w in ("0.5", "1", "2", "4")}},
     "tile": {"old": ({}, None), "s3": ({}, _S3),
              "n32": ({}, {"fp8": "pfa_prefill_sm80_bf16_kvfp8_hd128_m16n32w1s2_lr_paged"}),
-             "n64": ({}, {"fp8": "pfa_prefill_sm80_bf16_kvfp8_hd128_m16n64w1s2_lr_paged"}),
-             "n32s3": ({}, {"fp8": "pfa_prefill_sm80_bf16_kvfp8_hd128_m16n32w1s3_lr_paged"}),
              # 16-bit K/V, 16-key tiles capped at 128 registers (9 CTAs per SM by shared memory)
              "n16b16": ({}, {"bf16": "pfa_prefill_sm80_bf16_hd128_m16n16w1s2_lr_b16_paged"}),
+             "n64": ({}, {"fp8": "pfa_prefill_sm80_bf16_kvfp8_hd128_m16n64w1s2_lr_paged"}),
+             "n32s3": ({}, {"fp8": "pfa_prefill_sm80_bf16_kvfp8_hd128_m16n32w1s3_lr_paged"}),
+             # NVFP4: 32-key tiles capped at 168 registers; 16-key tiles uncapped (8 CTAs per SM)
+             "nv32": ({}, {"nvfp4": "pfa_prefill_sm80_bf16_kvnvfp4_hd128_m16n32w1s2_lr_b12_paged"}),
+             "nv16u": ({}, {"nvfp4": "pfa_prefill_sm80_bf16_kvnvfp4_hd128_m16n16w1s2_lr_paged"}),
              # registers capped for 12 warps per SM (min blocks; shared memory allows 9)
              "n32b12": ({}, {"fp8": "pfa_prefill_sm80_bf16_kvfp8_hd128_m16n32w1s2_lr_b12_paged"}),
              # longer walks a CTA with more in flight each: for B=1, whose 13-tile chunks ramp up

@@ -471,7 +471,9 @@ DECODE_TILES = {
     256: (1, 1, 32, False, 2, 1, True),
 }
 # The decode tile over an fp8 K/V cache. The one-warp tiles (hd64, hd128) widen K/V fragments in
-# registers and run fp16 MMAs (reg_widen, sm80/fp8_frags.cuh). hd128: 16-key tiles with the
+# registers and run fp16 MMAs (reg_widen, sm80/fp8_frags.cuh), with the registers capped at 128
+# (hd64: fp8 over bf16 paged 1.66 / 1.52 / 1.52x at B=64 / 16 / 128, uncapped 1.49 / 1.57 /
+# 1.23x, H200, bench decode). hd128: 16-key tiles with the
 # registers capped at 128 (min blocks 16: four warps a scheduler, 13 CTAs per SM by shared memory)
 # streamed B=64 x 4096 1.02x and B=16 x 8192 1.05x faster than uncapped 32-key tiles on an H200
 # (B=1 x 32768: 1.00x); uncapped 16-key tiles (8 CTAs per SM, register-bound) lost 0.94-0.98x at
@@ -479,7 +481,7 @@ DECODE_TILES = {
 # PAIR) that widens each K/V tile into a 16-bit copy in shared memory, half a tile a warp; the pair
 # is not an option at hd64 (see PrefillSm80's PAIR assert). NOTES.md has the measurements.
 DECODE_TILES_FP8 = {
-    64: (1, 1, 32, False, 2, 1, True),
+    64: (1, 1, 32, False, 2, 16, True),
     128: (1, 1, 16, False, 2, 16, True),
     256: (2, 1, 32, False, 2, 1, True, True),
 }
@@ -526,6 +528,7 @@ DECODE_TUNE_TILES = {
     ("fp8", 128): [(1, 1, 32, False, 2, 1, True), (1, 1, 64, False, 2, 1, True), (1, 1, 32, False, 3, 1, True),
                    (1, 1, 32, False, 2, 12, True)],
     ("fp8", 64): [(1, 1, 64, False, 2, 1, True)],
+    ("nvfp4", 128): [(1, 1, 32, False, 2, 12, True), (1, 1, 16, False, 2, 1, True)],
 }
 
 
@@ -588,7 +591,7 @@ def variants(tune=False):
             if tune:
                 out += [PrefillVariant(dtype, hd, *t, tune=True) for t in PREFILL_TUNE_TILES[hd]]
                 out += [PrefillVariant(dtype, hd, *t, paged=True, kv_dtype=kv, decode=True, tune=True)
-                        for kv in ("", "fp8") for t in DECODE_TUNE_TILES.get((kv, hd), ())]
+                        for kv in ("", "fp8", "nvfp4") for t in DECODE_TUNE_TILES.get((kv, hd), ())]
         out += [HopperPrefillVariant(dtype, hd, *tile) for hd, tile in HOPPER_TILES.items()]
         out += [HopperPrefillVariant(dtype, hd, *tile, paged=True) for hd, tile in HOPPER_TILES_PAGED.items()]
         out += [HopperPrefillVariant(dtype, hd, *tile, paged=paged, skip=True)

@@ -13,10 +13,10 @@ KERNELS_sm_80 := \
   pfa_prefill_sm80_f16_kvfp8_hd64_m128n64w4s2_qr_paged \
   pfa_prefill_sm80_f16_kvfp8_hd64_m128n64w4s2_qr_gen \
   pfa_prefill_sm80_f16_kvfp8_hd64_m128n64w4s2_qr_gen_paged \
-  pfa_prefill_sm80_f16_kvfp8_hd64_m16n32w1s2_lr \
+  pfa_prefill_sm80_f16_kvfp8_hd64_m16n32w1s2_lr_b16 \
   pfa_prefill_sm80_f16_kvfp8_hd64_m32n32w2s2_lr \
   pfa_prefill_sm80_f16_kvfp8_hd64_m64n32w4s2_lr \
-  pfa_prefill_sm80_f16_kvfp8_hd64_m16n32w1s2_lr_paged \
+  pfa_prefill_sm80_f16_kvfp8_hd64_m16n32w1s2_lr_b16_paged \
   pfa_prefill_sm80_f16_kvfp8_hd64_m32n32w2s2_lr_paged \
   pfa_prefill_sm80_f16_kvfp8_hd64_m64n32w4s2_lr_paged \
   pfa_prefill_sm80_f16_hd128_m128n64w4s2_lr \
@@ -52,10 +52,10 @@ KERNELS_sm_80 := \
   pfa_prefill_sm80_bf16_kvfp8_hd64_m128n64w4s2_qr_paged \
   pfa_prefill_sm80_bf16_kvfp8_hd64_m128n64w4s2_qr_gen \
   pfa_prefill_sm80_bf16_kvfp8_hd64_m128n64w4s2_qr_gen_paged \
-  pfa_prefill_sm80_bf16_kvfp8_hd64_m16n32w1s2_lr \
+  pfa_prefill_sm80_bf16_kvfp8_hd64_m16n32w1s2_lr_b16 \
   pfa_prefill_sm80_bf16_kvfp8_hd64_m32n32w2s2_lr \
   pfa_prefill_sm80_bf16_kvfp8_hd64_m64n32w4s2_lr \
-  pfa_prefill_sm80_bf16_kvfp8_hd64_m16n32w1s2_lr_paged \
+  pfa_prefill_sm80_bf16_kvfp8_hd64_m16n32w1s2_lr_b16_paged \
   pfa_prefill_sm80_bf16_kvfp8_hd64_m32n32w2s2_lr_paged \
   pfa_prefill_sm80_bf16_kvfp8_hd64_m64n32w4s2_lr_paged \
   pfa_prefill_sm80_bf16_hd128_m128n64w4s2_lr \
@@ -112,10 +112,10 @@ KERNELS_sm_89 := \
   pfa_prefill_sm80_f16_kvfp8_hd64_m128n64w4s2_qr_paged \
   pfa_prefill_sm80_f16_kvfp8_hd64_m128n64w4s2_qr_gen \
   pfa_prefill_sm80_f16_kvfp8_hd64_m128n64w4s2_qr_gen_paged \
-  pfa_prefill_sm80_f16_kvfp8_hd64_m16n32w1s2_lr \
+  pfa_prefill_sm80_f16_kvfp8_hd64_m16n32w1s2_lr_b16 \
   pfa_prefill_sm80_f16_kvfp8_hd64_m32n32w2s2_lr \
   pfa_prefill_sm80_f16_kvfp8_hd64_m64n32w4s2_lr \
-  pfa_prefill_sm80_f16_kvfp8_hd64_m16n32w1s2_lr_paged \
+  pfa_prefill_sm80_f16_kvfp8_hd64_m16n32w1s2_lr_b16_paged \
   pfa_prefill_sm80_f16_kvfp8_hd64_m32n32w2s2_lr_paged \
   pfa_prefill_sm80_f16_kvfp8_hd64_m64n32w4s2_lr_paged \
   pfa_prefill_sm80_f16_hd128_m128n64w4s2_lr \
@@ -141,10 +141,10 @@ KERNELS_sm_89 := \
   pfa_prefill_sm80_bf16_kvfp8_hd64_m128n64w4s2_qr_paged \
   pfa_prefill_sm80_bf16_kvfp8_hd64_m128n64w4s2_qr_gen \
   pfa_prefill_sm80_bf16_kvfp8_hd64_m128n64w4s2_qr_gen_paged \
-  pfa_prefill_sm80_bf16_kvfp8_hd64_m16n32w1s2_lr \
+  pfa_prefill_sm80_bf16_kvfp8_hd64_m16n32w1s2_lr_b16 \
   pfa_prefill_sm80_bf16_kvfp8_hd64_m32n32w2s2_lr \
   pfa_prefill_sm80_bf16_kvfp8_hd64_m64n32w4s2_lr \
-  pfa_prefill_sm80_bf16_kvfp8_hd64_m16n32w1s2_lr_paged \
+  pfa_prefill_sm80_bf16_kvfp8_hd64_m16n32w1s2_lr_b16_paged \
   pfa_prefill_sm80_bf16_kvfp8_hd64_m32n32w2s2_lr_paged \
   pfa_prefill_sm80_bf16_kvfp8_hd64_m64n32w4s2_lr_paged \
   pfa_prefill_sm80_bf16_hd128_m128n64w4s2_lr \
@@ -191,10 +191,10 @@ KERNELS_sm_90a := \
   pfa_prefill_sm80_f16_kvfp8_hd64_m128n64w4s2_qr_paged \
   pfa_prefill_sm80_f16_kvfp8_hd64_m128n64w4s2_qr_gen \
   pfa_prefill_sm80_f16_kvfp8_hd64_m128n64w4s2_qr_gen_paged \
-  pfa_prefill_sm80_f16_kvfp8_hd64_m16n32w1s2_lr \
+  pfa_prefill_sm80_f16_kvfp8_hd64_m16n32w1s2_lr_b16 \
   pfa_prefill_sm80_f16_kvfp8_hd64_m32n32w2s2_lr \
   pfa_prefill_sm80_f16_kvfp8_hd64_m64n32w4s2_lr \
-  pfa_prefill_sm80_f16_kvfp8_hd64_m16n32w1s2_lr_paged \
+  pfa_prefill_sm80_f16_kvfp8_hd64_m16n32w1s2_lr_b16_paged \
   pfa_prefill_sm80_f16_kvfp8_hd64_m32n32w2s2_lr_paged \
   pfa_prefill_sm80_f16_kvfp8_hd64_m64n32w4s2_lr_paged \
   pfa_prefill_sm80_f16_hd128_m128n64w4s2_lr \
@@ -259,10 +259,10 @@ KERNELS_sm_90a := \
   pfa_prefill_sm80_bf16_kvfp8_hd64_m128n64w4s2_qr_paged \
   pfa_prefill_sm80_bf16_kvfp8_hd64_m128n64w4s2_qr_gen \
   pfa_prefill_sm80_bf16_kvfp8_hd64_m128n64w4s2_qr_gen_paged \
-  pfa_prefill_sm80_bf16_kvfp8_hd64_m16n32w1s2_lr \
+  pfa_prefill_sm80_bf16_kvfp8_hd64_m16n32w1s2_lr_b16 \
   pfa_prefill_sm80_bf16_kvfp8_hd64_m32n32w2s2_lr \
   pfa_prefill_sm80_bf16_kvfp8_hd64_m64n32w4s2_lr \
-  pfa_prefill_sm80_bf16_kvfp8_hd64_m16n32w1s2_lr_paged \
+  pfa_prefill_sm80_bf16_kvfp8_hd64_m16n32w1s2_lr_b16_paged \
   pfa_prefill_sm80_bf16_kvfp8_hd64_m32n32w2s2_lr_paged \
   pfa_prefill_sm80_bf16_kvfp8_hd64_m64n32w4s2_lr_paged \
   pfa_prefill_sm80_bf16_hd128_m128n64w4s2_lr \
