@@ -6,8 +6,9 @@ One call each: sm90 single prefill (TMA K/V, causal, partial tiles: the tail cop
 batch by the cp.async producer's owned-row copies (pages 16 and 8, shuffled; with PFA_SM90_KV_LOAD=tma
 and a `make TUNE=1` build, page 16 by TMA boxes), sm90 ragged batch with split KV and its merge (TMA,
 a tail box with V's rows zeroed), sm90 fp8 prefill, single and over a paged fp8 cache, the sm80
-decode tile through XQA (bf16 and fp8 caches), a TRT-LLM context call over device metadata. Every
-output is checked for NaN; the sanitizer's report is the point.
+decode tile through XQA (bf16, fp8 and NVFP4 caches: the last two register-widened), a TRT-LLM
+context call over device metadata. Every output is checked for NaN; the sanitizer's report is the
+point.
 """
 import numpy as np
 import torch
@@ -61,6 +62,9 @@ def main():
     qd = rnd(B, 8, 128)
     finite("xqa bf16", decode.xqa_batch_decode_with_kv_cache(qd, cache, ws, bt, sl, 256))
     finite("xqa fp8", decode.xqa_batch_decode_with_kv_cache(qd, cache.to(e4), ws, bt, sl, 256))
+    codes = torch.randint(0, 256, (P, 2, ps, 2, 64), dtype=torch.uint8, device=DEV)  # negative codes too
+    sf = (torch.rand(P, 2, ps, 2, 8, device=DEV) * 0.5 + 0.1).to(e4)
+    finite("xqa nvfp4", decode.xqa_batch_decode_with_kv_cache(qd, codes, ws, bt, sl, 256, kv_cache_sf=sf))
     cq = torch.tensor([0, 50, 51, 120, 130], dtype=torch.int32, device=DEV)
     ck = torch.tensor([0, 200, 201, 278, 534], dtype=torch.int32, device=DEV)
     out = torch.empty(130, 8, 128, dtype=BF16, device=DEV)
