@@ -47,7 +47,7 @@ SWITCHES = {
     "spec": {"old": ({"PYFLASHATTN_XQA_SPEC_GENERAL": "1"}, None),
              "new": ({"PYFLASHATTN_XQA_SPEC_GENERAL": None}, None)},
     "waves": {"old": ({"PYFLASHATTN_DECODE_SPLIT_WAVES": None}, None),
-              **{f"w{w}": ({"PYFLASHATTN_DECODE_SPLIT_WAVES": w}, None) for w in ("0.5", "1", "2", "4")}},
+              **{f"w{w}": ({"PYFLASHATTN_DECODE_SPLIT_WAVES": w}, None) for w in ("0.5", "0.75", "1", "2", "4")}},
     "tile": {"old": ({}, None), "s3": ({}, _S3),
              "n32": ({}, {"fp8": "pfa_prefill_sm80_bf16_kvfp8_hd128_m16n32w1s2_lr_paged"}),
              # 16-bit K/V, 16-key tiles capped at 128 registers (9 CTAs per SM by shared memory)
