@@ -62,7 +62,7 @@ struct PrefillSm80 : PrefillSm80Config<T, KV, HEAD_DIM, NUM_WARPS, MQ, BLOCK_N, 
     if constexpr (Cfg::KV_REG_WIDEN) {
       ptx::cp_async_wait<KV_STAGES - 1>();
       __syncthreads();
-      q_log2 = RegFragsSm80<Cfg>::template prepare_q<RegFrags::Q_WORDS_PER_LANE>(smem, lane);
+      q_log2 = RegFragsSm80<Cfg>::template prepare_q<RegFrags::Q_WORDS_PER_LANE>(smem, lane, warp * Cfg::MMA_M);
     }
 
     const WarpRoleSm80<Cfg> wr(lane, warp, smem);

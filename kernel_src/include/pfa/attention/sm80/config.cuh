@@ -89,13 +89,15 @@ struct PrefillSm80Config {
   static constexpr int MAX_PAGE_IDS = BLOCK_M > 16 || HEAD_DIM > 128 ? 2048 : 1024;
   static constexpr bool KV_NVFP4 = KvStorage<KV>::NVFP4;
   static constexpr bool KV_FP8 = sizeof(KV) == 1 && !KV_NVFP4;
-  // fp8 / NVFP4 K/V in the one-warp 16-row decode tiles: read from the ring straight into MMA
-  // fragments and widened in registers (sm80/reg_frags.cuh, fp8_frags.cuh, nvfp4_frags.cuh), with
-  // no widened copy in shared memory and no barrier pair around one. The warp is the only reader
-  // of each element, so nothing is widened twice; the wide decode tiles (2-4 warps on one K/V
-  // tile), the pairs and the 128-row kernels keep the shared widening, which serves all their
-  // warps at once. variants.py mirrors the rule.
-  static constexpr bool KV_REG_WIDEN = (KV_FP8 || KV_NVFP4) && BLOCK_M == 16 && !PAIR && !GENERAL;
+  // fp8 / NVFP4 K/V in the decode tiles: read from the ring straight into MMA fragments and
+  // widened in registers (sm80/reg_frags.cuh, fp8_frags.cuh, nvfp4_frags.cuh), with no widened
+  // copy in shared memory and no barrier pair around one. In the one-warp 16-row tiles nothing is
+  // widened twice. The wide fp8 tiles (2 / 4 warps of 16 rows on one K/V tile) widen each element
+  // once a warp, which the hardware e4m3 conversion affords (NVFP4's table decode does not: its
+  // wide tiles keep the shared widening, as the pairs and the 128-row kernels do). variants.py
+  // mirrors the rule.
+  static constexpr bool KV_REG_WIDEN = !PAIR && !GENERAL && MQ == 1 &&
+                                       (BLOCK_M == 16 ? KV_FP8 || KV_NVFP4 : KV_FP8 && BLOCK_M <= 64);
   // The ring holds a narrower form of K/V that the CTA widens into 16-bit tiles (fp8, NVFP4).
   static constexpr bool KV_WIDEN = (KV_FP8 || KV_NVFP4) && !KV_REG_WIDEN;
   static_assert(!KV_REG_WIDEN || !Q_IN_REGS, "the register-widened tiles read Q in their own fragment order");

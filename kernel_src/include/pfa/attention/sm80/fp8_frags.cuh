@@ -32,7 +32,7 @@ struct Fp8FragsSm80 {
   static constexpr int ROW_BYTES = Cfg::ROW_BYTES;      // a row of the 16-bit Q tile
   static constexpr int ROWS16_BYTES = 16 * KV_CPR * CB;  // 16 rows of an fp8 ring tile
   static constexpr unsigned FULL = Cfg::FULL_MASK;
-  static_assert(Cfg::KV_REG_WIDEN && Cfg::KV_FP8, "the one-warp fp8 decode tiles");
+  static_assert(Cfg::KV_REG_WIDEN && Cfg::KV_FP8, "the register-widened fp8 decode tiles");
   static_assert(O_DT == 2 * KV_CPR, "O's n8 tiles pair up per 16-dim chunk");
   static constexpr int Q_WORDS_PER_LANE = 2;  // RegFragsSm80::prepare_q's WPL: 4 dims a lane and chunk
 

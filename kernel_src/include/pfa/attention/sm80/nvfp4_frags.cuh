@@ -32,7 +32,7 @@ struct Nvfp4FragsSm80 {
   static constexpr int ROWS16_BYTES = 16 * KV_CPR * CB;  // 16 code rows of a ring tile
   static constexpr int SF_ROW = Cfg::SF_ROW_BYTES, SF_OFFSET = Cfg::SF_OFFSET;
   static constexpr unsigned FULL = Cfg::FULL_MASK;
-  static_assert(Cfg::KV_REG_WIDEN && Cfg::KV_NVFP4, "the one-warp NVFP4 decode tiles");
+  static_assert(Cfg::KV_REG_WIDEN && Cfg::KV_NVFP4, "the register-widened NVFP4 decode tiles");
   static_assert(O_DT == 4 * KV_CPR, "four n8 tiles of O per 32-dim code chunk");
   static_assert(SF_ROW == 4 || SF_ROW == 8, "hd64 / hd128: a row's block scales in one or two words");
   static constexpr int Q_WORDS_PER_LANE = 4;  // RegFragsSm80::prepare_q's WPL: 8 dims a lane and chunk

@@ -1,4 +1,4 @@
-// What the register-widened decode tiles (PrefillSm80Config::KV_REG_WIDEN: one warp, 16 rows,
+// What the register-widened decode tiles (PrefillSm80Config::KV_REG_WIDEN: 16 rows a warp,
 // fp8 or NVFP4 K/V) share: Q rewritten once as the fp16 operand in the k order their K
 // fragments come in, and the ldmatrix lane offsets into their narrow ring tiles. The fragment
 // math itself: fp8_frags.cuh, nvfp4_frags.cuh.
@@ -26,7 +26,7 @@ struct RegFragsSm80 {
   static constexpr unsigned FULL = Cfg::FULL_MASK;
   // bf16 queries are scaled by 2^-e into fp16 so that their largest magnitude stays below this
   static constexpr float Q_F16_LIMIT = 32768.f;
-  static_assert(Cfg::KV_REG_WIDEN && !Cfg::PAIR && Cfg::NUM_WARPS == 1, "the one-warp register-widened decode tiles");
+  static_assert(Cfg::KV_REG_WIDEN && !Cfg::PAIR && Cfg::MQ == 1, "register-widened decode tiles: 16 rows a warp");
 
   // 2^n for the scale exponents here (|n| <= 113: normal floats), exactly.
   static __device__ __forceinline__ float pow2(int n) { return __int_as_float((127 + n) << 23); }
@@ -43,13 +43,14 @@ struct RegFragsSm80 {
   // (e >= 0, the smallest that keeps max |q| below Q_F16_LIMIT): fp16 then holds every bf16 value
   // at or above 2^(e-14) exactly and rounds smaller ones at 2^(e-25), far below bf16's own
   // rounding of the large ones. Returns e (0 for fp16 queries). The swizzle moves whole 16-byte
-  // chunks, so each group is rewritten where its chunks lie.
+  // chunks, so each group is rewritten where its chunks lie. Each warp rewrites its own 16 rows
+  // (from row0), the only ones it reads, with an e of its own (its logit scale is its own).
   template <int WPL>
-  static __device__ __forceinline__ int prepare_q(char* smem, int lane) {
-    constexpr int GROUPS_PER_ROW = Cfg::CPR / WPL, GROUPS = Cfg::BLOCK_M * GROUPS_PER_ROW;
+  static __device__ __forceinline__ int prepare_q(char* smem, int lane, int row0) {
+    constexpr int GROUPS_PER_ROW = Cfg::CPR / WPL, GROUPS = 16 * GROUPS_PER_ROW;
     constexpr bool BF16 = !std::is_same<T, half>::value;
     auto chunk = [&](int g, int h) {  // chunk h of group g, through the swizzle
-      return reinterpret_cast<uint4*>(smem + Cfg::swz(g / GROUPS_PER_ROW, (g % GROUPS_PER_ROW) * WPL + h) * CB);
+      return reinterpret_cast<uint4*>(smem + Cfg::swz(row0 + g / GROUPS_PER_ROW, (g % GROUPS_PER_ROW) * WPL + h) * CB);
     };
     int e = 0;
     if constexpr (BF16) {
@@ -83,7 +84,7 @@ struct RegFragsSm80 {
       for (int h = 0; h < WPL; ++h)  // chunk h: word h of each lane's WPL
         *chunk(g, h) = make_uint4(f16(u[h]), f16(u[WPL + h]), f16(u[2 * WPL + h]), f16(u[3 * WPL + h]));
     }
-    __syncthreads();
+    __syncwarp();
     return e;
   }
 
