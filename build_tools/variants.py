@@ -489,8 +489,9 @@ DECODE_TILES_FP8 = {
     256: (2, 1, 32, False, 2, 1, True, True),
 }
 # The wide decode tiles: rows -> head_dim -> tile, 32 or 64 packed rows on 2 or 4 warps with 16 rows
-# each, sharing every K/V tile, its page-table lookups and, over an fp8 cache, its widening; the
-# 16-row tiles' key counts per K/V storage. For requests of 17-64 packed rows (8-token speculative
+# each, sharing every K/V tile and its page-table lookups (over an fp8 cache each warp widens its
+# own fragments in registers, reg_widen; over NVFP4 they share one widened copy); the 16-row
+# tiles' key counts per K/V storage. For requests of 17-64 packed rows (8-token speculative
 # decode at GQA 4 / 8) over a paged or fp8 cache: only those kernels are built, since contiguous
 # 16-bit K/V stream faster as several 16-row tiles (prefill.decode_tiles; NOTES.md, session 11).
 # hd256 has none (prefill.DECODE_MAX_ROWS keeps it at 16 rows).
@@ -505,7 +506,8 @@ WIDE_DECODE_TILES_FP8 = {
 # The decode tiles over an NVFP4 cache; paged only (NVFP4 caches are paged: the scales share the
 # page table). hd64 / hd128 widen fragments in registers (reg_widen, sm80/nvfp4_frags.cuh) with the
 # registers capped at 128 (min blocks 16; ptxas: no spills), as the hd128 fp8 tile; hd256 keeps the
-# warp pair and its shared widening. Not yet measured against alternatives on a GPU.
+# warp pair and its shared widening. H200 (ab_decode, hd128): 32-key tiles capped at 168 registers
+# 1.06x at B=64 x 4096 and 0.98x at B=1 x 32768, uncapped 16-key tiles 0.92x / 1.02x (TUNE rows).
 DECODE_TILES_NVFP4 = {
     64: (1, 1, 32, False, 2, 16, True),
     128: (1, 1, 16, False, 2, 16, True),
