@@ -152,11 +152,11 @@ class PrefillVariant:
     def reg_widen(self):
         """fp8 / NVFP4 K/V widened in registers, fragment by fragment (PrefillSm80Config::
         KV_REG_WIDEN): the one-warp decode tiles, and the wide fp8 ones (a warp per 16 rows)."""
-        if self.pair or self.general or self.mq != 1:
+        if self.general or self.mq != 1:
             return False
-        if self.block_m == MMA_ROWS:
-            return self.kv_dtype in ("fp8", "nvfp4")
-        return self.kv_dtype == "fp8" and self.block_m <= 4 * MMA_ROWS
+        if self.block_m == MMA_ROWS:  # one warp, or (fp8) a warp pair that splits keys / dims
+            return self.kv_dtype == "fp8" or (self.kv_dtype == "nvfp4" and not self.pair)
+        return self.kv_dtype == "fp8" and self.block_m <= 4 * MMA_ROWS and not self.pair
 
     @property
     def ring_row_bytes(self):

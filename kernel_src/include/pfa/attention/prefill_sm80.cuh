@@ -62,7 +62,8 @@ struct PrefillSm80 : PrefillSm80Config<T, KV, HEAD_DIM, NUM_WARPS, MQ, BLOCK_N, 
     if constexpr (Cfg::KV_REG_WIDEN) {
       ptx::cp_async_wait<KV_STAGES - 1>();
       __syncthreads();
-      q_log2 = RegFragsSm80<Cfg>::template prepare_q<RegFrags::Q_WORDS_PER_LANE>(smem, lane, warp * Cfg::MMA_M);
+      q_log2 = RegFragsSm80<Cfg>::template prepare_q<RegFrags::Q_WORDS_PER_LANE>(
+          smem, lane, (PAIR ? warp / 2 : warp) * Cfg::MMA_M, !PAIR || warp % 2 == 0);
     }
 
     const WarpRoleSm80<Cfg> wr(lane, warp, smem);
@@ -108,7 +109,8 @@ struct PrefillSm80 : PrefillSm80Config<T, KV, HEAD_DIM, NUM_WARPS, MQ, BLOCK_N, 
       uint32_t qk_a[MQ][4];
       uint32_t qk_b[4];
       if constexpr (Cfg::KV_REG_WIDEN) {
-        RegFrags::qk(s, p, sQ_u, sK_u, off.q, narrow_kv);
+        // PAIR: this warp's keys start at col0
+        RegFrags::qk(s, p, sQ_u, sK_u + (PAIR ? wr.col0 * Cfg::KV_CPR * Cfg::CHUNK_BYTES : 0), off.q, narrow_kv);
       } else {
         Mainloop::qk(s, qk_a, qk_b, qf, sQ_u, sK_u, off);
       }
@@ -127,7 +129,7 @@ struct PrefillSm80 : PrefillSm80Config<T, KV, HEAD_DIM, NUM_WARPS, MQ, BLOCK_N, 
       uint32_t pv_a[MQ][4];
       uint32_t pv_b[4];
       if constexpr (Cfg::KV_REG_WIDEN) {
-        if (!skipped) RegFrags::pv(o, pp, p, sV_u, narrow_kv);
+        if (!skipped) RegFrags::pv(o, pp, pq, p, sV_u, narrow_kv, wr);
       } else {
         if (!skipped) Mainloop::pv(o, pp, pq, pv_a, pv_b, sV_u, off, wr);
       }

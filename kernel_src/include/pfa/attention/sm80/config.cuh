@@ -96,8 +96,10 @@ struct PrefillSm80Config {
   // once a warp, which the hardware e4m3 conversion affords (NVFP4's table decode does not: its
   // wide tiles keep the shared widening, as the pairs and the 128-row kernels do). variants.py
   // mirrors the rule.
-  static constexpr bool KV_REG_WIDEN = !PAIR && !GENERAL && MQ == 1 &&
-                                       (BLOCK_M == 16 ? KV_FP8 || KV_NVFP4 : KV_FP8 && BLOCK_M <= 64);
+  // The fp8 warp pair (hd256: each warp S over half the keys, O over half the dims) widens only
+  // its own halves, so nothing is widened twice there either.
+  static constexpr bool KV_REG_WIDEN = !GENERAL && MQ == 1 &&
+                                       (BLOCK_M == 16 ? KV_FP8 || (KV_NVFP4 && !PAIR) : KV_FP8 && BLOCK_M <= 64 && !PAIR);
   // The ring holds a narrower form of K/V that the CTA widens into 16-bit tiles (fp8, NVFP4).
   static constexpr bool KV_WIDEN = (KV_FP8 || KV_NVFP4) && !KV_REG_WIDEN;
   static_assert(!KV_REG_WIDEN || !Q_IN_REGS, "the register-widened tiles read Q in their own fragment order");

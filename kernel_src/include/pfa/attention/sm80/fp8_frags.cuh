@@ -18,6 +18,8 @@
 #include <stdint.h>
 
 #include "pfa/attention/params.h"
+#include "pfa/attention/sm80/fragments.cuh"
+#include "pfa/attention/sm80/mainloop.cuh"
 #include "pfa/attention/sm80/reg_frags.cuh"
 #include "pfa/common/dtypes.cuh"
 #include "pfa/ptx/mma_sm80.cuh"
@@ -33,7 +35,8 @@ struct Fp8FragsSm80 {
   static constexpr int ROWS16_BYTES = 16 * KV_CPR * CB;  // 16 rows of an fp8 ring tile
   static constexpr unsigned FULL = Cfg::FULL_MASK;
   static_assert(Cfg::KV_REG_WIDEN && Cfg::KV_FP8, "the register-widened fp8 decode tiles");
-  static_assert(O_DT == 2 * KV_CPR, "O's n8 tiles pair up per 16-dim chunk");
+  static constexpr int HALVES = Cfg::PAIR ? 2 : 1;  // PAIR: O over half the dims, all keys in two halves
+  static_assert(O_DT * HALVES == 2 * KV_CPR, "O's n8 tiles pair up per 16-dim chunk");
   static constexpr int Q_WORDS_PER_LANE = 2;  // RegFragsSm80::prepare_q's WPL: 4 dims a lane and chunk
 
   // S = Q K^T over the tile's keys (times 2^-e of prepare_q).
@@ -77,25 +80,40 @@ struct Fp8FragsSm80 {
     }
   }
 
-  // O += P V over the tile's keys (P in fp16; O in the permuted dim order above).
+  // O += P V over the tile's keys (P in fp16; O in the permuted dim order above). PAIR: this
+  // warp's head dims (from dcol0) over its own keys with its own P, then over the partner's keys
+  // with the partner's P (received into pq), as MainloopSm80::pv.
   template <int FMT>
   static __device__ __forceinline__ void pv_as(float (&o)[MQ][O_DT][4], const uint32_t (&pp)[MQ][S_NT][2],
-                                               uint32_t sV_u, const uint32_t (&kvo)[4]) {
+                                               uint32_t (&pq)[MQ][S_NT][2], uint32_t sV_u, const uint32_t (&kvo)[4],
+                                               const WarpRoleSm80<Cfg>& wr) {
 #pragma unroll
-    for (int kk = 0; kk < BLOCK_N / 16; ++kk) {
-      uint32_t a[MQ][4];  // P's A fragment of keys 16kk .. 16kk + 15
+    for (int hv = 0; hv < HALVES; ++hv) {
+      // this half's first key row and this warp's first dim (one byte each)
+      const uint32_t sVh = Cfg::PAIR ? sV_u + (hv == 0 ? wr.col0 : BLOCK_N / 2 - wr.col0) * KV_CPR * CB + wr.dcol0
+                                     : sV_u;
+      if (Cfg::PAIR && hv == 1) MainloopSm80<Cfg>::receive_p(pq, wr);
 #pragma unroll
-      for (int mt = 0; mt < MQ; ++mt) {
-        a[mt][0] = pp[mt][2 * kk][0];
-        a[mt][1] = pp[mt][2 * kk][1];
-        a[mt][2] = pp[mt][2 * kk + 1][0];
-        a[mt][3] = pp[mt][2 * kk + 1][1];
+      for (int kk = 0; kk < BLOCK_N / HALVES / 16; ++kk) {
+        uint32_t a[MQ][4];  // P's A fragment of keys 16kk .. 16kk + 15 (of this half)
+#pragma unroll
+        for (int mt = 0; mt < MQ; ++mt)
+#pragma unroll
+          for (int i = 0; i < 4; ++i)  // words (2kk, 0), (2kk, 1), (2kk + 1, 0), (2kk + 1, 1)
+            a[mt][i] = hv == 0 ? pp[mt][2 * kk + i / 2][i % 2] : pq[mt][2 * kk + i / 2][i % 2];
+        pv_keys<FMT>(o, a, sVh + kk * ROWS16_BYTES, kvo);
       }
+    }
+  }
+  // O += a x (16 keys of V from s_rows, this warp's dims).
+  template <int FMT>
+  static __device__ __forceinline__ void pv_keys(float (&o)[MQ][O_DT][4], const uint32_t (&a)[MQ][4], uint32_t s_rows,
+                                                 const uint32_t (&kvo)[4]) {
 #pragma unroll
-      for (int dp = 0; dp < KV_CPR / 2; ++dp) {
+      for (int dp = 0; dp < O_DT / 4; ++dp) {
         // r[0], r[1]: keys 0-7, 8-15 of chunk 2dp; r[2], r[3]: of chunk 2dp + 1
         uint32_t r[4];
-        ptx::ldmatrix_x4_trans(r, sV_u + kk * ROWS16_BYTES + kvo[dp % 4] + (dp / 4) * 8 * CB);
+        ptx::ldmatrix_x4_trans(r, s_rows + kvo[dp % 4] + (dp / 4) * 8 * CB);
 #pragma unroll
         for (int h = 0; h < 2; ++h) {
           const int d = 2 * dp + h;
@@ -109,14 +127,14 @@ struct Fp8FragsSm80 {
           }
         }
       }
-    }
   }
   static __device__ __forceinline__ void pv(float (&o)[MQ][O_DT][4], const uint32_t (&pp)[MQ][S_NT][2],
-                                            const PrefillParams& p, uint32_t sV_u, const uint32_t (&kvo)[4]) {
+                                            uint32_t (&pq)[MQ][S_NT][2], const PrefillParams& p, uint32_t sV_u,
+                                            const uint32_t (&kvo)[4], const WarpRoleSm80<Cfg>& wr) {
     if (p.kv_fp8 == kFp8E5M2) {
-      pv_as<kFp8E5M2>(o, pp, sV_u, kvo);
+      pv_as<kFp8E5M2>(o, pp, pq, sV_u, kvo, wr);
     } else {
-      pv_as<kFp8E4M3>(o, pp, sV_u, kvo);
+      pv_as<kFp8E4M3>(o, pp, pq, sV_u, kvo, wr);
     }
   }
 
@@ -130,7 +148,7 @@ struct Fp8FragsSm80 {
 #pragma unroll
     for (int mt = 0; mt < MQ; ++mt)
 #pragma unroll
-      for (int d = 0; d < KV_CPR; ++d)
+      for (int d = 0; d < O_DT / 2; ++d)
 #pragma unroll
         for (int hf = 0; hf < 2; ++hf) {
           const float e0 = o[mt][2 * d][2 * hf], e1 = o[mt][2 * d][2 * hf + 1];

@@ -299,6 +299,19 @@ struct MainloopSm80 {
           make_uint4(p_word(pp, 4 * i), p_word(pp, 4 * i + 1), p_word(pp, 4 * i + 2), p_word(pp, 4 * i + 3));
   }
 
+  // PAIR: the partner's P (send_p) into pq, once the pair meets.
+  static __device__ __forceinline__ void receive_p(PFrags& pq, const Role& wr) {
+    ptx::bar_sync(wr.pair_bar, Cfg::PAIR_THREADS);
+#pragma unroll
+    for (int i = 0; i < Cfg::XCH_P_WORDS / 4; ++i) {
+      const uint4 x = wr.xch_p[(wr.partner * (Cfg::XCH_P_WORDS / 4) + i) * 32 + wr.lane];
+      p_word(pq, 4 * i) = x.x;
+      p_word(pq, 4 * i + 1) = x.y;
+      p_word(pq, 4 * i + 2) = x.z;
+      p_word(pq, 4 * i + 3) = x.w;
+    }
+  }
+
   // O += P V (PAIR: this warp's keys with its own P, then the partner's, received into pq).
   // a, b: fragment scratch of the caller's frame.
   static __device__ __forceinline__ void pv(OAcc& o, PFrags& pp, PFrags& pq, AFrags& a, BFrag& b, uint32_t sV_u,
@@ -307,17 +320,7 @@ struct MainloopSm80 {
 #pragma unroll
     for (int hv = 0; hv < HALVES; ++hv) {
       const uint32_t sVh = PAIR ? sV_u + (hv == 0 ? wr.col0 : BLOCK_N / 2 - wr.col0) * ROW_BYTES : sV_u;
-      if (PAIR && hv == 1) {
-        ptx::bar_sync(wr.pair_bar, Cfg::PAIR_THREADS);
-#pragma unroll
-        for (int i = 0; i < Cfg::XCH_P_WORDS / 4; ++i) {
-          const uint4 x = wr.xch_p[(wr.partner * (Cfg::XCH_P_WORDS / 4) + i) * 32 + wr.lane];
-          p_word(pq, 4 * i) = x.x;
-          p_word(pq, 4 * i + 1) = x.y;
-          p_word(pq, 4 * i + 2) = x.z;
-          p_word(pq, 4 * i + 3) = x.w;
-        }
-      }
+      if (PAIR && hv == 1) receive_p(pq, wr);
 #pragma unroll
       for (int kk = 0; kk < BLOCK_N / HALVES / 16; ++kk) {
 #pragma unroll

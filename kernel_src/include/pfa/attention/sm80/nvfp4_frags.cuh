@@ -19,6 +19,7 @@
 #include <stdint.h>
 
 #include "pfa/attention/params.h"
+#include "pfa/attention/sm80/fragments.cuh"
 #include "pfa/attention/sm80/reg_frags.cuh"
 #include "pfa/common/dtypes.cuh"
 #include "pfa/ptx/mma_sm80.cuh"
@@ -93,7 +94,8 @@ struct Nvfp4FragsSm80 {
 
   // O += P V over the tile's keys (P in fp16; O in the permuted dim order above).
   static __device__ __forceinline__ void pv(float (&o)[MQ][O_DT][4], const uint32_t (&pp)[MQ][S_NT][2],
-                                            const PrefillParams&, uint32_t sV_u, const uint32_t (&kvo)[4]) {
+                                            uint32_t (&)[MQ][S_NT][2], const PrefillParams&, uint32_t sV_u,
+                                            const uint32_t (&kvo)[4], const WarpRoleSm80<Cfg>&) {
     const int lane = threadIdx.x % 32, c = lane % 4, rq = lane / 16;  // rq: this lane's block in a chunk
 #pragma unroll
     for (int kk = 0; kk < BLOCK_N / 16; ++kk) {

@@ -26,7 +26,7 @@ struct RegFragsSm80 {
   static constexpr unsigned FULL = Cfg::FULL_MASK;
   // bf16 queries are scaled by 2^-e into fp16 so that their largest magnitude stays below this
   static constexpr float Q_F16_LIMIT = 32768.f;
-  static_assert(Cfg::KV_REG_WIDEN && !Cfg::PAIR && Cfg::MQ == 1, "register-widened decode tiles: 16 rows a warp");
+  static_assert(Cfg::KV_REG_WIDEN && Cfg::MQ == 1, "register-widened decode tiles: 16 rows a warp (or a pair)");
 
   // 2^n for the scale exponents here (|n| <= 113: normal floats), exactly.
   static __device__ __forceinline__ float pow2(int n) { return __int_as_float((127 + n) << 23); }
@@ -44,9 +44,10 @@ struct RegFragsSm80 {
   // at or above 2^(e-14) exactly and rounds smaller ones at 2^(e-25), far below bf16's own
   // rounding of the large ones. Returns e (0 for fp16 queries). The swizzle moves whole 16-byte
   // chunks, so each group is rewritten where its chunks lie. Each warp rewrites its own 16 rows
-  // (from row0), the only ones it reads, with an e of its own (its logit scale is its own).
+  // (from row0), the only ones it reads, with an e of its own (its logit scale is its own); the
+  // two warps of a pair (PAIR) share their rows: both find e, then the writer rewrites them.
   template <int WPL>
-  static __device__ __forceinline__ int prepare_q(char* smem, int lane, int row0) {
+  static __device__ __forceinline__ int prepare_q(char* smem, int lane, int row0, bool writer) {
     constexpr int GROUPS_PER_ROW = Cfg::CPR / WPL, GROUPS = 16 * GROUPS_PER_ROW;
     constexpr bool BF16 = !std::is_same<T, half>::value;
     auto chunk = [&](int g, int h) {  // chunk h of group g, through the swizzle
@@ -66,11 +67,12 @@ struct RegFragsSm80 {
       // mx in [2^k, 2^(k+1)): e = k - 14 keeps mx * 2^-e below 2^15 (bf16's largest finite: e = 113)
       e = mx >= Q_F16_LIMIT ? min(ilogbf(mx), 127) - 14 : 0;
     }
+    if constexpr (Cfg::PAIR) __syncthreads();  // the pair's reads of Q are done before it changes
     const float s = pow2(-e);
     auto f16 = [&](uint32_t u) {  // two bf16 -> two fp16, times 2^-e; fp16 as it is
       return BF16 ? Pack2<half>::from(__uint_as_float(u << 16) * s, __uint_as_float(u & 0xFFFF0000u) * s) : u;
     };
-    for (int g = lane; g < GROUPS; g += 32) {
+    for (int g = writer ? lane : GROUPS; g < GROUPS; g += 32) {
       uint32_t u[4 * WPL];
 #pragma unroll
       for (int h = 0; h < WPL; ++h) {
@@ -84,7 +86,11 @@ struct RegFragsSm80 {
       for (int h = 0; h < WPL; ++h)  // chunk h: word h of each lane's WPL
         *chunk(g, h) = make_uint4(f16(u[h]), f16(u[WPL + h]), f16(u[2 * WPL + h]), f16(u[3 * WPL + h]));
     }
-    __syncwarp();
+    if constexpr (Cfg::PAIR) {
+      __syncthreads();
+    } else {
+      __syncwarp();
+    }
     return e;
   }
 
