@@ -480,9 +480,10 @@ DECODE_TILES = {
 # registers capped at 128 (min blocks 16: four warps a scheduler, 13 CTAs per SM by shared memory)
 # streamed B=64 x 4096 1.02x and B=16 x 8192 1.05x faster than uncapped 32-key tiles on an H200
 # (B=1 x 32768: 1.00x); uncapped 16-key tiles (8 CTAs per SM, register-bound) lost 0.94-0.98x at
-# B=16-64 and 64-key tiles lost everywhere. hd256 keeps a warp pair (2 warps, the same 16 rows:
-# PAIR) that widens each K/V tile into a 16-bit copy in shared memory, half a tile a warp; the pair
-# is not an option at hd64 (see PrefillSm80's PAIR assert). NOTES.md has the measurements.
+# B=16-64 and 64-key tiles lost everywhere. hd256 runs a warp pair (2 warps, the same 16 rows:
+# PAIR; S over half the keys, O over half the dims a warp), each widening its own halves in
+# registers (1.7-2.8x bf16 on an H200, was 1.1-1.5x with a shared widened copy); the pair is not
+# an option at hd64 (see PrefillSm80's PAIR assert). NOTES.md has the measurements.
 DECODE_TILES_FP8 = {
     64: (1, 1, 32, False, 2, 16, True),
     128: (1, 1, 16, False, 2, 16, True),

@@ -126,9 +126,10 @@ struct PrefillSm80Config {
   // A K or V tile as loaded; NVFP4: the codes, then the scales from SF_OFFSET (in the tile).
   static constexpr int SF_OFFSET = BLOCK_N * KV_ROW_BYTES;
   static constexpr int RING_TILE_BYTES = SF_OFFSET + BLOCK_N * SF_ROW_BYTES;
-  // The hd256 fp8 decode tile (16 rows) widens K, runs S = Q K^T, then widens V into the same
-  // 16-bit tile: one widened tile instead of a pair leaves room for more CTAs per SM on a
-  // latency-bound widening stream, which measured faster on H100 for both hd256 decode tiles.
+  // The hd256 NVFP4 decode tile (16 rows, a warp pair) widens K, runs S = Q K^T, then widens V
+  // into the same 16-bit tile: one widened tile instead of a pair leaves room for more CTAs per
+  // SM on a latency-bound widening stream, which measured faster on H100 (for the fp8 pair too,
+  // which now widens in registers).
   // At hd64 / hd128 the extra barrier cost more than the CTAs gave, and the 128-row kernels'
   // shared memory holds two CTAs either way. variants.py mirrors the rule.
   static constexpr bool SPLIT_WIDEN = KV_WIDEN && BLOCK_M == 16 && HEAD_DIM >= 256;
