@@ -350,6 +350,19 @@ def test_decode_split_waves_switch(fake, monkeypatch):
             routing.decode_waves(False)
 
 
+def test_fp8_decode_tiles_widen_in_registers_and_plan_one_wave(fake, monkeypatch):
+    """Every fp8 decode tile (16 rows, and the 32- / 64-row ones) widens K/V fragments in registers
+    (the manifest's reg_widen): one wave of split budget, as 16-bit K/V, not the two of the
+    tiles that widen into shared memory."""
+    monkeypatch.delenv(routing.DECODE_WAVES_ENV, raising=False)
+    w = dec(fake)
+    plan_dec(w, kv_data_type="float8_e4m3fn")
+    r = w._engine.cfg.route
+    assert set(r.decode) >= {16, 32}
+    for rows, (ld, budget, cps) in r.decode.items():
+        assert ld.meta["reg_widen"] and budget == 132 * cps, rows  # the fake driver's 132 SMs
+
+
 def test_split_merge_of_many_rows_keeps_a_warp_per_row(fake, monkeypatch):
     """Enough (row, head) pairs for a CTA of four warps on every SM: the one-warp merge."""
     monkeypatch.delenv(params.MERGE_CTA_ENV, raising=False)

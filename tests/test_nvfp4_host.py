@@ -385,10 +385,17 @@ def test_xqa_refuses_bad_nvfp4_arguments_before_anything_runs(fake, case, over, 
     assert not xqa._ENGINES
 
 
-def test_decode_tiles_plan_two_waves_over_nvfp4(fake):
-    """The NVFP4 decode tiles widen every tile, like fp8's: their split budget is two waves."""
+def test_nvfp4_decode_tiles_split_budget_by_where_they_widen(fake, monkeypatch):
+    """The 16-row NVFP4 tile widens fragments in registers (the manifest's reg_widen): one wave of
+    split budget, as 16-bit K/V; the wide tiles widen each tile in shared memory: two waves."""
+    monkeypatch.delenv(routing.DECODE_WAVES_ENV, raising=False)
     w = dec(fake)
     plan_dec(w)
     r = w._engine.cfg.route
     ld, budget, cps = r.decode[16]
-    assert budget == 132 * cps * routing.FP8_DECODE_WAVES  # the fake driver's 132 SMs
+    assert ld.meta["reg_widen"] and budget == 132 * cps  # the fake driver's 132 SMs
+    wide = [rows for rows in r.decode if rows > 16]
+    assert wide
+    for rows in wide:
+        ld, budget, cps = r.decode[rows]
+        assert not ld.meta["reg_widen"] and budget == 132 * cps * routing.FP8_DECODE_WAVES

@@ -269,7 +269,7 @@ class FakeEnv:
                 v = _decode_variant(variants, match)
                 meta = dict(match, block_m=v.block_m, block_n=v.block_n, threads=v.threads, smem_bytes=v.smem_bytes,
                             ctas_per_sm=v.ctas_per_sm, skip_softmax_rows=v.skip_softmax_rows, spec_mask=v.spec_mask,
-                            nvfp4_out=v.nvfp4_out, device_scale=v.device_scale)
+                            nvfp4_out=v.nvfp4_out, device_scale=v.device_scale, reg_widen=v.reg_widen)
             else:
                 meta = dict(_META.get(match.get("head_dim"), dict(block_m=0, block_n=0, threads=256, ctas_per_sm=1)),
                             smem_bytes=0, **match)
