@@ -1,5 +1,6 @@
 // Hopper (sm_90a) prefill: warp-specialised, wgmma, mbarrier-pipelined. The entry header the
 // generated translation units include: the kernel's run() and PFA_DEFINE_PREFILL_SM90.
+//   sm90/cta.cuh       the warp-specialised CTA (work item, mbarrier ring, the roles)
 //   work.cuh           which request, row tile and KV chunk; the key range (shared with sm80)
 //   sm90/producer.cuh  warpgroup 0: Q, then the K/V ring by cp.async, completing on mbarriers
 //   sm90/producer_tma.cuh  or (TMA) the K/V ring as TMA boxes issued by one warp
@@ -15,6 +16,7 @@
 #include "pfa/attention/params.h"
 #include "pfa/attention/sm90/config.cuh"
 #include "pfa/attention/sm90/consumer.cuh"
+#include "pfa/attention/sm90/cta.cuh"
 #include "pfa/attention/sm90/epilogue.cuh"
 #include "pfa/attention/sm90/producer.cuh"
 #include "pfa/attention/sm90/producer_tma.cuh"
@@ -45,27 +47,15 @@ struct PrefillSm90 : PrefillSm90Config<T, HEAD_DIM, BLOCK_N, CONSUMERS, STAGES, 
   }
 
   static __device__ __forceinline__ void run(const PrefillParams& p, char* smem) {
-    // As the sm80 kernel: the merge may launch early; nothing is read before the grid ahead is done.
-    ptx::allow_dependents();
-    ptx::wait_prior_grids();
-    const uint32_t base = (ptx::smem_u32(smem) + Cfg::ATOM_BYTES - 1) & ~(uint32_t)(Cfg::ATOM_BYTES - 1);
-    PrefillWork w;
-    // Honours rows_fastest (a head's row tiles together, its K/V shared in L2): the register it
-    // costs is no constraint here.
-    if (!decode_work<Cfg::BLOCK_M, BLOCK_N, PAGED, false, true>(p, w)) return;
-    const int tid = threadIdx.x, wg = tid / Cfg::WG_THREADS;
-    if (tid == 0) init_ring_barriers<Cfg>(base);
-    __syncthreads();
-    if (wg == 0) {
-      ptx::setmaxnreg_dec<Cfg::PRODUCER_REGS>();
-      if constexpr (Cfg::TMA)
-        ProducerSm90Tma<Cfg>::run(p, w, base, tid);
-      else
-        ProducerSm90<Cfg>::run(p, w, base, tid);
-    } else {
-      ptx::setmaxnreg_inc<Cfg::CONSUMER_REGS>();
-      consume(p, w, base, wg - 1, tid % Cfg::WG_THREADS);
-    }
+    run_warp_specialized_cta<Cfg>(
+        p, smem,
+        [&](const PrefillWork& w, uint32_t base, int tid) {
+          if constexpr (Cfg::TMA)
+            ProducerSm90Tma<Cfg>::run(p, w, base, tid);
+          else
+            ProducerSm90<Cfg>::run(p, w, base, tid);
+        },
+        [&](const PrefillWork& w, uint32_t base, int wg, int tid) { consume(p, w, base, wg, tid); });
   }
 };
 

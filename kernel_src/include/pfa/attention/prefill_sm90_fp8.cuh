@@ -1,6 +1,6 @@
 // Hopper (sm_90a) fp8 prefill: e4m3 Q, K and V on e4m3 wgmma (m64nNk32), into a bf16, fp16 or e4m3
 // output (PrefillParams::o_format counts from bf16 here). The entry header of the generated
-// translation units: PrefillSm90Fp8::run and PFA_DEFINE_PREFILL_SM90_FP8.
+// translation units: PrefillSm90Fp8::run and PFA_DEFINE_PREFILL_SM90_FP8 (the CTA: sm90/cta.cuh).
 //   sm90/fp8_config.cuh    tile shape and shared-memory layout (Q, K ring, Vt ring, raw V)
 //   sm90/fp8_producer.cuh  warpgroup 0: Q, K tiles, V tiles transposed into the Vt ring (ragged
 //                          rows, or PAGED: a paged cache by owned-row copies)
@@ -15,6 +15,7 @@
 #include <stdint.h>
 
 #include "pfa/attention/params.h"
+#include "pfa/attention/sm90/cta.cuh"
 #include "pfa/attention/sm90/epilogue.cuh"
 #include "pfa/attention/sm90/fp8_config.cuh"
 #include "pfa/attention/sm90/fp8_consumer.cuh"
@@ -63,22 +64,9 @@ struct PrefillSm90Fp8 : PrefillSm90Fp8Config<HEAD_DIM, CONSUMERS, STAGES, PAGED>
   }
 
   static __device__ __forceinline__ void run(const PrefillParams& p, char* smem) {
-    // As the 16-bit kernel: the merge may launch early; nothing is read before the grid ahead is done.
-    ptx::allow_dependents();
-    ptx::wait_prior_grids();
-    const uint32_t base = (ptx::smem_u32(smem) + Cfg::ATOM_BYTES - 1) & ~(uint32_t)(Cfg::ATOM_BYTES - 1);
-    PrefillWork w;
-    if (!decode_work<Cfg::BLOCK_M, Cfg::BLOCK_N, PAGED, false, true>(p, w)) return;
-    const int tid = threadIdx.x, wg = tid / Cfg::WG_THREADS;
-    if (tid == 0) init_ring_barriers<Cfg>(base);
-    __syncthreads();
-    if (wg == 0) {
-      ptx::setmaxnreg_dec<Cfg::PRODUCER_REGS>();
-      ProducerSm90Fp8<Cfg>::run(p, w, base, tid);
-    } else {
-      ptx::setmaxnreg_inc<Cfg::CONSUMER_REGS>();
-      consume(p, w, base, wg - 1, tid % Cfg::WG_THREADS);
-    }
+    run_warp_specialized_cta<Cfg>(
+        p, smem, [&](const PrefillWork& w, uint32_t base, int tid) { ProducerSm90Fp8<Cfg>::run(p, w, base, tid); },
+        [&](const PrefillWork& w, uint32_t base, int wg, int tid) { consume(p, w, base, wg, tid); });
   }
 };
 
