@@ -19,11 +19,11 @@ SMEM_RESERVED_PER_CTA = 1024  # the driver's shared memory per resident CTA
 # decode tile always go there (decode_tile_rows). Beyond these bounds the 128-row kernel was
 # faster on an H100 (NOTES.md, session 11): at hd256 already for 2 x 16 rows.
 DECODE_MAX_ROWS = {64: 32, 128: 32, 256: 16}
-# Decode tiles that widen every K/V tile into shared memory (the NVFP4 tiles, the fp8 wide and
-# warp-pair tiles) are latency-bound, and one wave of equal chunks streamed slower than twice as
-# many half chunks: their split-KV budget is two waves. The fp8 tiles that widen fragments in
-# registers (the manifest's reg_widen) take one wave, as 16-bit K/V do (1.02-1.04x over two on an
-# H200, NOTES.md).
+# Decode tiles that widen every K/V tile into shared memory (NVFP4's wide and warp-pair tiles)
+# are latency-bound, and one wave of equal chunks streamed slower than twice as many half chunks:
+# their split-KV budget is two waves. The tiles that widen fragments in registers (the manifest's
+# reg_widen: every fp8 decode tile, NVFP4's 16-row ones) take one wave, as 16-bit K/V do
+# (1.00-1.04x over two on an H200, NOTES.md).
 FP8_DECODE_WAVES = 2
 # A tuning switch (read when a plan resolves its route): the decode tiles' split-KV budget in
 # waves of CTAs, for every K/V storage (a positive number; unset: 1, FP8_DECODE_WAVES widened).

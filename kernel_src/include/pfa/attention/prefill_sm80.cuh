@@ -5,8 +5,8 @@
 //   sm80/tile_loads.cuh Q gather, the cp.async K/V ring (kv_source.cuh addresses the rows)
 //   sm80/mainloop.cuh   per KV tile: S = Q K^T, transforms (variant.cuh, rope.cuh), mask
 //                       (mask.cuh), online softmax (softmax_state.cuh), O += P V
-//   sm80/reg_frags.cuh  S = Q K^T and O += P V of the one-warp decode tiles over an fp8 / NVFP4
-//                       cache (fp8_frags.cuh, nvfp4_frags.cuh)
+//   sm80/reg_frags.cuh  S = Q K^T and O += P V of the decode tiles that widen an fp8 / NVFP4
+//                       cache in registers (fp8_frags.cuh, nvfp4_frags.cuh)
 //   sm80/epilogue.cuh   normalise, then O + LSE or split-KV partials (epilogue.cuh layouts)
 // sm80/config.cuh holds the tile shape, the per-shape choices and the shared-memory layout.
 #pragma once
@@ -56,8 +56,8 @@ struct PrefillSm80 : PrefillSm80Config<T, KV, HEAD_DIM, NUM_WARPS, MQ, BLOCK_N, 
     if constexpr (Cfg::KV_REG_WIDEN) ptx::cp_async_commit();
     const KvRingSm80<Cfg> ring = make_kv_ring<Cfg>(p, w, smem, sQ_u, tid);
     ring.prologue(w);
-    // KV_REG_WIDEN: Q reordered for the fp8 fragments (bf16: as fp16, its logits times 2^-q_log2,
-    // undone in the logit scale; fp8_frags.cuh).
+    // KV_REG_WIDEN: Q reordered for the narrow K fragments (bf16: as fp16, its logits times
+    // 2^-q_log2, undone in the logit scale; reg_frags.cuh).
     int q_log2 = 0;
     if constexpr (Cfg::KV_REG_WIDEN) {
       ptx::cp_async_wait<KV_STAGES - 1>();

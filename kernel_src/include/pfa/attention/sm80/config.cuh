@@ -15,8 +15,8 @@
 //
 // fp8 K/V (KV = fp8_storage): the ring holds one-byte tiles exactly as they sit in global memory
 // (half the bytes per load); after a tile lands, the CTA widens it once into 16-bit tiles in the
-// swizzled layout, so the MMA path is the same as for 16-bit K/V. The one-warp decode tiles
-// instead widen fp8 fragments in registers (KV_REG_WIDEN, sm80/fp8_frags.cuh).
+// swizzled layout, so the MMA path is the same as for 16-bit K/V. Most decode tiles instead
+// widen fp8 / NVFP4 fragments in registers (KV_REG_WIDEN, sm80/reg_frags.cuh).
 // NVFP4 K/V (KV = nvfp4_storage, paged decode tiles only): each ring tile holds the rows' e2m1
 // code pairs (HEAD_DIM / 2 bytes a row), then their e4m3 block scales (HEAD_DIM / 16 bytes a
 // row); the widening multiplies each code by its block's scale (sm80/nvfp4_tiles.cuh).
@@ -27,8 +27,9 @@
 
 namespace pfa {
 
-// The 16-bit type of P and of the K / V fragments the MMAs read: the query dtype, or fp16 where fp8
-// K/V widen in registers (sm80/fp8_frags.cuh: every e4m3 / e5m2 value is an fp16).
+// The 16-bit type of P and of the K / V fragments the MMAs read: the query dtype, or fp16 where
+// fp8 / NVFP4 K/V widen in registers (sm80/reg_frags.cuh: every e4m3 / e5m2 value, and every
+// e2m1 code times its e4m3 block scale, is an fp16).
 template <bool FP16, typename T>
 struct MmaElemSm80 {
   using type = T;

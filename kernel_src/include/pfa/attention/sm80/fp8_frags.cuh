@@ -95,7 +95,10 @@ struct Fp8FragsSm80 {
       if (Cfg::PAIR && hv == 1) MainloopSm80<Cfg>::receive_p(pq, wr);
 #pragma unroll
       for (int kk = 0; kk < BLOCK_N / HALVES / 16; ++kk) {
-        uint32_t a[MQ][4];  // P's A fragment of keys 16kk .. 16kk + 15 (of this half)
+        // P's A fragment of keys 16kk .. 16kk + 15 of this half: RegFragsSm80::p_frag's words, from
+        // pp or the partner's pq (calling p_frag here reorders the fp8 kernels' SASS; kept as it
+        // was GPU-tested)
+        uint32_t a[MQ][4];
 #pragma unroll
         for (int mt = 0; mt < MQ; ++mt)
 #pragma unroll

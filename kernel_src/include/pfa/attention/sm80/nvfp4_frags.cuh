@@ -100,13 +100,7 @@ struct Nvfp4FragsSm80 {
 #pragma unroll
     for (int kk = 0; kk < BLOCK_N / 16; ++kk) {
       uint32_t a[MQ][4];  // P's A fragment of keys 16kk .. 16kk + 15
-#pragma unroll
-      for (int mt = 0; mt < MQ; ++mt) {
-        a[mt][0] = pp[mt][2 * kk][0];
-        a[mt][1] = pp[mt][2 * kk][1];
-        a[mt][2] = pp[mt][2 * kk + 1][0];
-        a[mt][3] = pp[mt][2 * kk + 1][1];
-      }
+      RegFragsSm80<Cfg>::p_frag(pp, kk, a);
       // scale rows of keys 2c, 2c + 1 and 8 + 2c, 9 + 2c of the group
       uint2 sc[4];
 #pragma unroll

@@ -22,7 +22,7 @@ namespace pfa {
 template <class Cfg>
 struct RegFragsSm80 {
   using T = typename Cfg::Elem;
-  static constexpr int KV_CPR = Cfg::KV_CPR, CB = Cfg::CHUNK_BYTES;
+  static constexpr int KV_CPR = Cfg::KV_CPR, CB = Cfg::CHUNK_BYTES, MQ = Cfg::MQ, S_NT = Cfg::S_NT;
   static constexpr unsigned FULL = Cfg::FULL_MASK;
   // bf16 queries are scaled by 2^-e into fp16 so that their largest magnitude stays below this
   static constexpr float Q_F16_LIMIT = 32768.f;
@@ -92,6 +92,18 @@ struct RegFragsSm80 {
       __syncwarp();
     }
     return e;
+  }
+
+  // P's A fragment of keys 16kk .. 16kk + 15: the C-fragment words of S's n8 tiles 2kk, 2kk + 1
+  // (softmax packed them as fp16 pairs).
+  static __device__ __forceinline__ void p_frag(const uint32_t (&p)[MQ][S_NT][2], int kk, uint32_t (&a)[MQ][4]) {
+#pragma unroll
+    for (int mt = 0; mt < MQ; ++mt) {
+      a[mt][0] = p[mt][2 * kk][0];
+      a[mt][1] = p[mt][2 * kk][1];
+      a[mt][2] = p[mt][2 * kk + 1][0];
+      a[mt][3] = p[mt][2 * kk + 1][1];
+    }
   }
 
   // Lane offsets of the narrow ring tiles, for pair j of chunks: kv[j % 4] + (j / 4) * 128 (the
