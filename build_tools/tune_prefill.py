@@ -1,6 +1,7 @@
 """Compare prefill tile variants (`make TUNE=1`) on the local GPU: TFLOP/s per variant.
 
-    python build_tools/tune_prefill.py [--seqs 4096,16384] [--json out.json]
+    python build_tools/tune_prefill.py [--seqs 4096,16384] [--fp8] [--rounds 2] [--names c2s2_pp,_tma]
+                                       [--json out.json]
     python build_tools/tune_prefill.py --batch [--page-sizes 16,64] [--causal 0,1] [--lengths 32,32,32,32]
                                        [--json out.json]
 
@@ -31,6 +32,9 @@ def main():
     ap.add_argument("--head-dims", default="64,128,256")
     ap.add_argument("--causal", default="0,1", help="which of non-causal (0) / causal (1) to time")
     ap.add_argument("--batch", action="store_true", help="A/B the sm90 K/V loads on batch prefill")
+    ap.add_argument("--fp8", action="store_true", help="the sm90 fp8 prefill rows (e4m3 q / k / v, bf16 out)")
+    ap.add_argument("--rounds", type=int, default=1, help="repeat the sweep (the variants alternate per round)")
+    ap.add_argument("--names", default="", help="only rows whose name contains one of these (comma-separated)")
     ap.add_argument("--page-sizes", default="16", help="--batch: the paged cache's page sizes")
     ap.add_argument("--rep", type=int, default=30, help="--batch: timed repetitions per kernel")
     ap.add_argument("--lengths", default="uniform16",
@@ -41,30 +45,50 @@ def main():
     if args.batch:
         return batch_ab(args, causals)
     # Single-prefill candidates only: lean, contiguous, K/V in the query dtype.
+    dt = "e4m3" if args.fp8 else "bf16"
+    names = [x for x in args.names.split(",") if x]
     rows = [r for r in _registry.manifest()["kernels"] if r["family"] == "prefill" and r["arch"] == "sm_90a"
-            and r["dtype"] == "bf16" and r["kv_dtype"] == "bf16" and not r["general"] and not r["paged"]
-            and r["head_dim"] in hds]
+            and r["dtype"] == dt and r["kv_dtype"] == dt and not r["general"] and not r["paged"]
+            and r["head_dim"] in hds and not r.get("skip_softmax_rows")
+            and (not names or any(n in r["name"] for n in names))]
     results = []
-    for r in sorted(rows, key=lambda r: (r["head_dim"], r["name"])):
-        d = r["head_dim"]
-        h = 2048 // d
-        _registry.force("prefill", r["name"])
-        for s in map(int, args.seqs.split(",")):
-            q, k, v = (torch.randn(s, h, d, dtype=torch.bfloat16, device="cuda") for _ in range(3))
-            for causal in causals:
-                o = pyflashattn.single_prefill_with_kv_cache(q, k, v, causal=causal)
-                ref = torch.nn.functional.scaled_dot_product_attention(
-                    *(x.transpose(0, 1).unsqueeze(0) for x in (q, k, v)), is_causal=causal)[0].transpose(0, 1)
-                err = (o.float() - ref.float()).abs().max().item()
-                t = bench_ms(lambda: pyflashattn.single_prefill_with_kv_cache(q, k, v, causal=causal), rep=10)
-                tf = 4 * s * s * h * d / (2 if causal else 1) / t / 1e9
-                results.append({"name": r["name"], "seq": s, "causal": causal, "tflops": tf, "max_err": err})
-                print(f"{r['name']:48s} s={s:6d} causal={int(causal)} {tf:7.1f} TFLOP/s  err {err:.1e}"
-                      f"{'  BAD' if not err < 0.05 else ''}", flush=True)
+    rows = sorted(rows, key=lambda r: (r["head_dim"], r["name"]))
+    for rnd in range(args.rounds):
+        for r in (rows if rnd % 2 == 0 else rows[::-1]):
+            results += _time_row(r, args, causals, rnd)
     _registry.force("prefill", None)
     if args.json:
         with open(args.json, "w") as f:
             json.dump(results, f, indent=1)
+
+
+def _time_row(r, args, causals, rnd):
+    """One row forced for single prefill at each --seqs x causal: checked against SDPA (on the fp8
+    values widened to bf16 for --fp8: the kernels round P to e4m3, so a looser bound), then timed."""
+    d = r["head_dim"]
+    h = 2048 // d
+    out = []
+    _registry.force("prefill", r["name"])
+    for s in map(int, args.seqs.split(",")):
+        q, k, v = (torch.randn(s, h, d, dtype=torch.bfloat16, device="cuda") for _ in range(3))
+        if args.fp8:
+            q, k, v = (x.to(torch.float8_e4m3fn) for x in (q, k, v))
+        for causal in causals:
+            o = pyflashattn.single_prefill_with_kv_cache(q, k, v, causal=causal, o_dtype=torch.bfloat16) \
+                if args.fp8 else pyflashattn.single_prefill_with_kv_cache(q, k, v, causal=causal)
+            ref = torch.nn.functional.scaled_dot_product_attention(
+                *(x.to(torch.bfloat16).transpose(0, 1).unsqueeze(0) for x in (q, k, v)),
+                is_causal=causal)[0].transpose(0, 1)
+            err = (o.float() - ref.float()).abs().max().item() / max(ref.float().abs().max().item(), 1e-6)
+            call = (lambda: pyflashattn.single_prefill_with_kv_cache(q, k, v, causal=causal, o_dtype=torch.bfloat16)) \
+                if args.fp8 else (lambda: pyflashattn.single_prefill_with_kv_cache(q, k, v, causal=causal))
+            t = bench_ms(call, rep=10)
+            tf = 4 * s * s * h * d / (2 if causal else 1) / t / 1e9
+            bad = not err < (0.1 if args.fp8 else 0.05)
+            out.append({"name": r["name"], "seq": s, "causal": causal, "tflops": tf, "rel_err": err, "round": rnd})
+            print(f"{r['name']:52s} s={s:6d} causal={int(causal)} {tf:7.1f} TFLOP/s  rel err {err:.1e}"
+                  f"{'  BAD' if bad else ''}", flush=True)
+    return out
 
 
 def batch_ab(args, causals):
