@@ -134,6 +134,11 @@ PREFILL = (
         ("o_sf_row0", "i32", "NVFP4 output: the o_sf row of token 0 (FP4Tensor.scale_start_index)"),
         ("o_sf_scale", "f32", "NVFP4 output: the encode-side global scale: block scale = e4m3(o_sf_scale * amax / 6), "
          "value = e2m1 * scale / o_sf_scale"),
+        ("grid_x", "i32", "persistent kernels (the manifest's persistent: sm90/cta.cuh): the logical grid whose "
+         "blocks the launched CTAs walk, x fastest, as a one-CTA-a-block launch would have run them; 0 for the "
+         "other kernels (their launch grid is the logical one)"),
+        ("grid_y", "i32", ""),
+        ("grid_z", "i32", ""),
     ],
 )
 

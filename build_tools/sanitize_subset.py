@@ -2,7 +2,8 @@
 
     compute-sanitizer --tool memcheck|racecheck|synccheck python build_tools/sanitize_subset.py
 
-One call each: sm90 single prefill (TMA K/V, causal, partial tiles: the tail copied), sm90 paged
+One call each: sm90 single prefill (TMA K/V, causal, partial tiles: the tail copied; and with more
+row tiles than SMs, so persistent CTAs walk several blocks), sm90 paged
 batch by the cp.async producer's owned-row copies (pages 16 and 8, shuffled; with PFA_SM90_KV_LOAD=tma
 and a `make TUNE=1` build, page 16 by TMA boxes), sm90 ragged batch with split KV and its merge (TMA,
 a tail box with V's rows zeroed), sm90 fp8 prefill, single and over a paged fp8 cache, the sm80
@@ -34,6 +35,11 @@ def main():
     ws = torch.zeros(64 << 20, dtype=torch.uint8, device=DEV)
     q, k, v = rnd(200, 8, 128), rnd(333, 2, 128), rnd(333, 2, 128)
     finite("single sm90", pyflashattn.single_prefill_with_kv_cache(q, k, v, causal=True))
+    # more row tiles than SMs: the persistent CTAs walk two or more blocks each (sm90/cta.cuh: Q
+    # and the ring handed on across blocks)
+    for d, heads, n in ((64, 48, 640), (128, 16, 1280)):
+        qw, kw, vw = (rnd(n, heads, d) for _ in range(3))
+        finite(f"single sm90 walk hd{d}", pyflashattn.single_prefill_with_kv_cache(qw, kw, vw, causal=True))
     qo, kv = np.array([0, 70, 130], np.int32), np.array([0, 300, 333], np.int32)
     w = pyflashattn.BatchPrefillWithRaggedKVCacheWrapper(ws, "NHD")
     w.plan(qo, kv, 8, 2, 128, causal=True, fixed_split_size=128, q_data_type=BF16)

@@ -260,18 +260,27 @@ class HopperPrefillVariant(Sm90Roles):
     # row, run only for calls that ask for it (BatchEngine.apply_skip_softmax); the rows without it
     # keep every wgmma unserialised (consumer.cuh)
     skip: bool = False
+    # the CTAs (at most one an SM) walk the logical grid, the ring running on across work items
+    # (sm90/cta.cuh, PrefillSm90Config::PERSISTENT); the host launches them (launch.configure_grid).
+    # None: the head dim's HOPPER_PERSISTENT entry.
+    persistent: bool = None
     tune: bool = False
     impl: str = SM90
     archs: tuple = IMPL_ARCHS[SM90]
 
+    def __post_init__(self):
+        if self.persistent is None:
+            object.__setattr__(self, "persistent", HOPPER_PERSISTENT[self.head_dim])
+
     @property
     def smem_bytes(self):
         # PrefillSm90Config::SMEM_BYTES: Q, STAGES K and V tiles, 1 + 4 * STAGES mbarriers, (TMA) the
-        # tail tile's mbarrier, the alignment slack
+        # tail tile's mbarrier, (persistent) Q's empty mbarrier, the alignment slack
         tile = self.block_n * self.head_dim * HALF_BYTES
         tail = self.BARRIER_BYTES if self.tma else 0
+        q_empty = self.BARRIER_BYTES if self.persistent else 0
         return (self.block_m * self.head_dim * HALF_BYTES + 2 * self.stages * tile
-                + (1 + 4 * self.stages) * self.BARRIER_BYTES + tail + self.ATOM_BYTES)
+                + (1 + 4 * self.stages) * self.BARRIER_BYTES + tail + q_empty + self.ATOM_BYTES)
 
     def fits(self, arch):
         return self.smem_bytes <= SMEM_OPTIN[arch]
@@ -280,21 +289,21 @@ class HopperPrefillVariant(Sm90Roles):
     def name(self):
         return (f"pfa_prefill_{self.impl}_{self.dtype}_hd{self.head_dim}_m{self.block_m}n{self.block_n}"
                 f"c{self.consumers}s{self.stages}{'_pp' if self.pingpong else ''}{'_paged' if self.paged else ''}"
-                f"{'_tma' if self.tma else ''}{'_skip' if self.skip else ''}")
+                f"{'_ps' if self.persistent else ''}{'_tma' if self.tma else ''}{'_skip' if self.skip else ''}")
 
     def source(self):
         return (f'#include "pfa/attention/prefill_sm90.cuh"\n'
                 f"PFA_DEFINE_PREFILL_SM90({self.name}, {DTYPES[self.dtype]}, {self.head_dim}, {self.block_n}, "
                 f"{self.consumers}, {self.stages}, {'true' if self.pingpong else 'false'}, "
                 f"{'true' if self.paged else 'false'}, {'true' if self.tma else 'false'}, "
-                f"{'true' if self.skip else 'false'}, {self.smem_bytes})\n")
+                f"{'true' if self.skip else 'false'}, {'true' if self.persistent else 'false'}, {self.smem_bytes})\n")
 
     def manifest(self):
         return {"family": "prefill", "impl": self.impl, "dtype": self.dtype, "kv_dtype": self.dtype,
                 "head_dim": self.head_dim, "block_m": self.block_m, "block_n": self.block_n,
                 "warps": self.threads // WARP_THREADS, "threads": self.threads, "smem_bytes": self.smem_bytes,
                 "ctas_per_sm": 1, "tune": self.tune, "general": False, "paged": self.paged, "decode": False,
-                "rows_fastest": True, "device_scale": True, "tma": self.tma,
+                "rows_fastest": True, "device_scale": True, "tma": self.tma, "persistent": self.persistent,
                 # one consumer warpgroup votes (consumer.cuh); a twin is only picked by name
                 "skip_softmax_rows": self.WG_ROWS if self.skip else 0,
                 "twin_of": dataclasses.replace(self, skip=False).name if self.skip else None,
@@ -366,6 +375,10 @@ class HopperFp8PrefillVariant(Sm90Roles):
 # 16-bit family's hd64 row); the paged rows take the same tiles (hd256: the page ids fill what is
 # left of the shared memory).
 HOPPER_FP8_TILES = {64: (3, 2, True), 128: (2, 2, True), 256: (2, 2, False)}
+
+# head_dim -> whether the sm_90a 16-bit rows are persistent (HopperPrefillVariant.persistent). hd256
+# keeps a CTA a block: the walk's loop state made its consumers spill (O alone is 128 registers).
+HOPPER_PERSISTENT = {64: True, 128: True, 256: False}
 
 # head_dim -> (block_n, consumers, stages) of the sm_90a family: FlashAttention-3's tile shapes
 # (hd64: three consumer warpgroups, 192 rows, +13% over two at 8k on an H100, NOTES.md; hd256:

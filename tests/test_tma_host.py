@@ -150,7 +150,7 @@ def test_shipped_paged_twin_is_routed_without_the_override(monkeypatch):
     w.plan(QO_LONG, indptr, i32(*range(sum(n))), i32(16, 16, 0), HQ, HKV, D, PS)
     assert not w._engine.attn.meta.get("tma")  # 16-row pages: the cp.async kernel
     w.plan(QO_LONG, indptr, i32(*range(sum(n))), i32(32, 32, 0), HQ, HKV, D, 32)
-    assert w._engine.attn.name.endswith("_paged_tma")
+    assert "_paged" in w._engine.attn.name and w._engine.attn.name.endswith("_tma")
     w = ragged(env)
     plan_ragged(w)
     assert not w._engine.attn.meta.get("tma")
@@ -303,3 +303,39 @@ def test_tma_pays_paged_from_32_row_boxes_and_long_requests(monkeypatch):
     assert routing.tma_pays(False, 0, long_, 128, False) and not routing.tma_pays(False, 0, short, 128, False)
     monkeypatch.setenv(routing.KV_LOAD_ENV, "tma")  # A/B runs and tests: the twin wherever it fits
     assert routing.tma_pays(True, 16, short, 128, False)
+
+
+def test_persistent_rows_launch_at_most_a_cta_an_sm_over_the_logical_grid(monkeypatch):
+    """The persistent sm90 rows (variants.HOPPER_PERSISTENT) launch min(blocks, SMs x CTAs an SM)
+    CTAs, and the struct carries the logical grid they walk (sm90/cta.cuh); the batch plans' is
+    (kv heads, 1, work items), as a one-CTA-a-block launch's."""
+    env = _env(monkeypatch, "tma")
+    w = ragged(env)
+    # one long request: (row tiles of 128 packed rows) x KV chunks work items, over 132 SMs
+    qo, kv = i32(0, 4096), i32(0, 4096)
+    w.plan(qo, kv, HQ, HKV, D, causal=True)
+    la = w._engine.attn
+    assert la.meta["persistent"] and "_ps" in la.name
+    p = la.params
+    blocks = p.grid_x * p.grid_y * p.grid_z
+    assert (p.grid_x, p.grid_y) == (HKV, 1) and p.grid_z == w._engine.schedule.grid
+    assert la.grid == (min(blocks, 132 * la.meta["ctas_per_sm"]), 1, 1) and blocks > 132
+    q, k, v = (T((4096, HQ, D), data=0x100000), T((4096, HKV, D), data=0x300000),
+               T((4096, HKV, D), data=0x380000))
+    w.run(q, k, v, out=T((4096, HQ, D), data=0x400000))
+    name, grid, _, lp = last_attn(env)
+    assert name == la.name and grid == la.grid and (lp.grid_x, lp.grid_y, lp.grid_z) == (p.grid_x, 1, p.grid_z)
+    # few blocks: one CTA each
+    plan_ragged(w)
+    p = w._engine.attn.params
+    assert w._engine.attn.grid == (p.grid_x * p.grid_y * p.grid_z, 1, 1)
+
+
+def test_only_the_16bit_hd64_hd128_sm90_rows_are_persistent():
+    rows = variants.variants(tune=True)
+    for v in rows:
+        if isinstance(v, variants.HopperPrefillVariant):
+            assert v.persistent is variants.HOPPER_PERSISTENT[v.head_dim] and ("_ps" in v.name) is v.persistent
+            assert v.manifest()["persistent"] is v.persistent
+        elif isinstance(v, variants.HopperFp8PrefillVariant):
+            assert "persistent" not in v.manifest()

@@ -227,23 +227,23 @@ KERNELS_sm_90a := \
   pfa_prefill_sm80_f16_kvfp8_hd256_m128n64w8s2_pr_gen_paged \
   pfa_prefill_sm80_f16_kvfp8_hd256_m16n32w2s2_lr_pr \
   pfa_prefill_sm80_f16_kvfp8_hd256_m16n32w2s2_lr_pr_paged \
-  pfa_prefill_sm90_f16_hd64_m192n128c3s2_pp \
-  pfa_prefill_sm90_f16_hd128_m128n128c2s2_pp \
+  pfa_prefill_sm90_f16_hd64_m192n128c3s2_pp_ps \
+  pfa_prefill_sm90_f16_hd128_m128n128c2s2_pp_ps \
   pfa_prefill_sm90_f16_hd256_m128n80c2s2_pp \
-  pfa_prefill_sm90_f16_hd64_m128n128c2s3_pp_paged \
-  pfa_prefill_sm90_f16_hd128_m128n128c2s3_pp_paged \
+  pfa_prefill_sm90_f16_hd64_m128n128c2s3_pp_paged_ps \
+  pfa_prefill_sm90_f16_hd128_m128n128c2s3_pp_paged_ps \
   pfa_prefill_sm90_f16_hd256_m128n80c2s2_pp_paged \
-  pfa_prefill_sm90_f16_hd64_m192n128c3s2_pp_skip \
-  pfa_prefill_sm90_f16_hd128_m128n128c2s2_pp_skip \
+  pfa_prefill_sm90_f16_hd64_m192n128c3s2_pp_ps_skip \
+  pfa_prefill_sm90_f16_hd128_m128n128c2s2_pp_ps_skip \
   pfa_prefill_sm90_f16_hd256_m128n80c2s2_pp_skip \
-  pfa_prefill_sm90_f16_hd64_m128n128c2s3_pp_paged_skip \
-  pfa_prefill_sm90_f16_hd128_m128n128c2s3_pp_paged_skip \
+  pfa_prefill_sm90_f16_hd64_m128n128c2s3_pp_paged_ps_skip \
+  pfa_prefill_sm90_f16_hd128_m128n128c2s3_pp_paged_ps_skip \
   pfa_prefill_sm90_f16_hd256_m128n80c2s2_pp_paged_skip \
-  pfa_prefill_sm90_f16_hd64_m192n128c3s2_pp_tma \
-  pfa_prefill_sm90_f16_hd128_m128n128c2s2_pp_tma \
+  pfa_prefill_sm90_f16_hd64_m192n128c3s2_pp_ps_tma \
+  pfa_prefill_sm90_f16_hd128_m128n128c2s2_pp_ps_tma \
   pfa_prefill_sm90_f16_hd256_m128n80c2s2_pp_tma \
-  pfa_prefill_sm90_f16_hd64_m128n128c2s3_pp_paged_tma \
-  pfa_prefill_sm90_f16_hd128_m128n128c2s3_pp_paged_tma \
+  pfa_prefill_sm90_f16_hd64_m128n128c2s3_pp_paged_ps_tma \
+  pfa_prefill_sm90_f16_hd128_m128n128c2s3_pp_paged_ps_tma \
   pfa_prefill_sm90_f16_hd256_m128n80c2s2_pp_paged_tma \
   pfa_merge_f16 \
   pfa_merge_cta_f16 \
@@ -295,23 +295,23 @@ KERNELS_sm_90a := \
   pfa_prefill_sm80_bf16_kvfp8_hd256_m128n64w8s2_pr_gen_paged \
   pfa_prefill_sm80_bf16_kvfp8_hd256_m16n32w2s2_lr_pr \
   pfa_prefill_sm80_bf16_kvfp8_hd256_m16n32w2s2_lr_pr_paged \
-  pfa_prefill_sm90_bf16_hd64_m192n128c3s2_pp \
-  pfa_prefill_sm90_bf16_hd128_m128n128c2s2_pp \
+  pfa_prefill_sm90_bf16_hd64_m192n128c3s2_pp_ps \
+  pfa_prefill_sm90_bf16_hd128_m128n128c2s2_pp_ps \
   pfa_prefill_sm90_bf16_hd256_m128n80c2s2_pp \
-  pfa_prefill_sm90_bf16_hd64_m128n128c2s3_pp_paged \
-  pfa_prefill_sm90_bf16_hd128_m128n128c2s3_pp_paged \
+  pfa_prefill_sm90_bf16_hd64_m128n128c2s3_pp_paged_ps \
+  pfa_prefill_sm90_bf16_hd128_m128n128c2s3_pp_paged_ps \
   pfa_prefill_sm90_bf16_hd256_m128n80c2s2_pp_paged \
-  pfa_prefill_sm90_bf16_hd64_m192n128c3s2_pp_skip \
-  pfa_prefill_sm90_bf16_hd128_m128n128c2s2_pp_skip \
+  pfa_prefill_sm90_bf16_hd64_m192n128c3s2_pp_ps_skip \
+  pfa_prefill_sm90_bf16_hd128_m128n128c2s2_pp_ps_skip \
   pfa_prefill_sm90_bf16_hd256_m128n80c2s2_pp_skip \
-  pfa_prefill_sm90_bf16_hd64_m128n128c2s3_pp_paged_skip \
-  pfa_prefill_sm90_bf16_hd128_m128n128c2s3_pp_paged_skip \
+  pfa_prefill_sm90_bf16_hd64_m128n128c2s3_pp_paged_ps_skip \
+  pfa_prefill_sm90_bf16_hd128_m128n128c2s3_pp_paged_ps_skip \
   pfa_prefill_sm90_bf16_hd256_m128n80c2s2_pp_paged_skip \
-  pfa_prefill_sm90_bf16_hd64_m192n128c3s2_pp_tma \
-  pfa_prefill_sm90_bf16_hd128_m128n128c2s2_pp_tma \
+  pfa_prefill_sm90_bf16_hd64_m192n128c3s2_pp_ps_tma \
+  pfa_prefill_sm90_bf16_hd128_m128n128c2s2_pp_ps_tma \
   pfa_prefill_sm90_bf16_hd256_m128n80c2s2_pp_tma \
-  pfa_prefill_sm90_bf16_hd64_m128n128c2s3_pp_paged_tma \
-  pfa_prefill_sm90_bf16_hd128_m128n128c2s3_pp_paged_tma \
+  pfa_prefill_sm90_bf16_hd64_m128n128c2s3_pp_paged_ps_tma \
+  pfa_prefill_sm90_bf16_hd128_m128n128c2s3_pp_paged_ps_tma \
   pfa_prefill_sm90_bf16_hd256_m128n80c2s2_pp_paged_tma \
   pfa_merge_bf16 \
   pfa_merge_cta_bf16 \

@@ -192,7 +192,7 @@ class BatchEngine:
         self.ks = self.vs = 1.0  # run()'s k_scale / v_scale currently in the struct
         self.scale_ptrs = (0, 0, 0)  # fp8 q: run()'s per-head scale tensors in the struct
         self.scaled = False
-        la.configure((cfg.num_kv_heads, 1, plan.grid))
+        launch.configure_grid(la, (cfg.num_kv_heads, 1, plan.grid), self.dev)
         self.attn = la
         self.skip, self.skip_home = 0.0, None  # run(skip_softmax_threshold_scale_factor=...) sets it
         la.params.skip_softmax_factor = 0.0

@@ -73,6 +73,20 @@ def plan_stream(stream, dev):
     return _cuda.library_stream(dev)
 
 
+def configure_grid(la, grid: tuple[int, int, int], dev: int) -> None:
+    """Launch grid of an attention kernel over the logical grid `grid` (one block a work item): that
+    grid itself, or for a persistent kernel (the manifest's persistent: sm90/cta.cuh) as many CTAs
+    as fit the GPU at once (at most one a block), which walk the logical grid from
+    PrefillParams.grid_x/y/z."""
+    if not la.meta.get("persistent"):
+        la.configure(grid)
+        return
+    p = la.params
+    p.grid_x, p.grid_y, p.grid_z = grid
+    blocks = grid[0] * grid[1] * grid[2]
+    la.configure((max(1, min(blocks, _cuda.properties(dev)["sm_count"] * la.meta["ctas_per_sm"])), 1, 1))
+
+
 class PdlLauncher:
     """enable_pdl=True: the attention kernel launched programmatically (sm_90+: it may start while
     the kernel ahead of it on the stream finishes, and waits for it in griddepcontrol.wait before

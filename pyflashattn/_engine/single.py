@@ -287,7 +287,8 @@ class SinglePlan:
         # tiles run together, for L2 reuse of its K/V; otherwise heads vary fastest so every head's
         # heaviest row tiles go first.
         p.rows_fastest = rows_fastest = int(meta.get("rows_fastest", False) and not causal and window_left < 0)
-        la.configure((row_tiles, chunks, num_kv_heads) if rows_fastest else (num_kv_heads, chunks, row_tiles))
+        launch.configure_grid(la, (row_tiles, chunks, num_kv_heads) if rows_fastest else
+                              (num_kv_heads, chunks, row_tiles), dev)
 
     def _size_workspace(self, qo_len, num_qo_heads, head_dim, opts):
         """Workspace: [packed bool mask, 16-byte padded] [split partial o] [split partial lse]."""

@@ -95,8 +95,11 @@ struct PrefillParams {
   uint64_t o_sf;  // NVFP4 output (o_format 3): its float8_e4m3fn block scales, one per 16 head-dim elements of a (token, q head), in the 128x4 swizzle (nvfp4_out.cuh) of a [rows, Hq * D / 16] tensor (a multiple of 4 columns for every head dim); 0 otherwise. With o_sf_row0 and o_sf_scale it fills the struct's last 16 bytes, so its size and every other field's offset stay as they were
   int32_t o_sf_row0;  // NVFP4 output: the o_sf row of token 0 (FP4Tensor.scale_start_index)
   float o_sf_scale;  // NVFP4 output: the encode-side global scale: block scale = e4m3(o_sf_scale * amax / 6), value = e2m1 * scale / o_sf_scale
+  int32_t grid_x;  // persistent kernels (the manifest's persistent: sm90/cta.cuh): the logical grid whose blocks the launched CTAs walk, x fastest, as a one-CTA-a-block launch would have run them; 0 for the other kernels (their launch grid is the logical one)
+  int32_t grid_y;
+  int32_t grid_z;
 };
-static_assert(sizeof(PrefillParams) == 768, "PrefillParams size drifted from the schema");
+static_assert(sizeof(PrefillParams) == 832, "PrefillParams size drifted from the schema");
 static_assert(offsetof(PrefillParams, k_tmap) == 0, "PrefillParams.k_tmap offset");
 static_assert(offsetof(PrefillParams, v_tmap) == 128, "PrefillParams.v_tmap offset");
 static_assert(offsetof(PrefillParams, q) == 256, "PrefillParams.q offset");
@@ -178,6 +181,9 @@ static_assert(offsetof(PrefillParams, v_scale_heads) == 744, "PrefillParams.v_sc
 static_assert(offsetof(PrefillParams, o_sf) == 752, "PrefillParams.o_sf offset");
 static_assert(offsetof(PrefillParams, o_sf_row0) == 760, "PrefillParams.o_sf_row0 offset");
 static_assert(offsetof(PrefillParams, o_sf_scale) == 764, "PrefillParams.o_sf_scale offset");
+static_assert(offsetof(PrefillParams, grid_x) == 768, "PrefillParams.grid_x offset");
+static_assert(offsetof(PrefillParams, grid_y) == 772, "PrefillParams.grid_y offset");
+static_assert(offsetof(PrefillParams, grid_z) == 776, "PrefillParams.grid_z offset");
 
 // combine split-KV partials (float32 o, base-2 lse) into the final output
 struct MergeParams {

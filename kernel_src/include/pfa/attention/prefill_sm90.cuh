@@ -28,34 +28,36 @@
 namespace pfa {
 
 template <typename T, int HEAD_DIM, int BLOCK_N, int CONSUMERS, int STAGES, bool PINGPONG, bool PAGED, bool TMA,
-          bool SKIP>
-struct PrefillSm90 : PrefillSm90Config<T, HEAD_DIM, BLOCK_N, CONSUMERS, STAGES, PAGED, TMA> {
-  using Cfg = PrefillSm90Config<T, HEAD_DIM, BLOCK_N, CONSUMERS, STAGES, PAGED, TMA>;
+          bool SKIP, bool PERSISTENT>
+struct PrefillSm90 : PrefillSm90Config<T, HEAD_DIM, BLOCK_N, CONSUMERS, STAGES, PAGED, TMA, PERSISTENT> {
+  using Cfg = PrefillSm90Config<T, HEAD_DIM, BLOCK_N, CONSUMERS, STAGES, PAGED, TMA, PERSISTENT>;
   using Consumer = ConsumerSm90<Cfg, PINGPONG, SKIP>;
 
   // wg: the consumer's index (0 .. CONSUMERS - 1); tid: the thread's index within its warpgroup.
   static __device__ __forceinline__ void consume(const PrefillParams& p, const PrefillWork& w, uint32_t base, int wg,
-                                                 int tid) {
+                                                 int tid, const Sm90Walk& walk) {
     const int lane = tid % 32, warp = tid / 32;
     const typename Consumer::Rows rows = Consumer::rows_of(w, wg, warp, lane);
     float o[Consumer::O_ACC];
 #pragma unroll
     for (int i = 0; i < Consumer::O_ACC; ++i) o[i] = 0.f;
     float m[2] = {-INFINITY, -INFINITY}, l[2] = {0.f, 0.f};
-    Consumer::mainloop(p, w, rows, base, wg, lane, o, m, l);
+    Consumer::mainloop(p, w, rows, base, wg, lane, o, m, l, walk);
     EpilogueSm90<Cfg, Consumer::O_ACC>::run(p, w, rows.tile_row, lane, o, m, l);
   }
 
   static __device__ __forceinline__ void run(const PrefillParams& p, char* smem) {
     run_warp_specialized_cta<Cfg>(
         p, smem,
-        [&](const PrefillWork& w, uint32_t base, int tid) {
+        [&](const PrefillWork& w, uint32_t base, int tid, Sm90Walk& walk) {
           if constexpr (Cfg::TMA)
-            ProducerSm90Tma<Cfg>::run(p, w, base, tid);
+            ProducerSm90Tma<Cfg>::run(p, w, base, tid, walk);
           else
-            ProducerSm90<Cfg>::run(p, w, base, tid);
+            ProducerSm90<Cfg>::run(p, w, base, tid, walk);
         },
-        [&](const PrefillWork& w, uint32_t base, int wg, int tid) { consume(p, w, base, wg, tid); });
+        [&](const PrefillWork& w, uint32_t base, int wg, int tid, const Sm90Walk& walk) {
+          consume(p, w, base, wg, tid, walk);
+        });
   }
 };
 
@@ -63,11 +65,12 @@ struct PrefillSm90 : PrefillSm90Config<T, HEAD_DIM, BLOCK_N, CONSUMERS, STAGES, 
 
 // One extern "C" entry per variant (see PFA_DEFINE_PREFILL_SM80). SMEM: variants.py's smem_bytes,
 // checked against the kernel's layout at compile time.
-#define PFA_DEFINE_PREFILL_SM90(NAME, T, HD, BN, CONSUMERS, STAGES, PINGPONG, PAGED, TMA, SKIP, SMEM)         \
-  static_assert(pfa::PrefillSm90<T, HD, BN, CONSUMERS, STAGES, PINGPONG, PAGED, TMA, SKIP>::SMEM_BYTES == (SMEM), \
-                #NAME ": variants.py smem_bytes differs from the kernel's shared-memory layout");             \
-  extern "C" __global__ void __launch_bounds__((CONSUMERS + 1) * 128, 1)                                      \
-      NAME(const __grid_constant__ pfa::PrefillParams p) {                                                    \
-    extern __shared__ __align__(1024) char smem[];                                                            \
-    pfa::PrefillSm90<T, HD, BN, CONSUMERS, STAGES, PINGPONG, PAGED, TMA, SKIP>::run(p, smem);                  \
+#define PFA_DEFINE_PREFILL_SM90(NAME, T, HD, BN, CONSUMERS, STAGES, PINGPONG, PAGED, TMA, SKIP, PERSISTENT, SMEM) \
+  static_assert(                                                                                                 \
+      pfa::PrefillSm90<T, HD, BN, CONSUMERS, STAGES, PINGPONG, PAGED, TMA, SKIP, PERSISTENT>::SMEM_BYTES == (SMEM), \
+      #NAME ": variants.py smem_bytes differs from the kernel's shared-memory layout");                          \
+  extern "C" __global__ void __launch_bounds__((CONSUMERS + 1) * 128, 1)                                         \
+      NAME(const __grid_constant__ pfa::PrefillParams p) {                                                       \
+    extern __shared__ __align__(1024) char smem[];                                                               \
+    pfa::PrefillSm90<T, HD, BN, CONSUMERS, STAGES, PINGPONG, PAGED, TMA, SKIP, PERSISTENT>::run(p, smem);         \
   }

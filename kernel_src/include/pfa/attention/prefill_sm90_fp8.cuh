@@ -65,8 +65,11 @@ struct PrefillSm90Fp8 : PrefillSm90Fp8Config<HEAD_DIM, CONSUMERS, STAGES, PAGED>
 
   static __device__ __forceinline__ void run(const PrefillParams& p, char* smem) {
     run_warp_specialized_cta<Cfg>(
-        p, smem, [&](const PrefillWork& w, uint32_t base, int tid) { ProducerSm90Fp8<Cfg>::run(p, w, base, tid); },
-        [&](const PrefillWork& w, uint32_t base, int wg, int tid) { consume(p, w, base, wg, tid); });
+        p, smem,
+        [&](const PrefillWork& w, uint32_t base, int tid, Sm90Walk&) { ProducerSm90Fp8<Cfg>::run(p, w, base, tid); },
+        [&](const PrefillWork& w, uint32_t base, int wg, int tid, const Sm90Walk&) {
+          consume(p, w, base, wg, tid);
+        });
   }
 };
 

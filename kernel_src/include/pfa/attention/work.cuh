@@ -73,6 +73,27 @@ __device__ __forceinline__ bool load_plan_item(const PrefillParams& p, int item,
   return true;
 }
 
+// Where a CTA's block coordinates come from: its launch's (BlockGrid: blockIdx, gridDim), or block
+// `item` of the logical grid PrefillParams::grid_x/y/z that a persistent CTA walks (LogicalGrid,
+// x fastest: the order a one-CTA-a-block launch hands blocks out in).
+struct BlockGrid {
+  __device__ __forceinline__ int x() const { return blockIdx.x; }
+  __device__ __forceinline__ int y() const { return blockIdx.y; }
+  __device__ __forceinline__ int z() const { return blockIdx.z; }
+  __device__ __forceinline__ int dim_z() const { return gridDim.z; }
+};
+struct LogicalGrid {
+  int bx, by, bz, gz;
+  static __device__ __forceinline__ LogicalGrid at(const PrefillParams& p, int item) {
+    const int xy = p.grid_x * p.grid_y;
+    return {item % p.grid_x, item % xy / p.grid_x, item / xy, p.grid_z};
+  }
+  __device__ __forceinline__ int x() const { return bx; }
+  __device__ __forceinline__ int y() const { return by; }
+  __device__ __forceinline__ int z() const { return bz; }
+  __device__ __forceinline__ int dim_z() const { return gz; }
+};
+
 // Decode this CTA's work. False: nothing to do (padding item, or a row tile past the request,
 // which a plan never emits). GENERAL: the kernel honours custom masks.
 //
@@ -86,23 +107,24 @@ __device__ __forceinline__ bool load_plan_item(const PrefillParams& p, int item,
 // and that made hd64 measurably slower; only the kernels with the largest K/V per head (hd256)
 // gain enough to pay for it. SPEC: a lean kernel that honours XQA's speculative-decoding mask
 // (spec_mask_words > 0), no other custom mask.
-template <int BLOCK_M, int BLOCK_N, bool PAGED, bool GENERAL, bool HONOURS_ROWS_FASTEST, bool SPEC = false>
-__device__ __forceinline__ bool decode_work(const PrefillParams& p, PrefillWork& w) {
+template <int BLOCK_M, int BLOCK_N, bool PAGED, bool GENERAL, bool HONOURS_ROWS_FASTEST, bool SPEC = false,
+          class Grid = BlockGrid>
+__device__ __forceinline__ bool decode_work(const PrefillParams& p, PrefillWork& w, const Grid& g = Grid{}) {
   const bool rows_fastest = HONOURS_ROWS_FASTEST && p.rows_fastest != 0;
-  w.kv_head = rows_fastest ? blockIdx.z : blockIdx.x;
+  w.kv_head = rows_fastest ? g.z() : g.x();
   w.group = p.group_size;
   w.qo_len = p.qo_len;
   w.kv_len = p.kv_len;
-  w.chunk = blockIdx.y;
+  w.chunk = g.y();
   w.num_chunks = p.num_kv_chunks;
-  int tile_m = rows_fastest ? blockIdx.x : gridDim.z - 1 - blockIdx.z;  // heaviest first: causal rows grow down
+  int tile_m = rows_fastest ? g.x() : g.dim_z() - 1 - g.z();  // heaviest first: causal rows grow down
   w.q_row0 = 0;
   w.kv_row0 = 0;
   w.part_base = -1;
   w.page_base = 0;
   w.rule.bits = GENERAL || (SPEC && p.spec_mask_words > 0) ? reinterpret_cast<const uint8_t*>(p.custom_mask) : nullptr;
   // Batch plan: grid z indexes the work list, which the plan already ordered longest first.
-  if (p.work_request != 0 && !load_plan_item<PAGED, GENERAL || SPEC>(p, blockIdx.z, tile_m, w)) return false;
+  if (p.work_request != 0 && !load_plan_item<PAGED, GENERAL || SPEC>(p, g.z(), tile_m, w)) return false;
   w.rows_total = w.qo_len * w.group;
   w.r0 = tile_m * BLOCK_M;
   if (w.r0 >= w.rows_total) return false;

@@ -5,7 +5,7 @@
 // 128-byte-swizzle layout (ptx/sm90.cuh): column blocks of 64 elements, 128-byte rows, chunk c of
 // row r at c ^ (r % 8). Layout, each part 1024-byte aligned:
 //   Q [BLOCK_M x D] | K stages [STAGES][BLOCK_N x D] | V stages [STAGES][BLOCK_N x D] | mbarriers
-//   | (TMA) the tail tile's mbarrier
+//   | (TMA) the tail tile's mbarrier | (PERSISTENT) the Q tile's "empty" mbarrier
 #pragma once
 #include <stdint.h>
 
@@ -18,7 +18,8 @@ constexpr int sm90_bar_offset(int head_dim, int block_n, int consumers, int stag
   return consumers * 64 * head_dim * 2 + 2 * stages * block_n * head_dim * 2;
 }
 
-template <typename T_, int HEAD_DIM_, int BLOCK_N_, int CONSUMERS_, int STAGES_, bool PAGED_, bool TMA_ = false>
+template <typename T_, int HEAD_DIM_, int BLOCK_N_, int CONSUMERS_, int STAGES_, bool PAGED_, bool TMA_ = false,
+          bool PERSISTENT_ = false>
 struct PrefillSm90Config
     : Sm90Pipeline<CONSUMERS_, STAGES_, sm90_bar_offset(HEAD_DIM_, BLOCK_N_, CONSUMERS_, STAGES_)> {
   using Base = Sm90Pipeline<CONSUMERS_, STAGES_, sm90_bar_offset(HEAD_DIM_, BLOCK_N_, CONSUMERS_, STAGES_)>;
@@ -35,6 +36,10 @@ struct PrefillSm90Config
   // K/V tiles by TMA (PrefillParams::k_tmap / v_tmap; producer_tma.cuh): one producer warp issues
   // the boxes of a tile instead of every producer thread a cp.async per chunk.
   static constexpr bool TMA = TMA_;
+  // The CTAs walk the logical grid (PrefillParams::grid_x/y/z, sm90/cta.cuh) instead of one CTA a
+  // block: the K/V ring runs on across work items, and the producer loads the next item's Q once
+  // the consumers have released this one's (q_empty), while they finish its last tiles and epilogue.
+  static constexpr bool PERSISTENT = PERSISTENT_;
   static_assert(!PAGED || TMA || BLOCK_N <= 128, "paged by cp.async: one lane of a producer warp owns each row");
   static_assert(HEAD_DIM % 64 == 0, "head_dim in whole 128-byte swizzle blocks");
   static_assert(BLOCK_N % 16 == 0 && BLOCK_N <= 256, "BLOCK_N: k-steps of 16 keys, one wgmma N");
@@ -50,8 +55,13 @@ struct PrefillSm90Config
   // kv_len and completes the stage itself (producer_tma.cuh)
   static constexpr int TAIL_BAR_OFFSET = BAR_OFFSET + NUM_BARRIERS * 8;
   static constexpr int TAIL_BAR_BYTES = TMA ? 8 : 0;
+  // PERSISTENT: the Q tile's "empty" barrier, one arrival per consumer warp once the last S of a
+  // work item has read Q
+  static constexpr int Q_EMPTY_BAR_OFFSET = TAIL_BAR_OFFSET + TAIL_BAR_BYTES;
+  static constexpr int Q_EMPTY_BAR_BYTES = PERSISTENT ? 8 : 0;
+  static __device__ __forceinline__ uint32_t q_empty(uint32_t base) { return base + Q_EMPTY_BAR_OFFSET; }
   // + 1024: the dynamic shared memory base is rounded up to the swizzle atom at run time
-  static constexpr int SMEM_BYTES = TAIL_BAR_OFFSET + TAIL_BAR_BYTES + ATOM_BYTES;
+  static constexpr int SMEM_BYTES = Q_EMPTY_BAR_OFFSET + Q_EMPTY_BAR_BYTES + ATOM_BYTES;
   // named barriers after the pipeline's (sm90/pipeline.cuh): each consumer's skip-softmax vote
   static constexpr int SKIP_VOTE_BAR = PRODUCER_BAR + 1;  // + the consumer's index
   static_assert(SKIP_VOTE_BAR + CONSUMERS <= 16, "16 named barriers");

@@ -16,6 +16,7 @@
 
 #include "pfa/attention/params.h"
 #include "pfa/attention/sm90/config.cuh"
+#include "pfa/attention/sm90/pipeline.cuh"
 #include "pfa/attention/softmax_state.cuh"
 #include "pfa/attention/variant.cuh"
 #include "pfa/attention/work.cuh"
@@ -181,32 +182,42 @@ struct ConsumerSm90 {
   // that P V is still on the tensor cores (FlashAttention-3's intra-warpgroup overlap): S of one
   // tile and P of the previous are live at once. Each tile then waits for its K stage; its V stage
   // is waited for one tile later.
+  //
+  // walk: where the CTA stands in the ring (sm90/pipeline.cuh): stage and phase of each tile, and
+  // the Q's phase. PERSISTENT: each warp releases Q (q_empty) once the last tile's S has read it.
   static __device__ __forceinline__ void mainloop(const PrefillParams& p, const PrefillWork& w, const Rows& r,
                                                   uint32_t base, int wg, int lane, float (&o)[O_ACC], float (&m)[2],
-                                                  float (&l)[2]) {
+                                                  float (&l)[2], const Sm90Walk& walk) {
     const float scale = logit_scale(p);  // honours scale_dev (a tensor bmm1_scale, read at launch)
     const uint32_t s_q = base + Cfg::Q_OFFSET;
     const Turns turn{wg};
     const int n = w.num_tiles;
     if (n == 0) return;
+    auto release_q = [&](int it) {
+      if constexpr (Cfg::PERSISTENT) {
+        if (it == n - 1 && lane == 0) ptx::mbar_arrive(Cfg::q_empty(base));
+      }
+    };
     // consumer 0 takes the first turn, given by the last one
     if (PINGPONG && wg == Cfg::CONSUMERS - 1) ptx::bar_arrive(1, 2 * Cfg::WG_THREADS);
     // No proxy fence after the waits: a cp.async's arrival on an mbarrier (cp_async_mbar_arrive)
     // makes its writes visible to the waiting threads' wgmma, as FlashAttention-3's cp.async
     // producer relies on.
-    ptx::mbar_wait(Cfg::q_full(base), 0);
+    ptx::mbar_wait(Cfg::q_full(base), walk.q_round & 1);
     float s[S_ACC];
     uint32_t a[PV_STEPS][4];
     float corr[2];
-    ptx::mbar_wait(Cfg::k_full(base, 0), 0);
+    const int st0 = walk.stage<STAGES>(0);
+    ptx::mbar_wait(Cfg::k_full(base, st0), walk.phase<STAGES>(0));
     turn.take();
     ptx::wgmma_fence();
-    issue_qk(s, s_q, base + Cfg::K_OFFSET, wg);
+    issue_qk(s, s_q, base + Cfg::K_OFFSET + st0 * Cfg::KV_TILE_BYTES, wg);
     ptx::wgmma_commit();
     turn.pass();
     ptx::wgmma_wait<0>();
     ptx::wgmma_fence_regs(s);
-    if (lane == 0) ptx::mbar_arrive(Cfg::k_empty(base, 0));
+    if (lane == 0) ptx::mbar_arrive(Cfg::k_empty(base, st0));
+    release_q(0);
     if (!w.rule.keeps_all(r.q_lo, r.q_hi, w.tile_start, w.tile_start + BLOCK_N - 1)) mask(s, r, w.tile_start, lane);
     const SkipSoftmax skip = SkipSoftmax::make(p.skip_softmax_factor, w.kv_len);
     softmax(s, m, l, corr, scale, false, skip, w, r, wg);
@@ -215,10 +226,10 @@ struct ConsumerSm90 {
     // is left out, its commit group empty, so the waits below count groups as before.
     bool pv_prev = true;  // tile it - 1 has a P V to issue
     for (int it = 1; it < n; ++it) {
-      const int st = it % STAGES, prev = (it - 1) % STAGES;
+      const int st = walk.stage<STAGES>(it), prev = walk.stage<STAGES>(it - 1);
       const int n0 = w.tile_start + it * BLOCK_N;
-      ptx::mbar_wait(Cfg::k_full(base, st), (it / STAGES) & 1);
-      ptx::mbar_wait(Cfg::v_full(base, prev), ((it - 1) / STAGES) & 1);
+      ptx::mbar_wait(Cfg::k_full(base, st), walk.phase<STAGES>(it));
+      ptx::mbar_wait(Cfg::v_full(base, prev), walk.phase<STAGES>(it - 1));
       turn.take();
       ptx::wgmma_fence();
       issue_qk(s, s_q, base + Cfg::K_OFFSET + st * Cfg::KV_TILE_BYTES, wg);
@@ -229,6 +240,7 @@ struct ConsumerSm90 {
       ptx::wgmma_wait<1>();  // S of this tile (groups complete in order); P V still running
       ptx::wgmma_fence_regs(s);
       if (lane == 0) ptx::mbar_arrive(Cfg::k_empty(base, st));
+      release_q(it);
       if (!w.rule.keeps_all(r.q_lo, r.q_hi, n0, n0 + BLOCK_N - 1)) mask(s, r, n0, lane);
       const bool skipped = softmax(s, m, l, corr, scale, SKIP && skip.on(), skip, w, r, wg);
       ptx::wgmma_wait<0>();
@@ -239,8 +251,8 @@ struct ConsumerSm90 {
       p_frags(s, a);  // a skipped tile's too (never issued): a's live range stays the loop's own
       pv_prev = !skipped;
     }
-    const int last = (n - 1) % STAGES;
-    ptx::mbar_wait(Cfg::v_full(base, last), ((n - 1) / STAGES) & 1);
+    const int last = walk.stage<STAGES>(n - 1);
+    ptx::mbar_wait(Cfg::v_full(base, last), walk.phase<STAGES>(n - 1));
     turn.take();
     ptx::wgmma_fence();
     if (!SKIP || pv_prev) issue_pv(o, a, base + Cfg::V_OFFSET + last * Cfg::KV_TILE_BYTES);

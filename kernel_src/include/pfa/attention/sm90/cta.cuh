@@ -1,10 +1,20 @@
 // The warp-specialised CTA both sm_90a prefills (16-bit: prefill_sm90.cuh, fp8:
-// prefill_sm90_fp8.cuh) run: the work item, the mbarrier ring, then warpgroup 0 produces (with
+// prefill_sm90_fp8.cuh) run: the work item(s), the mbarrier ring, then warpgroup 0 produces (with
 // its registers given up to the consumers) and warpgroups 1..CONSUMERS consume.
+//
+// Cfg::PERSISTENT: the launch has at most a CTA per SM, and each CTA walks the logical grid
+// (PrefillParams::grid_x/y/z) in rounds, boustrophedon: round r gives CTA c block r * G + c (even
+// r) or r * G + G - 1 - c (odd r), G CTAs. Blocks come in the logical grid's order, heaviest first
+// (work.cuh), so the snake evens out what each CTA gets where a round's blocks differ (causal row
+// tiles, a batch plan's longest-first list). Both roles decode the same blocks in the same order
+// and keep their own Sm90Walk, so no block index is passed between them; the ring and the Q
+// barriers run on across blocks, which is what overlaps one block's epilogue with the next one's
+// first loads.
 #pragma once
 #include <stdint.h>
 
 #include "pfa/attention/params.h"
+#include "pfa/attention/sm90/pipeline.cuh"
 #include "pfa/attention/sm90/producer.cuh"
 #include "pfa/attention/work.cuh"
 #include "pfa/ptx/pdl.cuh"
@@ -12,9 +22,17 @@
 
 namespace pfa {
 
-// produce(w, base, tid): the producer warpgroup; consume(w, base, wg, tid): consumer wg (0 ..
-// CONSUMERS - 1), tid its thread within the warpgroup. base: the shared window's address of
-// the dynamic shared memory, rounded up to the swizzle atom.
+// Block `k` of this CTA's walk (PERSISTENT), or -1 past the logical grid.
+__device__ __forceinline__ int persistent_block(const PrefillParams& p, int k) {
+  const int G = gridDim.x, c = blockIdx.x;
+  const int b = k * G + ((k & 1) ? G - 1 - c : c);
+  return b < p.grid_x * p.grid_y * p.grid_z ? b : -1;
+}
+
+// produce(w, base, tid, walk): the producer warpgroup; consume(w, base, wg, tid, walk): consumer
+// wg (0 .. CONSUMERS - 1), tid its thread within the warpgroup, walk its Sm90Walk (advanced here
+// after each block). base: the shared window's address of the dynamic shared memory, rounded up to
+// the swizzle atom.
 template <class Cfg, class Produce, class Consume>
 __device__ __forceinline__ void run_warp_specialized_cta(const PrefillParams& p, char* smem, Produce produce,
                                                          Consume consume) {
@@ -22,19 +40,49 @@ __device__ __forceinline__ void run_warp_specialized_cta(const PrefillParams& p,
   ptx::allow_dependents();
   ptx::wait_prior_grids();
   const uint32_t base = (ptx::smem_u32(smem) + Cfg::ATOM_BYTES - 1) & ~(uint32_t)(Cfg::ATOM_BYTES - 1);
-  PrefillWork w;
+  const int tid = threadIdx.x, wg = tid / Cfg::WG_THREADS;
   // Honours rows_fastest (a head's row tiles together, its K/V shared in L2): the register it
   // costs is no constraint here.
-  if (!decode_work<Cfg::BLOCK_M, Cfg::BLOCK_N, Cfg::PAGED, false, true>(p, w)) return;
-  const int tid = threadIdx.x, wg = tid / Cfg::WG_THREADS;
-  if (tid == 0) init_ring_barriers<Cfg>(base);
-  __syncthreads();
-  if (wg == 0) {
-    ptx::setmaxnreg_dec<Cfg::PRODUCER_REGS>();
-    produce(w, base, tid);
+  if constexpr (!Cfg::PERSISTENT) {
+    PrefillWork w;
+    if (!decode_work<Cfg::BLOCK_M, Cfg::BLOCK_N, Cfg::PAGED, false, true>(p, w)) return;
+    if (tid == 0) init_ring_barriers<Cfg>(base);
+    __syncthreads();
+    Sm90Walk walk;
+    if (wg == 0) {
+      ptx::setmaxnreg_dec<Cfg::PRODUCER_REGS>();
+      produce(w, base, tid, walk);
+    } else {
+      ptx::setmaxnreg_inc<Cfg::CONSUMER_REGS>();
+      consume(w, base, wg - 1, tid % Cfg::WG_THREADS, walk);
+    }
   } else {
-    ptx::setmaxnreg_inc<Cfg::CONSUMER_REGS>();
-    consume(w, base, wg - 1, tid % Cfg::WG_THREADS);
+    if (tid == 0) init_ring_barriers<Cfg>(base);
+    __syncthreads();
+    // Each role runs its own loop: code after setmaxnreg that both roles shared would hold them to
+    // one register budget (ptxas then ignores setmaxnreg and spills).
+    auto walk_blocks = [&](auto&& role) {
+      Sm90Walk walk;
+#pragma unroll 1
+      for (int k = 0;; ++k) {
+        const int b = persistent_block(p, k);
+        if (b < 0) break;
+        PrefillWork w;
+        if (!decode_work<Cfg::BLOCK_M, Cfg::BLOCK_N, Cfg::PAGED, false, true>(p, w, LogicalGrid::at(p, b))) continue;
+        role(w, walk);
+        walk.advance(w.num_tiles);
+      }
+    };
+    if (wg == 0) {
+      ptx::setmaxnreg_dec<Cfg::PRODUCER_REGS>();
+      walk_blocks([&](const PrefillWork& w, Sm90Walk& walk) { produce(w, base, tid, walk); });
+      // Every cp.async lands before the CTA exits (the barriers they arrive on live in its shared memory).
+      ptx::cp_async_commit();
+      ptx::cp_async_wait<0>();
+    } else {
+      ptx::setmaxnreg_inc<Cfg::CONSUMER_REGS>();
+      walk_blocks([&](const PrefillWork& w, Sm90Walk& walk) { consume(w, base, wg - 1, tid % Cfg::WG_THREADS, walk); });
+    }
   }
 }
 

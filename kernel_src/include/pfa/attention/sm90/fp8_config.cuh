@@ -40,6 +40,7 @@ struct PrefillSm90Fp8Config : Sm90Pipeline<CONSUMERS_, STAGES_, sm90_fp8_bar_off
   using Out16 = __nv_bfloat16;
   static constexpr int HEAD_DIM = HEAD_DIM_, BLOCK_N = 128;
   static constexpr bool PAGED = PAGED_, TMA = false;
+  static constexpr bool PERSISTENT = false;  // one CTA a block (sm90/cta.cuh)
   static_assert(HEAD_DIM == 64 || HEAD_DIM % 128 == 0, "fp8: head_dim in whole (or, 64, half) swizzle rows");
 
   static constexpr int CHUNK_ELEMS = 16;                 // e4m3 elements per 16-byte chunk

@@ -8,6 +8,29 @@
 
 namespace pfa {
 
+// Where a CTA's roles stand in the ring after the work items it has run (sm90/cta.cuh): a work
+// item's K/V tile `it` sits in stage (tile0 + it) % STAGES at phase ((tile0 + it) / STAGES) & 1,
+// and its Q is the q_round-th Q the CTA loads (q_full / q_empty phase q_round & 1). Each role
+// keeps its own copy and advances it by the same items. A one-CTA-a-block kernel runs one item
+// from zero.
+struct Sm90Walk {
+  int tile0 = 0;    // K/V tiles of the items before
+  int q_round = 0;  // items before that loaded a Q (those with a tile to visit)
+  int tails = 0;    // (TMA producer) tail tiles before: the tail barrier's phase
+  __device__ __forceinline__ void advance(int num_tiles) {
+    tile0 += num_tiles;
+    q_round += num_tiles > 0;
+  }
+  template <int STAGES>
+  __device__ __forceinline__ int stage(int it) const {
+    return (tile0 + it) % STAGES;
+  }
+  template <int STAGES>
+  __device__ __forceinline__ uint32_t phase(int it) const {
+    return ((tile0 + it) / STAGES) & 1;
+  }
+};
+
 template <int CONSUMERS_, int STAGES_, int BAR_OFFSET_>
 struct Sm90Pipeline {
   static constexpr int CONSUMERS = CONSUMERS_, STAGES = STAGES_, BAR_OFFSET = BAR_OFFSET_;
@@ -27,6 +50,12 @@ struct Sm90Pipeline {
   static constexpr int PRODUCER_REGS = CONSUMERS == 2 ? 40 : 32;
   static constexpr int CONSUMER_REGS = CONSUMERS == 2 ? 232 : 160;
   static_assert(PRODUCER_REGS * WG_THREADS + CONSUMER_REGS * WG_THREADS * CONSUMERS <= 65536, "register file");
+  // setmaxnreg moves registers within what the launch gave the CTA (__launch_bounds__(THREADS, 1):
+  // 65536 / THREADS a thread, in steps of 8): the consumers' increase must come out of what the
+  // producer gives up, or their setmaxnreg.inc waits forever.
+  static constexpr int LAUNCH_REGS = 65536 / THREADS / 8 * 8;
+  static_assert((LAUNCH_REGS - PRODUCER_REGS) >= (CONSUMER_REGS - LAUNCH_REGS) * CONSUMERS,
+                "the consumers' registers come from the producer's");
 
   // Byte offset of (row, 16-byte chunk) in a swizzled tile of `rows` rows.
   static __device__ __forceinline__ uint32_t swz(int rows, int row, int chunk) {

@@ -12,11 +12,19 @@
 #include "pfa/attention/kv_source.cuh"
 #include "pfa/attention/params.h"
 #include "pfa/attention/sm90/config.cuh"
+#include "pfa/attention/sm90/pipeline.cuh"
 #include "pfa/attention/work.cuh"
 #include "pfa/ptx/mma_sm80.cuh"
 #include "pfa/ptx/sm90.cuh"
 
 namespace pfa {
+
+// The Q tile of a work item with tiles to visit (none is loaded for an empty one: its consumers
+// write empty rows without waiting): PERSISTENT, once the consumers have released the last one.
+template <class Cfg>
+__device__ __forceinline__ void wait_q_free(uint32_t base, const Sm90Walk& walk) {
+  if constexpr (Cfg::PERSISTENT) ptx::mbar_wait(Cfg::q_empty(base), (walk.q_round & 1) ^ 1);
+}
 
 // Q: BLOCK_M packed rows (row r = token r / group, head kv_head * group + r % group) of elements E
 // into the 128-byte-swizzled Q tile at s_q, CPR 16-byte chunks a row, ROW_STEP rows between one
@@ -41,10 +49,11 @@ __device__ __forceinline__ void load_q_rows(const PrefillParams& p, const Prefil
 // The pipeline's mbarriers (the Cfg's q_full, then per stage k_full, v_full, k_empty, v_empty):
 // the full ones count one arrival per producer thread (its cp.async, or in the fp8 kernels its
 // V transpose), or (TMA) the issuing warp's one; the empty ones one per consumer warp; (TMA) the
-// tail tile's barrier one, the issuing warp's.
+// tail tile's barrier one, the issuing warp's; (PERSISTENT) Q's empty one one per consumer warp.
 template <class Cfg>
 __device__ __forceinline__ void init_ring_barriers(uint32_t base) {
   ptx::mbar_init(Cfg::q_full(base), Cfg::WG_THREADS);
+  if constexpr (Cfg::PERSISTENT) ptx::mbar_init(Cfg::q_empty(base), Cfg::CONSUMERS * 4);
 #pragma unroll
   for (int s = 0; s < Cfg::STAGES; ++s) {
     ptx::mbar_init(Cfg::k_full(base, s), Cfg::TMA ? 1 : Cfg::WG_THREADS);
@@ -157,7 +166,10 @@ struct ProducerSm90 {
   }
 
   // base: the aligned shared-memory base as a shared-window address.
-  static __device__ __forceinline__ void run(const PrefillParams& p, const PrefillWork& w, uint32_t base, int tid) {
+  static __device__ __forceinline__ void run(const PrefillParams& p, const PrefillWork& w, uint32_t base, int tid,
+                                             const Sm90Walk& walk) {
+    if (w.num_tiles == 0) return;
+    wait_q_free<Cfg>(base, walk);
     load_q(p, w, base + Cfg::Q_OFFSET, tid);
     ptx::cp_async_mbar_arrive(Cfg::q_full(base));
     const T* k = reinterpret_cast<const T*>(p.k) + w.kv_head * p.k_stride_h;
@@ -175,8 +187,8 @@ struct ProducerSm90 {
       next_v = v_ids ? owned_page_id<Cfg, CPR, ROW_STEP>(p, v_pages, w.tile_start + row, w.kv_len, tid) : next_k;
     }
     for (int it = 0; it < w.num_tiles; ++it) {
-      const int s = it % STAGES;
-      const uint32_t free_parity = ((it / STAGES) & 1) ^ 1;
+      const int s = walk.stage<STAGES>(it);
+      const uint32_t free_parity = walk.phase<STAGES>(it) ^ 1;
       const int n0 = w.tile_start + it * BLOCK_N;
       int64_t k_off = 0, v_off = 0;
       if constexpr (PAGED) {
@@ -194,8 +206,8 @@ struct ProducerSm90 {
                 Cfg::v_full(base, s), free_parity, tid, keep);
     }
     // Every cp.async lands before the warpgroup exits (the barriers they arrive on live in the
-    // CTA's shared memory).
-    ptx::cp_async_wait<0>();
+    // CTA's shared memory; PERSISTENT: after its last block, run_warp_specialized_cta).
+    if constexpr (!Cfg::PERSISTENT) ptx::cp_async_wait<0>();
   }
 };
 

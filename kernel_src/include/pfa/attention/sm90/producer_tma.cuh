@@ -30,6 +30,7 @@
 #include "pfa/attention/kv_source.cuh"
 #include "pfa/attention/params.h"
 #include "pfa/attention/sm90/config.cuh"
+#include "pfa/attention/sm90/pipeline.cuh"
 #include "pfa/attention/sm90/producer.cuh"
 #include "pfa/attention/work.cuh"
 #include "pfa/ptx/mma_sm80.cuh"
@@ -165,7 +166,11 @@ struct ProducerSm90Tma {
   }
 
   // base: the aligned shared-memory base (shared window).
-  static __device__ __forceinline__ void run(const PrefillParams& p, const PrefillWork& w, uint32_t base, int tid) {
+  // walk: the CTA's place in the ring (its tails field counts this producer's tail tiles).
+  static __device__ __forceinline__ void run(const PrefillParams& p, const PrefillWork& w, uint32_t base, int tid,
+                                             Sm90Walk& walk) {
+    if (w.num_tiles == 0) return;
+    wait_q_free<Cfg>(base, walk);
     ProducerSm90<Cfg>::load_q(p, w, base + Cfg::Q_OFFSET, tid);
     ptx::cp_async_mbar_arrive(Cfg::q_full(base));
     const int warp = tid / 32, lane = tid % 32;
@@ -176,7 +181,8 @@ struct ProducerSm90Tma {
     const bool v_ids = PAGED && p.v_page_indices != 0;  // V has page ids of its own
     const T* k = reinterpret_cast<const T*>(p.k) + w.kv_head * p.k_stride_h;
     const T* v = reinterpret_cast<const T*>(p.v) + w.kv_head * p.v_stride_h;
-    // A CTA's key range holds at most one tail (the request's last tile): its barrier's phase 0.
+    // A work item's key range holds at most one tail (the request's last tile): its barrier's
+    // phase is the count of tails before (one a block of a persistent CTA's walk at most).
     const uint32_t tail_bar = base + Cfg::TAIL_BAR_OFFSET;
     // Boxes of a whole tile, once: the steady state does no division (live_boxes only in the tail).
     const int all_boxes = rows > 0 ? BLOCK_N / rows : 0;
@@ -188,11 +194,11 @@ struct ProducerSm90Tma {
       id_v = v_ids ? box_page_id<true>(p, w, w.tile_start, rows, box, live) : id;
     }
     for (int it = 0; it < w.num_tiles; ++it) {
-      const int s = it % STAGES;
-      const uint32_t free_parity = ((it / STAGES) & 1) ^ 1;
+      const int s = walk.stage<STAGES>(it);
+      const uint32_t free_parity = walk.phase<STAGES>(it) ^ 1;
       const int n0 = w.tile_start + it * BLOCK_N;
       const bool tma = by_tma(p, w, rows, n0), tail = n0 + BLOCK_N > w.kv_len;
-      if (warp != 0 && tma) continue;  // warps 1..3 take part in the copied tiles only
+      if (warp != 0 && tma) continue;  // warps 1..3 take part in the copied tiles only (never a TMA tail)
       // the next tile's page ids, loaded while this tile waits for its stage
       int32_t next = 0, next_v = 0;
       if (PAGED && warp == 0 && it + 1 < w.num_tiles && by_tma(p, w, rows, n0 + BLOCK_N)) {
@@ -210,7 +216,8 @@ struct ProducerSm90Tma {
         if (!tail)
           tma_tile(p, w, v_tile, &p.v_tmap, Cfg::v_full(base, s), n0, rows, all_boxes, id_v, box, col, lane, keep);
         else
-          tma_tail_v(p, w, v_tile, tail_bar, 0, Cfg::v_full(base, s), n0, rows, id_v, box, col, lane, keep);
+          tma_tail_v(p, w, v_tile, tail_bar, walk.tails & 1, Cfg::v_full(base, s), n0, rows, id_v, box, col, lane,
+                     keep);
       } else {
         int32_t ids[ID_REGS];
         if (PAGED) row_page_ids<false>(p, w, n0, lane, ids);
@@ -222,9 +229,12 @@ struct ProducerSm90Tma {
       }
       id = next;
       id_v = next_v;
+      if (tma && tail) ++walk.tails;
     }
-    ptx::cp_async_commit();
-    ptx::cp_async_wait<0>();
+    if constexpr (!Cfg::PERSISTENT) {
+      ptx::cp_async_commit();
+      ptx::cp_async_wait<0>();
+    }
   }
 };
 
