@@ -150,6 +150,8 @@ def extract(bench: str, data: dict) -> dict:
             row = f"hd{r.get('head_dim')} seq{r.get('seq')} {_causal(r.get('causal'))}"
             errs = r.get("errors") or []
             m.add(row, "pfa TFLOP/s", "tput", "pfa", r.get("pfa_tflops"), errs)
+            if "fp8_tflops" in r:  # the e4m3 q / k / v column (sm_90 GPUs)
+                m.add(row, "pfa fp8 TFLOP/s", "tput", "pfa", r.get("fp8_tflops"), errs)
             if "pfa_b_tflops" in r:  # batch columns (full runs only)
                 m.add(row, "pfa x b TFLOP/s", "tput", "pfa", r.get("pfa_b_tflops"), errs)
             for peer in ("flash", "cudnn"):

@@ -59,34 +59,49 @@ struct ProducerSm90Fp8 {
     const uint8_t* src = head + (row0 + n0 + r0) * stride_n + chunk * Cfg::CHUNK_ELEMS;
     const int64_t step = (int64_t)ROW_STEP * stride_n;
     const int valid_rows = kv_len - n0 - r0;
+    // A thread's rows are ROW_STEP apart, a multiple of the swizzle's 8-row repeat: one swizzled
+    // offset, then whole rows (not the swizzle worked out again for every copy).
+    static_assert(ROW_STEP % 8 == 0, "the thread's rows share their swizzle phase");
+    const uint32_t dst = s_tile + Cfg::swz(BLOCK_N, r0, chunk);
     // Partly rolled: with the transpose's addresses live too, a full unroll spills on PRODUCER_REGS
     // (two rows per pass fit 40 registers, one row 32).
 #pragma unroll(LOAD_UNROLL)
     for (int i = 0; i < BLOCK_N / ROW_STEP; ++i) {
       const bool valid = i * ROW_STEP < valid_rows;
-      ptx::cp_async_16_hint(s_tile + Cfg::swz(BLOCK_N, r0 + i * ROW_STEP, chunk),
+      ptx::cp_async_16_hint(dst + i * ROW_STEP * Cfg::ROW_BYTES,
                             valid ? static_cast<const void*>(src) : static_cast<const void*>(head), valid, policy);
       src += step;
     }
   }
 
   // Raw V tile [key][dim] -> Vt tile [dim][key in the order above] (every producer thread).
+  // Warp w's step i covers the 16-key group g = w + 4 (i & 1) and the 32-dim block c = i >> 1, so
+  // each address is a per-lane base plus what c and i & 1 add:
+  //   ldmatrix: key 16 g + 8 (q & 1) + r (key & 7 = r), chunk 2 c + (q >> 1), whose swizzled
+  //     chunk (chunk & 7) ^ r = 2 ((c & 3) ^ (r >> 1)) + ((q >> 1) ^ (r & 1));
+  //   stmatrix: Vt row 32 c + dl (dl below: dim & 7 = dl & 7), chunk g.
   static __device__ __forceinline__ void transpose_v(uint32_t s_raw, uint32_t s_vt, int tid) {
+    constexpr int ROW_BYTES = Cfg::ROW_BYTES;
     const int lane = tid % 32, warp = tid / 32;
     const int q = lane / 8, r = lane % 8;  // the matrix and row whose address this lane passes
-    // Rolled: the producer runs on PRODUCER_REGS registers, too few for every step's addresses.
+    const int rh = r >> 1;
+    const int dl = 16 * (q >> 1) + 4 * (r >> 1) + 2 * (q & 1) + (r & 1);  // memory row r of matrix q: dim D(q, r/2, r%2)
+    const uint32_t ld_lane = s_raw + (16 * warp + 8 * (q & 1) + r) * ROW_BYTES + (((q >> 1) ^ (r & 1)) << 4);
+    const uint32_t st_lane = s_vt + dl * ROW_BYTES;
+    // Rolled over the dim blocks: the producer runs on PRODUCER_REGS registers.
 #pragma unroll 1
-    for (int i = 0; i < T_STEPS / 4; ++i) {
-      const int step = warp + 4 * i;
-      const int g = step % (BLOCK_N / 16), d0 = step / (BLOCK_N / 16) * 32;  // 16-key group, 32-dim block
-      uint32_t x[4];
-      const int key = 16 * g + 8 * (q & 1) + r;
-      ptx::ldmatrix_x4(x, s_raw + Cfg::swz(BLOCK_N, key, d0 / 16 + (q >> 1)));
-      const uint32_t y0 = __byte_perm(x[0], x[1], 0x5140), y1 = __byte_perm(x[0], x[1], 0x7362);
-      const uint32_t y2 = __byte_perm(x[2], x[3], 0x5140), y3 = __byte_perm(x[2], x[3], 0x7362);
-      // memory row r of matrix q: dim D(q, r / 2, r % 2)
-      const int dim = d0 + 16 * (q >> 1) + 4 * (r >> 1) + 2 * (q & 1) + (r & 1);
-      ptx::stmatrix_x4_trans(s_vt + Cfg::swz(HEAD_DIM, dim, g), y0, y1, y2, y3);
+    for (int c = 0; c < HEAD_DIM / 32; ++c) {
+      const uint32_t ld_c = ld_lane + (c >> 2) * BLOCK_N * ROW_BYTES + (((c & 3) ^ rh) << 5);
+      const uint32_t st_c = st_lane + 32 * c * ROW_BYTES;
+#pragma unroll
+      for (int h = 0; h < 2; ++h) {
+        const int g = warp + 4 * h;
+        uint32_t x[4];
+        ptx::ldmatrix_x4(x, ld_c + h * 64 * ROW_BYTES);
+        const uint32_t y0 = __byte_perm(x[0], x[1], 0x5140), y1 = __byte_perm(x[0], x[1], 0x7362);
+        const uint32_t y2 = __byte_perm(x[2], x[3], 0x5140), y3 = __byte_perm(x[2], x[3], 0x7362);
+        ptx::stmatrix_x4_trans(st_c + ((g ^ (dl & 7)) << 4), y0, y1, y2, y3);
+      }
     }
   }
 
