@@ -114,11 +114,16 @@ __device__ __forceinline__ void load_tile_paged(uint32_t s_tile, const E* head, 
   static_assert(Rows::FITS, "paged: one owning lane per row of a warp");
   const int chunk = tid % CPR, r0 = tid / CPR, b = r0 % Rows::WARP_R0;
   const char* src = reinterpret_cast<const char*>(head) + chunk * Cfg::CHUNK_BYTES;
+  // Rows ROW_STEP apart share their swizzle phase when ROW_STEP is a multiple of its 8-row repeat:
+  // one swizzled offset plus whole rows then (not the swizzle worked out for every copy).
+  const uint32_t dst0 = s_tile + Cfg::swz(Cfg::BLOCK_N, r0, chunk);
 #pragma unroll(UNROLL)
   for (int i = 0; i < Cfg::BLOCK_N / ROW_STEP; ++i) {
     const int r = r0 + i * ROW_STEP;
     const int64_t off = __shfl_sync(0xffffffffu, row_off, i * Rows::WARP_R0 + b);
-    ptx::cp_async_16_hint(s_tile + Cfg::swz(Cfg::BLOCK_N, r, chunk), src + off, n0 + r < kv_len, policy);
+    const uint32_t dst =
+        ROW_STEP % 8 == 0 ? dst0 + i * ROW_STEP * Cfg::ROW_BYTES : s_tile + Cfg::swz(Cfg::BLOCK_N, r, chunk);
+    ptx::cp_async_16_hint(dst, src + off, n0 + r < kv_len, policy);
   }
 }
 
