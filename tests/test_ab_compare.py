@@ -224,10 +224,22 @@ def test_value_format():
     assert [ab.fmt_value(v) for v in (None, 2.5123, 312.44, 18.8, 1234.6)] == ["-", "2.512", "312.4", "18.8", "1235"]
 
 
+def test_the_fp8_column_is_compared_as_pyflashattn_throughput():
+    before = prefill_json({(128, 2048, False): 500.0})
+    after = prefill_json({(128, 2048, False): 500.0})
+    before["rows"][0]["fp8_tflops"], after["rows"][0]["fp8_tflops"] = 600.0, 550.0
+    b, a = ab.extract("prefill", before), ab.extract("prefill", after)
+    key = "hd128 seq2048 non-causal | pfa fp8 TFLOP/s"
+    assert b[key]["role"] == "pfa" and b[key]["kind"] == "tput"
+    assert (b[key]["value"], a[key]["value"]) == (600.0, 550.0)
+    # a run without the column (a GPU without fp8 kernels) adds no row
+    assert not any("fp8" in k for k in ab.extract("prefill", prefill_json({(128, 2048, False): 500.0})))
+
+
 def test_the_bench_writers_still_use_the_keys_the_merge_reads():
     # a renamed JSON key in a bench module would silently turn its rows 'missing'
-    keys = {"prefill": ["pfa_tflops", "flash_tflops", "cudnn_tflops", "host_overhead", "pfa_us", "pfa_out_us",
-                        "torch_sdpa_us", "head_dim", "seq", "causal", "errors"],
+    keys = {"prefill": ["pfa_tflops", "fp8_tflops", "flash_tflops", "cudnn_tflops", "host_overhead", "pfa_us",
+                        "pfa_out_us", "torch_sdpa_us", "head_dim", "seq", "causal", "errors"],
             "batch": ['"host_plan"', '"host_run"', "_tflops", "sdpa_loop", "fp8_paged", "single", '"batch"',
                       "_us"],
             "decode": ['"single"', "copy_tbps", "_tbps", '"case"', '"head_dim"']}
