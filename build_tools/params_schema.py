@@ -139,6 +139,12 @@ PREFILL = (
          "other kernels (their launch grid is the logical one)"),
         ("grid_y", "i32", ""),
         ("grid_z", "i32", ""),
+        ("grid_section", "i32", "persistent kernels: kv heads (grid x) per section of the logical grid's order; "
+         "a section's blocks (its heads x every chunk and row tile) all come before the next section's, so the "
+         "K/V the CTAs in flight read stays within L2 (set by the host from the K/V bytes of a head; grid_x = one "
+         "section)"),
+        ("sched", "ptr", "persistent kernels: int32 [2] zeroed (next block, CTAs finished), the dynamic tile "
+         "scheduler's counters (sm90/tile_scheduler.cuh); the launch's last CTA zeroes them again for the next"),
     ],
 )
 

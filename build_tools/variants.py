@@ -275,10 +275,11 @@ class HopperPrefillVariant(Sm90Roles):
     @property
     def smem_bytes(self):
         # PrefillSm90Config::SMEM_BYTES: Q, STAGES K and V tiles, 1 + 4 * STAGES mbarriers, (TMA) the
-        # tail tile's mbarrier, (persistent) Q's empty mbarrier, the alignment slack
+        # tail tile's mbarrier, (persistent) Q's empty mbarrier and the tile scheduler's index ring
+        # (4 mbarriers, 2 int32), the alignment slack
         tile = self.block_n * self.head_dim * HALF_BYTES
         tail = self.BARRIER_BYTES if self.tma else 0
-        q_empty = self.BARRIER_BYTES if self.persistent else 0
+        q_empty = self.BARRIER_BYTES + 4 * self.BARRIER_BYTES + 8 if self.persistent else 0
         return (self.block_m * self.head_dim * HALF_BYTES + 2 * self.stages * tile
                 + (1 + 4 * self.stages) * self.BARRIER_BYTES + tail + q_empty + self.ATOM_BYTES)
 
@@ -392,10 +393,10 @@ HOPPER_TILES_PAGED = {64: (128, 2, 3), 128: (128, 2, 3), 256: (80, 2, 2)}
 # producer_tma.cuh; paged: pages of 16+ rows, smaller ones stay on cp.async). Each default row above
 # has a TMA twin of the same tile (name + "_tma"): a shipped row where the storage says "tma" (the
 # routing then prefers it: pyflashattn/_engine/routing.kv_load_pair), else a tune row (`make TUNE=1`,
-# run by PFA_SM90_KV_LOAD=tma for A/B runs). Flip an entry to ship TMA for that storage. Paged plans
-# take the TMA twin only for pages of 32+ rows (routing.tma_pays: 16-row boxes make the TMA unit
-# the limit).
-HOPPER_KV_LOAD = {"ragged": "tma", "paged": "tma"}
+# run by PFA_SM90_KV_LOAD=tma for A/B runs). Flip an entry to ship TMA for that storage. Paged ships
+# cp.async: since the rows became persistent, the owned-row copies beat the TMA twin at every page
+# size measured (NOTES.md, session 19: TRT-LLM paged HND page 32, 1k-16k causal, 1.03-1.23x).
+HOPPER_KV_LOAD = {"ragged": "tma", "paged": "cpasync"}
 # Alternatives for `make TUNE=1`: FA3's non-causal hd128 tile (176 keys), a third K/V stage at hd128,
 # two consumers (128 rows) at hd64.
 HOPPER_TUNE_TILES = [(128, (176, 2, 2)), (128, (128, 2, 3)), (64, (128, 2, 3))]

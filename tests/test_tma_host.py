@@ -339,3 +339,81 @@ def test_only_the_16bit_hd64_hd128_sm90_rows_are_persistent():
             assert v.manifest()["persistent"] is v.persistent
         elif isinstance(v, variants.HopperFp8PrefillVariant):
             assert "persistent" not in v.manifest()
+
+
+def test_l2_section_keeps_a_sections_kv_within_its_share_of_l2(monkeypatch):
+    monkeypatch.delenv(routing.L2_SECTION_ENV, raising=False)
+    l2 = 48 << 20
+    head = 2 * 4096 * 128 * 2  # K and V of one kv head over 4096 bf16 rows: 2 MiB
+    assert routing.l2_section(8, 4096, 128, 2, l2) == int(routing.L2_SECTION_SHARE * l2) // head
+    assert routing.l2_section(2, 4096, 128, 2, l2) == 2  # at most every head: one section
+    assert routing.l2_section(8, 1 << 22, 128, 2, l2) == 1  # at least one head
+    assert routing.l2_section(8, 0, 128, 2, l2) == 8 and routing.l2_section(8, 4096, 128, 2, 0) == 8
+    monkeypatch.setenv(routing.L2_SECTION_ENV, "0")
+    assert routing.l2_section(8, 4096, 128, 2, l2) == 8
+    monkeypatch.setenv(routing.L2_SECTION_ENV, "1e-9")
+    assert routing.l2_section(8, 4096, 128, 2, l2) == 1
+    monkeypatch.setenv(routing.L2_SECTION_ENV, "half")
+    with pytest.raises(ValueError, match=routing.L2_SECTION_ENV):
+        routing.l2_section(8, 4096, 128, 2, l2)
+
+
+def _logical_block(p, item):
+    """work.cuh LogicalGrid::at, transcribed: (x, y, z) of block `item`."""
+    per_x = p["gy"] * p["gz"]
+    x0 = item // (p["s"] * per_x) * p["s"]
+    xs = min(p["s"], p["gx"] - x0)
+    within = item - x0 * per_x
+    yz = within // xs
+    return x0 + within - yz * xs, yz % p["gy"], yz // p["gy"]
+
+
+@pytest.mark.parametrize("gx,gy,gz,s", [(8, 1, 37, 3), (8, 2, 5, 8), (5, 3, 4, 2), (1, 1, 9, 1), (7, 1, 3, 1)])
+def test_logical_grid_sections_visit_every_block_once_a_section_at_a_time(gx, gy, gz, s):
+    p = dict(gx=gx, gy=gy, gz=gz, s=s)
+    blocks = [_logical_block(p, b) for b in range(gx * gy * gz)]
+    assert sorted(blocks) == sorted((x, y, z) for x in range(gx) for y in range(gy) for z in range(gz))
+    sections = [x // s for x, _, _ in blocks]
+    assert sections == sorted(sections)  # a section's blocks all before the next's
+    for sec in set(sections):  # within a section: x fastest, then y, then z (heaviest first)
+        own = [(z, y, x) for x, y, z in blocks if x // s == sec]
+        assert own == sorted(own)
+    if s == gx:  # one section: the order of a one-CTA-a-block launch
+        assert blocks == [(b % gx, b // gx % gy, b // (gx * gy)) for b in range(gx * gy * gz)]
+
+
+def _small_l2(monkeypatch, l2_bytes):
+    props = dict(_cuda.properties(0), l2_bytes=l2_bytes)
+    monkeypatch.setattr(_cuda, "properties", lambda dev: props)
+    monkeypatch.delenv(routing.L2_SECTION_ENV, raising=False)
+
+
+def test_persistent_batch_plans_take_zeroed_scheduler_counters_and_l2_sections(monkeypatch):
+    env = _env(monkeypatch, "tma")
+    _small_l2(monkeypatch, 4 << 20)  # 1 MiB a section; one kv head's K/V over 4096 rows is 2 MiB
+    w = ragged(env)
+    w.plan(i32(0, 4096), i32(0, 4096), HQ, HKV, D, causal=True)
+    la = w._engine.attn
+    assert la.meta["persistent"]
+    p = la.params
+    assert p.sched and ctypes.string_at(p.sched, 8) == bytes(8)
+    assert p.grid_section == 1 and p.grid_x == HKV
+    counters = p.sched
+    w.plan(i32(0, 64), i32(0, 64), HQ, HKV, D, causal=True)  # small K/V: one section, the same counters
+    p = w._engine.attn.params
+    assert p.sched == counters and p.grid_section == HKV
+
+
+def test_sm90_rows_a_cta_a_block_take_l2_sections_as_a_1d_launch(monkeypatch):
+    env = _env(monkeypatch)
+    _small_l2(monkeypatch, 8 << 20)  # 2 MiB a section; one hd256 kv head over 4096 rows is 4 MiB
+    w = ragged(env)
+    w.plan(i32(0, 4096), i32(0, 4096), HQ, HKV, 256, causal=True)
+    la = w._engine.attn
+    assert la.meta["impl"] == "sm90" and not la.meta["persistent"]
+    p = la.params
+    assert (p.grid_x, p.grid_y, p.grid_section, p.sched) == (HKV, 1, 1, 0)
+    assert la.grid == (HKV * p.grid_z, 1, 1) and p.grid_z == w._engine.schedule.grid
+    w.plan(i32(0, 64), i32(0, 64), HQ, HKV, 256, causal=True)  # small K/V: one section
+    la = w._engine.attn
+    assert la.params.grid_section == la.params.grid_x == HKV and la.grid == (HKV * w._engine.schedule.grid, 1, 1)

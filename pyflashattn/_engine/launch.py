@@ -73,18 +73,27 @@ def plan_stream(stream, dev):
     return _cuda.library_stream(dev)
 
 
-def configure_grid(la, grid: tuple[int, int, int], dev: int) -> None:
-    """Launch grid of an attention kernel over the logical grid `grid` (one block a work item): that
-    grid itself, or for a persistent kernel (the manifest's persistent: sm90/cta.cuh) as many CTAs
-    as fit the GPU at once (at most one a block), which walk the logical grid from
-    PrefillParams.grid_x/y/z."""
-    if not la.meta.get("persistent"):
+def configure_grid(la, grid: tuple[int, int, int], dev: int, section: int = 0, sched: int = 0) -> None:
+    """Launch grid of an attention kernel over the logical grid `grid` (one block a work item).
+    sm90 rows launch one-dimensionally: the kernel finds its block's coordinates in
+    PrefillParams.grid_x/y/z (work.cuh LogicalGrid), whose order runs in sections of `section` x
+    values (kv heads; 0 = one section). A CTA a block: one CTA per logical block, which the hardware
+    starts in launch order. Persistent (the manifest's persistent, sm90/cta.cuh): as many CTAs as fit
+    the GPU at once (at most one a block), handed blocks by the tile scheduler's zeroed counters at
+    `sched`; without counters (0) each CTA takes a fixed share (sm90/tile_scheduler.cuh), which
+    balances one section only. The other kernels' launch grid is the logical grid itself."""
+    if la.meta.get("impl") != "sm90":
         la.configure(grid)
         return
     p = la.params
     p.grid_x, p.grid_y, p.grid_z = grid
     blocks = grid[0] * grid[1] * grid[2]
-    la.configure((max(1, min(blocks, _cuda.properties(dev)["sm_count"] * la.meta["ctas_per_sm"])), 1, 1))
+    persistent = bool(la.meta.get("persistent"))
+    p.sched = sched if persistent else 0
+    p.grid_section = min(section, grid[0]) if section > 0 and (p.sched or not persistent) else grid[0]
+    if persistent:
+        blocks = min(blocks, _cuda.properties(dev)["sm_count"] * la.meta["ctas_per_sm"])
+    la.configure((max(1, blocks), 1, 1))
 
 
 class PdlLauncher:

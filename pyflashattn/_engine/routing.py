@@ -128,6 +128,33 @@ def tma_pays(paged: bool, page_size: int, kv_lens, block_n: int, frozen: bool) -
     return frozen or (len(kv_lens) > 0 and float(kv_lens.mean()) >= TMA_MIN_TILES * block_n)
 
 
+# L2 sections of a persistent kernel's logical grid (PrefillParams.grid_section, work.cuh
+# LogicalGrid): the tile scheduler hands out a section's blocks (its kv heads x every work item)
+# before the next section's, so K/V of at most L2_SECTION_SHARE of the L2 is read at a time and the
+# row tiles of a head find it there. One section made a batch of short causal requests re-read
+# each head's K/V from DRAM for every row tile (ncu, H200, 16 x 1k, 16 heads, hd128: L2 hit rate
+# 35%, DRAM 66% busy, against cuDNN's 60% / 33%). PFA_L2_SECTION_SHARE overrides the share for A/B
+# runs (0: one section).
+L2_SECTION_SHARE = 0.25
+L2_SECTION_ENV = "PFA_L2_SECTION_SHARE"
+
+
+def l2_section(num_kv_heads: int, kv_tokens: int, head_dim: int, elem_bytes: int, l2_bytes: int) -> int:
+    """kv heads per L2 section: as many as keep their K and V (kv_tokens rows each) within the
+    share of the L2, at least one; num_kv_heads = one section."""
+    share = L2_SECTION_SHARE
+    env = os.environ.get(L2_SECTION_ENV, "").strip()
+    if env:
+        try:
+            share = float(env)
+        except ValueError:
+            raise ValueError(f"{L2_SECTION_ENV}={env!r}: expected a number (0 = one section)") from None
+    per_head = 2 * kv_tokens * head_dim * elem_bytes
+    if share <= 0 or per_head <= 0 or l2_bytes <= 0:  # (an unknown L2: one section)
+        return num_kv_heads
+    return max(1, min(num_kv_heads, int(share * l2_bytes) // per_head))
+
+
 def ctas_per_sm(meta: dict, props: dict) -> int:
     """CTAs of a kernel per SM on this device: what it was designed for (the manifest's
     ctas_per_sm), at most what the device's shared memory holds."""

@@ -31,6 +31,16 @@ class Staging:
         self.fixed = False
         self.pinned = []  # [host address, int32 view, event or None]
         self.next = 0
+        self.sched = 0
+
+    def counters(self) -> int:
+        """The tile scheduler's counters of this wrapper's persistent launches (two int32, zeroed
+        once here; each launch's last CTA zeroes them again: sm90/tile_scheduler.cuh). A device
+        allocation of their own: the int buffer moves when it grows, and plans rewrite it."""
+        if not self.sched:
+            _cuda.ensure_context(self.dev)
+            self.sched = _cuda.zeroed(16)
+        return self.sched
 
     def reserve(self, nbytes: int, fixed: bool = False):
         if nbytes <= self.size:

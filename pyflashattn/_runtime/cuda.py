@@ -188,7 +188,8 @@ def ensure_context(device_id: int) -> None:
 
 
 def properties(device_id: int) -> dict:
-    """Compute capability, SM count and the opt-in shared-memory limit, cached per device."""
+    """Compute capability, SM count, shared-memory limits, registers and the L2 size, cached per
+    device."""
     props = _props.get(device_id)
     if props is None:
         cu = driver()
@@ -205,6 +206,7 @@ def properties(device_id: int) -> dict:
             "smem_optin": attr(A.CU_DEVICE_ATTRIBUTE_MAX_SHARED_MEMORY_PER_BLOCK_OPTIN),
             "smem_per_sm": attr(A.CU_DEVICE_ATTRIBUTE_MAX_SHARED_MEMORY_PER_MULTIPROCESSOR),
             "regs_per_sm": attr(A.CU_DEVICE_ATTRIBUTE_MAX_REGISTERS_PER_MULTIPROCESSOR),
+            "l2_bytes": attr(A.CU_DEVICE_ATTRIBUTE_L2_CACHE_SIZE),
         }
         _props[device_id] = props
     return props
@@ -372,6 +374,14 @@ def mem_alloc(nbytes: int) -> int:
 def mem_free(ptr: int) -> None:
     """Free device memory from mem_alloc/mem_alloc_async (cuMemFree waits for pending work on it)."""
     check(driver().cuMemFree(ptr), "cuMemFree")
+
+
+def zeroed(nbytes: int) -> int:
+    """Device memory set to zero (synchronous: plan-time state such as the tile scheduler's
+    counters, which the kernels zero again after each use)."""
+    ptr = mem_alloc(nbytes)
+    check(driver().cuMemsetD8(ptr, 0, max(int(nbytes), 1)), "cuMemsetD8")
+    return ptr
 
 
 def upload(data: bytes) -> int:

@@ -6,6 +6,12 @@ cuDNN backend on the same batch, the paging costs (time / CONTIGUOUS_Q_KV's time
 fmha paged layout and of the context API, and FlashInfer's trtllm_fmha_v2_prefill
 (CONTIGUOUS_Q_KV) when flashinfer is importable.
 
+--fp8: e4m3 queries, keys and values (the bf16 inputs rounded to e4m3, scales 1) into a bf16
+output, against FlashInfer's fmha_v2 with the same e4m3 inputs (#19 item 3, #20's e4m3 goal), and
+checked against SDPA on the rounded inputs (FlashInfer's fp8 rtol, 8e-2: P is rounded to e4m3).
+FlashInfer JIT-compiles fmha_v2 on first use; only its head_dim-128 kernels without ALiBi / soft cap
+are compiled (the kernels are untouched, the list is cut), about a minute instead of many.
+
 The metadata are device tensors, so both APIs take their device path (a cached plan per shape
 key, the kernel reading the lengths and block tables: no sync, no plan per call).
 Causal FLOPs count the kept half: 2 * 2 * B * H * s * s * D / 2.
@@ -21,6 +27,7 @@ from pyflashattn.testing.bench_util import bench_main, bench_samples_ms, interle
 TOKENS, HIDDEN, HD, PAGE = 16384, 2048, 128, 32
 SEQS = (1024, 2048, 4096, 8192, 16384)
 REL_TOL = 2e-2
+REL_TOL_FP8 = 8e-2
 
 
 def _inputs(torch, b, s):
@@ -35,12 +42,33 @@ def _inputs(torch, b, s):
     return q, k, v, cum, sl, cache, table
 
 
-def _row(torch, pfa, ws, s, warmup, rep):
+def _restrict_flashinfer_fmha_v2():
+    """Compile only FlashInfer's head_dim-HD fmha_v2 kernels without ALiBi / soft cap (its JIT
+    otherwise builds every head dim and option of the input layout)."""
+    try:
+        from flashinfer.jit.attention.fmha_v2 import fmha_library as FL
+    except Exception:
+        return
+    orig = FL.is_kernel_spec_valid
+    if getattr(orig, "_pfa_restricted", False):
+        return
+
+    def valid(k):
+        return orig(k) and k.head_size == HD and not k.alibi and not k.enable_attn_logit_softcapping
+    valid._pfa_restricted = True
+    FL.is_kernel_spec_valid = valid
+
+
+def _row(torch, pfa, ws, s, warmup, rep, fp8=False):
     b, h = TOKENS // s, HIDDEN // HD
     q, k, v, cum, sl, cache, table = _inputs(torch, b, s)
+    if fp8:
+        q, k, v, cache = (x.to(torch.float8_e4m3fn) for x in (q, k, v, cache))
     scale = 1 / math.sqrt(HD)
     common = dict(workspace_buffer=ws, seq_lens=sl, max_q_len=s, max_kv_len=s, bmm1_scale=scale, bmm2_scale=1.0,
                   batch_size=b, cum_seq_lens_q=cum, cum_seq_lens_kv=cum, mask_mode="causal")
+    if fp8:
+        common["out_dtype"] = torch.bfloat16
     kv = torch.stack([k, v], 1)
     calls = {
         "contig": lambda: pfa.prefill.trtllm_fmha_v2_prefill((q, kv), "CONTIGUOUS_Q_KV", **common),
@@ -49,7 +77,7 @@ def _row(torch, pfa, ws, s, warmup, rep):
         "context": lambda: pfa.prefill.trtllm_batch_context_with_kv_cache(q, cache, ws, table, sl, s, s, scale, 1.0,
                                                                           b, cum, cum),
     }
-    qs, ks, vs = (x.view(b, s, h, HD).transpose(1, 2) for x in (q, k, v))
+    qs, ks, vs = (x.to(torch.bfloat16).view(b, s, h, HD).transpose(1, 2) for x in (q, k, v))
     from torch.nn.attention import SDPBackend, sdpa_kernel
 
     def sdpa():
@@ -68,7 +96,7 @@ def _row(torch, pfa, ws, s, warmup, rep):
         try:
             o = fn().float()
             rel = ((o - ref).norm() / ref.norm()).item()
-            if not rel <= REL_TOL:
+            if not rel <= (REL_TOL_FP8 if fp8 else REL_TOL):
                 row["errors"].append(f"{name}: rel err {rel:.3g} vs SDPA")
                 continue
             timers[name] = lambda w, r, fn=fn: bench_samples_ms(fn, warmup=w, rep=r)
@@ -91,9 +119,11 @@ def run(args) -> int:
     import pyflashattn as pfa
     ws = torch.zeros(256 << 20, dtype=torch.uint8, device="cuda")
     seqs = SEQS[::2] if args.quick else SEQS
-    rows = [_row(torch, pfa, ws, s, args.warmup, args.rep) for s in seqs]
+    _restrict_flashinfer_fmha_v2()
+    rows = [_row(torch, pfa, ws, s, args.warmup, args.rep, args.fp8) for s in seqs]
     fmt = lambda x, spec=".1f": "-" if x is None else format(x, spec)  # noqa: E731
-    print(f"TRT-LLM prefill, bf16, causal, {TOKENS} tokens, {HIDDEN // HD} heads x {HD}, page {PAGE} "
+    inputs = "e4m3 -> bf16" if args.fp8 else "bf16"
+    print(f"TRT-LLM prefill, {inputs}, causal, {TOKENS} tokens, {HIDDEN // HD} heads x {HD}, page {PAGE} "
           f"({torch.cuda.get_device_name()}): TFLOP/s")
     head = (f"{'seq':>6} {'B':>3} | {'cudnn':>6} {'contig':>6} {'paged':>6} {'context':>7} {'fi fmha2':>8} | "
             f"{'contig/cudnn':>12} {'contig/fi':>9} {'paging cost':>11} {'context cost':>12}")
@@ -116,4 +146,8 @@ def run(args) -> int:
 
 def main(argv=None) -> int:
     return bench_main(run, argv, prog="python -m pyflashattn.bench trtllm", doc=__doc__,
-                      quick_help="seq 1k, 4k, 16k only", rep=20)
+                      quick_help="seq 1k, 4k, 16k only", rep=20, add_args=_add_args)
+
+
+def _add_args(p):
+    p.add_argument("--fp8", action="store_true", help="e4m3 Q/K/V into a bf16 output (FlashInfer's too)")

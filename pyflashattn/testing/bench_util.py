@@ -191,8 +191,9 @@ def run_if_cuda(run, args, prog: str = "pyflashattn bench") -> int:
         return 1
 
 
-def bench_main(run, argv, *, prog: str, doc: str, quick_help: str, rep: int) -> int:
-    """The batch benchmarks' command line (--quick, --json, --warmup, --rep), then run_if_cuda."""
+def bench_main(run, argv, *, prog: str, doc: str, quick_help: str, rep: int, add_args=None) -> int:
+    """The batch benchmarks' command line (--quick, --json, --warmup, --rep, and whatever
+    ``add_args(parser)`` adds), then run_if_cuda."""
     import argparse
 
     p = argparse.ArgumentParser(prog=prog, description=doc.split("\n\n")[0])
@@ -200,4 +201,6 @@ def bench_main(run, argv, *, prog: str, doc: str, quick_help: str, rep: int) -> 
     p.add_argument("--json", metavar="PATH", help="write all numbers here")
     p.add_argument("--warmup", type=int, default=3)
     p.add_argument("--rep", type=int, default=rep)
+    if add_args is not None:
+        add_args(p)
     return run_if_cuda(run, p.parse_args(argv))

@@ -89,6 +89,11 @@ class FakeDriver:
         self.log.append(("free_async", a, s))
         return (0,)
 
+    def cuMemsetD8(self, dst, value, n):
+        self.log.append(("memset", dst, n))
+        ctypes.memset(dst, value, n)
+        return (0,)
+
     def cuMemcpyHtoDAsync(self, dst, src, n, s):
         self.log.append(("htod", dst, n, s))
         ctypes.memmove(dst, src, n)

@@ -98,6 +98,8 @@ struct PrefillParams {
   int32_t grid_x;  // persistent kernels (the manifest's persistent: sm90/cta.cuh): the logical grid whose blocks the launched CTAs walk, x fastest, as a one-CTA-a-block launch would have run them; 0 for the other kernels (their launch grid is the logical one)
   int32_t grid_y;
   int32_t grid_z;
+  int32_t grid_section;  // persistent kernels: kv heads (grid x) per section of the logical grid's order; a section's blocks (its heads x every chunk and row tile) all come before the next section's, so the K/V the CTAs in flight read stays within L2 (set by the host from the K/V bytes of a head; grid_x = one section)
+  uint64_t sched;  // persistent kernels: int32 [2] zeroed (next block, CTAs finished), the dynamic tile scheduler's counters (sm90/tile_scheduler.cuh); the launch's last CTA zeroes them again for the next
 };
 static_assert(sizeof(PrefillParams) == 832, "PrefillParams size drifted from the schema");
 static_assert(offsetof(PrefillParams, k_tmap) == 0, "PrefillParams.k_tmap offset");
@@ -184,6 +186,8 @@ static_assert(offsetof(PrefillParams, o_sf_scale) == 764, "PrefillParams.o_sf_sc
 static_assert(offsetof(PrefillParams, grid_x) == 768, "PrefillParams.grid_x offset");
 static_assert(offsetof(PrefillParams, grid_y) == 772, "PrefillParams.grid_y offset");
 static_assert(offsetof(PrefillParams, grid_z) == 776, "PrefillParams.grid_z offset");
+static_assert(offsetof(PrefillParams, grid_section) == 780, "PrefillParams.grid_section offset");
+static_assert(offsetof(PrefillParams, sched) == 784, "PrefillParams.sched offset");
 
 // combine split-KV partials (float32 o, base-2 lse) into the final output
 struct MergeParams {

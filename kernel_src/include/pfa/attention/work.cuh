@@ -74,8 +74,11 @@ __device__ __forceinline__ bool load_plan_item(const PrefillParams& p, int item,
 }
 
 // Where a CTA's block coordinates come from: its launch's (BlockGrid: blockIdx, gridDim), or block
-// `item` of the logical grid PrefillParams::grid_x/y/z that a persistent CTA walks (LogicalGrid,
-// x fastest: the order a one-CTA-a-block launch hands blocks out in).
+// `item` of the logical grid PrefillParams::grid_x/y/z that a persistent CTA walks (LogicalGrid).
+// The logical grid's order: sections of grid_section x values (kv heads), each section's blocks
+// x fastest, then y, then z (a batch plan's LPT list, or the row tiles heaviest first), before the
+// next section's; one section (grid_section = grid_x) is the order a one-CTA-a-block launch hands
+// blocks out in.
 struct BlockGrid {
   __device__ __forceinline__ int x() const { return blockIdx.x; }
   __device__ __forceinline__ int y() const { return blockIdx.y; }
@@ -85,8 +88,11 @@ struct BlockGrid {
 struct LogicalGrid {
   int bx, by, bz, gz;
   static __device__ __forceinline__ LogicalGrid at(const PrefillParams& p, int item) {
-    const int xy = p.grid_x * p.grid_y;
-    return {item % p.grid_x, item % xy / p.grid_x, item / xy, p.grid_z};
+    const int per_x = p.grid_y * p.grid_z;  // blocks of one x value
+    const int x0 = item / (p.grid_section * per_x) * p.grid_section;  // the section's first x
+    const int xs = min(p.grid_section, p.grid_x - x0);                // its x values (the last may have fewer)
+    const int within = item - x0 * per_x, yz = within / xs;
+    return {x0 + within - yz * xs, yz % p.grid_y, yz / p.grid_y, p.grid_z};
   }
   __device__ __forceinline__ int x() const { return bx; }
   __device__ __forceinline__ int y() const { return by; }

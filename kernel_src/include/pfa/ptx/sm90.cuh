@@ -69,6 +69,16 @@ __device__ __forceinline__ void st_shared_zero16(uint32_t addr) {
   asm volatile("st.shared.v4.b32 [%0], {%1, %1, %1, %1};\n" ::"r"(addr), "r"(0) : "memory");
 }
 
+// One 32-bit word at a shared-memory address, stored / loaded (the tile scheduler's index slots).
+__device__ __forceinline__ void st_shared_u32(uint32_t addr, uint32_t v) {
+  asm volatile("st.shared.b32 [%0], %1;\n" ::"r"(addr), "r"(v) : "memory");
+}
+__device__ __forceinline__ uint32_t ld_shared_u32(uint32_t addr) {
+  uint32_t v;
+  asm volatile("ld.shared.b32 %0, [%1];\n" : "=r"(v) : "r"(addr) : "memory");
+  return v;
+}
+
 // Arrive on named barrier `id` without waiting (the threads that bar.sync on it wait for
 // `threads` arrivals in all). Barrier 0 is __syncthreads'.
 __device__ __forceinline__ void bar_arrive(int id, int threads) {

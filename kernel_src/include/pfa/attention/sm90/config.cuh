@@ -5,7 +5,8 @@
 // 128-byte-swizzle layout (ptx/sm90.cuh): column blocks of 64 elements, 128-byte rows, chunk c of
 // row r at c ^ (r % 8). Layout, each part 1024-byte aligned:
 //   Q [BLOCK_M x D] | K stages [STAGES][BLOCK_N x D] | V stages [STAGES][BLOCK_N x D] | mbarriers
-//   | (TMA) the tail tile's mbarrier | (PERSISTENT) the Q tile's "empty" mbarrier
+//   | (TMA) the tail tile's mbarrier | (PERSISTENT) the Q tile's "empty" mbarrier, the tile
+//   scheduler's index ring
 #pragma once
 #include <stdint.h>
 
@@ -60,8 +61,11 @@ struct PrefillSm90Config
   static constexpr int Q_EMPTY_BAR_OFFSET = TAIL_BAR_OFFSET + TAIL_BAR_BYTES;
   static constexpr int Q_EMPTY_BAR_BYTES = PERSISTENT ? 8 : 0;
   static __device__ __forceinline__ uint32_t q_empty(uint32_t base) { return base + Q_EMPTY_BAR_OFFSET; }
+  // PERSISTENT: the tile scheduler's index ring (sm90/tile_scheduler.cuh: 4 mbarriers, 2 indices)
+  static constexpr int SCHED_OFFSET = Q_EMPTY_BAR_OFFSET + Q_EMPTY_BAR_BYTES;
+  static constexpr int SCHED_BYTES = PERSISTENT ? 40 : 0;
   // + 1024: the dynamic shared memory base is rounded up to the swizzle atom at run time
-  static constexpr int SMEM_BYTES = Q_EMPTY_BAR_OFFSET + Q_EMPTY_BAR_BYTES + ATOM_BYTES;
+  static constexpr int SMEM_BYTES = SCHED_OFFSET + SCHED_BYTES + ATOM_BYTES;
   // named barriers after the pipeline's (sm90/pipeline.cuh): each consumer's skip-softmax vote
   static constexpr int SKIP_VOTE_BAR = PRODUCER_BAR + 1;  // + the consumer's index
   static_assert(SKIP_VOTE_BAR + CONSUMERS <= 16, "16 named barriers");

@@ -2,32 +2,24 @@
 // prefill_sm90_fp8.cuh) run: the work item(s), the mbarrier ring, then warpgroup 0 produces (with
 // its registers given up to the consumers) and warpgroups 1..CONSUMERS consume.
 //
-// Cfg::PERSISTENT: the launch has at most a CTA per SM, and each CTA walks the logical grid
-// (PrefillParams::grid_x/y/z) in rounds, boustrophedon: round r gives CTA c block r * G + c (even
-// r) or r * G + G - 1 - c (odd r), G CTAs. Blocks come in the logical grid's order, heaviest first
-// (work.cuh), so the snake evens out what each CTA gets where a round's blocks differ (causal row
-// tiles, a batch plan's longest-first list). Both roles decode the same blocks in the same order
-// and keep their own Sm90Walk, so no block index is passed between them; the ring and the Q
-// barriers run on across blocks, which is what overlaps one block's epilogue with the next one's
-// first loads.
+// Cfg::PERSISTENT: the launch has at most a CTA per SM, and each CTA walks blocks of the logical
+// grid (PrefillParams::grid_x/y/z, in LogicalGrid's order: sections of kv heads, heaviest first
+// within) as the tile scheduler hands them out (sm90/tile_scheduler.cuh: the next block to
+// whichever CTA asks next). Both roles decode the same blocks and keep their own Sm90Walk; the
+// ring and the Q barriers run on across blocks, which is what overlaps one block's epilogue with
+// the next one's first loads.
 #pragma once
 #include <stdint.h>
 
 #include "pfa/attention/params.h"
 #include "pfa/attention/sm90/pipeline.cuh"
 #include "pfa/attention/sm90/producer.cuh"
+#include "pfa/attention/sm90/tile_scheduler.cuh"
 #include "pfa/attention/work.cuh"
 #include "pfa/ptx/pdl.cuh"
 #include "pfa/ptx/sm90.cuh"
 
 namespace pfa {
-
-// Block `k` of this CTA's walk (PERSISTENT), or -1 past the logical grid.
-__device__ __forceinline__ int persistent_block(const PrefillParams& p, int k) {
-  const int G = gridDim.x, c = blockIdx.x;
-  const int b = k * G + ((k & 1) ? G - 1 - c : c);
-  return b < p.grid_x * p.grid_y * p.grid_z ? b : -1;
-}
 
 // produce(w, base, tid, walk): the producer warpgroup; consume(w, base, wg, tid, walk): consumer
 // wg (0 .. CONSUMERS - 1), tid its thread within the warpgroup, walk its Sm90Walk (advanced here
@@ -44,8 +36,11 @@ __device__ __forceinline__ void run_warp_specialized_cta(const PrefillParams& p,
   // Honours rows_fastest (a head's row tiles together, its K/V shared in L2): the register it
   // costs is no constraint here.
   if constexpr (!Cfg::PERSISTENT) {
+    // A one-dimensional launch over the logical grid (LogicalGrid: in L2 sections): the hardware
+    // starts blocks in launch order as CTAs retire, a section's before the next's.
     PrefillWork w;
-    if (!decode_work<Cfg::BLOCK_M, Cfg::BLOCK_N, Cfg::PAGED, false, true>(p, w)) return;
+    if (!decode_work<Cfg::BLOCK_M, Cfg::BLOCK_N, Cfg::PAGED, false, true>(p, w, LogicalGrid::at(p, blockIdx.x)))
+      return;
     if (tid == 0) init_ring_barriers<Cfg>(base);
     __syncthreads();
     Sm90Walk walk;
@@ -57,16 +52,23 @@ __device__ __forceinline__ void run_warp_specialized_cta(const PrefillParams& p,
       consume(w, base, wg - 1, tid % Cfg::WG_THREADS, walk);
     }
   } else {
-    if (tid == 0) init_ring_barriers<Cfg>(base);
+    using Sched = Sm90TileScheduler<Cfg>;
+    if (tid == 0) {
+      init_ring_barriers<Cfg>(base);
+      Sched::init(base);
+      ptx::mbar_fence_init();
+    }
     __syncthreads();
     // Each role runs its own loop: code after setmaxnreg that both roles shared would hold them to
-    // one register budget (ptxas then ignores setmaxnreg and spills).
-    auto walk_blocks = [&](auto&& role) {
+    // one register budget (ptxas then ignores setmaxnreg and spills). The producer's thread 0
+    // fetches each block's index as the producer starts it (ahead of the consumers).
+    auto walk_blocks = [&](auto&& role, bool producer) {
       Sm90Walk walk;
+      const int blocks = Sched::blocks(p);
 #pragma unroll 1
       for (int k = 0;; ++k) {
-        const int b = persistent_block(p, k);
-        if (b < 0) break;
+        const int b = producer ? Sched::produce(p, base, k, tid) : Sched::consume(base, k);
+        if (b >= blocks) break;
         PrefillWork w;
         if (!decode_work<Cfg::BLOCK_M, Cfg::BLOCK_N, Cfg::PAGED, false, true>(p, w, LogicalGrid::at(p, b))) continue;
         role(w, walk);
@@ -75,13 +77,15 @@ __device__ __forceinline__ void run_warp_specialized_cta(const PrefillParams& p,
     };
     if (wg == 0) {
       ptx::setmaxnreg_dec<Cfg::PRODUCER_REGS>();
-      walk_blocks([&](const PrefillWork& w, Sm90Walk& walk) { produce(w, base, tid, walk); });
+      walk_blocks([&](const PrefillWork& w, Sm90Walk& walk) { produce(w, base, tid, walk); }, true);
+      if (tid == 0) Sched::finish(p);
       // Every cp.async lands before the CTA exits (the barriers they arrive on live in its shared memory).
       ptx::cp_async_commit();
       ptx::cp_async_wait<0>();
     } else {
       ptx::setmaxnreg_inc<Cfg::CONSUMER_REGS>();
-      walk_blocks([&](const PrefillWork& w, Sm90Walk& walk) { consume(w, base, wg - 1, tid % Cfg::WG_THREADS, walk); });
+      walk_blocks([&](const PrefillWork& w, Sm90Walk& walk) { consume(w, base, wg - 1, tid % Cfg::WG_THREADS, walk); },
+                  false);
     }
   }
 }

@@ -1,0 +1,104 @@
+// The persistent sm_90a CTAs' tile scheduler (Cfg::PERSISTENT, sm90/cta.cuh): blocks of the logical
+// grid are handed out in the grid's order, each to whichever CTA asks next.
+//
+// Why dynamic: the logical grid comes heaviest first (causal row tiles, a batch plan's LPT list),
+// and in sections of kv heads (PrefillParams::grid_section, LogicalGrid) so that the K/V the CTAs
+// in flight read fits L2. A fixed assignment (CTA c takes blocks c, 2G - 1 - c, ...) balances a
+// list that only descends, but not one that descends once per section; a CTA that takes the next
+// block when it is free balances both (list scheduling), and the blocks still run in the grid's
+// order, which is what keeps a section's K/V in L2.
+//
+// Without counters (PrefillParams::sched 0: single prefill, whose calls have no zeroed memory of
+// their own) CTA c takes a fixed share, round k's block k * G + c (G - 1 - c on odd k): the
+// boustrophedon evens out one descending list, so the host then keeps one section.
+//
+// How: PrefillParams::sched holds two zeroed int32 counters (next block, CTAs finished). CTA c's
+// first block is c itself; each later one comes from atomicAdd(next) + gridDim.x, fetched by the
+// producer's thread 0 as soon as the producer starts a block (the producer runs ahead of the
+// consumers, so the fetch's latency hides behind their tiles). The index reaches the CTA's threads
+// through a two-slot ring in shared memory: slot k & 1 holds block k's index; the producer's named
+// barrier hands it to the producer warpgroup, `full` (one arrival, the fetching thread's) to the
+// consumers, whose `empty` (one arrival per consumer thread) frees the slot for block k + 2. An
+// index past the grid ends every role's walk. The launch's last CTA to finish zeroes both
+// counters, so the next launch (a CUDA-graph replay too) finds them as the host left them.
+#pragma once
+#include <stdint.h>
+
+#include "pfa/attention/params.h"
+#include "pfa/ptx/mma_sm80.cuh"
+#include "pfa/ptx/sm90.cuh"
+
+namespace pfa {
+
+template <class Cfg>
+struct Sm90TileScheduler {
+  // shared memory at Cfg::SCHED_OFFSET: full[2], empty[2] (mbarriers), index[2] (int32)
+  static constexpr int BYTES = 4 * 8 + 2 * 4;
+  static_assert(BYTES == Cfg::SCHED_BYTES, "config.cuh's SCHED_BYTES holds the ring");
+  static __device__ __forceinline__ uint32_t full(uint32_t base, int slot) { return base + Cfg::SCHED_OFFSET + 8 * slot; }
+  static __device__ __forceinline__ uint32_t empty(uint32_t base, int slot) {
+    return base + Cfg::SCHED_OFFSET + 16 + 8 * slot;
+  }
+  static __device__ __forceinline__ uint32_t index(uint32_t base, int slot) {
+    return base + Cfg::SCHED_OFFSET + 32 + 4 * slot;
+  }
+
+  static __device__ __forceinline__ void init(uint32_t base) {
+#pragma unroll
+    for (int s = 0; s < 2; ++s) {
+      ptx::mbar_init(full(base, s), 1);
+      ptx::mbar_init(empty(base, s), Cfg::CONSUMERS * Cfg::WG_THREADS);
+    }
+  }
+
+  static __device__ __forceinline__ int blocks(const PrefillParams& p) { return p.grid_x * p.grid_y * p.grid_z; }
+
+  // The producer's thread 0: fetch block k's index into its slot.
+  static __device__ __forceinline__ void fetch(const PrefillParams& p, uint32_t base, int k) {
+    const int slot = k & 1;
+    ptx::mbar_wait(empty(base, slot), ((k >> 1) & 1) ^ 1);  // every consumer has read block k - 2's index
+    const int G = gridDim.x, c = blockIdx.x;
+    int b;
+    if (k == 0)
+      b = c;
+    else if (p.sched != 0)
+      b = atomicAdd(reinterpret_cast<int*>(p.sched), 1) + G;
+    else  // no counters: a fixed share, round k's blocks boustrophedon (k * G + c, or G - 1 - c on odd k)
+      b = k * G + ((k & 1) ? G - 1 - c : c);
+    ptx::st_shared_u32(index(base, slot), (uint32_t)b);
+    ptx::mbar_arrive(full(base, slot));  // release: the index store before the arrival
+  }
+
+  // Block k's index (>= blocks(p): the walk is over), once per block of the walk by every thread of
+  // its role. The producer warpgroup: thread 0 fetches it, the producer's named barrier passes it
+  // on (and orders these reads before thread 0's store of block k + 2's index, after the next
+  // barrier). A consumer thread waits for `full`, reads it and frees the slot: its arrival releases
+  // its own read (each thread arrives: an arrival orders no other thread's accesses).
+  static __device__ __forceinline__ int produce(const PrefillParams& p, uint32_t base, int k, int tid) {
+    if (tid == 0) fetch(p, base, k);
+    ptx::bar_sync(Cfg::PRODUCER_BAR, Cfg::WG_THREADS);
+    return (int)ptx::ld_shared_u32(index(base, k & 1));
+  }
+  static __device__ __forceinline__ int consume(uint32_t base, int k) {
+    const int slot = k & 1;
+    ptx::mbar_wait(full(base, slot), (k >> 1) & 1);
+    const int b = (int)ptx::ld_shared_u32(index(base, slot));
+    ptx::mbar_arrive(empty(base, slot));
+    return b;
+  }
+
+  // The producer's thread 0 after its walk's last fetch: the launch's last CTA here zeroes the
+  // counters (every CTA's fetches come before its arrival, so none is still fetching).
+  static __device__ __forceinline__ void finish(const PrefillParams& p) {
+    if (p.sched == 0) return;
+    int* counters = reinterpret_cast<int*>(p.sched);
+    __threadfence();
+    if (atomicAdd(counters + 1, 1) == (int)gridDim.x - 1) {
+      __threadfence();
+      atomicExch(counters, 0);
+      atomicExch(counters + 1, 0);
+    }
+  }
+};
+
+}  // namespace pfa
