@@ -399,9 +399,24 @@ def test_persistent_batch_plans_take_zeroed_scheduler_counters_and_l2_sections(m
     assert p.sched and ctypes.string_at(p.sched, 8) == bytes(8)
     assert p.grid_section == 1 and p.grid_x == HKV
     counters = p.sched
+    assert any(x[0] == "memset" and x[1] == counters for x in env.cu.log)  # ordered on the plan stream
     w.plan(i32(0, 64), i32(0, 64), HQ, HKV, D, causal=True)  # small K/V: one section, the same counters
     p = w._engine.attn.params
     assert p.sched == counters and p.grid_section == HKV
+
+
+def test_a_batch_plan_made_while_its_stream_captures_makes_no_counters(monkeypatch):
+    env = _env(monkeypatch, "tma")
+    _small_l2(monkeypatch, 4 << 20)
+    w = ragged(env)
+    env.cu.capturing.add(launch_stream := 5)
+    w.plan(i32(0, 4096), i32(0, 4096), HQ, HKV, D, causal=True, stream=launch_stream)
+    p = w._engine.attn.params
+    assert p.sched == 0 and p.grid_section == HKV  # a fixed share of blocks, one section
+    env.cu.capturing.discard(launch_stream)
+    w.plan(i32(0, 4096), i32(0, 4096), HQ, HKV, D, causal=True, stream=launch_stream)
+    p = w._engine.attn.params
+    assert p.sched and p.grid_section == 1
 
 
 def test_sm90_rows_a_cta_a_block_take_l2_sections_as_a_1d_launch(monkeypatch):

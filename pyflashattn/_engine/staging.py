@@ -33,13 +33,16 @@ class Staging:
         self.next = 0
         self.sched = 0
 
-    def counters(self) -> int:
+    def counters(self, stream: int) -> int:
         """The tile scheduler's counters of this wrapper's persistent launches (two int32, zeroed
-        once here; each launch's last CTA zeroes them again: sm90/tile_scheduler.cuh). A device
-        allocation of their own: the int buffer moves when it grows, and plans rewrite it."""
-        if not self.sched:
+        when made by a memset ordered on the plan stream, before any run() that waits for the plan;
+        each launch's last CTA zeroes them again: sm90/tile_scheduler.cuh), or 0 while none exist
+        and the plan stream is capturing (no zeroing that only a graph replay would run: the launch
+        then takes a fixed share of blocks). A device allocation of their own: the int buffer moves
+        when it grows, and plans rewrite it."""
+        if not self.sched and not _cuda.stream_capturing(stream):
             _cuda.ensure_context(self.dev)
-            self.sched = _cuda.zeroed(16)
+            self.sched = _cuda.zeroed(16, stream)
         return self.sched
 
     def reserve(self, nbytes: int, fixed: bool = False):
