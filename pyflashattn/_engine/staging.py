@@ -35,14 +35,13 @@ class Staging:
 
     def counters(self, stream: int) -> int:
         """The tile scheduler's counters of this wrapper's persistent launches (two int32, zeroed
-        when made by a memset ordered on the plan stream, before any run() that waits for the plan;
-        each launch's last CTA zeroes them again: sm90/tile_scheduler.cuh), or 0 while none exist
-        and the plan stream is capturing (no zeroing that only a graph replay would run: the launch
-        then takes a fixed share of blocks). A device allocation of their own: the int buffer moves
-        when it grows, and plans rewrite it."""
+        once when made; each launch's last CTA zeroes them again: sm90/tile_scheduler.cuh), or 0
+        while none exist and the plan stream is capturing (cuda.zeroed: the launch then takes a
+        fixed share of blocks). A device allocation of their own: the int buffer moves when it
+        grows, and plans rewrite it."""
         if not self.sched and not _cuda.stream_capturing(stream):
             _cuda.ensure_context(self.dev)
-            self.sched = _cuda.zeroed(16, stream)
+            self.sched = _cuda.zeroed(16)
         return self.sched
 
     def reserve(self, nbytes: int, fixed: bool = False):

@@ -376,12 +376,12 @@ def mem_free(ptr: int) -> None:
     check(driver().cuMemFree(ptr), "cuMemFree")
 
 
-def zeroed(nbytes: int, stream: int) -> int:
-    """Device memory set to zero by a memset ordered on `stream`, which must not be capturing (the
-    memset would run only in the graph): state such as the tile scheduler's counters, which the
-    kernels zero again after each use."""
+def zeroed(nbytes: int) -> int:
+    """Device memory set to zero, synchronously (state such as the tile scheduler's counters, which
+    the kernels zero again after each use). Not while a stream captures: a synchronous memset is
+    refused there, and one ordered on the capturing stream would run only in the graph."""
     ptr = mem_alloc(nbytes)
-    check(driver().cuMemsetD8Async(ptr, 0, max(int(nbytes), 1), stream), "cuMemsetD8Async")
+    check(driver().cuMemsetD8(ptr, 0, max(int(nbytes), 1)), "cuMemsetD8")
     return ptr
 
 

@@ -89,8 +89,8 @@ class FakeDriver:
         self.log.append(("free_async", a, s))
         return (0,)
 
-    def cuMemsetD8Async(self, dst, value, n, s):
-        self.log.append(("memset", dst, n, s))
+    def cuMemsetD8(self, dst, value, n):
+        self.log.append(("memset", dst, n))
         ctypes.memset(dst, value, n)
         return (0,)
 
