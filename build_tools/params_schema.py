@@ -134,17 +134,18 @@ PREFILL = (
         ("o_sf_row0", "i32", "NVFP4 output: the o_sf row of token 0 (FP4Tensor.scale_start_index)"),
         ("o_sf_scale", "f32", "NVFP4 output: the encode-side global scale: block scale = e4m3(o_sf_scale * amax / 6), "
          "value = e2m1 * scale / o_sf_scale"),
-        ("grid_x", "i32", "persistent kernels (the manifest's persistent: sm90/cta.cuh): the logical grid whose "
-         "blocks the launched CTAs walk, x fastest, as a one-CTA-a-block launch would have run them; 0 for the "
-         "other kernels (their launch grid is the logical one)"),
+        ("grid_x", "i32", "sm90 kernels (launched one-dimensionally: launch.configure_grid): the logical grid "
+         "whose blocks a CTA a block, or the persistent CTAs (sm90/cta.cuh), run in LogicalGrid's order (work.cuh); "
+         "unused by the sm80 kernels (their launch grid is the logical one)"),
         ("grid_y", "i32", ""),
         ("grid_z", "i32", ""),
-        ("grid_section", "i32", "persistent kernels: kv heads (grid x) per section of the logical grid's order; "
-         "a section's blocks (its heads x every chunk and row tile) all come before the next section's, so the "
-         "K/V the CTAs in flight read stays within L2 (set by the host from the K/V bytes of a head; grid_x = one "
-         "section)"),
+        ("grid_section", "i32", "sm90 kernels: kv heads (grid x) per section of the logical grid's order; a "
+         "section's blocks (its heads x every chunk and row tile) all come before the next section's, so the K/V "
+         "the CTAs in flight read stays within L2 (routing.l2_section; grid_x = one section, which persistent "
+         "launches without sched keep)"),
         ("sched", "ptr", "persistent kernels: int32 [2] zeroed (next block, CTAs finished), the dynamic tile "
-         "scheduler's counters (sm90/tile_scheduler.cuh); the launch's last CTA zeroes them again for the next"),
+         "scheduler's counters (sm90/tile_scheduler.cuh); the launch's last CTA zeroes them again for the next. "
+         "0 = none: each CTA takes a fixed share of the blocks"),
     ],
 )
 

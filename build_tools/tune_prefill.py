@@ -73,15 +73,15 @@ def _time_row(r, args, causals, rnd):
         q, k, v = (torch.randn(s, h, d, dtype=torch.bfloat16, device="cuda") for _ in range(3))
         if args.fp8:
             q, k, v = (x.to(torch.float8_e4m3fn) for x in (q, k, v))
+        o_kw = {"o_dtype": torch.bfloat16} if args.fp8 else {}
         for causal in causals:
-            o = pyflashattn.single_prefill_with_kv_cache(q, k, v, causal=causal, o_dtype=torch.bfloat16) \
-                if args.fp8 else pyflashattn.single_prefill_with_kv_cache(q, k, v, causal=causal)
+            def call():
+                return pyflashattn.single_prefill_with_kv_cache(q, k, v, causal=causal, **o_kw)
+            o = call()
             ref = torch.nn.functional.scaled_dot_product_attention(
                 *(x.to(torch.bfloat16).transpose(0, 1).unsqueeze(0) for x in (q, k, v)),
                 is_causal=causal)[0].transpose(0, 1)
             err = (o.float() - ref.float()).abs().max().item() / max(ref.float().abs().max().item(), 1e-6)
-            call = (lambda: pyflashattn.single_prefill_with_kv_cache(q, k, v, causal=causal, o_dtype=torch.bfloat16)) \
-                if args.fp8 else (lambda: pyflashattn.single_prefill_with_kv_cache(q, k, v, causal=causal))
             t = bench_ms(call, rep=10)
             tf = 4 * s * s * h * d / (2 if causal else 1) / t / 1e9
             bad = not err < (0.1 if args.fp8 else 0.05)

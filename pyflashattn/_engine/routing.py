@@ -128,10 +128,11 @@ def tma_pays(paged: bool, page_size: int, kv_lens, block_n: int, frozen: bool) -
     return frozen or (len(kv_lens) > 0 and float(kv_lens.mean()) >= TMA_MIN_TILES * block_n)
 
 
-# L2 sections of a persistent kernel's logical grid (PrefillParams.grid_section, work.cuh
-# LogicalGrid): the tile scheduler hands out a section's blocks (its kv heads x every work item)
-# before the next section's, so K/V of at most L2_SECTION_SHARE of the L2 is read at a time and the
-# row tiles of a head find it there. One section made a batch of short causal requests re-read
+# L2 sections of an sm90 launch's logical grid (PrefillParams.grid_section, work.cuh LogicalGrid):
+# a section's blocks (its kv heads x every work item) run before the next section's (handed out by
+# the tile scheduler in persistent launches, started in launch order by the hardware in the
+# others), so K/V of at most L2_SECTION_SHARE of the L2 is read at a time and the row tiles of a
+# head find it there. One section made a batch of short causal requests re-read
 # each head's K/V from DRAM for every row tile (ncu, H200, 16 x 1k, 16 heads, hd128: L2 hit rate
 # 35%, DRAM 66% busy, against cuDNN's 60% / 33%). PFA_L2_SECTION_SHARE overrides the share for A/B
 # runs (0: one section).

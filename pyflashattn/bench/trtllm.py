@@ -9,8 +9,9 @@ fmha paged layout and of the context API, and FlashInfer's trtllm_fmha_v2_prefil
 --fp8: e4m3 queries, keys and values (the bf16 inputs rounded to e4m3, scales 1) into a bf16
 output, against FlashInfer's fmha_v2 with the same e4m3 inputs (#19 item 3, #20's e4m3 goal), and
 checked against SDPA on the rounded inputs (FlashInfer's fp8 rtol, 8e-2: P is rounded to e4m3).
-FlashInfer JIT-compiles fmha_v2 on first use; only its head_dim-128 kernels without ALiBi / soft cap
-are compiled (the kernels are untouched, the list is cut), about a minute instead of many.
+
+FlashInfer JIT-compiles fmha_v2 on first use; in either mode only its head_dim-128 kernels without
+ALiBi / soft cap are compiled (the kernels are untouched, the list is cut): well under a minute.
 
 The metadata are device tensors, so both APIs take their device path (a cached plan per shape
 key, the kernel reading the lengths and block tables: no sync, no plan per call).

@@ -95,11 +95,11 @@ struct PrefillParams {
   uint64_t o_sf;  // NVFP4 output (o_format 3): its float8_e4m3fn block scales, one per 16 head-dim elements of a (token, q head), in the 128x4 swizzle (nvfp4_out.cuh) of a [rows, Hq * D / 16] tensor (a multiple of 4 columns for every head dim); 0 otherwise. With o_sf_row0 and o_sf_scale it fills the struct's last 16 bytes, so its size and every other field's offset stay as they were
   int32_t o_sf_row0;  // NVFP4 output: the o_sf row of token 0 (FP4Tensor.scale_start_index)
   float o_sf_scale;  // NVFP4 output: the encode-side global scale: block scale = e4m3(o_sf_scale * amax / 6), value = e2m1 * scale / o_sf_scale
-  int32_t grid_x;  // persistent kernels (the manifest's persistent: sm90/cta.cuh): the logical grid whose blocks the launched CTAs walk, x fastest, as a one-CTA-a-block launch would have run them; 0 for the other kernels (their launch grid is the logical one)
+  int32_t grid_x;  // sm90 kernels (launched one-dimensionally: launch.configure_grid): the logical grid whose blocks a CTA a block, or the persistent CTAs (sm90/cta.cuh), run in LogicalGrid's order (work.cuh); unused by the sm80 kernels (their launch grid is the logical one)
   int32_t grid_y;
   int32_t grid_z;
-  int32_t grid_section;  // persistent kernels: kv heads (grid x) per section of the logical grid's order; a section's blocks (its heads x every chunk and row tile) all come before the next section's, so the K/V the CTAs in flight read stays within L2 (set by the host from the K/V bytes of a head; grid_x = one section)
-  uint64_t sched;  // persistent kernels: int32 [2] zeroed (next block, CTAs finished), the dynamic tile scheduler's counters (sm90/tile_scheduler.cuh); the launch's last CTA zeroes them again for the next
+  int32_t grid_section;  // sm90 kernels: kv heads (grid x) per section of the logical grid's order; a section's blocks (its heads x every chunk and row tile) all come before the next section's, so the K/V the CTAs in flight read stays within L2 (routing.l2_section; grid_x = one section, which persistent launches without sched keep)
+  uint64_t sched;  // persistent kernels: int32 [2] zeroed (next block, CTAs finished), the dynamic tile scheduler's counters (sm90/tile_scheduler.cuh); the launch's last CTA zeroes them again for the next. 0 = none: each CTA takes a fixed share of the blocks
 };
 static_assert(sizeof(PrefillParams) == 832, "PrefillParams size drifted from the schema");
 static_assert(offsetof(PrefillParams, k_tmap) == 0, "PrefillParams.k_tmap offset");
