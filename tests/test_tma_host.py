@@ -12,7 +12,8 @@ import sys
 import numpy as np
 import pytest
 
-from pyflashattn._engine import routing, tma
+import pyflashattn
+from pyflashattn._engine import routing, single, tma
 from pyflashattn._runtime import cuda as _cuda
 from pyflashattn._runtime.params_gen import PrefillParams
 from pyflashattn.testing.fake_driver import (
@@ -432,3 +433,29 @@ def test_sm90_rows_a_cta_a_block_take_l2_sections_as_a_1d_launch(monkeypatch):
     w.plan(i32(0, 64), i32(0, 64), HQ, HKV, 256, causal=True)  # small K/V: one section
     la = w._engine.attn
     assert la.params.grid_section == la.params.grid_x == HKV and la.grid == (HKV * w._engine.schedule.grid, 1, 1)
+
+
+def test_persistent_single_prefill_takes_the_streams_counters_and_l2_sections(monkeypatch):
+    env = _env(monkeypatch, "tma")
+    _small_l2(monkeypatch, 4 << 20)  # 1 MiB a section; one kv head's K/V over 4096 rows is 2 MiB
+    monkeypatch.setattr(_cuda.Workspace, "_spaces", {})
+    monkeypatch.setattr(single._tls, "plans", {}, raising=False)
+    q, k, v = T((4096, HQ, D), data=0x100000), T((4096, HKV, D), data=0x300000), T((4096, HKV, D), data=0x380000)
+    pyflashattn.single_prefill_with_kv_cache(q, k, v, causal=True, out=T((4096, HQ, D), data=0x400000))
+    name, grid, _, p = last_attn(env)
+    assert "_ps" in name and grid[1:] == (1, 1)
+    assert p.sched and ctypes.string_at(p.sched, 8) == bytes(8) and p.grid_section == 1 and p.grid_x == HKV
+    first = p.sched
+    pyflashattn.single_prefill_with_kv_cache(q, k, v, causal=True, out=T((4096, HQ, D), data=0x400000))
+    assert last_attn(env)[3].sched == first  # the stream's counters, made once
+
+
+def test_scheduler_counters_are_not_made_while_the_stream_captures(monkeypatch):
+    env = _env(monkeypatch)
+    monkeypatch.setattr(_cuda.Workspace, "_spaces", {})
+    env.cu.capturing.add(7)
+    assert _cuda.Workspace.counters(0, 7) == 0  # the launch keeps a fixed share and one section
+    env.cu.capturing.discard(7)
+    made = _cuda.Workspace.counters(0, 7)
+    assert made and ctypes.string_at(made, 16) == bytes(16) and _cuda.Workspace.counters(0, 7) == made
+    assert ("memset", made, 16) in env.cu.log

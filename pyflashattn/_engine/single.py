@@ -176,7 +176,7 @@ class SinglePlan:
 
     __slots__ = ("o_shape", "o_strides", "lse_shape", "dtype", "odt", "o_format", "fp8", "heads", "attn", "merge",
                  "num_chunks", "ws_mask_bytes", "ws_o_bytes", "ws_bytes", "dev", "mask_kind", "mask_bits",
-                 "kv_maps", "tma_geometry")
+                 "kv_maps", "tma_geometry", "section")
 
     def __init__(self, qv, kv, vv, ov, lv, causal, kv_layout, window_left, sm_scale, opts=options.PLAIN,
                  mask_kind=None, mv=None, o_dtype=None):
@@ -287,8 +287,14 @@ class SinglePlan:
         # tiles run together, for L2 reuse of its K/V; otherwise heads vary fastest so every head's
         # heaviest row tiles go first.
         p.rows_fastest = rows_fastest = int(meta.get("rows_fastest", False) and not causal and window_left < 0)
+        # L2 sections of kv heads (routing.l2_section; a rows-fastest grid already runs a head at a
+        # time): a kernel a CTA a block takes them here, a persistent one in run(), where the
+        # stream's tile-scheduler counters are known (without counters it keeps one section).
+        section = 0 if rows_fastest or meta.get("impl") != "sm90" else routing.l2_section(
+            num_kv_heads, kv_len, head_dim, 1 if self.fp8 else self.dtype.bits // 8, props.get("l2_bytes", 0))
+        self.section = section if meta.get("persistent") and section < num_kv_heads else 0
         launch.configure_grid(la, (row_tiles, chunks, num_kv_heads) if rows_fastest else
-                              (num_kv_heads, chunks, row_tiles), dev)
+                              (num_kv_heads, chunks, row_tiles), dev, section)
 
     def _size_workspace(self, qo_len, num_qo_heads, head_dim, opts):
         """Workspace: [packed bool mask, 16-byte padded] [split partial o] [split partial lse]."""
@@ -322,6 +328,9 @@ class SinglePlan:
         p.v_scale = v_scale
         p.o_stride_n, p.o_stride_h = self.o_strides[0], self.o_strides[1]
         ws = _cuda.Workspace.get(self.dev, stream, self.ws_bytes) if self.ws_bytes else 0
+        if self.section:  # a persistent row in L2 sections: the stream's tile-scheduler counters
+            p.sched = sched = _cuda.Workspace.counters(self.dev, stream)
+            p.grid_section = self.section if sched else p.grid_x
         if self.mask_kind == "packed":
             p.custom_mask = mask_view.ptr
         elif self.mask_kind == "bool":

@@ -404,6 +404,20 @@ class Workspace:
 
     def __init__(self, device_id: int, stream: int):
         self.device_id, self.stream, self.ptr, self.size = device_id, stream, 0, 0
+        self.sched = 0
+
+    @classmethod
+    def counters(cls, device_id: int, stream: int) -> int:
+        """The tile scheduler's counters for launches on this stream (two int32, zeroed when made;
+        each launch's last CTA zeroes them again: sm90/tile_scheduler.cuh), or 0 while none exist
+        and the stream is capturing (no zeroing a graph would not replay first: the launch then
+        takes a fixed share of blocks). Their own allocation: the scratch block moves on growth."""
+        ws = cls._spaces.get((device_id, stream))
+        if ws is None:
+            ws = cls._spaces[(device_id, stream)] = cls(device_id, stream)
+        if not ws.sched and not stream_capturing(stream):
+            ws.sched = zeroed(16)
+        return ws.sched
 
     @classmethod
     def get(cls, device_id: int, stream: int, nbytes: int) -> int:

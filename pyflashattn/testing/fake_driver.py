@@ -94,6 +94,7 @@ class FakeDriver:
         ctypes.memset(dst, value, n)
         return (0,)
 
+
     def cuMemcpyHtoDAsync(self, dst, src, n, s):
         self.log.append(("htod", dst, n, s))
         ctypes.memmove(dst, src, n)
