@@ -6,7 +6,8 @@ One call each: sm90 single prefill (TMA K/V, causal, partial tiles: the tail cop
 row tiles than SMs, so persistent CTAs walk several blocks), sm90 paged
 batch by the cp.async producer's owned-row copies (pages 16 and 8, shuffled; with PFA_SM90_KV_LOAD=tma
 and a `make TUNE=1` build, page 16 by TMA boxes), sm90 ragged batch with split KV and its merge (TMA,
-a tail box with V's rows zeroed), sm90 fp8 prefill, single and over a paged fp8 cache, the sm80
+a tail box with V's rows zeroed), sm90 fp8 prefill, single and over a paged fp8 cache (and, walking
+several blocks, single and ragged), the sm80
 decode tile through XQA (bf16, fp8 and NVFP4 caches: the last two register-widened), a TRT-LLM
 context call over device metadata. Every output is checked for NaN; the sanitizer's report is the
 point.
@@ -61,6 +62,16 @@ def main():
     finite(f"paged fp8 page {ps} ({wp._engine.attn.name})", wp.run(q[:130].to(e4), cache.to(e4)))
     finite("fp8 prefill", pyflashattn.single_prefill_with_kv_cache(q.to(e4), k.to(e4), v.to(e4), causal=True,
                                                                     o_dtype=BF16))
+    # the persistent fp8 rows walking several blocks: single (fixed shares), and a ragged batch (the
+    # tile scheduler's counters, L2 sections)
+    for d, heads, n in ((64, 48, 640), (128, 16, 1280)):
+        qw, kw, vw = (rnd(n, heads, d).to(e4) for _ in range(3))
+        finite(f"single fp8 walk hd{d}", pyflashattn.single_prefill_with_kv_cache(qw, kw, vw, causal=True,
+                                                                                  o_dtype=BF16))
+        wr = pyflashattn.BatchPrefillWithRaggedKVCacheWrapper(ws, "NHD")
+        ind = np.array([0, n // 2, n], np.int32)
+        wr.plan(ind, ind, heads, heads, d, causal=True, q_data_type=e4, kv_data_type=e4, o_data_type=BF16)
+        finite(f"ragged fp8 walk hd{d} ({wr._engine.attn.name})", wr.run(qw, kw, vw))
     B, P, ps = 4, 64, 16
     cache = rnd(P, 2, ps, 2, 128)
     bt = torch.randperm(P, device=DEV).to(torch.int32).view(B, -1)

@@ -329,6 +329,8 @@ class HopperFp8PrefillVariant(Sm90Roles):
     tune: bool = False
     impl: str = SM90
     archs: tuple = IMPL_ARCHS[SM90]
+    # the CTAs walk the logical grid (sm90/cta.cuh); None: the head dim's HOPPER_FP8_PERSISTENT entry
+    persistent: bool = None
 
     dtype = "e4m3"  # Q, K and V: the manifest's dtype and kv_dtype
     block_n = 128
@@ -336,15 +338,21 @@ class HopperFp8PrefillVariant(Sm90Roles):
     RAW_V_TILES = 2  # PrefillSm90Fp8Config::RAW_TILES
     ROW_BYTES = 128  # one 128-byte swizzle row
 
+    def __post_init__(self):
+        if self.persistent is None:
+            object.__setattr__(self, "persistent", HOPPER_FP8_PERSISTENT[self.head_dim])
+
     @property
     def smem_bytes(self):
         # PrefillSm90Fp8Config::SMEM_BYTES: Q, STAGES K and Vt tiles, the raw V tiles, 1 + 4 * STAGES
-        # mbarriers and the alignment slack; paged rows stage no page ids (one byte per element; Q / K /
+        # mbarriers, (persistent) Q's empty mbarrier and the tile scheduler's index ring (4 mbarriers,
+        # 2 int32), the alignment slack; paged rows stage no page ids (one byte per element; Q / K /
         # raw V rows padded to the 128-byte swizzle row at head_dim 64: ROW_PAD)
         row = max(self.ROW_BYTES, self.head_dim * FP8_BYTES)
         vt = self.head_dim * self.block_n * FP8_BYTES
+        walk = 5 * self.BARRIER_BYTES + 8 if self.persistent else 0
         return (self.block_m * row + (self.stages + self.RAW_V_TILES) * self.block_n * row + self.stages * vt
-                + (1 + 4 * self.stages) * self.BARRIER_BYTES + self.ATOM_BYTES)
+                + (1 + 4 * self.stages) * self.BARRIER_BYTES + walk + self.ATOM_BYTES)
 
     def fits(self, arch):
         return self.smem_bytes <= SMEM_OPTIN[arch]
@@ -353,13 +361,14 @@ class HopperFp8PrefillVariant(Sm90Roles):
     def name(self):
         return (f"pfa_prefill_{self.impl}_{self.dtype}_hd{self.head_dim}_m{self.block_m}n{self.block_n}"
                 f"c{self.consumers}s{self.stages}{'_pp' if self.pingpong else ''}{'' if self.overlap else '_serial'}"
-                f"{'_paged' if self.paged else ''}")
+                f"{'_paged' if self.paged else ''}{'_ps' if self.persistent else ''}")
 
     def source(self):
         return (f'#include "pfa/attention/prefill_sm90_fp8.cuh"\n'
                 f"PFA_DEFINE_PREFILL_SM90_FP8({self.name}, {self.head_dim}, {self.consumers}, {self.stages}, "
                 f"{'true' if self.pingpong else 'false'}, {'true' if self.overlap else 'false'}, "
-                f"{'true' if self.paged else 'false'}, {self.smem_bytes})\n")
+                f"{'true' if self.paged else 'false'}, {'true' if self.persistent else 'false'}, "
+                f"{self.smem_bytes})\n")
 
     def manifest(self):
         return {"family": "prefill", "impl": self.impl, "dtype": self.dtype, "kv_dtype": self.dtype,
@@ -369,13 +378,17 @@ class HopperFp8PrefillVariant(Sm90Roles):
                 # device_scale: ConsumerSm90Fp8::row_scales starts from logit_scale(p) (scale_dev) and
                 # the shared sm90 epilogue's output_scale(p) reads v_scale_dev
                 "rows_fastest": True, "device_scale": True, "tma": False, "out16": "bf16", "skip_softmax_rows": 0,
-                "nvfp4_out": self.paged}  # Sm90Fp8OutCfg::NVFP4_OUT
+                "nvfp4_out": self.paged,  # Sm90Fp8OutCfg::NVFP4_OUT
+                "persistent": self.persistent}
 
 
 # head_dim -> (consumers, stages, overlap) of the sm_90a fp8 prefill (hd64: three consumers, as the
 # 16-bit family's hd64 row); the paged rows take the same tiles (hd256: the page ids fill what is
 # left of the shared memory).
 HOPPER_FP8_TILES = {64: (3, 2, True), 128: (2, 2, True), 256: (2, 2, False)}
+# head_dim -> whether the fp8 rows are persistent (as HOPPER_PERSISTENT; hd256's serial consumers
+# hold a 128-register O, as the 16-bit hd256 row that spilled with the walk's state)
+HOPPER_FP8_PERSISTENT = {64: True, 128: True, 256: False}
 
 # head_dim -> whether the sm_90a 16-bit rows are persistent (HopperPrefillVariant.persistent). hd256
 # keeps a CTA a block: the walk's loop state made its consumers spill (O alone is 128 registers).

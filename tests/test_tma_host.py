@@ -332,14 +332,14 @@ def test_persistent_rows_launch_at_most_a_cta_an_sm_over_the_logical_grid(monkey
     assert w._engine.attn.grid == (p.grid_x * p.grid_y * p.grid_z, 1, 1)
 
 
-def test_only_the_16bit_hd64_hd128_sm90_rows_are_persistent():
+def test_only_the_hd64_hd128_sm90_rows_are_persistent():
     rows = variants.variants(tune=True)
     for v in rows:
-        if isinstance(v, variants.HopperPrefillVariant):
-            assert v.persistent is variants.HOPPER_PERSISTENT[v.head_dim] and ("_ps" in v.name) is v.persistent
+        if isinstance(v, (variants.HopperPrefillVariant, variants.HopperFp8PrefillVariant)):
+            table = (variants.HOPPER_PERSISTENT if isinstance(v, variants.HopperPrefillVariant)
+                     else variants.HOPPER_FP8_PERSISTENT)
+            assert v.persistent is table[v.head_dim] is (v.head_dim != 256) and ("_ps" in v.name) is v.persistent
             assert v.manifest()["persistent"] is v.persistent
-        elif isinstance(v, variants.HopperFp8PrefillVariant):
-            assert "persistent" not in v.manifest()
 
 
 def test_l2_section_keeps_a_sections_kv_within_its_share_of_l2(monkeypatch):

@@ -37,21 +37,21 @@ struct Sm90Fp8OutCfg {
   static constexpr bool NVFP4_OUT = PAGED;
 };
 
-template <int HEAD_DIM, int CONSUMERS, int STAGES, bool PINGPONG, bool OVERLAP, bool PAGED>
-struct PrefillSm90Fp8 : PrefillSm90Fp8Config<HEAD_DIM, CONSUMERS, STAGES, PAGED> {
-  using Cfg = PrefillSm90Fp8Config<HEAD_DIM, CONSUMERS, STAGES, PAGED>;
+template <int HEAD_DIM, int CONSUMERS, int STAGES, bool PINGPONG, bool OVERLAP, bool PAGED, bool PERSISTENT>
+struct PrefillSm90Fp8 : PrefillSm90Fp8Config<HEAD_DIM, CONSUMERS, STAGES, PAGED, PERSISTENT> {
+  using Cfg = PrefillSm90Fp8Config<HEAD_DIM, CONSUMERS, STAGES, PAGED, PERSISTENT>;
   using Consumer = ConsumerSm90Fp8<Cfg, PINGPONG, OVERLAP>;
   using OutCfg = Sm90Fp8OutCfg<typename Cfg::Out16, HEAD_DIM, PAGED>;
 
   static __device__ __forceinline__ void consume(const PrefillParams& p, const PrefillWork& w, uint32_t base, int wg,
-                                                 int tid) {
+                                                 int tid, const Sm90Walk& walk) {
     const int lane = tid % 32, warp = tid / 32;
     const typename Consumer::Rows rows = Consumer::rows_of(w, wg, warp, lane);
     float o[Consumer::O_ACC];
 #pragma unroll
     for (int i = 0; i < Consumer::O_ACC; ++i) o[i] = 0.f;
     float m[2] = {-INFINITY, -INFINITY}, l[2] = {0.f, 0.f};
-    Consumer::mainloop(p, w, rows, base, wg, lane, o, m, l);
+    Consumer::mainloop(p, w, rows, base, wg, lane, o, m, l, walk);
     Consumer::unshift_max(m);
     // scale_v of the kv head: O is linear in V, so it scales O here (before the normalisation and
     // any sink factor, which are per row and commute with it; split partials carry it into the merge).
@@ -66,9 +66,11 @@ struct PrefillSm90Fp8 : PrefillSm90Fp8Config<HEAD_DIM, CONSUMERS, STAGES, PAGED>
   static __device__ __forceinline__ void run(const PrefillParams& p, char* smem) {
     run_warp_specialized_cta<Cfg>(
         p, smem,
-        [&](const PrefillWork& w, uint32_t base, int tid, Sm90Walk&) { ProducerSm90Fp8<Cfg>::run(p, w, base, tid); },
-        [&](const PrefillWork& w, uint32_t base, int wg, int tid, const Sm90Walk&) {
-          consume(p, w, base, wg, tid);
+        [&](const PrefillWork& w, uint32_t base, int tid, Sm90Walk& walk) {
+          ProducerSm90Fp8<Cfg>::run(p, w, base, tid, walk);
+        },
+        [&](const PrefillWork& w, uint32_t base, int wg, int tid, const Sm90Walk& walk) {
+          consume(p, w, base, wg, tid, walk);
         });
   }
 };
@@ -77,11 +79,12 @@ struct PrefillSm90Fp8 : PrefillSm90Fp8Config<HEAD_DIM, CONSUMERS, STAGES, PAGED>
 
 // One extern "C" entry per variant (as PFA_DEFINE_PREFILL_SM90). SMEM: variants.py's smem_bytes,
 // checked against the kernel's layout at compile time.
-#define PFA_DEFINE_PREFILL_SM90_FP8(NAME, HD, CONSUMERS, STAGES, PINGPONG, OVERLAP, PAGED, SMEM)             \
-  static_assert(pfa::PrefillSm90Fp8<HD, CONSUMERS, STAGES, PINGPONG, OVERLAP, PAGED>::SMEM_BYTES == (SMEM), \
+#define PFA_DEFINE_PREFILL_SM90_FP8(NAME, HD, CONSUMERS, STAGES, PINGPONG, OVERLAP, PAGED, PERSISTENT, SMEM) \
+  static_assert(pfa::PrefillSm90Fp8<HD, CONSUMERS, STAGES, PINGPONG, OVERLAP, PAGED, PERSISTENT>::SMEM_BYTES == \
+                    (SMEM),                                                                                \
                 #NAME ": variants.py smem_bytes differs from the kernel's shared-memory layout");          \
   extern "C" __global__ void __launch_bounds__((CONSUMERS + 1) * 128, 1)                                   \
       NAME(const __grid_constant__ pfa::PrefillParams p) {                                                 \
     extern __shared__ __align__(1024) char smem[];                                                         \
-    pfa::PrefillSm90Fp8<HD, CONSUMERS, STAGES, PINGPONG, OVERLAP, PAGED>::run(p, smem);                     \
+    pfa::PrefillSm90Fp8<HD, CONSUMERS, STAGES, PINGPONG, OVERLAP, PAGED, PERSISTENT>::run(p, smem);         \
   }

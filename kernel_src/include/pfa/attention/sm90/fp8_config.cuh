@@ -8,7 +8,7 @@
 // copies each V tile as it is stored ([key][dim], the "raw" tile) and transposes it into a Vt
 // stage (fp8_producer.cuh). Layout, each part 1024-byte aligned:
 //   Q [BLOCK_M x D] | K stages [STAGES][BLOCK_N x D] | Vt stages [STAGES][D x BLOCK_N]
-//   | raw V [2][BLOCK_N x D] | mbarriers
+//   | raw V [2][BLOCK_N x D] | mbarriers | (PERSISTENT) Q's empty mbarrier, the scheduler's ring
 // Every tile in the 128-byte swizzle: column blocks of 128 bytes, chunk c of row r at c ^ (r % 8).
 // BLOCK_N is 128: one Vt row (a head-dim column of V) is exactly one 128-byte swizzle row. At
 // head_dim 64 the Q, K and raw V rows (64 bytes) are stored as the first half of 128-byte swizzle
@@ -30,7 +30,7 @@ constexpr int sm90_fp8_bar_offset(int head_dim, int consumers, int stages) {
   return consumers * 64 * row_pad + stages * 128 * row_pad + stages * head_dim * 128 + 2 * 128 * row_pad;
 }
 
-template <int HEAD_DIM_, int CONSUMERS_, int STAGES_, bool PAGED_>
+template <int HEAD_DIM_, int CONSUMERS_, int STAGES_, bool PAGED_, bool PERSISTENT_ = false>
 struct PrefillSm90Fp8Config : Sm90Pipeline<CONSUMERS_, STAGES_, sm90_fp8_bar_offset(HEAD_DIM_, CONSUMERS_, STAGES_)> {
   using Base = Sm90Pipeline<CONSUMERS_, STAGES_, sm90_fp8_bar_offset(HEAD_DIM_, CONSUMERS_, STAGES_)>;
   using Base::ATOM_BYTES, Base::BAR_OFFSET, Base::BLOCK_M, Base::NUM_BARRIERS, Base::ROW_BYTES, Base::STAGES;
@@ -40,7 +40,8 @@ struct PrefillSm90Fp8Config : Sm90Pipeline<CONSUMERS_, STAGES_, sm90_fp8_bar_off
   using Out16 = __nv_bfloat16;
   static constexpr int HEAD_DIM = HEAD_DIM_, BLOCK_N = 128;
   static constexpr bool PAGED = PAGED_, TMA = false;
-  static constexpr bool PERSISTENT = false;  // one CTA a block (sm90/cta.cuh)
+  // The CTAs walk the logical grid (sm90/cta.cuh), as the 16-bit family's PERSISTENT rows
+  static constexpr bool PERSISTENT = PERSISTENT_;
   static_assert(HEAD_DIM == 64 || HEAD_DIM % 128 == 0, "fp8: head_dim in whole (or, 64, half) swizzle rows");
 
   static constexpr int CHUNK_ELEMS = 16;                 // e4m3 elements per 16-byte chunk
@@ -56,9 +57,16 @@ struct PrefillSm90Fp8Config : Sm90Pipeline<CONSUMERS_, STAGES_, sm90_fp8_bar_off
   static constexpr int RAW_OFFSET = V_OFFSET + STAGES * VT_TILE_BYTES;
   static constexpr int RAW_TILES = 2;
   static_assert(BAR_OFFSET == RAW_OFFSET + RAW_TILES * K_TILE_BYTES, "sm90_fp8_bar_offset: the mbarriers follow raw V");
+  // PERSISTENT: the Q tile's "empty" mbarrier (one arrival per consumer warp once the last S of a
+  // work item has read Q), then the tile scheduler's index ring (sm90/tile_scheduler.cuh)
+  static constexpr int Q_EMPTY_BAR_OFFSET = BAR_OFFSET + NUM_BARRIERS * 8;
+  static constexpr int Q_EMPTY_BAR_BYTES = PERSISTENT ? 8 : 0;
+  static __device__ __forceinline__ uint32_t q_empty(uint32_t base) { return base + Q_EMPTY_BAR_OFFSET; }
+  static constexpr int SCHED_OFFSET = Q_EMPTY_BAR_OFFSET + Q_EMPTY_BAR_BYTES;
+  static constexpr int SCHED_BYTES = PERSISTENT ? 40 : 0;
   // + 1024: the dynamic shared memory base is rounded up to the swizzle atom at run time (PAGED
   // too: its page ids stay in the producer's registers, producer.cuh OwnedRows)
-  static constexpr int SMEM_BYTES = BAR_OFFSET + NUM_BARRIERS * 8 + ATOM_BYTES;
+  static constexpr int SMEM_BYTES = SCHED_OFFSET + SCHED_BYTES + ATOM_BYTES;
   static_assert(K_TILE_BYTES % ATOM_BYTES == 0 && VT_TILE_BYTES % ATOM_BYTES == 0 && Q_BYTES % ATOM_BYTES == 0,
                 "1024-byte tiles");
 };

@@ -22,6 +22,7 @@
 
 #include "pfa/attention/params.h"
 #include "pfa/attention/sm90/consumer.cuh"
+#include "pfa/attention/sm90/pipeline.cuh"
 #include "pfa/attention/softmax_state.cuh"
 #include "pfa/attention/variant.cuh"
 #include "pfa/attention/work.cuh"
@@ -132,28 +133,37 @@ struct ConsumerSm90Fp8 : ConsumerSm90<Cfg, PINGPONG, false> {
 
   static __device__ __forceinline__ void mainloop(const PrefillParams& p, const PrefillWork& w, const Rows& r,
                                                   uint32_t base, int wg, int lane, float (&o)[O_ACC], float (&m)[2],
-                                                  float (&l)[2]) {
+                                                  float (&l)[2], const Sm90Walk& walk) {
     float scale[2];
     row_scales(p, w, r, scale);
     if constexpr (OVERLAP)
-      overlapped(p, w, r, base, wg, lane, o, m, l, scale);
+      overlapped(p, w, r, base, wg, lane, o, m, l, scale, walk);
     else
-      serial(w, r, base, wg, lane, o, m, l, scale);
+      serial(w, r, base, wg, lane, o, m, l, scale, walk);
+  }
+
+  // PERSISTENT: each warp releases Q (q_empty) once the work item's last S has read it, so the
+  // producer loads the next item's Q while this one's last tiles and epilogue run.
+  static __device__ __forceinline__ void release_q(uint32_t base, int it, int n, int lane) {
+    if constexpr (Cfg::PERSISTENT) {
+      if (it == n - 1 && lane == 0) ptx::mbar_arrive(Cfg::q_empty(base));
+    }
   }
 
   // Without the overlap: per tile S, mask, softmax, O rescale, then P V, each GEMM in its turn.
+  // walk: where the CTA stands in the ring (sm90/pipeline.cuh): each tile's stage and phase, Q's.
   static __device__ __forceinline__ void serial(const PrefillWork& w, const Rows& r, uint32_t base, int wg, int lane,
                                                 float (&o)[O_ACC], float (&m)[2], float (&l)[2],
-                                                const float (&scale)[2]) {
+                                                const float (&scale)[2], const Sm90Walk& walk) {
     const uint32_t s_q = base + Cfg::Q_OFFSET;
     const Turns turn{wg};
     const int n = w.num_tiles;
     if (n == 0) return;
     if (PINGPONG && wg == Cfg::CONSUMERS - 1) ptx::bar_arrive(1, 2 * Cfg::WG_THREADS);
-    ptx::mbar_wait(Cfg::q_full(base), 0);
+    ptx::mbar_wait(Cfg::q_full(base), walk.q_round & 1);
     for (int it = 0; it < n; ++it) {
-      const int st = it % STAGES, n0 = w.tile_start + it * BLOCK_N;
-      const uint32_t parity = (it / STAGES) & 1;
+      const int st = walk.stage<STAGES>(it), n0 = w.tile_start + it * BLOCK_N;
+      const uint32_t parity = walk.phase<STAGES>(it);
       float s[S_ACC];
       uint32_t a[PV_STEPS][4];
       float corr[2];
@@ -166,6 +176,7 @@ struct ConsumerSm90Fp8 : ConsumerSm90<Cfg, PINGPONG, false> {
       ptx::wgmma_wait<0>();
       ptx::wgmma_fence_regs(s);
       if (lane == 0) ptx::mbar_arrive(Cfg::k_empty(base, st));
+      release_q(base, it, n, lane);
       if (!w.rule.keeps_all(r.q_lo, r.q_hi, n0, n0 + BLOCK_N - 1)) Base::mask(s, r, n0, lane);
       softmax(s, m, l, corr, scale);
       if (it > 0) Base::rescale_o(o, corr);  // the first tile's O is still zero
@@ -187,34 +198,36 @@ struct ConsumerSm90Fp8 : ConsumerSm90<Cfg, PINGPONG, false> {
   // turns, the stage releases) on the fp8 operands.
   static __device__ __forceinline__ void overlapped(const PrefillParams& p, const PrefillWork& w, const Rows& r,
                                                     uint32_t base, int wg, int lane, float (&o)[O_ACC], float (&m)[2],
-                                                    float (&l)[2], const float (&scale)[2]) {
+                                                    float (&l)[2], const float (&scale)[2], const Sm90Walk& walk) {
     const uint32_t s_q = base + Cfg::Q_OFFSET;
     const Turns turn{wg};
     const int n = w.num_tiles;
     if (n == 0) return;
     if (PINGPONG && wg == Cfg::CONSUMERS - 1) ptx::bar_arrive(1, 2 * Cfg::WG_THREADS);
-    ptx::mbar_wait(Cfg::q_full(base), 0);
+    ptx::mbar_wait(Cfg::q_full(base), walk.q_round & 1);
     float s[S_ACC];
     uint32_t a[PV_STEPS][4];
     float corr[2];
-    ptx::mbar_wait(Cfg::k_full(base, 0), 0);
+    const int st0 = walk.stage<STAGES>(0);
+    ptx::mbar_wait(Cfg::k_full(base, st0), walk.phase<STAGES>(0));
     turn.take();
     ptx::wgmma_fence();
-    issue_qk(s, s_q, base + Cfg::K_OFFSET, wg);
+    issue_qk(s, s_q, base + Cfg::K_OFFSET + st0 * Cfg::K_TILE_BYTES, wg);
     ptx::wgmma_commit();
     turn.pass();
     ptx::wgmma_wait<0>();
     ptx::wgmma_fence_regs(s);
-    if (lane == 0) ptx::mbar_arrive(Cfg::k_empty(base, 0));
+    if (lane == 0) ptx::mbar_arrive(Cfg::k_empty(base, st0));
+    release_q(base, 0, n, lane);
     if (!w.rule.keeps_all(r.q_lo, r.q_hi, w.tile_start, w.tile_start + BLOCK_N - 1))
       Base::mask(s, r, w.tile_start, lane);
     softmax(s, m, l, corr, scale);
     p_frags(s, a);
     for (int it = 1; it < n; ++it) {
-      const int st = it % STAGES, prev = (it - 1) % STAGES;
+      const int st = walk.stage<STAGES>(it), prev = walk.stage<STAGES>(it - 1);
       const int n0 = w.tile_start + it * BLOCK_N;
-      ptx::mbar_wait(Cfg::k_full(base, st), (it / STAGES) & 1);
-      ptx::mbar_wait(Cfg::v_full(base, prev), ((it - 1) / STAGES) & 1);
+      ptx::mbar_wait(Cfg::k_full(base, st), walk.phase<STAGES>(it));
+      ptx::mbar_wait(Cfg::v_full(base, prev), walk.phase<STAGES>(it - 1));
       turn.take();
       ptx::wgmma_fence();
       issue_qk(s, s_q, base + Cfg::K_OFFSET + st * Cfg::K_TILE_BYTES, wg);
@@ -225,6 +238,7 @@ struct ConsumerSm90Fp8 : ConsumerSm90<Cfg, PINGPONG, false> {
       ptx::wgmma_wait<1>();  // S of this tile; P V still running
       ptx::wgmma_fence_regs(s);
       if (lane == 0) ptx::mbar_arrive(Cfg::k_empty(base, st));
+      release_q(base, it, n, lane);
       if (!w.rule.keeps_all(r.q_lo, r.q_hi, n0, n0 + BLOCK_N - 1)) Base::mask(s, r, n0, lane);
       softmax(s, m, l, corr, scale);
       ptx::wgmma_wait<0>();
@@ -234,8 +248,8 @@ struct ConsumerSm90Fp8 : ConsumerSm90<Cfg, PINGPONG, false> {
       Base::rescale_o(o, corr);
       p_frags(s, a);
     }
-    const int last = (n - 1) % STAGES;
-    ptx::mbar_wait(Cfg::v_full(base, last), ((n - 1) / STAGES) & 1);
+    const int last = walk.stage<STAGES>(n - 1);
+    ptx::mbar_wait(Cfg::v_full(base, last), walk.phase<STAGES>(n - 1));
     turn.take();
     ptx::wgmma_fence();
     issue_pv(o, a, base + Cfg::V_OFFSET + last * Cfg::VT_TILE_BYTES);

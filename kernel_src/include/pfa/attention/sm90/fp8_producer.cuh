@@ -28,6 +28,7 @@
 
 #include "pfa/attention/kv_source.cuh"
 #include "pfa/attention/params.h"
+#include "pfa/attention/sm90/pipeline.cuh"
 #include "pfa/attention/sm90/producer.cuh"
 #include "pfa/attention/work.cuh"
 #include "pfa/ptx/mma_sm80.cuh"
@@ -140,7 +141,13 @@ struct ProducerSm90Fp8 {
   // PAGED: `ids` holds the owned row's page ids of the next tile to copy; each copy's row offset
   // (page_offset) is worked out just before it, and the ids of the tile after are loaded between
   // the two copies, so their page-table reads hide behind the K stage wait and the transpose.
-  static __device__ __forceinline__ void run(const PrefillParams& p, const PrefillWork& w, uint32_t base, int tid) {
+  // walk: the CTA's place in the ring (sm90/pipeline.cuh): each tile's stage and phase, and (PERSISTENT)
+  // Q's, whose buffer the consumers free after the previous work item's last S (q_empty). The raw V
+  // buffers restart at 0 every item: the item before ended with both transposed.
+  static __device__ __forceinline__ void run(const PrefillParams& p, const PrefillWork& w, uint32_t base, int tid,
+                                             const Sm90Walk& walk) {
+    if (w.num_tiles == 0) return;  // (the consumers wait for no Q either)
+    wait_q_free<Cfg>(base, walk);
     load_q(p, w, base + Cfg::Q_OFFSET, tid);
     ptx::cp_async_mbar_arrive(Cfg::q_full(base));
     const uint8_t* k = reinterpret_cast<const uint8_t*>(p.k) + w.kv_head * p.k_stride_h;
@@ -159,10 +166,11 @@ struct ProducerSm90Fp8 {
     auto v_off = [&](int n0) {
       return Cfg::PAGED ? page_offset<uint8_t>(p, ids.v, n0 + row, w.kv_len, p.v_stride_page, p.v_stride_n) : 0;
     };
-    if (n > 0) {
-      const int n1 = w.tile_start;
-      copy_tile(w, base + Cfg::K_OFFSET, k, p.k_stride_n, row0, k_off(n1), n1, tid, keep);
-      ptx::cp_async_mbar_arrive(Cfg::k_full(base, 0));
+    {
+      const int n1 = w.tile_start, s0 = walk.stage<STAGES>(0);
+      ptx::mbar_wait(Cfg::k_empty(base, s0), walk.phase<STAGES>(0) ^ 1);  // (a fresh ring: free at once)
+      copy_tile(w, base + Cfg::K_OFFSET + s0 * Cfg::K_TILE_BYTES, k, p.k_stride_n, row0, k_off(n1), n1, tid, keep);
+      ptx::cp_async_mbar_arrive(Cfg::k_full(base, s0));
       copy_tile(w, base + Cfg::RAW_OFFSET, v, p.v_stride_n, row0, v_off(n1), n1, tid, keep);
       ptx::cp_async_commit();
       if constexpr (Cfg::PAGED) {
@@ -173,14 +181,14 @@ struct ProducerSm90Fp8 {
       if (it + 1 < n) {
         // raw V(it + 1) first: its buffer is free (the barrier ending tile it - 1), while K(it + 1)
         // waits for the consumers to release a K stage
-        const int s1 = (it + 1) % STAGES, n1 = w.tile_start + (it + 1) * BLOCK_N;
+        const int s1 = walk.stage<STAGES>(it + 1), n1 = w.tile_start + (it + 1) * BLOCK_N;
         copy_tile(w, base + Cfg::RAW_OFFSET + ((it + 1) & 1) * Cfg::K_TILE_BYTES, v, p.v_stride_n, row0, v_off(n1),
                   n1, tid, keep);
         const int64_t k_row_off = k_off(n1);
         if constexpr (Cfg::PAGED) {
           if (it + 2 < n) ids = tile_ids(p, w, n1 + BLOCK_N, row, tid);
         }
-        ptx::mbar_wait(Cfg::k_empty(base, s1), (((it + 1) / STAGES) & 1) ^ 1);
+        ptx::mbar_wait(Cfg::k_empty(base, s1), walk.phase<STAGES>(it + 1) ^ 1);
         copy_tile(w, base + Cfg::K_OFFSET + s1 * Cfg::K_TILE_BYTES, k, p.k_stride_n, row0, k_row_off, n1, tid, keep);
         ptx::cp_async_mbar_arrive(Cfg::k_full(base, s1));  // (once V(it + 1) has landed too)
         ptx::cp_async_commit();
@@ -189,8 +197,8 @@ struct ProducerSm90Fp8 {
         ptx::cp_async_wait<0>();
       }
       ptx::bar_sync(Cfg::PRODUCER_BAR, Cfg::WG_THREADS);  // ... and every thread's
-      const int s = it % STAGES;
-      ptx::mbar_wait(Cfg::v_empty(base, s), ((it / STAGES) & 1) ^ 1);
+      const int s = walk.stage<STAGES>(it);
+      ptx::mbar_wait(Cfg::v_empty(base, s), walk.phase<STAGES>(it) ^ 1);
       transpose_v(base + Cfg::RAW_OFFSET + (it & 1) * Cfg::K_TILE_BYTES, base + Cfg::V_OFFSET + s * Cfg::VT_TILE_BYTES,
                   tid);
       ptx::fence_proxy_async();  // the stmatrix writes (generic proxy) before the consumers' wgmma reads
