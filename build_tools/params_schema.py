@@ -146,6 +146,9 @@ PREFILL = (
         ("sched", "ptr", "persistent kernels: int32 [2] zeroed (next block, CTAs finished), the dynamic tile "
          "scheduler's counters (sm90/tile_scheduler.cuh); the launch's last CTA zeroes them again for the next. "
          "0 = none: each CTA takes a fixed share of the blocks"),
+        ("grid_section_z", "i32", "sm90 kernels: the z values [0, grid_section_z) run in grid_section's "
+         "sections, the rest (the lightest work items or row tiles) after them with every x together, so the "
+         "CTAs finish together (routing.section_head_z; grid_z with one section)"),
     ],
 )
 

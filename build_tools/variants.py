@@ -340,7 +340,7 @@ class HopperFp8PrefillVariant(Sm90Roles):
 
     def __post_init__(self):
         if self.persistent is None:
-            object.__setattr__(self, "persistent", HOPPER_FP8_PERSISTENT[self.head_dim])
+            object.__setattr__(self, "persistent", HOPPER_FP8_PERSISTENT[self.head_dim] and not self.paged)
 
     @property
     def smem_bytes(self):
@@ -387,7 +387,9 @@ class HopperFp8PrefillVariant(Sm90Roles):
 # left of the shared memory).
 HOPPER_FP8_TILES = {64: (3, 2, True), 128: (2, 2, True), 256: (2, 2, False)}
 # head_dim -> whether the fp8 rows are persistent (as HOPPER_PERSISTENT; hd256's serial consumers
-# hold a 128-register O, as the 16-bit hd256 row that spilled with the walk's state)
+# hold a 128-register O, as the 16-bit hd256 row that spilled with the walk's state). The paged fp8
+# rows stay a CTA a block: persistent, their producer spilled in its copy loop and long paged
+# prefills lost 4-9% (NOTES.md, session 20).
 HOPPER_FP8_PERSISTENT = {64: True, 128: True, 256: False}
 
 # head_dim -> whether the sm_90a 16-bit rows are persistent (HopperPrefillVariant.persistent). hd256

@@ -271,8 +271,9 @@ def test_fp8_rows_of_the_variant_table():
         assert v.archs == ("sm_90a",) and v.smem_bytes <= variants.SMEM_OPTIN["sm_90a"]
         assert v.manifest()["dtype"] == v.manifest()["kv_dtype"] == E4M3.short
         assert v.manifest()["paged"] == v.paged and ("_paged" in v.name) == v.paged
-        # persistent (the scheduler's walk) where variants.HOPPER_FP8_PERSISTENT says so
-        assert v.manifest()["persistent"] == v.persistent == variants.HOPPER_FP8_PERSISTENT[v.head_dim]
+        # persistent (the scheduler's walk) where variants.HOPPER_FP8_PERSISTENT says so, never paged
+        want = variants.HOPPER_FP8_PERSISTENT[v.head_dim] and not v.paged
+        assert v.manifest()["persistent"] == v.persistent == want
         assert v.name.endswith("_ps") == v.persistent
     assert fp8.FP8 is E4M3
 

@@ -338,7 +338,9 @@ def test_only_the_hd64_hd128_sm90_rows_are_persistent():
         if isinstance(v, (variants.HopperPrefillVariant, variants.HopperFp8PrefillVariant)):
             table = (variants.HOPPER_PERSISTENT if isinstance(v, variants.HopperPrefillVariant)
                      else variants.HOPPER_FP8_PERSISTENT)
-            assert v.persistent is table[v.head_dim] is (v.head_dim != 256) and ("_ps" in v.name) is v.persistent
+            fp8_paged = isinstance(v, variants.HopperFp8PrefillVariant) and v.paged  # a CTA a block
+            assert v.persistent is (table[v.head_dim] and not fp8_paged) is (v.head_dim != 256 and not fp8_paged)
+            assert ("_ps" in v.name) is v.persistent
             assert v.manifest()["persistent"] is v.persistent
 
 
@@ -346,7 +348,10 @@ def test_l2_section_keeps_a_sections_kv_within_its_share_of_l2(monkeypatch):
     monkeypatch.delenv(routing.L2_SECTION_ENV, raising=False)
     l2 = 48 << 20
     head = 2 * 4096 * 128 * 2  # K and V of one kv head over 4096 bf16 rows: 2 MiB
-    assert routing.l2_section(8, 4096, 128, 2, l2) == int(routing.L2_SECTION_SHARE * l2) // head
+    fit = int(routing.L2_SECTION_SHARE * l2) // head  # 6 heads fit; 8 heads: two sections of 4, not 6 + 2
+    assert fit == 6 and routing.l2_section(8, 4096, 128, 2, l2) == 4
+    assert routing.l2_section(16, 4096, 128, 2, l2) == 6 and routing.l2_section(12, 4096, 128, 2, l2) == 6
+    assert routing.l2_section(7, 4096, 128, 2, l2) == 4  # 4 + 3
     assert routing.l2_section(2, 4096, 128, 2, l2) == 2  # at most every head: one section
     assert routing.l2_section(8, 1 << 22, 128, 2, l2) == 1  # at least one head
     assert routing.l2_section(8, 0, 128, 2, l2) == 8 and routing.l2_section(8, 4096, 128, 2, 0) == 8
@@ -361,7 +366,12 @@ def test_l2_section_keeps_a_sections_kv_within_its_share_of_l2(monkeypatch):
 
 def _logical_block(p, item):
     """work.cuh LogicalGrid::at, transcribed: (x, y, z) of block `item`."""
-    per_x = p["gy"] * p["gz"]
+    zh, per_z = p["zh"], p["gx"] * p["gy"]
+    if item >= zh * per_z:  # the tail
+        r = item - zh * per_z
+        z, xy = divmod(r, per_z)
+        return xy % p["gx"], xy // p["gx"], zh + z
+    per_x = p["gy"] * zh
     x0 = item // (p["s"] * per_x) * p["s"]
     xs = min(p["s"], p["gx"] - x0)
     within = item - x0 * per_x
@@ -370,17 +380,52 @@ def _logical_block(p, item):
 
 
 @pytest.mark.parametrize("gx,gy,gz,s", [(8, 1, 37, 3), (8, 2, 5, 8), (5, 3, 4, 2), (1, 1, 9, 1), (7, 1, 3, 1)])
-def test_logical_grid_sections_visit_every_block_once_a_section_at_a_time(gx, gy, gz, s):
-    p = dict(gx=gx, gy=gy, gz=gz, s=s)
+@pytest.mark.parametrize("tail", [0, 1, 3, "all"])
+def test_logical_grid_sections_visit_every_block_once_a_section_at_a_time(gx, gy, gz, s, tail):
+    zh = 0 if tail == "all" else max(0, gz - tail)
+    p = dict(gx=gx, gy=gy, gz=gz, s=s, zh=zh)
     blocks = [_logical_block(p, b) for b in range(gx * gy * gz)]
     assert sorted(blocks) == sorted((x, y, z) for x in range(gx) for y in range(gy) for z in range(gz))
-    sections = [x // s for x, _, _ in blocks]
+    head, rest = blocks[:gx * gy * zh], blocks[gx * gy * zh:]
+    assert all(z < zh for _, _, z in head) and all(z >= zh for _, _, z in rest)
+    sections = [x // s for x, _, _ in head]
     assert sections == sorted(sections)  # a section's blocks all before the next's
     for sec in set(sections):  # within a section: x fastest, then y, then z (heaviest first)
-        own = [(z, y, x) for x, y, z in blocks if x // s == sec]
+        own = [(z, y, x) for x, y, z in head if x // s == sec]
         assert own == sorted(own)
-    if s == gx:  # one section: the order of a one-CTA-a-block launch
+    assert rest == sorted(rest, key=lambda b: b[::-1])  # the tail: every x together, x fastest, then y, z
+    if s == gx:  # one section: the order of a one-CTA-a-block launch, wherever the tail starts
         assert blocks == [(b % gx, b // gx % gy, b // (gx * gy)) for b in range(gx * gy * gz)]
+
+
+def _finish_time(weights_by_item, ctas):
+    """List scheduling (the tile scheduler: a free CTA takes the next block): the last finish."""
+    import heapq
+    free = [0] * ctas
+    for w in weights_by_item:
+        heapq.heappush(free, heapq.heappop(free) + w)
+    return max(free)
+
+
+def test_section_head_z_leaves_a_tail_that_evens_out_the_last_sections_heavy_blocks():
+    ctas = 132
+    # one causal request, 16 heads in sections of 3 (+1), row tiles heaviest first
+    for rows in (16, 64, 128):
+        tiles = np.arange(rows, 0, -1)
+        zh = routing.section_head_z(tiles, 16, ctas)
+        w = tiles + routing.BLOCK_OVERHEAD_TILES
+        tail = 16 * int(w[zh:].sum())
+        assert tail >= ctas * int(w.max())  # the tail holds a wave of the heaviest blocks
+        assert zh == 0 or 16 * int(w[zh + 1:].sum()) < ctas * int(w.max())  # and no more than it needs
+        p = dict(gx=16, gy=1, gz=rows, s=3, zh=zh)
+        order = [w[_logical_block(p, b)[2]] for b in range(16 * rows)]
+        no_tail = [w[_logical_block(dict(p, zh=rows), b)[2]] for b in range(16 * rows)]
+        ideal = max(16 * int(w.sum()) / ctas, int(w.max()))
+        assert _finish_time(order, ctas) <= 1.02 * ideal + 1
+        if rows == 64:  # sections without the tail: the last section's heaviest blocks end late
+            assert _finish_time(no_tail, ctas) > 1.1 * ideal
+    assert routing.section_head_z(np.arange(8, 0, -1), 16, ctas) == 0  # under one wave: no sections
+    assert routing.section_head_z(np.array([], np.int64), 16, ctas) == 0
 
 
 def _small_l2(monkeypatch, l2_bytes):
@@ -399,11 +444,15 @@ def test_persistent_batch_plans_take_zeroed_scheduler_counters_and_l2_sections(m
     p = la.params
     assert p.sched and ctypes.string_at(p.sched, 8) == bytes(8)
     assert p.grid_section == 1 and p.grid_x == HKV
+    props = _cuda.properties(0)
+    plan = w._engine.schedule
+    assert p.grid_section_z == routing.section_head_z(plan.item_tiles(1), HKV, props["sm_count"] *
+                                                      routing.ctas_per_sm(la.meta, props))
     counters = p.sched
     assert ("memset", counters, 16) in env.cu.log
     w.plan(i32(0, 64), i32(0, 64), HQ, HKV, D, causal=True)  # small K/V: one section, the same counters
     p = w._engine.attn.params
-    assert p.sched == counters and p.grid_section == HKV
+    assert p.sched == counters and p.grid_section == HKV and p.grid_section_z == p.grid_z
 
 
 def test_a_batch_plan_made_while_its_stream_captures_makes_no_counters(monkeypatch):

@@ -192,7 +192,7 @@ class BatchEngine:
         self.ks = self.vs = 1.0  # run()'s k_scale / v_scale currently in the struct
         self.scale_ptrs = (0, 0, 0)  # fp8 q: run()'s per-head scale tensors in the struct
         self.scaled = False
-        launch.configure_grid(la, (cfg.num_kv_heads, 1, plan.grid), self.dev, *self._sections(la, cfg, src, s))
+        launch.configure_grid(la, (cfg.num_kv_heads, 1, plan.grid), self.dev, *self._sections(la, cfg, src, plan, s))
         self.attn = la
         self.skip, self.skip_home = 0.0, None  # run(skip_softmax_threshold_scale_factor=...) sets it
         la.params.skip_softmax_factor = 0.0
@@ -217,15 +217,22 @@ class BatchEngine:
         self.fast_key = None  # run()'s validated-signature cache belongs to one plan
         return plan
 
-    def _sections(self, la, cfg, src, stream: int) -> tuple[int, int]:
-        """(kv heads per L2 section, the tile scheduler's counters) of an sm90 kernel's launch (no
-        counters: a kernel a CTA a block); (0, 0) for the others."""
+    def _sections(self, la, cfg, src, plan, stream: int) -> tuple[int, int, int]:
+        """(kv heads per L2 section, the tile scheduler's counters, work items in sections before
+        the tail) of an sm90 kernel's launch (no counters: a kernel a CTA a block); zeros for the
+        others and for one section."""
         if la.meta.get("impl") != "sm90":
-            return 0, 0
-        l2 = _cuda.properties(self.dev).get("l2_bytes", 0)
+            return 0, 0, 0
+        props = _cuda.properties(self.dev)
         kv_tokens = int(src.kv_lens.sum())
-        section = routing.l2_section(cfg.num_kv_heads, kv_tokens, cfg.head_dim, max(1, cfg.kv_dtype.bits // 8), l2)
-        return section, self.staging.counters(stream) if la.meta.get("persistent") else 0
+        section = routing.l2_section(cfg.num_kv_heads, kv_tokens, cfg.head_dim, max(1, cfg.kv_dtype.bits // 8),
+                                     props.get("l2_bytes", 0))
+        sched = self.staging.counters(stream) if la.meta.get("persistent") else 0
+        if section >= cfg.num_kv_heads or (la.meta.get("persistent") and not sched):
+            return 0, sched, 0
+        tiles = plan.item_tiles(-(-plan.kv_chunk_size // plan.block_n) if plan.kv_chunk_size else 1)
+        head_z = routing.section_head_z(tiles, cfg.num_kv_heads, props["sm_count"] * routing.ctas_per_sm(la.meta, props))
+        return section, sched, head_z
 
     def _config(self, settings: PlanSettings) -> Config:
         """plan()'s settings validated and routed, cached per wrapper: a serving loop re-plans with

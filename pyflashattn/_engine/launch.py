@@ -73,11 +73,13 @@ def plan_stream(stream, dev):
     return _cuda.library_stream(dev)
 
 
-def configure_grid(la, grid: tuple[int, int, int], dev: int, section: int = 0, sched: int = 0) -> None:
+def configure_grid(la, grid: tuple[int, int, int], dev: int, section: int = 0, sched: int = 0,
+                   section_z: int = 0) -> None:
     """Launch grid of an attention kernel over the logical grid `grid` (one block a work item).
     sm90 rows launch one-dimensionally: the kernel finds its block's coordinates in
     PrefillParams.grid_x/y/z (work.cuh LogicalGrid), whose order runs in sections of `section` x
-    values (kv heads; 0 = one section). A CTA a block: one CTA per logical block, which the hardware
+    values (kv heads; 0 = one section) for the z values below `section_z`, the rest after them as
+    one (routing.section_head_z). A CTA a block: one CTA per logical block, which the hardware
     starts in launch order. Persistent (the manifest's persistent, sm90/cta.cuh): as many CTAs as fit
     the GPU at once (at most one a block), handed blocks by the tile scheduler's zeroed counters at
     `sched`; without counters (0) each CTA takes a fixed share (sm90/tile_scheduler.cuh), which
@@ -90,7 +92,9 @@ def configure_grid(la, grid: tuple[int, int, int], dev: int, section: int = 0, s
     blocks = grid[0] * grid[1] * grid[2]
     persistent = bool(la.meta.get("persistent"))
     p.sched = sched if persistent else 0
-    p.grid_section = min(section, grid[0]) if section > 0 and (p.sched or not persistent) else grid[0]
+    sectioned = 0 < section < grid[0] and (p.sched or not persistent)
+    p.grid_section = section if sectioned else grid[0]
+    p.grid_section_z = min(max(section_z, 0), grid[2]) if sectioned else grid[2]
     if persistent:
         blocks = min(blocks, _cuda.properties(dev)["sm_count"] * la.meta["ctas_per_sm"])
     la.configure((max(1, blocks), 1, 1))

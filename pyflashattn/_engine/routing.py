@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import os
 
+import numpy as np
+
 from .._runtime import cuda as _cuda, registry as _registry
 from . import tma
 
@@ -153,7 +155,28 @@ def l2_section(num_kv_heads: int, kv_tokens: int, head_dim: int, elem_bytes: int
     per_head = 2 * kv_tokens * head_dim * elem_bytes
     if share <= 0 or per_head <= 0 or l2_bytes <= 0:  # (an unknown L2: one section)
         return num_kv_heads
-    return max(1, min(num_kv_heads, int(share * l2_bytes) // per_head))
+    fit = max(1, min(num_kv_heads, int(share * l2_bytes) // per_head))
+    sections = -(-num_kv_heads // fit)
+    return -(-num_kv_heads // sections)  # the sections evened out: 8 + 8, never 15 + 1
+
+
+# Per-block cost beyond its KV tiles, in tiles (CTA start or block switch, Q load, first K/V
+# latency, epilogue: session 18's profile put it at 2-3 tiles), in section_head_z's balance.
+BLOCK_OVERHEAD_TILES = 2
+
+
+def section_head_z(tiles_by_z, per_z: int, ctas: int) -> int:
+    """How many z values (work items or row tiles, heaviest first: `tiles_by_z`, the KV tiles a
+    block of each iterates) run in L2 sections before the tail (PrefillParams.grid_section_z).
+    In sections, the last section's heaviest blocks start late and would set the launch's end;
+    the tail, every x together in longest-first order, must hold at least `ctas` such blocks'
+    worth of work so the others finish beside them. `per_z` blocks share a z value. 0: no
+    section at all (a launch of about one wave)."""
+    w = np.asarray(tiles_by_z, np.int64) + BLOCK_OVERHEAD_TILES
+    if w.size == 0:
+        return 0
+    suffix = np.cumsum(w[::-1])[::-1] * per_z  # work of z values [z, end)
+    return max(0, int(np.count_nonzero(suffix >= ctas * int(w.max()))) - 1)
 
 
 def ctas_per_sm(meta: dict, props: dict) -> int:

@@ -98,10 +98,21 @@ class PrefillPlan:
     # them in one piece. Without a split it ends after o_indptr (merge_indptr is then a shared
     # read-only zero view).
     buffer = None
+    # Not a field: (-KV tiles per item or None, launch order) as _fill_work_items sorted them, read
+    # by item_tiles() within the plan() that made it (the arrays may be reused by the next plan).
+    lpt = None
 
     def __post_init__(self):
         if self.max_partial_rows < 0:
             self.max_partial_rows = self.num_partial_rows
+
+    def item_tiles(self, default: int) -> np.ndarray:
+        """KV tiles each work item iterates, in launch order (heaviest first); `default` for every
+        item where the planner found them all alike or kept no keys."""
+        neg, order = self.lpt if self.lpt is not None else (None, None)
+        if neg is None:
+            return np.full(self.num_work, default, np.int64)
+        return np.negative(neg[order], dtype=np.int64)
 
     def workspace_layout(self, num_qo_heads: int, head_dim: int, rows: int | None = None):
         """(lse_offset, total_bytes) of the float workspace for ``rows`` partial rows
@@ -186,13 +197,14 @@ def _search_chunk_units(tiles_f, kv1_f: np.ndarray, T: int, limit: int, bn: int,
 
 
 def _split_items(nh, l, nc_t, item_end, N, cu):
-    """Items of split q tiles (tile-major, chunk fastest): (LPT order, chunk index of each item).
+    """Items of split q tiles (tile-major, chunk fastest): (-KV tiles of each item or None where
+    they are all alike, LPT order, chunk index of each item).
     Chunk c of a tile covers KV tiles [c*cu, (c+1)*cu) (cu = chunk / bn), so an item iterates
     max(min((c+1)*cu, h) - max(c*cu, l), 0) of them, at most cu (cu < the longest request's
     tiles, as it is split). nh = -h per tile; item_end: one past each tile's last item."""
     c = np.arange(N, dtype=np.int32)  # int32: the largest arrays here, memory-bound
     if nc_t.size == 1 and l is None:  # one q tile: its items' tiles never grow with c
-        return c, c
+        return None, c, c
     c -= (item_end - nc_t).astype(np.int32).repeat(nc_t)
     neg = c * cu
     if l is None:  # -tiles = clip(c*cu - h, -cu, 0)
@@ -206,7 +218,7 @@ def _split_items(nh, l, nc_t, item_end, N, cu):
         np.maximum(neg, nh.astype(np.int32).repeat(nc_t), out=neg)
         neg += lo
         np.minimum(neg, 0, out=neg)
-    return _lpt_order(neg, cu), c
+    return neg, _lpt_order(neg, cu), c
 
 
 # ---- the planner -------------------------------------------------------------------------------
@@ -365,7 +377,7 @@ def schedule_prefill(qo, qo_lens, kv, max_qo, max_kv, g, hkv, bm, bn, budget, ca
     merge_indptr = buf[3 * grid + 2 * B + 1:] if split else _shared("zeros", total_q + 1)
     if grid > N:
         work_request[N:] = -1  # padding of a fixed CUDA-graph grid
-    _fill_work_items(work_request, work_qtile, work_chunk, qo_lens, kv, tiles, ends, T, B, N, g, bm, bn, causal, wl,
+    lpt = _fill_work_items(work_request, work_qtile, work_chunk, qo_lens, kv, tiles, ends, T, B, N, g, bm, bn, causal, wl,
                      max_kv, split, chunk, nc, None if nc is None else nc_t, None if nc is None else item_end,
                      attn_chunk)
     if split:
@@ -391,7 +403,7 @@ def schedule_prefill(qo, qo_lens, kv, max_qo, max_kv, g, hkv, bm, bn, budget, ca
 
     plan = PrefillPlan(bm, bn, N, grid, int(chunk), split, work_request, work_qtile, work_chunk, num_chunks,
                        o_indptr, merge_indptr, num_partial_rows, total_q, max_partial_rows)
-    plan.buffer = buf
+    plan.buffer, plan.lpt = buf, lpt
     return plan
 
 
@@ -445,23 +457,26 @@ def _chunk_size(qo_lens, kv, max_qo, max_kv, tiles, T, B, g, hkv, bm, bn, budget
 def _fill_work_items(work_request, work_qtile, work_chunk, qo_lens, kv, tiles, ends, T, B, N, g, bm, bn, causal, wl,
                      max_kv, split, chunk, nc, nc_t, item_end, attn_chunk=0):
     """Work items (q tile-major, chunk fastest) in LPT order: a stable sort by the KV tiles the
-    kernel iterates for each item, descending (ties keep the item order)."""
+    kernel iterates for each item, descending (ties keep the item order). Returns (the sort's
+    keys, -KV tiles per item, or None where every item iterates the same; the launch order), for
+    PrefillPlan.item_tiles."""
     first = req = None
     if tiles is not None:
         first = ends - tiles  # each request's first q tile
         req = _shared("iota", B).repeat(tiles)  # the request of each q tile
     nh, l = tile_spans(qo_lens, kv, tiles, first, req, g, bm, bn, causal, wl, attn_chunk)
     if not split:  # item = q tile; it iterates h - l KV tiles (>= 0: a tile's lo < its hi)
-        order = _lpt_order(nh if l is None else np.add(nh, l, out=nh), -(-max_kv // bn))
+        neg = nh if l is None else np.add(nh, l, out=nh)
+        order = _lpt_order(neg, -(-max_kv // bn))
         if tiles is None:  # q tile = request
             work_request[:N] = order
         else:
             req = req[order]
             work_request[:N] = req
-            order -= first[req]  # the tile's index inside its request
-            work_qtile[:N] = order
-        return
-    order, c = _split_items(nh, l, nc_t, item_end, N, chunk // bn)
+            # the tile's index inside its request (order itself stays: item_tiles reads it)
+            np.subtract(order, first[req], out=work_qtile[:N], casting="unsafe")
+        return neg, order
+    neg, order, c = _split_items(nh, l, nc_t, item_end, N, chunk // bn)
     work_chunk[:N] = c[order]
     # the request (and the tile's index inside it) of each item, in launch order
     if tiles is None:
@@ -472,6 +487,7 @@ def _fill_work_items(work_request, work_qtile, work_chunk, qo_lens, kv, tiles, e
         work_qtile[:N] = tq.astype(np.int32).repeat(nc_t)[order]
         req = req.astype(np.int32).repeat(nc_t)
     work_request[:N] = req[order]
+    return neg, order
 
 
 def _fill_partial_rows(num_chunks, o_indptr, merge_indptr, qo, qo_lens, nc, tiles, B, total_q, max_kv, chunk):

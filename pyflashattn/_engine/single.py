@@ -292,9 +292,14 @@ class SinglePlan:
         # stream's tile-scheduler counters are known (without counters it keeps one section).
         section = 0 if rows_fastest or meta.get("impl") != "sm90" else routing.l2_section(
             num_kv_heads, kv_len, head_dim, 1 if self.fp8 else self.dtype.bits // 8, props.get("l2_bytes", 0))
-        self.section = section if meta.get("persistent") and section < num_kv_heads else 0
+        head_z = 0
+        if 0 < section < num_kv_heads:  # the row tiles in sections before the tail (by the plan's LPT tiles)
+            tiles = one.item_tiles(-(-one.kv_chunk_size // meta["block_n"]) if one.kv_chunk_size else 1)
+            head_z = routing.section_head_z(tiles[::max(1, tiles.size // row_tiles)][:row_tiles],
+                                            num_kv_heads * chunks, props["sm_count"] * ctas)
+        self.section = (section, head_z) if meta.get("persistent") and section < num_kv_heads else None
         launch.configure_grid(la, (row_tiles, chunks, num_kv_heads) if rows_fastest else
-                              (num_kv_heads, chunks, row_tiles), dev, section)
+                              (num_kv_heads, chunks, row_tiles), dev, section, section_z=head_z)
 
     def _size_workspace(self, qo_len, num_qo_heads, head_dim, opts):
         """Workspace: [packed bool mask, 16-byte padded] [split partial o] [split partial lse]."""
@@ -330,7 +335,7 @@ class SinglePlan:
         ws = _cuda.Workspace.get(self.dev, stream, self.ws_bytes) if self.ws_bytes else 0
         if self.section:  # a persistent row in L2 sections: the stream's tile-scheduler counters
             p.sched = sched = _cuda.Workspace.counters(self.dev, stream)
-            p.grid_section = self.section if sched else p.grid_x
+            p.grid_section, p.grid_section_z = self.section if sched else (p.grid_x, p.grid_z)
         if self.mask_kind == "packed":
             p.custom_mask = mask_view.ptr
         elif self.mask_kind == "bool":

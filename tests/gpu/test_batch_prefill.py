@@ -1192,3 +1192,31 @@ def test_cuda_graph_ragged_batch_capacity():
     _plan_ragged(w, b, True)
     o, lse = _run_into(w, b, (b.k, b.v))
     _check_batch(b, o, lse, True, {}, 0, "ragged graph wrapper after capacity errors")
+
+
+@pytest.mark.parametrize("kind", ["ragged", "paged"])
+@pytest.mark.parametrize("d", [128, 256])
+def test_l2_sections_and_their_tail_cover_every_block(monkeypatch, kind, d, kv_load):
+    """L2 sections forced to one kv head each (routing.l2_section) with the tail after them
+    (routing.section_head_z): a batch of several waves, so both parts of LogicalGrid's order run,
+    on the tile scheduler (hd128, persistent) and in the hardware's launch order (hd256)."""
+    from pyflashattn._engine import routing
+    monkeypatch.setenv(routing.L2_SECTION_ENV, "1e-9")
+    seed = _seed("sections", kind, d)
+    rng = np.random.default_rng(seed)
+    lens = [int(x) for x in rng.integers(600, 2100, size=6)]
+    b = _make_batch(lens, lens, 16, 4, d, BF16, seed)
+    w = _ragged_wrapper() if kind == "ragged" else _paged_wrapper()
+    if kind == "ragged":
+        _plan_ragged(w, b, True)
+        kv_args = _ragged_kv(b, "NHD")
+    else:
+        pg = _paginate(b, 16, "NHD", "5d", seed)
+        _plan_paged(w, b, pg, True)
+        kv_args = (pg.cache,)
+    p = w._engine.attn.params
+    if w._engine.attn.meta.get("impl") != "sm90":
+        pytest.skip("L2 sections are an sm90 launch's order")
+    assert p.grid_section == 1 and 0 < p.grid_section_z < p.grid_z, (p.grid_z, p.grid_section_z)
+    o, lse = _run_into(w, b, kv_args)
+    _check_batch(b, o, lse, True, {}, seed, f"sections {kind} hd{d}")

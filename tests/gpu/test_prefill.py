@@ -519,3 +519,31 @@ def test_current_torch_stream_used_by_default():
         o, lse = pyflashattn.single_prefill_with_kv_cache_return_lse(q, k, v, kv_layout="HND")
     s.synchronize()
     _check(o, lse, o_ref, lse_ref, dt, what="current stream")
+
+
+# ---------------------------------------------------------------------------------------
+# L2 sections (routing.l2_section, forced to one kv head a section) and the tail after them
+# (routing.section_head_z): a grid of several waves, so both parts of LogicalGrid's order run.
+# ---------------------------------------------------------------------------------------
+@pytest.mark.parametrize("qo_len,kv_len,hq,hkv,d,dtype", [
+    (4096, 4096, 32, 8, 128, "bf16"),   # persistent rows on the stream's scheduler counters
+    (3001, 3001, 16, 16, 64, "fp16"),   # persistent, partial last row tile
+    (4096, 4096, 16, 4, 256, "bf16"),   # a CTA a block: the hardware's launch order
+])
+def test_l2_sections_and_their_tail_cover_every_block(monkeypatch, qo_len, kv_len, hq, hkv, d, dtype):
+    from pyflashattn._engine import routing, single
+    monkeypatch.setenv(routing.L2_SECTION_ENV, "1e-9")
+    monkeypatch.setattr(single._tls, "plans", {}, raising=False)
+    dt = DTYPES[dtype]
+    seed = _seed("sections", qo_len, kv_len, hq, hkv, d, dtype)
+    q, k, v = _make_qkv(qo_len, kv_len, hq, hkv, d, dt, "NHD", seed)
+    out = torch.full_like(q, float("nan"))
+    lse = torch.full((qo_len, hq), float("nan"), dtype=torch.float32, device=DEV)
+    pyflashattn.single_prefill_with_kv_cache(q, k, v, causal=True, out=out, lse=lse, return_lse=True)
+    torch.cuda.synchronize()
+    ps = [pl.attn.params for pl in single._tls.plans.values()]
+    assert any(p.grid_section == 1 and 0 < p.grid_section_z < p.grid_z for p in ps), \
+        [(p.grid_x, p.grid_z, p.grid_section, p.grid_section_z) for p in ps]
+    heads = _pick_heads(qo_len, kv_len, hq, seed)
+    o_ref, lse_ref = _ref(q, k, v, heads=heads, causal=True)
+    _check(out, lse, o_ref, lse_ref, dt, heads, what="sections")

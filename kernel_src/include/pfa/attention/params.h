@@ -100,6 +100,7 @@ struct PrefillParams {
   int32_t grid_z;
   int32_t grid_section;  // sm90 kernels: kv heads (grid x) per section of the logical grid's order; a section's blocks (its heads x every chunk and row tile) all come before the next section's, so the K/V the CTAs in flight read stays within L2 (routing.l2_section; grid_x = one section, which persistent launches without sched keep)
   uint64_t sched;  // persistent kernels: int32 [2] zeroed (next block, CTAs finished), the dynamic tile scheduler's counters (sm90/tile_scheduler.cuh); the launch's last CTA zeroes them again for the next. 0 = none: each CTA takes a fixed share of the blocks
+  int32_t grid_section_z;  // sm90 kernels: the z values [0, grid_section_z) run in grid_section's sections, the rest (the lightest work items or row tiles) after them with every x together, so the CTAs finish together (routing.section_head_z; grid_z with one section)
 };
 static_assert(sizeof(PrefillParams) == 832, "PrefillParams size drifted from the schema");
 static_assert(offsetof(PrefillParams, k_tmap) == 0, "PrefillParams.k_tmap offset");
@@ -188,6 +189,7 @@ static_assert(offsetof(PrefillParams, grid_y) == 772, "PrefillParams.grid_y offs
 static_assert(offsetof(PrefillParams, grid_z) == 776, "PrefillParams.grid_z offset");
 static_assert(offsetof(PrefillParams, grid_section) == 780, "PrefillParams.grid_section offset");
 static_assert(offsetof(PrefillParams, sched) == 784, "PrefillParams.sched offset");
+static_assert(offsetof(PrefillParams, grid_section_z) == 792, "PrefillParams.grid_section_z offset");
 
 // combine split-KV partials (float32 o, base-2 lse) into the final output
 struct MergeParams {

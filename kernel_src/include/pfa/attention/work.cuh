@@ -75,10 +75,13 @@ __device__ __forceinline__ bool load_plan_item(const PrefillParams& p, int item,
 
 // Where a CTA's block coordinates come from: its launch's (BlockGrid: blockIdx, gridDim), or block
 // `item` of the logical grid PrefillParams::grid_x/y/z that a persistent CTA walks (LogicalGrid).
-// The logical grid's order: sections of grid_section x values (kv heads), each section's blocks
-// x fastest, then y, then z (a batch plan's LPT list, or the row tiles heaviest first), before the
-// next section's; one section (grid_section = grid_x) is the order a one-CTA-a-block launch hands
-// blocks out in.
+// The logical grid's order: the z values below grid_section_z in sections of grid_section x values
+// (kv heads), each section's blocks x fastest, then y, then z (a batch plan's LPT list, or the row
+// tiles heaviest first), before the next section's; then the z values from grid_section_z on (the
+// lightest), every x together, in the same x, y, z order: the tail that evens out the CTAs' finish
+// times, which the last section's heaviest blocks would otherwise set (routing.section_head_z).
+// One section (grid_section = grid_x) is the order a one-CTA-a-block launch hands blocks out in,
+// whatever grid_section_z says.
 struct BlockGrid {
   __device__ __forceinline__ int x() const { return blockIdx.x; }
   __device__ __forceinline__ int y() const { return blockIdx.y; }
@@ -88,7 +91,12 @@ struct BlockGrid {
 struct LogicalGrid {
   int bx, by, bz, gz;
   static __device__ __forceinline__ LogicalGrid at(const PrefillParams& p, int item) {
-    const int per_x = p.grid_y * p.grid_z;  // blocks of one x value
+    const int zh = p.grid_section_z, per_z = p.grid_x * p.grid_y;
+    if (item >= zh * per_z) {  // the tail: every x together
+      const int r = item - zh * per_z, z = r / per_z, xy = r - z * per_z, y = xy / p.grid_x;
+      return {xy - y * p.grid_x, y, zh + z, p.grid_z};
+    }
+    const int per_x = p.grid_y * zh;  // blocks of one x value in the sectioned part
     const int x0 = item / (p.grid_section * per_x) * p.grid_section;  // the section's first x
     const int xs = min(p.grid_section, p.grid_x - x0);                // its x values (the last may have fewer)
     const int within = item - x0 * per_x, yz = within / xs;
