@@ -153,7 +153,7 @@ def check_plan(p: PrefillPlan, qo_lens, kv_lens, *, g, hkv, bm, bn, budget, caus
     # LPT: KV-tile cost non-increasing; ties in (request, tile, chunk) order (stable)
     cost = [item_kv_tiles(qo_lens[b], kv_lens[b], t, c, chunk, g, bm, bn, causal, wl) for b, t, c in got]
     if p.lpt is not None and p.lpt[0] is not None:  # the tiles the L2 sections' tail is sized by
-        assert p.item_tiles(0).tolist() == cost
+        assert np.asarray(p.item_tiles(0)).tolist() == cost
     for k in range(N - 1):
         assert cost[k] >= cost[k + 1], (k, cost[k], cost[k + 1])
         if cost[k] == cost[k + 1]:

@@ -167,16 +167,38 @@ BLOCK_OVERHEAD_TILES = 2
 
 def section_head_z(tiles_by_z, per_z: int, ctas: int) -> int:
     """How many z values (work items or row tiles, heaviest first: `tiles_by_z`, the KV tiles a
-    block of each iterates) run in L2 sections before the tail (PrefillParams.grid_section_z).
-    In sections, the last section's heaviest blocks start late and would set the launch's end;
-    the tail, every x together in longest-first order, must hold at least `ctas` such blocks'
-    worth of work so the others finish beside them. `per_z` blocks share a z value. 0: no
-    section at all (a launch of about one wave)."""
-    w = np.asarray(tiles_by_z, np.int64) + BLOCK_OVERHEAD_TILES
-    if w.size == 0:
+    block of each iterates; anything with len() and numpy slicing) run in L2 sections before the
+    tail (PrefillParams.grid_section_z). In sections, the last section's heaviest blocks start
+    late and would set the launch's end; the tail, every x together in longest-first order, must
+    hold at least `ctas` such blocks' worth of work so the others finish beside them. `per_z`
+    blocks share a z value. 0: no section at all (a launch of about one wave). Reads the first
+    value and as few of the last as the tail needs (plan() runs this for every batch)."""
+    n = len(tiles_by_z)
+    if n == 0:
         return 0
-    suffix = np.cumsum(w[::-1])[::-1] * per_z  # work of z values [z, end)
-    return max(0, int(np.count_nonzero(suffix >= ctas * int(w.max()))) - 1)
+    need = -(-ctas * (int(tiles_by_z[0]) + BLOCK_OVERHEAD_TILES) // per_z)  # tail work a z column holds
+    k = 256
+    while True:
+        k = min(k, n)
+        acc = np.add.accumulate(np.asarray(tiles_by_z[n - k:], np.int64)[::-1])  # the k lightest, lightest first
+        acc += _overhead_ramp(k)
+        hit = int(acc.searchsorted(need))  # the fewest lightest values holding `need`
+        if hit < k:
+            return n - 1 - hit
+        if k == n:
+            return 0
+        k *= 8
+
+
+_ramp = np.zeros(0, np.int64)
+
+
+def _overhead_ramp(k: int) -> np.ndarray:
+    """BLOCK_OVERHEAD_TILES * (1 .. k): the overhead of the k lightest blocks, accumulated."""
+    global _ramp
+    if _ramp.size < k:
+        _ramp = np.arange(1, max(k, 1024) + 1, dtype=np.int64) * BLOCK_OVERHEAD_TILES
+    return _ramp[:k]
 
 
 def ctas_per_sm(meta: dict, props: dict) -> int:

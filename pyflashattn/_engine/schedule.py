@@ -67,6 +67,28 @@ def _align(n: int) -> int:
     return (n + WORKSPACE_ALIGN - 1) // WORKSPACE_ALIGN * WORKSPACE_ALIGN
 
 
+class ItemTiles:
+    """A plan's KV tiles per work item in launch order, computed only for the items indexed
+    (routing.section_head_z reads the first and the lightest few: a full gather cost plan() ~5 us
+    at 4k items)."""
+
+    __slots__ = ("neg", "order", "n", "default")
+
+    def __init__(self, neg, order, n: int, default: int):
+        self.neg, self.order, self.n, self.default = neg, order, n, default
+
+    def __len__(self) -> int:
+        return self.n
+
+    def __getitem__(self, i):
+        if self.neg is None:
+            return np.full(len(range(self.n)[i]), self.default, np.int64) if isinstance(i, slice) else self.default
+        return np.negative(self.neg[self.order[:self.n][i]], dtype=np.int64)
+
+    def __array__(self, dtype=None, copy=None):
+        return np.asarray(self[:], dtype)
+
+
 @dataclass(eq=False)
 class PrefillPlan:
     """The schedule of one batch prefill launch (+ merge launch when ``split``).
@@ -106,13 +128,11 @@ class PrefillPlan:
         if self.max_partial_rows < 0:
             self.max_partial_rows = self.num_partial_rows
 
-    def item_tiles(self, default: int) -> np.ndarray:
-        """KV tiles each work item iterates, in launch order (heaviest first); `default` for every
-        item where the planner found them all alike or kept no keys."""
+    def item_tiles(self, default: int) -> "ItemTiles":
+        """KV tiles each work item iterates, in launch order (heaviest first), worked out for the
+        items read; `default` for every item where the planner found them all alike or kept no keys."""
         neg, order = self.lpt if self.lpt is not None else (None, None)
-        if neg is None:
-            return np.full(self.num_work, default, np.int64)
-        return np.negative(neg[order], dtype=np.int64)
+        return ItemTiles(neg, order, self.num_work, default)
 
     def workspace_layout(self, num_qo_heads: int, head_dim: int, rows: int | None = None):
         """(lse_offset, total_bytes) of the float workspace for ``rows`` partial rows

@@ -294,7 +294,7 @@ class SinglePlan:
             num_kv_heads, kv_len, head_dim, 1 if self.fp8 else self.dtype.bits // 8, props.get("l2_bytes", 0))
         head_z = 0
         if 0 < section < num_kv_heads:  # the row tiles in sections before the tail (by the plan's LPT tiles)
-            tiles = one.item_tiles(-(-one.kv_chunk_size // meta["block_n"]) if one.kv_chunk_size else 1)
+            tiles = np.asarray(one.item_tiles(-(-one.kv_chunk_size // meta["block_n"]) if one.kv_chunk_size else 1))
             head_z = routing.section_head_z(tiles[::max(1, tiles.size // row_tiles)][:row_tiles],
                                             num_kv_heads * chunks, props["sm_count"] * ctas)
         self.section = (section, head_z) if meta.get("persistent") and section < num_kv_heads else None
