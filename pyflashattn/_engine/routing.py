@@ -180,9 +180,8 @@ def section_head_z(tiles_by_z, per_z: int, ctas: int) -> int:
     k = 256
     while True:
         k = min(k, n)
-        acc = np.add.accumulate(np.asarray(tiles_by_z[n - k:], np.int64)[::-1])  # the k lightest, lightest first
-        acc += _overhead_ramp(k)
-        hit = int(acc.searchsorted(need))  # the fewest lightest values holding `need`
+        acc = np.add.accumulate(tiles_by_z[n - k:][::-1])  # the k lightest, lightest first
+        hit = int((acc + _overhead_ramp(k)).searchsorted(need))  # the fewest lightest values holding `need`
         if hit < k:
             return n - 1 - hit
         if k == n:

@@ -68,9 +68,9 @@ def _align(n: int) -> int:
 
 
 class ItemTiles:
-    """A plan's KV tiles per work item in launch order, computed only for the items indexed
-    (routing.section_head_z reads the first and the lightest few: a full gather cost plan() ~5 us
-    at 4k items)."""
+    """A plan's KV tiles per work item in launch order, computed only for the items indexed:
+    routing.section_head_z reads the first and the lightest few, where a gather of every item
+    would cost plan() microseconds at thousands of items."""
 
     __slots__ = ("neg", "order", "n", "default")
 
@@ -83,7 +83,7 @@ class ItemTiles:
     def __getitem__(self, i):
         if self.neg is None:
             return np.full(len(range(self.n)[i]), self.default, np.int64) if isinstance(i, slice) else self.default
-        return np.negative(self.neg[self.order[:self.n][i]], dtype=np.int64)
+        return -self.neg[self.order[i]]  # (order holds the num_work items exactly)
 
     def __array__(self, dtype=None, copy=None):
         return np.asarray(self[:], dtype)
