@@ -331,10 +331,12 @@ class HopperFp8PrefillVariant(Sm90Roles):
     archs: tuple = IMPL_ARCHS[SM90]
     # the CTAs walk the logical grid (sm90/cta.cuh); None: the head dim's HOPPER_FP8_PERSISTENT entry
     persistent: bool = None
+    # K and raw V by TMA boxes (PrefillSm90Fp8Config::TMA): the TMA twin of the contiguous / ragged
+    # row (routing.kv_load_pair), head_dim 128 / 256
+    tma: bool = False
 
     dtype = "e4m3"  # Q, K and V: the manifest's dtype and kv_dtype
     block_n = 128
-    tma = False
     RAW_V_TILES = 2  # PrefillSm90Fp8Config::RAW_TILES
     ROW_BYTES = 128  # one 128-byte swizzle row
 
@@ -351,8 +353,9 @@ class HopperFp8PrefillVariant(Sm90Roles):
         row = max(self.ROW_BYTES, self.head_dim * FP8_BYTES)
         vt = self.head_dim * self.block_n * FP8_BYTES
         walk = 5 * self.BARRIER_BYTES + 8 if self.persistent else 0
+        raw_bars = self.RAW_V_TILES * self.BARRIER_BYTES if self.tma else 0  # (TMA) the raw V buffers' mbarriers
         return (self.block_m * row + (self.stages + self.RAW_V_TILES) * self.block_n * row + self.stages * vt
-                + (1 + 4 * self.stages) * self.BARRIER_BYTES + walk + self.ATOM_BYTES)
+                + (1 + 4 * self.stages) * self.BARRIER_BYTES + raw_bars + walk + self.ATOM_BYTES)
 
     def fits(self, arch):
         return self.smem_bytes <= SMEM_OPTIN[arch]
@@ -361,14 +364,14 @@ class HopperFp8PrefillVariant(Sm90Roles):
     def name(self):
         return (f"pfa_prefill_{self.impl}_{self.dtype}_hd{self.head_dim}_m{self.block_m}n{self.block_n}"
                 f"c{self.consumers}s{self.stages}{'_pp' if self.pingpong else ''}{'' if self.overlap else '_serial'}"
-                f"{'_paged' if self.paged else ''}{'_ps' if self.persistent else ''}")
+                f"{'_paged' if self.paged else ''}{'_ps' if self.persistent else ''}{'_tma' if self.tma else ''}")
 
     def source(self):
         return (f'#include "pfa/attention/prefill_sm90_fp8.cuh"\n'
                 f"PFA_DEFINE_PREFILL_SM90_FP8({self.name}, {self.head_dim}, {self.consumers}, {self.stages}, "
                 f"{'true' if self.pingpong else 'false'}, {'true' if self.overlap else 'false'}, "
                 f"{'true' if self.paged else 'false'}, {'true' if self.persistent else 'false'}, "
-                f"{self.smem_bytes})\n")
+                f"{'true' if self.tma else 'false'}, {self.smem_bytes})\n")
 
     def manifest(self):
         return {"family": "prefill", "impl": self.impl, "dtype": self.dtype, "kv_dtype": self.dtype,
@@ -377,7 +380,7 @@ class HopperFp8PrefillVariant(Sm90Roles):
                 "ctas_per_sm": 1, "tune": self.tune, "general": False, "paged": self.paged, "decode": False,
                 # device_scale: ConsumerSm90Fp8::row_scales starts from logit_scale(p) (scale_dev) and
                 # the shared sm90 epilogue's output_scale(p) reads v_scale_dev
-                "rows_fastest": True, "device_scale": True, "tma": False, "out16": "bf16", "skip_softmax_rows": 0,
+                "rows_fastest": True, "device_scale": True, "tma": self.tma, "out16": "bf16", "skip_softmax_rows": 0,
                 "nvfp4_out": self.paged,  # Sm90Fp8OutCfg::NVFP4_OUT
                 "persistent": self.persistent}
 
@@ -391,6 +394,11 @@ HOPPER_FP8_TILES = {64: (3, 2, True), 128: (2, 2, True), 256: (2, 2, False)}
 # rows stay a CTA a block: persistent, their producer spilled in its copy loop and long paged
 # prefills lost 4-9% (NOTES.md, session 20).
 HOPPER_FP8_PERSISTENT = {64: True, 128: True, 256: False}
+# The fp8 rows' TMA twins (K and raw V by boxes; contiguous / ragged K/V): head dims with whole
+# 128-byte rows, and whether they ship (routing.kv_load_pair runs a shipped twin wherever TMA can
+# address the call's K/V; a tune row only under PFA_SM90_KV_LOAD=tma)
+HOPPER_FP8_TMA_HEAD_DIMS = (128, 256)
+HOPPER_FP8_TMA_SHIPPED = True
 
 # head_dim -> whether the sm_90a 16-bit rows are persistent (HopperPrefillVariant.persistent). hd256
 # keeps a CTA a block: the walk's loop state made its consumers spill (O alone is 128 registers).
@@ -643,6 +651,8 @@ def variants(tune=False):
         out += [MergeVariant(dtype), MergeVariant(dtype, cta_per_row=True)]
     out += [HopperFp8PrefillVariant(hd, *tile, paged=paged) for paged in (False, True)
             for hd, tile in HOPPER_FP8_TILES.items()]
+    out += [HopperFp8PrefillVariant(hd, *HOPPER_FP8_TILES[hd], tma=True, tune=not HOPPER_FP8_TMA_SHIPPED)
+            for hd in HOPPER_FP8_TMA_HEAD_DIMS if tune or HOPPER_FP8_TMA_SHIPPED]
     out += nvfp4_variants()
     out.append(MiscVariant("packbits", PACKBITS_THREADS))
     out += [MiscVariant("cascade", CASCADE_THREADS, dtype) for dtype in CASCADE_DTYPES]

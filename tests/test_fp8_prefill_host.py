@@ -274,7 +274,16 @@ def test_fp8_rows_of_the_variant_table():
         # persistent (the scheduler's walk) where variants.HOPPER_FP8_PERSISTENT says so, never paged
         want = variants.HOPPER_FP8_PERSISTENT[v.head_dim] and not v.paged
         assert v.manifest()["persistent"] == v.persistent == want
-        assert v.name.endswith("_ps") == v.persistent
+        assert v.name.removesuffix("_tma").endswith("_ps") == v.persistent
+        # the TMA twins: contiguous / ragged rows of whole 128-byte rows, a twin's tile its sibling's
+        assert v.manifest()["tma"] == v.tma == v.name.endswith("_tma")
+        if v.tma:
+            assert not v.paged and v.head_dim in variants.HOPPER_FP8_TMA_HEAD_DIMS and v.head_dim % 128 == 0
+            base = next(b for b in rows if b.name == v.name.removesuffix("_tma"))
+            assert (base.block_m, base.block_n, base.persistent) == (v.block_m, v.block_n, v.persistent)
+            assert v.smem_bytes == base.smem_bytes + 2 * v.BARRIER_BYTES  # the raw V buffers' mbarriers
+    assert {v.head_dim for v in rows if v.tma} == (set(variants.HOPPER_FP8_TMA_HEAD_DIMS)
+                                                   if variants.HOPPER_FP8_TMA_SHIPPED else set())
     assert fp8.FP8 is E4M3
 
 

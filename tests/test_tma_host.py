@@ -87,6 +87,24 @@ def test_ragged_tma_plan_writes_3d_maps_and_patches_new_addresses(monkeypatch):
     assert _map_bytes(p, "v_tmap") == _expected(0x680000, dims, strides, box)
 
 
+@pytest.mark.parametrize("d", [64, 128, 256])
+def test_fp8_single_prefill_runs_the_tma_twin_with_one_byte_boxes(monkeypatch, d):
+    env = _env(monkeypatch)
+    monkeypatch.setattr(single._tls, "plans", {}, raising=False)
+    from pyflashattn._runtime import dtypes as _dtypes
+    e4m3 = _dtypes.FLOAT8_E4M3
+    q = T((300, HQ, d), e4m3, data=0x100000)
+    k, v = T((300, HKV, d), e4m3, data=0x300000), T((300, HKV, d), e4m3, data=0x380000)
+    pyflashattn.single_prefill_with_kv_cache(q, k, v, causal=True, o_dtype="bfloat16",
+                                             out=T((300, HQ, d), _dtypes.BFLOAT16, data=0x400000))
+    name, _, _, p = last_attn(env)
+    assert "_e4m3_" in name and name.endswith("_tma") == (d in variants.HOPPER_FP8_TMA_HEAD_DIMS)
+    if d in variants.HOPPER_FP8_TMA_HEAD_DIMS:  # boxes of 128 one-byte columns, K / V strides in bytes
+        dims, strides, box = (d, HKV, tma.ROW_EXTENT), (d, HKV * d), (128, 1, 128)
+        want = lambda ptr: _cuda.tensor_map_bytes(_cuda.encode_tensor_map("e4m3", ptr, dims, strides, box))  # noqa: E731
+        assert _map_bytes(p, "k_tmap") == want(0x300000) and _map_bytes(p, "v_tmap") == want(0x380000)
+
+
 @pytest.mark.parametrize("ps,tma_kernel", [(16, True), (64, True), (32, True), (1, False), (8, False), (24, False),
                                            (256, True)])
 def test_paged_tma_only_where_pages_make_whole_boxes(monkeypatch, ps, tma_kernel):

@@ -1,9 +1,9 @@
 """Tensor maps for the sm90 kernels that load K/V by TMA (a manifest row with "tma"): the host
 encodes one CUtensorMap per K and V tensor (cuTensorMapEncodeTiled) into the kernel parameters
 (PrefillParams.k_tmap / v_tmap), read by kernel_src/include/pfa/attention/sm90/producer_tma.cuh:
-  - contiguous / ragged K/V: 3-D (head_dim, kv heads, rows), boxes of 64 columns x 1 head x
-    block_n rows;
-  - a paged cache: 4-D (head_dim, page slot, kv head, page), boxes of 64 columns x box_rows slots
+  - contiguous / ragged K/V: 3-D (head_dim, kv heads, rows), boxes of 128 bytes of columns (64
+    16-bit or 128 e4m3 elements) x 1 head x block_n rows (the fp8 rows: sm90/fp8_producer.cuh);
+  - a paged cache: 4-D (head_dim, page slot, kv head, page), boxes of 128 bytes of columns x box_rows slots
     (min(page_size, block_n)) x 1 head x 1 page.
 Boxes land in shared memory in the kernel's 128-byte-swizzled column blocks.
 
@@ -25,7 +25,7 @@ import ctypes
 
 from .._runtime import cuda as _cuda
 
-BOX_COLS = 64  # one 128-byte swizzle row of 16-bit elements
+BOX_BYTES = 128  # a box's columns: one 128-byte swizzle row (64 16-bit or 128 one-byte elements)
 ROW_EXTENT = (1 << 31) - 1  # ragged rows a map covers (TMA coordinates are signed 32-bit)
 MIN_BOX_ROWS = 16  # ProducerSm90Tma::MIN_BOX_ROWS: smaller pages stay on the cp.async kernel
 MAX_STRIDE = 1 << 40  # cuTensorMapEncodeTiled: byte strides are multiples of 16 below 2^40
@@ -47,7 +47,7 @@ def paged_box_rows(page_size: int, block_n: int) -> int:
 
 def ragged_geometry(heads: int, head_dim: int, stride_n: int, stride_h: int, itemsize: int, block_n: int) -> tuple:
     """(dims, byte strides, box) of a contiguous / ragged K or V tensor (strides in elements)."""
-    return ((head_dim, heads, ROW_EXTENT), (stride_h * itemsize, stride_n * itemsize), (BOX_COLS, 1, block_n))
+    return ((head_dim, heads, ROW_EXTENT), (stride_h * itemsize, stride_n * itemsize), (BOX_BYTES // itemsize, 1, block_n))
 
 
 def paged_geometry(pages: int, page_size: int, heads: int, head_dim: int, strides: tuple, itemsize: int,
@@ -55,7 +55,7 @@ def paged_geometry(pages: int, page_size: int, heads: int, head_dim: int, stride
     """(dims, byte strides, box) of a paged K or V cache; strides = (page, slot, head) in elements."""
     sp, sn, sh = strides
     return ((head_dim, page_size, heads, pages), (sn * itemsize, sh * itemsize, sp * itemsize),
-            (BOX_COLS, box_rows, 1, 1))
+            (BOX_BYTES // itemsize, box_rows, 1, 1))
 
 
 def addressable(geometry: tuple) -> bool:

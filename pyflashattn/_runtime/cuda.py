@@ -434,14 +434,15 @@ class Workspace:
 
 
 def encode_tensor_map(dtype_short: str, ptr: int, dims: tuple, strides_bytes: tuple, box: tuple) -> bytes:
-    """A tiled CUtensorMap (cuTensorMapEncodeTiled) of a 16-bit tensor at `ptr` of rank len(dims):
+    """A tiled CUtensorMap (cuTensorMapEncodeTiled) of a 16-bit or e4m3 tensor at `ptr` of rank len(dims):
     dims innermost first, the byte strides of dims 1.., boxes of `box` elements landing in shared
     memory in the 128-byte swizzle (the wgmma layout), out-of-range elements read as zeros.
     Returns the driver's CUtensorMap object (tensor_map_bytes: its 128 bytes, for a
     kernel-parameter field)."""
     cu = driver()
     dt = cu.CUtensorMapDataType
-    kind = {"bf16": dt.CU_TENSOR_MAP_DATA_TYPE_BFLOAT16, "f16": dt.CU_TENSOR_MAP_DATA_TYPE_FLOAT16}[dtype_short]
+    kind = {"bf16": dt.CU_TENSOR_MAP_DATA_TYPE_BFLOAT16, "f16": dt.CU_TENSOR_MAP_DATA_TYPE_FLOAT16,
+            "e4m3": dt.CU_TENSOR_MAP_DATA_TYPE_UINT8}[dtype_short]  # (bytes: TMA copies them as they are)
     rank = len(dims)
     err, tmap = cu.cuTensorMapEncodeTiled(
         kind, rank, ptr, [cu.cuuint64_t(d) for d in dims], [cu.cuuint64_t(s) for s in strides_bytes],

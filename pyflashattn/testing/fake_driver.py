@@ -180,7 +180,8 @@ class FakeDriver:
 
     # tensor maps (cuTensorMapEncodeTiled): 128 bytes, the address / 16 in the first 6 (as a map
     # may keep it: tma.py learns where) and a digest of everything else after them
-    CUtensorMapDataType = _Enum(CU_TENSOR_MAP_DATA_TYPE_FLOAT16=6, CU_TENSOR_MAP_DATA_TYPE_BFLOAT16=9)
+    CUtensorMapDataType = _Enum(CU_TENSOR_MAP_DATA_TYPE_UINT8=0, CU_TENSOR_MAP_DATA_TYPE_FLOAT16=6,
+                                CU_TENSOR_MAP_DATA_TYPE_BFLOAT16=9)
     CUtensorMapInterleave = _Enum(CU_TENSOR_MAP_INTERLEAVE_NONE=0)
     CUtensorMapSwizzle = _Enum(CU_TENSOR_MAP_SWIZZLE_128B=3)
     CUtensorMapL2promotion = _Enum(CU_TENSOR_MAP_L2_PROMOTION_L2_256B=3)
@@ -191,7 +192,8 @@ class FakeDriver:
                                oob):
         assert rank == len(dims) == len(box) == len(elem_strides) == len(strides) + 1 and 3 <= rank <= 5
         assert ptr % 16 == 0 and all(s % 16 == 0 and 0 < s < 1 << 40 for s in strides)
-        assert all(0 < b <= 256 for b in box) and box[0] * 2 <= 128 and all(0 < d < 1 << 32 for d in dims)
+        item = 1 if kind == self.CUtensorMapDataType.CU_TENSOR_MAP_DATA_TYPE_UINT8 else 2
+        assert all(0 < b <= 256 for b in box) and box[0] * item <= 128 and all(0 < d < 1 << 32 for d in dims)
         geometry = (kind, tuple(dims), tuple(strides), tuple(box), swizzle)
         self.log.append(("tmap", ptr, geometry))
         digest = hashlib.sha256(repr(geometry).encode()).digest() * 4
@@ -308,11 +310,12 @@ class FakeEnv:
         monkeypatch.setattr(routing, "_decode_rows_cache", {})
 
     def use_sm90_rows(self, monkeypatch, variants):
-        """Make the 16-bit lean row-tile launchers the sm90 rows among `variants` (variants.py
-        rows, TUNE=1 ones included), by name too: the K/V load routing (routing.kv_load_pair)
-        then sees cp.async rows and their TMA twins as the manifest lists them."""
+        """Make the 16-bit and e4m3 lean row-tile launchers the sm90 rows among `variants`
+        (variants.py rows, TUNE=1 ones included), by name too: the K/V load routing
+        (routing.kv_load_pair) then sees cp.async rows and their TMA twins as the manifest lists them."""
         from pyflashattn._runtime.params_gen import PrefillParams as _Params
-        hopper = {v.name: v for v in variants if type(v).__name__ == "HopperPrefillVariant"}
+        hopper = {v.name: v for v in variants
+                  if type(v).__name__ in ("HopperPrefillVariant", "HopperFp8PrefillVariant")}
         fake_new = _registry.new_launcher
 
         def new_launcher(family, dev, **match):
@@ -321,7 +324,8 @@ class FakeEnv:
             if v is None and name is None and family == "prefill" and not match.get("decode") \
                     and not match.get("general") and match.get("kv_dtype") == match.get("dtype"):
                 v = next((r for r in hopper.values() if r.dtype == match["dtype"] and r.head_dim == match["head_dim"]
-                          and r.paged == match["paged"] and not (r.tune or r.tma or r.skip)), None)
+                          and r.paged == match["paged"] and not (r.tune or r.tma or getattr(r, "skip", False))),
+                         None)
             if v is None:
                 return fake_new(family, dev, **match)
             la = _cuda.Launcher(v.name, (v.name, _Params), _Params, v.threads, v.smem_bytes)

@@ -3,7 +3,7 @@
 // translation units: PrefillSm90Fp8::run and PFA_DEFINE_PREFILL_SM90_FP8 (the CTA: sm90/cta.cuh).
 //   sm90/fp8_config.cuh    tile shape and shared-memory layout (Q, K ring, Vt ring, raw V)
 //   sm90/fp8_producer.cuh  warpgroup 0: Q, K tiles, V tiles transposed into the Vt ring (ragged
-//                          rows, or PAGED: a paged cache by owned-row copies)
+//                          rows, by cp.async or (TMA) boxes, or PAGED: a paged cache by owned-row copies)
 //   sm90/fp8_consumer.cuh  warpgroups 1..CONSUMERS: the 16-bit family's tile loop on e4m3 wgmma
 //   sm90/epilogue.cuh      the 16-bit family's epilogue, after O is scaled by scale_v[kv head]
 // Scales (FlashInfer's fp8 prefill, semantics 1.9): logits of q head h, kv head g get
@@ -37,9 +37,9 @@ struct Sm90Fp8OutCfg {
   static constexpr bool NVFP4_OUT = PAGED;
 };
 
-template <int HEAD_DIM, int CONSUMERS, int STAGES, bool PINGPONG, bool OVERLAP, bool PAGED, bool PERSISTENT>
-struct PrefillSm90Fp8 : PrefillSm90Fp8Config<HEAD_DIM, CONSUMERS, STAGES, PAGED, PERSISTENT> {
-  using Cfg = PrefillSm90Fp8Config<HEAD_DIM, CONSUMERS, STAGES, PAGED, PERSISTENT>;
+template <int HEAD_DIM, int CONSUMERS, int STAGES, bool PINGPONG, bool OVERLAP, bool PAGED, bool PERSISTENT, bool TMA>
+struct PrefillSm90Fp8 : PrefillSm90Fp8Config<HEAD_DIM, CONSUMERS, STAGES, PAGED, PERSISTENT, TMA> {
+  using Cfg = PrefillSm90Fp8Config<HEAD_DIM, CONSUMERS, STAGES, PAGED, PERSISTENT, TMA>;
   using Consumer = ConsumerSm90Fp8<Cfg, PINGPONG, OVERLAP>;
   using OutCfg = Sm90Fp8OutCfg<typename Cfg::Out16, HEAD_DIM, PAGED>;
 
@@ -79,12 +79,12 @@ struct PrefillSm90Fp8 : PrefillSm90Fp8Config<HEAD_DIM, CONSUMERS, STAGES, PAGED,
 
 // One extern "C" entry per variant (as PFA_DEFINE_PREFILL_SM90). SMEM: variants.py's smem_bytes,
 // checked against the kernel's layout at compile time.
-#define PFA_DEFINE_PREFILL_SM90_FP8(NAME, HD, CONSUMERS, STAGES, PINGPONG, OVERLAP, PAGED, PERSISTENT, SMEM) \
-  static_assert(pfa::PrefillSm90Fp8<HD, CONSUMERS, STAGES, PINGPONG, OVERLAP, PAGED, PERSISTENT>::SMEM_BYTES == \
-                    (SMEM),                                                                                \
-                #NAME ": variants.py smem_bytes differs from the kernel's shared-memory layout");          \
-  extern "C" __global__ void __launch_bounds__((CONSUMERS + 1) * 128, 1)                                   \
-      NAME(const __grid_constant__ pfa::PrefillParams p) {                                                 \
-    extern __shared__ __align__(1024) char smem[];                                                         \
-    pfa::PrefillSm90Fp8<HD, CONSUMERS, STAGES, PINGPONG, OVERLAP, PAGED, PERSISTENT>::run(p, smem);         \
+#define PFA_DEFINE_PREFILL_SM90_FP8(NAME, HD, CONSUMERS, STAGES, PINGPONG, OVERLAP, PAGED, PERSISTENT, TMA, SMEM) \
+  static_assert(pfa::PrefillSm90Fp8<HD, CONSUMERS, STAGES, PINGPONG, OVERLAP, PAGED, PERSISTENT, TMA>::SMEM_BYTES ==   \
+                    (SMEM),                                                                                     \
+                #NAME ": variants.py smem_bytes differs from the kernel's shared-memory layout");               \
+  extern "C" __global__ void __launch_bounds__((CONSUMERS + 1) * 128, 1)                                        \
+      NAME(const __grid_constant__ pfa::PrefillParams p) {                                                      \
+    extern __shared__ __align__(1024) char smem[];                                                              \
+    pfa::PrefillSm90Fp8<HD, CONSUMERS, STAGES, PINGPONG, OVERLAP, PAGED, PERSISTENT, TMA>::run(p, smem);         \
   }

@@ -56,6 +56,10 @@ struct PrefillSm90Config
   // kv_len and completes the stage itself (producer_tma.cuh)
   static constexpr int TAIL_BAR_OFFSET = BAR_OFFSET + NUM_BARRIERS * 8;
   static constexpr int TAIL_BAR_BYTES = TMA ? 8 : 0;
+  // init_ring_barriers: the arrivals k_full / v_full count (TMA: the issuing warp's one, else one a
+  // producer thread), and the one-arrival barriers at TMA_BAR_OFFSET (the tail's)
+  static constexpr int K_FULL_ARRIVALS = TMA ? 1 : Base::WG_THREADS, V_FULL_ARRIVALS = K_FULL_ARRIVALS;
+  static constexpr int TMA_BAR_OFFSET = TAIL_BAR_OFFSET, TMA_BARS = TAIL_BAR_BYTES / 8;
   // PERSISTENT: the Q tile's "empty" barrier, one arrival per consumer warp once the last S of a
   // work item has read Q
   static constexpr int Q_EMPTY_BAR_OFFSET = TAIL_BAR_OFFSET + TAIL_BAR_BYTES;

@@ -8,7 +8,8 @@
 // copies each V tile as it is stored ([key][dim], the "raw" tile) and transposes it into a Vt
 // stage (fp8_producer.cuh). Layout, each part 1024-byte aligned:
 //   Q [BLOCK_M x D] | K stages [STAGES][BLOCK_N x D] | Vt stages [STAGES][D x BLOCK_N]
-//   | raw V [2][BLOCK_N x D] | mbarriers | (PERSISTENT) Q's empty mbarrier, the scheduler's ring
+//   | raw V [2][BLOCK_N x D] | mbarriers | (TMA) the raw V buffers' mbarriers
+//   | (PERSISTENT) Q's empty mbarrier, the scheduler's ring
 // Every tile in the 128-byte swizzle: column blocks of 128 bytes, chunk c of row r at c ^ (r % 8).
 // BLOCK_N is 128: one Vt row (a head-dim column of V) is exactly one 128-byte swizzle row. At
 // head_dim 64 the Q, K and raw V rows (64 bytes) are stored as the first half of 128-byte swizzle
@@ -30,7 +31,7 @@ constexpr int sm90_fp8_bar_offset(int head_dim, int consumers, int stages) {
   return consumers * 64 * row_pad + stages * 128 * row_pad + stages * head_dim * 128 + 2 * 128 * row_pad;
 }
 
-template <int HEAD_DIM_, int CONSUMERS_, int STAGES_, bool PAGED_, bool PERSISTENT_ = false>
+template <int HEAD_DIM_, int CONSUMERS_, int STAGES_, bool PAGED_, bool PERSISTENT_ = false, bool TMA_ = false>
 struct PrefillSm90Fp8Config : Sm90Pipeline<CONSUMERS_, STAGES_, sm90_fp8_bar_offset(HEAD_DIM_, CONSUMERS_, STAGES_)> {
   using Base = Sm90Pipeline<CONSUMERS_, STAGES_, sm90_fp8_bar_offset(HEAD_DIM_, CONSUMERS_, STAGES_)>;
   using Base::ATOM_BYTES, Base::BAR_OFFSET, Base::BLOCK_M, Base::NUM_BARRIERS, Base::ROW_BYTES, Base::STAGES;
@@ -39,7 +40,14 @@ struct PrefillSm90Fp8Config : Sm90Pipeline<CONSUMERS_, STAGES_, sm90_fp8_bar_off
   // kernels' o_format counts from their query dtype.
   using Out16 = __nv_bfloat16;
   static constexpr int HEAD_DIM = HEAD_DIM_, BLOCK_N = 128;
-  static constexpr bool PAGED = PAGED_, TMA = false;
+  static constexpr bool PAGED = PAGED_;
+  // K and raw V tiles by TMA (PrefillParams::k_tmap / v_tmap, boxes of 128 one-byte columns): one
+  // producer thread issues a whole tile's boxes instead of every thread a cp.async per chunk (the
+  // copies were a third of the issue-bound producer's instructions). Contiguous / ragged K/V at
+  // head_dim 128 / 256 (64-byte rows at head_dim 64 are padded to 128 in shared memory: no box
+  // lands that way; paged K/V keep the owned-row copies).
+  static constexpr bool TMA = TMA_;
+  static_assert(!TMA || (!PAGED && HEAD_DIM % 128 == 0), "fp8 TMA: contiguous / ragged K/V, whole 128-byte rows");
   // The CTAs walk the logical grid (sm90/cta.cuh), as the 16-bit family's PERSISTENT rows
   static constexpr bool PERSISTENT = PERSISTENT_;
   static_assert(HEAD_DIM == 64 || HEAD_DIM % 128 == 0, "fp8: head_dim in whole (or, 64, half) swizzle rows");
@@ -59,7 +67,13 @@ struct PrefillSm90Fp8Config : Sm90Pipeline<CONSUMERS_, STAGES_, sm90_fp8_bar_off
   static_assert(BAR_OFFSET == RAW_OFFSET + RAW_TILES * K_TILE_BYTES, "sm90_fp8_bar_offset: the mbarriers follow raw V");
   // PERSISTENT: the Q tile's "empty" mbarrier (one arrival per consumer warp once the last S of a
   // work item has read Q), then the tile scheduler's index ring (sm90/tile_scheduler.cuh)
-  static constexpr int Q_EMPTY_BAR_OFFSET = BAR_OFFSET + NUM_BARRIERS * 8;
+  // init_ring_barriers: k_full counts the producer threads' cp.async arrivals (TMA: the issuing
+  // thread's one), v_full the transposing threads'; TMA: each raw V buffer's barrier (one arrival:
+  // the issuing thread's, with the box bytes) follows the ring's
+  static constexpr int K_FULL_ARRIVALS = TMA ? 1 : Base::WG_THREADS, V_FULL_ARRIVALS = Base::WG_THREADS;
+  static constexpr int TMA_BAR_OFFSET = BAR_OFFSET + NUM_BARRIERS * 8, TMA_BARS = TMA ? RAW_TILES : 0;
+  static __device__ __forceinline__ uint32_t raw_full(uint32_t base, int b) { return base + TMA_BAR_OFFSET + 8 * b; }
+  static constexpr int Q_EMPTY_BAR_OFFSET = TMA_BAR_OFFSET + TMA_BARS * 8;
   static constexpr int Q_EMPTY_BAR_BYTES = PERSISTENT ? 8 : 0;
   static __device__ __forceinline__ uint32_t q_empty(uint32_t base) { return base + Q_EMPTY_BAR_OFFSET; }
   static constexpr int SCHED_OFFSET = Q_EMPTY_BAR_OFFSET + Q_EMPTY_BAR_BYTES;

@@ -146,6 +146,10 @@ struct ProducerSm90Fp8 {
   // buffers restart at 0 every item: the item before ended with both transposed.
   static __device__ __forceinline__ void run(const PrefillParams& p, const PrefillWork& w, uint32_t base, int tid,
                                              const Sm90Walk& walk) {
+    if constexpr (Cfg::TMA) {
+      run_tma(p, w, base, tid, walk);
+      return;
+    }
     if (w.num_tiles == 0) return;  // (the consumers wait for no Q either)
     wait_q_free<Cfg>(base, walk);
     load_q(p, w, base + Cfg::Q_OFFSET, tid);
@@ -208,6 +212,85 @@ struct ProducerSm90Fp8 {
     // Every cp.async lands before the warpgroup exits (the barriers they arrive on live in the
     // CTA's shared memory).
     ptx::cp_async_wait<0>();
+  }
+
+  // ---- TMA (Cfg::TMA: contiguous / ragged K/V, head_dim 128 / 256) ----
+  static constexpr int COL_BLOCKS = HEAD_DIM / Cfg::ROW_BYTES;  // boxes of 128 one-byte columns a tile
+  static constexpr uint32_t TILE_TX = BLOCK_N * HEAD_DIM;        // bytes of one K / raw V tile
+
+  // One K or raw V tile's boxes, issued by one thread, completing on `bar` with their bytes.
+  static __device__ __forceinline__ void tma_tile(const void* tmap, uint32_t s_tile, uint32_t bar,
+                                                  const PrefillWork& w, int n0, uint64_t policy) {
+    ptx::mbar_arrive_expect_tx(bar, TILE_TX);
+    const int row = (int)RaggedKvRows{w.kv_row0}.row(n0, 0);
+#pragma unroll
+    for (int c = 0; c < COL_BLOCKS; ++c)
+      ptx::tma_load_3d(s_tile + c * BLOCK_N * Cfg::ROW_BYTES, tmap, c * Cfg::ROW_BYTES, w.kv_head, row, bar, policy);
+  }
+
+  // One K (IS_V false) or raw V tile into s_tile, completing `bar` (one arrival): a whole tile by
+  // TMA (thread 0, once `empty` is free, where given), the request's last, partial tile by every
+  // thread's zero-filled cp.async (V's rows past kv_len must be zeros, 0 * NaN being NaN in P V;
+  // its boxes could also pass the tensor's rows), fenced for the async proxy (K: the consumers'
+  // wgmma). Pointers, strides and the L2 policy are worked out here, not held across the tile loop:
+  // the producer runs on PRODUCER_REGS registers.
+  template <bool IS_V>
+  static __device__ __forceinline__ void tma_or_copy(const PrefillParams& p, const PrefillWork& w, uint32_t s_tile,
+                                                     uint32_t bar, uint32_t empty, uint32_t free_parity, int n0,
+                                                     int tid) {
+    // Every row tile of the head reads these K/V rows again: keep them in L2 over Q and outputs.
+    const uint64_t keep = ptx::l2_evict_last();
+    if (n0 + BLOCK_N <= w.kv_len) {
+      if (tid == 0) {
+        if (empty != 0) ptx::mbar_wait(empty, free_parity);
+        tma_tile(IS_V ? &p.v_tmap : &p.k_tmap, s_tile, bar, w, n0, keep);
+      }
+      return;
+    }
+    if (empty != 0) ptx::mbar_wait(empty, free_parity);
+    const uint8_t* head = reinterpret_cast<const uint8_t*>(IS_V ? p.v : p.k) + w.kv_head * (IS_V ? p.v_stride_h : p.k_stride_h);
+    load_tile(s_tile, head, IS_V ? p.v_stride_n : p.k_stride_n, RaggedKvRows{w.kv_row0}.row(0, 0), n0, w.kv_len, tid,
+              keep);
+    ptx::cp_async_commit();
+    ptx::cp_async_wait<0>();
+    ptx::fence_proxy_async();
+    ptx::bar_sync(Cfg::PRODUCER_BAR, Cfg::WG_THREADS);  // every thread's copies landed
+    if (tid == 0) ptx::mbar_arrive(bar);
+  }
+
+  // run() of the TMA configuration: per tile, raw V(it + 1) and K(it + 1) are issued (one thread),
+  // then V(it) is awaited on its raw buffer's barrier and transposed as in run(). The raw buffers
+  // alternate over the CTA's whole walk (tile g = walk.tile0 + it in buffer g & 1, phase (g >> 1) & 1).
+  static __device__ __forceinline__ void run_tma(const PrefillParams& p, const PrefillWork& w, uint32_t base, int tid,
+                                                 const Sm90Walk& walk) {
+    if (w.num_tiles == 0) return;  // (the consumers wait for no Q either)
+    wait_q_free<Cfg>(base, walk);
+    load_q(p, w, base + Cfg::Q_OFFSET, tid);
+    ptx::cp_async_mbar_arrive(Cfg::q_full(base));
+    const int n = w.num_tiles;
+    // one call site of each copy (its cp.async path inlined once), tile it + 1 issued before tile
+    // it is transposed: raw V first (its buffer is free: the barrier ending tile it - 1), then K (a
+    // stage the consumers released)
+#pragma unroll 1
+    for (int it = -1; it < n; ++it) {
+      if (it + 1 < n) {
+        const int g1 = walk.tile0 + it + 1, s1 = walk.stage<STAGES>(it + 1), n1 = w.tile_start + (it + 1) * BLOCK_N;
+        tma_or_copy<true>(p, w, base + Cfg::RAW_OFFSET + (g1 & 1) * Cfg::K_TILE_BYTES, Cfg::raw_full(base, g1 & 1), 0,
+                          0, n1, tid);
+        tma_or_copy<false>(p, w, base + Cfg::K_OFFSET + s1 * Cfg::K_TILE_BYTES, Cfg::k_full(base, s1),
+                           Cfg::k_empty(base, s1), walk.phase<STAGES>(it + 1) ^ 1, n1, tid);
+      }
+      if (it < 0) continue;
+      const int g = walk.tile0 + it, s = walk.stage<STAGES>(it);
+      ptx::mbar_wait(Cfg::raw_full(base, g & 1), (g >> 1) & 1);  // V(it) has landed
+      ptx::mbar_wait(Cfg::v_empty(base, s), walk.phase<STAGES>(it) ^ 1);
+      transpose_v(base + Cfg::RAW_OFFSET + (g & 1) * Cfg::K_TILE_BYTES, base + Cfg::V_OFFSET + s * Cfg::VT_TILE_BYTES,
+                  tid);
+      ptx::fence_proxy_async();  // the stmatrix writes (generic proxy) before the consumers' wgmma reads
+      ptx::mbar_arrive(Cfg::v_full(base, s));
+      ptx::bar_sync(Cfg::PRODUCER_BAR, Cfg::WG_THREADS);  // raw buffer of V(it) read by all: free for V(it + 2)
+    }
+    ptx::cp_async_wait<0>();  // (Q's copies, a copied tail's)
   }
 };
 

@@ -47,21 +47,23 @@ __device__ __forceinline__ void load_q_rows(const PrefillParams& p, const Prefil
 }
 
 // The pipeline's mbarriers (the Cfg's q_full, then per stage k_full, v_full, k_empty, v_empty):
-// the full ones count one arrival per producer thread (its cp.async, or in the fp8 kernels its
-// V transpose), or (TMA) the issuing warp's one; the empty ones one per consumer warp; (TMA) the
-// tail tile's barrier one, the issuing warp's; (PERSISTENT) Q's empty one one per consumer warp.
+// the full ones count Cfg::K_FULL_ARRIVALS / V_FULL_ARRIVALS (one per producer thread: its
+// cp.async, or in the fp8 kernels its V transpose; TMA: the issuing thread's one); the empty ones
+// one per consumer warp; the Cfg's TMA_BARS barriers at TMA_BAR_OFFSET (16-bit: the tail tile's;
+// fp8: the raw V buffers') one; (PERSISTENT) Q's empty one one per consumer warp.
 template <class Cfg>
 __device__ __forceinline__ void init_ring_barriers(uint32_t base) {
   ptx::mbar_init(Cfg::q_full(base), Cfg::WG_THREADS);
   if constexpr (Cfg::PERSISTENT) ptx::mbar_init(Cfg::q_empty(base), Cfg::CONSUMERS * 4);
 #pragma unroll
   for (int s = 0; s < Cfg::STAGES; ++s) {
-    ptx::mbar_init(Cfg::k_full(base, s), Cfg::TMA ? 1 : Cfg::WG_THREADS);
-    ptx::mbar_init(Cfg::v_full(base, s), Cfg::TMA ? 1 : Cfg::WG_THREADS);
+    ptx::mbar_init(Cfg::k_full(base, s), Cfg::K_FULL_ARRIVALS);
+    ptx::mbar_init(Cfg::v_full(base, s), Cfg::V_FULL_ARRIVALS);
     ptx::mbar_init(Cfg::k_empty(base, s), Cfg::CONSUMERS * 4);
     ptx::mbar_init(Cfg::v_empty(base, s), Cfg::CONSUMERS * 4);
   }
-  if constexpr (Cfg::TMA) ptx::mbar_init(base + Cfg::TAIL_BAR_OFFSET, 1);
+#pragma unroll
+  for (int i = 0; i < Cfg::TMA_BARS; ++i) ptx::mbar_init(base + Cfg::TMA_BAR_OFFSET + 8 * i, 1);
   ptx::mbar_fence_init();
 }
 
