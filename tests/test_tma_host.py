@@ -517,6 +517,23 @@ def test_persistent_single_prefill_takes_the_streams_counters_and_l2_sections(mo
     assert last_attn(env)[3].sched == first  # the stream's counters, made once
 
 
+def test_rows_fastest_single_prefill_takes_no_sections(monkeypatch):
+    # an equal-cost grid in (row tile, chunk, kv head) order already runs a head at a time: one
+    # section, whatever the L2 (the fp8 rows honour rows_fastest and are persistent at hd128)
+    from pyflashattn._runtime import dtypes as _dtypes
+    env = _env(monkeypatch)
+    _small_l2(monkeypatch, 1 << 20)
+    monkeypatch.setattr(_cuda.Workspace, "_spaces", {})
+    monkeypatch.setattr(single._tls, "plans", {}, raising=False)
+    e4m3 = _dtypes.FLOAT8_E4M3
+    q, k, v = (T((4096, h, D), e4m3, data=a) for h, a in ((HQ, 0x100000), (HKV, 0x300000), (HKV, 0x380000)))
+    pyflashattn.single_prefill_with_kv_cache(q, k, v, causal=False, o_dtype="bfloat16",
+                                             out=T((4096, HQ, D), _dtypes.BFLOAT16, data=0x400000))
+    name, _, _, p = last_attn(env)
+    assert "_ps" in name and p.rows_fastest == 1
+    assert (p.grid_section, p.grid_section_z) == (p.grid_x, p.grid_z)
+
+
 def test_scheduler_counters_are_not_made_while_the_stream_captures(monkeypatch):
     env = _env(monkeypatch)
     monkeypatch.setattr(_cuda.Workspace, "_spaces", {})

@@ -297,7 +297,7 @@ class SinglePlan:
             tiles = np.asarray(one.item_tiles(-(-one.kv_chunk_size // meta["block_n"]) if one.kv_chunk_size else 1))
             head_z = routing.section_head_z(tiles[::max(1, tiles.size // row_tiles)][:row_tiles],
                                             num_kv_heads * chunks, props["sm_count"] * ctas)
-        self.section = (section, head_z) if meta.get("persistent") and section < num_kv_heads else None
+        self.section = (section, head_z) if meta.get("persistent") and 0 < section < num_kv_heads else None
         launch.configure_grid(la, (row_tiles, chunks, num_kv_heads) if rows_fastest else
                               (num_kv_heads, chunks, row_tiles), dev, section, section_z=head_z)
 
