@@ -176,6 +176,14 @@ struct ConsumerSm90 {
     }
   };
 
+  // PERSISTENT: each warp releases Q (q_empty) once the work item's last S (tile it == n - 1) has
+  // read it, so the producer loads the next item's Q while this one's last tiles and epilogue run.
+  static __device__ __forceinline__ void release_q(uint32_t base, int it, int n, int lane) {
+    if constexpr (Cfg::PERSISTENT) {
+      if (it == n - 1 && lane == 0) ptx::mbar_arrive(Cfg::q_empty(base));
+    }
+  }
+
   // The tile loop. o, m, l: this thread's rows' unnormalised output, max and sum.
   //
   // Tile it's S = Q K^T is issued together with tile it-1's O += P V, and its softmax runs while
@@ -184,7 +192,7 @@ struct ConsumerSm90 {
   // is waited for one tile later.
   //
   // walk: where the CTA stands in the ring (sm90/pipeline.cuh): stage and phase of each tile, and
-  // the Q's phase. PERSISTENT: each warp releases Q (q_empty) once the last tile's S has read it.
+  // the Q's phase. PERSISTENT: Q released after the last tile's S (release_q).
   static __device__ __forceinline__ void mainloop(const PrefillParams& p, const PrefillWork& w, const Rows& r,
                                                   uint32_t base, int wg, int lane, float (&o)[O_ACC], float (&m)[2],
                                                   float (&l)[2], const Sm90Walk& walk) {
@@ -193,11 +201,6 @@ struct ConsumerSm90 {
     const Turns turn{wg};
     const int n = w.num_tiles;
     if (n == 0) return;
-    auto release_q = [&](int it) {
-      if constexpr (Cfg::PERSISTENT) {
-        if (it == n - 1 && lane == 0) ptx::mbar_arrive(Cfg::q_empty(base));
-      }
-    };
     // consumer 0 takes the first turn, given by the last one
     if (PINGPONG && wg == Cfg::CONSUMERS - 1) ptx::bar_arrive(1, 2 * Cfg::WG_THREADS);
     // No proxy fence after the waits: a cp.async's arrival on an mbarrier (cp_async_mbar_arrive)
@@ -217,7 +220,7 @@ struct ConsumerSm90 {
     ptx::wgmma_wait<0>();
     ptx::wgmma_fence_regs(s);
     if (lane == 0) ptx::mbar_arrive(Cfg::k_empty(base, st0));
-    release_q(0);
+    release_q(base, 0, n, lane);
     if (!w.rule.keeps_all(r.q_lo, r.q_hi, w.tile_start, w.tile_start + BLOCK_N - 1)) mask(s, r, w.tile_start, lane);
     const SkipSoftmax skip = SkipSoftmax::make(p.skip_softmax_factor, w.kv_len);
     softmax(s, m, l, corr, scale, false, skip, w, r, wg);
@@ -240,7 +243,7 @@ struct ConsumerSm90 {
       ptx::wgmma_wait<1>();  // S of this tile (groups complete in order); P V still running
       ptx::wgmma_fence_regs(s);
       if (lane == 0) ptx::mbar_arrive(Cfg::k_empty(base, st));
-      release_q(it);
+      release_q(base, it, n, lane);
       if (!w.rule.keeps_all(r.q_lo, r.q_hi, n0, n0 + BLOCK_N - 1)) mask(s, r, n0, lane);
       const bool skipped = softmax(s, m, l, corr, scale, SKIP && skip.on(), skip, w, r, wg);
       ptx::wgmma_wait<0>();

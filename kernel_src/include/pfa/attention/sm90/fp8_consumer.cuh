@@ -142,14 +142,6 @@ struct ConsumerSm90Fp8 : ConsumerSm90<Cfg, PINGPONG, false> {
       serial(w, r, base, wg, lane, o, m, l, scale, walk);
   }
 
-  // PERSISTENT: each warp releases Q (q_empty) once the work item's last S has read it, so the
-  // producer loads the next item's Q while this one's last tiles and epilogue run.
-  static __device__ __forceinline__ void release_q(uint32_t base, int it, int n, int lane) {
-    if constexpr (Cfg::PERSISTENT) {
-      if (it == n - 1 && lane == 0) ptx::mbar_arrive(Cfg::q_empty(base));
-    }
-  }
-
   // Without the overlap: per tile S, mask, softmax, O rescale, then P V, each GEMM in its turn.
   // walk: where the CTA stands in the ring (sm90/pipeline.cuh): each tile's stage and phase, Q's.
   static __device__ __forceinline__ void serial(const PrefillWork& w, const Rows& r, uint32_t base, int wg, int lane,
@@ -176,7 +168,7 @@ struct ConsumerSm90Fp8 : ConsumerSm90<Cfg, PINGPONG, false> {
       ptx::wgmma_wait<0>();
       ptx::wgmma_fence_regs(s);
       if (lane == 0) ptx::mbar_arrive(Cfg::k_empty(base, st));
-      release_q(base, it, n, lane);
+      Base::release_q(base, it, n, lane);
       if (!w.rule.keeps_all(r.q_lo, r.q_hi, n0, n0 + BLOCK_N - 1)) Base::mask(s, r, n0, lane);
       softmax(s, m, l, corr, scale);
       if (it > 0) Base::rescale_o(o, corr);  // the first tile's O is still zero
@@ -218,7 +210,7 @@ struct ConsumerSm90Fp8 : ConsumerSm90<Cfg, PINGPONG, false> {
     ptx::wgmma_wait<0>();
     ptx::wgmma_fence_regs(s);
     if (lane == 0) ptx::mbar_arrive(Cfg::k_empty(base, st0));
-    release_q(base, 0, n, lane);
+    Base::release_q(base, 0, n, lane);
     if (!w.rule.keeps_all(r.q_lo, r.q_hi, w.tile_start, w.tile_start + BLOCK_N - 1))
       Base::mask(s, r, w.tile_start, lane);
     softmax(s, m, l, corr, scale);
@@ -238,7 +230,7 @@ struct ConsumerSm90Fp8 : ConsumerSm90<Cfg, PINGPONG, false> {
       ptx::wgmma_wait<1>();  // S of this tile; P V still running
       ptx::wgmma_fence_regs(s);
       if (lane == 0) ptx::mbar_arrive(Cfg::k_empty(base, st));
-      release_q(base, it, n, lane);
+      Base::release_q(base, it, n, lane);
       if (!w.rule.keeps_all(r.q_lo, r.q_hi, n0, n0 + BLOCK_N - 1)) Base::mask(s, r, n0, lane);
       softmax(s, m, l, corr, scale);
       ptx::wgmma_wait<0>();
