@@ -223,15 +223,14 @@ class BatchEngine:
         others and for one section."""
         if la.meta.get("impl") != "sm90":
             return 0, 0, 0
-        props = _cuda.properties(self.dev)
-        kv_tokens = int(src.kv_lens.sum())
-        section = routing.l2_section(cfg.num_kv_heads, kv_tokens, cfg.head_dim, max(1, cfg.kv_dtype.bits // 8),
-                                     props.get("l2_bytes", 0))
         sched = self.staging.counters(stream) if la.meta.get("persistent") else 0
-        if section >= cfg.num_kv_heads or (la.meta.get("persistent") and not sched):
+        if la.meta.get("persistent") and not sched:  # fixed shares balance one section only
             return 0, sched, 0
-        tiles = plan.item_tiles(-(-plan.kv_chunk_size // plan.block_n) if plan.kv_chunk_size else 1)
-        head_z = routing.section_head_z(tiles, cfg.num_kv_heads, props["sm_count"] * routing.ctas_per_sm(la.meta, props))
+        section, head_z = routing.l2_order(
+            _cuda.properties(self.dev), la.meta, cfg.num_kv_heads, int(src.kv_lens.sum()), cfg.head_dim,
+            max(1, cfg.kv_dtype.bits // 8),
+            lambda: plan.item_tiles(-(-plan.kv_chunk_size // plan.block_n) if plan.kv_chunk_size else 1),
+            cfg.num_kv_heads)
         return section, sched, head_z
 
     def _config(self, settings: PlanSettings) -> Config:

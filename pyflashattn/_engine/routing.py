@@ -160,6 +160,17 @@ def l2_section(num_kv_heads: int, kv_tokens: int, head_dim: int, elem_bytes: int
     return -(-num_kv_heads // sections)  # the sections evened out: 8 + 8, never 15 + 1
 
 
+def l2_order(props: dict, meta: dict, num_kv_heads: int, kv_tokens: int, head_dim: int, elem_bytes: int, tiles_of,
+             per_z: int) -> tuple[int, int]:
+    """(kv heads per L2 section, z values in sections before the tail) of an sm90 launch's logical
+    grid (launch.configure_grid's section / section_z); (0, 0): one section. tiles_of() gives the
+    z values' KV tiles, heaviest first (section_head_z), asked for only where there are sections."""
+    section = l2_section(num_kv_heads, kv_tokens, head_dim, elem_bytes, props.get("l2_bytes", 0))
+    if section >= num_kv_heads:
+        return 0, 0
+    return section, section_head_z(tiles_of(), per_z, props["sm_count"] * ctas_per_sm(meta, props))
+
+
 # Per-block cost beyond its KV tiles, in tiles (CTA start or block switch, Q load, first K/V
 # latency, epilogue: session 18's profile put it at 2-3 tiles), in section_head_z's balance.
 BLOCK_OVERHEAD_TILES = 2

@@ -290,14 +290,13 @@ class SinglePlan:
         # L2 sections of kv heads (routing.l2_section; a rows-fastest grid already runs a head at a
         # time): a kernel a CTA a block takes them here, a persistent one in run(), where the
         # stream's tile-scheduler counters are known (without counters it keeps one section).
-        section = 0 if rows_fastest or meta.get("impl") != "sm90" else routing.l2_section(
-            num_kv_heads, kv_len, head_dim, 1 if self.fp8 else self.dtype.bits // 8, props.get("l2_bytes", 0))
-        head_z = 0
-        if 0 < section < num_kv_heads:  # the row tiles in sections before the tail (by the plan's LPT tiles)
+        def row_tile_tiles():  # the KV tiles of a block of each row tile, heaviest first (the plan's LPT items)
             tiles = np.asarray(one.item_tiles(-(-one.kv_chunk_size // meta["block_n"]) if one.kv_chunk_size else 1))
-            head_z = routing.section_head_z(tiles[::max(1, tiles.size // row_tiles)][:row_tiles],
-                                            num_kv_heads * chunks, props["sm_count"] * ctas)
-        self.section = (section, head_z) if meta.get("persistent") and 0 < section < num_kv_heads else None
+            return tiles[::max(1, tiles.size // row_tiles)][:row_tiles]
+        section, head_z = (0, 0) if rows_fastest or meta.get("impl") != "sm90" else routing.l2_order(
+            props, meta, num_kv_heads, kv_len, head_dim, 1 if self.fp8 else self.dtype.bits // 8, row_tile_tiles,
+            num_kv_heads * chunks)
+        self.section = (section, head_z) if meta.get("persistent") and section else None
         launch.configure_grid(la, (row_tiles, chunks, num_kv_heads) if rows_fastest else
                               (num_kv_heads, chunks, row_tiles), dev, section, section_z=head_z)
 
