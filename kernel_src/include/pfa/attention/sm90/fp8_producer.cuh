@@ -30,6 +30,7 @@
 #include "pfa/attention/params.h"
 #include "pfa/attention/sm90/pipeline.cuh"
 #include "pfa/attention/sm90/producer.cuh"
+#include "pfa/attention/sm90/producer_tma.cuh"
 #include "pfa/attention/work.cuh"
 #include "pfa/ptx/mma_sm80.cuh"
 #include "pfa/ptx/sm90.cuh"
@@ -214,7 +215,7 @@ struct ProducerSm90Fp8 {
     ptx::cp_async_wait<0>();
   }
 
-  // ---- TMA (Cfg::TMA: contiguous / ragged K/V, head_dim 128 / 256) ----
+  // ---- TMA (Cfg::TMA: head_dim 128 / 256; contiguous / ragged, or PAGED a paged cache) ----
   static constexpr int COL_BLOCKS = HEAD_DIM / Cfg::ROW_BYTES;  // boxes of 128 one-byte columns a tile
   static constexpr uint32_t TILE_TX = BLOCK_N * HEAD_DIM;        // bytes of one K / raw V tile
 
@@ -229,28 +230,52 @@ struct ProducerSm90Fp8 {
   }
 
   // One K (IS_V false) or raw V tile into s_tile, completing `bar` (one arrival): a whole tile by
-  // TMA (thread 0, once `empty` is free, where given), the request's last, partial tile by every
-  // thread's zero-filled cp.async (V's rows past kv_len must be zeros, 0 * NaN being NaN in P V;
-  // its boxes could also pass the tensor's rows), fenced for the async proxy (K: the consumers'
-  // wgmma). Pointers, strides and the L2 policy are worked out here, not held across the tile loop:
-  // the producer runs on PRODUCER_REGS registers.
+  // TMA once `empty` is free (where given): contiguous / ragged, thread 0 issues its boxes; PAGED,
+  // warp 0's lanes one box each (ProducerSm90Tma::tma_tile: boxes of one page, page sizes that make
+  // whole boxes, ProducerSm90Tma::box_rows). The request's last, partial tile (and, PAGED, every
+  // tile where the page size makes no boxes) by every thread's zero-filled cp.async (V's rows past
+  // kv_len must be zeros, 0 * NaN being NaN in P V; its boxes could also pass the tensor's rows),
+  // fenced for the async proxy (K: the consumers' wgmma). Pointers, strides, page ids and the L2
+  // policy are worked out here, not held across the tile loop: the producer runs on PRODUCER_REGS
+  // registers.
   template <bool IS_V>
   static __device__ __forceinline__ void tma_or_copy(const PrefillParams& p, const PrefillWork& w, uint32_t s_tile,
                                                      uint32_t bar, uint32_t empty, uint32_t free_parity, int n0,
                                                      int tid) {
     // Every row tile of the head reads these K/V rows again: keep them in L2 over Q and outputs.
     const uint64_t keep = ptx::l2_evict_last();
-    if (n0 + BLOCK_N <= w.kv_len) {
+    const void* tmap = IS_V ? &p.v_tmap : &p.k_tmap;
+    if constexpr (Cfg::PAGED) {
+      using Tma = ProducerSm90Tma<Cfg>;
+      const int rows = Tma::box_rows(p);
+      if (rows > 0 && n0 + BLOCK_N <= w.kv_len) {
+        if (tid < 32) {  // lane l: box l / COL_BLOCKS of column block l % COL_BLOCKS
+          if (empty != 0) ptx::mbar_wait(empty, free_parity);
+          const int box = tid / Tma::COL_BLOCKS, col = tid % Tma::COL_BLOCKS, boxes = BLOCK_N / rows;
+          const int32_t id = Tma::template box_page_id<IS_V>(p, w, n0, rows, box, boxes);
+          Tma::tma_tile(p, w, s_tile, tmap, bar, n0, rows, boxes, id, box, col, tid, keep);
+        }
+        return;
+      }
+    } else if (n0 + BLOCK_N <= w.kv_len) {
       if (tid == 0) {
         if (empty != 0) ptx::mbar_wait(empty, free_parity);
-        tma_tile(IS_V ? &p.v_tmap : &p.k_tmap, s_tile, bar, w, n0, keep);
+        tma_tile(tmap, s_tile, bar, w, n0, keep);
       }
       return;
     }
     if (empty != 0) ptx::mbar_wait(empty, free_parity);
     const uint8_t* head = reinterpret_cast<const uint8_t*>(IS_V ? p.v : p.k) + w.kv_head * (IS_V ? p.v_stride_h : p.k_stride_h);
-    load_tile(s_tile, head, IS_V ? p.v_stride_n : p.k_stride_n, RaggedKvRows{w.kv_row0}.row(0, 0), n0, w.kv_len, tid,
-              keep);
+    if constexpr (Cfg::PAGED) {  // the owned-row copies (producer.cuh), this tile's ids loaded here
+      const int t = n0 + owned_row<Cfg, CPR, ROW_STEP>(tid);
+      const int32_t id = owned_page_id<Cfg, CPR, ROW_STEP>(p, page_table<IS_V>(p) + w.page_base, t, w.kv_len, tid);
+      const int64_t off = page_offset<uint8_t>(p, id, t, w.kv_len, IS_V ? p.v_stride_page : p.k_stride_page,
+                                               IS_V ? p.v_stride_n : p.k_stride_n);
+      load_tile_paged<Cfg, uint8_t, CPR, ROW_STEP, LOAD_UNROLL>(s_tile, head, off, n0, w.kv_len, tid, keep);
+    } else {
+      load_tile(s_tile, head, IS_V ? p.v_stride_n : p.k_stride_n, RaggedKvRows{w.kv_row0}.row(0, 0), n0, w.kv_len,
+                tid, keep);
+    }
     ptx::cp_async_commit();
     ptx::cp_async_wait<0>();
     ptx::fence_proxy_async();
