@@ -6,12 +6,14 @@ One call each: sm90 single prefill (TMA K/V, causal, partial tiles: the tail cop
 row tiles than SMs, so persistent CTAs walk several blocks), sm90 paged
 batch by the cp.async producer's owned-row copies (pages 16 and 8, shuffled; with PFA_SM90_KV_LOAD=tma
 and a `make TUNE=1` build, page 16 by TMA boxes), sm90 ragged batch with split KV and its merge (TMA,
-a tail box with V's rows zeroed), sm90 fp8 prefill, single and over a paged fp8 cache (and, walking
-several blocks, single and ragged), the sm80
+a tail box with V's rows zeroed), sm90 fp8 prefill, single and over a paged fp8 cache (by
+copies, and at page 32 by the TMA twin; walking several blocks, single and ragged), the sm80
 decode tile through XQA (bf16, fp8 and NVFP4 caches: the last two register-widened), a TRT-LLM
 context call over device metadata. Every output is checked for NaN; the sanitizer's report is the
 point.
 """
+import os
+
 import numpy as np
 import torch
 
@@ -60,6 +62,22 @@ def main():
     wp.plan(qo, indptr, perm.numpy(), last, 8, 2, 128, ps, causal=True, q_data_type=e4, kv_data_type=e4,
             o_data_type=BF16)
     finite(f"paged fp8 page {ps} ({wp._engine.attn.name})", wp.run(q[:130].to(e4), cache.to(e4)))
+    # the fp8 paged TMA twin (a box a page at page 32; the partial last tiles copied), forced as
+    # PFA_SM90_KV_LOAD=tma does: these requests are shorter than the routing's TMA threshold
+    lens32, ps32 = [700, 297], 32
+    pages32 = [-(-n // ps32) for n in lens32]
+    cache32 = rnd(sum(pages32) + 3, 2, ps32, 2, 128).to(e4)
+    ind32 = np.concatenate([[0], np.cumsum(pages32)]).astype(np.int32)
+    perm32 = torch.randperm(sum(pages32) + 3).to(torch.int32)[:sum(pages32)].numpy()
+    last32 = np.array([n - (p - 1) * ps32 for n, p in zip(lens32, pages32)], np.int32)
+    os.environ["PFA_SM90_KV_LOAD"] = "tma"
+    try:
+        wt = pyflashattn.BatchPrefillWithPagedKVCacheWrapper(ws, "NHD")
+        wt.plan(np.array([0, 200, 330], np.int32), ind32, perm32, last32, 8, 2, 128, ps32, causal=True,
+                q_data_type=e4, kv_data_type=e4, o_data_type=BF16)
+    finally:
+        del os.environ["PFA_SM90_KV_LOAD"]
+    finite(f"paged fp8 page 32 ({wt._engine.attn.name})", wt.run(rnd(330, 8, 128).to(e4), cache32))
     finite("fp8 prefill", pyflashattn.single_prefill_with_kv_cache(q.to(e4), k.to(e4), v.to(e4), causal=True,
                                                                     o_dtype=BF16))
     # the persistent fp8 rows walking several blocks: single (fixed shares), and a ragged batch (the

@@ -331,8 +331,8 @@ class HopperFp8PrefillVariant(Sm90Roles):
     archs: tuple = IMPL_ARCHS[SM90]
     # the CTAs walk the logical grid (sm90/cta.cuh); None: the head dim's HOPPER_FP8_PERSISTENT entry
     persistent: bool = None
-    # K and raw V by TMA boxes (PrefillSm90Fp8Config::TMA): the TMA twin of the contiguous / ragged
-    # row (routing.kv_load_pair), head_dim 128 / 256
+    # K and raw V by TMA boxes (PrefillSm90Fp8Config::TMA): the TMA twin of the row
+    # (routing.kv_load_pair), head_dim 128 / 256
     tma: bool = False
 
     dtype = "e4m3"  # Q, K and V: the manifest's dtype and kv_dtype
@@ -394,11 +394,12 @@ HOPPER_FP8_TILES = {64: (3, 2, True), 128: (2, 2, True), 256: (2, 2, False)}
 # rows stay a CTA a block: persistent, their producer spilled in its copy loop and long paged
 # prefills lost 4-9% (NOTES.md, session 20).
 HOPPER_FP8_PERSISTENT = {64: True, 128: True, 256: False}
-# The fp8 rows' TMA twins (K and raw V by boxes; contiguous / ragged K/V): head dims with whole
-# 128-byte rows, and whether they ship (routing.kv_load_pair runs a shipped twin wherever TMA can
-# address the call's K/V; a tune row only under PFA_SM90_KV_LOAD=tma)
+# The fp8 rows' TMA twins (K and raw V by boxes): head dims with whole 128-byte rows, and per
+# storage whether they ship (routing.kv_load_pair runs a shipped twin wherever TMA can address
+# the call's K/V; a tune row only under PFA_SM90_KV_LOAD=tma). The paged twins: a box a page, warp 0
+# issuing, page sizes that make whole boxes (tma.paged_box_rows; the others run the cp.async row).
 HOPPER_FP8_TMA_HEAD_DIMS = (128, 256)
-HOPPER_FP8_TMA_SHIPPED = True
+HOPPER_FP8_TMA_SHIPPED = {"ragged": True, "paged": True}
 
 # head_dim -> whether the sm_90a 16-bit rows are persistent (HopperPrefillVariant.persistent). hd256
 # keeps a CTA a block: the walk's loop state made its consumers spill (O alone is 128 registers).
@@ -651,8 +652,9 @@ def variants(tune=False):
         out += [MergeVariant(dtype), MergeVariant(dtype, cta_per_row=True)]
     out += [HopperFp8PrefillVariant(hd, *tile, paged=paged) for paged in (False, True)
             for hd, tile in HOPPER_FP8_TILES.items()]
-    out += [HopperFp8PrefillVariant(hd, *HOPPER_FP8_TILES[hd], tma=True, tune=not HOPPER_FP8_TMA_SHIPPED)
-            for hd in HOPPER_FP8_TMA_HEAD_DIMS if tune or HOPPER_FP8_TMA_SHIPPED]
+    out += [HopperFp8PrefillVariant(hd, *HOPPER_FP8_TILES[hd], paged=storage == "paged", tma=True, tune=not shipped)
+            for storage, shipped in HOPPER_FP8_TMA_SHIPPED.items() if tune or shipped
+            for hd in HOPPER_FP8_TMA_HEAD_DIMS]
     out += nvfp4_variants()
     out.append(MiscVariant("packbits", PACKBITS_THREADS))
     out += [MiscVariant("cascade", CASCADE_THREADS, dtype) for dtype in CASCADE_DTYPES]

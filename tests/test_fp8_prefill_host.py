@@ -275,15 +275,18 @@ def test_fp8_rows_of_the_variant_table():
         want = variants.HOPPER_FP8_PERSISTENT[v.head_dim] and not v.paged
         assert v.manifest()["persistent"] == v.persistent == want
         assert v.name.removesuffix("_tma").endswith("_ps") == v.persistent
-        # the TMA twins: contiguous / ragged rows of whole 128-byte rows, a twin's tile its sibling's
+        # the TMA twins: rows of whole 128-byte rows, a twin's tile (and persistence: a plan falls
+        # back to the sibling with the same struct and grid) its sibling's
         assert v.manifest()["tma"] == v.tma == v.name.endswith("_tma")
         if v.tma:
-            assert not v.paged and v.head_dim in variants.HOPPER_FP8_TMA_HEAD_DIMS and v.head_dim % 128 == 0
+            assert v.head_dim in variants.HOPPER_FP8_TMA_HEAD_DIMS and v.head_dim % 128 == 0
             base = next(b for b in rows if b.name == v.name.removesuffix("_tma"))
-            assert (base.block_m, base.block_n, base.persistent) == (v.block_m, v.block_n, v.persistent)
+            assert (base.block_m, base.block_n, base.persistent, base.paged) == (v.block_m, v.block_n, v.persistent,
+                                                                                 v.paged)
             assert v.smem_bytes == base.smem_bytes + 2 * v.BARRIER_BYTES  # the raw V buffers' mbarriers
-    assert {v.head_dim for v in rows if v.tma} == (set(variants.HOPPER_FP8_TMA_HEAD_DIMS)
-                                                   if variants.HOPPER_FP8_TMA_SHIPPED else set())
+    for storage, shipped in variants.HOPPER_FP8_TMA_SHIPPED.items():
+        twins = {v.head_dim for v in rows if v.tma and v.paged == (storage == "paged")}
+        assert twins == (set(variants.HOPPER_FP8_TMA_HEAD_DIMS) if shipped else set())
     assert fp8.FP8 is E4M3
 
 

@@ -131,6 +131,28 @@ def test_paged_tma_only_where_pages_make_whole_boxes(monkeypatch, ps, tma_kernel
         assert not _maps(env)
 
 
+@pytest.mark.parametrize("ps,tma_kernel", [(16, True), (32, True), (8, False)])
+def test_fp8_paged_prefill_runs_the_tma_twin_with_a_box_a_page(monkeypatch, ps, tma_kernel):
+    from pyflashattn._runtime import dtypes as _dtypes
+    e4m3 = _dtypes.FLOAT8_E4M3
+    env = _env(monkeypatch, "tma")  # (short requests: the twin only where the override asks)
+    w = paged(env)
+    pages = i32(0, 2, 3, 3)
+    lens = i32(min(3, ps), ps, 0)
+    w.plan(QO_LONG, pages, KV_INDICES, lens, HQ, HKV, D, ps, q_data_type="float8_e4m3fn",
+           kv_data_type="float8_e4m3fn", o_data_type="bfloat16")
+    meta = w._engine.attn.meta
+    assert meta["dtype"] == "e4m3" and bool(meta.get("tma")) is tma_kernel
+    w.run(T((57, HQ, D), e4m3, data=0x100000), T((NPAGES, 2, ps, HKV, D), e4m3, data=0x200000),
+          out=T((57, HQ, D), _dtypes.BFLOAT16, data=0x400000))
+    name, _, _, p = last_attn(env)
+    if name.endswith("_tma"):  # one-byte elements: boxes of 128 columns, strides in bytes
+        dims, strides = (D, ps, HKV, NPAGES), (HKV * D, D, 2 * ps * HKV * D)
+        want = lambda ptr: _cuda.tensor_map_bytes(  # noqa: E731
+            _cuda.encode_tensor_map("e4m3", ptr, dims, strides, (128, min(ps, 128), 1, 1)))
+        assert _map_bytes(p, "k_tmap") == want(0x200000) and _map_bytes(p, "v_tmap") == want(0x200000 + ps * HKV * D)
+
+
 def test_hnd_paged_map_strides(monkeypatch):
     env = _env(monkeypatch, "tma")
     w = paged(env, layout="HND")

@@ -42,12 +42,12 @@ struct PrefillSm90Fp8Config : Sm90Pipeline<CONSUMERS_, STAGES_, sm90_fp8_bar_off
   static constexpr int HEAD_DIM = HEAD_DIM_, BLOCK_N = 128;
   static constexpr bool PAGED = PAGED_;
   // K and raw V tiles by TMA (PrefillParams::k_tmap / v_tmap, boxes of 128 one-byte columns): one
-  // producer thread issues a whole tile's boxes instead of every thread a cp.async per chunk (the
-  // copies were a third of the issue-bound producer's instructions). Contiguous / ragged K/V at
-  // head_dim 128 / 256 (64-byte rows at head_dim 64 are padded to 128 in shared memory: no box
-  // lands that way; paged K/V keep the owned-row copies).
+  // producer thread (PAGED: warp 0, a box a page) issues a whole tile's boxes instead of every
+  // thread a cp.async per chunk (the copies were a third of the issue-bound producer's
+  // instructions). head_dim 128 / 256 (64-byte rows at head_dim 64 are padded to 128 in shared
+  // memory: no box lands that way).
   static constexpr bool TMA = TMA_;
-  static_assert(!TMA || (!PAGED && HEAD_DIM % 128 == 0), "fp8 TMA: contiguous / ragged K/V, whole 128-byte rows");
+  static_assert(!TMA || HEAD_DIM % 128 == 0, "fp8 TMA: whole 128-byte rows");
   // The CTAs walk the logical grid (sm90/cta.cuh), as the 16-bit family's PERSISTENT rows
   static constexpr bool PERSISTENT = PERSISTENT_;
   static_assert(HEAD_DIM == 64 || HEAD_DIM % 128 == 0, "fp8: head_dim in whole (or, 64, half) swizzle rows");

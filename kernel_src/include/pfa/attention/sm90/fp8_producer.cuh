@@ -30,6 +30,7 @@
 #include "pfa/attention/params.h"
 #include "pfa/attention/sm90/pipeline.cuh"
 #include "pfa/attention/sm90/producer.cuh"
+#include "pfa/attention/sm90/producer_tma.cuh"
 #include "pfa/attention/work.cuh"
 #include "pfa/ptx/mma_sm80.cuh"
 #include "pfa/ptx/sm90.cuh"
@@ -214,43 +215,46 @@ struct ProducerSm90Fp8 {
     ptx::cp_async_wait<0>();
   }
 
-  // ---- TMA (Cfg::TMA: contiguous / ragged K/V, head_dim 128 / 256) ----
-  static constexpr int COL_BLOCKS = HEAD_DIM / Cfg::ROW_BYTES;  // boxes of 128 one-byte columns a tile
-  static constexpr uint32_t TILE_TX = BLOCK_N * HEAD_DIM;        // bytes of one K / raw V tile
-
-  // One K or raw V tile's boxes, issued by one thread, completing on `bar` with their bytes.
-  static __device__ __forceinline__ void tma_tile(const void* tmap, uint32_t s_tile, uint32_t bar,
-                                                  const PrefillWork& w, int n0, uint64_t policy) {
-    ptx::mbar_arrive_expect_tx(bar, TILE_TX);
-    const int row = (int)RaggedKvRows{w.kv_row0}.row(n0, 0);
-#pragma unroll
-    for (int c = 0; c < COL_BLOCKS; ++c)
-      ptx::tma_load_3d(s_tile + c * BLOCK_N * Cfg::ROW_BYTES, tmap, c * Cfg::ROW_BYTES, w.kv_head, row, bar, policy);
-  }
-
+  // ---- TMA (Cfg::TMA: head_dim 128 / 256; contiguous / ragged, or PAGED a paged cache) ----
   // One K (IS_V false) or raw V tile into s_tile, completing `bar` (one arrival): a whole tile by
-  // TMA (thread 0, once `empty` is free, where given), the request's last, partial tile by every
-  // thread's zero-filled cp.async (V's rows past kv_len must be zeros, 0 * NaN being NaN in P V;
-  // its boxes could also pass the tensor's rows), fenced for the async proxy (K: the consumers'
-  // wgmma). Pointers, strides and the L2 policy are worked out here, not held across the tile loop:
-  // the producer runs on PRODUCER_REGS registers.
+  // TMA once `empty` is free (where given), warp 0's lanes a box each (ProducerSm90Tma::tma_tile,
+  // the 16-bit producer's, with boxes of 128 one-byte columns: contiguous / ragged, a box a
+  // column block; PAGED, a box a page where the page size makes whole boxes,
+  // ProducerSm90Tma::box_rows). The request's last, partial tile (and, PAGED, every tile where the
+  // page size makes no boxes) by every thread's zero-filled cp.async (V's rows past kv_len must be
+  // zeros, 0 * NaN being NaN in P V; its boxes could also pass the tensor's rows), fenced for the
+  // async proxy (K: the consumers' wgmma). Pointers, strides, page ids and the L2 policy are worked
+  // out here, not held across the tile loop: the producer runs on PRODUCER_REGS registers.
   template <bool IS_V>
   static __device__ __forceinline__ void tma_or_copy(const PrefillParams& p, const PrefillWork& w, uint32_t s_tile,
                                                      uint32_t bar, uint32_t empty, uint32_t free_parity, int n0,
                                                      int tid) {
+    using Tma = ProducerSm90Tma<Cfg>;
     // Every row tile of the head reads these K/V rows again: keep them in L2 over Q and outputs.
     const uint64_t keep = ptx::l2_evict_last();
-    if (n0 + BLOCK_N <= w.kv_len) {
-      if (tid == 0) {
+    const int rows = Tma::box_rows(p);  // (BLOCK_N unless PAGED)
+    if (rows > 0 && n0 + BLOCK_N <= w.kv_len) {
+      if (tid < 32) {  // lane l: box l / COL_BLOCKS of column block l % COL_BLOCKS
         if (empty != 0) ptx::mbar_wait(empty, free_parity);
-        tma_tile(IS_V ? &p.v_tmap : &p.k_tmap, s_tile, bar, w, n0, keep);
+        const int box = tid / Tma::COL_BLOCKS, col = tid % Tma::COL_BLOCKS, boxes = BLOCK_N / rows;
+        int32_t id = 0;
+        if constexpr (Cfg::PAGED) id = Tma::template box_page_id<IS_V>(p, w, n0, rows, box, boxes);
+        Tma::tma_tile(p, w, s_tile, IS_V ? &p.v_tmap : &p.k_tmap, bar, n0, rows, boxes, id, box, col, tid, keep);
       }
       return;
     }
     if (empty != 0) ptx::mbar_wait(empty, free_parity);
     const uint8_t* head = reinterpret_cast<const uint8_t*>(IS_V ? p.v : p.k) + w.kv_head * (IS_V ? p.v_stride_h : p.k_stride_h);
-    load_tile(s_tile, head, IS_V ? p.v_stride_n : p.k_stride_n, RaggedKvRows{w.kv_row0}.row(0, 0), n0, w.kv_len, tid,
-              keep);
+    if constexpr (Cfg::PAGED) {  // the owned-row copies (producer.cuh), this tile's ids loaded here
+      const int t = n0 + owned_row<Cfg, CPR, ROW_STEP>(tid);
+      const int32_t id = owned_page_id<Cfg, CPR, ROW_STEP>(p, page_table<IS_V>(p) + w.page_base, t, w.kv_len, tid);
+      const int64_t off = page_offset<uint8_t>(p, id, t, w.kv_len, IS_V ? p.v_stride_page : p.k_stride_page,
+                                               IS_V ? p.v_stride_n : p.k_stride_n);
+      load_tile_paged<Cfg, uint8_t, CPR, ROW_STEP, LOAD_UNROLL>(s_tile, head, off, n0, w.kv_len, tid, keep);
+    } else {
+      load_tile(s_tile, head, IS_V ? p.v_stride_n : p.k_stride_n, RaggedKvRows{w.kv_row0}.row(0, 0), n0, w.kv_len,
+                tid, keep);
+    }
     ptx::cp_async_commit();
     ptx::cp_async_wait<0>();
     ptx::fence_proxy_async();

@@ -43,7 +43,10 @@ struct ProducerSm90Tma {
   static constexpr bool PAGED = Cfg::PAGED;
   using T = typename Cfg::Elem;
   static constexpr int BLOCK_N = Cfg::BLOCK_N, STAGES = Cfg::STAGES, CPR = Cfg::CPR;
-  static constexpr int COL_BLOCKS = Cfg::HEAD_DIM / 64;  // boxes of 64 columns (one swizzle row)
+  // boxes of one swizzle row of columns: 64 16-bit or (the fp8 rows' paged twins,
+  // sm90/fp8_producer.cuh) 128 one-byte elements
+  static constexpr int BOX_COLS = Cfg::ROW_BYTES / (int)sizeof(T);
+  static constexpr int COL_BLOCKS = Cfg::HEAD_DIM / BOX_COLS;
   static constexpr int MIN_BOX_ROWS = 16;                // the smallest page a box covers
   static_assert(COL_BLOCKS * (BLOCK_N / MIN_BOX_ROWS) <= 32, "one lane per (box, column block)");
   static_assert(32 % CPR == 0 || CPR % 32 == 0, "whole rows per warp pass");
@@ -93,9 +96,9 @@ struct ProducerSm90Tma {
     if constexpr (PAGED) {
       const int t = n0 + box * rows;
       const int slot = p.page_shift >= 0 ? t & (p.page_size - 1) : t % p.page_size;
-      ptx::tma_load_4d(dst, tmap, col * 64, slot, w.kv_head, id, bar, policy);
+      ptx::tma_load_4d(dst, tmap, col * BOX_COLS, slot, w.kv_head, id, bar, policy);
     } else {
-      ptx::tma_load_3d(dst, tmap, col * 64, w.kv_head, (int)RaggedKvRows{w.kv_row0}.row(n0, 0), bar, policy);
+      ptx::tma_load_3d(dst, tmap, col * BOX_COLS, w.kv_head, (int)RaggedKvRows{w.kv_row0}.row(n0, 0), bar, policy);
     }
   }
 
