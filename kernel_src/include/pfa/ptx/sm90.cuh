@@ -143,5 +143,18 @@ __device__ __forceinline__ uint64_t smem_desc(uint32_t addr, uint32_t lbo, uint3
   return kSwizzle128 | ((uint64_t)((sbo >> 4) & 0x3FFF) << 32) | ((uint64_t)((lbo >> 4) & 0x3FFF) << 16) |
          (uint64_t)((addr >> 4) & 0x3FFF);
 }
+// The same descriptor in two words, for the k-steps of one tile: the low word of its base
+// (smem_desc_lo: start address and leading byte offset) plus a k-step's byte offset / 16, the
+// high word (smem_desc_hi: stride byte offset and swizzle) a constant. The start-address field
+// (bits 0-13) holds any shared-window address / 16 (below 2^18 bytes), so an offset within the
+// CTA's shared memory never carries out of it; addresses and offsets are 16-byte multiples.
+// One integer add a wgmma, where smem_desc's shifts and masks took five or six instructions.
+__device__ __forceinline__ uint32_t smem_desc_lo(uint32_t addr, uint32_t lbo) {
+  return ((addr >> 4) & 0x3FFF) | (((lbo >> 4) & 0x3FFF) << 16);
+}
+constexpr uint32_t smem_desc_hi(uint32_t sbo) { return (uint32_t)(kSwizzle128 >> 32) | ((sbo >> 4) & 0x3FFF); }
+__device__ __forceinline__ uint64_t smem_desc_at(uint32_t lo, uint32_t offset, uint32_t hi) {
+  return ((uint64_t)hi << 32) | (uint64_t)(lo + (offset >> 4));
+}
 
 }  // namespace pfa::ptx

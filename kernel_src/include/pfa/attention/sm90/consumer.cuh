@@ -62,16 +62,19 @@ struct ConsumerSm90 {
     return r;
   }
 
-  // Descriptor of k-step kk of the warpgroup's Q rows / of a K stage / of a V stage.
+  // Descriptor of k-step kk of the warpgroup's Q rows / of a K stage / of a V stage: the tile's
+  // base descriptor word (smem_desc_lo of its first k-step) plus the k-step's constant offset
+  // (ptx::smem_desc_at), the high word a constant.
+  static constexpr uint32_t DESC_HI = ptx::smem_desc_hi(Cfg::ATOM_BYTES);
   static __device__ __forceinline__ uint64_t q_desc(uint32_t s_q, int wg, int kk) {
-    return ptx::smem_desc(s_q + (kk >> 2) * BLOCK_M * ROW_BYTES + wg * Cfg::WG_ROWS * ROW_BYTES + (kk & 3) * 32, 16,
-                          Cfg::ATOM_BYTES);
+    return ptx::smem_desc_at(ptx::smem_desc_lo(s_q + wg * Cfg::WG_ROWS * ROW_BYTES, 16),
+                             (kk >> 2) * BLOCK_M * ROW_BYTES + (kk & 3) * 32, DESC_HI);
   }
   static __device__ __forceinline__ uint64_t k_desc(uint32_t s_k, int kk) {
-    return ptx::smem_desc(s_k + (kk >> 2) * BLOCK_N * ROW_BYTES + (kk & 3) * 32, 16, Cfg::ATOM_BYTES);
+    return ptx::smem_desc_at(ptx::smem_desc_lo(s_k, 16), (kk >> 2) * BLOCK_N * ROW_BYTES + (kk & 3) * 32, DESC_HI);
   }
   static __device__ __forceinline__ uint64_t v_desc(uint32_t s_v, int kk) {
-    return ptx::smem_desc(s_v + kk * 16 * ROW_BYTES, BLOCK_N * ROW_BYTES, Cfg::ATOM_BYTES);
+    return ptx::smem_desc_at(ptx::smem_desc_lo(s_v, BLOCK_N * ROW_BYTES), kk * 16 * ROW_BYTES, DESC_HI);
   }
 
   // Keys outside each row's range -> -inf.

@@ -119,7 +119,7 @@ struct ConsumerSm90Fp8 : ConsumerSm90<Cfg, PINGPONG, false> {
 
   // Vt stage, k-step kk (32 keys): K-major B, HEAD_DIM rows of 128 bytes (8-row atoms 1024 apart).
   static __device__ __forceinline__ uint64_t vt_desc(uint32_t s_vt, int kk) {
-    return ptx::smem_desc(s_vt + kk * 32, 16, Cfg::ATOM_BYTES);
+    return ptx::smem_desc_at(ptx::smem_desc_lo(s_vt, 16), kk * 32, Base::DESC_HI);
   }
 
   static __device__ __forceinline__ void issue_qk(float (&s)[S_ACC], uint32_t s_q, uint32_t s_k, int wg) {
