@@ -7,7 +7,7 @@ row tiles than SMs, so persistent CTAs walk several blocks), sm90 paged
 batch by the cp.async producer's owned-row copies (pages 16 and 8, shuffled; with PFA_SM90_KV_LOAD=tma
 and a `make TUNE=1` build, page 16 by TMA boxes), sm90 ragged batch with split KV and its merge (TMA,
 a tail box with V's rows zeroed), sm90 fp8 prefill, single and over a paged fp8 cache (by
-copies, and at page 32 by the TMA twin; walking several blocks, single and ragged), the sm80
+copies, and at page 32 by the TMA twin in a TUNE build; walking several blocks, single and ragged), the sm80
 decode tile through XQA (bf16, fp8 and NVFP4 caches: the last two register-widened), a TRT-LLM
 context call over device metadata. Every output is checked for NaN; the sanitizer's report is the
 point.
@@ -62,8 +62,9 @@ def main():
     wp.plan(qo, indptr, perm.numpy(), last, 8, 2, 128, ps, causal=True, q_data_type=e4, kv_data_type=e4,
             o_data_type=BF16)
     finite(f"paged fp8 page {ps} ({wp._engine.attn.name})", wp.run(q[:130].to(e4), cache.to(e4)))
-    # the fp8 paged TMA twin (a box a page at page 32; the partial last tiles copied), forced as
-    # PFA_SM90_KV_LOAD=tma does: these requests are shorter than the routing's TMA threshold
+    # the fp8 paged TMA twin (a box a page at page 32; the partial last tiles copied) where the build
+    # has it (`make TUNE=1`: a tune row), forced as PFA_SM90_KV_LOAD=tma does: these requests are
+    # shorter than the routing's TMA threshold; without the twin the copies run
     lens32, ps32 = [700, 297], 32
     pages32 = [-(-n // ps32) for n in lens32]
     cache32 = rnd(sum(pages32) + 3, 2, ps32, 2, 128).to(e4)

@@ -399,7 +399,9 @@ HOPPER_FP8_PERSISTENT = {64: True, 128: True, 256: False}
 # the call's K/V; a tune row only under PFA_SM90_KV_LOAD=tma). The paged twins: a box a page, warp 0
 # issuing, page sizes that make whole boxes (tma.paged_box_rows; the others run the cp.async row).
 HOPPER_FP8_TMA_HEAD_DIMS = (128, 256)
-HOPPER_FP8_TMA_SHIPPED = {"ragged": True, "paged": True}
+# The paged twins are tune rows: at page 32 they ran 0.80-0.88x the owned-row copies (a box of
+# 32 rows a page, 4 a tile; NOTES.md, session 21), as the 16-bit paged twins do.
+HOPPER_FP8_TMA_SHIPPED = {"ragged": True, "paged": False}
 
 # head_dim -> whether the sm_90a 16-bit rows are persistent (HopperPrefillVariant.persistent). hd256
 # keeps a CTA a block: the walk's loop state made its consumers spill (O alone is 128 registers).

@@ -10,12 +10,15 @@ fmha paged layout and of the context API, and FlashInfer's trtllm_fmha_v2_prefil
 output, against FlashInfer's fmha_v2 with the same e4m3 inputs (#19 item 3, #20's e4m3 goal), and
 checked against SDPA on the rounded inputs (FlashInfer's fp8 rtol, 8e-2: P is rounded to e4m3).
 
+--full: no mask (fmha_v2's "padding", the context API's causal=False, SDPA without is_causal), for
+the issues' non-causal shapes (4 x 4k and 1 x 16k full).
+
 FlashInfer JIT-compiles fmha_v2 on first use; in either mode only its head_dim-128 kernels without
 ALiBi / soft cap are compiled (the kernels are untouched, the list is cut): well under a minute.
 
 The metadata are device tensors, so both APIs take their device path (a cached plan per shape
 key, the kernel reading the lengths and block tables: no sync, no plan per call).
-Causal FLOPs count the kept half: 2 * 2 * B * H * s * s * D / 2.
+Causal FLOPs count the kept half: 2 * 2 * B * H * s * s * D / 2 (--full: all of it).
 Each output is checked against SDPA's (relative Frobenius error) before its time is posted.
 """
 from __future__ import annotations
@@ -60,14 +63,14 @@ def _restrict_flashinfer_fmha_v2():
     FL.is_kernel_spec_valid = valid
 
 
-def _row(torch, pfa, ws, s, warmup, rep, fp8=False):
+def _row(torch, pfa, ws, s, warmup, rep, fp8=False, causal=True):
     b, h = TOKENS // s, HIDDEN // HD
     q, k, v, cum, sl, cache, table = _inputs(torch, b, s)
     if fp8:
         q, k, v, cache = (x.to(torch.float8_e4m3fn) for x in (q, k, v, cache))
     scale = 1 / math.sqrt(HD)
     common = dict(workspace_buffer=ws, seq_lens=sl, max_q_len=s, max_kv_len=s, bmm1_scale=scale, bmm2_scale=1.0,
-                  batch_size=b, cum_seq_lens_q=cum, cum_seq_lens_kv=cum, mask_mode="causal")
+                  batch_size=b, cum_seq_lens_q=cum, cum_seq_lens_kv=cum, mask_mode="causal" if causal else "padding")
     if fp8:
         common["out_dtype"] = torch.bfloat16
     kv = torch.stack([k, v], 1)
@@ -76,14 +79,14 @@ def _row(torch, pfa, ws, s, warmup, rep, fp8=False):
         "paged": lambda: pfa.prefill.trtllm_fmha_v2_prefill((q, cache), "Q_PAGED_KV_HND", block_tables=table,
                                                             **common),
         "context": lambda: pfa.prefill.trtllm_batch_context_with_kv_cache(q, cache, ws, table, sl, s, s, scale, 1.0,
-                                                                          b, cum, cum),
+                                                                          b, cum, cum, causal=causal),
     }
     qs, ks, vs = (x.to(torch.bfloat16).view(b, s, h, HD).transpose(1, 2) for x in (q, k, v))
     from torch.nn.attention import SDPBackend, sdpa_kernel
 
     def sdpa():
         with sdpa_kernel(SDPBackend.CUDNN_ATTENTION):
-            return torch.nn.functional.scaled_dot_product_attention(qs, ks, vs, is_causal=True)
+            return torch.nn.functional.scaled_dot_product_attention(qs, ks, vs, is_causal=causal)
     try:
         import flashinfer
         calls["flashinfer"] = lambda: flashinfer.prefill.trtllm_fmha_v2_prefill(
@@ -104,7 +107,7 @@ def _row(torch, pfa, ws, s, warmup, rep, fp8=False):
         except Exception as e:
             row["errors"].append(f"{name}: {short_error(e)}")
     ms = interleaved_median_ms(timers, warmup, rep, row["errors"])
-    flops = 4 * b * h * s * s * HD / 2
+    flops = 4 * b * h * s * s * HD / (2 if causal else 1)
     for name in ("cudnn", "contig", "paged", "context", "flashinfer"):
         t = ms.get(name)
         row[f"{name}_tflops"] = None if t is None else flops / t / 1e9
@@ -121,10 +124,10 @@ def run(args) -> int:
     ws = torch.zeros(256 << 20, dtype=torch.uint8, device="cuda")
     seqs = SEQS[::2] if args.quick else SEQS
     _restrict_flashinfer_fmha_v2()
-    rows = [_row(torch, pfa, ws, s, args.warmup, args.rep, args.fp8) for s in seqs]
+    rows = [_row(torch, pfa, ws, s, args.warmup, args.rep, args.fp8, not args.full) for s in seqs]
     fmt = lambda x, spec=".1f": "-" if x is None else format(x, spec)  # noqa: E731
     inputs = "e4m3 -> bf16" if args.fp8 else "bf16"
-    print(f"TRT-LLM prefill, {inputs}, causal, {TOKENS} tokens, {HIDDEN // HD} heads x {HD}, page {PAGE} "
+    print(f"TRT-LLM prefill, {inputs}, {'no mask' if args.full else 'causal'}, {TOKENS} tokens, {HIDDEN // HD} heads x {HD}, page {PAGE} "
           f"({torch.cuda.get_device_name()}): TFLOP/s")
     head = (f"{'seq':>6} {'B':>3} | {'cudnn':>6} {'contig':>6} {'paged':>6} {'context':>7} {'fi fmha2':>8} | "
             f"{'contig/cudnn':>12} {'contig/fi':>9} {'paging cost':>11} {'context cost':>12}")
@@ -152,3 +155,4 @@ def main(argv=None) -> int:
 
 def _add_args(p):
     p.add_argument("--fp8", action="store_true", help="e4m3 Q/K/V into a bf16 output (FlashInfer's too)")
+    p.add_argument("--full", action="store_true", help="no mask (fmha_v2 'padding'), instead of causal")

@@ -59,12 +59,14 @@ def scratch_workspace():
     return _WORKSPACE[0]
 
 
-def tma_built(paged: bool) -> bool:
-    """Whether this build has the sm90 TMA K/V twins for paged (else ragged) plans: shipped per
-    storage by variants.HOPPER_KV_LOAD, the others only in `make TUNE=1` builds."""
+def tma_built(paged: bool, fp8: bool = False) -> bool:
+    """Whether this build has the sm90 TMA K/V twins for paged (else ragged) plans of 16-bit (else
+    e4m3) queries: shipped per storage by variants.HOPPER_KV_LOAD / HOPPER_FP8_TMA_SHIPPED, the
+    others only in `make TUNE=1` builds. The fp8 rows' twins say nothing about the 16-bit ones'."""
     from pyflashattn._runtime import registry
 
-    return any(r.get("tma") and bool(r.get("paged")) == paged for r in registry.manifest()["kernels"])
+    return any(r.get("tma") and bool(r.get("paged")) == paged and (r.get("dtype") == "e4m3") == fp8
+               for r in registry.manifest()["kernels"])
 
 
 def select_kv_load(load: str, monkeypatch) -> None:
