@@ -315,9 +315,10 @@ class HopperPrefillVariant(Sm90Roles):
 class HopperFp8PrefillVariant(Sm90Roles):
     """A row of the sm_90a fp8 prefill (prefill_sm90_fp8.cuh): e4m3 Q, K and V on e4m3 wgmma, into
     a bf16 / fp16 / e4m3 output (o_format counted from bf16). One producer warpgroup (Q, K, and V
-    transposed for the P V wgmma) and `consumers` warpgroups of 64 rows; 128-key tiles (one Vt row
-    per head-dim column is one 128-byte swizzle row). Contiguous and ragged K/V, or (paged) a paged
-    cache by cp.async (owned-row copies, producer.cuh)."""
+    transposed for the P V wgmma) and `consumers` warpgroups of 64 rows; tiles of block_n keys (128,
+    or 192 where HOPPER_FP8_BLOCK_N says: a Vt row's keys in column blocks of 128, fp8_config.cuh).
+    Contiguous and ragged K/V, or (paged) a paged cache by cp.async (owned-row copies,
+    producer.cuh: 128-key tiles)."""
     head_dim: int
     consumers: int
     stages: int
@@ -334,15 +335,18 @@ class HopperFp8PrefillVariant(Sm90Roles):
     # K and raw V by TMA boxes (PrefillSm90Fp8Config::TMA): the TMA twin of the row
     # (routing.kv_load_pair), head_dim 128 / 256
     tma: bool = False
+    # keys a tile; None: HOPPER_FP8_BLOCK_N's entry for the head dim (128 where it has none, and paged)
+    block_n: int = None
 
     dtype = "e4m3"  # Q, K and V: the manifest's dtype and kv_dtype
-    block_n = 128
     RAW_V_TILES = 2  # PrefillSm90Fp8Config::RAW_TILES
     ROW_BYTES = 128  # one 128-byte swizzle row
 
     def __post_init__(self):
         if self.persistent is None:
             object.__setattr__(self, "persistent", HOPPER_FP8_PERSISTENT[self.head_dim] and not self.paged)
+        if self.block_n is None:
+            object.__setattr__(self, "block_n", 128 if self.paged else HOPPER_FP8_BLOCK_N.get(self.head_dim, 128))
 
     @property
     def smem_bytes(self):
@@ -351,7 +355,7 @@ class HopperFp8PrefillVariant(Sm90Roles):
         # 2 int32), the alignment slack; paged rows stage no page ids (one byte per element; Q / K /
         # raw V rows padded to the 128-byte swizzle row at head_dim 64: ROW_PAD)
         row = max(self.ROW_BYTES, self.head_dim * FP8_BYTES)
-        vt = self.head_dim * self.block_n * FP8_BYTES
+        vt = self.head_dim * -(-self.block_n * FP8_BYTES // self.ROW_BYTES) * self.ROW_BYTES  # whole column blocks
         walk = 5 * self.BARRIER_BYTES + 8 if self.persistent else 0
         raw_bars = self.RAW_V_TILES * self.BARRIER_BYTES if self.tma else 0  # (TMA) the raw V buffers' mbarriers
         return (self.block_m * row + (self.stages + self.RAW_V_TILES) * self.block_n * row + self.stages * vt
@@ -368,7 +372,8 @@ class HopperFp8PrefillVariant(Sm90Roles):
 
     def source(self):
         return (f'#include "pfa/attention/prefill_sm90_fp8.cuh"\n'
-                f"PFA_DEFINE_PREFILL_SM90_FP8({self.name}, {self.head_dim}, {self.consumers}, {self.stages}, "
+                f"PFA_DEFINE_PREFILL_SM90_FP8({self.name}, {self.head_dim}, {self.block_n}, {self.consumers}, "
+                f"{self.stages}, "
                 f"{'true' if self.pingpong else 'false'}, {'true' if self.overlap else 'false'}, "
                 f"{'true' if self.paged else 'false'}, {'true' if self.persistent else 'false'}, "
                 f"{'true' if self.tma else 'false'}, {self.smem_bytes})\n")
@@ -389,6 +394,15 @@ class HopperFp8PrefillVariant(Sm90Roles):
 # 16-bit family's hd64 row); the paged rows take the same tiles (hd256: the page ids fill what is
 # left of the shared memory).
 HOPPER_FP8_TILES = {64: (3, 2, True), 128: (2, 2, True), 256: (2, 2, False)}
+# head_dim -> keys a tile of the contiguous / ragged fp8 rows (paged: 128), where not 128
+HOPPER_FP8_BLOCK_N = {}
+# `make TUNE=1` alternatives (head_dim, block_n, overlap), contiguous / ragged with their TMA twins:
+# longer tiles spread a tile's fixed work (the O rescale, row-max shuffles, barrier waits) over
+# more keys, as FlashAttention-3's fp8 hd128 tile (224) and fmha_v2's e4m3 kernel (256) do. 192
+# keeps S, P and O of the overlapped loop within the consumers' 232 registers (256, even serial,
+# spills in the consumers). 192 against 128 (H200, NOTES.md session 21): +2-11% at 8k, -9 / -11%
+# at 1k (a power-of-two length leaves a partial last tile), about even elsewhere.
+HOPPER_FP8_TUNE_TILES = [(128, 192, True)]
 # head_dim -> whether the fp8 rows are persistent (as HOPPER_PERSISTENT; hd256's serial consumers
 # hold a 128-register O, as the 16-bit hd256 row that spilled with the walk's state). The paged fp8
 # rows stay a CTA a block: persistent, their producer spilled in its copy loop and long paged
@@ -657,6 +671,9 @@ def variants(tune=False):
     out += [HopperFp8PrefillVariant(hd, *HOPPER_FP8_TILES[hd], paged=storage == "paged", tma=True, tune=not shipped)
             for storage, shipped in HOPPER_FP8_TMA_SHIPPED.items() if tune or shipped
             for hd in HOPPER_FP8_TMA_HEAD_DIMS]
+    if tune:
+        out += [HopperFp8PrefillVariant(hd, *HOPPER_FP8_TILES[hd][:2], overlap, tma=tma, tune=True, block_n=bn)
+                for hd, bn, overlap in HOPPER_FP8_TUNE_TILES for tma in (False, True)]
     out += nvfp4_variants()
     out.append(MiscVariant("packbits", PACKBITS_THREADS))
     out += [MiscVariant("cascade", CASCADE_THREADS, dtype) for dtype in CASCADE_DTYPES]

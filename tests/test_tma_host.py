@@ -99,8 +99,10 @@ def test_fp8_single_prefill_runs_the_tma_twin_with_one_byte_boxes(monkeypatch, d
                                              out=T((300, HQ, d), _dtypes.BFLOAT16, data=0x400000))
     name, _, _, p = last_attn(env)
     assert "_e4m3_" in name and name.endswith("_tma") == (d in variants.HOPPER_FP8_TMA_HEAD_DIMS)
-    if d in variants.HOPPER_FP8_TMA_HEAD_DIMS:  # boxes of 128 one-byte columns, K / V strides in bytes
-        dims, strides, box = (d, HKV, tma.ROW_EXTENT), (d, HKV * d), (128, 1, 128)
+    if d in variants.HOPPER_FP8_TMA_HEAD_DIMS:  # boxes of 128 one-byte columns x the row's tile, strides in bytes
+        block_n = variants.HopperFp8PrefillVariant(d, *variants.HOPPER_FP8_TILES[d]).block_n
+        assert f"n{block_n}c" in name
+        dims, strides, box = (d, HKV, tma.ROW_EXTENT), (d, HKV * d), (128, 1, block_n)
         want = lambda ptr: _cuda.tensor_map_bytes(_cuda.encode_tensor_map("e4m3", ptr, dims, strides, box))  # noqa: E731
         assert _map_bytes(p, "k_tmap") == want(0x300000) and _map_bytes(p, "v_tmap") == want(0x380000)
 

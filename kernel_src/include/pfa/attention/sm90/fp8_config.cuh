@@ -7,12 +7,14 @@
 // unchanged. 8-bit wgmma reads B K-major only, so O += P V needs V as [dim][key]: the producer
 // copies each V tile as it is stored ([key][dim], the "raw" tile) and transposes it into a Vt
 // stage (fp8_producer.cuh). Layout, each part 1024-byte aligned:
-//   Q [BLOCK_M x D] | K stages [STAGES][BLOCK_N x D] | Vt stages [STAGES][D x BLOCK_N]
+//   Q [BLOCK_M x D] | K stages [STAGES][BLOCK_N x D] | Vt stages [STAGES][D x VT_ROW]
 //   | raw V [2][BLOCK_N x D] | mbarriers | (TMA) the raw V buffers' mbarriers
 //   | (PERSISTENT) Q's empty mbarrier, the scheduler's ring
 // Every tile in the 128-byte swizzle: column blocks of 128 bytes, chunk c of row r at c ^ (r % 8).
-// BLOCK_N is 128: one Vt row (a head-dim column of V) is exactly one 128-byte swizzle row. At
-// head_dim 64 the Q, K and raw V rows (64 bytes) are stored as the first half of 128-byte swizzle
+// BLOCK_N is 128 or 192 (a multiple of 64: whole 16-key groups for each of the four transposing
+// warps). A Vt row (a head-dim column of V) holds BLOCK_N keys in VT_BLOCKS column blocks of 128
+// bytes, as a 16-bit K tile holds its head dim: keys 128 b .. 128 b + 127 in block b, each block D
+// rows of 128 bytes (at 192 keys the second block's rows are half used). At head_dim 64 the Q, K and raw V rows (64 bytes) are stored as the first half of 128-byte swizzle
 // rows (ROW_PAD): the wgmma k-steps 0 and 1 read only those 64 bytes, so the 128-byte swizzle
 // serves there too, for twice the shared memory of those tiles.
 #pragma once
@@ -26,20 +28,26 @@ namespace pfa {
 
 // The shared-memory offset of the mbarriers: behind Q, the K and Vt stages and the two raw V tiles
 // (one-byte elements, rows padded to 128 bytes at head_dim 64).
-constexpr int sm90_fp8_bar_offset(int head_dim, int consumers, int stages) {
+constexpr int sm90_fp8_bar_offset(int head_dim, int consumers, int stages, int block_n) {
   const int row_pad = head_dim < 128 ? 128 : head_dim;
-  return consumers * 64 * row_pad + stages * 128 * row_pad + stages * head_dim * 128 + 2 * 128 * row_pad;
+  const int vt_row = (block_n + 127) / 128 * 128;  // a Vt row's column blocks
+  return consumers * 64 * row_pad + stages * block_n * row_pad + stages * head_dim * vt_row + 2 * block_n * row_pad;
 }
 
-template <int HEAD_DIM_, int CONSUMERS_, int STAGES_, bool PAGED_, bool PERSISTENT_ = false, bool TMA_ = false>
-struct PrefillSm90Fp8Config : Sm90Pipeline<CONSUMERS_, STAGES_, sm90_fp8_bar_offset(HEAD_DIM_, CONSUMERS_, STAGES_)> {
-  using Base = Sm90Pipeline<CONSUMERS_, STAGES_, sm90_fp8_bar_offset(HEAD_DIM_, CONSUMERS_, STAGES_)>;
+template <int HEAD_DIM_, int CONSUMERS_, int STAGES_, bool PAGED_, bool PERSISTENT_ = false, bool TMA_ = false,
+          int BLOCK_N_ = 128>
+struct PrefillSm90Fp8Config
+    : Sm90Pipeline<CONSUMERS_, STAGES_, sm90_fp8_bar_offset(HEAD_DIM_, CONSUMERS_, STAGES_, BLOCK_N_)> {
+  using Base = Sm90Pipeline<CONSUMERS_, STAGES_, sm90_fp8_bar_offset(HEAD_DIM_, CONSUMERS_, STAGES_, BLOCK_N_)>;
   using Base::ATOM_BYTES, Base::BAR_OFFSET, Base::BLOCK_M, Base::NUM_BARRIERS, Base::ROW_BYTES, Base::STAGES;
   using Elem = __nv_fp8_e4m3;  // Q, K, V
   // The output's "own" 16-bit type for o_format (0 = bf16, 1 = fp16, 2 = e4m3), as the 16-bit
   // kernels' o_format counts from their query dtype.
   using Out16 = __nv_bfloat16;
-  static constexpr int HEAD_DIM = HEAD_DIM_, BLOCK_N = 128;
+  static constexpr int HEAD_DIM = HEAD_DIM_, BLOCK_N = BLOCK_N_;
+  static_assert(BLOCK_N % 64 == 0 && BLOCK_N <= 256, "whole 16-key groups per transposing warp; one wgmma N");
+  // the paged copies: one lane of a producer warp owns each of a tile's rows (producer.cuh OwnedRows)
+  static_assert(!PAGED_ || BLOCK_N == 128, "paged fp8: 128-key tiles");
   static constexpr bool PAGED = PAGED_;
   // K and raw V tiles by TMA (PrefillParams::k_tmap / v_tmap, boxes of 128 one-byte columns): one
   // producer thread (PAGED: warp 0, a box a page) issues a whole tile's boxes instead of every
@@ -58,7 +66,9 @@ struct PrefillSm90Fp8Config : Sm90Pipeline<CONSUMERS_, STAGES_, sm90_fp8_bar_off
   static constexpr int ROW_PAD = HEAD_DIM < ROW_BYTES ? ROW_BYTES : HEAD_DIM;
   static constexpr int Q_BYTES = BLOCK_M * ROW_PAD;
   static constexpr int K_TILE_BYTES = BLOCK_N * ROW_PAD;   // a K or raw V tile
-  static constexpr int VT_TILE_BYTES = HEAD_DIM * BLOCK_N;  // a Vt tile: HEAD_DIM rows of BLOCK_N keys
+  static constexpr int VT_BLOCKS = (BLOCK_N + ROW_BYTES - 1) / ROW_BYTES;  // 128-key column blocks of a Vt row
+  static constexpr int VT_BLOCK_BYTES = HEAD_DIM * ROW_BYTES;                // one: HEAD_DIM rows of 128 keys
+  static constexpr int VT_TILE_BYTES = VT_BLOCKS * VT_BLOCK_BYTES;
   static constexpr int Q_OFFSET = 0;
   static constexpr int K_OFFSET = Q_OFFSET + Q_BYTES;
   static constexpr int V_OFFSET = K_OFFSET + STAGES * K_TILE_BYTES;  // the Vt stages

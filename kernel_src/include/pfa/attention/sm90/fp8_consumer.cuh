@@ -117,9 +117,11 @@ struct ConsumerSm90Fp8 : ConsumerSm90<Cfg, PINGPONG, false> {
         }
   }
 
-  // Vt stage, k-step kk (32 keys): K-major B, HEAD_DIM rows of 128 bytes (8-row atoms 1024 apart).
+  // Vt stage, k-step kk (32 keys): K-major B, HEAD_DIM rows of 128 bytes (8-row atoms 1024 apart)
+  // in column block kk / 4 (fp8_config.cuh: 128 keys a block).
   static __device__ __forceinline__ uint64_t vt_desc(uint32_t s_vt, int kk) {
-    return ptx::smem_desc_at(ptx::smem_desc_lo(s_vt, 16), kk * 32, Base::DESC_HI);
+    return ptx::smem_desc_at(ptx::smem_desc_lo(s_vt, 16), (kk >> 2) * Cfg::VT_BLOCK_BYTES + (kk & 3) * 32,
+                             Base::DESC_HI);
   }
 
   static __device__ __forceinline__ void issue_qk(float (&s)[S_ACC], uint32_t s_q, uint32_t s_k, int wg) {

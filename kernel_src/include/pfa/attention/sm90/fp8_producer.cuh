@@ -44,9 +44,10 @@ struct ProducerSm90Fp8 {
   static_assert(Cfg::WG_THREADS % CPR == 0 && BLOCK_N % ROW_STEP == 0 && Cfg::BLOCK_M % ROW_STEP == 0,
                 "whole rows per pass");
   static constexpr int LOAD_UNROLL = Cfg::PRODUCER_REGS >= 40 ? 2 : 1;
-  // transpose steps (16 keys x 32 dims) of a tile, spread over the four producer warps
-  static constexpr int T_STEPS = (BLOCK_N / 16) * (HEAD_DIM / 32);
-  static_assert(T_STEPS % 4 == 0 && BLOCK_N == 128, "whole steps per warp; one 128-byte Vt row per dim");
+  // transpose steps (16 keys x 32 dims) of a tile, spread over the four producer warps: GROUPS
+  // 16-key groups a warp per 32-dim block
+  static constexpr int GROUPS = BLOCK_N / 64;
+  static_assert(BLOCK_N % 64 == 0, "whole 16-key groups per warp");
 
   // Q (load_q_rows, producer.cuh): one-byte elements, 16 a chunk
   static __device__ __forceinline__ void load_q(const PrefillParams& p, const PrefillWork& w, uint32_t s_q, int tid) {
@@ -77,11 +78,11 @@ struct ProducerSm90Fp8 {
   }
 
   // Raw V tile [key][dim] -> Vt tile [dim][key in the order above] (every producer thread).
-  // Warp w's step i covers the 16-key group g = w + 4 (i & 1) and the 32-dim block c = i >> 1, so
-  // each address is a per-lane base plus what c and i & 1 add:
+  // Warp w covers the 16-key groups g = w + 4 h (h < GROUPS) of each 32-dim block c, so each
+  // address is a per-lane base plus what c and h add:
   //   ldmatrix: key 16 g + 8 (q & 1) + r (key & 7 = r), chunk 2 c + (q >> 1), whose swizzled
   //     chunk (chunk & 7) ^ r = 2 ((c & 3) ^ (r >> 1)) + ((q >> 1) ^ (r & 1));
-  //   stmatrix: Vt row 32 c + dl (dl below: dim & 7 = dl & 7), chunk g.
+  //   stmatrix: Vt row 32 c + dl (dl below: dim & 7 = dl & 7) of column block g / 8, chunk g % 8.
   static __device__ __forceinline__ void transpose_v(uint32_t s_raw, uint32_t s_vt, int tid) {
     constexpr int ROW_BYTES = Cfg::ROW_BYTES;
     const int lane = tid % 32, warp = tid / 32;
@@ -96,13 +97,13 @@ struct ProducerSm90Fp8 {
       const uint32_t ld_c = ld_lane + (c >> 2) * BLOCK_N * ROW_BYTES + (((c & 3) ^ rh) << 5);
       const uint32_t st_c = st_lane + 32 * c * ROW_BYTES;
 #pragma unroll
-      for (int h = 0; h < 2; ++h) {
-        const int g = warp + 4 * h;
+      for (int h = 0; h < GROUPS; ++h) {
+        const int g8 = warp + 4 * (h & 1);  // g % 8 (warp < 4); g / 8 = h / 2
         uint32_t x[4];
         ptx::ldmatrix_x4(x, ld_c + h * 64 * ROW_BYTES);
         const uint32_t y0 = __byte_perm(x[0], x[1], 0x5140), y1 = __byte_perm(x[0], x[1], 0x7362);
         const uint32_t y2 = __byte_perm(x[2], x[3], 0x5140), y3 = __byte_perm(x[2], x[3], 0x7362);
-        ptx::stmatrix_x4_trans(st_c + ((g ^ (dl & 7)) << 4), y0, y1, y2, y3);
+        ptx::stmatrix_x4_trans(st_c + (h >> 1) * Cfg::VT_BLOCK_BYTES + ((g8 ^ (dl & 7)) << 4), y0, y1, y2, y3);
       }
     }
   }
