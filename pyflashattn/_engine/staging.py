@@ -34,14 +34,12 @@ class Staging:
         self.sched = 0
 
     def counters(self, stream: int) -> int:
-        """The tile scheduler's counters of this wrapper's persistent launches (two int32, zeroed
-        once when made; each launch's last CTA zeroes them again: sm90/tile_scheduler.cuh), or 0
-        while none exist and the plan stream is capturing (cuda.zeroed: the launch then takes a
-        fixed share of blocks). A device allocation of their own: the int buffer moves when it
-        grows, and plans rewrite it."""
-        if not self.sched and not _cuda.stream_capturing(stream):
+        """The tile scheduler's counters of this wrapper's persistent launches (cuda.sched_counters:
+        0 while none exist and the plan stream captures). A device allocation of their own: the int
+        buffer moves when it grows, and plans rewrite it."""
+        if not self.sched:
             _cuda.ensure_context(self.dev)
-            self.sched = _cuda.zeroed(16)
+            self.sched = _cuda.sched_counters(stream)
         return self.sched
 
     def reserve(self, nbytes: int, fixed: bool = False):

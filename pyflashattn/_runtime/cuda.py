@@ -385,6 +385,13 @@ def zeroed(nbytes: int) -> int:
     return ptr
 
 
+def sched_counters(stream: int) -> int:
+    """New tile-scheduler counters (two int32, zeroed here; each launch's last CTA zeroes them
+    again: sm90/tile_scheduler.cuh), or 0 while `stream` captures (a zeroing the graph would not
+    replay first: the launch then takes a fixed share of blocks). The caller keeps them."""
+    return 0 if stream_capturing(stream) else zeroed(16)
+
+
 def upload(data: bytes) -> int:
     """A device copy of host bytes (synchronous; for small constant tables built at plan time)."""
     cu = driver()
@@ -408,15 +415,13 @@ class Workspace:
 
     @classmethod
     def counters(cls, device_id: int, stream: int) -> int:
-        """The tile scheduler's counters for launches on this stream (two int32, zeroed when made;
-        each launch's last CTA zeroes them again: sm90/tile_scheduler.cuh), or 0 while none exist
-        and the stream is capturing (no zeroing a graph would not replay first: the launch then
-        takes a fixed share of blocks). Their own allocation: the scratch block moves on growth."""
+        """The tile scheduler's counters for launches on this stream (sched_counters: 0 while none
+        exist and the stream captures). Their own allocation: the scratch block moves on growth."""
         ws = cls._spaces.get((device_id, stream))
         if ws is None:
             ws = cls._spaces[(device_id, stream)] = cls(device_id, stream)
-        if not ws.sched and not stream_capturing(stream):
-            ws.sched = zeroed(16)
+        if not ws.sched:
+            ws.sched = sched_counters(stream)
         return ws.sched
 
     @classmethod
