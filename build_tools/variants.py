@@ -428,6 +428,11 @@ HOPPER_TILES = {64: (128, 3, 2), 128: (128, 2, 2), 256: (80, 2, 2)}
 # Paged K/V: a third stage where shared memory holds it, the producer's page-table lookups have a
 # tile more to land in.
 HOPPER_TILES_PAGED = {64: (128, 2, 3), 128: (128, 2, 3), 256: (80, 2, 2)}
+# Second contiguous / ragged row tiles, by head dim (block_n, consumers, stages), with their TMA
+# twins: picked for single prefill where the default row's blocks fill the SMs' last round badly
+# (routing.row_tile_block_m). hd64: 128 rows beside the default 192 (32 heads x 1024 tokens make
+# 192 blocks of 192 rows, 0.73 of two rounds on 132 SMs; 256 of 128 rows, 0.97).
+HOPPER_TILES_ALT = {64: (128, 2, 2)}
 # How the sm90 family loads K/V, per KV storage: "cpasync" (the producer warpgroup's cp.async,
 # producer.cuh) or "tma" (one producer warp issuing boxes from host-encoded tensor maps,
 # producer_tma.cuh; paged: pages of 16+ rows, smaller ones stay on cp.async). Each default row above
@@ -661,6 +666,14 @@ def variants(tune=False):
             if tune or not twin_tune:
                 out += [HopperPrefillVariant(dtype, hd, *tile, paged=storage == "paged", tma=True, tune=twin_tune)
                         for hd, tile in tiles.items()]
+        # after the default rows: the registry picks these only when asked for their block_m (their
+        # skip twins keep every shipped row's, though only single prefill, without skip-softmax,
+        # asks for them)
+        out += [HopperPrefillVariant(dtype, hd, *tile, skip=skip) for hd, tile in HOPPER_TILES_ALT.items()
+                for skip in (False, True)]
+        if tune or HOPPER_KV_LOAD["ragged"] == "tma":
+            out += [HopperPrefillVariant(dtype, hd, *tile, tma=True, tune=HOPPER_KV_LOAD["ragged"] != "tma")
+                    for hd, tile in HOPPER_TILES_ALT.items()]
         if tune:
             out += [HopperPrefillVariant(dtype, hd, *tile, pingpong=False, tune=True)
                     for hd, tile in HOPPER_TILES.items()]

@@ -87,6 +87,21 @@ def test_ragged_tma_plan_writes_3d_maps_and_patches_new_addresses(monkeypatch):
     assert _map_bytes(p, "v_tmap") == _expected(0x680000, dims, strides, box)
 
 
+@pytest.mark.parametrize("heads,s,block_m", [(32, 1024, 128), (32, 2048, 192), (32, 8192, 192), (2, 300, 128)])
+def test_single_prefill_hd64_takes_the_row_tile_whose_last_round_fills(monkeypatch, heads, s, block_m):
+    # 32 x 1024: 192 blocks of 192 rows on 132 SMs end in a round 0.45 full, 256 of 128 rows in one
+    # 0.94 full (routing.row_tile_block_m); long prompts keep the faster 192-row tile
+    env = _env(monkeypatch, ship=("ragged",))
+    monkeypatch.setattr(single._tls, "plans", {}, raising=False)
+    q, k, v = (T((s, heads, 64), data=base) for base in (0x1000000, 0x5000000, 0x9000000))
+    pyflashattn.single_prefill_with_kv_cache(q, k, v, out=T((s, heads, 64), data=0xd000000))
+    name = last_attn(env)[0]
+    assert f"_hd64_m{block_m}n128" in name and name.endswith("_tma"), name
+    rows = {v.block_m for v in variants.variants() if isinstance(v, variants.HopperPrefillVariant)
+            and v.head_dim == 64 and not v.paged and not v.tune}
+    assert rows == set(routing.SM90_ROW_TILE_SPEED[64]) == {128, 192}  # the speeds cover the built rows
+
+
 @pytest.mark.parametrize("d", [64, 128, 256])
 def test_fp8_single_prefill_runs_the_tma_twin_with_one_byte_boxes(monkeypatch, d):
     env = _env(monkeypatch)

@@ -242,6 +242,9 @@ KERNELS_sm_90a := \
   pfa_prefill_sm90_f16_hd64_m192n128c3s2_pp_ps_tma \
   pfa_prefill_sm90_f16_hd128_m128n128c2s2_pp_ps_tma \
   pfa_prefill_sm90_f16_hd256_m128n80c2s2_pp_tma \
+  pfa_prefill_sm90_f16_hd64_m128n128c2s2_pp_ps \
+  pfa_prefill_sm90_f16_hd64_m128n128c2s2_pp_ps_skip \
+  pfa_prefill_sm90_f16_hd64_m128n128c2s2_pp_ps_tma \
   pfa_merge_f16 \
   pfa_merge_cta_f16 \
   pfa_prefill_sm80_bf16_hd64_m128n64w4s2_qr \
@@ -307,6 +310,9 @@ KERNELS_sm_90a := \
   pfa_prefill_sm90_bf16_hd64_m192n128c3s2_pp_ps_tma \
   pfa_prefill_sm90_bf16_hd128_m128n128c2s2_pp_ps_tma \
   pfa_prefill_sm90_bf16_hd256_m128n80c2s2_pp_tma \
+  pfa_prefill_sm90_bf16_hd64_m128n128c2s2_pp_ps \
+  pfa_prefill_sm90_bf16_hd64_m128n128c2s2_pp_ps_skip \
+  pfa_prefill_sm90_bf16_hd64_m128n128c2s2_pp_ps_tma \
   pfa_merge_bf16 \
   pfa_merge_cta_bf16 \
   pfa_prefill_sm90_e4m3_hd64_m192n128c3s2_pp_ps \

@@ -244,6 +244,34 @@ def built_decode_tiles(dev: int, dtype: str, kv_dtype: str, head_dim: int, paged
 _registry._on_force.append(_decode_rows_cache.clear)
 
 
+# A head dim's 16-bit sm90 row tiles' steady-state speeds relative to each other (block_m -> speed),
+# where it has more than one (variants.HOPPER_TILES_ALT; the fp8 rows have one tile a head dim):
+# hd64's 192-row tile (three consumers) ran 1.13x the 128-row one at long lengths (NOTES.md,
+# session 14).
+SM90_ROW_TILE_SPEED = {64: {192: 1.13, 128: 1.0}}
+
+
+def row_tile_block_m(meta: dict, kv_heads: int, rows: int, slots: int) -> int:
+    """The block_m of the sm90 row-tile kernel for kv_heads x `rows` packed query rows, among the
+    default row's (meta) and its head dim's alternatives (SM90_ROW_TILE_SPEED): the one whose launch
+    ends first, counted as rounds of `slots` blocks (rounded up) times a block's time (block_m over
+    its speed). A persistent CTA takes blocks as it frees up, so a launch's last round is what a
+    coarse tile loses: hd64 at 32 heads x 1024 rows makes 192 blocks of 192 rows on 132 SMs (two
+    rounds, 0.73 full) but 256 of 128 (0.97). The default's block_m where nothing beats it."""
+    sixteen_bit = meta.get("impl") == "sm90" and meta.get("dtype") in ("bf16", "f16")
+    speeds = SM90_ROW_TILE_SPEED.get(meta["head_dim"]) if sixteen_bit else None
+    best = meta["block_m"]
+    if not speeds or best not in speeds:
+        return best
+
+    def cost(bm):
+        return -(-kv_heads * -(-rows // bm) // slots) * bm / speeds[bm]
+    for bm in speeds:
+        if cost(bm) < cost(best):
+            best = bm
+    return best
+
+
 def decode_tile_rows(head_dim: int, rows: int, tiles: tuple, decode_only: bool = False) -> int:
     """The decode tile (by its packed rows, one of `tiles`) for requests of at most `rows` packed
     rows: the smallest that holds them, else (up to DECODE_MAX_ROWS, or any number for a
@@ -258,12 +286,15 @@ def decode_tile_rows(head_dim: int, rows: int, tiles: tuple, decode_only: bool =
 
 
 def new_attention(dev: int, dtype: str, kv_dtype: str, head_dim: int, general: bool, paged: bool,
-                  decode_rows: int = 0, nvfp4_out: bool = False):
+                  decode_rows: int = 0, nvfp4_out: bool = False, block_m: int = 0):
     """A fresh launcher (its own params struct) for the attention kernel of this problem:
     decode_rows = the decode tile's packed rows, 0 for the row-tile kernels; nvfp4_out: a kernel
     that writes the NVFP4 output (the manifest's nvfp4_out; on sm_90a the sm80 family where the
-    sm90 row lacks it)."""
+    sm90 row lacks it); block_m: a row-tile kernel of these rows (row_tile_block_m), 0 = the
+    default one."""
     tile = dict(decode=True, block_m=decode_rows) if decode_rows else dict(decode=False)
+    if block_m and not decode_rows:
+        tile["block_m"] = block_m
     if nvfp4_out:
         tile["nvfp4_out"] = True
     return _registry.new_launcher("prefill", dev, dtype=dtype, kv_dtype=kv_dtype, head_dim=head_dim,

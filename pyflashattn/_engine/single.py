@@ -266,6 +266,10 @@ class SinglePlan:
             head_dim, qo_len * group, routing.built_decode_tiles(dev, short, short, head_dim, False))
         la = routing.new_attention(dev, short, short, head_dim, general, False, tile)
         if not tile:
+            bm = routing.row_tile_block_m(la.meta, num_kv_heads, qo_len * group,
+                                          props["sm_count"] * routing.ctas_per_sm(la.meta, props))
+            if bm != la.meta["block_m"]:
+                la = routing.new_attention(dev, short, short, head_dim, general, False, block_m=bm)
             la, twin = routing.kv_load_pair(dev, la, lambda name: _registry.new_launcher("prefill", dev, name=name))
             la = twin if twin is not None and tma_ok else la
         self.attn = la
