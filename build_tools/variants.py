@@ -315,8 +315,8 @@ class HopperPrefillVariant(Sm90Roles):
 class HopperFp8PrefillVariant(Sm90Roles):
     """A row of the sm_90a fp8 prefill (prefill_sm90_fp8.cuh): e4m3 Q, K and V on e4m3 wgmma, into
     a bf16 / fp16 / e4m3 output (o_format counted from bf16). One producer warpgroup (Q, K, and V
-    transposed for the P V wgmma) and `consumers` warpgroups of 64 rows; tiles of block_n keys (128,
-    or 192 where HOPPER_FP8_BLOCK_N says: a Vt row's keys in column blocks of 128, fp8_config.cuh).
+    transposed for the P V wgmma) and `consumers` warpgroups of 64 rows; tiles of block_n keys (128;
+    192 in the HOPPER_FP8_TUNE_TILES rows: a Vt row's keys in column blocks of 128, fp8_config.cuh).
     Contiguous and ragged K/V, or (paged) a paged cache by cp.async (owned-row copies,
     producer.cuh: 128-key tiles)."""
     head_dim: int
@@ -335,8 +335,8 @@ class HopperFp8PrefillVariant(Sm90Roles):
     # K and raw V by TMA boxes (PrefillSm90Fp8Config::TMA): the TMA twin of the row
     # (routing.kv_load_pair), head_dim 128 / 256
     tma: bool = False
-    # keys a tile; None: HOPPER_FP8_BLOCK_N's entry for the head dim (128 where it has none, and paged)
-    block_n: int = None
+    # keys a tile (paged: 128, a producer lane owns each row)
+    block_n: int = 128
 
     dtype = "e4m3"  # Q, K and V: the manifest's dtype and kv_dtype
     RAW_V_TILES = 2  # PrefillSm90Fp8Config::RAW_TILES
@@ -345,8 +345,6 @@ class HopperFp8PrefillVariant(Sm90Roles):
     def __post_init__(self):
         if self.persistent is None:
             object.__setattr__(self, "persistent", HOPPER_FP8_PERSISTENT[self.head_dim] and not self.paged)
-        if self.block_n is None:
-            object.__setattr__(self, "block_n", 128 if self.paged else HOPPER_FP8_BLOCK_N.get(self.head_dim, 128))
 
     @property
     def smem_bytes(self):
@@ -394,8 +392,6 @@ class HopperFp8PrefillVariant(Sm90Roles):
 # 16-bit family's hd64 row); the paged rows take the same tiles (hd256: the page ids fill what is
 # left of the shared memory).
 HOPPER_FP8_TILES = {64: (3, 2, True), 128: (2, 2, True), 256: (2, 2, False)}
-# head_dim -> keys a tile of the contiguous / ragged fp8 rows (paged: 128), where not 128
-HOPPER_FP8_BLOCK_N = {}
 # `make TUNE=1` alternatives (head_dim, block_n, overlap), contiguous / ragged with their TMA twins:
 # longer tiles spread a tile's fixed work (the O rescale, row-max shuffles, barrier waits) over
 # more keys, as FlashAttention-3's fp8 hd128 tile (224) and fmha_v2's e4m3 kernel (256) do. 192

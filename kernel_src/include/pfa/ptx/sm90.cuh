@@ -139,16 +139,13 @@ __device__ __forceinline__ void setmaxnreg_dec() {
 //  MN-major (V as read by O += P V, transposed): lbo = bytes between column blocks (the next
 //    64 columns of N), sbo = 1024 (next 8 keys); a k-step of 16 keys moves the start 2048 bytes.
 constexpr uint64_t kSwizzle128 = 1ull << 62;
-__device__ __forceinline__ uint64_t smem_desc(uint32_t addr, uint32_t lbo, uint32_t sbo) {
-  return kSwizzle128 | ((uint64_t)((sbo >> 4) & 0x3FFF) << 32) | ((uint64_t)((lbo >> 4) & 0x3FFF) << 16) |
-         (uint64_t)((addr >> 4) & 0x3FFF);
-}
-// The same descriptor in two words, for the k-steps of one tile: the low word of its base
+// The descriptor in two words, for the k-steps of one tile: the low word of its base
 // (smem_desc_lo: start address and leading byte offset) plus a k-step's byte offset / 16, the
 // high word (smem_desc_hi: stride byte offset and swizzle) a constant. The start-address field
 // (bits 0-13) holds any shared-window address / 16 (below 2^18 bytes), so an offset within the
 // CTA's shared memory never carries out of it; addresses and offsets are 16-byte multiples.
-// One integer add a wgmma, where smem_desc's shifts and masks took five or six instructions.
+// One integer add a wgmma, where the whole descriptor's shifts and masks for every k-step took
+// five or six instructions.
 __device__ __forceinline__ uint32_t smem_desc_lo(uint32_t addr, uint32_t lbo) {
   return ((addr >> 4) & 0x3FFF) | (((lbo >> 4) & 0x3FFF) << 16);
 }

@@ -14,9 +14,10 @@
 // BLOCK_N is 128 or 192 (a multiple of 64: whole 16-key groups for each of the four transposing
 // warps). A Vt row (a head-dim column of V) holds BLOCK_N keys in VT_BLOCKS column blocks of 128
 // bytes, as a 16-bit K tile holds its head dim: keys 128 b .. 128 b + 127 in block b, each block D
-// rows of 128 bytes (at 192 keys the second block's rows are half used). At head_dim 64 the Q, K and raw V rows (64 bytes) are stored as the first half of 128-byte swizzle
-// rows (ROW_PAD): the wgmma k-steps 0 and 1 read only those 64 bytes, so the 128-byte swizzle
-// serves there too, for twice the shared memory of those tiles.
+// rows of 128 bytes (at 192 keys the second block's rows are half used). At head_dim 64 the Q, K
+// and raw V rows (64 bytes) are stored as the first half of 128-byte swizzle rows (ROW_PAD): the
+// wgmma k-steps 0 and 1 read only those 64 bytes, so the 128-byte swizzle serves there too, for
+// twice the shared memory of those tiles.
 #pragma once
 #include <cuda_bf16.h>
 #include <cuda_fp8.h>

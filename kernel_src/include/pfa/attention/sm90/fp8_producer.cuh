@@ -245,7 +245,8 @@ struct ProducerSm90Fp8 {
       return;
     }
     if (empty != 0) ptx::mbar_wait(empty, free_parity);
-    const uint8_t* head = reinterpret_cast<const uint8_t*>(IS_V ? p.v : p.k) + w.kv_head * (IS_V ? p.v_stride_h : p.k_stride_h);
+    const uint8_t* head =
+        reinterpret_cast<const uint8_t*>(IS_V ? p.v : p.k) + w.kv_head * (IS_V ? p.v_stride_h : p.k_stride_h);
     if constexpr (Cfg::PAGED) {  // the owned-row copies (producer.cuh), this tile's ids loaded here
       const int t = n0 + owned_row<Cfg, CPR, ROW_STEP>(tid);
       const int32_t id = owned_page_id<Cfg, CPR, ROW_STEP>(p, page_table<IS_V>(p) + w.page_base, t, w.kv_len, tid);

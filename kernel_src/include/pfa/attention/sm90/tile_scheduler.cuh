@@ -35,7 +35,9 @@ struct Sm90TileScheduler {
   // shared memory at Cfg::SCHED_OFFSET: full[2], empty[2] (mbarriers), index[2] (int32)
   static constexpr int BYTES = 4 * 8 + 2 * 4;
   static_assert(BYTES == Cfg::SCHED_BYTES, "config.cuh's SCHED_BYTES holds the ring");
-  static __device__ __forceinline__ uint32_t full(uint32_t base, int slot) { return base + Cfg::SCHED_OFFSET + 8 * slot; }
+  static __device__ __forceinline__ uint32_t full(uint32_t base, int slot) {
+    return base + Cfg::SCHED_OFFSET + 8 * slot;
+  }
   static __device__ __forceinline__ uint32_t empty(uint32_t base, int slot) {
     return base + Cfg::SCHED_OFFSET + 16 + 8 * slot;
   }
