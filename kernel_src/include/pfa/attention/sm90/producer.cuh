@@ -139,8 +139,9 @@ __device__ __forceinline__ void paged_rows_in_runs(int64_t row_off, int b, int64
 // 128-byte-swizzled tile at s_tile: row r's byte offset from its owning lane (row_off: this lane's
 // row's), once a page run (page_run_rows; the owned-row shuffles were the paged producer's
 // short-scoreboard stalls); keys at or past kv_len zero-filled. `head`: the kv head's base,
-// stride_n: the cache's elements from one slot of a page to the next.
-template <class Cfg, typename E, int CPR, int ROW_STEP, int UNROLL>
+// stride_n: the cache's elements from one slot of a page to the next. MAX_RUN caps the run
+// lengths compiled in (1: every row its own shuffle, as before the runs).
+template <class Cfg, typename E, int CPR, int ROW_STEP, int UNROLL, int MAX_RUN = 8>
 __device__ __forceinline__ void load_tile_paged(uint32_t s_tile, const E* head, int64_t row_off, int n0, int kv_len,
                                                 int page_shift, int64_t stride_n, int tid, uint64_t policy) {
   using Rows = OwnedRows<Cfg, CPR, ROW_STEP>;
@@ -159,13 +160,13 @@ __device__ __forceinline__ void load_tile_paged(uint32_t s_tile, const E* head, 
   };
   const int64_t step = (int64_t)ROW_STEP * stride_n * (int64_t)sizeof(E);
   const int run = page_run_rows<Cfg, ROW_STEP>(page_shift);
-  if constexpr (ROWS % 8 == 0) {
+  if constexpr (ROWS % 8 == 0 && MAX_RUN >= 8) {
     if (run >= 8) return paged_rows_in_runs<Cfg, CPR, ROW_STEP, 8, UNROLL>(row_off, b, step, copy);
   }
-  if constexpr (ROWS % 4 == 0) {
+  if constexpr (ROWS % 4 == 0 && MAX_RUN >= 4) {
     if (run >= 4) return paged_rows_in_runs<Cfg, CPR, ROW_STEP, 4, UNROLL>(row_off, b, step, copy);
   }
-  if constexpr (ROWS % 2 == 0) {
+  if constexpr (ROWS % 2 == 0 && MAX_RUN >= 2) {
     if (run >= 2) return paged_rows_in_runs<Cfg, CPR, ROW_STEP, 2, UNROLL>(row_off, b, step, copy);
   }
   paged_rows_in_runs<Cfg, CPR, ROW_STEP, 1, UNROLL>(row_off, b, step, copy);
