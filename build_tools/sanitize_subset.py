@@ -4,7 +4,7 @@
 
 One call each: sm90 single prefill (TMA K/V, causal, partial tiles: the tail copied; and with more
 row tiles than SMs, so persistent CTAs walk several blocks), sm90 paged
-batch by the cp.async producer's owned-row copies (pages 16 and 8, shuffled; with PFA_SM90_KV_LOAD=tma
+batch by the cp.async producer's owned-row copies (pages 16, 64 and 8, shuffled; with PFA_SM90_KV_LOAD=tma
 and a `make TUNE=1` build, page 16 by TMA boxes), sm90 ragged batch with split KV and its merge (TMA,
 a tail box with V's rows zeroed), sm90 fp8 prefill, single and over a paged fp8 cache (by
 copies, and at page 32 by the TMA twin in a TUNE build; walking several blocks, single and ragged), the sm80
@@ -47,7 +47,9 @@ def main():
     w = pyflashattn.BatchPrefillWithRaggedKVCacheWrapper(ws, "NHD")
     w.plan(qo, kv, 8, 2, 128, causal=True, fixed_split_size=128, q_data_type=BF16)
     finite("ragged split", w.run(q[:130], k, v))
-    for ps in (16, 8):  # 16: boxes where PFA_SM90_KV_LOAD=tma runs the TMA twin; 8: cp.async always
+    # 16: boxes where PFA_SM90_KV_LOAD=tma runs the TMA twin; 8: cp.async always. The copies' page
+    # runs (bf16 hd128: 8-row steps): 16 -> runs of 2, 64 -> runs of 8, 8 -> one row each.
+    for ps in (16, 64, 8):
         lens = [300, 33]
         pages = [-(-n // ps) for n in lens]
         perm = torch.randperm(sum(pages) + 3).to(torch.int32)[:sum(pages)]

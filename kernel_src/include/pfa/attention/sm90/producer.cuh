@@ -106,27 +106,70 @@ __device__ __forceinline__ int64_t page_offset(const PrefillParams& p, int32_t i
   const int slot = p.page_shift >= 0 ? t & (p.page_size - 1) : t % p.page_size;
   return t < kv_len ? ((int64_t)id * stride_page + (int64_t)slot * stride_n) * (int64_t)sizeof(E) : 0;
 }
+// Rows a thread copies from one page in a row, where its rows (ROW_STEP apart from r0 < ROW_STEP,
+// tiles on the BLOCK_N grid) come in runs of a page each, starting at the same copy index for
+// every lane: a page size that is a power of two of at least ROW_STEP (page_shift) and that
+// divides BLOCK_N or that BLOCK_N divides. 1 otherwise (every row its own).
+template <class Cfg, int ROW_STEP>
+__device__ __forceinline__ int page_run_rows(int page_shift) {
+  constexpr int ROWS = Cfg::BLOCK_N / ROW_STEP;
+  if (page_shift < 0) return 1;
+  const int ps = 1 << page_shift;
+  if (ps < ROW_STEP || (Cfg::BLOCK_N % ps != 0 && ps % Cfg::BLOCK_N != 0)) return 1;
+  return min(ps / ROW_STEP, ROWS);
+}
+// A thread's ROWS copies in runs of RUN rows of one page: each run's first row takes its byte
+// offset from the owning lane by shuffle, the rest step `step` bytes (ROW_STEP slots) on. Whole
+// runs unrolled (the copies' issue is the paged producer's cost), UNROLL copies a pass as before.
+template <class Cfg, int CPR, int ROW_STEP, int RUN, int UNROLL, class Copy>
+__device__ __forceinline__ void paged_rows_in_runs(int64_t row_off, int b, int64_t step, Copy copy) {
+  constexpr int ROWS = Cfg::BLOCK_N / ROW_STEP, WARP_R0 = OwnedRows<Cfg, CPR, ROW_STEP>::WARP_R0;
+  static_assert(ROWS % RUN == 0, "whole runs");
+#pragma unroll(UNROLL > RUN ? UNROLL / RUN : 1)
+  for (int i0 = 0; i0 < ROWS; i0 += RUN) {
+    int64_t off = __shfl_sync(0xffffffffu, row_off, i0 * WARP_R0 + b);
+#pragma unroll
+    for (int j = 0; j < RUN; ++j) {
+      copy(i0 + j, off);
+      off += step;  // past kv_len too: such a copy reads nothing (zero-filled)
+    }
+  }
+}
 // One paged K or V tile (Cfg::BLOCK_N rows of elements E, keys [n0, n0 + BLOCK_N)) into the
-// 128-byte-swizzled tile at s_tile, UNROLL rows a pass: row r's byte offset from its owning lane
-// (row_off: this lane's row's); keys at or past kv_len zero-filled. `head`: the kv head's base.
-template <class Cfg, typename E, int CPR, int ROW_STEP, int UNROLL>
+// 128-byte-swizzled tile at s_tile: row r's byte offset from its owning lane (row_off: this lane's
+// row's), once a page run (page_run_rows; the owned-row shuffles were the paged producer's
+// short-scoreboard stalls); keys at or past kv_len zero-filled. `head`: the kv head's base,
+// stride_n: the cache's elements from one slot of a page to the next. MAX_RUN caps the run
+// lengths compiled in (1: every row its own shuffle, as before the runs).
+template <class Cfg, typename E, int CPR, int ROW_STEP, int UNROLL, int MAX_RUN = 8>
 __device__ __forceinline__ void load_tile_paged(uint32_t s_tile, const E* head, int64_t row_off, int n0, int kv_len,
-                                                int tid, uint64_t policy) {
+                                                int page_shift, int64_t stride_n, int tid, uint64_t policy) {
   using Rows = OwnedRows<Cfg, CPR, ROW_STEP>;
   static_assert(Rows::FITS, "paged: one owning lane per row of a warp");
+  constexpr int ROWS = Cfg::BLOCK_N / ROW_STEP;
   const int chunk = tid % CPR, r0 = tid / CPR, b = r0 % Rows::WARP_R0;
   const char* src = reinterpret_cast<const char*>(head) + chunk * Cfg::CHUNK_BYTES;
   // Rows ROW_STEP apart share their swizzle phase when ROW_STEP is a multiple of its 8-row repeat:
   // one swizzled offset plus whole rows then (not the swizzle worked out for every copy).
   const uint32_t dst0 = s_tile + Cfg::swz(Cfg::BLOCK_N, r0, chunk);
-#pragma unroll(UNROLL)
-  for (int i = 0; i < Cfg::BLOCK_N / ROW_STEP; ++i) {
+  auto copy = [&](int i, int64_t off) {
     const int r = r0 + i * ROW_STEP;
-    const int64_t off = __shfl_sync(0xffffffffu, row_off, i * Rows::WARP_R0 + b);
     const uint32_t dst =
         ROW_STEP % 8 == 0 ? dst0 + i * ROW_STEP * Cfg::ROW_BYTES : s_tile + Cfg::swz(Cfg::BLOCK_N, r, chunk);
     ptx::cp_async_16_hint(dst, src + off, n0 + r < kv_len, policy);
+  };
+  const int64_t step = (int64_t)ROW_STEP * stride_n * (int64_t)sizeof(E);
+  const int run = page_run_rows<Cfg, ROW_STEP>(page_shift);
+  if constexpr (ROWS % 8 == 0 && MAX_RUN >= 8) {
+    if (run >= 8) return paged_rows_in_runs<Cfg, CPR, ROW_STEP, 8, UNROLL>(row_off, b, step, copy);
   }
+  if constexpr (ROWS % 4 == 0 && MAX_RUN >= 4) {
+    if (run >= 4) return paged_rows_in_runs<Cfg, CPR, ROW_STEP, 4, UNROLL>(row_off, b, step, copy);
+  }
+  if constexpr (ROWS % 2 == 0 && MAX_RUN >= 2) {
+    if (run >= 2) return paged_rows_in_runs<Cfg, CPR, ROW_STEP, 2, UNROLL>(row_off, b, step, copy);
+  }
+  paged_rows_in_runs<Cfg, CPR, ROW_STEP, 1, UNROLL>(row_off, b, step, copy);
 }
 
 template <class Cfg>
@@ -162,11 +205,13 @@ struct ProducerSm90 {
   // One K or V tile by cp.async into stage `s`, through the request's addressing (paged: row_off,
   // OwnedRows above), then its full barrier once the stage is free.
   static __device__ __forceinline__ void copy_tile(const PrefillWork& w, uint32_t s_tile, const T* head,
-                                                   int64_t stride_n, int64_t row_off, int n0, uint32_t empty,
-                                                   uint32_t full, uint32_t free_parity, int tid, uint64_t policy) {
+                                                   int64_t stride_n, int64_t row_off, int page_shift, int n0,
+                                                   uint32_t empty, uint32_t full, uint32_t free_parity, int tid,
+                                                   uint64_t policy) {
     ptx::mbar_wait(empty, free_parity);
     if constexpr (PAGED)
-      load_tile_paged<Cfg, T, CPR, ROW_STEP, 4>(s_tile, head, row_off, n0, w.kv_len, tid, policy);
+      load_tile_paged<Cfg, T, CPR, ROW_STEP, 4>(s_tile, head, row_off, n0, w.kv_len, page_shift, stride_n, tid,
+                                                policy);
     else
       load_tile(s_tile, head, stride_n, RaggedKvRows{w.kv_row0}.row(0, 0), n0, w.kv_len, tid, policy);
     ptx::cp_async_mbar_arrive(full);
@@ -207,10 +252,10 @@ struct ProducerSm90 {
           next_v = v_ids ? owned_page_id<Cfg, CPR, ROW_STEP>(p, v_pages, t + BLOCK_N, w.kv_len, tid) : next_k;
         }
       }
-      copy_tile(w, base + Cfg::K_OFFSET + s * Cfg::KV_TILE_BYTES, k, p.k_stride_n, k_off, n0, Cfg::k_empty(base, s),
-                Cfg::k_full(base, s), free_parity, tid, keep);
-      copy_tile(w, base + Cfg::V_OFFSET + s * Cfg::KV_TILE_BYTES, v, p.v_stride_n, v_off, n0, Cfg::v_empty(base, s),
-                Cfg::v_full(base, s), free_parity, tid, keep);
+      copy_tile(w, base + Cfg::K_OFFSET + s * Cfg::KV_TILE_BYTES, k, p.k_stride_n, k_off, p.page_shift, n0,
+                Cfg::k_empty(base, s), Cfg::k_full(base, s), free_parity, tid, keep);
+      copy_tile(w, base + Cfg::V_OFFSET + s * Cfg::KV_TILE_BYTES, v, p.v_stride_n, v_off, p.page_shift, n0,
+                Cfg::v_empty(base, s), Cfg::v_full(base, s), free_parity, tid, keep);
     }
     // Every cp.async lands before the warpgroup exits (the barriers they arrive on live in the
     // CTA's shared memory; PERSISTENT: after its last block, run_warp_specialized_cta).
