@@ -1,0 +1,66 @@
+"""Per-block clock64 stamps in the 16-bit sm_90a prefill, for a throwaway copy of the tree.
+
+    mkdir /tmp/tl && git archive HEAD | tar -x -C /tmp/tl && python build_tools/timeline_patch.py /tmp/tl
+    (cd /tmp/tl && make ARCHS=sm_90a && PYTHONPATH=$PWD python3 build_tools/timeline_run.py)
+
+Consumer warpgroup c's thread 0 stamps, for each of its CTA's first 16 blocks (Sm90Walk.q_round),
+events c * 8 + 0 .. 6: block entry, Q landed, first turn taken, first S done, tile loop done, last
+P V done, epilogue done (+ 7: the block's tile count); thread 0 / the first consumer thread stamp the
+CTA's start and end (globaltimer and clock64). The stamps live in the cubins' pfa_tl / pfa_tl_cta
+globals (extern "C"), which timeline_run.py reads through the loaded libraries. Cycle counts move
+with the SM clock (a memory wait is fixed in ns): compare builds at the same clock.
+The patch asserts every anchor it edits, so a source change that moves one fails loudly here.
+"""
+import sys, pathlib
+root = pathlib.Path(sys.argv[1]) / "kernel_src/include/pfa/attention"
+
+def sub(path, old, new, count=1):
+    p = root / path
+    t = p.read_text()
+    assert t.count(old) == count, (path, old, t.count(old))
+    p.write_text(t.replace(old, new))
+
+HDR = r'''
+#define PFA_TIMELINE 1
+extern "C" {
+__device__ unsigned long long pfa_tl[1024 * 16 * 16];
+__device__ unsigned long long pfa_tl_cta[1024 * 4];
+}
+#define PFA_TL(k, e) do { if ((threadIdx.x % 128) == 0 && (k) < 16) \
+  ::pfa_tl[(blockIdx.x * 16 + (k)) * 16 + (e)] = clock64(); } while (0)
+#define PFA_TLV(k, e, v) do { if ((threadIdx.x % 128) == 0 && (k) < 16) \
+  ::pfa_tl[(blockIdx.x * 16 + (k)) * 16 + (e)] = (v); } while (0)
+'''
+sub("sm90/pipeline.cuh", "#include <stdint.h>\n", "#include <stdint.h>\n" + HDR)
+
+def gt():
+    return "({unsigned long long _g; asm volatile(\"mov.u64 %0, %%globaltimer;\" : \"=l\"(_g)); _g;})"
+
+# CTA start / end
+sub("sm90/cta.cuh", "  ptx::allow_dependents();\n  ptx::wait_prior_grids();\n",
+    "  if (threadIdx.x == 0) { ::pfa_tl_cta[blockIdx.x * 4] = " + gt() + "; ::pfa_tl_cta[blockIdx.x * 4 + 1] = clock64(); }\n"
+    "  ptx::allow_dependents();\n  ptx::wait_prior_grids();\n")
+sub("sm90/cta.cuh", "      walk_blocks([&](const PrefillWork& w, Sm90Walk& walk) { consume(w, base, wg - 1, tid % Cfg::WG_THREADS, walk); },\n                  false);\n",
+    "      walk_blocks([&](const PrefillWork& w, Sm90Walk& walk) { consume(w, base, wg - 1, tid % Cfg::WG_THREADS, walk); },\n                  false);\n"
+    "      if (tid == Cfg::WG_THREADS) { ::pfa_tl_cta[blockIdx.x * 4 + 2] = " + gt() + "; ::pfa_tl_cta[blockIdx.x * 4 + 3] = clock64(); }\n")
+# consumer: entry / epilogue end (prefill_sm90.cuh consume)
+import re
+pf = root / "prefill_sm90.cuh"
+src = pf.read_text()
+a = "    Consumer::mainloop(p, w, rows, base, wg, lane, o, m, l, walk);\n"
+assert src.count(a) == 1
+src = src.replace(a, "    PFA_TL(walk.q_round, wg * 8 + 0);\n    PFA_TLV(walk.q_round, wg * 8 + 7, w.num_tiles);\n" + a +
+                  "    PFA_TL(walk.q_round, wg * 8 + 5);\n")
+m = re.search(r"    EpilogueSm90<Cfg, Consumer::O_ACC[^>]*>::run\([^;]*\);\n", src)
+src = src[:m.end()] + "    PFA_TL(walk.q_round, wg * 8 + 6);\n" + src[m.end():]
+pf.write_text(src)
+# consumer mainloop: q ready, turn taken, first S done, loop end
+sub("sm90/consumer.cuh", "    ptx::mbar_wait(Cfg::q_full(base), walk.q_round & 1);\n",
+    "    ptx::mbar_wait(Cfg::q_full(base), walk.q_round & 1);\n    PFA_TL(walk.q_round, wg * 8 + 1);\n")
+sub("sm90/consumer.cuh", "    ptx::mbar_wait(Cfg::k_full(base, st0), walk.phase<STAGES>(0));\n    turn.take();\n",
+    "    ptx::mbar_wait(Cfg::k_full(base, st0), walk.phase<STAGES>(0));\n    turn.take();\n    PFA_TL(walk.q_round, wg * 8 + 2);\n")
+sub("sm90/consumer.cuh", "    if (lane == 0) ptx::mbar_arrive(Cfg::k_empty(base, st0));\n    release_q(base, 0, n, lane);\n",
+    "    PFA_TL(walk.q_round, wg * 8 + 3);\n    if (lane == 0) ptx::mbar_arrive(Cfg::k_empty(base, st0));\n    release_q(base, 0, n, lane);\n")
+sub("sm90/consumer.cuh", "    const int last = walk.stage<STAGES>(n - 1);\n",
+    "    PFA_TL(walk.q_round, wg * 8 + 4);\n    const int last = walk.stage<STAGES>(n - 1);\n")
+print("patched", root)
