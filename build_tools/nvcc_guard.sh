@@ -17,17 +17,19 @@ if [ $rc -eq 0 ] && grep -q C7520 "$log"; then
        rm -f "$out"; rc=1 ;;
   esac
 fi
-# A cp.async (LDGSTS) whose L2-policy descriptor sits in an odd uniform register: ptxas 13.0 emitted
-# that for the fp8 paged copies once (`desc[UR1]` beside a [R + UR0 + imm] address) and the GPU
-# stopped on it with an illegal instruction (NOTES.md, session 22). Checked where cuobjdump sits
-# beside nvcc or on PATH (the GPU machine's toolkit; the pip toolchain has none).
+# A cp.async (LDGSTS) with a register + uniform register + immediate address and its L2-policy
+# descriptor in an odd uniform register: ptxas 13.0 emitted `[R25+UR0+0x14000], desc[UR1]` for the
+# fp8 paged run copies once and the GPU stopped there with an illegal instruction (NOTES.md, session
+# 22). The same descriptor beside an address without the immediate (`[R35+UR0], desc[UR1]`, in the
+# fp8 ps rows) runs, so only the failing shape is refused. Checked where cuobjdump sits beside nvcc
+# or on PATH (the GPU machine's toolkit; the pip toolchain has none).
 nvcc_bin=$1
 objdump=$(dirname "$nvcc_bin")/cuobjdump
 [ -x "$objdump" ] || objdump=$(command -v cuobjdump 2>/dev/null)
 if [ $rc -eq 0 ] && [ -n "$objdump" ] && [ -x "$objdump" ] && [ -f "$out" ]; then
-  bad=$("$objdump" -sass "$out" 2>/dev/null | grep -E 'LDGSTS.*desc\[UR[0-9]*[13579]\]' | head -3)
+  bad=$("$objdump" -sass "$out" 2>/dev/null | grep -E 'LDGSTS[^[]*\[R[0-9]+\+UR[0-9]+\+0x[0-9a-f]+\], desc\[UR[0-9]*[13579]\]' | head -3)
   if [ -n "$bad" ]; then
-    echo "nvcc_guard: $out has cp.async with an odd descriptor register (illegal on the GPU):" >&2
+    echo "nvcc_guard: $out has a cp.async of the shape that stopped the GPU (illegal instruction):" >&2
     echo "$bad" >&2
     rm -f "$out"; rc=1
   fi
