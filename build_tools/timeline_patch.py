@@ -4,9 +4,12 @@
     (cd /tmp/tl && make ARCHS=sm_90a && PYTHONPATH=$PWD python3 build_tools/timeline_run.py)
 
 Consumer warpgroup c's thread 0 stamps, for each of its CTA's first 16 blocks (Sm90Walk.q_round),
-events c * 8 + 0 .. 6: block entry, Q landed, first turn taken, first S done, tile loop done, last
-P V done, epilogue done (+ 7: the block's tile count); thread 0 / the first consumer thread stamp the
-CTA's start and end (globaltimer and clock64). The stamps live in the cubins' pfa_tl / pfa_tl_cta
+events c * 16 + 0 .. 6: block entry, Q landed, first turn taken, first S done, tile loop done, last
+P V done, epilogue done (+ 7: the block's tile count), and + 8 .. 14 the cycles its tile loop spent
+(clock, summed over the block's tiles after the first) waiting for K (k_full), for V (v_full), for
+its turn, for S (wgmma wait 1) and for P V (wgmma wait 0), holding its turn (issuing the two GEMMs)
+and between the S and P V waits (the softmax); thread 0 / the first consumer thread
+stamp the CTA's start and end (globaltimer and clock64). The stamps live in the cubins' pfa_tl / pfa_tl_cta
 globals (extern "C"), which timeline_run.py reads through the loaded libraries. Cycle counts move
 with the SM clock (a memory wait is fixed in ns): compare builds at the same clock.
 The patch asserts every anchor it edits, so a source change that moves one fails loudly here.
@@ -23,13 +26,14 @@ def sub(path, old, new, count=1):
 HDR = r'''
 #define PFA_TIMELINE 1
 extern "C" {
-__device__ unsigned long long pfa_tl[1024 * 16 * 16];
+__device__ unsigned long long pfa_tl[1024 * 16 * 32];
 __device__ unsigned long long pfa_tl_cta[1024 * 4];
 }
 #define PFA_TL(k, e) do { if ((threadIdx.x % 128) == 0 && (k) < 16) \
-  ::pfa_tl[(blockIdx.x * 16 + (k)) * 16 + (e)] = clock64(); } while (0)
+  ::pfa_tl[(blockIdx.x * 16 + (k)) * 32 + (e)] = clock64(); } while (0)
 #define PFA_TLV(k, e, v) do { if ((threadIdx.x % 128) == 0 && (k) < 16) \
-  ::pfa_tl[(blockIdx.x * 16 + (k)) * 16 + (e)] = (v); } while (0)
+  ::pfa_tl[(blockIdx.x * 16 + (k)) * 32 + (e)] = (v); } while (0)
+#define PFA_TLW(i, stmt) do { const unsigned _t0 = clock(); stmt; _tlw[i] += clock() - _t0; } while (0)
 '''
 sub("sm90/pipeline.cuh", "#include <stdint.h>\n", "#include <stdint.h>\n" + HDR)
 
@@ -49,18 +53,35 @@ pf = root / "prefill_sm90.cuh"
 src = pf.read_text()
 a = "    Consumer::mainloop(p, w, rows, base, wg, lane, o, m, l, walk);\n"
 assert src.count(a) == 1
-src = src.replace(a, "    PFA_TL(walk.q_round, wg * 8 + 0);\n    PFA_TLV(walk.q_round, wg * 8 + 7, w.num_tiles);\n" + a +
-                  "    PFA_TL(walk.q_round, wg * 8 + 5);\n")
+src = src.replace(a, "    PFA_TL(walk.q_round, wg * 16 + 0);\n    PFA_TLV(walk.q_round, wg * 16 + 7, w.num_tiles);\n" + a +
+                  "    PFA_TL(walk.q_round, wg * 16 + 5);\n")
 m = re.search(r"    EpilogueSm90<Cfg, Consumer::O_ACC[^>]*>::run\([^;]*\);\n", src)
-src = src[:m.end()] + "    PFA_TL(walk.q_round, wg * 8 + 6);\n" + src[m.end():]
+src = src[:m.end()] + "    PFA_TL(walk.q_round, wg * 16 + 6);\n" + src[m.end():]
 pf.write_text(src)
 # consumer mainloop: q ready, turn taken, first S done, loop end
 sub("sm90/consumer.cuh", "    ptx::mbar_wait(Cfg::q_full(base), walk.q_round & 1);\n",
-    "    ptx::mbar_wait(Cfg::q_full(base), walk.q_round & 1);\n    PFA_TL(walk.q_round, wg * 8 + 1);\n")
+    "    ptx::mbar_wait(Cfg::q_full(base), walk.q_round & 1);\n    PFA_TL(walk.q_round, wg * 16 + 1);\n")
 sub("sm90/consumer.cuh", "    ptx::mbar_wait(Cfg::k_full(base, st0), walk.phase<STAGES>(0));\n    turn.take();\n",
-    "    ptx::mbar_wait(Cfg::k_full(base, st0), walk.phase<STAGES>(0));\n    turn.take();\n    PFA_TL(walk.q_round, wg * 8 + 2);\n")
+    "    ptx::mbar_wait(Cfg::k_full(base, st0), walk.phase<STAGES>(0));\n    turn.take();\n    PFA_TL(walk.q_round, wg * 16 + 2);\n")
 sub("sm90/consumer.cuh", "    if (lane == 0) ptx::mbar_arrive(Cfg::k_empty(base, st0));\n    release_q(base, 0, n, lane);\n",
-    "    PFA_TL(walk.q_round, wg * 8 + 3);\n    if (lane == 0) ptx::mbar_arrive(Cfg::k_empty(base, st0));\n    release_q(base, 0, n, lane);\n")
+    "    PFA_TL(walk.q_round, wg * 16 + 3);\n    if (lane == 0) ptx::mbar_arrive(Cfg::k_empty(base, st0));\n    release_q(base, 0, n, lane);\n")
 sub("sm90/consumer.cuh", "    const int last = walk.stage<STAGES>(n - 1);\n",
-    "    PFA_TL(walk.q_round, wg * 8 + 4);\n    const int last = walk.stage<STAGES>(n - 1);\n")
+    "    PFA_TL(walk.q_round, wg * 16 + 4);\n"
+    "    for (int _i = 0; _i < 7; ++_i) PFA_TLV(walk.q_round, wg * 16 + 8 + _i, _tlw[_i]);\n"
+    "    const int last = walk.stage<STAGES>(n - 1);\n")
+# the tile loop's waits, summed (32-bit clock: a block's loop stays far below 2^32 cycles)
+sub("sm90/consumer.cuh", "    bool pv_prev = true;  // tile it - 1 has a P V to issue\n",
+    "    bool pv_prev = true;  // tile it - 1 has a P V to issue\n    unsigned _tlw[7] = {0, 0, 0, 0, 0, 0, 0};\n")
+sub("sm90/consumer.cuh", "      ptx::mbar_wait(Cfg::k_full(base, st), walk.phase<STAGES>(it));\n"
+    "      ptx::mbar_wait(Cfg::v_full(base, prev), walk.phase<STAGES>(it - 1));\n      turn.take();\n",
+    "      PFA_TLW(0, ptx::mbar_wait(Cfg::k_full(base, st), walk.phase<STAGES>(it)));\n"
+    "      PFA_TLW(1, ptx::mbar_wait(Cfg::v_full(base, prev), walk.phase<STAGES>(it - 1)));\n"
+    "      PFA_TLW(2, turn.take());\n      const unsigned _t5 = clock();\n")
+# the turn's hold (the two GEMMs' issue) and the softmax between the S and P V waits
+sub("sm90/consumer.cuh", "      turn.pass();\n      ptx::wgmma_wait<1>();",
+    "      turn.pass();\n      _tlw[5] += clock() - _t5;\n      ptx::wgmma_wait<1>();")
+sub("sm90/consumer.cuh", "      ptx::wgmma_wait<1>();  // S of this tile (groups complete in order); P V still running\n",
+    "      PFA_TLW(3, ptx::wgmma_wait<1>());\n      const unsigned _t6 = clock();\n")
+sub("sm90/consumer.cuh", "      ptx::wgmma_wait<0>();\n      ptx::wgmma_fence_regs(o);\n",
+    "      _tlw[6] += clock() - _t6;\n      PFA_TLW(4, ptx::wgmma_wait<0>());\n      ptx::wgmma_fence_regs(o);\n")
 print("patched", root)

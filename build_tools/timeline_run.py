@@ -17,7 +17,7 @@ if os.environ.get("TL_CARVEOUT"):
         return f
     C.get_function = get_function
     registry._cuda.get_function = get_function
-TL_N, CTA_N = 1024 * 16 * 16, 1024 * 4
+TL_N, CTA_N = 1024 * 16 * 32, 1024 * 4
 
 def libs():
     out = []
@@ -43,7 +43,7 @@ def read():
         tl = np.zeros(TL_N, np.uint64); cta = np.zeros(CTA_N, np.uint64)
         cu.cuMemcpyDtoH(tl.ctypes.data, a, TL_N * 8); cu.cuMemcpyDtoH(cta.ctypes.data, b, CTA_N * 8)
         if cta.any():
-            res.append((name, tl.reshape(1024, 16, 16).astype(np.int64), cta.reshape(1024, 4).astype(np.int64)))
+            res.append((name, tl.reshape(1024, 16, 32).astype(np.int64), cta.reshape(1024, 4).astype(np.int64)))
     return res
 
 def analyse(label, fn, flops):
@@ -70,14 +70,19 @@ def analyse(label, fn, flops):
         # CTA start -> first block's entry
         rows = {k: [] for k in ["start->entry0", "entry->q", "q->turn0", "turn0->S0", "S0->loopend",
                                  "loopend->lastPV", "epilogue", "gap(prev epi->entry)", "tiles", "per-tile(loop)",
-                                 "block total", "end->cta end"]}
+                                 "block total", "end->cta end",
+                                 "wg0 wait K/tile", "wg0 wait V/tile", "wg0 wait turn/tile", "wg0 wait S/tile",
+                                 "wg0 wait PV/tile", "wg0 wait issue/tile", "wg0 wait softmax/tile",
+                                 "wg1 wait K/tile", "wg1 wait V/tile", "wg1 wait turn/tile",
+                                 "wg1 wait S/tile", "wg1 wait PV/tile", "wg1 wait issue/tile", "wg1 wait softmax/tile"]}
+        waits = ["K", "V", "turn", "S", "PV", "issue", "softmax"]
         blocks = 0; tiles_total = 0
         for c in used:
             prev_end = None
             for k in range(16):
                 t = tl[c, k]
                 for wg in range(2):
-                    e_ = t[wg * 8: wg * 8 + 8]
+                    e_ = t[wg * 16: wg * 16 + 16]
                     if e_[0] == 0: continue
                     n = e_[7]
                     if wg == 0:
@@ -86,7 +91,10 @@ def analyse(label, fn, flops):
                     rows["turn0->S0"].append(e_[3] - e_[2]); rows["S0->loopend"].append(e_[4] - e_[3])
                     rows["loopend->lastPV"].append(e_[5] - e_[4]); rows["epilogue"].append(e_[6] - e_[5])
                     rows["tiles"].append(n); rows["block total"].append(e_[6] - e_[0])
-                    if n > 1: rows["per-tile(loop)"].append((e_[4] - e_[3]) / (n - 1))
+                    if n > 1:
+                        rows["per-tile(loop)"].append((e_[4] - e_[3]) / (n - 1))
+                        for i, wname in enumerate(waits):
+                            rows[f"wg{wg} wait {wname}/tile"].append(e_[8 + i] / (n - 1))
                     if wg == 0:
                         if prev_end is None: rows["start->entry0"].append(e_[0] - cta[c, 1])
                         else: rows["gap(prev epi->entry)"].append(e_[0] - prev_end)
