@@ -50,6 +50,7 @@ struct ProducerSm90Fp8 {
   // on them with an illegal instruction (found on an H100, NOTES.md session 22). The 16-bit
   // producer's run paths compile without that form.
   static constexpr int PAGE_RUN_MAX = 1;
+  static constexpr int NO_PAGE_RUNS = -1;  // load_tile_paged's page_shift: no runs to find
   // transpose steps (16 keys x 32 dims) of a tile, spread over the four producer warps: GROUPS
   // 16-key groups a warp per 32-dim block
   static constexpr int GROUPS = BLOCK_N / 64;
@@ -118,11 +119,11 @@ struct ProducerSm90Fp8 {
   // request's addressing: ragged rows from row0, or (PAGED) this lane's owned row's byte offset
   // row_off (load_tile_paged, producer.cuh).
   static __device__ __forceinline__ void copy_tile(const PrefillWork& w, uint32_t s_tile, const uint8_t* head,
-                                                   int64_t stride_n, int64_t row0, int64_t row_off, int page_shift,
-                                                   int n0, int tid, uint64_t policy) {
+                                                   int64_t stride_n, int64_t row0, int64_t row_off, int n0, int tid,
+                                                   uint64_t policy) {
     if constexpr (Cfg::PAGED)
       load_tile_paged<Cfg, uint8_t, CPR, ROW_STEP, LOAD_UNROLL, PAGE_RUN_MAX>(s_tile, head, row_off, n0, w.kv_len,
-                                                                              page_shift, stride_n, tid, policy);
+                                                                              NO_PAGE_RUNS, stride_n, tid, policy);
     else
       load_tile(s_tile, head, stride_n, row0, n0, w.kv_len, tid, policy);
   }
@@ -182,10 +183,9 @@ struct ProducerSm90Fp8 {
     {
       const int n1 = w.tile_start, s0 = walk.stage<STAGES>(0);
       ptx::mbar_wait(Cfg::k_empty(base, s0), walk.phase<STAGES>(0) ^ 1);  // (a fresh ring: free at once)
-      copy_tile(w, base + Cfg::K_OFFSET + s0 * Cfg::K_TILE_BYTES, k, p.k_stride_n, row0, k_off(n1), p.page_shift, n1,
-                tid, keep);
+      copy_tile(w, base + Cfg::K_OFFSET + s0 * Cfg::K_TILE_BYTES, k, p.k_stride_n, row0, k_off(n1), n1, tid, keep);
       ptx::cp_async_mbar_arrive(Cfg::k_full(base, s0));
-      copy_tile(w, base + Cfg::RAW_OFFSET, v, p.v_stride_n, row0, v_off(n1), p.page_shift, n1, tid, keep);
+      copy_tile(w, base + Cfg::RAW_OFFSET, v, p.v_stride_n, row0, v_off(n1), n1, tid, keep);
       ptx::cp_async_commit();
       if constexpr (Cfg::PAGED) {
         if (n > 1) ids = tile_ids(p, w, n1 + BLOCK_N, row, tid);
@@ -197,14 +197,13 @@ struct ProducerSm90Fp8 {
         // waits for the consumers to release a K stage
         const int s1 = walk.stage<STAGES>(it + 1), n1 = w.tile_start + (it + 1) * BLOCK_N;
         copy_tile(w, base + Cfg::RAW_OFFSET + ((it + 1) & 1) * Cfg::K_TILE_BYTES, v, p.v_stride_n, row0, v_off(n1),
-                  p.page_shift, n1, tid, keep);
+                  n1, tid, keep);
         const int64_t k_row_off = k_off(n1);
         if constexpr (Cfg::PAGED) {
           if (it + 2 < n) ids = tile_ids(p, w, n1 + BLOCK_N, row, tid);
         }
         ptx::mbar_wait(Cfg::k_empty(base, s1), walk.phase<STAGES>(it + 1) ^ 1);
-        copy_tile(w, base + Cfg::K_OFFSET + s1 * Cfg::K_TILE_BYTES, k, p.k_stride_n, row0, k_row_off, p.page_shift,
-                  n1, tid, keep);
+        copy_tile(w, base + Cfg::K_OFFSET + s1 * Cfg::K_TILE_BYTES, k, p.k_stride_n, row0, k_row_off, n1, tid, keep);
         ptx::cp_async_mbar_arrive(Cfg::k_full(base, s1));  // (once V(it + 1) has landed too)
         ptx::cp_async_commit();
         ptx::cp_async_wait<1>();  // this thread's copies of V(it) (and earlier) have landed
@@ -262,7 +261,7 @@ struct ProducerSm90Fp8 {
       const int64_t off = page_offset<uint8_t>(p, id, t, w.kv_len, IS_V ? p.v_stride_page : p.k_stride_page,
                                                IS_V ? p.v_stride_n : p.k_stride_n);
       load_tile_paged<Cfg, uint8_t, CPR, ROW_STEP, LOAD_UNROLL, PAGE_RUN_MAX>(
-          s_tile, head, off, n0, w.kv_len, p.page_shift, IS_V ? p.v_stride_n : p.k_stride_n, tid, keep);
+          s_tile, head, off, n0, w.kv_len, NO_PAGE_RUNS, IS_V ? p.v_stride_n : p.k_stride_n, tid, keep);
     } else {
       load_tile(s_tile, head, IS_V ? p.v_stride_n : p.k_stride_n, RaggedKvRows{w.kv_row0}.row(0, 0), n0, w.kv_len,
                 tid, keep);
