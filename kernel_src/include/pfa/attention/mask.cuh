@@ -140,6 +140,19 @@ struct MaskRule {
     }
   }
 
+  // The keys every row of [q0, q1] keeps, [lo, hi) (empty when hi <= lo): for k0 <= k1,
+  // keeps_all(q0, q1, k0, k1) == (k0 >= lo && k1 < hi). A row's range only moves right as q grows
+  // (row_range), so the rectangle's last row bounds it on the left and its first row on the
+  // right; a custom mask keeps no rectangle but the one before a speculative mask's drafts. Once
+  // per work item, so that a tile's test is two compares instead of the predicate's.
+  __device__ __forceinline__ void kept_by_all(int q0, int q1, int& lo, int& hi) const {
+    int lo0, hi0, lo1, hi1;
+    row_range(q0, lo0, hi0);
+    row_range(q1, lo1, hi1);
+    lo = lo1;
+    hi = bits == nullptr ? hi0 : spec_words > 0 ? min(hi0, first_draft()) : lo;
+  }
+
   // Half-open key range [begin, end) that rows [q0, q1] can see at all (may be empty).
   __device__ __forceinline__ int kv_begin(int q0) const {
     return has_left() ? max(0, left(q0)) : 0;

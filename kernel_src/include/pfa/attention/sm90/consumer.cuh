@@ -44,7 +44,8 @@ struct ConsumerSm90 {
   struct Rows {
     int tile_row[2];  // row within the CTA tile
     int lo[2], hi[2];  // each row's visible key range (the mask predicate's, without custom bits)
-    int q_lo, q_hi;    // query rows of the warpgroup's 64 (for the tile-level mask test)
+    int q_lo, q_hi;    // query rows of the warpgroup's 64
+    int keep_lo, keep_hi;  // keys all of them keep (MaskRule::kept_by_all): tiles inside skip mask()
   };
 
   static __device__ __forceinline__ Rows rows_of(const PrefillWork& w, int wg, int warp, int lane) {
@@ -53,6 +54,7 @@ struct ConsumerSm90 {
     const int last = max(first, min(first + Cfg::WG_ROWS, w.rows_total) - 1);
     r.q_lo = first / w.group;
     r.q_hi = last / w.group;
+    w.rule.kept_by_all(r.q_lo, r.q_hi, r.keep_lo, r.keep_hi);
 #pragma unroll
     for (int i = 0; i < 2; ++i) {
       r.tile_row[i] = wg * Cfg::WG_ROWS + warp * 16 + lane / 4 + 8 * i;
@@ -75,6 +77,13 @@ struct ConsumerSm90 {
   }
   static __device__ __forceinline__ uint64_t v_desc(uint32_t s_v, int kk) {
     return ptx::smem_desc_at(ptx::smem_desc_lo(s_v, BLOCK_N * ROW_BYTES), kk * 16 * ROW_BYTES, DESC_HI);
+  }
+
+  // Whether the tile of keys [n0, n0 + BLOCK_N) needs mask(): == !keeps_all(q_lo, q_hi, ..), the
+  // predicate's per-tile test, which compiled to ~60 branchy instructions a tile (~10% of the
+  // consumers' samples at 16k, no tile masked).
+  static __device__ __forceinline__ bool masks_tile(const Rows& r, int n0) {
+    return n0 < r.keep_lo || n0 + BLOCK_N - 1 >= r.keep_hi;
   }
 
   // Keys outside each row's range -> -inf.
@@ -224,7 +233,7 @@ struct ConsumerSm90 {
     ptx::wgmma_fence_regs(s);
     if (lane == 0) ptx::mbar_arrive(Cfg::k_empty(base, st0));
     release_q(base, 0, n, lane);
-    if (!w.rule.keeps_all(r.q_lo, r.q_hi, w.tile_start, w.tile_start + BLOCK_N - 1)) mask(s, r, w.tile_start, lane);
+    if (masks_tile(r, w.tile_start)) mask(s, r, w.tile_start, lane);
     const SkipSoftmax skip = SkipSoftmax::make(p.skip_softmax_factor, w.kv_len);
     softmax(s, m, l, corr, scale, false, skip, w, r, wg);
     p_frags(s, a);
@@ -247,7 +256,7 @@ struct ConsumerSm90 {
       ptx::wgmma_fence_regs(s);
       if (lane == 0) ptx::mbar_arrive(Cfg::k_empty(base, st));
       release_q(base, it, n, lane);
-      if (!w.rule.keeps_all(r.q_lo, r.q_hi, n0, n0 + BLOCK_N - 1)) mask(s, r, n0, lane);
+      if (masks_tile(r, n0)) mask(s, r, n0, lane);
       const bool skipped = softmax(s, m, l, corr, scale, SKIP && skip.on(), skip, w, r, wg);
       ptx::wgmma_wait<0>();
       ptx::wgmma_fence_regs(o);
