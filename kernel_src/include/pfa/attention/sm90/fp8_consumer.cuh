@@ -68,6 +68,15 @@ struct ConsumerSm90Fp8 : ConsumerSm90<Cfg, PINGPONG, false> {
     }
   }
 
+  // Whether the tile of keys [n0, n0 + BLOCK_N) needs mask(). ConsumerSm90::masks_tile's two
+  // compares on the three-consumer rows (hd64: 2-7% faster, same run, H100, NOTES session 23);
+  // the predicate's per-tile keeps_all on the others, where the two compares ran 2% slower (e4m3
+  // hd128 TMA, 4k-16k) and hd256 did not move.
+  static __device__ __forceinline__ bool masks_tile(const PrefillWork& w, const Rows& r, int n0) {
+    if constexpr (Cfg::CONSUMERS > 2) return Base::masks_tile(r, n0);
+    else return !w.rule.keeps_all(r.q_lo, r.q_hi, n0, n0 + BLOCK_N - 1);
+  }
+
   // ConsumerSm90::softmax with a scale per row, P shifted by P_LOG2_OFFSET.
   static __device__ __forceinline__ void softmax(float (&s)[S_ACC], float (&m)[2], float (&l)[2], float (&corr)[2],
                                                  const float (&scale)[2]) {
@@ -171,7 +180,7 @@ struct ConsumerSm90Fp8 : ConsumerSm90<Cfg, PINGPONG, false> {
       ptx::wgmma_fence_regs(s);
       if (lane == 0) ptx::mbar_arrive(Cfg::k_empty(base, st));
       Base::release_q(base, it, n, lane);
-      if (!w.rule.keeps_all(r.q_lo, r.q_hi, n0, n0 + BLOCK_N - 1)) Base::mask(s, r, n0, lane);
+      if (masks_tile(w, r, n0)) Base::mask(s, r, n0, lane);
       softmax(s, m, l, corr, scale);
       if (it > 0) Base::rescale_o(o, corr);  // the first tile's O is still zero
       p_frags(s, a);
@@ -213,7 +222,7 @@ struct ConsumerSm90Fp8 : ConsumerSm90<Cfg, PINGPONG, false> {
     ptx::wgmma_fence_regs(s);
     if (lane == 0) ptx::mbar_arrive(Cfg::k_empty(base, st0));
     Base::release_q(base, 0, n, lane);
-    if (!w.rule.keeps_all(r.q_lo, r.q_hi, w.tile_start, w.tile_start + BLOCK_N - 1))
+    if (masks_tile(w, r, w.tile_start))
       Base::mask(s, r, w.tile_start, lane);
     softmax(s, m, l, corr, scale);
     p_frags(s, a);
@@ -233,9 +242,7 @@ struct ConsumerSm90Fp8 : ConsumerSm90<Cfg, PINGPONG, false> {
       ptx::wgmma_fence_regs(s);
       if (lane == 0) ptx::mbar_arrive(Cfg::k_empty(base, st));
       Base::release_q(base, it, n, lane);
-      // keeps_all per tile, not ConsumerSm90::masks_tile: with the two compares this row (e4m3 hd128,
-      // TMA) ran 2% slower at 4k-16k (same run, H100, session 23), hd64 2-7% faster.
-      if (!w.rule.keeps_all(r.q_lo, r.q_hi, n0, n0 + BLOCK_N - 1)) Base::mask(s, r, n0, lane);
+      if (masks_tile(w, r, n0)) Base::mask(s, r, n0, lane);
       softmax(s, m, l, corr, scale);
       ptx::wgmma_wait<0>();
       ptx::wgmma_fence_regs(o);
