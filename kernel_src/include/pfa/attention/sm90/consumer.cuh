@@ -163,10 +163,37 @@ struct ConsumerSm90 {
     }
   }
 
-  // S = Q K^T of one K stage, issued (not waited for).
-  static __device__ __forceinline__ void issue_qk(float (&s)[S_ACC], uint32_t s_q, uint32_t s_k, int wg) {
+  // Q in registers (Q_REGS, head_dim <= 128): the S GEMM takes Q as A fragments from registers
+  // (wgmma RS, as P V takes P) instead of re-reading the warpgroup's Q rows from shared memory on
+  // every tile. Shared memory's bandwidth is shared by both consumers' S and P V operands and the
+  // producer's K / V writes (~110 of its 128 B a clock at the tensor cores' peak, hd128); Q is
+  // ~15% of the reads. The fragments replace the S GEMM's 8 Q descriptors; the Q tile is free for
+  // the next work item's Q once they are loaded.
+  static constexpr bool Q_REGS = HEAD_DIM <= 128 && Cfg::CONSUMERS == 2;  // three consumers (160 registers) spill
+  using QFrags = uint32_t[Q_REGS ? QK_STEPS : 1][4];
+
+  // The warpgroup's Q rows as the A fragments of the S GEMM's k-steps (ldmatrix from the
+  // 128-byte-swizzled tile: chunk c of row t at c ^ (t % 8), column blocks of 64 elements).
+  // row0: this warp's first row in the CTA tile.
+  static __device__ __forceinline__ void load_q(QFrags& qf, uint32_t s_q, int row0, int lane) {
+    const int t = row0 + (lane & 7) + ((lane >> 3) & 1) * 8;
 #pragma unroll
-    for (int kk = 0; kk < QK_STEPS; ++kk) MmaS::ss(s, q_desc(s_q, wg, kk), k_desc(s_k, kk), kk > 0);
+    for (int kk = 0; kk < (Q_REGS ? QK_STEPS : 0); ++kk) {
+      const int c = (kk & 3) * 2 + (lane >> 4);
+      ptx::ldmatrix_x4(qf[kk], s_q + (kk >> 2) * BLOCK_M * ROW_BYTES + t * ROW_BYTES + ((c ^ (t & 7)) << 4));
+    }
+  }
+
+  // S = Q K^T of one K stage, issued (not waited for).
+  static __device__ __forceinline__ void issue_qk(float (&s)[S_ACC], uint32_t s_q, uint32_t s_k, int wg,
+                                                  const QFrags& qf) {
+#pragma unroll
+    for (int kk = 0; kk < QK_STEPS; ++kk) {
+      if constexpr (Q_REGS)
+        MmaS::rs_kmajor(s, qf[kk], k_desc(s_k, kk), kk > 0);
+      else
+        MmaS::ss(s, q_desc(s_q, wg, kk), k_desc(s_k, kk), kk > 0);
+    }
   }
   // O += P V of one V stage, issued (not waited for): a's registers stay read until it completes.
   static __device__ __forceinline__ void issue_pv(float (&o)[O_ACC], const uint32_t (&a)[PV_STEPS][4], uint32_t s_v) {
@@ -219,6 +246,8 @@ struct ConsumerSm90 {
     // makes its writes visible to the waiting threads' wgmma, as FlashAttention-3's cp.async
     // producer relies on.
     ptx::mbar_wait(Cfg::q_full(base), walk.q_round & 1);
+    QFrags qf;
+    if constexpr (Q_REGS) load_q(qf, s_q, r.tile_row[0] - lane / 4, lane);
     float s[S_ACC];
     uint32_t a[PV_STEPS][4];
     float corr[2];
@@ -226,13 +255,14 @@ struct ConsumerSm90 {
     ptx::mbar_wait(Cfg::k_full(base, st0), walk.phase<STAGES>(0));
     turn.take();
     ptx::wgmma_fence();
-    issue_qk(s, s_q, base + Cfg::K_OFFSET + st0 * Cfg::KV_TILE_BYTES, wg);
+    issue_qk(s, s_q, base + Cfg::K_OFFSET + st0 * Cfg::KV_TILE_BYTES, wg, qf);
     ptx::wgmma_commit();
     turn.pass();
     ptx::wgmma_wait<0>();
     ptx::wgmma_fence_regs(s);
     if (lane == 0) ptx::mbar_arrive(Cfg::k_empty(base, st0));
-    release_q(base, 0, n, lane);
+    // Q_REGS: the first S GEMM has read the fragments, so the Q tile can take the next item's Q
+    release_q(base, Q_REGS ? n - 1 : 0, n, lane);
     if (masks_tile(r, w.tile_start)) mask(s, r, w.tile_start, lane);
     const SkipSoftmax skip = SkipSoftmax::make(p.skip_softmax_factor, w.kv_len);
     softmax(s, m, l, corr, scale, false, skip, w, r, wg);
@@ -247,7 +277,7 @@ struct ConsumerSm90 {
       ptx::mbar_wait(Cfg::v_full(base, prev), walk.phase<STAGES>(it - 1));
       turn.take();
       ptx::wgmma_fence();
-      issue_qk(s, s_q, base + Cfg::K_OFFSET + st * Cfg::KV_TILE_BYTES, wg);
+      issue_qk(s, s_q, base + Cfg::K_OFFSET + st * Cfg::KV_TILE_BYTES, wg, qf);
       ptx::wgmma_commit();
       if (!SKIP || pv_prev) issue_pv(o, a, base + Cfg::V_OFFSET + prev * Cfg::KV_TILE_BYTES);
       ptx::wgmma_commit();
@@ -255,7 +285,7 @@ struct ConsumerSm90 {
       ptx::wgmma_wait<1>();  // S of this tile (groups complete in order); P V still running
       ptx::wgmma_fence_regs(s);
       if (lane == 0) ptx::mbar_arrive(Cfg::k_empty(base, st));
-      release_q(base, it, n, lane);
+      if constexpr (!Q_REGS) release_q(base, it, n, lane);
       if (masks_tile(r, n0)) mask(s, r, n0, lane);
       const bool skipped = softmax(s, m, l, corr, scale, SKIP && skip.on(), skip, w, r, wg);
       ptx::wgmma_wait<0>();
