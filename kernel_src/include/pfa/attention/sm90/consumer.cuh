@@ -1,6 +1,8 @@
 // A consumer warpgroup of the sm_90a prefill: 64 packed query rows. Per K/V tile:
-//   S = Q K^T     wgmma, A and B from shared memory (K-major), fp32 S in registers
+//   S = Q K^T     wgmma, K from shared memory (K-major); Q from registers (Q_REGS: loaded once
+//                 per work item) or from shared memory; fp32 S in registers
 //   mask          THE mask predicate's key range per row (mask.cuh), only on tiles it clips
+//                 (masks_tile: two compares against the keys every row keeps)
 //   softmax       online, base 2 (softmax_state.cuh), rows reduced over the lane quad
 //   O += P V      wgmma, P from registers (S's accumulator layout is the A fragment's), V from
 //                 shared memory read transposed (MN-major)
