@@ -169,8 +169,8 @@ struct ConsumerSm90 {
   // (wgmma RS, as P V takes P) instead of re-reading the warpgroup's Q rows from shared memory on
   // every tile. Shared memory's bandwidth is shared by both consumers' S and P V operands and the
   // producer's K / V writes (~110 of its 128 B a clock at the tensor cores' peak, hd128); Q is
-  // ~15% of the reads. The fragments replace the S GEMM's 8 Q descriptors; the Q tile is free for
-  // the next work item's Q once they are loaded.
+  // ~20% of the reads. The fragments replace the S GEMM's 8 Q descriptors; the Q tile is free for
+  // the next work item's Q once the item's first S GEMM has read them (release_q).
   static constexpr bool Q_REGS = HEAD_DIM <= 128 && Cfg::CONSUMERS == 2;  // three consumers (160 registers) spill
   using QFrags = uint32_t[Q_REGS ? QK_STEPS : 1][4];
 
