@@ -1,7 +1,7 @@
 """The host's tile geometry (pyflashattn._engine.geometry.tile_spans) against the device's mask rule.
 
 `MaskRule` below transliterates kernel_src/include/pfa/attention/mask.cuh (keep_structural,
-kv_begin, kv_end) and the kernel's KV-tile loop bounds (the first tile starts at
+row_range, keeps_all, kept_by_all, kv_begin, kv_end) and the kernel's KV-tile loop bounds (the first tile starts at
 kv_begin(first row) rounded down to BLOCK_N, the last ends at kv_end(last row)). The scheduler
 orders and prices work by tile_spans, so the two must agree on every tile: checked here against
 the loop bounds and, by brute force, against the keys the rule keeps.
@@ -41,6 +41,28 @@ class MaskRule:
         if self.has_left():
             ok = ok and kv >= self.left(q)
         return ok
+
+    def row_range(self, q):
+        p = self.pos(q)
+        hi = min(self.kv_len, p + 1) if self.causal else self.kv_len
+        lo = max(0, self.left(q)) if self.has_left() else 0
+        return lo, hi
+
+    def first_draft(self):
+        return self.kv_len - self.qo_len
+
+    def keeps_all(self, q0, q1, k0, k1, bits=False, spec=False):
+        """keeps_all (the non-RANGE form): a custom mask (bits) keeps no rectangle but, for a
+        speculative one (spec), a rectangle wholly before the drafts."""
+        no_bits = not bits or (spec and k1 < self.first_draft())
+        return no_bits and self.keep_structural(q0, k1) and self.keep_structural(q1, k0)
+
+    def kept_by_all(self, q0, q1, bits=False, spec=False):
+        lo0, hi0 = self.row_range(q0)
+        lo1, _ = self.row_range(q1)
+        lo = lo1
+        hi = hi0 if not bits else (min(hi0, self.first_draft()) if spec else lo)
+        return lo, hi
 
     def kv_begin(self, q0):
         return max(0, self.left(q0)) if self.has_left() else 0
@@ -139,3 +161,27 @@ def test_chunked_rule_matches_a_numpy_model():
         want = (kv <= p) & (kv >= (p // (1 << shift)) * (1 << shift))
         got = np.array([[rule.keep_structural(a, b) for b in range(kv_len)] for a in range(qo_len)])
         assert (got == want).all()
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.integers(1, 200), st.integers(0, 400), st.booleans(), st.sampled_from([-1, 0, 1, 7, 64, 1000]),
+       st.sampled_from([0, 0, 4, 6]), st.sampled_from([(False, False), (True, False), (True, True)]),
+       st.data())
+def test_kept_by_all_is_keeps_all(qo_len, kv_len, causal, wl, chunk, custom, data):
+    """The sm90 consumers test a tile by two compares against kept_by_all (once per work item)
+    instead of keeps_all per tile: the two agree on every rectangle of rows and keys, and both
+    agree with the element-wise predicate where no custom bits apply."""
+    if chunk and not causal:
+        chunk = 0  # chunked attention comes with causal (mask.cuh)
+    bits, spec = custom
+    rule = MaskRule(qo_len, kv_len, causal, wl, chunk)
+    q0 = data.draw(st.integers(0, qo_len - 1))
+    q1 = data.draw(st.integers(q0, qo_len - 1))
+    lo, hi = rule.kept_by_all(q0, q1, bits, spec)
+    for k0 in range(-2, kv_len + 2, 3):
+        for width in (1, 16, 64, 128):
+            k1 = k0 + width - 1
+            want = rule.keeps_all(q0, q1, k0, k1, bits, spec)
+            assert (k0 >= lo and k1 < hi) == want, (q0, q1, k0, k1, lo, hi)
+            if not bits and 0 <= k0 and want:
+                assert all(rule.keep_structural(q, kv) for q in (q0, (q0 + q1) // 2, q1) for kv in (k0, k1))
