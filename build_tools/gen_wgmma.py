@@ -33,8 +33,8 @@ PRELUDE = """\
 // over N / 8 column blocks.
 //   ss: A (64 x K) and B (K x N) from shared memory through matrix descriptors, both K-major.
 //   rs: A from registers, B from shared memory. 16-bit: A is the mma.sync m16n8k16 A fragment of
-//       the warp's 16 rows, B MN-major (transposed: tnspB = 1), as P V reads V stored [key][dim];
-//       rs_kmajor the same with B K-major (S = Q K^T with Q in registers).
+//       the warp's 16 rows, B MN-major (rs<1>, the default: tnspB = 1) as P V reads V stored
+//       [key][dim], or K-major (rs<0>: S = Q K^T with Q in registers).
 //       e4m3: A is four .b32 of four e4m3 each, a[v1 + 2 * v2] byte v0 = row 16 * w + l / 4 + 8 * v1,
 //       column 4 * (l % 4) + v0 + 16 * v2 (the mma.sync m16n8k32 8-bit A fragment; PTX ISA
 //       9.7.15.5.1.1, the .m64nNk32 A figure; CUTLASS's ALayout_64x32), and B K-major: 8-bit
@@ -101,18 +101,16 @@ def one(ctype, ptype, n):
           f'        "{{\\n.reg .pred p;\\nsetp.ne.b32 p, %{nd + 5}, 0;\\n"\n'
           f'        "wgmma.mma_async.sync.aligned.m64n{n}k16.f32.{ptype}.{ptype} "\n'
           f'        "{{{regs(nd)}}}, "\n'
-          f'        "{{{regs(4, nd)}}}, %{nd + 4}, p, 1, 1, 1;\\n}}\\n"\n'
+          f'        "{{{regs(4, nd)}}}, %{nd + 4}, p, 1, 1, %{nd + 6};\\n}}\\n"\n'
           f'        : {outs}\n'
-          f'        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(desc_b), "r"(scale_d));\n')
-    rs_kmajor = rs.replace("p, 1, 1, 1;", "p, 1, 1, 0;")
+          f'        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(desc_b), "r"(scale_d), "n"(TNSP_B));\n')
     return (f"template <>\nstruct Wgmma<{ctype}, {n}> {{\n"
             f"  static constexpr int ACC = {nd}, K = 16;\n"
             f"  static __device__ __forceinline__ void ss(float (&d)[{nd}], uint64_t desc_a, uint64_t desc_b, "
             f"int scale_d) {{\n{ss}  }}\n"
+            f"  template <int TNSP_B = 1>\n"
             f"  static __device__ __forceinline__ void rs(float (&d)[{nd}], const uint32_t (&a)[4], uint64_t desc_b, "
-            f"int scale_d) {{\n{rs}  }}\n"
-            f"  static __device__ __forceinline__ void rs_kmajor(float (&d)[{nd}], const uint32_t (&a)[4], "
-            f"uint64_t desc_b, int scale_d) {{\n{rs_kmajor}  }}\n}};\n")
+            f"int scale_d) {{\n{rs}  }}\n}};\n")
 
 
 def one_fp8(ctype, ptype, n):

@@ -192,7 +192,7 @@ struct ConsumerSm90 {
 #pragma unroll
     for (int kk = 0; kk < QK_STEPS; ++kk) {
       if constexpr (Q_REGS)
-        MmaS::rs_kmajor(s, qf[kk], k_desc(s_k, kk), kk > 0);
+        MmaS::template rs<0>(s, qf[kk], k_desc(s_k, kk), kk > 0);  // K K-major
       else
         MmaS::ss(s, q_desc(s_q, wg, kk), k_desc(s_k, kk), kk > 0);
     }
