@@ -175,12 +175,14 @@ struct ConsumerSm90 {
   using QFrags = uint32_t[Q_REGS ? QK_STEPS : 1][4];
 
   // The warpgroup's Q rows as the A fragments of the S GEMM's k-steps (ldmatrix from the
-  // 128-byte-swizzled tile: chunk c of row t at c ^ (t % 8), column blocks of 64 elements).
-  // row0: this warp's first row in the CTA tile.
-  static __device__ __forceinline__ void load_q(QFrags& qf, uint32_t s_q, int row0, int lane) {
+  // 128-byte-swizzled tile: chunk c of row t at c ^ (t % 8), column blocks of 128 bytes), a k-step
+  // 32 bytes: 16 elements of a 16-bit Q, 32 of an e4m3 one (whose A fragment, four e4m3 a
+  // register, is the same bytes). row0: this warp's first row in the CTA tile.
+  template <int STEPS>
+  static __device__ __forceinline__ void load_q(uint32_t (&qf)[STEPS][4], uint32_t s_q, int row0, int lane) {
     const int t = row0 + (lane & 7) + ((lane >> 3) & 1) * 8;
 #pragma unroll
-    for (int kk = 0; kk < (Q_REGS ? QK_STEPS : 0); ++kk) {
+    for (int kk = 0; kk < STEPS; ++kk) {
       const int c = (kk & 3) * 2 + (lane >> 4);
       ptx::ldmatrix_x4(qf[kk], s_q + (kk >> 2) * BLOCK_M * ROW_BYTES + t * ROW_BYTES + ((c ^ (t & 7)) << 4));
     }

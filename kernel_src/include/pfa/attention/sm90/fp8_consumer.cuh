@@ -133,9 +133,20 @@ struct ConsumerSm90Fp8 : ConsumerSm90<Cfg, PINGPONG, false> {
                              Base::DESC_HI);
   }
 
-  static __device__ __forceinline__ void issue_qk(float (&s)[S_ACC], uint32_t s_q, uint32_t s_k, int wg) {
+  // Q in registers for the S GEMM, as ConsumerSm90::Q_REGS, on the overlapped two-consumer rows
+  // (hd128: 16 registers of e4m3 fragments for its 4 Q descriptors).
+  static constexpr bool Q_REGS = OVERLAP && Cfg::CONSUMERS == 2;
+  using QFrags = uint32_t[Q_REGS ? QK_STEPS : 1][4];
+
+  static __device__ __forceinline__ void issue_qk(float (&s)[S_ACC], uint32_t s_q, uint32_t s_k, int wg,
+                                                  const QFrags& qf) {
 #pragma unroll
-    for (int kk = 0; kk < QK_STEPS; ++kk) MmaS::ss(s, Base::q_desc(s_q, wg, kk), Base::k_desc(s_k, kk), kk > 0);
+    for (int kk = 0; kk < QK_STEPS; ++kk) {
+      if constexpr (Q_REGS)
+        MmaS::rs(s, qf[kk], Base::k_desc(s_k, kk), kk > 0);  // e4m3 rs: B K-major
+      else
+        MmaS::ss(s, Base::q_desc(s_q, wg, kk), Base::k_desc(s_k, kk), kk > 0);
+    }
   }
   static __device__ __forceinline__ void issue_pv(float (&o)[O_ACC], const uint32_t (&a)[PV_STEPS][4], uint32_t s_vt) {
 #pragma unroll
@@ -164,6 +175,8 @@ struct ConsumerSm90Fp8 : ConsumerSm90<Cfg, PINGPONG, false> {
     if (n == 0) return;
     if (PINGPONG && wg == Cfg::CONSUMERS - 1) ptx::bar_arrive(1, 2 * Cfg::WG_THREADS);
     ptx::mbar_wait(Cfg::q_full(base), walk.q_round & 1);
+    QFrags qf;
+    if constexpr (Q_REGS) Base::load_q(qf, s_q, r.tile_row[0] - lane / 4, lane);
     for (int it = 0; it < n; ++it) {
       const int st = walk.stage<STAGES>(it), n0 = w.tile_start + it * BLOCK_N;
       const uint32_t parity = walk.phase<STAGES>(it);
@@ -173,7 +186,7 @@ struct ConsumerSm90Fp8 : ConsumerSm90<Cfg, PINGPONG, false> {
       ptx::mbar_wait(Cfg::k_full(base, st), parity);
       turn.take();
       ptx::wgmma_fence();
-      issue_qk(s, s_q, base + Cfg::K_OFFSET + st * Cfg::K_TILE_BYTES, wg);
+      issue_qk(s, s_q, base + Cfg::K_OFFSET + st * Cfg::K_TILE_BYTES, wg, qf);
       ptx::wgmma_commit();
       turn.pass();
       ptx::wgmma_wait<0>();
@@ -208,6 +221,8 @@ struct ConsumerSm90Fp8 : ConsumerSm90<Cfg, PINGPONG, false> {
     if (n == 0) return;
     if (PINGPONG && wg == Cfg::CONSUMERS - 1) ptx::bar_arrive(1, 2 * Cfg::WG_THREADS);
     ptx::mbar_wait(Cfg::q_full(base), walk.q_round & 1);
+    QFrags qf;
+    if constexpr (Q_REGS) Base::load_q(qf, s_q, r.tile_row[0] - lane / 4, lane);
     float s[S_ACC];
     uint32_t a[PV_STEPS][4];
     float corr[2];
@@ -215,13 +230,13 @@ struct ConsumerSm90Fp8 : ConsumerSm90<Cfg, PINGPONG, false> {
     ptx::mbar_wait(Cfg::k_full(base, st0), walk.phase<STAGES>(0));
     turn.take();
     ptx::wgmma_fence();
-    issue_qk(s, s_q, base + Cfg::K_OFFSET + st0 * Cfg::K_TILE_BYTES, wg);
+    issue_qk(s, s_q, base + Cfg::K_OFFSET + st0 * Cfg::K_TILE_BYTES, wg, qf);
     ptx::wgmma_commit();
     turn.pass();
     ptx::wgmma_wait<0>();
     ptx::wgmma_fence_regs(s);
     if (lane == 0) ptx::mbar_arrive(Cfg::k_empty(base, st0));
-    Base::release_q(base, 0, n, lane);
+    Base::release_q(base, Q_REGS ? n - 1 : 0, n, lane);  // Q_REGS: the first S has read the fragments
     if (masks_tile(w, r, w.tile_start))
       Base::mask(s, r, w.tile_start, lane);
     softmax(s, m, l, corr, scale);
@@ -233,7 +248,7 @@ struct ConsumerSm90Fp8 : ConsumerSm90<Cfg, PINGPONG, false> {
       ptx::mbar_wait(Cfg::v_full(base, prev), walk.phase<STAGES>(it - 1));
       turn.take();
       ptx::wgmma_fence();
-      issue_qk(s, s_q, base + Cfg::K_OFFSET + st * Cfg::K_TILE_BYTES, wg);
+      issue_qk(s, s_q, base + Cfg::K_OFFSET + st * Cfg::K_TILE_BYTES, wg, qf);
       ptx::wgmma_commit();
       issue_pv(o, a, base + Cfg::V_OFFSET + prev * Cfg::VT_TILE_BYTES);
       ptx::wgmma_commit();
@@ -241,7 +256,7 @@ struct ConsumerSm90Fp8 : ConsumerSm90<Cfg, PINGPONG, false> {
       ptx::wgmma_wait<1>();  // S of this tile; P V still running
       ptx::wgmma_fence_regs(s);
       if (lane == 0) ptx::mbar_arrive(Cfg::k_empty(base, st));
-      Base::release_q(base, it, n, lane);
+      if constexpr (!Q_REGS) Base::release_q(base, it, n, lane);
       if (masks_tile(w, r, n0)) Base::mask(s, r, n0, lane);
       softmax(s, m, l, corr, scale);
       ptx::wgmma_wait<0>();
