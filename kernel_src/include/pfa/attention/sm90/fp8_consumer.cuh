@@ -236,7 +236,7 @@ struct ConsumerSm90Fp8 : ConsumerSm90<Cfg, PINGPONG, false> {
     ptx::wgmma_wait<0>();
     ptx::wgmma_fence_regs(s);
     if (lane == 0) ptx::mbar_arrive(Cfg::k_empty(base, st0));
-    Base::release_q(base, Q_REGS ? n - 1 : 0, n, lane);  // Q_REGS: the first S has read the fragments
+    Base::template release_q<Q_REGS>(base, Q_REGS ? n - 1 : 0, n, lane);  // Q_REGS: the first S has read the fragments
     if (masks_tile(w, r, w.tile_start))
       Base::mask(s, r, w.tile_start, lane);
     softmax(s, m, l, corr, scale);
