@@ -219,18 +219,16 @@ struct ConsumerSm90 {
     }
   };
 
-  // PERSISTENT: each warp releases Q (q_empty) once the work item's last S (tile it == n - 1) has
-  // read it, so the producer loads the next item's Q while this one's last tiles and epilogue run.
-  // LANES_READ: the warp's lanes read Q themselves (ldmatrix, Q_REGS), not only its wgmma: lane 0's
-  // arrival releases lane 0's own accesses, so __syncwarp first orders the other lanes' reads
-  // before it (racecheck reports the producer's next cp.async into Q without it).
-  template <bool LANES_READ = false>
-  static __device__ __forceinline__ void release_q(uint32_t base, int it, int n, int lane) {
+  // PERSISTENT: every consumer thread releases Q (q_empty) once the work item's last S (tile it ==
+  // n - 1) has read it, so the producer loads the next item's Q while this one's last tiles and
+  // epilogue run. Every thread arrives, not one a warp: under Q_REGS each lane reads Q itself
+  // (ldmatrix), and an arrival releases its own thread's reads. (A __syncwarp before lane 0's
+  // arrival orders them too by the memory model, but compute-sanitizer's racecheck models only
+  // each thread's own arrival and reports the producer's next Q copies against those reads:
+  // NOTES.md, session 24.) Once a work item: the 32-lane arrive costs nothing measurable.
+  static __device__ __forceinline__ void release_q(uint32_t base, int it, int n) {
     if constexpr (Cfg::PERSISTENT) {
-      if (it == n - 1) {
-        if constexpr (LANES_READ) __syncwarp();
-        if (lane == 0) ptx::mbar_arrive(Cfg::q_empty(base));
-      }
+      if (it == n - 1) ptx::mbar_arrive(Cfg::q_empty(base));
     }
   }
 
@@ -273,7 +271,7 @@ struct ConsumerSm90 {
     ptx::wgmma_fence_regs(s);
     if (lane == 0) ptx::mbar_arrive(Cfg::k_empty(base, st0));
     // Q_REGS: the first S GEMM has read the fragments, so the Q tile can take the next item's Q
-    release_q<Q_REGS>(base, Q_REGS ? n - 1 : 0, n, lane);
+    release_q(base, Q_REGS ? n - 1 : 0, n);
     if (masks_tile(r, w.tile_start)) mask(s, r, w.tile_start, lane);
     const SkipSoftmax skip = SkipSoftmax::make(p.skip_softmax_factor, w.kv_len);
     softmax(s, m, l, corr, scale, false, skip, w, r, wg);
@@ -296,7 +294,7 @@ struct ConsumerSm90 {
       ptx::wgmma_wait<1>();  // S of this tile (groups complete in order); P V still running
       ptx::wgmma_fence_regs(s);
       if (lane == 0) ptx::mbar_arrive(Cfg::k_empty(base, st));
-      if constexpr (!Q_REGS) release_q(base, it, n, lane);
+      if constexpr (!Q_REGS) release_q(base, it, n);
       if (masks_tile(r, n0)) mask(s, r, n0, lane);
       const bool skipped = softmax(s, m, l, corr, scale, SKIP && skip.on(), skip, w, r, wg);
       ptx::wgmma_wait<0>();

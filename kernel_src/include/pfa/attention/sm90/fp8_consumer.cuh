@@ -192,7 +192,7 @@ struct ConsumerSm90Fp8 : ConsumerSm90<Cfg, PINGPONG, false> {
       ptx::wgmma_wait<0>();
       ptx::wgmma_fence_regs(s);
       if (lane == 0) ptx::mbar_arrive(Cfg::k_empty(base, st));
-      Base::release_q(base, it, n, lane);
+      Base::release_q(base, it, n);
       if (masks_tile(w, r, n0)) Base::mask(s, r, n0, lane);
       softmax(s, m, l, corr, scale);
       if (it > 0) Base::rescale_o(o, corr);  // the first tile's O is still zero
@@ -236,7 +236,7 @@ struct ConsumerSm90Fp8 : ConsumerSm90<Cfg, PINGPONG, false> {
     ptx::wgmma_wait<0>();
     ptx::wgmma_fence_regs(s);
     if (lane == 0) ptx::mbar_arrive(Cfg::k_empty(base, st0));
-    Base::template release_q<Q_REGS>(base, Q_REGS ? n - 1 : 0, n, lane);  // Q_REGS: the first S has read the fragments
+    Base::release_q(base, Q_REGS ? n - 1 : 0, n);  // Q_REGS: the first S has read the fragments
     if (masks_tile(w, r, w.tile_start))
       Base::mask(s, r, w.tile_start, lane);
     softmax(s, m, l, corr, scale);
@@ -256,7 +256,7 @@ struct ConsumerSm90Fp8 : ConsumerSm90<Cfg, PINGPONG, false> {
       ptx::wgmma_wait<1>();  // S of this tile; P V still running
       ptx::wgmma_fence_regs(s);
       if (lane == 0) ptx::mbar_arrive(Cfg::k_empty(base, st));
-      if constexpr (!Q_REGS) Base::release_q(base, it, n, lane);
+      if constexpr (!Q_REGS) Base::release_q(base, it, n);
       if (masks_tile(w, r, n0)) Base::mask(s, r, n0, lane);
       softmax(s, m, l, corr, scale);
       ptx::wgmma_wait<0>();

@@ -50,11 +50,12 @@ __device__ __forceinline__ void load_q_rows(const PrefillParams& p, const Prefil
 // the full ones count Cfg::K_FULL_ARRIVALS / V_FULL_ARRIVALS (one per producer thread: its
 // cp.async, or in the fp8 kernels its V transpose; TMA: the issuing thread's one); the empty ones
 // one per consumer warp; the Cfg's TMA_BARS barriers at TMA_BAR_OFFSET (16-bit: the tail tile's;
-// fp8: the raw V buffers') one; (PERSISTENT) Q's empty one one per consumer warp.
+// fp8: the raw V buffers') one; (PERSISTENT) Q's empty one one per consumer thread
+// (ConsumerSm90::release_q).
 template <class Cfg>
 __device__ __forceinline__ void init_ring_barriers(uint32_t base) {
   ptx::mbar_init(Cfg::q_full(base), Cfg::WG_THREADS);
-  if constexpr (Cfg::PERSISTENT) ptx::mbar_init(Cfg::q_empty(base), Cfg::CONSUMERS * 4);
+  if constexpr (Cfg::PERSISTENT) ptx::mbar_init(Cfg::q_empty(base), Cfg::CONSUMERS * Cfg::WG_THREADS);
 #pragma unroll
   for (int s = 0; s < Cfg::STAGES; ++s) {
     ptx::mbar_init(Cfg::k_full(base, s), Cfg::K_FULL_ARRIVALS);
