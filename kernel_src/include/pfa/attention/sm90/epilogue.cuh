@@ -42,28 +42,26 @@ struct EpilogueSm90 {
         return;
       }
     }
+    if (w.num_chunks == 1 && p.o_format != kOutE4M3) {
+      store_16bit(p, w, tile_row, lane, o, lse);
+      return;
+    }
     const int col = 2 * (lane % 4);
 #pragma unroll
     for (int i = 0; i < 2; ++i) {
       const int r = w.r0 + tile_row[i];
       if (r >= w.rows_total) continue;
       const int token = r / w.group, head = w.kv_head * w.group + r % w.group;
-      if (w.num_chunks == 1) {
+      if (w.num_chunks == 1) {  // e4m3 (16-bit formats: store_16bit)
         float f = 1.f;
         if (p.sinks != 0) f = sink_factor(reinterpret_cast<const float*>(p.sinks)[head], lse[i]);
-        // The output format (p.o_format): 16-bit pairs, or (e4m3) two bytes from the low half of
-        // pack_out2's word; offsets count elements of the format's size.
-        const int fmt = p.o_format;
+        // two bytes from the low half of pack_out2's word; offsets count one-byte elements
         const int64_t elem = output_offset(p, w, token, head) + col;
         char* out = reinterpret_cast<char*>(p.o);
 #pragma unroll
-        for (int j = 0; j < O_COLS; ++j) {
-          const uint32_t v = pack_out2<T>(o[4 * j + 2 * i] * f, o[4 * j + 2 * i + 1] * f, fmt);
-          if (fmt == kOutE4M3)
-            *reinterpret_cast<uint16_t*>(out + elem + 8 * j) = (uint16_t)v;
-          else
-            *reinterpret_cast<uint32_t*>(out + 2 * (elem + 8 * j)) = v;
-        }
+        for (int j = 0; j < O_COLS; ++j)
+          *reinterpret_cast<uint16_t*>(out + elem + 8 * j) =
+              (uint16_t)pack_out2<T>(o[4 * j + 2 * i] * f, o[4 * j + 2 * i + 1] * f, kOutE4M3);
         if (p.lse != 0 && lane % 4 == 0)
           reinterpret_cast<float*>(p.lse)[lse_index(w, p.num_qo_heads, token, head)] = lse[i] * p.lse_scale;
       } else {
@@ -73,6 +71,62 @@ struct EpilogueSm90 {
         for (int j = 0; j < O_COLS; ++j)
           *reinterpret_cast<float2*>(op + 8 * j) = make_float2(o[4 * j + 2 * i], o[4 * j + 2 * i + 1]);
         if (lane % 4 == 0) reinterpret_cast<float*>(p.lse_partial)[idx] = lse[i];
+      }
+    }
+  }
+
+  // Unsplit rows in a 16-bit format (p.o_format: the query's type or the other one), their sinks
+  // applied, and their LSE. A lane holds a 4-byte pair of every 8-column tile of its two rows; per
+  // four column tiles the quad's 4 x 4 words are transposed (quad_transpose4) so that each lane
+  // stores one tile's 16 bytes: a quarter of the stores, each filling whole 32-byte sectors. Every
+  // lane runs the shuffles (rows past the tile's end too; their stores are skipped). Output rows
+  // start on 16 bytes: the host's validator requires it of every output (operands.check_out:
+  // 16-byte aligned pointer, strides in multiples of 8 elements).
+  static __device__ __forceinline__ void store_16bit(const PrefillParams& p, const PrefillWork& w,
+                                                     const int (&tile_row)[2], int lane, const float (&o)[O_ACC],
+                                                     float (&lse)[2]) {
+    static_assert(O_COLS % 4 == 0, "whole groups of four column tiles");
+    const int fmt = p.o_format;
+#pragma unroll
+    for (int i = 0; i < 2; ++i) {
+      const int r = w.r0 + tile_row[i];
+      const bool live = r < w.rows_total;
+      const int token = r / w.group, head = w.kv_head * w.group + r % w.group;
+      float f = 1.f;
+      if (live && p.sinks != 0) f = sink_factor(reinterpret_cast<const float*>(p.sinks)[head], lse[i]);
+      char* row = reinterpret_cast<char*>(p.o) + 2 * output_offset(p, w, token, head);
+#pragma unroll
+      for (int c = 0; c < O_COLS / 4; ++c) {
+        uint32_t a[4];
+#pragma unroll
+        for (int k = 0; k < 4; ++k) {
+          const int j = 4 * c + k;
+          a[k] = pack_out2<T>(o[4 * j + 2 * i] * f, o[4 * j + 2 * i + 1] * f, fmt);
+        }
+        quad_transpose4(a, lane);
+        char* dst = row + 16 * (4 * c + lane % 4);  // column tile 4 c + lane % 4, lane k's pair at 4 k
+        if (live) *reinterpret_cast<uint4*>(dst) = make_uint4(a[0], a[1], a[2], a[3]);
+      }
+      if (live && p.lse != 0 && lane % 4 == 0)
+        reinterpret_cast<float*>(p.lse)[lse_index(w, p.num_qo_heads, token, head)] = lse[i] * p.lse_scale;
+    }
+  }
+
+  // A quad's 4 x 4 words transposed: on entry lane s's word k is its pair of column tile 4c + k; on
+  // exit lane q's word k is lane k's pair of column tile 4c + q (two butterfly stages of two
+  // shuffles, each swapping the words whose index bit differs from the lane's).
+  static __device__ __forceinline__ void quad_transpose4(uint32_t (&a)[4], int lane) {
+#pragma unroll
+    for (int m = 1; m <= 2; m <<= 1) {
+      const bool hi = lane & m;
+#pragma unroll
+      for (int j = 0; j < 4; ++j) {
+        if (j & m) continue;
+        const uint32_t recv = __shfl_xor_sync(FULL, hi ? a[j] : a[j | m], m);
+        if (hi)
+          a[j] = recv;
+        else
+          a[j | m] = recv;
       }
     }
   }
