@@ -60,8 +60,8 @@ struct PrefillSm90Config
   // producer thread), and the one-arrival barriers at TMA_BAR_OFFSET (the tail's)
   static constexpr int K_FULL_ARRIVALS = TMA ? 1 : Base::WG_THREADS, V_FULL_ARRIVALS = K_FULL_ARRIVALS;
   static constexpr int TMA_BAR_OFFSET = TAIL_BAR_OFFSET, TMA_BARS = TAIL_BAR_BYTES / 8;
-  // PERSISTENT: the Q tile's "empty" barrier, one arrival per consumer warp once the last S of a
-  // work item has read Q
+  // PERSISTENT: the Q tile's "empty" barrier, one arrival per consumer thread once the work item's
+  // S GEMMs are done with Q (ConsumerSm90::release_q)
   static constexpr int Q_EMPTY_BAR_OFFSET = TAIL_BAR_OFFSET + TAIL_BAR_BYTES;
   static constexpr int Q_EMPTY_BAR_BYTES = PERSISTENT ? 8 : 0;
   static __device__ __forceinline__ uint32_t q_empty(uint32_t base) { return base + Q_EMPTY_BAR_OFFSET; }

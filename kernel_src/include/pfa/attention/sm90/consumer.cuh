@@ -219,13 +219,14 @@ struct ConsumerSm90 {
     }
   };
 
-  // PERSISTENT: every consumer thread releases Q (q_empty) once the work item's last S (tile it ==
-  // n - 1) has read it, so the producer loads the next item's Q while this one's last tiles and
-  // epilogue run. Every thread arrives, not one a warp: under Q_REGS each lane reads Q itself
-  // (ldmatrix), and an arrival releases its own thread's reads. (A __syncwarp before lane 0's
-  // arrival orders them too by the memory model, but compute-sanitizer's racecheck models only
-  // each thread's own arrival and reports the producer's next Q copies against those reads:
-  // NOTES.md, session 24.) Once a work item: the 32-lane arrive costs nothing measurable.
+  // PERSISTENT: every consumer thread releases Q (q_empty) once the work item's S GEMMs are done
+  // with it (tile it == n - 1; Q_REGS: after the first S, the fragments holding Q since), so the
+  // producer loads the next item's Q while this one's last tiles and epilogue run. Every thread
+  // arrives, not one a warp: under Q_REGS each lane reads Q itself (ldmatrix), and an arrival
+  // releases its own thread's reads. (A __syncwarp before lane 0's arrival orders them too by the
+  // memory model, but compute-sanitizer's racecheck models only each thread's own arrival and
+  // reports the producer's next Q copies against those reads: NOTES.md, session 24.) Once a work
+  // item: the 32-lane arrive costs nothing measurable.
   static __device__ __forceinline__ void release_q(uint32_t base, int it, int n) {
     if constexpr (Cfg::PERSISTENT) {
       if (it == n - 1) ptx::mbar_arrive(Cfg::q_empty(base));

@@ -76,8 +76,8 @@ struct PrefillSm90Fp8Config
   static constexpr int RAW_OFFSET = V_OFFSET + STAGES * VT_TILE_BYTES;
   static constexpr int RAW_TILES = 2;
   static_assert(BAR_OFFSET == RAW_OFFSET + RAW_TILES * K_TILE_BYTES, "sm90_fp8_bar_offset: the mbarriers follow raw V");
-  // PERSISTENT: the Q tile's "empty" mbarrier (one arrival per consumer warp once the last S of a
-  // work item has read Q), then the tile scheduler's index ring (sm90/tile_scheduler.cuh)
+  // PERSISTENT: the Q tile's "empty" mbarrier (one arrival per consumer thread once the work
+  // item's S GEMMs are done with Q), then the tile scheduler's index ring (sm90/tile_scheduler.cuh)
   // init_ring_barriers: k_full counts the producer threads' cp.async arrivals (TMA: the issuing
   // thread's one), v_full the transposing threads'; TMA: each raw V buffer's barrier (one arrival:
   // the issuing thread's, with the box bytes) follows the ring's
