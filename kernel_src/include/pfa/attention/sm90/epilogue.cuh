@@ -63,7 +63,7 @@ struct EpilogueSm90 {
           *reinterpret_cast<uint16_t*>(out + elem + 8 * j) =
               (uint16_t)pack_out2<T>(o[4 * j + 2 * i] * f, o[4 * j + 2 * i + 1] * f, kOutE4M3);
         if (p.lse != 0 && lane % 4 == 0)
-          reinterpret_cast<float*>(p.lse)[lse_index(w, p.num_qo_heads, token, head)] = lse[i] * p.lse_scale;
+          store_lse(p, w, token, head, lse[i]);
       } else {
         const int64_t idx = partial_index(w, p.num_qo_heads, token, head);
         float* op = reinterpret_cast<float*>(p.o_partial) + idx * HEAD_DIM + col;
@@ -73,6 +73,12 @@ struct EpilogueSm90 {
         if (lane % 4 == 0) reinterpret_cast<float*>(p.lse_partial)[idx] = lse[i];
       }
     }
+  }
+
+  // An unsplit row's LSE in the library's convention (p.lse_scale), by one lane of its quad.
+  static __device__ __forceinline__ void store_lse(const PrefillParams& p, const PrefillWork& w, int token, int head,
+                                                   float lse) {
+    reinterpret_cast<float*>(p.lse)[lse_index(w, p.num_qo_heads, token, head)] = lse * p.lse_scale;
   }
 
   // Unsplit rows in a 16-bit format (p.o_format: the query's type or the other one), their sinks
@@ -108,7 +114,7 @@ struct EpilogueSm90 {
         if (live) *reinterpret_cast<uint4*>(dst) = make_uint4(a[0], a[1], a[2], a[3]);
       }
       if (live && p.lse != 0 && lane % 4 == 0)
-        reinterpret_cast<float*>(p.lse)[lse_index(w, p.num_qo_heads, token, head)] = lse[i] * p.lse_scale;
+        store_lse(p, w, token, head, lse[i]);
     }
   }
 
@@ -166,7 +172,7 @@ struct EpilogueSm90 {
         if (live) *reinterpret_cast<uint32_t*>(out + row_byte + 4 * (4 * c + lane % 4)) = bytes;
       }
       if (live && p.lse != 0 && lane % 4 == 0)
-        reinterpret_cast<float*>(p.lse)[lse_index(w, p.num_qo_heads, token, head)] = lse[i] * p.lse_scale;
+        store_lse(p, w, token, head, lse[i]);
     }
   }
 };

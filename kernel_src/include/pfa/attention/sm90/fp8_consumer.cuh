@@ -175,8 +175,8 @@ struct ConsumerSm90Fp8 : ConsumerSm90<Cfg, PINGPONG, false> {
     if (n == 0) return;
     if (PINGPONG && wg == Cfg::CONSUMERS - 1) ptx::bar_arrive(1, 2 * Cfg::WG_THREADS);
     ptx::mbar_wait(Cfg::q_full(base), walk.q_round & 1);
-    QFrags qf;
-    if constexpr (Q_REGS) Base::load_q(qf, s_q, r.tile_row[0] - lane / 4, lane);
+    static_assert(!Q_REGS, "Q in registers is the overlapped loop's; this one reads Q from shared memory");
+    const QFrags qf{};  // (unread: issue_qk takes Q's descriptors)
     for (int it = 0; it < n; ++it) {
       const int st = walk.stage<STAGES>(it), n0 = w.tile_start + it * BLOCK_N;
       const uint32_t parity = walk.phase<STAGES>(it);
