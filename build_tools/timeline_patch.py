@@ -26,13 +26,13 @@ def sub(path, old, new, count=1):
 HDR = r'''
 #define PFA_TIMELINE 1
 extern "C" {
-__device__ unsigned long long pfa_tl[1024 * 16 * 32];
+__device__ unsigned long long pfa_tl[1024 * 16 * 48];
 __device__ unsigned long long pfa_tl_cta[1024 * 4];
 }
 #define PFA_TL(k, e) do { if ((threadIdx.x % 128) == 0 && (k) < 16) \
-  ::pfa_tl[(blockIdx.x * 16 + (k)) * 32 + (e)] = clock64(); } while (0)
+  ::pfa_tl[(blockIdx.x * 16 + (k)) * 48 + (e)] = clock64(); } while (0)
 #define PFA_TLV(k, e, v) do { if ((threadIdx.x % 128) == 0 && (k) < 16) \
-  ::pfa_tl[(blockIdx.x * 16 + (k)) * 32 + (e)] = (v); } while (0)
+  ::pfa_tl[(blockIdx.x * 16 + (k)) * 48 + (e)] = (v); } while (0)
 #define PFA_TLW(i, stmt) do { const unsigned _t0 = clock(); stmt; _tlw[i] += clock() - _t0; } while (0)
 '''
 sub("sm90/pipeline.cuh", "#include <stdint.h>\n", "#include <stdint.h>\n" + HDR)
@@ -63,8 +63,8 @@ sub("sm90/consumer.cuh", "    ptx::mbar_wait(Cfg::q_full(base), walk.q_round & 1
     "    ptx::mbar_wait(Cfg::q_full(base), walk.q_round & 1);\n    PFA_TL(walk.q_round, wg * 16 + 1);\n")
 sub("sm90/consumer.cuh", "    ptx::mbar_wait(Cfg::k_full(base, st0), walk.phase<STAGES>(0));\n    turn.take();\n",
     "    ptx::mbar_wait(Cfg::k_full(base, st0), walk.phase<STAGES>(0));\n    turn.take();\n    PFA_TL(walk.q_round, wg * 16 + 2);\n")
-sub("sm90/consumer.cuh", "    if (lane == 0) ptx::mbar_arrive(Cfg::k_empty(base, st0));\n    release_q(base, 0, n, lane);\n",
-    "    PFA_TL(walk.q_round, wg * 16 + 3);\n    if (lane == 0) ptx::mbar_arrive(Cfg::k_empty(base, st0));\n    release_q(base, 0, n, lane);\n")
+sub("sm90/consumer.cuh", "    if (lane == 0) ptx::mbar_arrive(Cfg::k_empty(base, st0));\n",
+    "    PFA_TL(walk.q_round, wg * 16 + 3);\n    if (lane == 0) ptx::mbar_arrive(Cfg::k_empty(base, st0));\n")
 sub("sm90/consumer.cuh", "    const int last = walk.stage<STAGES>(n - 1);\n",
     "    PFA_TL(walk.q_round, wg * 16 + 4);\n"
     "    for (int _i = 0; _i < 7; ++_i) PFA_TLV(walk.q_round, wg * 16 + 8 + _i, _tlw[_i]);\n"
@@ -84,4 +84,17 @@ sub("sm90/consumer.cuh", "      ptx::wgmma_wait<1>();  // S of this tile (groups
     "      PFA_TLW(3, ptx::wgmma_wait<1>());\n      const unsigned _t6 = clock();\n")
 sub("sm90/consumer.cuh", "      ptx::wgmma_wait<0>();\n      ptx::wgmma_fence_regs(o);\n",
     "      _tlw[6] += clock() - _t6;\n      PFA_TLW(4, ptx::wgmma_wait<0>());\n      ptx::wgmma_fence_regs(o);\n")
+# the producer's thread 0 (events 32 ..): walk top (before the index fetch), index known, run()
+# entry (work decoded), Q free, Q's copies issued, tile loop done
+sub("sm90/cta.cuh", "        const int b = producer ? Sched::produce(p, base, k, tid) : Sched::consume(base, k);\n",
+    "        if (producer) PFA_TL(walk.q_round, 32);\n"
+    "        const int b = producer ? Sched::produce(p, base, k, tid) : Sched::consume(base, k);\n"
+    "        if (producer) PFA_TL(walk.q_round, 33);\n")
+sub("sm90/producer_tma.cuh", "    if (w.num_tiles == 0) return;\n    wait_q_free<Cfg>(base, walk);\n"
+    "    ProducerSm90<Cfg>::load_q(p, w, base + Cfg::Q_OFFSET, tid);\n    ptx::cp_async_mbar_arrive(Cfg::q_full(base));\n",
+    "    if (w.num_tiles == 0) return;\n    PFA_TL(walk.q_round, 34);\n    wait_q_free<Cfg>(base, walk);\n    PFA_TL(walk.q_round, 35);\n"
+    "    ProducerSm90<Cfg>::load_q(p, w, base + Cfg::Q_OFFSET, tid);\n    ptx::cp_async_mbar_arrive(Cfg::q_full(base));\n"
+    "    PFA_TL(walk.q_round, 36);\n")
+sub("sm90/producer_tma.cuh", "      if (tma && tail) ++walk.tails;\n    }\n",
+    "      if (tma && tail) ++walk.tails;\n    }\n    PFA_TL(walk.q_round, 37);\n")
 print("patched", root)

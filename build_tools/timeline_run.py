@@ -17,7 +17,7 @@ if os.environ.get("TL_CARVEOUT"):
         return f
     C.get_function = get_function
     registry._cuda.get_function = get_function
-TL_N, CTA_N = 1024 * 16 * 32, 1024 * 4
+TL_N, CTA_N = 1024 * 16 * 48, 1024 * 4
 
 def libs():
     out = []
@@ -43,7 +43,7 @@ def read():
         tl = np.zeros(TL_N, np.uint64); cta = np.zeros(CTA_N, np.uint64)
         cu.cuMemcpyDtoH(tl.ctypes.data, a, TL_N * 8); cu.cuMemcpyDtoH(cta.ctypes.data, b, CTA_N * 8)
         if cta.any():
-            res.append((name, tl.reshape(1024, 16, 32).astype(np.int64), cta.reshape(1024, 4).astype(np.int64)))
+            res.append((name, tl.reshape(1024, 16, 48).astype(np.int64), cta.reshape(1024, 4).astype(np.int64)))
     return res
 
 def analyse(label, fn, flops):
@@ -101,6 +101,21 @@ def analyse(label, fn, flops):
                         prev_end = e_[6]
             if prev_end is not None: rows["end->cta end"].append(cta[c, 3] - prev_end)
         print(f"   blocks {blocks}, tiles {tiles_total}, blocks/CTA {blocks/len(used):.2f}")
+        # the producer (events 32 ..) against consumer 0's stamps of the same block
+        prow = {k: [] for k in ["P fetch (top->index)", "P decode (index->run)", "P q free wait", "P q issue",
+                                "P q issued -> C q landed", "P loop end -> next top", "P top - C0 prev loop end",
+                                "P q issued - C0 entry"]}
+        for c in used:
+            for k in range(16):
+                t = tl[c, k]
+                if t[32] == 0 or t[36] == 0 or t[1] == 0: continue
+                prow["P fetch (top->index)"].append(t[33] - t[32]); prow["P decode (index->run)"].append(t[34] - t[33])
+                prow["P q free wait"].append(t[35] - t[34]); prow["P q issue"].append(t[36] - t[35])
+                prow["P q issued -> C q landed"].append(t[1] - t[36]); prow["P q issued - C0 entry"].append(t[36] - t[0])
+                if k > 0 and tl[c, k - 1][37] != 0:
+                    prow["P loop end -> next top"].append(t[32] - tl[c, k - 1][37])
+                    prow["P top - C0 prev loop end"].append(t[32] - tl[c, k - 1][4])
+        rows.update(prow)
         for k, v in rows.items():
             if v:
                 v = np.asarray(v, float)

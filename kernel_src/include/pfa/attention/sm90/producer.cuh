@@ -29,20 +29,34 @@ __device__ __forceinline__ void wait_q_free(uint32_t base, const Sm90Walk& walk)
 // Q: BLOCK_M packed rows (row r = token r / group, head kv_head * group + r % group) of elements E
 // into the 128-byte-swizzled Q tile at s_q, CPR 16-byte chunks a row, ROW_STEP rows between one
 // thread's chunks; rows past the request zero-filled. Shared by the 16-bit and the fp8 producers.
+// A thread's rows step by ROW_STEP, its token and head by ROW_STEP / group and ROW_STEP % group:
+// one division a thread, not one a row (a division a row, with the producer's 40 registers
+// spilling round it, took ~4k cycles a block to issue Q's copies, which the next block's
+// consumers waited for: NOTES.md, session 25).
 template <class Cfg, typename E, int CPR, int ROW_STEP>
 __device__ __forceinline__ void load_q_rows(const PrefillParams& p, const PrefillWork& w, uint32_t s_q, int tid) {
   constexpr int CHUNK_ELEMS = Cfg::CHUNK_BYTES / int(sizeof(E));
   const E* q = reinterpret_cast<const E*>(p.q);
   const uint64_t once = ptx::l2_evict_first();  // each Q row is read by one CTA
-  const int chunk = tid % CPR;
+  const int chunk = tid % CPR, g = w.group;
+  const int step_q = ROW_STEP / g, step_h = ROW_STEP - step_q * g;
+  const int64_t step = step_q * p.q_stride_n + step_h * p.q_stride_h;  // elements: the row step
+  const int64_t wrap = p.q_stride_n - g * p.q_stride_h;                // the head passing the group
+  int r = w.r0 + tid / CPR;
+  const int qi = r / g;
+  int h = r - qi * g;
+  const E* src = q + (w.q_row0 + qi) * p.q_stride_n + (w.kv_head * g + h) * p.q_stride_h + chunk * CHUNK_ELEMS;
 #pragma unroll 4
   for (int row = tid / CPR; row < Cfg::BLOCK_M; row += ROW_STEP) {
-    const int r = w.r0 + row;
     const bool valid = r < w.rows_total;
-    const int rr = valid ? r : 0;
-    const int qi = rr / w.group, h = w.kv_head * w.group + rr % w.group;
-    ptx::cp_async_16_hint(s_q + Cfg::swz(Cfg::BLOCK_M, row, chunk),
-                          q + (w.q_row0 + qi) * p.q_stride_n + h * p.q_stride_h + chunk * CHUNK_ELEMS, valid, once);
+    ptx::cp_async_16_hint(s_q + Cfg::swz(Cfg::BLOCK_M, row, chunk), valid ? src : q, valid, once);
+    r += ROW_STEP;
+    src += step;
+    h += step_h;
+    if (h >= g) {
+      h -= g;
+      src += wrap;
+    }
   }
 }
 
