@@ -386,6 +386,14 @@ GRID = [
     ("r-12-rows64-g8", "ragged", 12, 8, 3000, "mixed", [(8, 3000)], 0, 64, 8, 128, "fp16", "NHD", True, None),
     # hd256 keeps the decode tile to 16 rows: 32 rows take the 128-row kernel
     ("r-10-rows32-d256", "ragged", 10, 8, 3000, "mixed", [(8, 3000)], 0, 32, 8, 256, "bf16", "NHD", True, None),
+    # GQA groups that divide neither the row tile (128 / 192 packed rows) nor the sm90 producer's Q
+    # row step (16 / 8 / 4 rows at head_dim 64 / 128 / 256): tiles start inside a token's heads
+    ("r-6-g5-d64", "ragged", 6, 300, 900, "mixed", [(300, 900)], 0, 15, 3, 64, "bf16", "NHD", True, None),
+    ("p-5-g24-d64", "paged", 5, 200, 700, "mixed", [(200, 700)], 16, 24, 1, 64, "fp16", "NHD", False, "5d"),
+    ("r-5-g7-d128", "ragged", 5, 300, 800, "append", [(300, 800)], 0, 21, 3, 128, "fp16", "HND", False, None),
+    ("p-6-g16-d128", "paged", 6, 160, 600, "mixed", [(160, 600)], 16, 32, 2, 128, "bf16", "NHD", True, "tuple"),
+    ("r-4-g3-d256", "ragged", 4, 200, 600, "mixed", [(200, 600)], 0, 9, 3, 256, "bf16", "NHD", True, None),
+    ("p-4-g5-d256", "paged", 4, 150, 500, "append", [(150, 500)], 64, 10, 2, 256, "fp16", "HND", False, "5d"),
 ]
 
 

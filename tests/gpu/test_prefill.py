@@ -271,6 +271,23 @@ def test_lse_buffer_without_return_lse_still_written_or_rejected():
     assert_close(lse, lse_ref, what="lse= without return_lse", **LSE_TOL[BF16])
 
 
+# GQA groups that divide neither the row tile (128 / 192 packed rows) nor the sm90 producer's Q row
+# step (16 / 8 / 4 rows at head_dim 64 / 128 / 256): row tiles start inside a token's heads, and a
+# producer thread's rows wrap past the group's last head.
+@pytest.mark.parametrize("hq,hkv,d", [(15, 3, 64), (24, 1, 64), (21, 3, 128), (32, 2, 128), (9, 3, 256),
+                                      (10, 2, 256)])
+@pytest.mark.parametrize("causal", [False, True])
+def test_uneven_gqa_groups(hq, hkv, d, causal):
+    qo_len, kv_len = 301, 517
+    seed = _seed("uneven-group", hq, hkv, d, causal)
+    q, k, v = _make_qkv(qo_len, kv_len, hq, hkv, d, BF16, "NHD", seed)
+    out = torch.full_like(q, float("nan"))
+    lse = torch.full((qo_len, hq), float("nan"), dtype=torch.float32, device=DEV)
+    pyflashattn.single_prefill_with_kv_cache(q, k, v, causal=causal, out=out, lse=lse, return_lse=True)
+    o_ref, lse_ref = _ref(q, k, v, causal=causal)
+    _check(out, lse, o_ref, lse_ref, BF16, what=f"group {hq // hkv}")
+
+
 # ---------------------------------------------------------------------------------------
 # Strided inputs
 # ---------------------------------------------------------------------------------------
