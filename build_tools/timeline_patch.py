@@ -8,7 +8,9 @@ events c * 16 + 0 .. 6: block entry, Q landed, first turn taken, first S done, t
 P V done, epilogue done (+ 7: the block's tile count), and + 8 .. 14 the cycles its tile loop spent
 (clock, summed over the block's tiles after the first) waiting for K (k_full), for V (v_full), for
 its turn, for S (wgmma wait 1) and for P V (wgmma wait 0), holding its turn (issuing the two GEMMs)
-and between the S and P V waits (the softmax); thread 0 / the first consumer thread
+and between the S and P V waits (the softmax); the producer's thread 0 (TMA rows), events 32 .. 37
+of the block: its walk's top (before the index fetch), the index known, the work decoded (run()
+entered), Q free, Q's loads issued, its tile loop done; thread 0 / the first consumer thread
 stamp the CTA's start and end (globaltimer and clock64). The stamps live in the cubins' pfa_tl / pfa_tl_cta
 globals (extern "C"), which timeline_run.py reads through the loaded libraries. Cycle counts move
 with the SM clock (a memory wait is fixed in ns): compare builds at the same clock.
