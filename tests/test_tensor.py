@@ -376,6 +376,10 @@ class FakeCuda:
     def mem_free(self, ptr):
         self.freed.append(ptr)
 
+    def mem_free_async(self, ptr, stream):  # stream-ordered after the launch that wrote it
+        assert stream == 0x1200, "an output is freed on its launch stream"
+        self.freed.append(ptr)
+
     def stream_wait(self, waiting, on):
         self.log.append(("wait", waiting, on))
 

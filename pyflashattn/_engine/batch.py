@@ -66,10 +66,33 @@ class BatchEngine:
         self.skip = 0.0  # run()'s skip_softmax_threshold_scale_factor in the struct (0 = off)
         self.skip_home = None  # the plan's launcher while its skip-softmax sibling runs (apply_skip_softmax)
 
-    def enable_graph(self, max_batch: int, max_pages: int):
-        """CUDA-graph mode with this capacity (batch size, pages)."""
-        self.graph = GraphState(max_batch, max_pages)
+    def enable_graph(self, max_batch: int, max_pages: int, max_total_q: int | None = None):
+        """CUDA-graph mode with this capacity (batch size, pages; query tokens, else the first
+        plan's)."""
+        self.graph = GraphState(max_batch, max_pages, max_total_q)
         self.watch_capture = False
+
+    def detach_metadata(self) -> list:
+        """pyflashattn.jax after a graph-mode plan: the kernels will read the plan's metadata from a
+        copy XLA passes each call (the plan's bytes, Staging.last), not from the staging buffer, so
+        run() waits for no staging copy. Returns (struct, field, byte offset) of every pointer into
+        the staged metadata (the fixed graph layout: the same offsets for every later plan)."""
+        self.pending_copy = False
+        base, end = self.staging.device, self.staging.device + self.staging.size
+        fields = []
+        for la in {id(la): la for la in (self.attn, self.merge) if la is not None}.values():
+            p = la.params
+            for name, _ in type(p)._fields_:
+                val = getattr(p, name)
+                if type(val) is int and base <= val < end:
+                    fields.append((p, name, val - base))
+        return fields
+
+    def point_workspace(self, ptr: int) -> None:
+        """The float workspace at another address of the same size (pyflashattn.jax: XLA's scratch)."""
+        self.ws_ptr = ptr
+        if self.planned:
+            self._point_workspace()
 
     # ---- workspace ---------------------------------------------------------------------
     @staticmethod
@@ -203,7 +226,7 @@ class BatchEngine:
         self.kv_fallback = False
         if merge is not None:  # a captured graph always holds the merge (a no-op for unsplit rows)
             params.configure_merge(merge, merge_rows, cfg.num_qo_heads,
-                                   cfg.head_dim, 0, cfg.opts.lse_scale, cfg.o_format)
+                                   cfg.head_dim, 0, cfg.opts.lse_scale, cfg.o_format, self.dev)
         self.merge = merge
         if merge is not None:
             merge.params.sinks = 0

@@ -17,15 +17,59 @@ from . import operands, options
 
 WARPS = 4  # CascadeMerge::WARPS: (row, head) pairs per block
 VALUE_DTYPES = {_dtypes.FLOAT16: "f16", _dtypes.BFLOAT16: "bf16", _dtypes.FLOAT32: "f32"}  # variants.CASCADE_DTYPES
-FRAMEWORKS = ("torch", "cupy", "jax")
+FRAMEWORKS = ("torch", "cupy", "jax", "xla")  # xla: pyflashattn.jax's views of XLA buffers
 _INT32_MAX = 2**31 - 1
 _CHUNK_BYTES = 16  # the kernel's vector access
 
 
 # ---------------------------------------------------------------- entry points
+# Each is its checks (check_*: the views and the LSE scales, every error before the driver is
+# touched) and its launch (launch_*: into given output views on a given stream). pyflashattn.jax
+# runs the checks at trace time on views without addresses and the launches inside XLA's callback
+# on its buffers; the eager functions here run both.
 
 def merge_pair(v_a, s_a, v_b, s_b, lse_base):
     """(v, s) = the merge of states a and b; outputs in v_a's framework, on its current stream."""
+    va, sa, vb, sb, scales = check_pair(v_a, s_a, v_b, s_b, lse_base)
+    dev = va.device_id
+    _cuda.ensure_context(dev)
+    stream = _tensor.current_stream(va.framework, dev)
+    va, sa, vb, sb = _handshake({"v_a": va, "s_a": sa, "v_b": vb, "s_b": sb}, stream)
+    v, vo = _tensor.empty(va, va.shape, va.dtype, stream)
+    s, so = _tensor.empty(va, va.shape[:2], _dtypes.FLOAT32, stream)
+    launch_pair(va, sa, vb, sb, vo, so, scales, stream)
+    return _tensor.finalize(v), _tensor.finalize(s)
+
+
+def merge_pair_in_place(v, s, v_other, s_other, mask, lse_base) -> None:
+    """(v, s) <- the merge of (v, s) and (v_other, s_other), on rows whose mask is nonzero."""
+    views, scales = check_pair_in_place(v, s, v_other, s_other, mask, lse_base)
+    vv = views["v"]
+    dev = vv.device_id
+    _cuda.ensure_context(dev)
+    stream = _tensor.current_stream(vv.framework, dev)
+    vv, sv, ov, so, mv = _handshake(views, stream)
+    launch_pair_in_place(vv, sv, ov, so, mv, scales, stream)
+
+
+def merge_stacked(v, s, lse_base):
+    """(v, s) = the merge of the N states stacked in v [seq, N, H, D], s [seq, N, H]."""
+    vv, sv, scales = check_stacked(v, s, lse_base)
+    seq, _, heads, head_dim = vv.shape
+    dev = vv.device_id
+    _cuda.ensure_context(dev)
+    stream = _tensor.current_stream(vv.framework, dev)
+    vv, sv = _handshake({"v": vv, "s": sv}, stream)
+    out, vo = _tensor.empty(vv, (seq, heads, head_dim), vv.dtype, stream)
+    lse, so = _tensor.empty(vv, (seq, heads), _dtypes.FLOAT32, stream)
+    launch_stacked(vv, sv, vo, so, scales, stream)
+    return _tensor.finalize(out), _tensor.finalize(lse)
+
+
+# ---------------------------------------------------------------- the entry points' checks
+
+def check_pair(v_a, s_a, v_b, s_b, lse_base):
+    """merge_state's checks: (v_a, s_a, v_b, s_b) as views, and the LSE scales."""
     scales = lse_scales(lse_base)
     va, sa = _values(v_a, "v_a", 3, "[seq, num_heads, head_dim]"), _cuda_view(s_a, "s_a")
     vb, sb = _values(v_b, "v_b", 3, "[seq, num_heads, head_dim]"), _cuda_view(s_b, "s_b")
@@ -34,25 +78,14 @@ def merge_pair(v_a, s_a, v_b, s_b, lse_base):
     seq, heads, _ = va.shape
     for name, t in (("s_a", sa), ("s_b", sb)):
         _lse(t, name, (seq, heads), "(seq, num_heads) of v_a")
-    _check_sizes(va.shape, 2)
+    check_sizes(va.shape, 2)
     _check_frameworks({"v_a": va, "s_a": sa, "v_b": vb, "s_b": sb})
-
-    dev = va.device_id
-    _cuda.ensure_context(dev)
-    stream = _tensor.current_stream(va.framework, dev)
-    va, sa, vb, sb = _handshake({"v_a": va, "s_a": sa, "v_b": vb, "s_b": sb}, stream)
-    v, vo = _tensor.empty(va, va.shape, va.dtype, stream)
-    s, so = _tensor.empty(va, (seq, heads), _dtypes.FLOAT32, stream)
-    if seq * heads:
-        la = _launcher(va.dtype, dev)
-        _fill_inputs(la.params, va, sa, vb, sb)
-        _fill_outputs(la.params, vo, so, scales, (va, vb, vo))
-        _launch(la, seq, heads, stream)
-    return _tensor.finalize(v), _tensor.finalize(s)
+    return va, sa, vb, sb, scales
 
 
-def merge_pair_in_place(v, s, v_other, s_other, mask, lse_base) -> None:
-    """(v, s) <- the merge of (v, s) and (v_other, s_other), on rows whose mask is nonzero."""
+def check_pair_in_place(v, s, v_other, s_other, mask, lse_base):
+    """merge_state_in_place's checks: the views by name (v, s, v_other, s_other, mask: None
+    without one) and the LSE scales."""
     scales = lse_scales(lse_base)
     vv = _values(v, "v", 3, "[seq, num_heads, head_dim]")
     sv = _cuda_view(s, "s")
@@ -77,15 +110,42 @@ def merge_pair_in_place(v, s, v_other, s_other, mask, lse_base) -> None:
         _lse(t, name, (seq, heads), "(seq, num_heads) of v")
     if mv is not None:
         _mask(mv, seq)
-    _check_sizes(vv.shape, 2)
+    check_sizes(vv.shape, 2)
     _check_frameworks(views)
+    return views, scales
 
-    dev = vv.device_id
-    _cuda.ensure_context(dev)
-    stream = _tensor.current_stream(vv.framework, dev)
-    vv, sv, ov, so, mv = _handshake(views, stream)
+
+def check_stacked(v, s, lse_base):
+    """merge_states' checks: (v, s) as views, and the LSE scales."""
+    scales = lse_scales(lse_base)
+    vv, sv = _values(v, "v", 4, "[seq, num_states, num_heads, head_dim]"), _cuda_view(s, "s")
+    _tensor.check_same_device({"v": vv, "s": sv})
+    seq, n, heads, head_dim = vv.shape
+    _lse(sv, "s", (seq, n, heads), "(seq, num_states, num_heads) of v")
+    check_sizes((seq, heads, head_dim), n)
+    _check_frameworks({"v": vv, "s": sv})
+    return vv, sv, scales
+
+
+# ---------------------------------------------------------------- the entry points' launches
+# la: the launcher to fill (pyflashattn.jax: one of its own, made by new_launcher at trace time);
+# None: this thread's cached one. Nothing is launched for an empty output.
+
+def launch_pair(va, sa, vb, sb, vo, so, scales: tuple, stream: int, la=None) -> None:
+    """merge_state into vo [seq, H, D] / so [seq, H] on stream."""
+    seq, heads = vo.shape[:2]
     if seq * heads:
-        la = _launcher(vv.dtype, dev)
+        la = _launcher(va.dtype, va.device_id, la)
+        _fill_inputs(la.params, va, sa, vb, sb)
+        _fill_outputs(la.params, vo, so, scales, (va, vb, vo))
+        _launch(la, seq, heads, stream)
+
+
+def launch_pair_in_place(vv, sv, ov, so, mv, scales: tuple, stream: int, la=None) -> None:
+    """merge_state_in_place into (vv, sv), on the rows mv (None: all) marks, on stream."""
+    seq, heads = vv.shape[:2]
+    if seq * heads:
+        la = _launcher(vv.dtype, vv.device_id, la)
         p = la.params
         _fill_inputs(p, vv, sv, ov, so)
         _fill_outputs(p, vv, sv, scales, (vv, ov))
@@ -94,34 +154,26 @@ def merge_pair_in_place(v, s, v_other, s_other, mask, lse_base) -> None:
         _launch(la, seq, heads, stream)
 
 
-def merge_stacked(v, s, lse_base):
-    """(v, s) = the merge of the N states stacked in v [seq, N, H, D], s [seq, N, H]."""
-    scales = lse_scales(lse_base)
-    vv, sv = _values(v, "v", 4, "[seq, num_states, num_heads, head_dim]"), _cuda_view(s, "s")
-    _tensor.check_same_device({"v": vv, "s": sv})
-    seq, n, heads, head_dim = vv.shape
-    _lse(sv, "s", (seq, n, heads), "(seq, num_states, num_heads) of v")
-    _check_sizes((seq, heads, head_dim), n)
-    _check_frameworks({"v": vv, "s": sv})
-
-    dev = vv.device_id
-    _cuda.ensure_context(dev)
-    stream = _tensor.current_stream(vv.framework, dev)
-    vv, sv = _handshake({"v": vv, "s": sv}, stream)
-    out, vo = _tensor.empty(vv, (seq, heads, head_dim), vv.dtype, stream)
-    lse, so = _tensor.empty(vv, (seq, heads), _dtypes.FLOAT32, stream)
+def launch_stacked(vv, sv, vo, so, scales: tuple, stream: int, la=None) -> None:
+    """merge_states of vv [seq, N, H, D] / sv [seq, N, H] into vo [seq, H, D] / so [seq, H] on stream."""
+    seq, n, heads, _ = vv.shape
     if seq * heads:
-        la = _launcher(vv.dtype, dev)
+        la = _launcher(vv.dtype, vv.device_id, la)
         p = la.params
         p.v_a, p.s_a, p.num_states = vv.ptr, sv.ptr, n  # stacked mode: v_b = 0
         p.v_a_stride_n, p.v_a_stride_s, p.v_a_stride_h = vv.strides[:3]
         p.s_a_stride_n, p.s_a_stride_s, p.s_a_stride_h = sv.strides
         _fill_outputs(p, vo, so, scales, (vv, vo))
         _launch(la, seq, heads, stream)
-    return _tensor.finalize(out), _tensor.finalize(lse)
 
 
-# ---------------------------------------------------------------- checks
+def new_launcher(dtype, dev: int):
+    """A launcher of the kernel for this value dtype with its own params struct (not the thread's
+    cached one), for a caller that launches from other threads (XLA's) under its own lock."""
+    return _registry.new_launcher("cascade", dev, dtype=VALUE_DTYPES[dtype])
+
+
+# ---------------------------------------------------------------- check helpers
 
 def lse_scales(lse_base) -> tuple[float, float]:
     """(LSE units -> base 2, base 2 -> LSE units) for lse_base "log2" (FlashInfer's) or "ln"."""
@@ -162,7 +214,7 @@ def _mask(v, seq: int) -> None:
     operands.require_shape(v, "mask", (seq,), ", one entry per row of v")
 
 
-def _check_sizes(out_shape: tuple, num_states: int) -> None:
+def check_sizes(out_shape: tuple, num_states: int) -> None:
     """The kernel's int32 fields and its 1-D grid (one warp per (row, head)); head_dim >= 1 (an
     empty value row has no address, and a pair merge tells its second state by v_b's)."""
     if out_shape[2] < 1:
@@ -195,9 +247,11 @@ def _handshake(views: dict, stream: int) -> tuple:
 
 # ---------------------------------------------------------------- params and launch
 
-def _launcher(dtype, dev: int):
-    """The kernel for this value dtype, its params zeroed (a cached launcher keeps the last call's)."""
-    la = _registry.launcher("cascade", dev, dtype=VALUE_DTYPES[dtype])
+def _launcher(dtype, dev: int, la=None):
+    """The kernel for this value dtype (la, or this thread's cached launcher), its params zeroed (a
+    launcher keeps the last call's)."""
+    if la is None:
+        la = _registry.launcher("cascade", dev, dtype=VALUE_DTYPES[dtype])
     ctypes.memset(ctypes.addressof(la.params), 0, ctypes.sizeof(la.params))
     return la
 

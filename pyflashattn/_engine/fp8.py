@@ -87,7 +87,8 @@ def merge_dtype(q_dtype) -> str:
 def _is_tensor(x) -> bool:
     """A framework tensor (a per-head scale: DLPack, or torch's data_ptr), not a number; numpy arrays
     are neither (they live on the host: scale_arg refuses them with the other non-numbers)."""
-    return (hasattr(x, "__dlpack__") or hasattr(x, "data_ptr")) and not isinstance(x, np.ndarray)
+    return type(x) is _tensor.TensorView or (hasattr(x, "__dlpack__") or hasattr(x, "data_ptr")) and \
+        not isinstance(x, np.ndarray)
 
 
 def fold_numbers(scales: tuple, sm_scale, v_scale: float, head_dim: int, names: tuple = SCALE_NAMES) -> tuple:

@@ -12,10 +12,11 @@ from .._runtime import cuda as _cuda
 
 
 class GraphState:
-    __slots__ = ("max_batch", "max_pages", "capacity", "captured", "sig", "probe")
+    __slots__ = ("max_batch", "max_pages", "max_total_q", "capacity", "captured", "sig", "probe")
 
-    def __init__(self, max_batch: int, max_pages: int):
+    def __init__(self, max_batch: int, max_pages: int, max_total_q: int | None = None):
         self.max_batch, self.max_pages = max_batch, max_pages
+        self.max_total_q = max_total_q  # None: fixed by the first plan
         self.capacity = None  # fixed by the first plan that succeeds
         self.captured = None  # the plan settings a captured run() baked in
         self.sig = None  # the current plan's settings
@@ -26,7 +27,7 @@ class GraphState:
         leaves no trace, the dict is only stored by commit())."""
         cap = self.capacity
         if cap is None:
-            cap = {"max_batch": self.max_batch, "max_total_q": total_q, "max_work": None}
+            cap = {"max_batch": self.max_batch, "max_total_q": self.max_total_q or total_q, "max_work": None}
         if B > cap["max_batch"]:
             raise ValueError(f"batch size {B} exceeds the CUDA-graph capacity {cap['max_batch']} "
                              "(the length of qo_indptr_buf - 1)")

@@ -5,6 +5,10 @@ checked mode, the host (numpy) paths and the launches of the page kernel
 Device-resident index arrays are never read by the host (that would be a sync) unless the
 checked mode is on (metadata_check): the kernel skips every token whose metadata points
 outside the cache instead.
+
+Each device entry point is its checks (check_*) and its launch (launch_*, into given views on a
+given stream): pyflashattn.jax runs the checks at trace time on views without addresses and the
+launches inside XLA's callback on its buffers.
 """
 from __future__ import annotations
 
@@ -27,8 +31,11 @@ I32_MAX = 2**31 - 1
 ROW_BYTES_MAX = 1 << 28  # one token's K (or V) bytes: keeps the kernel's chunk counts in int32
 
 CACHE_DTYPES = (_dtypes.FLOAT16, _dtypes.BFLOAT16, _dtypes.FLOAT8_E4M3, _dtypes.FLOAT8_E5M2, _dtypes.FLOAT32)
-_CACHE_FRAMEWORKS = ("torch", "cupy")  # frameworks whose arrays may be written in place
-_OUTPUT_FRAMEWORKS = ("torch", "cupy", "jax")  # frameworks pyflashattn can allocate outputs for
+# frameworks whose arrays may be written in place (xla: pyflashattn.jax's views of the XLA buffers
+# its append aliases to the cache it returns)
+_CACHE_FRAMEWORKS = ("torch", "cupy", "xla")
+# frameworks pyflashattn can allocate outputs for (xla: pyflashattn.jax's, its outputs XLA's buffers)
+_OUTPUT_FRAMEWORKS = ("torch", "cupy", "jax", "xla")
 INT32 = _dtypes.INT32
 
 
@@ -52,6 +59,35 @@ def append(append_key, append_value, batch_indices, positions, paged_kv_cache, k
            kv_last_page_len, kv_layout="NHD") -> None:
     """append_paged_kv_cache (pyflashattn.page): every check before the launch, then one launch on
     the cache framework's current stream (none for nnz = 0)."""
+    a = check_append(append_key, append_value, batch_indices, positions, paged_kv_cache, kv_indices, kv_indptr,
+                     kv_last_page_len, kv_layout)
+    if metadata_check.metadata_checks_enabled():
+        check_append_metadata(batch_indices, positions, kv_indices, kv_indptr, a.cache.num_pages, a.cache.page_size)
+    if a.nnz == 0:
+        return
+    s = _tensor.current_stream(a.cache.views[0][0].framework, a.dev)
+    # Inputs of other frameworks (CuPy, JAX, ...): the launch stream waits for their pending writes.
+    names = ("append_key", "append_value")
+    vk, vv = (v if v.framework == "torch" else _tensor.view(v.obj, n, stream=s) for v, n in zip(a.kv, names))
+    ix = {n: v if v.framework == "torch" else _tensor.view(v.obj, n, stream=s) for n, v in a.ix.items()}
+    launch_append(a.dev, s, vk, vv, a.cache, ix, a.nnz, a.batch)
+
+
+class Append(NamedTuple):
+    """An append's checked operands (check_append): the cache, the keys' and values' views, the
+    index arrays' views by name, nnz, the batch size and the device."""
+    cache: Cache
+    kv: list
+    ix: dict
+    nnz: int
+    batch: int
+    dev: int
+
+
+def check_append(append_key, append_value, batch_indices, positions, paged_kv_cache, kv_indices, kv_indptr,
+                 kv_last_page_len, kv_layout="NHD") -> Append:
+    """append_paged_kv_cache's checks, every one before the driver is touched (the checked mode's
+    host copy of the metadata is the caller's: pyflashattn.jax cannot read it)."""
     layout = operands.kv_layout(kv_layout)
     cache = cache_operand(paged_kv_cache, layout)
     ref, dev = cache.views[0][1], cache.views[0][0].device_id
@@ -75,16 +111,7 @@ def append(append_key, append_value, batch_indices, positions, paged_kv_cache, k
                          ("len(kv_indptr)", batch + 1))
     for v, name in cache.views:
         _check_cache_framework(v, name)
-    if metadata_check.metadata_checks_enabled():
-        check_append_metadata(batch_indices, positions, kv_indices, kv_indptr, cache.num_pages, cache.page_size)
-    if nnz == 0:
-        return
-    s = _tensor.current_stream(cache.views[0][0].framework, dev)
-    # Inputs of other frameworks (CuPy, JAX, ...): the launch stream waits for their pending writes.
-    names = ("append_key", "append_value")
-    vk, vv = (v if v.framework == "torch" else _tensor.view(v.obj, n, stream=s) for v, n in zip(kv, names))
-    ix = {n: v if v.framework == "torch" else _tensor.view(v.obj, n, stream=s) for n, v in ix.items()}
-    _launch_append(dev, s, vk, vv, cache, ix, nnz, batch)
+    return Append(cache, kv, ix, nnz, batch, dev)
 
 
 def cache_operand(paged_kv_cache, layout: str) -> Cache:
@@ -224,7 +251,9 @@ def _vec_bytes(item: int, head_dim: int, ptrs, strided) -> int:
     return g
 
 
-def _launch_append(dev, s, vk, vv, cache: Cache, ix: dict, nnz: int, batch: int) -> None:
+def launch_append(dev, s, vk, vv, cache: Cache, ix: dict, nnz: int, batch: int, la=None) -> None:
+    """The append of nnz > 0 rows vk / vv into the cache on stream s. la: the page kernel's launcher
+    to fill (pyflashattn.jax: its own, from new_launcher); None: this thread's cached one."""
     item = cache.dtype.bits // 8
     H, D, P, ps = cache.num_heads, cache.head_dim, cache.num_pages, cache.page_size
     ks, vs = cache.k_strides, cache.v_strides
@@ -233,8 +262,9 @@ def _launch_append(dev, s, vk, vv, cache: Cache, ix: dict, nnz: int, batch: int)
                       (P, ks[0]), (ps, ks[1]), (H, ks[2]), (P, vs[0]), (ps, vs[1]), (H, vs[2])))
     per_token = 2 * H * (D * item // vec)
     tpb = max(1, min(MAX_TOKENS, CHUNKS_PER_CTA // max(per_token, 1)))
-    _cuda.ensure_context(dev)
-    la = _registry.launcher("page", dev)
+    if la is None:
+        _cuda.ensure_context(dev)
+        la = _registry.launcher("page", dev)
     p = _cleared(la.params)
     p.mode = APPEND
     p.append_k, p.append_v, p.k_cache, p.v_cache = vk.ptr, vv.ptr, cache.k_ptr, cache.v_ptr
@@ -250,6 +280,12 @@ def _launch_append(dev, s, vk, vv, cache: Cache, ix: dict, nnz: int, batch: int)
     la.launch((-(-nnz // tpb), 1, 1), s)
 
 
+def new_launcher(dev: int):
+    """A page kernel launcher with its own params struct (not the thread's cached one), for a
+    caller that launches from other threads (XLA's) under its own lock."""
+    return _registry.new_launcher("page", dev)
+
+
 def _cleared(p):
     """The launcher's params struct zeroed: no field of another mode's launch survives."""
     ctypes.memset(ctypes.addressof(p), 0, ctypes.sizeof(p))
@@ -260,7 +296,7 @@ def _cleared(p):
 
 def batch_indices_positions(append_indptr, seq_lens, nnz):
     """get_batch_indices_positions (pyflashattn.page): (batch_indices, positions), int32 [nnz]."""
-    nnz = _count(nnz, "nnz")
+    nnz = count(nnz, "nnz")
     iv, sv = _device_view(append_indptr, "append_indptr"), _device_view(seq_lens, "seq_lens")
     if iv is None and sv is None:
         ip = indices.host_int(append_indptr, "append_indptr").astype(np.int64)
@@ -278,6 +314,16 @@ def batch_indices_positions(append_indptr, seq_lens, nnz):
         bi[tok] = b
         pos[tok] = (sl[b].astype(np.int64) - lens[b] + (tok - ip[b])).astype(np.int32)  # int32 arithmetic
         return _host_result(bi, append_indptr), _host_result(pos, append_indptr)
+    iv, sv, dev = check_batch_positions(iv, sv, nnz)
+    s, (iv, sv) = _launch_views(iv, sv, dev, ("append_indptr", "seq_lens"))
+    bi, biv = _tensor.empty(iv, (nnz,), INT32, s)
+    pos, posv = _tensor.empty(iv, (nnz,), INT32, s)
+    launch_batch_positions(iv, sv, biv, posv, nnz, s)
+    return _tensor.finalize(bi), _tensor.finalize(pos)
+
+
+def check_batch_positions(iv, sv, nnz: int):
+    """get_batch_indices_positions' checks of device arrays (views; nnz checked): (iv, sv, device)."""
     iv, sv, dev = _device_pair(iv, sv, "append_indptr", "seq_lens")
     B = iv.shape[0] - 1
     if B < 0:
@@ -286,25 +332,25 @@ def batch_indices_positions(append_indptr, seq_lens, nnz):
         raise ValueError(f"seq_lens has {sv.shape[0]} entries but append_indptr describes batch_size = {B} requests")
     _check_int32_extents(("nnz", nnz), ("len(append_indptr)", B + 1))
     _check_output_framework(iv, "append_indptr")
-    s, (iv, sv) = _launch_views(iv, sv, dev, ("append_indptr", "seq_lens"))
-    bi, biv = _tensor.empty(iv, (nnz,), INT32, s)
-    pos, posv = _tensor.empty(iv, (nnz,), INT32, s)
+    return iv, sv, dev
+
+
+def launch_batch_positions(iv, sv, biv, posv, nnz: int, s: int, la=None) -> None:
+    """batch_indices / positions [nnz] into biv / posv on stream s (la: as launch_append's)."""
     if nnz:
-        la = _registry.launcher("page", dev)
+        la = _registry.launcher("page", iv.device_id) if la is None else la
         p = _cleared(la.params)
         p.mode = BATCH_POSITIONS
         p.append_indptr, p.seq_lens, p.batch_indices, p.positions = iv.ptr, sv.ptr, biv.ptr, posv.ptr
-        p.nnz, p.batch_size = nnz, B
+        p.nnz, p.batch_size = nnz, iv.shape[0] - 1
         la.launch((-(-nnz // THREADS), 1, 1), s)
-    return _tensor.finalize(bi), _tensor.finalize(pos)
 
 
 # ---------------------------------------------------------------- get_seq_lens
 
 def seq_lens(kv_indptr, kv_last_page_len, page_size):
     """get_seq_lens (pyflashattn.page): int32 [batch_size]."""
-    ps = operands.positive_int(page_size, "page_size")
-    _check_int32_extents(("page_size", ps))
+    ps = page_size_arg(page_size)
     iv, lv = _device_view(kv_indptr, "kv_indptr"), _device_view(kv_last_page_len, "kv_last_page_len")
     if iv is None and lv is None:
         ind = indices.host_int(kv_indptr, "kv_indptr").astype(np.int64)
@@ -313,6 +359,15 @@ def seq_lens(kv_indptr, kv_last_page_len, page_size):
         pages = np.diff(ind)
         out = np.where(pages > 0, (pages - 1) * ps + last, 0).astype(np.int32)  # int32 arithmetic
         return _host_result(out, kv_indptr)
+    iv, lv, dev = check_seq_lens(iv, lv, ps)
+    s, (iv, lv) = _launch_views(iv, lv, dev, ("kv_indptr", "kv_last_page_len"))
+    out, ov = _tensor.empty(iv, (iv.shape[0] - 1,), INT32, s)
+    launch_seq_lens(iv, lv, ov, ps, s)
+    return _tensor.finalize(out)
+
+
+def check_seq_lens(iv, lv, page_size: int):
+    """get_seq_lens' checks of device arrays (views; page_size checked): (iv, lv, device)."""
     iv, lv, dev = _device_pair(iv, lv, "kv_indptr", "kv_last_page_len")
     B = iv.shape[0] - 1
     if B < 0:
@@ -322,21 +377,31 @@ def seq_lens(kv_indptr, kv_last_page_len, page_size):
                          "requests")
     _check_int32_extents(("len(kv_indptr)", B + 1))
     _check_output_framework(iv, "kv_indptr")
-    s, (iv, lv) = _launch_views(iv, lv, dev, ("kv_indptr", "kv_last_page_len"))
-    out, ov = _tensor.empty(iv, (B,), INT32, s)
+    return iv, lv, dev
+
+
+def launch_seq_lens(iv, lv, ov, page_size: int, s: int, la=None) -> None:
+    """seq_lens [batch_size] into ov on stream s (la: as launch_append's)."""
+    B = iv.shape[0] - 1
     if B:
-        la = _registry.launcher("page", dev)
+        la = _registry.launcher("page", iv.device_id) if la is None else la
         p = _cleared(la.params)
         p.mode = SEQ_LENS
         p.kv_indptr, p.kv_last_page_len, p.seq_lens = iv.ptr, lv.ptr, ov.ptr
-        p.batch_size, p.page_size = B, ps
+        p.batch_size, p.page_size = B, page_size
         la.launch((-(-B // THREADS), 1, 1), s)
-    return _tensor.finalize(out)
 
 
 # ---------------------------------------------------------------- helpers of the two above
 
-def _count(n, name: str) -> int:
+def page_size_arg(page_size) -> int:
+    """get_seq_lens' page_size: an int in [1, INT32_MAX]."""
+    ps = operands.positive_int(page_size, "page_size")
+    _check_int32_extents(("page_size", ps))
+    return ps
+
+
+def count(n, name: str) -> int:
     if not isinstance(n, (int, np.integer)) or isinstance(n, bool) or n < 0:
         raise ValueError(f"{name} must be an int >= 0, got {n!r}")
     return int(n)

@@ -9,6 +9,7 @@ from . import options as _options
 
 LOG2E = 1.4426950408889634
 MERGE_ROWS_PER_BLOCK = 4  # the merge kernel: one warp per (token, head) row, four warps a CTA
+MERGE_CTAS_PER_SM = 16  # its grid's cap per SM: 64 warps an SM, the most resident
 # "0" / "1": the one-warp or the one-CTA-per-row merge kernel whatever the shape (read at plan
 # time; an A/B switch, see merge_cta_per_row). Unset: chosen by shape.
 MERGE_CTA_ENV = "PYFLASHATTN_MERGE_CTA_PER_ROW"
@@ -39,15 +40,21 @@ def merge_cta_per_row(dev: int, rows: int, num_heads: int) -> bool:
 
 
 def configure_merge(mg, rows: int, num_heads: int, head_dim: int, num_splits: int, lse_scale: float,
-                    o_format: int = 0) -> None:
+                    o_format: int = 0, dev: int | None = None) -> None:
     """The merge kernel over `rows` tokens: num_splits chunks each (0: per-token merge_indptr),
     writing the output in o_format (operands.OUT_*); its grid from the kernel's (row, head)
-    pairs per CTA (the manifest's rows_per_block)."""
+    pairs per CTA (the manifest's rows_per_block). The warp-per-pair kernel strides over the
+    pairs, so on `dev` its grid stops at MERGE_CTAS_PER_SM waves' worth of CTAs (merge.cuh: a
+    fixed-capacity merge of a plan that split nothing then costs a few microseconds, not one CTA
+    per four pairs of exits)."""
     mp = mg.params
     mp.rows, mp.num_heads, mp.head_dim, mp.num_kv_chunks = rows, num_heads, head_dim, num_splits
     mp.lse_scale, mp.o_format = lse_scale, o_format
     per_block = mg.meta.get("rows_per_block", MERGE_ROWS_PER_BLOCK)
-    mg.configure((max(1, -(-rows * num_heads // per_block)), 1, 1))
+    ctas = max(1, -(-rows * num_heads // per_block))
+    if dev is not None and not mg.meta.get("cta_per_row"):
+        ctas = min(ctas, _cuda.properties(dev)["sm_count"] * MERGE_CTAS_PER_SM)
+    mg.configure((ctas, 1, 1))
 
 
 _alibi_buffers: dict = {}

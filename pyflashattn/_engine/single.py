@@ -315,7 +315,7 @@ class SinglePlan:
             cta = params.merge_cta_per_row(self.dev, qo_len, num_qo_heads)
             self.merge = _registry.new_launcher("merge", self.dev, dtype=fp8.merge_dtype(self.dtype), cta_per_row=cta)
             params.configure_merge(self.merge, qo_len, num_qo_heads, head_dim, self.num_chunks, opts.lse_scale,
-                                   self.o_format)
+                                   self.o_format, self.dev)
 
     def scale_pointers(self, scales: tuple):
         """The per-head scale tensors among (scale_q, scale_k, scale_v) checked against this plan:
@@ -325,8 +325,10 @@ class SinglePlan:
             return None
         return fp8.scale_operands(scales, *self.heads, self.dev)[0]
 
-    def run(self, q, k, v, o, lse, stream, mask_view=None, v_scale=1.0, scale_ptrs=None):
-        """Refill the pointers and launch (mask packing, attention, merge when KV is split)."""
+    def run(self, q, k, v, o, lse, stream, mask_view=None, v_scale=1.0, scale_ptrs=None, ws=None, sched=None):
+        """Refill the pointers and launch (mask packing, attention, merge when KV is split). ws /
+        sched: the workspace (ws_bytes) and the tile scheduler's zeroed counters when the caller
+        provides them (pyflashattn.jax: XLA's scratch), else the stream's own (cuda.Workspace)."""
         p = self.attn.params
         p.q, p.k, p.v, p.o = q, k, v, o
         if self.fp8:
@@ -335,9 +337,12 @@ class SinglePlan:
             self.kv_maps.point(k, v, *self.tma_geometry)
         p.v_scale = v_scale
         p.o_stride_n, p.o_stride_h = self.o_strides[0], self.o_strides[1]
-        ws = _cuda.Workspace.get(self.dev, stream, self.ws_bytes) if self.ws_bytes else 0
+        if ws is None:
+            ws = _cuda.Workspace.get(self.dev, stream, self.ws_bytes) if self.ws_bytes else 0
         if self.section:  # a persistent row in L2 sections: the stream's tile-scheduler counters
-            p.sched = sched = _cuda.Workspace.counters(self.dev, stream)
+            if sched is None:
+                sched = _cuda.Workspace.counters(self.dev, stream)
+            p.sched = sched
             p.grid_section, p.grid_section_z = self.section if sched else (p.grid_x, p.grid_z)
         if self.mask_kind == "packed":
             p.custom_mask = mask_view.ptr

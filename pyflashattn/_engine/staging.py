@@ -32,6 +32,7 @@ class Staging:
         self.pinned = []  # [host address, int32 view, event or None]
         self.next = 0
         self.sched = 0
+        self.last = None  # (the pinned int32 view, bytes) of the last upload
 
     def counters(self, stream: int) -> int:
         """The tile scheduler's counters of this wrapper's persistent launches (cuda.sched_counters:
@@ -122,4 +123,5 @@ class Staging:
         if r[0] != ok:
             _cuda.check(r, "cuEventRecord")
         base = self.device
+        self.last = (host32, nbytes)  # what this copy sends (pyflashattn.jax keeps the plan's bytes)
         return [base + 4 * o for o in offsets]

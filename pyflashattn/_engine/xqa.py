@@ -12,11 +12,17 @@ Device metadata is not checked on the host (that would sync): the kernel clamps 
 length to the pages the plan covers and every page id into the cache, so bad metadata gives a
 wrong answer but never reads outside the cache. PYFLASHATTN_CHECK_METADATA=1 checks them on
 the host (a sync per call) and raises ValueError naming the argument.
+
+The call is split for pyflashattn.jax (jax/_xqa.py), which runs the same steps at trace time
+and in an XLA callback: check() (every check that needs no device data, on tensors or views),
+plan_engine() (a planned engine for the checked shape) and point() (a call's device metadata
+into the planned struct), then the engine's run_paged.
 """
 from __future__ import annotations
 
 import os
 from collections import OrderedDict
+from typing import NamedTuple
 
 import numpy as np
 
@@ -54,7 +60,27 @@ def _block_scales(kv_cache_sf, kv_cache, kshape, dev):
     operands.nvfp4_scales(kv_cache_sf, pair, kv_dim, kshape, dev)
     if pair:
         return tuple(kv_cache_sf)
-    return kv_cache_sf if kv_dim == 2 else (kv_cache_sf[:, 0], kv_cache_sf[:, 0])
+    if kv_dim == 2:
+        return kv_cache_sf
+    half = kv_half(kv_cache_sf) if type(kv_cache_sf) is _tensor.TensorView else kv_cache_sf[:, 0]
+    return half, half
+
+
+def kv_half(v: _tensor.TensorView) -> _tensor.TensorView:
+    """The view [:, 0] of a [P, 1, ...] view (a cache or its block scales whose K and V share the
+    pages): what the framework's slice gives the eager API, for views (pyflashattn.jax)."""
+    return _tensor.TensorView(v.obj, v.ptr, (v.shape[0],) + v.shape[2:], (v.strides[0],) + v.strides[2:], v.dtype,
+                              v.device_type, v.device_id, v.framework)
+
+
+def _paged_cache(kv_cache, layout: str) -> tuple:
+    """operands.paged_cache; a [P, 1, ...] TensorView (no framework to slice) as the pair of its
+    4-D views."""
+    if type(kv_cache) is not _tensor.TensorView or kv_cache.ndim != 5 or kv_cache.shape[1] != 1:
+        return operands.paged_cache(kv_cache, layout)
+    half = kv_half(kv_cache)
+    form, shape, geometry, _ = operands.paged_cache((half, half), layout)
+    return form, shape, geometry, None
 
 
 def _check_mask(mask, batch: int, q_len: int, dev: int) -> tuple:
@@ -88,6 +114,35 @@ def _check_metadata(bt, sl, max_seq_len, planned_keys, num_pages, page_size):
     table = indices.host_int(bt.reshape(-1), "block_tables").reshape(len(lens), -1)
     for b, n in enumerate(-(-lens // page_size)):
         check_range(table[b, :n], 0, num_pages, "block_tables", "pages in kv_cache", offset=b * table.shape[1])
+
+
+class Checked(NamedTuple):
+    """An XQA call's arguments, checked (check()): the plan's shape and the launch's operands."""
+    dev: int
+    layout: str
+    batch: int
+    q_len: int
+    hq: int
+    hkv: int
+    hd: int
+    page_size: int
+    pages: int  # block-table pages the plan covers (planned_pages)
+    row_stride: int  # block_tables entries between rows
+    words: int  # 32-bit mask words per query row (0: no mask)
+    qdt: _dtypes.DType
+    kdt: _dtypes.DType
+    odt: _dtypes.DType
+    cache: object  # what run_paged takes (operands.paged_cache's form)
+    sf: object  # NVFP4 block scales in that form, else None
+    bt: _tensor.TensorView
+    sl: _tensor.TensorView
+    msl: int
+    num_pages: int
+    mask_ptr: int
+    s1: float
+    s1_dev: int  # a device scale's address (0: the float s1)
+    s2: float
+    s2_dev: int
 
 
 def xqa_batch_decode(query, kv_cache, workspace_buffer, block_tables, seq_lens, max_seq_len: int,
@@ -127,6 +182,28 @@ def xqa_batch_decode(query, kv_cache, workspace_buffer, block_tables, seq_lens, 
                 return res
     else:
         key = None
+    c = check(query, kv_cache, block_tables, seq_lens, max_seq_len, bmm1_scale, bmm2_scale, out, kv_layout,
+              q_len_per_req, o_scale, mask, kv_cache_sf)
+    planned_keys = c.pages * c.page_size
+    if metadata_checks_enabled():
+        _check_metadata(block_tables, seq_lens, c.msl, planned_keys, c.num_pages, c.page_size)
+    e = _engine(workspace_buffer, c, window_left, bool(c.s1_dev))
+    point(e.attn.params, c.bt.ptr, c.sl.ptr, planned_keys, c.num_pages, c.s1_dev, c.s2_dev, c.words, c.mask_ptr)
+    res = e.run_paged(query, c.cache, k_scale=c.s1, v_scale=c.s2, out=out, enable_pdl=enable_pdl, sinks=sinks,
+                      kv_cache_sf=c.sf)
+    # validated: later calls of this signature take the fast path (not a [P, 1, ...] cache, run as two views)
+    if key is not None and (c.cache is kv_cache or isinstance(kv_cache, tuple)):
+        if len(_FAST) >= 4 * _MAX_ENGINES:
+            _FAST.clear()
+        _FAST[key] = (e, planned_keys, c.num_pages, c.words)
+    return res
+
+
+def check(query, kv_cache, block_tables, seq_lens, max_seq_len, bmm1_scale, bmm2_scale, out, kv_layout,
+          q_len_per_req, o_scale, mask, kv_cache_sf, out_dtype=None) -> Checked:
+    """Every check of an XQA call that needs no device data, in the eager API's order and words
+    (tensors or TensorViews: pyflashattn.jax checks the views of its traced arguments). The
+    output dtype is out's, else out_dtype's (pyflashattn.jax), else query's."""
     operands.scale_arg(o_scale, "o_scale")
     q_len = operands.positive_int(1 if q_len_per_req is None else q_len_per_req, "q_len_per_req")
     layout = operands.kv_layout(kv_layout)
@@ -139,9 +216,12 @@ def xqa_batch_decode(query, kv_cache, workspace_buffer, block_tables, seq_lens, 
     if qv.dtype not in (_dtypes.FLOAT16, _dtypes.BFLOAT16):
         raise TypeError(f"query must be float16 or bfloat16, got {qv.dtype.name}")
     # The output dtype is out's (query's without one): fp16, bf16 or e4m3 (checked in full at run)
-    odt = qv.dtype if out is None else operands.output_dtype(_tensor.view(out, "out").dtype, qv.dtype, "out")[0]
+    if out is not None:
+        odt = operands.output_dtype(_tensor.view(out, "out").dtype, qv.dtype, "out")[0]
+    else:
+        odt = qv.dtype if out_dtype is None else operands.output_dtype(out_dtype, qv.dtype, "out_dtype")[0]
     batch, hq, hd = qv.shape[0] // q_len, qv.shape[1], qv.shape[2]
-    cache, kshape, (page_size, hkv, dk), _ = operands.paged_cache(kv_cache, layout)
+    cache, kshape, (page_size, hkv, dk), _ = _paged_cache(kv_cache, layout)
     num_pages = kshape[0]
     kdt = (_tensor.view(cache[0], "k_cache") if isinstance(cache, tuple) else _tensor.view(cache, "kv_cache")).dtype
     nvfp4 = kdt in operands.NVFP4_CODES
@@ -183,24 +263,19 @@ def xqa_batch_decode(query, kv_cache, workspace_buffer, block_tables, seq_lens, 
     words, mask_ptr = _check_mask(mask, batch, q_len, dev) if mask is not None else (0, 0)
     s1, s1_dev = _scale(bmm1_scale, "bmm1_scale", dev)
     s2, s2_dev = _scale(bmm2_scale, "bmm2_scale", dev)
-    pages = planned_pages(msl, page_size, width)
-    if metadata_checks_enabled():
-        _check_metadata(block_tables, seq_lens, msl, pages * page_size, num_pages, page_size)
-    e = _engine(dev, workspace_buffer, layout, batch, q_len, hq, hkv, hd, page_size, pages, row_stride, words,
-                qv.dtype, kdt, odt, window_left, bool(s1_dev))
-    p = e.attn.params
-    p.kv_page_indices, p.kv_seq_lens, p.kv_max_len, p.num_pages = bt.ptr, sl.ptr, pages * page_size, num_pages
+    return Checked(dev, layout, batch, q_len, hq, hkv, hd, page_size, planned_pages(msl, page_size, width),
+                   row_stride, words, qv.dtype, kdt, odt, cache, sf, bt, sl, msl, num_pages, mask_ptr, s1, s1_dev,
+                   s2, s2_dev)
+
+
+def point(p, bt_ptr: int, sl_ptr: int, planned_keys: int, num_pages: int, s1_dev: int, s2_dev: int, words: int,
+          mask_ptr: int) -> None:
+    """A call's device metadata into the planned kernel's struct: the block table, the lengths, the
+    device scales (0: the float ones) and the speculative-decoding mask."""
+    p.kv_page_indices, p.kv_seq_lens, p.kv_max_len, p.num_pages = bt_ptr, sl_ptr, planned_keys, num_pages
     p.scale_dev, p.v_scale_dev = s1_dev, s2_dev
     if words:
         p.custom_mask, p.spec_mask_words = mask_ptr, words
-    res = e.run_paged(query, cache, k_scale=s1, v_scale=s2, out=out, enable_pdl=enable_pdl, sinks=sinks,
-                      kv_cache_sf=sf)
-    # validated: later calls of this signature take the fast path (not a [P, 1, ...] cache, run as two views)
-    if key is not None and (cache is kv_cache or isinstance(kv_cache, tuple)):
-        if len(_FAST) >= 4 * _MAX_ENGINES:
-            _FAST.clear()
-        _FAST[key] = (e, pages * page_size, num_pages, words)
-    return res
 
 
 def _sig(t):
@@ -237,32 +312,13 @@ def _run_fast(hit, query, kv_cache, workspace, bt, sl, s1, s2, out, sinks, mask,
     return e.torch_fast(query, kv_parts, out, None, False, None, enable_pdl)
 
 
-def _engine(dev, workspace, layout, batch, q_len, hq, hkv, hd, page_size, pages, row_stride, words, qdt, kdt, odt,
-            window_left, scale_on_device) -> BatchEngine:
+def _engine(workspace, c: Checked, window_left, scale_on_device) -> BatchEngine:
     """The planned engine for this shape key (planned on first use, then reused)."""
-    key = (dev, layout, batch, q_len, hq, hkv, hd, page_size, pages, row_stride, words, qdt.name, kdt.name,
-           odt.name, window_left, scale_on_device)
+    key = (c.dev, c.layout, c.batch, c.q_len, c.hq, c.hkv, c.hd, c.page_size, c.pages, c.row_stride, c.words,
+           c.qdt.name, c.kdt.name, c.odt.name, window_left, scale_on_device)
     e = _ENGINES.get(key)
     if e is None:
-        e = BatchEngine(workspace, layout, False, True, capture_safe=True)  # never re-planned: capturable
-        # A speculative-decoding mask takes the kernels that honour it (the manifest's spec_mask:
-        # the lean paged decode tiles, else the general kernels); a device-side logit scale the
-        # kernels that read it (device_scale: not the 128-row lean ones). SPEC_GENERAL_ENV=1
-        # plans spec masks on the general kernels always (an A/B switch).
-        general = bool(words) and os.environ.get(SPEC_GENERAL_ENV) == "1"
-        settings = _settings(PlanSettings, (hq, hkv, hd, "NONE", False, None, None, None, "log2", qdt, kdt,
-                                            window_left, 1.0, None, False, general, odt))
-        src = indices.block_table_source(batch, q_len, pages * page_size, row_stride, page_size,
-                                         q_len * words * 4)
-        try:
-            e.plan(src, settings, q_len > 1 and not words, None, None, False, None)
-        except ValueError as err:  # the engine speaks of its own argument name
-            if str(err).startswith("float_workspace_buffer"):
-                raise ValueError("workspace_buffer" + str(err)[len("float_workspace_buffer"):].split(";")[0] +
-                                 "; pass a larger workspace_buffer") from None
-            raise
-        if (words and not e.attn.meta.get("spec_mask")) or (scale_on_device and not e.attn.meta.get("device_scale")):
-            e.plan(src, settings._replace(general=True), q_len > 1 and not words, None, None, False, None)
+        e = plan_engine(workspace, c, window_left, scale_on_device)
         if len(_ENGINES) >= _MAX_ENGINES:
             _ENGINES.popitem(last=False)
         _ENGINES[key] = e
@@ -272,3 +328,27 @@ def _engine(dev, workspace, layout, batch, q_len, hq, hkv, hd, page_size, pages,
             e.reset_workspace(workspace)
     return e
 
+
+def plan_engine(workspace, c: Checked, window_left, scale_on_device: bool) -> BatchEngine:
+    """A new engine planned for a checked call's shape (never re-planned after: capturable)."""
+    e = BatchEngine(workspace, c.layout, False, True, capture_safe=True)
+    words, q_len = c.words, c.q_len
+    # A speculative-decoding mask takes the kernels that honour it (the manifest's spec_mask:
+    # the lean paged decode tiles, else the general kernels); a device-side logit scale the
+    # kernels that read it (device_scale: not the 128-row lean ones). SPEC_GENERAL_ENV=1
+    # plans spec masks on the general kernels always (an A/B switch).
+    general = bool(words) and os.environ.get(SPEC_GENERAL_ENV) == "1"
+    settings = _settings(PlanSettings, (c.hq, c.hkv, c.hd, "NONE", False, None, None, None, "log2", c.qdt, c.kdt,
+                                        window_left, 1.0, None, False, general, c.odt))
+    src = indices.block_table_source(c.batch, q_len, c.pages * c.page_size, c.row_stride, c.page_size,
+                                     q_len * words * 4)
+    try:
+        e.plan(src, settings, q_len > 1 and not words, None, None, False, None)
+    except ValueError as err:  # the engine speaks of its own argument name
+        if str(err).startswith("float_workspace_buffer"):
+            raise ValueError("workspace_buffer" + str(err)[len("float_workspace_buffer"):].split(";")[0] +
+                             "; pass a larger workspace_buffer") from None
+        raise
+    if (words and not e.attn.meta.get("spec_mask")) or (scale_on_device and not e.attn.meta.get("device_scale")):
+        e.plan(src, settings._replace(general=True), q_len > 1 and not words, None, None, False, None)
+    return e

@@ -376,6 +376,11 @@ def mem_free(ptr: int) -> None:
     check(driver().cuMemFree(ptr), "cuMemFree")
 
 
+def mem_free_async(ptr: int, stream: int) -> None:
+    """Free mem_alloc_async memory once the work queued on `stream` so far is done."""
+    check(driver().cuMemFreeAsync(ptr, stream), "cuMemFreeAsync")
+
+
 def zeroed(nbytes: int) -> int:
     """Device memory set to zero, synchronously (state such as the tile scheduler's counters, which
     the kernels zero again after each use). Not while a stream captures: a synchronous memset is
@@ -383,6 +388,18 @@ def zeroed(nbytes: int) -> int:
     ptr = mem_alloc(nbytes)
     check(driver().cuMemsetD8(ptr, 0, max(int(nbytes), 1)), "cuMemsetD8")
     return ptr
+
+
+def memset32_async(ptr: int, value: int, count: int, stream: int) -> None:
+    """Set `count` 32-bit words at ptr to `value`, ordered on `stream` (legal while it captures)."""
+    check(driver().cuMemsetD32Async(ptr, value, count, stream), "cuMemsetD32Async")
+
+
+def pointer_device(ptr: int) -> int:
+    """The ordinal of the device whose memory holds ptr (cuPointerGetAttribute)."""
+    cu = driver()
+    return int(check(cu.cuPointerGetAttribute(cu.CUpointer_attribute.CU_POINTER_ATTRIBUTE_DEVICE_ORDINAL, ptr),
+                     "cuPointerGetAttribute"))
 
 
 def sched_counters(stream: int) -> int:

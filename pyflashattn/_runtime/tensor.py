@@ -184,6 +184,8 @@ def view(x, name: str, *, stream: int | None = None) -> TensorView:
     tensors are read without a handshake (see the module docstring).
     """
     tp = type(x)
+    if tp is TensorView:  # already a view (pyflashattn.jax's XLA buffers): its address is the launch's
+        return x
     fw = _FW_CACHE.get(tp) or framework_of(x)
     if fw == "torch":
         # Attribute reads first (measured fastest on torch 2.11); the DLPack exchange API is the
@@ -403,11 +405,14 @@ def _free_managed(addr: int, _live=_LIVE) -> None:
     entry = _live.pop(addr, None)
     if entry is None:  # already freed: never twice
         return
-    ptr, device_id = entry[0], entry[1]
+    ptr, device_id, stream = entry[0], entry[1], entry[2]
     from . import cuda as _cuda
 
     _cuda.ensure_context(device_id)  # JAX may call from a thread with no current context
-    _cuda.mem_free(ptr)
+    # Stream-ordered: the launch that writes the output may still be running when JAX drops the
+    # array (a synchronous cuMemFree of stream-ordered memory assumes every access is done, and a
+    # pipelined loop of 64 MB outputs faulted on exactly that: NOTES.md, session 26).
+    _cuda.mem_free_async(ptr, stream)
 
 
 # Module-level so the callback object (and its trampoline) is never garbage collected.
@@ -463,7 +468,7 @@ class _JaxOutput:
         t.strides = ctypes.cast(strides_arr, ctypes.POINTER(ctypes.c_int64))
         mt.deleter = _DELETER_ADDR
         addr = ctypes.addressof(mt)
-        _LIVE[addr] = (self.ptr, self.device_id, mt, shape_arr, strides_arr)
+        _LIVE[addr] = (self.ptr, self.device_id, self.launch_stream, mt, shape_arr, strides_arr)
         self._state, self._addr = "exported", addr
         self._capsule = _dlpack._capsule_new(addr, ctypes.addressof(_DLTENSOR_NAME), None)
         return self._capsule
@@ -491,7 +496,7 @@ class _JaxOutput:
                 from . import cuda as _cuda
 
                 _cuda.ensure_context(self.device_id)
-                _cuda.mem_free(self.ptr)
+                _cuda.mem_free_async(self.ptr, self.launch_stream)
             elif self._state == "exported":
                 self._reclaim_unconsumed()
         except Exception:

@@ -19,6 +19,8 @@ SUBCOMMANDS = {
               "batch prefill wrappers (ragged, paged, fp8 paged), plan() and run() host times"),
     "decode": ("pyflashattn.bench.decode", False,
                "decode-like batches and single requests, KV bytes per second vs device copy"),
+    "jax": ("pyflashattn.bench.jax_jit", False,
+            "pyflashattn.jax inside jax.jit vs the eager call and jax.nn.dot_product_attention (cuDNN)"),
     "trtllm": ("pyflashattn.bench.trtllm", False,
                "TRT-LLM prefill APIs (contiguous / paged / context) vs SDPA cuDNN and FlashInfer's fmha_v2"),
 }

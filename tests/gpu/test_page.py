@@ -12,7 +12,6 @@ held to their numpy paths; metadata pointing outside the cache must never write 
 from __future__ import annotations
 
 import zlib
-from types import SimpleNamespace
 
 import numpy as np
 import pytest
@@ -27,6 +26,7 @@ import pyflashattn  # noqa: E402  (after the GPU probe: the CPU box must skip, n
 from pyflashattn.testing import attention_ref  # noqa: E402
 from pyflashattn.testing.checks import assert_close  # noqa: E402
 from pyflashattn.testing.frameworks import capture_torch_graph, jax_gpu  # noqa: E402
+from pyflashattn.testing.paged import append_batch  # noqa: E402
 
 DEV = "cuda"
 ENV = "PYFLASHATTN_CHECK_METADATA"
@@ -57,21 +57,9 @@ def _i32(a):
 
 
 def _batch_plan(seed, B, ps, spare):
-    """Numpy only: a batch that already holds old tokens per request and appends app more, with
-    its pages grown first (as FlashInfer requires): page table, last page lengths, append indptr."""
-    rng = np.random.default_rng(seed)
-    old = rng.integers(0, 3 * ps + 2, B)
-    app = rng.integers(1 if B >= 6 else 0, 2 * ps + 3, B)
-    app[0] = max(app[0], 1)
-    new = old + app
-    pages = -(-new // ps)
-    kv_indptr = np.concatenate([[0], np.cumsum(pages)]).astype(np.int32)
-    P = int(kv_indptr[-1]) + spare
-    kv_indices = rng.permutation(P)[:kv_indptr[-1]].astype(np.int32)
-    last = np.where(pages > 0, new - (pages - 1) * ps, 0).astype(np.int32)
-    app_indptr = np.concatenate([[0], np.cumsum(app)]).astype(np.int32)
-    return SimpleNamespace(B=B, ps=ps, P=P, old=old, app=app, new=new, kv_indptr=kv_indptr, kv_indices=kv_indices,
-                           last=last, app_indptr=app_indptr, nnz=int(app_indptr[-1]))
+    """A batch that already holds old tokens per request and appends app more (short batches may
+    append nothing to some requests)."""
+    return append_batch(seed, B, ps, spare, min_app=1 if B >= 6 else 0)
 
 
 def _scenario(seed, B, ps, H, D, dtype, layout="NHD", form="5d", spare=3):

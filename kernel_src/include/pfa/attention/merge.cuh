@@ -263,13 +263,30 @@ struct MergeStates {
     store<STRIPES>(p, lane, hd, row, head, acc, inv, lse);
   }
 
+  // The grid: one CTA per (row, head) (CTA_PER_ROW), else at most a few waves of CTAs whose
+  // warps stride over the (row, head) pairs (the host caps the grid: configure_merge). A
+  // fixed-capacity merge (a CUDA-graph plan, pyflashattn.jax) covers every token of the capacity
+  // even when the plan split nothing; merge_indptr[rows] (the partial rows of the plan) is then 0
+  // and the kernel returns at once: one CTA per four pairs cost 124 us for 20k tokens x 32 heads
+  // of exits alone (NOTES.md, session 26).
   template <bool CTA_PER_ROW>
   static __device__ __forceinline__ void run(const MergeParams& p) {
     ptx::wait_prior_grids();  // launched programmatically after the attention kernel (sm_90)
     const int lane = threadIdx.x % 32, warp = threadIdx.x / 32;
-    const int64_t pair = CTA_PER_ROW ? (int64_t)blockIdx.x : (int64_t)blockIdx.x * WARPS + warp;
     const int64_t pairs = (int64_t)p.rows * p.num_heads;
-    if (pair >= pairs) return;  // whole warps (CTA_PER_ROW: the whole CTA): the shuffles below see every lane
+    if (p.merge_indptr != 0 && reinterpret_cast<const int32_t*>(p.merge_indptr)[p.rows] == 0) return;
+    if constexpr (CTA_PER_ROW) {
+      if (blockIdx.x < pairs) merge_pair<true>(p, lane, warp, blockIdx.x);  // the whole CTA: its shuffles see every lane
+    } else {
+      for (int64_t pair = (int64_t)blockIdx.x * WARPS + warp; pair < pairs; pair += (int64_t)gridDim.x * WARPS)
+        merge_pair<false>(p, lane, warp, pair);  // whole warps
+    }
+  }
+
+  // One (row, head) pair: its chunks' partial states merged into the output.
+  template <bool CTA_PER_ROW>
+  static __device__ __forceinline__ void merge_pair(const MergeParams& p, int lane, int warp, int64_t pair) {
+    const int64_t pairs = (int64_t)p.rows * p.num_heads;
     const int row = pair / p.num_heads, head = pair % p.num_heads;
     int64_t first = pair, stride = pairs;  // single request: [num_kv_chunks, rows, heads]
     int count = p.num_kv_chunks;

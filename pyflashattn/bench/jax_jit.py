@@ -1,0 +1,156 @@
+"""``python -m pyflashattn.bench jax``: pyflashattn.jax inside jax.jit against the eager call on the
+same JAX arrays and, where it applies, jax.nn.dot_product_attention (cuDNN), in one run.
+
+Times are wall clock over pipelined calls ended by one block_until_ready (the kernels here run for
+tens of microseconds to milliseconds, far above a call's dispatch), median of interleaved rounds.
+"host us/call" is the time the host spends issuing one call (dispatch loop, no wait): for a jitted
+call with a warm command buffer that is XLA's dispatch alone (Python does not run), for the eager
+call the whole run() path.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import time
+
+import numpy as np
+
+
+def _block(x):
+    for leaf in (x if isinstance(x, tuple) else (x,)):
+        leaf.block_until_ready()
+
+
+def _wall_ms(fn, n: int) -> float:
+    t0 = time.perf_counter()
+    for _ in range(n):
+        out = fn()
+    _block(out)
+    return (time.perf_counter() - t0) / n * 1e3
+
+
+def _dispatch_us(fn, n: int) -> float:
+    t0 = time.perf_counter()
+    for _ in range(n):
+        out = fn()
+    t1 = time.perf_counter()
+    _block(out)
+    return (t1 - t0) / n * 1e6
+
+
+def _measure(fns: dict, n: int, rounds: int) -> dict:
+    """name -> (median ms/call, median host us/call), the fns interleaved round by round."""
+    for fn in fns.values():
+        _block(fn())
+        _block(fn())
+    ms, us = {k: [] for k in fns}, {k: [] for k in fns}
+    for _ in range(rounds):
+        for k, fn in fns.items():
+            ms[k].append(_wall_ms(fn, n))
+            us[k].append(_dispatch_us(fn, n))
+    return {k: (statistics.median(ms[k]), statistics.median(us[k])) for k in fns}
+
+
+def _single_rows(jax, jnp, pfa, pfj, quick: bool) -> list:
+    rows = []
+    rng = np.random.default_rng(0)
+    for seq, causal in ((16384, False), (16384, True)) if not quick else ((16384, True),):
+        h, d = 16, 128
+        q, k, v = (jnp.asarray(rng.standard_normal((seq, h, d)).astype(np.float32), jnp.bfloat16) for _ in range(3))
+        jit = jax.jit(lambda q, k, v: pfj.single_prefill_with_kv_cache(q, k, v, causal=causal))
+        fns = {"jit": lambda: jit(q, k, v), "eager": lambda: pfa.single_prefill_with_kv_cache(q, k, v, causal=causal)}
+        try:
+            cud = jax.jit(lambda q, k, v: jax.nn.dot_product_attention(q[None], k[None], v[None], is_causal=causal,
+                                                                       implementation="cudnn")[0])
+            _block(cud(q, k, v))
+            fns["cudnn"] = lambda: cud(q, k, v)
+        except Exception as e:  # noqa: BLE001 - cuDNN attention unavailable in this JAX: the row says so
+            print(f"  jax.nn.dot_product_attention(cudnn): {type(e).__name__}: {str(e)[:120]}")
+        res = _measure(fns, 10, 5)
+        flops = 4 * seq * seq * h * d * (0.5 if causal else 1.0)
+        rows.append({"case": f"single 1x{seq} hd{d} {'causal' if causal else 'full'}",
+                     **{f"{k}_ms": round(t, 4) for k, (t, _) in res.items()},
+                     **{f"{k}_tflops": round(flops / t / 1e9, 1) for k, (t, _) in res.items()},
+                     "jit/eager time": round(res["jit"][0] / res["eager"][0], 4)})
+    return rows
+
+
+def _decode_row(jax, jnp, pfa, pfj) -> dict:
+    rng = np.random.default_rng(1)
+    B, seq, hq, hkv, d, ps = 64, 4096, 32, 8, 128, 16
+    pages = B * seq // ps
+    cache = jnp.asarray(rng.standard_normal((pages, 2, ps, hkv, d)).astype(np.float32), jnp.bfloat16)
+    indptr = (np.arange(B + 1) * (seq // ps)).astype(np.int32)
+    idx = rng.permutation(pages).astype(np.int32)
+    last = np.full(B, ps, np.int32)
+    q = jnp.asarray(rng.standard_normal((B, hq, d)).astype(np.float32), jnp.bfloat16)
+    w = pfj.BatchDecodeWithPagedKVCacheWrapper("NHD", max_batch_size=B, max_num_pages=pages)
+    plan = w.plan(indptr, idx, last, hq, hkv, d, ps, q_data_type="bfloat16")
+    jit = jax.jit(w.run)
+    ew = pfa.BatchDecodeWithPagedKVCacheWrapper(jnp.zeros(64 << 20, jnp.uint8), "NHD")
+    ew.plan(indptr, idx, last, hq, hkv, d, ps, q_data_type="bfloat16")
+    res = _measure({"jit": lambda: jit(q, cache, plan), "eager": lambda: ew.run(q, cache)}, 200, 5)
+    nbytes = 2 * B * seq * hkv * d * 2
+    return {"case": f"decode B={B} x {seq} 32/8 hd128 page {ps}",
+            **{f"{k}_ms": round(t, 4) for k, (t, _) in res.items()},
+            **{f"{k}_TBps": round(nbytes / t / 1e9, 3) for k, (t, _) in res.items()},
+            **{f"{k}_host_us": round(u, 1) for k, (_, u) in res.items()},
+            "jit/eager time": round(res["jit"][0] / res["eager"][0], 4)}
+
+
+def _paged_row(jax, jnp, pfa, pfj) -> dict:
+    rng = np.random.default_rng(2)
+    lens = [1024, 2048, 3072, 4096] * 2
+    hq, hkv, d, ps = 32, 8, 128, 16
+    pages_of = [n // ps for n in lens]
+    pages = sum(pages_of)
+    cache = jnp.asarray(rng.standard_normal((pages, 2, ps, hkv, d)).astype(np.float32), jnp.bfloat16)
+    qo = np.concatenate([[0], np.cumsum(lens)]).astype(np.int32)
+    kvp = np.concatenate([[0], np.cumsum(pages_of)]).astype(np.int32)
+    idx, last = rng.permutation(pages).astype(np.int32), np.full(len(lens), ps, np.int32)
+    q = jnp.asarray(rng.standard_normal((int(qo[-1]), hq, d)).astype(np.float32), jnp.bfloat16)
+    w = pfj.BatchPrefillWithPagedKVCacheWrapper("NHD", max_batch_size=len(lens), max_num_pages=pages,
+                                                max_num_tokens=int(qo[-1]))
+    plan = w.plan(qo, kvp, idx, last, hq, hkv, d, ps, causal=True, q_data_type="bfloat16")
+    jit = jax.jit(w.run)
+    ew = pfa.BatchPrefillWithPagedKVCacheWrapper(jnp.zeros(64 << 20, jnp.uint8), "NHD")
+    ew.plan(qo, kvp, idx, last, hq, hkv, d, ps, causal=True, q_data_type="bfloat16")
+    res = _measure({"jit": lambda: jit(q, cache, plan), "eager": lambda: ew.run(q, cache)}, 10, 5)
+    flops = sum(4 * n * n * hq * d * 0.5 for n in lens)
+    return {"case": f"paged causal {len(lens)} x 1k-4k 32/8 hd128 page {ps}",
+            **{f"{k}_ms": round(t, 4) for k, (t, _) in res.items()},
+            **{f"{k}_tflops": round(flops / t / 1e9, 1) for k, (t, _) in res.items()},
+            "jit/eager time": round(res["jit"][0] / res["eager"][0], 4)}
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(prog="python -m pyflashattn.bench jax", description=__doc__,
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--quick", action="store_true", help="the causal 16k single prefill row only, then decode")
+    ap.add_argument("--json", metavar="PATH", help="write the rows as JSON")
+    args = ap.parse_args(argv)
+    try:
+        import jax
+        import jax.numpy as jnp
+        jax.devices("gpu")
+    except Exception as e:  # noqa: BLE001
+        print(f"pyflashattn bench jax: needs JAX with a CUDA GPU ({type(e).__name__}: {e})", file=sys.stderr)
+        return 2
+    import pyflashattn as pfa
+    import pyflashattn.jax as pfj
+
+    rows = _single_rows(jax, jnp, pfa, pfj, args.quick) + [_decode_row(jax, jnp, pfa, pfj)]
+    if not args.quick:
+        rows.append(_paged_row(jax, jnp, pfa, pfj))
+    for r in rows:
+        print("  ".join(f"{k}={v}" for k, v in r.items()))
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump({"device": str(jax.devices("gpu")[0].device_kind), "rows": rows}, f, indent=1)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,171 @@
+"""The bridge between XLA and the engine: XLA's device buffers as the engine's tensor views, the
+call through ``jax.experimental.buffer_callback``, trace-time views, XLA's scratch memory.
+
+How a jitted call runs (../shared/reference/jax-jit.md, route 1): at trace time a function of this
+package checks its arguments and builds its plan from the arguments' shapes and dtypes (fake
+views: no address yet), so bad input raises there with the eager API's messages. The plan goes
+into the closure of a callback; XLA calls the callback with its buffers and its CUDA stream, and
+the callback only points the plan's structs at the buffers and launches on that stream: no host
+sync, no allocation (memory a launch needs beyond its outputs is a scratch output that XLA
+allocates with the call), no call into ``jax``. With ``command_buffer_compatible`` XLA records the
+launches into a CUDA graph and replays it; Python runs again only when buffer addresses change,
+so a launch's parameters may depend on nothing but the plan and the addresses.
+
+A callback may run on any of XLA's threads, and for every local GPU (``shard_map``): the plans
+are built at trace time for each local GPU that JAX sees and picked by the device that holds the
+call's first buffer; a lock per callable serialises the struct writes and launches of one plan.
+"""
+from __future__ import annotations
+
+import math
+import threading
+
+from .._runtime import cuda as _cuda, dtypes as _dtypes
+from .._runtime.dlpack import compact_strides, kDLCUDA
+from .._runtime.tensor import TensorView
+
+FRAMEWORK = "xla"  # the TensorViews of XLA buffers (pyflashattn._runtime.tensor passes views through)
+SCRATCH_ALIGN = 256  # XLA aligns buffers to at least this; the scratch's parts keep 16-byte alignment
+
+
+def _jax():
+    import jax
+
+    return jax
+
+
+def buffer_callback():
+    """jax.experimental.buffer_callback.buffer_callback, or ImportError naming the JAX it needs."""
+    try:
+        from jax.experimental.buffer_callback import buffer_callback as bc
+    except ImportError:
+        jax = _jax()
+        raise ImportError(f"pyflashattn.jax needs jax.experimental.buffer_callback (JAX 0.6.1 or newer); "
+                          f"this JAX is {getattr(jax, '__version__', 'unknown')}") from None
+    return bc
+
+
+def gpu_ordinals() -> list[int]:
+    """CUDA ordinals of the local GPUs JAX sees (its CUDA platform's devices)."""
+    jax = _jax()
+    try:
+        devs = jax.local_devices(backend="gpu")
+    except RuntimeError as e:
+        raise RuntimeError(f"pyflashattn.jax needs JAX's CUDA backend (jax[cuda]): {e}") from None
+    return [int(getattr(d, "local_hardware_id", d.id)) for d in devs]
+
+
+def jax_dtype(dt: _dtypes.DType):
+    """The numpy/ml_dtypes dtype JAX uses for a DType."""
+    import jax.numpy as jnp
+
+    return jnp.dtype(dt.name)
+
+
+def aval_view(x, name: str, dev: int) -> TensorView:
+    """A trace-time view of a JAX value (tracer or array): shape, dtype and dense strides, no address
+    (0: aligned for every check). TypeError naming the argument for a non-array or a dtype the
+    library has no name for."""
+    shape, dtype = getattr(x, "shape", None), getattr(x, "dtype", None)
+    if shape is None or dtype is None:
+        raise TypeError(f"{name} must be a JAX array, got {type(x).__name__}")
+    try:
+        dt = _dtypes.normalize(dtype)
+    except TypeError as e:
+        raise TypeError(f"{name}: {e}") from None
+    shape = tuple(int(s) for s in shape)
+    return TensorView(None, 0, shape, compact_strides(shape), dt, kDLCUDA, dev, FRAMEWORK)
+
+
+class XBuf:
+    """An XLA buffer as the callback sees it: address, shape (vmapped dims first) and the DType it
+    holds (an fp8 array crosses the callback as uint8 bytes: XLA's buffers describe no fp8 type
+    through __cuda_array_interface__, so Callable bitcasts fp8 to uint8 around the call)."""
+
+    __slots__ = ("ptr", "shape", "dtype")
+
+    def __init__(self, buf, dtype: _dtypes.DType):
+        self.ptr = int(buf.__cuda_array_interface__["data"][0])
+        self.shape = tuple(buf.shape)
+        self.dtype = dtype
+
+
+def buffer_view(buf: XBuf, dev: int, offset: int = 0, lead: int = 0) -> TensorView:
+    """The view of an XLA buffer (dense, row-major) inside a callback; lead > 0 drops that many
+    leading (vmapped) dims, offset: the element offset of the slice viewed."""
+    shape = buf.shape[lead:]
+    return TensorView(buf, buf.ptr + buf.dtype.nbytes(offset), shape, compact_strides(shape), buf.dtype, kDLCUDA, dev,
+                      FRAMEWORK)
+
+
+def buffer_ptr(buf: XBuf) -> int:
+    return buf.ptr
+
+
+def device_of(buf, ordinals: list[int]) -> int:
+    """The ordinal of the GPU holding an XLA buffer (one query when JAX sees several GPUs)."""
+    if len(ordinals) == 1:
+        return ordinals[0]
+    return _cuda.pointer_device(buffer_ptr(buf))
+
+
+def no_out(fn_name: str, **given) -> None:
+    """JAX arrays are immutable: out= / lse= (and in-place writes) refuse with TypeError."""
+    for name, val in given.items():
+        if val is not None:
+            raise TypeError(f"pyflashattn.jax.{fn_name}: {name}= is not supported: JAX arrays are immutable, "
+                            "the result is returned as a new array")
+
+
+def _is_fp8(dt: _dtypes.DType) -> bool:
+    return dt.bits == 8 and dt.name.startswith("float8")
+
+
+class Callable:
+    """One jittable call: buffer_callback over `launch(stream, outs, ins)` (XBufs), with a lock and
+    the error naming the kernel. Built once per plan key (call sites cache it), so eager calls
+    reuse JAX's compiled wrapper instead of compiling a new one per call. fp8 inputs and results
+    cross as uint8 (a bitcast in XLA, free), their XBufs carrying the fp8 DType."""
+
+    def __init__(self, what: str, launch, result_specs, vmap_method=None, aliases=None):
+        jax = _jax()
+        self.what = what
+        self.launch = launch
+        self.lock = threading.Lock()
+        self.out_dtypes = [_dtypes.normalize(s.dtype) for s in result_specs]
+        self.out_fp8 = [_is_fp8(d) for d in self.out_dtypes]
+        specs = [jax.ShapeDtypeStruct(s.shape, jax_dtype(_dtypes.UINT8)) if f else s
+                 for s, f in zip(result_specs, self.out_fp8)]
+        self.in_dtypes = None  # the inputs' DTypes, from the first call (a trace's signature is fixed)
+        self.fn = buffer_callback()(self._callback, specs, vmap_method=vmap_method,
+                                    input_output_aliases=aliases, command_buffer_compatible=True)
+
+    def _callback(self, ctx, outs, *ins):
+        try:
+            with self.lock:
+                self.launch(int(ctx.stream), [XBuf(b, d) for b, d in zip(outs, self.out_dtypes)],
+                            [XBuf(b, d) for b, d in zip(ins, self.in_dtypes)])
+        except Exception as e:  # noqa: BLE001 - surfaces as JaxRuntimeError with this message
+            raise RuntimeError(f"pyflashattn.jax {self.what}: {type(e).__name__}: {e}") from e
+
+    def __call__(self, *args):
+        jax = _jax()
+        dts = [_dtypes.normalize(a.dtype) for a in args]
+        if self.in_dtypes is None:
+            self.in_dtypes = dts
+        u8 = jax_dtype(_dtypes.UINT8)
+        args = [jax.lax.bitcast_convert_type(a, u8) if _is_fp8(d) else a for a, d in zip(args, dts)]
+        res = self.fn(*args)
+        return [jax.lax.bitcast_convert_type(r, jax_dtype(d)) if f else r
+                for r, d, f in zip(res, self.out_dtypes, self.out_fp8)]
+
+
+def scratch_bytes(nbytes: int) -> int:
+    """A scratch part's room, 16-byte aligned."""
+    return (int(nbytes) + 15) // 16 * 16
+
+
+def lead_count(buf, base_ndim: int) -> tuple[int, int]:
+    """(leading vmapped dims, their product) of a buffer whose unbatched rank is base_ndim."""
+    lead = len(buf.shape) - base_ndim
+    return lead, math.prod(tuple(buf.shape)[:lead]) if lead > 0 else 1
