@@ -170,9 +170,11 @@ def check(result, what: str):
     return result[1] if len(result) == 2 else result[1:]
 
 
-def ensure_context(device_id: int) -> None:
-    """Make device_id's primary context current on this thread (the one torch/CuPy/JAX use)."""
-    if getattr(_current, "dev", None) == device_id:
+def ensure_context(device_id: int, force: bool = False) -> None:
+    """Make device_id's primary context current on this thread (the one torch/CuPy/JAX use).
+    force: set it even where this thread's last call set it (a callback on a thread whose current
+    context its owner may have switched since: XLA's, pyflashattn.jax)."""
+    if not force and getattr(_current, "dev", None) == device_id:
         return
     cu = driver()
     ctx = _contexts.get(device_id)
@@ -395,11 +397,20 @@ def memset32_async(ptr: int, value: int, count: int, stream: int) -> None:
     check(driver().cuMemsetD32Async(ptr, value, count, stream), "cuMemsetD32Async")
 
 
-def pointer_device(ptr: int) -> int:
-    """The ordinal of the device whose memory holds ptr (cuPointerGetAttribute)."""
+_stream_ctx_device: dict = {}  # a stream's context -> its device ordinal
+
+
+def stream_device(stream: int) -> int:
+    """The ordinal of the device a stream belongs to, its context made current on this thread (a
+    callback of another library's stream: XLA's, pyflashattn.jax)."""
     cu = driver()
-    return int(check(cu.cuPointerGetAttribute(cu.CUpointer_attribute.CU_POINTER_ATTRIBUTE_DEVICE_ORDINAL, ptr),
-                     "cuPointerGetAttribute"))
+    ctx = check(cu.cuStreamGetCtx(stream), "cuStreamGetCtx")
+    check(cu.cuCtxSetCurrent(ctx), "cuCtxSetCurrent")
+    dev = _stream_ctx_device.get(int(ctx))
+    if dev is None:
+        dev = _stream_ctx_device[int(ctx)] = int(check(cu.cuCtxGetDevice(), "cuCtxGetDevice"))
+    _current.dev = dev
+    return dev
 
 
 def sched_counters(stream: int) -> int:

@@ -3,14 +3,20 @@ same JAX arrays and, where it applies, jax.nn.dot_product_attention (cuDNN), in 
 
 Times are wall clock over pipelined calls ended by one block_until_ready (the kernels here run for
 tens of microseconds to milliseconds, far above a call's dispatch), median of interleaved rounds.
-"host us/call" is the time the host spends issuing one call (dispatch loop, no wait): for a jitted
-call with a warm command buffer that is XLA's dispatch alone (Python does not run), for the eager
-call the whole run() path.
+"host us/call" is the time the host spends issuing one call (dispatch loop, no wait), in a row
+small enough that the GPU never holds the host back: for a jitted call with a warm command buffer
+that is XLA's dispatch alone ("python launches" counts the callbacks that ran: 0 a call once the
+buffer is recorded), for the eager call the whole run() path.
+
+XLA records a sequence into a command buffer from xla_gpu_graph_min_graph_size commands on (5 by
+default), which a model's step reaches and these one-call functions do not: unless XLA_FLAGS sets
+it, the benchmark sets it to 1 (--xla-default leaves XLA's default).
 """
 from __future__ import annotations
 
 import argparse
 import json
+import os
 import statistics
 import sys
 import time
@@ -77,27 +83,49 @@ def _single_rows(jax, jnp, pfa, pfj, quick: bool) -> list:
     return rows
 
 
-def _decode_row(jax, jnp, pfa, pfj) -> dict:
-    rng = np.random.default_rng(1)
-    B, seq, hq, hkv, d, ps = 64, 4096, 32, 8, 128, 16
+def _decode_calls(jax, jnp, pfa, pfj, B: int, seq: int, seed: int):
+    """A paged decode batch (32/8 heads, hd128, page 16, random page order): the jitted wrapper,
+    its call and the eager wrapper's call on the same arrays."""
+    rng = np.random.default_rng(seed)
+    hq, hkv, d, ps = 32, 8, 128, 16
     pages = B * seq // ps
     cache = jnp.asarray(rng.standard_normal((pages, 2, ps, hkv, d)).astype(np.float32), jnp.bfloat16)
     indptr = (np.arange(B + 1) * (seq // ps)).astype(np.int32)
-    idx = rng.permutation(pages).astype(np.int32)
-    last = np.full(B, ps, np.int32)
+    idx, last = rng.permutation(pages).astype(np.int32), np.full(B, ps, np.int32)
     q = jnp.asarray(rng.standard_normal((B, hq, d)).astype(np.float32), jnp.bfloat16)
     w = pfj.BatchDecodeWithPagedKVCacheWrapper("NHD", max_batch_size=B, max_num_pages=pages)
     plan = w.plan(indptr, idx, last, hq, hkv, d, ps, q_data_type="bfloat16")
     jit = jax.jit(w.run)
     ew = pfa.BatchDecodeWithPagedKVCacheWrapper(jnp.zeros(64 << 20, jnp.uint8), "NHD")
     ew.plan(indptr, idx, last, hq, hkv, d, ps, q_data_type="bfloat16")
-    res = _measure({"jit": lambda: jit(q, cache, plan), "eager": lambda: ew.run(q, cache)}, 200, 5)
-    nbytes = 2 * B * seq * hkv * d * 2
-    return {"case": f"decode B={B} x {seq} 32/8 hd128 page {ps}",
+    return w, {"jit": lambda: jit(q, cache, plan), "eager": lambda: ew.run(q, cache)}
+
+
+def _decode_row(jax, jnp, pfa, pfj) -> dict:
+    B, seq = 64, 4096
+    _, fns = _decode_calls(jax, jnp, pfa, pfj, B, seq, 1)
+    res = _measure(fns, 200, 5)
+    nbytes = 2 * B * seq * 8 * 128 * 2
+    return {"case": f"decode B={B} x {seq} 32/8 hd128 page 16",
             **{f"{k}_ms": round(t, 4) for k, (t, _) in res.items()},
             **{f"{k}_TBps": round(nbytes / t / 1e9, 3) for k, (t, _) in res.items()},
-            **{f"{k}_host_us": round(u, 1) for k, (_, u) in res.items()},
             "jit/eager time": round(res["jit"][0] / res["eager"][0], 4)}
+
+
+def _host_row(jax, jnp, pfa, pfj) -> dict:
+    """Host time per call of a small decode (B=8 x 256 keys: microseconds of GPU work)."""
+    B, seq = 8, 256
+    w, fns = _decode_calls(jax, jnp, pfa, pfj, B, seq, 3)
+    n, rounds = 2000, 3
+    _block(fns["jit"]())
+    before = sum(c.python_launches for c in w.calls.values())
+    res = _measure(fns, n, rounds)
+    launches = sum(c.python_launches for c in w.calls.values()) - before
+    calls = 2 + 2 * rounds * n  # _measure: two warm-up calls, then two loops of n a round
+    return {"case": f"host time: decode B={B} x {seq} 32/8 hd128",
+            **{f"{k}_host_us": round(u, 2) for k, (_, u) in res.items()},
+            **{f"{k}_ms": round(t, 4) for k, (t, _) in res.items()},
+            "jit python launches per call": round(launches / calls, 4)}
 
 
 def _paged_row(jax, jnp, pfa, pfj) -> dict:
@@ -130,7 +158,11 @@ def main(argv=None) -> int:
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--quick", action="store_true", help="the causal 16k single prefill row only, then decode")
     ap.add_argument("--json", metavar="PATH", help="write the rows as JSON")
+    ap.add_argument("--xla-default", action="store_true", help="leave xla_gpu_graph_min_graph_size at XLA's default")
     args = ap.parse_args(argv)
+    flags = os.environ.get("XLA_FLAGS", "")
+    if not args.xla_default and "xla_gpu_graph_min_graph_size" not in flags:
+        os.environ["XLA_FLAGS"] = (flags + " --xla_gpu_graph_min_graph_size=1").strip()
     try:
         import jax
         import jax.numpy as jnp
@@ -141,7 +173,8 @@ def main(argv=None) -> int:
     import pyflashattn as pfa
     import pyflashattn.jax as pfj
 
-    rows = _single_rows(jax, jnp, pfa, pfj, args.quick) + [_decode_row(jax, jnp, pfa, pfj)]
+    rows = _single_rows(jax, jnp, pfa, pfj, args.quick) + [_decode_row(jax, jnp, pfa, pfj),
+                                                           _host_row(jax, jnp, pfa, pfj)]
     if not args.quick:
         rows.append(_paged_row(jax, jnp, pfa, pfj))
     for r in rows:

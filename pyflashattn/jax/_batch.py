@@ -196,19 +196,20 @@ class _JitBatch:
         dev = self.dev
 
         def launch(stream, outs, ins):
-            if _bridge.device_of(ins[0], self.ordinals) != dev:
+            if _bridge.device_of(stream, self.ordinals) != dev:
                 raise ValueError(f"this wrapper plans for cuda:{dev}; its run() got buffers of another device")
             q, kv, state = ins[0], ins[1:1 + n_kv], ins[1 + n_kv]
             sv = _bridge.buffer_view(ins[2 + n_kv], dev) if has_sinks else None
-            eng = self.engine
-            base = _bridge.buffer_ptr(state)
-            for p, name, off in self.fields:
-                setattr(p, name, base + off)
-            eng.point_workspace(_bridge.buffer_ptr(outs[-1]))
             qv, ov = _bridge.buffer_view(q, dev), _bridge.buffer_view(outs[0], dev)
             lv = _bridge.buffer_view(outs[1], dev) if return_lse else None
             kv_views = tuple(_bridge.buffer_view(b, dev) for b in kv)
-            self._launch(kind, qv, kv_views, ov, lv, stream, sv, return_lse, scales, enable_pdl)
+            eng = self.engine
+            with self.lock:  # the engine's structs: plan() on the host thread writes them too
+                base = _bridge.buffer_ptr(state)
+                for p, name, off in self.fields:
+                    setattr(p, name, base + off)
+                eng.point_workspace(_bridge.buffer_ptr(outs[-1]))
+                self._launch(kind, qv, kv_views, ov, lv, stream, sv, return_lse, scales, enable_pdl)
 
         kernel = getattr(self.engine.attn, "name", "attention")
         return _bridge.Callable(f"{self.NAME}.run ({kernel})", launch, self._out_specs(rows, return_lse))

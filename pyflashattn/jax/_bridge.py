@@ -102,11 +102,15 @@ def buffer_ptr(buf: XBuf) -> int:
     return buf.ptr
 
 
-def device_of(buf, ordinals: list[int]) -> int:
-    """The ordinal of the GPU holding an XLA buffer (one query when JAX sees several GPUs)."""
+def device_of(stream: int, ordinals: list[int]) -> int:
+    """The ordinal of the GPU a callback's XLA stream belongs to, its context made current: XLA
+    calls back on threads whose current context it sets itself, and a kernel loaded for one device
+    does not launch on another's stream (CUDA_ERROR_INVALID_HANDLE under shard_map over two GPUs,
+    where the buffers' pointer attribute named device 0 for device 1's memory)."""
     if len(ordinals) == 1:
+        _cuda.ensure_context(ordinals[0], force=True)
         return ordinals[0]
-    return _cuda.pointer_device(buffer_ptr(buf))
+    return _cuda.stream_device(stream)
 
 
 def no_out(fn_name: str, **given) -> None:
@@ -137,10 +141,12 @@ class Callable:
         specs = [jax.ShapeDtypeStruct(s.shape, jax_dtype(_dtypes.UINT8)) if f else s
                  for s, f in zip(result_specs, self.out_fp8)]
         self.in_dtypes = None  # the inputs' DTypes, from the first call (a trace's signature is fixed)
+        self.python_launches = 0  # callbacks run (a replayed command buffer runs none: bench jax reports it)
         self.fn = buffer_callback()(self._callback, specs, vmap_method=vmap_method,
                                     input_output_aliases=aliases, command_buffer_compatible=True)
 
     def _callback(self, ctx, outs, *ins):
+        self.python_launches += 1
         try:
             with self.lock:
                 self.launch(int(ctx.stream), [XBuf(b, d) for b, d in zip(outs, self.out_dtypes)],

@@ -85,7 +85,7 @@ def _build(kind: str, dtype, scales: tuple, ordinals, v_shape: tuple, s_shape: t
     def launch(stream, outs, ins):
         if not math.prod(outs[1].shape):  # no (row, head): nothing to launch, maybe no address to ask
             return
-        dev = _bridge.device_of(outs[0], ordinals)
+        dev = _bridge.device_of(stream, ordinals)
         if kind == "pair":
             va, sa, vb, sb = (_flat(b, dev, n) for b, n in zip(ins, (3, 2, 3, 2)))
             vo, so = _flat(outs[0], dev, 3), _flat(outs[1], dev, 2)

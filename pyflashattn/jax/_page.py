@@ -75,7 +75,7 @@ def _build(a, pair: bool, kv_layout: str, ordinals) -> _bridge.Callable:
     def launch(stream, outs, ins):
         if nnz == 0:  # the outputs alias the cache: nothing to write
             return
-        dev = _bridge.device_of(outs[0], ordinals)
+        dev = _bridge.device_of(stream, ordinals)
         # the output buffers: XLA's alias of the cache (its contents, or the cache's own memory)
         cache_bufs = tuple(_bridge.buffer_view(b, dev) for b in outs)
         cache = _engine.cache_operand(cache_bufs if pair else cache_bufs[0], kv_layout)
@@ -102,7 +102,7 @@ def get_seq_lens(kv_indptr, kv_last_page_len, page_size: int):
 
         def launch(stream, outs, ins):
             if B:
-                dev = _bridge.device_of(outs[0], ordinals)
+                dev = _bridge.device_of(stream, ordinals)
                 v = [_bridge.buffer_view(b, dev) for b in (*ins, outs[0])]
                 _engine.launch_seq_lens(*v, ps, stream, launchers[dev])
 
@@ -125,7 +125,7 @@ def get_batch_indices_positions(append_indptr, seq_lens, nnz: int):
 
         def launch(stream, outs, ins):
             if nnz:
-                dev = _bridge.device_of(outs[0], ordinals)
+                dev = _bridge.device_of(stream, ordinals)
                 v = [_bridge.buffer_view(b, dev) for b in (*ins, *outs)]
                 _engine.launch_batch_positions(*v, nnz, stream, launchers[dev])
 

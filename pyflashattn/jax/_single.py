@@ -94,7 +94,7 @@ def _build(ordinals, qv, kv, vv, mv, mask_kind, causal, kv_layout, window_left, 
     kernel = plan.attn.name if plan.attn is not None else "none"
 
     def launch(stream, outs, ins):
-        dev = _bridge.device_of(ins[0], ordinals)
+        dev = _bridge.device_of(stream, ordinals)
         p = plans[dev]
         if p.attn is None:
             return

@@ -173,7 +173,7 @@ def _build(ordinals, names, c, window_left, scale_on_device, enable_pdl):
     planned_keys, num_pages, words, s1, s2 = c.pages * c.page_size, c.num_pages, c.words, c.s1, c.s2
 
     def launch(stream, outs, ins):
-        dev = _bridge.device_of(ins[0], ordinals)
+        dev = _bridge.device_of(stream, ordinals)
         e = engines[dev]
         view = {n: _bridge.buffer_view(ins[i], dev) for n, i in at.items()}
         ptr = {n: v.ptr for n, v in view.items()}
