@@ -22,7 +22,7 @@ import threading
 import numpy as np
 
 from .. import decode as _decode, prefill as _prefill
-from .._engine import operands
+from .._engine import indices as _indices, operands
 from .._runtime import dtypes as _dtypes
 from .._runtime.dlpack import compact_strides, kDLCUDA
 from . import _bridge
@@ -104,12 +104,15 @@ class _JitBatch:
         self.kv_bound = None
         self.calls = {}
 
-    def _plan(self, plan_fn, *args, **kwargs) -> Plan:
+    def _plan(self, plan_fn, extent, *args, **kwargs) -> Plan:
+        """plan_fn(*args, **kwargs), the eager plan, once the plan's K/V extent (max page, K/V rows:
+        extent()) is within what traced run()s read (checked first: a refused plan leaves no trace)."""
         if kwargs.get("custom_mask") is not None or kwargs.get("packed_custom_mask") is not None:
             raise NotImplementedError(f"pyflashattn.jax {self.NAME}: custom masks are not supported under jit (their "
                                       "bytes live outside the plan's metadata); use the eager wrapper")
         jax = _jax()
         with self.lock:
+            self._check_bound(*extent())
             # the placeholder workspace address the first plan saw (its graph signature includes it;
             # each jitted call points the workspace at its own scratch)
             self.engine.point_workspace(0)
@@ -121,7 +124,6 @@ class _JitBatch:
                 raise ValueError(f"pyflashattn.jax {self.NAME}: the first plan() fixes the settings every jitted run() "
                                  f"launches with (they are baked into the launch XLA may record): {e}") from None
             eng = self.engine
-            self._check_bound(eng.src)
             fields = eng.detach_metadata()
             if self.fields is None:
                 self.fields = fields
@@ -143,16 +145,16 @@ class _JitBatch:
             return kv_views[0].shape[0]
         return kv_views[0].shape[0 if self.engine.kv_layout == "NHD" else 1]
 
-    def _check_bound(self, src, bound=None):
+    def _check_bound(self, max_page: int, total_kv: int, bound=None):
         bound = self.kv_bound if bound is None else bound
         if bound is None:
             return
         if self.engine.paged:
-            if src.max_page >= bound:
-                raise ValueError(f"paged_kv_indices refers to page {src.max_page} but the paged_kv_cache a jitted "
+            if max_page >= bound:
+                raise ValueError(f"paged_kv_indices refers to page {max_page} but the paged_kv_cache a jitted "
                                  f"run() was traced with has {bound} pages")
-        elif src.total_kv > bound:
-            raise ValueError(f"kv_indptr[-1] = {src.total_kv} but the k / v a jitted run() was traced with hold "
+        elif total_kv > bound:
+            raise ValueError(f"kv_indptr[-1] = {total_kv} but the k / v a jitted run() was traced with hold "
                              f"{bound} rows")
 
     def _out_specs(self, rows: int, return_lse: bool):
@@ -179,7 +181,7 @@ class _JitBatch:
         with self.lock:  # the eager checks at trace time, on views without addresses
             self._launch(kind, qv, kv_views, None, None, None, sv, return_lse, scales, enable_pdl, dry=True)
             bound = self._kv_extent(kind, kv_views)
-            self._check_bound(eng.src, bound)
+            self._check_bound(eng.src.max_page, eng.src.total_kv, bound)
             self.kv_bound = bound if self.kv_bound is None else min(self.kv_bound, bound)
         key = (kind, qv.shape, qv.dtype.name, tuple((v.shape, v.dtype.name) for v in kv_views),
                None if sv is None else (sv.shape, sv.dtype.name), bool(return_lse),
@@ -212,7 +214,9 @@ class _JitBatch:
                 self._launch(kind, qv, kv_views, ov, lv, stream, sv, return_lse, scales, enable_pdl)
 
         kernel = getattr(self.engine.attn, "name", "attention")
-        return _bridge.Callable(f"{self.NAME}.run ({kernel})", launch, self._out_specs(rows, return_lse))
+        return _bridge.Callable(f"{self.NAME}.run ({kernel})", launch, self._out_specs(rows, return_lse), no_vmap=(
+            f"pyflashattn.jax {self.NAME}.run does not support vmap: its batch is the plan's (plan every request "
+            "of the batch together)"))
 
     def _launch(self, kind, qv, kv_views, ov, lv, stream, sv, return_lse, scales, enable_pdl, dry=False):
         eng = self.engine
@@ -232,6 +236,17 @@ class _JitBatch:
         else:
             eng.run_ragged(qv, kv_views[0], kv_views[1], out=ov, lse=lv, return_lse=return_lse, stream=stream,
                            enable_pdl=enable_pdl, sinks=sv, **scales)
+
+
+def _last(a: np.ndarray) -> int:
+    return int(a[-1]) if a.size else 0
+
+
+def _paged_extent(kv_indptr, kv_indices) -> tuple:
+    """(the largest page id the batch uses, -1 without pages; 0): host copies, as plan() reads them."""
+    n = max(_last(_indices.host_int(kv_indptr, "kv_indptr")), 0)
+    used = _indices.host_int(kv_indices, "paged_kv_indices")[:n]
+    return (int(used.max()) if used.size else -1), 0
 
 
 def _capacity(name: str, value) -> np.ndarray:
@@ -262,8 +277,8 @@ class BatchPrefillWithPagedKVCacheWrapper(_JitBatch):
 
     def plan(self, qo_indptr, paged_kv_indptr, paged_kv_indices, paged_kv_last_page_len, *args, **kwargs) -> Plan:
         """The eager plan() (host index arrays; numpy avoids a sync), returning the Plan to pass to run()."""
-        return self._plan(self.eager.plan, qo_indptr, paged_kv_indptr, paged_kv_indices, paged_kv_last_page_len,
-                          *args, **kwargs)
+        return self._plan(self.eager.plan, lambda: _paged_extent(paged_kv_indptr, paged_kv_indices), qo_indptr,
+                          paged_kv_indptr, paged_kv_indices, paged_kv_last_page_len, *args, **kwargs)
 
     def run(self, q, paged_kv_cache, plan, *, k_scale=None, v_scale=None, return_lse: bool = False, sinks=None,
             enable_pdl=None):
@@ -299,7 +314,8 @@ class BatchPrefillWithRaggedKVCacheWrapper(_JitBatch):
         super().__init__(make, device, float_workspace_bytes)
 
     def plan(self, qo_indptr, kv_indptr, *args, **kwargs) -> Plan:
-        return self._plan(self.eager.plan, qo_indptr, kv_indptr, *args, **kwargs)
+        return self._plan(self.eager.plan, lambda: (-1, _last(_indices.host_int(kv_indptr, "kv_indptr"))), qo_indptr,
+                          kv_indptr, *args, **kwargs)
 
     def run(self, q, k, v, plan, *, q_scale=None, k_scale=None, v_scale=None, return_lse: bool = False, sinks=None,
             enable_pdl=None):
@@ -333,7 +349,14 @@ class BatchDecodeWithPagedKVCacheWrapper(_JitBatch):
         if self.max_tokens is None:
             q_len = operands.positive_int(kwargs.get("q_len_per_req", 1), "q_len_per_req")
             self.engine.graph.max_total_q = self.max_batch * q_len
-        plan = self._plan(self.eager.plan, indptr, indices, last_page_len, *args, **kwargs)
+        def extent():
+            if indptr is not None:
+                return _paged_extent(indptr, indices)
+            page_size = kwargs.get("page_size", args[3] if len(args) > 3 else None)
+            arrays = _indices.block_table_arrays(kwargs.get("block_tables"), kwargs.get("seq_lens"), page_size)
+            return _paged_extent(arrays[0], arrays[1])
+
+        plan = self._plan(self.eager.plan, extent, indptr, indices, last_page_len, *args, **kwargs)
         self.max_tokens = self.engine.graph.max_total_q
         return plan
 

@@ -131,7 +131,9 @@ class Callable:
     reuse JAX's compiled wrapper instead of compiling a new one per call. fp8 inputs and results
     cross as uint8 (a bitcast in XLA, free), their XBufs carrying the fp8 DType."""
 
-    def __init__(self, what: str, launch, result_specs, vmap_method=None, aliases=None):
+    def __init__(self, what: str, launch, result_specs, vmap_method=None, aliases=None, no_vmap: str | None = None):
+        """no_vmap: where the call has no vmap (its batch is a plan's or its metadata's), the
+        NotImplementedError message a vmap of it raises (buffer_callback's own names its primitive)."""
         jax = _jax()
         self.what = what
         self.launch = launch
@@ -144,6 +146,7 @@ class Callable:
         self.python_launches = 0  # callbacks run (a replayed command buffer runs none: bench jax reports it)
         self.fn = buffer_callback()(self._callback, specs, vmap_method=vmap_method,
                                     input_output_aliases=aliases, command_buffer_compatible=True)
+        self.call = self._call if no_vmap is None else _refusing_vmap(jax, self._call, no_vmap)
 
     def _callback(self, ctx, outs, *ins):
         self.python_launches += 1
@@ -155,6 +158,9 @@ class Callable:
             raise RuntimeError(f"pyflashattn.jax {self.what}: {type(e).__name__}: {e}") from e
 
     def __call__(self, *args):
+        return self.call(*args)
+
+    def _call(self, *args):
         jax = _jax()
         dts = [_dtypes.normalize(a.dtype) for a in args]
         if self.in_dtypes is None:
@@ -164,6 +170,18 @@ class Callable:
         res = self.fn(*args)
         return [jax.lax.bitcast_convert_type(r, jax_dtype(d)) if f else r
                 for r, d, f in zip(res, self.out_dtypes, self.out_fp8)]
+
+
+def _refusing_vmap(jax, call, message: str):
+    """call, whose vmap raises NotImplementedError(message) (jax.custom_batching.custom_vmap: also
+    under a vmap outside a jitted function)."""
+    fn = jax.custom_batching.custom_vmap(lambda *args: call(*args))
+
+    @fn.def_vmap
+    def _refuse(axis_size, in_batched, *args):
+        raise NotImplementedError(message)
+
+    return fn
 
 
 def scratch_bytes(nbytes: int) -> int:

@@ -38,10 +38,6 @@ def append_paged_kv_cache(append_key, append_value, batch_indices, positions, pa
     FlashInfer). Errors are raised at trace time with the eager API's messages; vmap is refused."""
     pair = isinstance(paged_kv_cache, (tuple, list))
     parts = tuple(paged_kv_cache) if pair else (paged_kv_cache,)
-    args = (append_key, append_value, batch_indices, positions, *parts, kv_indices, kv_indptr, kv_last_page_len)
-    if _vmapped(args):
-        raise ValueError("pyflashattn.jax.append_paged_kv_cache does not support vmap: the batch is the one its "
-                         "index arrays describe (batch_indices, kv_indptr); append every request in one call")
     ordinals = _bridge.gpu_ordinals()
     dev0 = ordinals[0]
     if pair and len(parts) == 2:
@@ -84,7 +80,9 @@ def _build(a, pair: bool, kv_layout: str, ordinals) -> _bridge.Callable:
         _engine.launch_append(dev, stream, vk, vv, cache, ix, nnz, batch, launchers[dev])
 
     aliases = {i: i for i in range(n_cache)}
-    return _bridge.Callable("append_paged_kv_cache (page)", launch, specs, vmap_method=None, aliases=aliases)
+    return _bridge.Callable("append_paged_kv_cache (page)", launch, specs, aliases=aliases, no_vmap=(
+        "pyflashattn.jax.append_paged_kv_cache does not support vmap: the batch is the one its index arrays "
+        "describe (batch_indices, kv_indptr); append every request in one call"))
 
 
 def get_seq_lens(kv_indptr, kv_last_page_len, page_size: int):
@@ -159,13 +157,3 @@ def _int32(shape):
     import jax
 
     return jax.ShapeDtypeStruct(shape, _bridge.jax_dtype(_dtypes.INT32))
-
-
-def _vmapped(args) -> bool:
-    """Whether an argument is vmapped around this call (jax.vmap(f), jax.jit(jax.vmap(f))); a
-    vmap outside a jitted f reaches the callback, which JAX refuses (vmap_method=None)."""
-    try:
-        from jax._src.interpreters.batching import BatchTracer
-    except ImportError:  # a JAX that moved it: JAX's own refusal remains
-        return False
-    return any(isinstance(x, BatchTracer) for x in args)

@@ -191,8 +191,10 @@ def _build(ordinals, names, c, window_left, scale_on_device, enable_pdl):
                     out=_bridge.buffer_view(outs[0], dev), stream=stream, enable_pdl=enable_pdl,
                     sinks=view.get("sinks"), kv_cache_sf=_launch_form(view, "kv_cache_sf", _SF_NAMES))
 
-    call = _bridge.Callable(f"{NAME} ({engines[ordinals[0]].attn.name})", launch, specs)
-    return _refusing_vmap(jax, call), call
+    call = _bridge.Callable(f"{NAME} ({engines[ordinals[0]].attn.name})", launch, specs, no_vmap=(
+        f"pyflashattn.jax.{NAME} does not support vmap: its batch is the rows of block_tables / seq_lens (stack the "
+        "requests there, with query rows [batch * q_len_per_req]) or call it once per batch"))
+    return call, call
 
 
 def _launch_form(view: dict, name: str, part_names: tuple):
@@ -207,16 +209,3 @@ def _launch_form(view: dict, name: str, part_names: tuple):
     if part_names[0] in view:
         return view[part_names[0]], view[part_names[1]]
     return None
-
-
-def _refusing_vmap(jax, call):
-    """call, refusing vmap with a message of its own (buffer_callback's default names its primitive)."""
-    fn = jax.custom_batching.custom_vmap(lambda *args: call(*args))
-
-    @fn.def_vmap
-    def _refuse(axis_size, in_batched, *args):
-        raise NotImplementedError(f"pyflashattn.jax.{NAME} does not support vmap: its batch is the rows of "
-                                  "block_tables / seq_lens (stack the requests there, with query rows "
-                                  "[batch * q_len_per_req]) or call it once per batch")
-
-    return fn

@@ -371,5 +371,5 @@ def test_append_trace_time_errors(pfj):
     with pytest.raises(ValueError, match="kv_layout must be 'NHD' or 'HND'"):
         jax.eval_shape(fn("NDH"), *good.values())
     batched = [S((2,) + x.shape, x.dtype) for x in good.values()]
-    with pytest.raises(ValueError, match="does not support vmap"):
+    with pytest.raises(NotImplementedError, match="does not support vmap"):
         jax.eval_shape(jax.vmap(fn()), *batched)

@@ -279,6 +279,9 @@ def test_batch_run_trace_time_errors():
         jax.jit(w.run).lower(jax.ShapeDtypeStruct((32, 8, 128), jnp.float16), cache, plan)
     with pytest.raises(TypeError, match="plan must be the Plan"):
         w.run(jnp.zeros((32, 8, 128), jnp.bfloat16), jnp.zeros((8, 2, 16, 2, 128), jnp.bfloat16), plan.state)
+    with pytest.raises(NotImplementedError, match="does not support vmap"):
+        jax.eval_shape(jax.vmap(lambda q: w.run(q, jnp.zeros((8, 2, 16, 2, 128), jnp.bfloat16), plan)),
+                       jax.ShapeDtypeStruct((3, 32, 8, 128), jnp.bfloat16))
     with pytest.raises(NotImplementedError, match="custom masks"):
         w.plan(np.array([0, 4], np.int32), np.array([0, 2], np.int32), np.array([0, 1], np.int32),
                np.array([5], np.int32), 8, 2, 128, 16, q_data_type="bfloat16", custom_mask=np.ones(4 * 21, bool))
