@@ -86,15 +86,49 @@ class Paging(NamedTuple):
     v_pages: int
 
 
-def attend(dev, workspace, kv_layout, q, kv, heads, dtypes, mask, pos, cap, s1, s2, sinks, stats, out, lse, return_lse,
-           pdl, lengths, paging=None, skip_softmax=0.0, kv_cache_sf=None, o_sf_scale=None):
-    """Run one TRT-LLM call. kv: (k, v) rows [tokens, Hkv, D] (paging None) or the paged cache
-    form run_paged takes; heads = (Hq, Hkv, D); dtypes = (q, kv, out); mask = (causal,
-    window_left, chunk); s1 / s2 = scale_value()s; lengths = (seq_lens, cum_seq_lens_q,
-    cum_seq_lens_kv, batch_size, max_q_len, max_kv_len); skip_softmax: the validated skip-softmax
-    factor (0 = off); kv_cache_sf: an NVFP4 cache's block scales (run_paged's form); o_sf_scale:
-    given for the NVFP4 output (out dtype operands.NVFP4_OUTPUT; out an FP4Tensor or None,
-    nvfp4_out.bind). Returns out (with stats / lse)."""
+class Call(NamedTuple):
+    """A checked TRT-LLM call (trtllm_fmha.check / trtllm_context.check: no device data read) as
+    attend() runs it. kv: (k, v) rows [tokens, Hkv, D] (paging None) or the paged cache form
+    run_paged takes; heads = (Hq, Hkv, D); dtypes = (q, kv, out); mask = (causal, window_left,
+    chunk); s1 / s2 = scale_value()s; lengths = (seq_lens, cum_seq_lens_q, cum_seq_lens_kv,
+    batch_size, max_q_len, max_kv_len); skip: the validated skip-softmax factor (0 = off);
+    kv_cache_sf: an NVFP4 cache's block scales (run_paged's form); o_sf_scale: given for the NVFP4
+    output (out dtype operands.NVFP4_OUTPUT; out an FP4Tensor or None, nvfp4_out.bind)."""
+    dev: int
+    kv_layout: str
+    q: object
+    kv: object
+    heads: tuple
+    dtypes: tuple
+    mask: tuple
+    pos: str
+    cap: object
+    s1: tuple
+    s2: tuple
+    sinks: object
+    stats: bool
+    lengths: tuple
+    paging: object
+    skip: float
+    kv_cache_sf: object = None
+    o_sf_scale: object = None
+
+
+_NEW_TUPLE = tuple.__new__
+
+
+def new_call(*fields) -> Call:
+    """A Call from its fields in order (the last two default to None), without NamedTuple's
+    argument parsing: the eager calls build one each, on the serving path."""
+    if len(fields) < len(Call._fields):
+        fields += (None,) * (len(Call._fields) - len(fields))
+    return _NEW_TUPLE(Call, fields)
+
+
+def attend(c: Call, workspace, out, lse, return_lse, pdl):
+    """Run one checked TRT-LLM call. Returns out (with stats / lse)."""
+    dev, kv_layout, q, kv, heads, dtypes, mask, pos, cap, s1, s2, sinks, stats, lengths, paging, skip, kv_cache_sf, \
+        o_sf_scale = c
     seq_lens, cum_q, cum_kv, batch, max_q, max_kv = lengths
     B, mq, mk = operands.trtllm_bounds(batch, max_q, max_kv)
     qv = _tensor.view(q, "query")
@@ -131,14 +165,42 @@ def attend(dev, workspace, kv_layout, q, kv, heads, dtypes, mask, pos, cap, s1, 
         out, finish = nvfp4_out.bind(e, out, qv, heads[2], o_sf_scale, launch.call_stream(None, qv.framework, dev))
     if ragged:
         res = e.run_ragged(q, kv[0], kv[1], k_scale=s1[0], v_scale=s2[0], out=out, lse=lse, return_lse=return_lse,
-                           enable_pdl=pdl, sinks=sinks, skip_softmax_threshold_scale_factor=skip_softmax)
+                           enable_pdl=pdl, sinks=sinks, skip_softmax_threshold_scale_factor=skip)
     else:
         res = e.run_paged(q, kv, k_scale=s1[0], v_scale=s2[0], out=out, lse=lse, return_lse=return_lse,
-                          enable_pdl=pdl, sinks=sinks, skip_softmax_threshold_scale_factor=skip_softmax,
+                          enable_pdl=pdl, sinks=sinks, skip_softmax_threshold_scale_factor=skip,
                           kv_cache_sf=kv_cache_sf)
     if finish is not None:
         res = finish(res)
     return (res, _tensor.finalize(st)) if stats else res
+
+
+def device_metadata(dev, lengths, bounds, paging) -> tuple:
+    """The device metadata's checks (views only: nothing read, no sync) and addresses:
+    (cum_seq_lens_q, cum_seq_lens_kv) for ragged K/V; (cum_seq_lens_q, seq_lens, K page ids, V page
+    ids or 0, block-table row stride, row width, pages the ids may address) for a paged cache.
+    pyflashattn.jax runs it on trace-time views and again on XLA's buffers."""
+    seq_lens, cum_q, cum_kv = lengths[:3]
+    B, mq, mk = bounds
+    named = (("cum_seq_lens_q", cum_q), ("seq_lens", seq_lens), ("cum_seq_lens_kv", cum_kv))
+    if paging is None:
+        cq, _, ck = operands.trtllm_device_lengths(named, B, dev)
+        return cq, ck
+    cq, sl = operands.trtllm_device_lengths(named[:2], B, dev)
+    if cum_kv is not None and not isinstance(cum_kv, np.ndarray):
+        operands.trtllm_device_lengths(named[2:], B, dev)
+    ps = paging.page_size
+    bt, v_ids, row, width = operands.trtllm_device_block_table(paging.block_tables, B, paging.separate, -(-mk // ps),
+                                                               dev)
+    return cq, sl, bt, v_ids, row, width, max(paging.k_pages, paging.v_pages)
+
+
+def point_metadata(e, meta: tuple, max_q: int, max_kv: int) -> None:
+    """Point a device-lengths plan at device_metadata()'s addresses."""
+    if len(meta) == 2:
+        trtllm_device.point(e, meta[0], max_q, max_kv, ragged_kv=meta[1])
+    else:
+        trtllm_device.point(e, meta[0], max_q, max_kv, paged=(meta[1], meta[2], meta[3], meta[6]))
 
 
 def _device_plan(dev, workspace, kv_layout, qv, kv, heads, dtypes, mask, pos, cap, general, stats, bounds, lengths,
@@ -147,27 +209,19 @@ def _device_plan(dev, workspace, kv_layout, qv, kv, heads, dtypes, mask, pos, ca
     seq_lens, cum_q, cum_kv = lengths[:3]
     B, mq, mk = bounds
     causal, wl, chunk = mask
-    named = (("cum_seq_lens_q", cum_q), ("seq_lens", seq_lens), ("cum_seq_lens_kv", cum_kv))
+    meta = device_metadata(dev, lengths, bounds, paging)
     if paging is None:
-        cq, _, ck = operands.trtllm_device_lengths(named, B, dev)
         trtllm_device.check_on_host(dev, seq_lens, cum_q, cum_kv, B, mq, mk, qv.shape[0],
                                     _tensor.view(kv[0], "k").shape[0])
         e = trtllm_device.plan(dev, workspace, kv_layout, False, heads, dtypes, B, mq, mk, causal, wl, chunk, pos,
                                cap, general, stats)
-        trtllm_device.point(e, cq, mq, mk, ragged_kv=ck)
-        return e
-    cq, sl = operands.trtllm_device_lengths(named[:2], B, dev)
-    if cum_kv is not None and not isinstance(cum_kv, np.ndarray):
-        operands.trtllm_device_lengths(named[2:], B, dev)
-    ps = paging.page_size
-    bt, v_ids, row, width = operands.trtllm_device_block_table(paging.block_tables, B, paging.separate, -(-mk // ps),
-                                                               dev)
-    pages = max(paging.k_pages, paging.v_pages)
-    trtllm_device.check_on_host(dev, seq_lens, cum_q, cum_kv, B, mq, mk, qv.shape[0],
-                                tables=(paging.block_tables, ps, paging.k_pages, paging.separate, paging.v_pages))
-    e = trtllm_device.plan(dev, workspace, kv_layout, True, heads, dtypes, B, mq, mk, causal, wl, chunk, pos, cap,
-                           general, stats, (ps, row, width))
-    trtllm_device.point(e, cq, mq, mk, paged=(sl, bt, v_ids, pages))
+    else:
+        trtllm_device.check_on_host(dev, seq_lens, cum_q, cum_kv, B, mq, mk, qv.shape[0],
+                                    tables=(paging.block_tables, paging.page_size, paging.k_pages, paging.separate,
+                                            paging.v_pages))
+        e = trtllm_device.plan(dev, workspace, kv_layout, True, heads, dtypes, B, mq, mk, causal, wl, chunk, pos, cap,
+                               general, stats, (paging.page_size, meta[4], meta[5]))
+    point_metadata(e, meta, mq, mk)
     return e
 
 

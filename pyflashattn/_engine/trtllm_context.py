@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from .._runtime import tensor as _tensor
 from . import nvfp4_out, operands, options, trtllm
-from .xqa import _block_scales
+from .xqa import _block_scales, _paged_cache
 
 
 def _kv_block_scales(kv_block_scales, kv_cache, kshape, layout, nvfp4: bool, kdt, dev):
@@ -43,6 +43,19 @@ def batch_context(query, kv_cache, workspace_buffer, block_tables, seq_lens, max
     multi-CTA reduction, which pyflashattn's split-KV merge does not need (it changes no result).
     out_dtype="nvfp4" (with o_sf_scale), or an FP4Tensor out, writes the NVFP4 output
     (nvfp4_out.py); a uint8 cache with kv_block_scales (alias kv_cache_sf) is an NVFP4 cache."""
+    c = check(query, kv_cache, block_tables, seq_lens, max_q_len, max_kv_len, bmm1_scale, bmm2_scale, batch_size,
+              cum_seq_lens_q, cum_seq_lens_kv, window_left, out, out_dtype, o_sf_scale, o_sf_vec_size, kv_layout,
+              sinks, kv_block_scales, skip_softmax_threshold_scale_factor, uses_shared_paged_kv_idx, causal,
+              kv_cache_sf)
+    return trtllm.attend(c, workspace_buffer, out, lse, bool(return_lse), enable_pdl)
+
+
+def check(query, kv_cache, block_tables, seq_lens, max_q_len, max_kv_len, bmm1_scale, bmm2_scale, batch_size,
+          cum_seq_lens_q, cum_seq_lens_kv, window_left, out, out_dtype, o_sf_scale, o_sf_vec_size, kv_layout, sinks,
+          kv_block_scales, skip_softmax_threshold_scale_factor, uses_shared_paged_kv_idx, causal,
+          kv_cache_sf) -> trtllm.Call:
+    """Every check of a context call that reads no device data, in the eager order and words
+    (tensors or TensorViews: pyflashattn.jax runs it on trace-time views and on XLA's buffers)."""
     if kv_cache_sf is not None:
         if kv_block_scales is not None:
             raise ValueError("pass kv_block_scales or its alias kv_cache_sf, not both")
@@ -58,15 +71,14 @@ def batch_context(query, kv_cache, workspace_buffer, block_tables, seq_lens, max
     odt = operands.NVFP4_OUTPUT if fp4_out else trtllm.out_dtype_arg(out_dtype, out, qv.dtype)
     causal, window_left = operands.trtllm_context_mask(causal, window_left)
     separate = not operands.bool_arg(uses_shared_paged_kv_idx, "uses_shared_paged_kv_idx")
-    cache, kshape, (ps, hkv, dk), _ = operands.paged_cache(kv_cache, layout)
+    cache, kshape, (ps, hkv, dk), _ = _paged_cache(kv_cache, layout)
     kdt = (_tensor.view(cache[0], "k_cache") if isinstance(cache, tuple) else _tensor.view(cache, "kv_cache")).dtype
     operands.trtllm_kv(kdt, hkv, dk, qv, fp8=True, nvfp4=True)
     sf = _kv_block_scales(kv_block_scales, kv_cache, kshape, layout, kdt in operands.NVFP4_CODES, kdt, dev)
     s1 = trtllm.scale_value(bmm1_scale, "bmm1_scale", dev)
     s2 = trtllm.scale_value(bmm2_scale, "bmm2_scale", dev)
     paging = trtllm.Paging(block_tables, separate, ps, kshape[0], kshape[0])
-    return trtllm.attend(dev, workspace_buffer, layout, query, cache, (hq, hkv, hd), (qv.dtype, kdt, odt),
-                         (causal, window_left, 0), "NONE", None, s1, s2, trtllm.sinks_arg(sinks), False, out, lse,
-                         bool(return_lse), enable_pdl,
-                         (seq_lens, cum_seq_lens_q, cum_seq_lens_kv, batch_size, max_q_len, max_kv_len), paging, skip,
-                         kv_cache_sf=sf, o_sf_scale=o_sf_scale if fp4_out else None)
+    return trtllm.new_call(dev, layout, query, cache, (hq, hkv, hd), (qv.dtype, kdt, odt), (causal, window_left, 0),
+                           "NONE", None, s1, s2, trtllm.sinks_arg(sinks), False,
+                           (seq_lens, cum_seq_lens_q, cum_seq_lens_kv, batch_size, max_q_len, max_kv_len), paging, skip,
+                           sf, o_sf_scale if fp4_out else None)

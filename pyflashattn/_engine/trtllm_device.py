@@ -57,19 +57,23 @@ def ragged_source(batch: int, q_len: int, kv_len: int) -> KVSource:
     return indices.ragged_source(qo, kv)
 
 
+def planned_lengths(max_q: int, max_kv: int, paging=None) -> tuple:
+    """(queries, keys) a request is planned at: coarse() maxima, the keys within a block-table row."""
+    q_plan, kv_plan = coarse(max_q), coarse(max_kv)
+    if paging is not None:
+        ps, row, width = paging
+        kv_plan = min(-(-kv_plan // ps), width) * ps
+    return q_plan, kv_plan
+
+
 def plan(dev, workspace, kv_layout, paged, heads, dtypes, batch, max_q, max_kv, causal, wl, chunk, pos, cap,
          general, stats, paging=None) -> BatchEngine:
     """The planned engine of this shape key. heads = (Hq, Hkv, D), dtypes = (q, kv, out); paging =
     (page_size, block-table row stride, row width) for a paged cache. Stats calls run on the
     general kernels (the sm80 epilogue writes them)."""
-    hq, hkv, hd = heads
     qdt, kdt, odt = dtypes
     general = general or stats
-    q_plan = coarse(max_q)
-    kv_plan = coarse(max_kv)
-    if paging is not None:
-        ps, row, width = paging
-        kv_plan = min(-(-kv_plan // ps), width) * ps
+    q_plan, kv_plan = planned_lengths(max_q, max_kv, paging)
     key = (dev, kv_layout, paged, heads, qdt.name, kdt.name, odt.name, batch, q_plan, kv_plan, causal, wl, chunk, pos,
            cap, general, stats, paging)
     e = _ENGINES.get(key)
@@ -78,6 +82,20 @@ def plan(dev, workspace, kv_layout, paged, heads, dtypes, batch, max_q, max_kv, 
         if workspace is not e.ws_buf:
             e.reset_workspace(workspace)  # nothing is split: any workspace will do
         return e
+    e = new_engine(workspace, kv_layout, paged, heads, dtypes, batch, q_plan, kv_plan, causal, wl, chunk, pos, cap,
+                   general, paging)
+    if len(_ENGINES) >= _MAX_ENGINES:
+        _ENGINES.popitem(last=False)
+    _ENGINES[key] = e
+    return e
+
+
+def new_engine(workspace, kv_layout, paged, heads, dtypes, batch, q_plan, kv_plan, causal, wl, chunk, pos, cap,
+               general, paging=None) -> BatchEngine:
+    """A new engine planned at planned_lengths() (uncached: pyflashattn.jax keeps its own per trace;
+    its metadata copy is pending on e.plan_stream)."""
+    hq, hkv, hd = heads
+    qdt, kdt, odt = dtypes
     if batch * q_plan > 2**31 - 1 or (paging is None and batch * kv_plan > 2**31 - 1):
         raise ValueError("batch_size x max_q_len (or max_kv_len) exceeds the int32 range of the kernel metadata")
     e = BatchEngine(workspace, kv_layout, False, paged, capture_safe=True)  # never re-planned: capturable
@@ -87,9 +105,6 @@ def plan(dev, workspace, kv_layout, paged, heads, dtypes, batch, max_q, max_kv, 
     src = (indices.block_table_source(batch, q_plan, kv_plan, paging[1], paging[0], 0) if paged
            else ragged_source(batch, q_plan, kv_plan))
     e.plan(src, settings, causal, None, None, True, None, chunk)
-    if len(_ENGINES) >= _MAX_ENGINES:
-        _ENGINES.popitem(last=False)
-    _ENGINES[key] = e
     return e
 
 

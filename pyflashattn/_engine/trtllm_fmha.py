@@ -29,14 +29,14 @@ def parse_layout(qkv, layout: str):
         v = _tensor.view(t, "qkv")
         if v.ndim != 4 or v.shape[1] != 3:
             raise ValueError(f"qkv must be [num_tokens, 3, num_heads, head_dim] for PACKED_QKV, got shape {v.shape}")
-        return t[:, 0], (t[:, 1], t[:, 2]), "NHD", True
+        return _pick(t, 0), (_pick(t, 1), _pick(t, 2)), "NHD", True
     if layout == "CONTIGUOUS_Q_KV":
         q, kv = _parts(qkv, 2, layout)
         v = _tensor.view(kv, "qkv[1] (KV)")
         if v.ndim != 4 or v.shape[1] != 2:
             raise ValueError(f"KV must be [num_tokens, 2, num_kv_heads, head_dim] for CONTIGUOUS_Q_KV, got shape "
                              f"{v.shape}")
-        return q, (kv[:, 0], kv[:, 1]), "NHD", True
+        return q, (_pick(kv, 0), _pick(kv, 1)), "NHD", True
     if layout == "SEPARATE_Q_K_V":
         q, k, v = _parts(qkv, 3, layout)
         return q, (k, v), "NHD", True
@@ -45,6 +45,15 @@ def parse_layout(qkv, layout: str):
         return qkv[0], (qkv[1], qkv[2]), kv_layout, False
     q, cache = _parts(qkv, 2, layout)
     return q, (tuple(cache) if isinstance(cache, (tuple, list)) else cache), kv_layout, False
+
+
+def _pick(t, i: int):
+    """t[:, i]: the framework's slice, or for a TensorView (pyflashattn.jax's trace-time views and
+    XLA buffers, which no framework slices) the view of that slice."""
+    if type(t) is not _tensor.TensorView:
+        return t[:, i]
+    return _tensor.TensorView(t.obj, t.ptr + t.dtype.nbytes(i * t.strides[1]), (t.shape[0],) + t.shape[2:],
+                              (t.strides[0],) + t.strides[2:], t.dtype, t.device_type, t.device_id, t.framework)
 
 
 def _paging(cache, kv_layout, block_tables):
@@ -77,6 +86,17 @@ def fmha_v2_prefill(qkv, input_layout, workspace_buffer, seq_lens, max_q_len, ma
                     window_left=-1, chunked_attention_size=0, save_softmax_stats=False,
                     skip_softmax_threshold_scale_factor=0):
     """TRT-LLM FMHAv2 prefill (FlashInfer's signature and semantics 1.14; see the README)."""
+    c = check(qkv, input_layout, seq_lens, max_q_len, max_kv_len, bmm1_scale, bmm2_scale, batch_size, cum_seq_lens_q,
+              cum_seq_lens_kv, block_tables, out, out_dtype, sinks, pos_encoding_mode, logits_soft_cap_scale,
+              mask_mode, window_left, chunked_attention_size, save_softmax_stats, skip_softmax_threshold_scale_factor)
+    return trtllm.attend(c, workspace_buffer, out, None, False, None)
+
+
+def check(qkv, input_layout, seq_lens, max_q_len, max_kv_len, bmm1_scale, bmm2_scale, batch_size, cum_seq_lens_q,
+          cum_seq_lens_kv, block_tables, out, out_dtype, sinks, pos_encoding_mode, logits_soft_cap_scale, mask_mode,
+          window_left, chunked_attention_size, save_softmax_stats, skip_softmax_threshold_scale_factor) -> trtllm.Call:
+    """Every check of an fmha call that reads no device data, in the eager order and words
+    (tensors or TensorViews: pyflashattn.jax runs it on trace-time views and on XLA's buffers)."""
     layout = operands.trtllm_input_layout(input_layout)
     mask = operands.trtllm_mask(mask_mode, window_left, chunked_attention_size)
     skip = options.skip_softmax_factor(skip_softmax_threshold_scale_factor)
@@ -103,9 +123,9 @@ def fmha_v2_prefill(qkv, input_layout, workspace_buffer, seq_lens, max_q_len, ma
     else:
         kv, paging, (kdt, hkv, dk) = _paging(kv, kv_layout, block_tables)
     operands.trtllm_kv(kdt, hkv, dk, qv, packed=layout == "PACKED_QKV")
-    return trtllm.attend(dev, workspace_buffer, kv_layout, q, kv, (hq, hkv, hd), (qv.dtype, kdt, odt), mask, pos, cap,
-                         s1, s2, trtllm.sinks_arg(sinks), stats, out, None, False, None,
-                         (seq_lens, cum_seq_lens_q, cum_seq_lens_kv, batch_size, max_q_len, max_kv_len), paging, skip)
+    return trtllm.new_call(dev, kv_layout, q, kv, (hq, hkv, hd), (qv.dtype, kdt, odt), mask, pos, cap, s1, s2,
+                           trtllm.sinks_arg(sinks), stats,
+                           (seq_lens, cum_seq_lens_q, cum_seq_lens_kv, batch_size, max_q_len, max_kv_len), paging, skip)
 
 
 def _fp8_options(pos, cap, stats, skip) -> None:

@@ -38,12 +38,14 @@ from ._batch import (BatchDecodeWithPagedKVCacheWrapper, BatchPrefillWithPagedKV
 from ._cascade import merge_state, merge_state_in_place, merge_states  # noqa: E402
 from ._page import append_paged_kv_cache, get_batch_indices_positions, get_seq_lens  # noqa: E402
 from ._single import single_prefill_with_kv_cache  # noqa: E402
+from ._trtllm import trtllm_batch_context_with_kv_cache, trtllm_fmha_v2_prefill  # noqa: E402
 from ._xqa import xqa_batch_decode_with_kv_cache  # noqa: E402
 
 __all__ = ["single_prefill_with_kv_cache", "single_prefill_with_kv_cache_return_lse",
            "BatchPrefillWithPagedKVCacheWrapper", "BatchPrefillWithRaggedKVCacheWrapper",
            "BatchDecodeWithPagedKVCacheWrapper", "Plan", "merge_state", "merge_state_in_place", "merge_states",
-           "append_paged_kv_cache", "get_batch_indices_positions", "get_seq_lens", "xqa_batch_decode_with_kv_cache"]
+           "append_paged_kv_cache", "get_batch_indices_positions", "get_seq_lens", "xqa_batch_decode_with_kv_cache",
+           "trtllm_fmha_v2_prefill", "trtllm_batch_context_with_kv_cache"]
 
 
 def single_prefill_with_kv_cache_return_lse(q, k, v, *args, **kwargs):

@@ -367,3 +367,22 @@ def test_jitted_decode_loop_with_appends_matches_eager_bitwise():
     kb, vb = _gather(jnp.asarray(cache_j, jnp.float32), idx[indptr[b]:indptr[b + 1]], int(lens[b]), ps, "NHD")
     ro, _ = attention_ref(np.asarray(jnp.asarray(q[b:b + 1], jnp.bfloat16), np.float64), kb, vb)
     assert_close(_f64(o_j[b:b + 1]), ro, **O_TOL["bfloat16"], what="o of the last step")
+
+
+def test_launch_failure_is_a_jax_runtime_error_naming_the_kernel(monkeypatch):
+    from pyflashattn._runtime.cuda import CudaError
+
+    def failing(self, *a, **kw):
+        raise CudaError(f"launch of {self.attn.name} failed: CUDA_ERROR_LAUNCH_FAILED (injected)")
+
+    monkeypatch.setattr(SinglePlan, "run", failing)
+    rng = np.random.default_rng(9)
+    q, k, v = _rand(rng, (48, 8, 128), "bfloat16"), _rand(rng, (48, 8, 128), "bfloat16"), \
+        _rand(rng, (48, 8, 128), "bfloat16")
+    f = jax.jit(lambda q, k, v: pfj.single_prefill_with_kv_cache(q, k, v, window_left=7))  # a plan of its own
+    with pytest.raises(jax.errors.JaxRuntimeError, match=r"pyflashattn.jax single_prefill_with_kv_cache \(pfa_"):
+        f(q, k, v).block_until_ready()
+    monkeypatch.undo()
+    o = f(q, k, v)  # the library keeps working
+    ro, _ = attention_ref(_f64(q), _f64(k), _f64(v), window_left=7)
+    assert_close(_f64(o), ro, **O_TOL["bfloat16"], what="o after the failure")
