@@ -153,6 +153,93 @@ def _paged_row(jax, jnp, pfa, pfj) -> dict:
             "jit/eager time": round(res["jit"][0] / res["eager"][0], 4)}
 
 
+def _row(case: str, res: dict, unit: str, work: float) -> dict:
+    """A row of times, their throughput (`unit`: "tflops" for work in FLOPs, "TBps" in bytes) and
+    jit / eager (when timed)."""
+    row = {"case": case, **{f"{k}_ms": round(t, 4) for k, (t, _) in res.items()},
+           **{f"{k}_{unit}": round(work / t / 1e9, 3) for k, (t, _) in res.items()}}
+    if "eager" in res:
+        row["jit/eager time"] = round(res["jit"][0] / res["eager"][0], 4)
+    return row
+
+
+def _rand(jnp, rng, shape, dtype="bfloat16"):
+    return jnp.asarray(rng.standard_normal(shape).astype(np.float32), dtype)
+
+
+def _ragged_row(jax, jnp, pfa, pfj) -> dict:
+    rng = np.random.default_rng(4)
+    lens, hq, hkv, d = [1024, 2048, 3072, 4096] * 2, 32, 8, 128
+    ind = np.concatenate([[0], np.cumsum(lens)]).astype(np.int32)
+    q, k, v = _rand(jnp, rng, (int(ind[-1]), hq, d)), _rand(jnp, rng, (int(ind[-1]), hkv, d)), \
+        _rand(jnp, rng, (int(ind[-1]), hkv, d))
+    w = pfj.BatchPrefillWithRaggedKVCacheWrapper("NHD", max_batch_size=len(lens), max_num_tokens=int(ind[-1]))
+    plan = w.plan(ind, ind, hq, hkv, d, causal=True, q_data_type="bfloat16")
+    jit = jax.jit(w.run)
+    ew = pfa.BatchPrefillWithRaggedKVCacheWrapper(jnp.zeros(64 << 20, jnp.uint8), "NHD")
+    ew.plan(ind, ind, hq, hkv, d, causal=True, q_data_type="bfloat16")
+    res = _measure({"jit": lambda: jit(q, k, v, plan), "eager": lambda: ew.run(q, k, v)}, 10, 5)
+    return _row(f"ragged causal {len(lens)} x 1k-4k 32/8 hd128", res, "tflops",
+                sum(4 * n * n * hq * d * 0.5 for n in lens))
+
+
+def _xqa_row(jax, jnp, pfa, pfj) -> dict:
+    rng = np.random.default_rng(5)
+    B, seq, hq, hkv, d, ps = 64, 4096, 32, 8, 128, 16
+    pages = B * seq // ps
+    cache = _rand(jnp, rng, (pages, 2, ps, hkv, d))
+    bt = jnp.asarray(rng.permutation(pages).astype(np.int32).reshape(B, -1))
+    sl = jnp.full((B,), seq, jnp.int32)
+    q, ws = _rand(jnp, rng, (B, hq, d)), jnp.zeros(128 << 20, jnp.uint8)
+    jit = jax.jit(lambda q, c, bt, sl: pfj.xqa_batch_decode_with_kv_cache(q, c, ws, bt, sl, seq))
+    res = _measure({"jit": lambda: jit(q, cache, bt, sl),
+                    "eager": lambda: pfa.xqa_batch_decode_with_kv_cache(q, cache, ws, bt, sl, seq)}, 200, 5)
+    return _row(f"xqa B={B} x {seq} 32/8 hd128 page {ps}", res, "TBps", 2 * B * seq * hkv * d * 2)
+
+
+def _trtllm_row(jax, jnp, pfa, pfj) -> dict:
+    rng = np.random.default_rng(6)
+    B, seq, h, d = 4, 4096, 16, 128
+    q, kv = _rand(jnp, rng, (B * seq, h, d)), _rand(jnp, rng, (B * seq, 2, h, d))
+    sl = jnp.full((B,), seq, jnp.int32)
+    cum = jnp.asarray(np.arange(B + 1, dtype=np.int32) * seq)
+    ws = jnp.zeros(128 << 20, jnp.uint8)
+    args = ("CONTIGUOUS_Q_KV", ws, sl, seq, seq, 1 / d ** 0.5, 1.0, B, cum, cum)
+    jit = jax.jit(lambda q, kv: pfj.trtllm_fmha_v2_prefill((q, kv), *args))
+    res = _measure({"jit": lambda: jit(q, kv), "eager": lambda: pfa.trtllm_fmha_v2_prefill((q, kv), *args)}, 10, 5)
+    return _row(f"trtllm_fmha_v2_prefill contiguous causal {B} x {seq} hd{d}", res, "tflops",
+                B * 4 * seq * seq * h * d * 0.5)
+
+
+def _merge_append_row(jax, jnp, pfa, pfj) -> dict:
+    """merge_state of 8192 x 32 x 128 bf16 states (jit vs eager, TB/s of states read and written)
+    and a 64-token append into a paged cache (jit only: an eager append refuses JAX caches)."""
+    rng = np.random.default_rng(7)
+    n, h, d = 8192, 32, 128
+    va, vb = _rand(jnp, rng, (n, h, d)), _rand(jnp, rng, (n, h, d))
+    sa, sb = _rand(jnp, rng, (n, h), "float32"), _rand(jnp, rng, (n, h), "float32")
+    jit = jax.jit(pfj.merge_state)
+    res = _measure({"jit": lambda: jit(va, sa, vb, sb), "eager": lambda: pfa.merge_state(va, sa, vb, sb)}, 50, 5)
+    row = _row(f"merge_state {n} x {h} x {d} bf16", res, "TBps", 3 * n * h * (d * 2 + 4))
+    pages, ps, hkv = 1024, 16, 8
+    cache = _rand(jnp, rng, (pages, 2, ps, hkv, d))
+    kn, vn = _rand(jnp, rng, (64, hkv, d)), _rand(jnp, rng, (64, hkv, d))
+    ind = jnp.asarray(np.arange(65, dtype=np.int32) * (pages // 64))
+    idx = jnp.arange(pages, dtype=jnp.int32)
+    last, bi = jnp.full((64,), 1, jnp.int32), jnp.arange(64, dtype=jnp.int32)
+    pos = jnp.full((64,), (pages // 64 - 1) * ps, jnp.int32)
+    app = jax.jit(lambda c, kn, vn: pfj.append_paged_kv_cache(kn, vn, bi, pos, c, idx, ind, last), donate_argnums=0)
+    state = {"cache": cache}
+
+    def step():
+        state["cache"] = app(state["cache"], kn, vn)
+        return state["cache"]
+
+    t = _measure({"jit": step}, 200, 5)["jit"]
+    row["append 64 tokens jit_ms"], row["append jit_host_us"] = round(t[0], 4), round(t[1], 2)
+    return row
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(prog="python -m pyflashattn.bench jax", description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -176,7 +263,7 @@ def main(argv=None) -> int:
     rows = _single_rows(jax, jnp, pfa, pfj, args.quick) + [_decode_row(jax, jnp, pfa, pfj),
                                                            _host_row(jax, jnp, pfa, pfj)]
     if not args.quick:
-        rows.append(_paged_row(jax, jnp, pfa, pfj))
+        rows += [f(jax, jnp, pfa, pfj) for f in (_paged_row, _ragged_row, _xqa_row, _trtllm_row, _merge_append_row)]
     for r in rows:
         print("  ".join(f"{k}={v}" for k, v in r.items()))
     if args.json:
