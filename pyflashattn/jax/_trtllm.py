@@ -44,7 +44,7 @@ from . import _bridge
 
 FMHA = "trtllm_fmha_v2_prefill"
 CONTEXT = "trtllm_batch_context_with_kv_cache"
-_CACHE: dict = {}  # call key -> (the vmap-refusing function, its Callable): eager calls reuse the compiled wrapper
+_CACHE: dict = {}  # call key -> _bridge.Callable (refusing vmap): eager calls reuse the compiled wrapper
 _CACHE_SIZE = 64
 _COUNTER_BYTES = 16
 # The workspace the trace-time engines plan against (never split, so never read): its address is
@@ -197,7 +197,7 @@ def _call(name, ops, args, check, static, workspace_buffer, pdl, return_lse):
         if len(_CACHE) >= _CACHE_SIZE:
             _CACHE.clear()
         _CACHE[key] = hit
-    res = hit[0](*ops.arrays)
+    res = hit(*ops.arrays)
     extra = c.stats or return_lse
     return (res[0], res[1]) if extra else res[0]
 
@@ -256,7 +256,7 @@ def _plan(dev, c, bounds, geometry, scale_on_device: bool):
 
 
 def _build(name, ops, args, check, c, bounds, pdl, return_lse):
-    """The engines of every local GPU, the result specs and the callable (wrapped to refuse vmap)."""
+    """The engines of every local GPU, the result specs and the callable (refusing vmap)."""
     import jax
 
     ordinals = ops.ordinals
@@ -300,8 +300,10 @@ def _build(name, ops, args, check, c, bounds, pdl, return_lse):
                         return_lse=return_lse, stream=stream, enable_pdl=pdl, sinks=call.sinks,
                         skip_softmax_threshold_scale_factor=call.skip, kv_cache_sf=call.kv_cache_sf)
 
-    fn = _bridge.Callable(f"{name} ({engines[ordinals[0]].attn.name})", launch, specs)
-    return _refusing_vmap(jax, fn, name), fn
+    fn = _bridge.Callable(f"{name} ({engines[ordinals[0]].attn.name})", launch, specs, no_vmap=(
+        f"pyflashattn.jax.{name} does not support vmap: its batch is batch_size's requests (stack them along the "
+        "token axis, with cum_seq_lens_q / seq_lens describing them) or call it once per batch"))
+    return fn
 
 
 def _point_scratch(e, base: int, ws: int, stream: int) -> None:
@@ -313,16 +315,3 @@ def _point_scratch(e, base: int, ws: int, stream: int) -> None:
     if getattr(p, "sched", 0):
         p.sched = base + ws
         _cuda.memset32_async(base + ws, 0, _COUNTER_BYTES // 4, stream)
-
-
-def _refusing_vmap(jax, call, name):
-    """call, refusing vmap with a message of its own (buffer_callback's default names its primitive)."""
-    fn = jax.custom_batching.custom_vmap(lambda *args: call(*args))
-
-    @fn.def_vmap
-    def _refuse(axis_size, in_batched, *args):
-        raise NotImplementedError(f"pyflashattn.jax.{name} does not support vmap: its batch is batch_size's "
-                                  "requests (stack them along the token axis, with cum_seq_lens_q / seq_lens "
-                                  "describing them) or call it once per batch")
-
-    return fn

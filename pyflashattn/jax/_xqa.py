@@ -39,7 +39,7 @@ from .._runtime.dlpack import kDLCUDA
 from . import _bridge
 
 NAME = "xqa_batch_decode_with_kv_cache"
-_CACHE: dict = {}  # call key -> (the vmap-refusing function, its Callable): eager calls reuse the compiled wrapper
+_CACHE: dict = {}  # call key -> _bridge.Callable (refusing vmap): eager calls reuse the compiled wrapper
 _CACHE_SIZE = 64
 _COUNTER_BYTES = 16
 # The workspace the trace-time engines plan against: never refuses a plan (XLA's scratch then holds
@@ -87,7 +87,7 @@ def xqa_batch_decode_with_kv_cache(query, kv_cache, workspace_buffer, block_tabl
         if len(_CACHE) >= _CACHE_SIZE:
             _CACHE.clear()
         _CACHE[key] = hit
-    return hit[0](*arrays)[0]
+    return hit(*arrays)[0]
 
 
 def _static(**given) -> None:
@@ -159,7 +159,7 @@ def _plan(dev: int, c, window_left, scale_on_device: bool):
 
 
 def _build(ordinals, names, c, window_left, scale_on_device, enable_pdl):
-    """The engines of every local GPU, the result specs and the callable (wrapped to refuse vmap)."""
+    """The engines of every local GPU, the result specs and the callable (refusing vmap)."""
     import jax
 
     engines = {dev: _plan(dev, c, window_left, scale_on_device) for dev in ordinals}
@@ -194,7 +194,7 @@ def _build(ordinals, names, c, window_left, scale_on_device, enable_pdl):
     call = _bridge.Callable(f"{NAME} ({engines[ordinals[0]].attn.name})", launch, specs, no_vmap=(
         f"pyflashattn.jax.{NAME} does not support vmap: its batch is the rows of block_tables / seq_lens (stack the "
         "requests there, with query rows [batch * q_len_per_req]) or call it once per batch"))
-    return call, call
+    return call
 
 
 def _launch_form(view: dict, name: str, part_names: tuple):
