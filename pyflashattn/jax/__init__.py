@@ -25,7 +25,7 @@ launch failure surfaces as a ``JaxRuntimeError`` naming the kernel.
 Transformations: ``vmap`` over leading axes of single prefill (one launch per element) and of
 merge_state(s); the batch wrappers, decode and the page append refuse vmap (their batch is the
 plan's). ``shard_map`` works (each device launches on its own buffers; plans are built for every
-local GPU). Gradients are not supported (JAX raises that buffer callbacks have no JVP).
+local GPU). Gradients are not supported: differentiating a call raises NotImplementedError naming it.
 """
 from __future__ import annotations
 

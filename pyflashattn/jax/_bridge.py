@@ -146,7 +146,8 @@ class Callable:
         self.python_launches = 0  # callbacks run (a replayed command buffer runs none: bench jax reports it)
         self.fn = buffer_callback()(self._callback, specs, vmap_method=vmap_method,
                                     input_output_aliases=aliases, command_buffer_compatible=True)
-        self.call = self._call if no_vmap is None else _refusing_vmap(jax, self._call, no_vmap)
+        call = self._call if no_vmap is None else _refusing_vmap(jax, self._call, no_vmap)
+        self.call = _refusing_grad(jax, call, f"pyflashattn.jax {what.split(' (')[0]}")
 
     def _callback(self, ctx, outs, *ins):
         self.python_launches += 1
@@ -170,6 +171,19 @@ class Callable:
         res = self.fn(*args)
         return [jax.lax.bitcast_convert_type(r, jax_dtype(d)) if f else r
                 for r, d, f in zip(res, self.out_dtypes, self.out_fp8)]
+
+
+def _refusing_grad(jax, call, who: str):
+    """call, whose differentiation raises NotImplementedError naming it (jax.custom_jvp: the
+    kernels are forward-only; buffer_callback's own error names its primitive)."""
+    fn = jax.custom_jvp(lambda *args: call(*args))
+
+    @fn.defjvp
+    def _jvp(primals, tangents):
+        raise NotImplementedError(f"{who}: gradients are not supported (pyflashattn's kernels are forward-only); "
+                                  "wrap its inputs in jax.lax.stop_gradient to differentiate the rest of the model")
+
+    return fn
 
 
 def _refusing_vmap(jax, call, message: str):

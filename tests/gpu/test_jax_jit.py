@@ -169,7 +169,7 @@ def test_single_prefill_trace_time_errors():
     ka = jnp.zeros((20, 2, 128), jnp.bfloat16)
     with pytest.raises(TypeError, match="immutable"):
         pfj.single_prefill_with_kv_cache(qa, ka, ka, out=qa)
-    with pytest.raises(Exception, match="(?i)jvp|transpose|gradient"):
+    with pytest.raises(NotImplementedError, match="single_prefill_with_kv_cache: gradients are not supported"):
         jax.grad(lambda q: pfj.single_prefill_with_kv_cache(q, ka, ka).astype(jnp.float32).sum())(qa)
 
 
