@@ -90,7 +90,7 @@ class _JitBatch:
         nbytes = operands.positive_int(float_workspace_bytes, "float_workspace_bytes")
         # The eager engine plans against a workspace of this size; its address is the scratch output
         # of each jitted call (point_workspace), never this placeholder's 0.
-        ws = _bridge.TensorView(None, 0, (nbytes,), (1,), _dtypes.UINT8, kDLCUDA, self.dev, _bridge.FRAMEWORK)
+        ws = _bridge.plan_workspace(self.dev, nbytes)
         self.eager = make_eager(ws)
         self.engine = self.eager._engine
         # q / out / lse (and ragged k / v) hold the capacity's rows: the engine takes their row

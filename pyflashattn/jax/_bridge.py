@@ -20,12 +20,17 @@ from __future__ import annotations
 import math
 import threading
 
+import numpy as np
+
 from .._runtime import cuda as _cuda, dtypes as _dtypes
 from .._runtime.dlpack import compact_strides, kDLCUDA
 from .._runtime.tensor import TensorView
 
 FRAMEWORK = "xla"  # the TensorViews of XLA buffers (pyflashattn._runtime.tensor passes views through)
-SCRATCH_ALIGN = 256  # XLA aligns buffers to at least this; the scratch's parts keep 16-byte alignment
+COUNTER_BYTES = 16  # the tile scheduler's two int32 counters in a scratch output, 16-byte aligned
+# The float workspace trace-time engines plan against: never refuses a plan (XLA's scratch then holds
+# exactly what the plan needs, ws_need), never read (its address is the scratch's at each launch)
+PLAN_WORKSPACE_BYTES = 1 << 40
 
 
 def _jax():
@@ -196,6 +201,45 @@ def _refusing_vmap(jax, call, message: str):
         raise NotImplementedError(message)
 
     return fn
+
+
+def plan_workspace(dev: int, nbytes: int = PLAN_WORKSPACE_BYTES) -> TensorView:
+    """An address-less float workspace of nbytes on dev for a trace-time engine to plan against."""
+    return TensorView(None, 0, (int(nbytes),), (1,), _dtypes.UINT8, kDLCUDA, dev, FRAMEWORK)
+
+
+def engine_ready(e):
+    """A trace-time engine with its staged metadata on the device (waited for here, at trace time:
+    the callback never orders itself after the plan's copy)."""
+    _cuda.check(_cuda.driver().cuStreamSynchronize(e.plan_stream), "cuStreamSynchronize")
+    e.pending_copy = False
+    return e
+
+
+def engines_scratch(engines) -> tuple[int, int]:
+    """(workspace bytes, scratch bytes) for the trace-time engines of the local GPUs: the largest
+    plan's workspace, then the tile scheduler's counters where a kernel takes them."""
+    ws = max(scratch_bytes(e.ws_need) if e.ws_need else 0 for e in engines)
+    sched = any(getattr(e.attn.params, "sched", 0) for e in engines)
+    return ws, ws + (COUNTER_BYTES if sched else 0)
+
+
+def require_static(fn_name: str, **given) -> None:
+    """The arguments that fix a plan or a launch must be Python values (static under jit)."""
+    for name, val in given.items():
+        if hasattr(val, "shape") and not isinstance(val, (np.integer, np.floating)):
+            raise TypeError(f"pyflashattn.jax.{fn_name}: {name} must be a Python value (static under jit: it fixes "
+                            f"the plan), got {type(val).__name__}")
+
+
+def refuse_checked_mode(fn_name: str, reads: str) -> None:
+    """PYFLASHATTN_CHECK_METADATA=1 reads device metadata on the host, which a trace does not have."""
+    from .._engine.metadata_check import metadata_checks_enabled
+
+    if metadata_checks_enabled():
+        raise NotImplementedError(f"pyflashattn.jax.{fn_name}: PYFLASHATTN_CHECK_METADATA=1 is not supported under "
+                                  f"jax: its host check reads {reads}, which a trace does not have; unset it for "
+                                  "jitted calls (the kernel still clamps bad metadata)")
 
 
 def scratch_bytes(nbytes: int) -> int:

@@ -17,7 +17,6 @@ from . import _bridge
 
 _CACHE: dict = {}  # plan key -> _bridge.Callable (eager calls reuse JAX's compiled wrapper)
 _CACHE_SIZE = 64
-_COUNTER_BYTES = 16
 
 
 def _key_of(*views):
@@ -87,7 +86,7 @@ def _build(ordinals, qv, kv, vv, mv, mask_kind, causal, kv_layout, window_left, 
     if return_lse:
         specs.append(jax.ShapeDtypeStruct(plan.lse_shape, _bridge.jax_dtype(_dtypes.FLOAT32)))
     ws = _bridge.scratch_bytes(plan.ws_bytes)
-    scratch = ws + _COUNTER_BYTES if plan.attn is not None and (plan.ws_bytes or plan.section) else 0
+    scratch = ws + _bridge.COUNTER_BYTES if plan.attn is not None and (plan.ws_bytes or plan.section) else 0
     if scratch:
         specs.append(jax.ShapeDtypeStruct((scratch,), _bridge.jax_dtype(_dtypes.UINT8)))
     tensor_scales = [type(x) is _bridge.TensorView for x in numbers]
@@ -103,7 +102,7 @@ def _build(ordinals, qv, kv, vv, mv, mask_kind, causal, kv_layout, window_left, 
         base = _bridge.buffer_ptr(outs[-1]) if scratch else 0
         ws_ptr, sched = (base, base + ws) if scratch else (0, None)
         if scratch and p.section:
-            _cuda.memset32_async(sched, 0, _COUNTER_BYTES // 4, stream)
+            _cuda.memset32_async(sched, 0, _bridge.COUNTER_BYTES // 4, stream)
         elems = [_elements(b, lead) for b in ins]
         o_elems, lse_elems = _elements(o, lead), (_elements(lse, lead) if lse is not None else 0)
         mask_at = 3 if mask_kind else None

@@ -37,19 +37,13 @@ from __future__ import annotations
 import numpy as np
 
 from .._engine import operands, trtllm, trtllm_context, trtllm_device, trtllm_fmha
-from .._engine.metadata_check import metadata_checks_enabled
 from .._runtime import cuda as _cuda, dtypes as _dtypes
-from .._runtime.dlpack import kDLCUDA
 from . import _bridge
 
 FMHA = "trtllm_fmha_v2_prefill"
 CONTEXT = "trtllm_batch_context_with_kv_cache"
 _CACHE: dict = {}  # call key -> _bridge.Callable (refusing vmap): eager calls reuse the compiled wrapper
 _CACHE_SIZE = 64
-_COUNTER_BYTES = 16
-# The workspace the trace-time engines plan against (never split, so never read): its address is
-# the scratch's at each launch when a plan needs one
-_PLAN_WORKSPACE_BYTES = 1 << 40
 _META = ("seq_lens", "cum_seq_lens_q", "cum_seq_lens_kv", "block_tables")
 
 
@@ -65,8 +59,8 @@ def trtllm_fmha_v2_prefill(qkv, input_layout, workspace_buffer, seq_lens, max_q_
     time with the eager API's messages; see the module docstring for workspace_buffer, out= and
     vmap."""
     _bridge.no_out(FMHA, out=out)
-    _static(FMHA, max_q_len=max_q_len, max_kv_len=max_kv_len, batch_size=batch_size, window_left=window_left,
-            chunked_attention_size=chunked_attention_size)
+    _bridge.require_static(FMHA, max_q_len=max_q_len, max_kv_len=max_kv_len, batch_size=batch_size,
+                           window_left=window_left, chunked_attention_size=chunked_attention_size)
     ops = _Operands(FMHA)
     args = dict(qkv=ops.add("qkv", qkv), bmm1_scale=ops.scale("bmm1_scale", bmm1_scale),
                 bmm2_scale=ops.scale("bmm2_scale", bmm2_scale), sinks=ops.add("sinks", trtllm.sinks_arg(sinks)),
@@ -99,7 +93,8 @@ def trtllm_batch_context_with_kv_cache(query, kv_cache, workspace_buffer, block_
     as by the eager API. Errors raise at trace time with the eager API's messages; see the module
     docstring for workspace_buffer, out= / lse=, NVFP4 output and vmap."""
     _bridge.no_out(CONTEXT, out=out, lse=lse)
-    _static(CONTEXT, max_q_len=max_q_len, max_kv_len=max_kv_len, batch_size=batch_size, window_left=window_left)
+    _bridge.require_static(CONTEXT, max_q_len=max_q_len, max_kv_len=max_kv_len, batch_size=batch_size,
+                           window_left=window_left)
     ops = _Operands(CONTEXT)
     args = dict(query=ops.add("query", query), kv_cache=ops.add("kv_cache", kv_cache),
                 bmm1_scale=ops.scale("bmm1_scale", bmm1_scale), bmm2_scale=ops.scale("bmm2_scale", bmm2_scale),
@@ -120,14 +115,6 @@ def trtllm_batch_context_with_kv_cache(query, kv_cache, workspace_buffer, block_
     return _call(CONTEXT, ops, args, check, static, workspace_buffer, enable_pdl, bool(return_lse))
 
 
-def _static(name: str, **given) -> None:
-    """The arguments that fix the plan must be Python values (static under jit)."""
-    for arg, val in given.items():
-        if hasattr(val, "shape") and not isinstance(val, (np.integer, np.floating)):
-            raise TypeError(f"pyflashattn.jax.{name}: {arg} must be a Python value (static under jit: it fixes "
-                            f"the plan), got {type(val).__name__}")
-
-
 class _Ref(str):
     """An array argument's place in the check's arguments: the name of its callback input."""
 
@@ -137,11 +124,7 @@ class _Operands:
     trace-time view of each by name; the check's arguments hold _Refs in their places."""
 
     def __init__(self, name: str):
-        if metadata_checks_enabled():
-            raise NotImplementedError(f"pyflashattn.jax.{name}: PYFLASHATTN_CHECK_METADATA=1 is not supported under "
-                                      "jax: its host check reads the length metadata and block_tables, which a "
-                                      "trace does not have; unset it for jitted calls (the kernel still clamps bad "
-                                      "metadata)")
+        _bridge.refuse_checked_mode(name, "the length metadata and block_tables")
         self.ordinals = _bridge.gpu_ordinals()
         self.names, self.arrays, self.views = [], [], {}
 
@@ -229,10 +212,6 @@ def _check_more(name, c, dev):
     return bounds
 
 
-def _workspace(dev: int):
-    return _bridge.TensorView(None, 0, (_PLAN_WORKSPACE_BYTES,), (1,), _dtypes.UINT8, kDLCUDA, dev, _bridge.FRAMEWORK)
-
-
 def _plan(dev, c, bounds, geometry, scale_on_device: bool):
     """The engine of one local GPU, planned as the eager call plans it (a tensor bmm1_scale: on a
     kernel that reads it), its metadata on the device (waited for here: the callback never orders
@@ -242,15 +221,14 @@ def _plan(dev, c, bounds, geometry, scale_on_device: bool):
     q_plan, kv_plan = trtllm_device.planned_lengths(mq, mk, geometry)
 
     def plan(general):
-        return trtllm_device.new_engine(_workspace(dev), c.kv_layout, c.paging is not None, c.heads, c.dtypes, B,
-                                        q_plan, kv_plan, causal, wl, chunk, c.pos, c.cap, general or c.stats,
-                                        geometry)
+        return trtllm_device.new_engine(_bridge.plan_workspace(dev), c.kv_layout, c.paging is not None, c.heads,
+                                        c.dtypes, B, q_plan, kv_plan, causal, wl, chunk, c.pos, c.cap,
+                                        general or c.stats, geometry)
 
     e = plan(False)
     if scale_on_device and not e.attn.meta.get("device_scale"):
         e = plan(True)
-    _cuda.check(_cuda.driver().cuStreamSynchronize(e.plan_stream), "cuStreamSynchronize")
-    e.pending_copy = False
+    _bridge.engine_ready(e)
     e.apply_skip_softmax(c.skip)
     return e
 
@@ -263,9 +241,7 @@ def _build(name, ops, args, check, c, bounds, pdl, return_lse):
     meta = trtllm.device_metadata(ordinals[0], c.lengths, bounds, c.paging)
     geometry = None if c.paging is None else (c.paging.page_size, meta[4], meta[5])
     engines = {dev: _plan(dev, c, bounds, geometry, type(args["bmm1_scale"]) is _Ref) for dev in ordinals}
-    ws = max(_bridge.scratch_bytes(e.ws_need) if e.ws_need else 0 for e in engines.values())
-    sched = any(getattr(e.attn.params, "sched", 0) for e in engines.values())
-    scratch = ws + (_COUNTER_BYTES if sched else 0)
+    ws, scratch = _bridge.engines_scratch(engines.values())
     tokens, (hq, _, hd) = c.q.shape[0], c.heads
     f32 = _bridge.jax_dtype(_dtypes.FLOAT32)
     specs = [jax.ShapeDtypeStruct((tokens, hq, hd), _bridge.jax_dtype(c.dtypes[2]))]
@@ -314,4 +290,4 @@ def _point_scratch(e, base: int, ws: int, stream: int) -> None:
     p = e.attn.params
     if getattr(p, "sched", 0):
         p.sched = base + ws
-        _cuda.memset32_async(base + ws, 0, _COUNTER_BYTES // 4, stream)
+        _cuda.memset32_async(base + ws, 0, _bridge.COUNTER_BYTES // 4, stream)

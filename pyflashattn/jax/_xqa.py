@@ -33,18 +33,12 @@ import os
 import numpy as np
 
 from .._engine import operands, xqa
-from .._engine.metadata_check import metadata_checks_enabled
 from .._runtime import cuda as _cuda, dtypes as _dtypes
-from .._runtime.dlpack import kDLCUDA
 from . import _bridge
 
 NAME = "xqa_batch_decode_with_kv_cache"
 _CACHE: dict = {}  # call key -> _bridge.Callable (refusing vmap): eager calls reuse the compiled wrapper
 _CACHE_SIZE = 64
-_COUNTER_BYTES = 16
-# The workspace the trace-time engines plan against: never refuses a plan (XLA's scratch then holds
-# exactly what the plan needs, ws_need); its address is the scratch's at each launch.
-_PLAN_WORKSPACE_BYTES = 1 << 40
 _CACHE_NAMES = ("k_cache", "v_cache")
 _SF_NAMES = ("k_sf", "v_sf")
 
@@ -60,11 +54,9 @@ def xqa_batch_decode_with_kv_cache(query, kv_cache, workspace_buffer, block_tabl
     trace time with the eager API's messages; see the module docstring for workspace_buffer, out=
     and vmap."""
     _bridge.no_out(NAME, out=out)
-    _static(max_seq_len=max_seq_len, q_len_per_req=q_len_per_req, window_left=window_left, o_scale=o_scale)
-    if metadata_checks_enabled():
-        raise NotImplementedError(f"pyflashattn.jax.{NAME}: PYFLASHATTN_CHECK_METADATA=1 is not supported under "
-                                  "jax: its host check reads block_tables and seq_lens, which a trace does not "
-                                  "have; unset it for jitted calls (the kernel still clamps bad metadata)")
+    _bridge.require_static(NAME, max_seq_len=max_seq_len, q_len_per_req=q_len_per_req, window_left=window_left,
+                           o_scale=o_scale)
+    _bridge.refuse_checked_mode(NAME, "block_tables and seq_lens")
     ordinals = _bridge.gpu_ordinals()
     dev0 = ordinals[0]
     names, arrays, views = _operands(dev0, query, kv_cache, block_tables, seq_lens, mask, sinks, kv_cache_sf,
@@ -88,14 +80,6 @@ def xqa_batch_decode_with_kv_cache(query, kv_cache, workspace_buffer, block_tabl
             _CACHE.clear()
         _CACHE[key] = hit
     return hit(*arrays)[0]
-
-
-def _static(**given) -> None:
-    """The arguments that fix the plan or the launch must be Python values (static under jit)."""
-    for name, val in given.items():
-        if hasattr(val, "shape") and not isinstance(val, (np.integer, np.floating)):
-            raise TypeError(f"pyflashattn.jax.{NAME}: {name} must be a Python value (static under jit: it fixes "
-                            f"the plan), got {type(val).__name__}")
 
 
 def _is_number(x) -> bool:
@@ -145,17 +129,10 @@ def _cache_form(views: dict, name: str, part_names: tuple):
     return tuple(parts) if parts else None
 
 
-def _workspace(dev: int) -> _bridge.TensorView:
-    return _bridge.TensorView(None, 0, (_PLAN_WORKSPACE_BYTES,), (1,), _dtypes.UINT8, kDLCUDA, dev, _bridge.FRAMEWORK)
-
-
 def _plan(dev: int, c, window_left, scale_on_device: bool):
     """The engine of one local GPU, planned, its metadata on the device (waited for here: the
     callback never orders itself after the plan's copy)."""
-    e = xqa.plan_engine(_workspace(dev), c, window_left, scale_on_device)
-    _cuda.check(_cuda.driver().cuStreamSynchronize(e.plan_stream), "cuStreamSynchronize")
-    e.pending_copy = False
-    return e
+    return _bridge.engine_ready(xqa.plan_engine(_bridge.plan_workspace(dev), c, window_left, scale_on_device))
 
 
 def _build(ordinals, names, c, window_left, scale_on_device, enable_pdl):
@@ -163,9 +140,7 @@ def _build(ordinals, names, c, window_left, scale_on_device, enable_pdl):
     import jax
 
     engines = {dev: _plan(dev, c, window_left, scale_on_device) for dev in ordinals}
-    ws = max(_bridge.scratch_bytes(e.ws_need) if e.ws_need else 0 for e in engines.values())
-    sched = any(getattr(e.attn.params, "sched", 0) for e in engines.values())
-    scratch = ws + (_COUNTER_BYTES if sched else 0)
+    ws, scratch = _bridge.engines_scratch(engines.values())
     specs = [jax.ShapeDtypeStruct((c.batch * c.q_len, c.hq, c.hd), _bridge.jax_dtype(c.odt))]
     if scratch:
         specs.append(jax.ShapeDtypeStruct((scratch,), _bridge.jax_dtype(_dtypes.UINT8)))
@@ -186,7 +161,7 @@ def _build(ordinals, names, c, window_left, scale_on_device, enable_pdl):
                 e.point_workspace(base)
             if getattr(p, "sched", 0):  # the counters must start at zero: zeroed on the stream, before the launch
                 p.sched = base + ws
-                _cuda.memset32_async(base + ws, 0, _COUNTER_BYTES // 4, stream)
+                _cuda.memset32_async(base + ws, 0, _bridge.COUNTER_BYTES // 4, stream)
         e.run_paged(view["query"], _launch_form(view, "kv_cache", _CACHE_NAMES), k_scale=s1, v_scale=s2,
                     out=_bridge.buffer_view(outs[0], dev), stream=stream, enable_pdl=enable_pdl,
                     sinks=view.get("sinks"), kv_cache_sf=_launch_form(view, "kv_cache_sf", _SF_NAMES))

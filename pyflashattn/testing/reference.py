@@ -22,7 +22,8 @@ import math
 
 import numpy as np
 
-__all__ = ["attention_ref", "alibi_slopes", "merge_state_ref", "merge_states_ref", "to_numpy", "to_numpy_f64"]
+__all__ = ["attention_ref", "alibi_slopes", "merge_state_ref", "merge_states_ref", "to_numpy", "to_numpy_f64",
+           "trtllm_request_ref"]
 
 LOG2E = 1.0 / math.log(2.0)
 
@@ -288,3 +289,37 @@ def merge_state_ref(v_a, s_a, v_b, s_b, *, lse_base: str = "log2"):
     v = np.stack([to_numpy_f64(v_a), to_numpy_f64(v_b)], axis=1)
     s = np.stack([to_numpy_f64(s_a), to_numpy_f64(s_b)], axis=1)
     return merge_states_ref(v, s, lse_base=lse_base)
+
+
+def trtllm_request_ref(q, k, v, scale1, scale2, causal, wl, chunk, cap, slopes, sink):
+    """float64 attention of one request as the TRT-LLM entry points define it: q [Lq, Hq, D], k / v
+    [Lk, Hkv, D] (numpy), logits times scale1, optional soft cap / ALiBi slopes / chunked mask, a
+    per-head sink [Hq] joining each row's sum, output times scale2. Returns (o [Lq, Hq, D], row max
+    [Lq, Hq], row sum [Lq, Hq]) in natural units (FMHAv2's softmax stats)."""
+    Lq, Hq, D = q.shape
+    Lk, Hkv = k.shape[0], k.shape[1]
+    g = Hq // Hkv
+    kk, vv = np.repeat(k, g, axis=1), np.repeat(v, g, axis=1)
+    s = np.einsum("qhd,khd->hqk", q, kk) * scale1
+    if cap:
+        s = cap * np.tanh(s / cap)
+    qi, ki = np.arange(Lq)[:, None], np.arange(Lk)[None, :]
+    if slopes is not None:
+        s = s + slopes[:, None, None] * (ki - qi)[None]
+    p = qi + Lk - Lq
+    keep = np.ones((Lq, Lk), bool)
+    if causal:
+        keep &= ki <= p
+    if wl >= 0:
+        keep &= ki >= p - wl
+    if chunk:
+        keep &= ki >= (p // chunk) * chunk
+    s = np.where(keep[None], s, -np.inf)
+    mx = s.max(-1, initial=-np.inf)
+    m_use = np.where(np.isfinite(mx), mx, 0.0)
+    e = np.exp(s - m_use[..., None])
+    tot = e.sum(-1)
+    if sink is not None:
+        tot = tot + np.exp(sink[:, None] - m_use)
+    o = np.einsum("hqk,khd->qhd", e / np.where(tot > 0, tot, 1)[..., None], vv) * scale2
+    return o, mx.T, tot.T

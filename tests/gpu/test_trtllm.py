@@ -32,7 +32,7 @@ from pyflashattn._engine import trtllm as _trtllm, trtllm_device as _trtllm_devi
 from pyflashattn._runtime import registry as _registry  # noqa: E402
 from pyflashattn.testing import to_numpy_f64  # noqa: E402
 from pyflashattn.testing.checks import assert_close  # noqa: E402
-from pyflashattn.testing.reference import alibi_slopes  # noqa: E402
+from pyflashattn.testing.reference import alibi_slopes, trtllm_request_ref as ref_request  # noqa: E402
 
 DEV = "cuda"
 F16, BF16, E4M3 = torch.float16, torch.bfloat16, torch.float8_e4m3fn
@@ -57,38 +57,6 @@ def workspace():
     if not WS:
         WS.append(torch.zeros(512 << 20, dtype=torch.uint8, device=DEV))
     return WS[0]
-
-
-def ref_request(q, k, v, scale1, scale2, causal, wl, chunk, cap, slopes, sink):
-    """float64 attention of one request: q [Lq, Hq, D], k / v [Lk, Hkv, D] (numpy). Returns
-    (o [Lq, Hq, D], row max [Lq, Hq], row sum [Lq, Hq]) in natural units (FMHAv2's stats)."""
-    Lq, Hq, D = q.shape
-    Lk, Hkv = k.shape[0], k.shape[1]
-    g = Hq // Hkv
-    kk, vv = np.repeat(k, g, axis=1), np.repeat(v, g, axis=1)
-    s = np.einsum("qhd,khd->hqk", q, kk) * scale1
-    if cap:
-        s = cap * np.tanh(s / cap)
-    qi, ki = np.arange(Lq)[:, None], np.arange(Lk)[None, :]
-    if slopes is not None:
-        s = s + slopes[:, None, None] * (ki - qi)[None]
-    p = qi + Lk - Lq
-    keep = np.ones((Lq, Lk), bool)
-    if causal:
-        keep &= ki <= p
-    if wl >= 0:
-        keep &= ki >= p - wl
-    if chunk:
-        keep &= ki >= (p // chunk) * chunk
-    s = np.where(keep[None], s, -np.inf)
-    mx = s.max(-1, initial=-np.inf)
-    m_use = np.where(np.isfinite(mx), mx, 0.0)
-    e = np.exp(s - m_use[..., None])
-    tot = e.sum(-1)
-    if sink is not None:
-        tot = tot + np.exp(sink[:, None] - m_use)
-    o = np.einsum("hqk,khd->qhd", e / np.where(tot > 0, tot, 1)[..., None], vv) * scale2
-    return o, mx.T, tot.T
 
 
 def make_inputs(ql, kl, hq, hkv, d, dtype, seed):
