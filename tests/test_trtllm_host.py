@@ -4,8 +4,8 @@ mask, scales, stats, window); host metadata (numpy: checked and planned on the h
 metadata (trtllm_device: a plan per shape key, no sync, capturable; the checked mode).
 Numerics are tests/gpu/test_trtllm.py's and test_trtllm_graph.py's job.
 
-Not covered here: PACKED_QKV / CONTIGUOUS_Q_KV calls that get past validation (they slice qkv,
-which the fake DLPack producers cannot)."""
+PACKED_QKV / CONTIGUOUS_Q_KV: a packed tensor of a framework other than torch / CuPy (the fake
+producers here, JAX) is viewed once and its Q / K / V are strided views of it, not slices."""
 from __future__ import annotations
 
 import math
@@ -116,6 +116,41 @@ def test_parse_layout_forms():
         trtllm_fmha.parse_layout(T((4, 2, 2, 64)), "PACKED_QKV")
     with pytest.raises(ValueError, match=r"KV must be \[num_tokens, 2"):
         trtllm_fmha.parse_layout((q, T((4, 3, 2, 64))), "CONTIGUOUS_Q_KV")
+
+
+class NoSlicing(FakeProducer):
+    """A packed tensor whose slicing is refused: JAX's would copy (an XLA computation a slice)."""
+
+    def __getitem__(self, key):
+        raise AssertionError("the packed tensor was sliced")
+
+
+@pytest.mark.parametrize("layout", ["PACKED_QKV", "CONTIGUOUS_Q_KV"])
+def test_packed_layouts_view_the_halves_without_slicing(layout):
+    packed = 3 if layout == "PACKED_QKV" else 2
+    shape = (7, packed, 2, 64)
+    t = NoSlicing(shape, (packed * 128, 128, 64, 1), _dtypes.BFLOAT16, data=0x200000)
+    q = T((7, 4, 64), _dtypes.BFLOAT16)
+    got_q, (k, v), kv_layout, ragged = trtllm_fmha.parse_layout(t if packed == 3 else (q, t), layout)
+    assert (kv_layout, ragged) == ("NHD", True) and len(t.calls) == 1  # one export
+    first = 1 if packed == 3 else 0
+    for part, i in ((k, first), (v, first + 1)):
+        assert part.ptr == 0x200000 + i * 128 * 2 and part.shape == (7, 2, 64) and part.strides == (packed * 128, 64, 1)
+    if packed == 3:
+        assert (got_q.ptr, got_q.shape) == (0x200000, (7, 2, 64))
+    else:
+        assert got_q is q
+
+
+def test_contiguous_q_kv_call_points_k_and_v_into_the_packed_tensor(fake):
+    sl, cq, ck = lengths(fake)
+    kv = NoSlicing((TKV, 2, HKV, D), (2 * HKV * D, HKV * D, D, 1), _dtypes.FLOAT16, data=0x300000)
+    fmha(qkv=(T((TQ, HQ, D)), kv), input_layout="CONTIGUOUS_Q_KV", workspace_buffer=WS(fake), seq_lens=sl,
+         max_q_len=12, max_kv_len=19, bmm1_scale=0.1, bmm2_scale=1.0, batch_size=3, cum_seq_lens_q=cq,
+         cum_seq_lens_kv=ck, out=out_for(None))
+    _, p = last_params(fake)
+    assert p.k == 0x300000 and p.v == 0x300000 + HKV * D * 2
+    assert p.k_stride_n == p.v_stride_n == 2 * HKV * D and p.k_stride_h == D
 
 
 @pytest.mark.parametrize("seed", range(6))

@@ -467,7 +467,11 @@ def paged_cache(kv_cache, layout: str, kv_dims=(1, 2)) -> tuple:
             raise ValueError(f"kv_cache must be 5-D [num_pages, {' or '.join(map(str, kv_dims))}, ...] ({layout}) "
                              f"or a (k, v) tuple, got shape {c.shape}")
         shape, shift = (c.shape[0],) + c.shape[2:], None
-        form = kv_cache if c.shape[1] == 2 else (kv_cache[:, 0], kv_cache[:, 0])
+        if c.shape[1] == 2:
+            form = kv_cache
+        else:  # [P, 1, ...]: K and V share the pages
+            half = _tensor.slice_dim1(kv_cache, c, 0)
+            form = (half, half)
     geometry = (shape[1], shape[2], shape[3]) if layout == "NHD" else (shape[2], shape[1], shape[3])
     return form, shape, geometry, shift
 

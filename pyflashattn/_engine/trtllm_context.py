@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from .._runtime import tensor as _tensor
 from . import nvfp4_out, operands, options, trtllm
-from .xqa import _block_scales, _paged_cache
+from .xqa import _block_scales
 
 
 def _kv_block_scales(kv_block_scales, kv_cache, kshape, layout, nvfp4: bool, kdt, dev):
@@ -71,7 +71,7 @@ def check(query, kv_cache, block_tables, seq_lens, max_q_len, max_kv_len, bmm1_s
     odt = operands.NVFP4_OUTPUT if fp4_out else trtllm.out_dtype_arg(out_dtype, out, qv.dtype)
     causal, window_left = operands.trtllm_context_mask(causal, window_left)
     separate = not operands.bool_arg(uses_shared_paged_kv_idx, "uses_shared_paged_kv_idx")
-    cache, kshape, (ps, hkv, dk), _ = _paged_cache(kv_cache, layout)
+    cache, kshape, (ps, hkv, dk), _ = operands.paged_cache(kv_cache, layout)
     kdt = (_tensor.view(cache[0], "k_cache") if isinstance(cache, tuple) else _tensor.view(cache, "kv_cache")).dtype
     operands.trtllm_kv(kdt, hkv, dk, qv, fp8=True, nvfp4=True)
     sf = _kv_block_scales(kv_block_scales, kv_cache, kshape, layout, kdt in operands.NVFP4_CODES, kdt, dev)

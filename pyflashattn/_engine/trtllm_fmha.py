@@ -29,14 +29,14 @@ def parse_layout(qkv, layout: str):
         v = _tensor.view(t, "qkv")
         if v.ndim != 4 or v.shape[1] != 3:
             raise ValueError(f"qkv must be [num_tokens, 3, num_heads, head_dim] for PACKED_QKV, got shape {v.shape}")
-        return _pick(t, 0), (_pick(t, 1), _pick(t, 2)), "NHD", True
+        return _tensor.slice_dim1(t, v, 0), (_tensor.slice_dim1(t, v, 1), _tensor.slice_dim1(t, v, 2)), "NHD", True
     if layout == "CONTIGUOUS_Q_KV":
         q, kv = _parts(qkv, 2, layout)
         v = _tensor.view(kv, "qkv[1] (KV)")
         if v.ndim != 4 or v.shape[1] != 2:
             raise ValueError(f"KV must be [num_tokens, 2, num_kv_heads, head_dim] for CONTIGUOUS_Q_KV, got shape "
                              f"{v.shape}")
-        return q, (_pick(kv, 0), _pick(kv, 1)), "NHD", True
+        return q, (_tensor.slice_dim1(kv, v, 0), _tensor.slice_dim1(kv, v, 1)), "NHD", True
     if layout == "SEPARATE_Q_K_V":
         q, k, v = _parts(qkv, 3, layout)
         return q, (k, v), "NHD", True
@@ -45,15 +45,6 @@ def parse_layout(qkv, layout: str):
         return qkv[0], (qkv[1], qkv[2]), kv_layout, False
     q, cache = _parts(qkv, 2, layout)
     return q, (tuple(cache) if isinstance(cache, (tuple, list)) else cache), kv_layout, False
-
-
-def _pick(t, i: int):
-    """t[:, i]: the framework's slice, or for a TensorView (pyflashattn.jax's trace-time views and
-    XLA buffers, which no framework slices) the view of that slice."""
-    if type(t) is not _tensor.TensorView:
-        return t[:, i]
-    return _tensor.TensorView(t.obj, t.ptr + t.dtype.nbytes(i * t.strides[1]), (t.shape[0],) + t.shape[2:],
-                              (t.strides[0],) + t.strides[2:], t.dtype, t.device_type, t.device_id, t.framework)
 
 
 def _paging(cache, kv_layout, block_tables):

@@ -62,25 +62,8 @@ def _block_scales(kv_cache_sf, kv_cache, kshape, dev):
         return tuple(kv_cache_sf)
     if kv_dim == 2:
         return kv_cache_sf
-    half = kv_half(kv_cache_sf) if type(kv_cache_sf) is _tensor.TensorView else kv_cache_sf[:, 0]
+    half = _tensor.slice_dim1(kv_cache_sf, _tensor.view(kv_cache_sf, "kv_cache_sf"), 0)
     return half, half
-
-
-def kv_half(v: _tensor.TensorView) -> _tensor.TensorView:
-    """The view [:, 0] of a [P, 1, ...] view (a cache or its block scales whose K and V share the
-    pages): what the framework's slice gives the eager API, for views (pyflashattn.jax)."""
-    return _tensor.TensorView(v.obj, v.ptr, (v.shape[0],) + v.shape[2:], (v.strides[0],) + v.strides[2:], v.dtype,
-                              v.device_type, v.device_id, v.framework)
-
-
-def _paged_cache(kv_cache, layout: str) -> tuple:
-    """operands.paged_cache; a [P, 1, ...] TensorView (no framework to slice) as the pair of its
-    4-D views."""
-    if type(kv_cache) is not _tensor.TensorView or kv_cache.ndim != 5 or kv_cache.shape[1] != 1:
-        return operands.paged_cache(kv_cache, layout)
-    half = kv_half(kv_cache)
-    form, shape, geometry, _ = operands.paged_cache((half, half), layout)
-    return form, shape, geometry, None
 
 
 def _check_mask(mask, batch: int, q_len: int, dev: int) -> tuple:
@@ -221,7 +204,7 @@ def check(query, kv_cache, block_tables, seq_lens, max_seq_len, bmm1_scale, bmm2
     else:
         odt = qv.dtype if out_dtype is None else operands.output_dtype(out_dtype, qv.dtype, "out_dtype")[0]
     batch, hq, hd = qv.shape[0] // q_len, qv.shape[1], qv.shape[2]
-    cache, kshape, (page_size, hkv, dk), _ = _paged_cache(kv_cache, layout)
+    cache, kshape, (page_size, hkv, dk), _ = operands.paged_cache(kv_cache, layout)
     num_pages = kshape[0]
     kdt = (_tensor.view(cache[0], "k_cache") if isinstance(cache, tuple) else _tensor.view(cache, "kv_cache")).dtype
     nvfp4 = kdt in operands.NVFP4_CODES

@@ -91,6 +91,24 @@ class TensorView:
                 f"ptr=0x{self.ptr:x} on {device_name(self.device_type, self.device_id)})")
 
 
+def index_dim1(v: TensorView, i: int) -> TensorView:
+    """The view of v[:, i] (dim 1 dropped)."""
+    return TensorView(v.obj, v.ptr + v.dtype.nbytes(i * v.strides[1]), (v.shape[0],) + v.shape[2:],
+                      (v.strides[0],) + v.strides[2:], v.dtype, v.device_type, v.device_id, v.framework, v.readonly,
+                      v._keep)
+
+
+def slice_dim1(x, v: TensorView, i: int):
+    """x[:, i] of x (v: its view): torch's or CuPy's own slice (a free view), else the view of that
+    slice (index_dim1). A JAX slice is an XLA computation that copies (NOTES.md, session 26: 0.7 ms
+    of host and a copy of K or V a call), and pyflashattn.jax's views no framework slices. A JAX
+    array's view exported without a stream was waited for (JAX blocks until the array is ready),
+    so its slices need no stream handshake of their own."""
+    if type(x) is not TensorView and v.framework in ("torch", "cupy"):
+        return x[:, i]
+    return index_dim1(v, i)
+
+
 # ---- framework detection -------------------------------------------------------------------
 _FRAMEWORKS = {"torch": "torch", "cupy": "cupy", "cupy_backends": "cupy", "jax": "jax",
                "jaxlib": "jax", "numpy": "numpy"}

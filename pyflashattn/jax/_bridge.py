@@ -224,6 +224,18 @@ def engines_scratch(engines) -> tuple[int, int]:
     return ws, ws + (COUNTER_BYTES if sched else 0)
 
 
+def point_scratch(e, base: int, ws: int, stream: int) -> None:
+    """Point an engine at a scratch output laid out as engines_scratch() sized it: the plan's float
+    workspace at its start, the tile scheduler's counters at ws (they must start at zero: zeroed
+    on the stream, before the launch)."""
+    if e.ws_need:
+        e.point_workspace(base)
+    p = e.attn.params
+    if getattr(p, "sched", 0):
+        p.sched = base + ws
+        _cuda.memset32_async(base + ws, 0, COUNTER_BYTES // 4, stream)
+
+
 def require_static(fn_name: str, **given) -> None:
     """The arguments that fix a plan or a launch must be Python values (static under jit)."""
     for name, val in given.items():

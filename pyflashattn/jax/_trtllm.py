@@ -37,7 +37,7 @@ from __future__ import annotations
 import numpy as np
 
 from .._engine import operands, trtllm, trtllm_context, trtllm_device, trtllm_fmha
-from .._runtime import cuda as _cuda, dtypes as _dtypes
+from .._runtime import dtypes as _dtypes
 from . import _bridge
 
 FMHA = "trtllm_fmha_v2_prefill"
@@ -264,7 +264,7 @@ def _build(name, ops, args, check, c, bounds, pdl, return_lse):
         p.scale_dev, p.v_scale_dev = call.s1[1], call.s2[1]
         p.softmax_stats = _bridge.buffer_ptr(outs[1]) if c.stats else 0
         if scratch:
-            _point_scratch(e, _bridge.buffer_ptr(outs[-1]), ws, stream)
+            _bridge.point_scratch(e, _bridge.buffer_ptr(outs[-1]), ws, stream)
         o = _bridge.buffer_view(outs[0], dev)
         lse = _bridge.buffer_view(outs[1], dev) if return_lse else None
         if call.paging is None:
@@ -280,14 +280,3 @@ def _build(name, ops, args, check, c, bounds, pdl, return_lse):
         f"pyflashattn.jax.{name} does not support vmap: its batch is batch_size's requests (stack them along the "
         "token axis, with cum_seq_lens_q / seq_lens describing them) or call it once per batch"))
     return fn
-
-
-def _point_scratch(e, base: int, ws: int, stream: int) -> None:
-    """The plan's float workspace at the scratch's start, the tile scheduler's counters behind it
-    (they must start at zero: zeroed on the stream, before the launch)."""
-    if e.ws_need:
-        e.point_workspace(base)
-    p = e.attn.params
-    if getattr(p, "sched", 0):
-        p.sched = base + ws
-        _cuda.memset32_async(base + ws, 0, _bridge.COUNTER_BYTES // 4, stream)

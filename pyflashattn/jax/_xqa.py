@@ -33,7 +33,7 @@ import os
 import numpy as np
 
 from .._engine import operands, xqa
-from .._runtime import cuda as _cuda, dtypes as _dtypes
+from .._runtime import dtypes as _dtypes, tensor as _tensor
 from . import _bridge
 
 NAME = "xqa_batch_decode_with_kv_cache"
@@ -156,12 +156,7 @@ def _build(ordinals, names, c, window_left, scale_on_device, enable_pdl):
         xqa.point(p, ptr["block_tables"], ptr["seq_lens"], planned_keys, num_pages, ptr.get("bmm1_scale", 0),
                   ptr.get("bmm2_scale", 0), words, ptr.get("mask", 0))
         if scratch:
-            base = _bridge.buffer_ptr(outs[-1])
-            if e.ws_need:
-                e.point_workspace(base)
-            if getattr(p, "sched", 0):  # the counters must start at zero: zeroed on the stream, before the launch
-                p.sched = base + ws
-                _cuda.memset32_async(base + ws, 0, _bridge.COUNTER_BYTES // 4, stream)
+            _bridge.point_scratch(e, _bridge.buffer_ptr(outs[-1]), ws, stream)
         e.run_paged(view["query"], _launch_form(view, "kv_cache", _CACHE_NAMES), k_scale=s1, v_scale=s2,
                     out=_bridge.buffer_view(outs[0], dev), stream=stream, enable_pdl=enable_pdl,
                     sinks=view.get("sinks"), kv_cache_sf=_launch_form(view, "kv_cache_sf", _SF_NAMES))
@@ -178,7 +173,7 @@ def _launch_form(view: dict, name: str, part_names: tuple):
     if name in view:
         v = view[name]
         if v.shape[1] == 1:
-            half = xqa.kv_half(v)
+            half = _tensor.index_dim1(v, 0)
             return half, half
         return v
     if part_names[0] in view:

@@ -138,3 +138,61 @@ def test_failed_launch_raises_and_the_library_keeps_working():
     o2 = pyflashattn.single_prefill_with_kv_cache(q, q, q)
     torch.cuda.synchronize()
     assert torch.equal(o, o2)
+
+
+# ---- TRT-LLM's packed layouts: Q / K / V are views into one caller tensor --------------------------
+def _packed_problem(layout):
+    """(qkv in torch, cum lens, seq lens, the float64 reference, torch's own result): two requests
+    of 70 and 129 tokens, 8 heads (PACKED_QKV) or 8 / 2 (CONTIGUOUS_Q_KV), hd128, bf16, causal."""
+    from pyflashattn.testing.reference import trtllm_request_ref
+
+    lens, hkv = [70, 129], (8 if layout == "PACKED_QKV" else 2)
+    g = torch.Generator(device="cuda").manual_seed(zlib.crc32(layout.encode()))
+    n = sum(lens)
+    q = torch.randn(n, 8, 128, device="cuda", generator=g).to(torch.bfloat16)
+    k, v = (torch.randn(n, hkv, 128, device="cuda", generator=g).to(torch.bfloat16) for _ in range(2))
+    qkv = torch.stack([q, k, v], 1) if layout == "PACKED_QKV" else (q, torch.stack([k, v], 1))
+    cum = torch.tensor([0, lens[0], n], dtype=torch.int32, device="cuda")
+    sl = torch.tensor(lens, dtype=torch.int32, device="cuda")
+    ref = np.concatenate([trtllm_request_ref(*(to_numpy_f64(x[a:b]) for x in (q, k, v)), 1 / np.sqrt(128), 1.0,
+                                             True, -1, 0, None, None, None)[0]
+                          for a, b in ((0, lens[0]), (lens[0], n))])
+    return qkv, cum, sl, ref
+
+
+def _fmha_packed(qkv, layout, cum, sl, ws):
+    return pyflashattn.prefill.trtllm_fmha_v2_prefill(qkv, layout, ws, sl, 129, 129, 1 / np.sqrt(128), 1.0, 2, cum,
+                                                      cum)
+
+
+@pytest.mark.parametrize("layout", ["PACKED_QKV", "CONTIGUOUS_Q_KV"])
+@pytest.mark.parametrize("fw", ["cupy", "jax"])
+def test_trtllm_packed_layouts_in_cupy_and_jax(layout, fw):
+    """The packed tensor's K / V halves are views of the caller's tensor (a JAX slice would copy
+    them: pyflashattn views it once): the same bits as torch's result, and the reference."""
+    qkv_t, cum_t, sl_t, ref = _packed_problem(layout)
+    ws_t = torch.zeros(128 << 20, dtype=torch.uint8, device="cuda")
+    want = bits(_fmha_packed(qkv_t, layout, cum_t, sl_t, ws_t))
+    torch.cuda.synchronize()
+    parts = [qkv_t] if layout == "PACKED_QKV" else list(qkv_t)
+    if fw == "cupy":
+        cupy = pytest.importorskip("cupy")
+        conv = [to_cupy(cupy, t, "bf16") for t in parts]
+        meta = [cupy.asarray(x.cpu().numpy()) for x in (cum_t, sl_t)]
+        ws = cupy.zeros(128 << 20, dtype=cupy.uint8)
+        o = _fmha_packed(conv[0] if layout == "PACKED_QKV" else tuple(conv), layout, meta[0], meta[1], ws)
+        cupy.cuda.get_current_stream().synchronize()
+        assert isinstance(o, cupy.ndarray)
+        got = o.view(cupy.uint16).get()
+    else:
+        jax, jnp, gpu = jax_gpu()
+        conv = [to_jax(jax, jnp, gpu, t, jnp.bfloat16) for t in parts]
+        meta = [jax.device_put(jnp.asarray(x.cpu().numpy()), gpu) for x in (cum_t, sl_t)]
+        ws = jax.device_put(jnp.zeros(128 << 20, jnp.uint8), gpu)
+        o = _fmha_packed(conv[0] if layout == "PACKED_QKV" else tuple(conv), layout, meta[0], meta[1], ws)
+        assert isinstance(o, jax.Array)
+        got = np.asarray(jax.lax.bitcast_convert_type(o, jnp.uint16))
+    assert np.array_equal(got, want), f"{fw} and torch differ ({layout})"
+    a = to_numpy_f64(torch.from_numpy(got.view(np.int16)).view(torch.bfloat16))
+    assert not np.isnan(a).any()
+    np.testing.assert_allclose(a, ref, atol=1e-2, rtol=1e-2, err_msg=f"{fw} {layout}")
