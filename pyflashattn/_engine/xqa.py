@@ -62,7 +62,7 @@ def _block_scales(kv_cache_sf, kv_cache, kshape, dev):
         return tuple(kv_cache_sf)
     if kv_dim == 2:
         return kv_cache_sf
-    half = _tensor.slice_dim1(kv_cache_sf, _tensor.view(kv_cache_sf, "kv_cache_sf"), 0)
+    half = _tensor.slice_dim1(kv_cache_sf, _tensor.launch_view(kv_cache_sf, "kv_cache_sf"), 0)
     return half, half
 
 

@@ -99,14 +99,24 @@ def index_dim1(v: TensorView, i: int) -> TensorView:
 
 
 def slice_dim1(x, v: TensorView, i: int):
-    """x[:, i] of x (v: its view): torch's or CuPy's own slice (a free view), else the view of that
-    slice (index_dim1). A JAX slice is an XLA computation that copies (NOTES.md, session 26: 0.7 ms
-    of host and a copy of K or V a call), and pyflashattn.jax's views no framework slices. A JAX
-    array's view exported without a stream was waited for (JAX blocks until the array is ready),
-    so its slices need no stream handshake of their own."""
+    """x[:, i] of x (v: its view, launch_view's for a JAX array): torch's or CuPy's own slice (a
+    free view), else the view of that slice (index_dim1). A JAX slice is an XLA computation that
+    copies (NOTES.md, session 26: 0.7 ms of host and a copy of K or V a call), and
+    pyflashattn.jax's views no framework slices."""
     if type(x) is not TensorView and v.framework in ("torch", "cupy"):
         return x[:, i]
     return index_dim1(v, i)
+
+
+def launch_view(x, name: str) -> TensorView:
+    """view(x) that a launch on the stream the library picks for x's framework (no stream= given)
+    may read: a JAX array is exported again with that stream, whose DLPack handshake orders the
+    launch after JAX's pending writes. For the views derived from it (slice_dim1), which reach the
+    launch as views and get no handshake of their own there."""
+    v = view(x, name)
+    if v.framework == "jax" and type(x) is not TensorView:
+        v = view(x, name, stream=current_stream("jax", v.device_id))
+    return v
 
 
 # ---- framework detection -------------------------------------------------------------------

@@ -416,6 +416,13 @@ def test_xqa_interop_cupy_and_jax():
     torch.cuda.synchronize()  # JAX's imports of the torch tensors are not ordered on torch's stream
     o = decode.xqa_batch_decode_with_kv_cache(*[jax.dlpack.from_dlpack(a) for a in args], 200)
     _check(torch.from_dlpack(o), None, ref, F16, "xqa jax")
+    # a [P, 1, ...] cache (K and V share the pages): a JAX array's half is a view, not a JAX slice
+    shared = pg.cache[:, :1].contiguous()
+    want = decode.xqa_batch_decode_with_kv_cache(q, shared, _ws(), bt, seq, 200)
+    torch.cuda.synchronize()
+    got = decode.xqa_batch_decode_with_kv_cache(*[jax.dlpack.from_dlpack(a) for a in (q, shared, _ws(), bt, seq)],
+                                                200)
+    assert torch.equal(torch.from_dlpack(got), want), "jax and torch differ on a [P, 1, ...] cache"
 
 
 # ---------------------------------------------------------------- sinks in the prefill wrappers
