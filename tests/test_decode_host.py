@@ -3,9 +3,9 @@ q_len_per_req, run()'s scales, sinks and refusals), single_decode_with_kv_cache'
 block-table helpers and xqa_batch_decode_with_kv_cache (validation before any launch, what it
 writes into the params struct, its engine cache, PYFLASHATTN_CHECK_METADATA).
 
-Not covered here (the fake DLPack producers cannot express them): a [P, 1, ...] XQA cache (it is
-sliced as kv_cache[:, 0]), a valid single_decode_with_kv_cache call (it indexes q[None]) and
-plan(block_tables=<device tensor>) (it calls block_tables.reshape). Numerics are the GPU tests' job.
+Not covered here (the fake DLPack producers cannot express them): a valid
+single_decode_with_kv_cache call (it indexes q[None]) and plan(block_tables=<device tensor>) (it
+calls block_tables.reshape). Numerics are the GPU tests' job.
 """
 from __future__ import annotations
 
@@ -533,6 +533,15 @@ def test_xqa_params_of_a_call(fake):
     assert staged(fake, p.kv_indptr, B + 1) == [b * WIDTH for b in range(B + 1)]  # row b of the table
     assert grid == (HKV, 1, e.schedule.grid)
     assert p.v - p.k == PS * HKV * D * 2  # the V half of the 5-D cache
+
+
+def test_xqa_shared_kv_cache_reads_k_and_v_from_its_pages(fake):
+    """A [P, 1, ...] cache (K and V share the pages): its half is a view of the cache (no slice of
+    the caller's tensor), read as both K and V."""
+    shared = T((NPAGES, 1, PS, HKV, D), F16, data=0x200000)
+    call_xqa(xqa_args(fake, kv_cache=shared))
+    p = attn_launch(fake)[3]
+    assert p.k == p.v == 0x200000 and p.k_stride_page == p.v_stride_page == PS * HKV * D
 
 
 def test_xqa_strided_block_table_rows(fake):
