@@ -449,6 +449,25 @@ def test_current_stream_jax_and_others_use_library_stream(fake_cuda):
     assert current_stream("other", 0) == 0x7700
 
 
+def test_dim1_views_and_the_launch_export(fake_cuda):
+    """slice_dim1: a JAX array's (or any non-torch / CuPy producer's) [:, i] is a view of its one
+    export; launch_view exports a JAX array again with the launch stream (the DLPack handshake the
+    derived views skip), other producers once."""
+    from pyflashattn._runtime.tensor import index_dim1, launch_view, slice_dim1
+
+    j = FakeJax(shape=(5, 3, 2, 8), strides=(48, 16, 8, 1), dtype=_dtypes.BFLOAT16, data=0x10000, device=(2, 1))
+    v = launch_view(j, "qkv")
+    assert [c["stream"] for c in j.calls] == [None, 0x7701]
+    h = slice_dim1(j, v, 2)
+    assert (h.ptr, h.shape, h.strides, h.framework) == (0x10000 + 2 * 16 * 2, (5, 2, 8), (48, 8, 1), "jax")
+    assert h.obj is j and h._keep is v._keep
+    assert index_dim1(v, 0).ptr == 0x10000
+    other = FakeProducer(shape=(5, 1, 8), strides=(8, 8, 1))
+    launch_view(other, "kv_cache")
+    assert len(other.calls) == 1
+    assert launch_view(h, "x") is h  # a view passes through
+
+
 # ---------------------------------------------------------------- empty(): torch, CuPy, errors
 def test_empty_torch(monkeypatch):
     torch = _torch_module(FakeTorchTensor)

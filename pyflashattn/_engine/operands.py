@@ -470,7 +470,7 @@ def paged_cache(kv_cache, layout: str, kv_dims=(1, 2)) -> tuple:
         if c.shape[1] == 2:
             form = kv_cache
         else:  # [P, 1, ...]: K and V share the pages
-            half = _tensor.slice_dim1(kv_cache, _tensor.launch_view(kv_cache, "kv_cache"), 0)
+            half = _tensor.slice_dim1(kv_cache, _tensor.launch_view(kv_cache, "kv_cache", c), 0)
             form = (half, half)
     geometry = (shape[1], shape[2], shape[3]) if layout == "NHD" else (shape[2], shape[1], shape[3])
     return form, shape, geometry, shift
