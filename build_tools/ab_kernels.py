@@ -1,0 +1,211 @@
+"""Same-process A/B of two kernel builds: this checkout's host code and cubins ("after") against
+another build's cubins ("before"), launched call by call on the same inputs.
+
+    python3 build_tools/ab_kernels.py --before OLDTREE/cubins [--cases prefill,batch] [--pairs 40]
+        [--json F]
+
+Why: build_tools/ab_compare.py runs each version's bench in a process of its own, so the two
+versions meet different moments of the machine (the clock under the power cap, other tenants of
+the host): its same-run spreads were +-3-5% (NOTES.md, sessions 25 and 27), larger than most
+kernel changes are after. Here the two builds alternate call by call (before, after, then after,
+before) in one process, and each pair's time ratio is taken: drifts slower than a call cancel.
+
+How: plans, params structs and grids come from this checkout (one host path); Launcher calls are
+patched so that on the "before" side a launch runs the before build's kernel of the same name
+(its cubin loaded from --before, with its own dynamic shared memory). So it compares kernels
+only. A change of host code, of the params layout (refused: params_sha256 differs) or of which
+kernel a call picks (a name the before build lacks: refused at the first launch) needs
+ab_compare.py.
+
+Each case reports the median of the pairs' ratios (before time / after time: above 1 the after
+build is faster) with its quartiles, and each side's median time. L2 is flushed before every call
+(bench_util's flush), as the benches do.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import pathlib
+import statistics
+import sys
+
+CASES = ("prefill", "batch")
+
+
+# ---- what runs on the CPU too (tests/test_ab_kernels.py) --------------------------------------
+def before_rows(before: dict, params_sha256: str, arch: str) -> dict:
+    """The before manifest's kernel rows of `arch` by name; ValueError if it was built against
+    another params layout (its kernels would read this checkout's params struct wrongly)."""
+    if before.get("params_sha256") != params_sha256:
+        raise ValueError("the before cubins were built against another params layout (params_sha256 differs): "
+                         "compare such builds with ab_compare.py")
+    return {r["name"]: r for r in before.get("kernels", ()) if r.get("arch") == arch}
+
+
+def paired_stats(before_ms: list, after_ms: list) -> dict:
+    """Per-pair speed ratios (before / after time) summarised: median and quartiles, and each
+    side's median time."""
+    if len(before_ms) != len(after_ms) or not before_ms:
+        raise ValueError("paired_stats needs as many before as after times, at least one")
+    ratios = sorted(b / a for b, a in zip(before_ms, after_ms))
+    q = statistics.quantiles(ratios, n=4) if len(ratios) > 1 else [ratios[0]] * 3
+    return {"ratio": statistics.median(ratios), "q1": q[0], "q3": q[2], "pairs": len(ratios),
+            "before_ms": statistics.median(before_ms), "after_ms": statistics.median(after_ms)}
+
+
+# ---- the swap ----------------------------------------------------------------------------------
+class BeforeKernels:
+    """Launcher.__call__ patched: while `active`, a launch runs the before build's function of the
+    launcher's kernel name (loaded on first use) with the before row's dynamic shared memory."""
+
+    def __init__(self, cuda, cubins: pathlib.Path, rows: dict, device: int):
+        self.cuda, self.cubins, self.rows, self.device = cuda, cubins, rows, device
+        self.active = False
+        self._funcs: dict = {}
+
+    def function(self, launcher):
+        hit = self._funcs.get(launcher.name)
+        if hit is None:
+            row = self.rows.get(launcher.name)
+            if row is None:
+                raise RuntimeError(f"the before build has no kernel {launcher.name}: the call picks a kernel it "
+                                   "lacks (compare with ab_compare.py)")
+            if row["threads"] != launcher.threads:
+                raise RuntimeError(f"{launcher.name}: {row['threads']} threads before, {launcher.threads} after")
+            lib = self.cuda.load_library((self.cubins / row["file"]).read_bytes(), row["file"])
+            func = self.cuda.get_function(lib, row["name"], self.device, row["smem_bytes"])
+            hit = self._funcs[launcher.name] = (func, row["smem_bytes"])
+        return hit
+
+    def install(self):
+        cuda, swap = self.cuda, self
+        plain, programmatic = cuda.Launcher.__call__, cuda.ProgrammaticLauncher.__call__
+
+        def call(la, stream):
+            if not swap.active:
+                return plain(la, stream)
+            func, smem = swap.function(la)
+            err, = la._cu.cuLaunchKernel(func, *la._head[1:7], smem, stream, la._argv_addr, 0)
+            if err != la._cu.CUresult.CUDA_SUCCESS:
+                raise cuda.CudaError(f"launch of the before {la.name} failed: {err}")
+
+        def call_programmatic(la, stream):
+            if not swap.active:
+                return programmatic(la, stream)
+            func, smem = swap.function(la)
+            cfg = la._config
+            cfg.hStream, kept, cfg.sharedMemBytes = stream, cfg.sharedMemBytes, smem
+            try:
+                err, = la._cu.cuLaunchKernelEx(cfg, func, la._argv_addr, 0)
+            finally:
+                cfg.sharedMemBytes = kept
+            if err != la._cu.CUresult.CUDA_SUCCESS:
+                raise cuda.CudaError(f"launch of the before {la.name} (programmatic) failed: {err}")
+
+        cuda.Launcher.__call__ = call
+        cuda.ProgrammaticLauncher.__call__ = call_programmatic
+
+
+# ---- the cases (torch on a CUDA GPU) -----------------------------------------------------------
+def prefill_cases(torch, pfa):
+    """bench prefill --quick's single-request rows: 2048 / head_dim heads, bf16."""
+    for hd in (64, 128, 256):
+        for seq in (2048, 8192):
+            for causal in (False, True):
+                h = 2048 // hd
+                q, k, v = (torch.randn(seq, h, hd, device="cuda", dtype=torch.bfloat16) for _ in range(3))
+                out = torch.empty_like(q)
+                flops = 4 * seq * seq * h * hd * (0.5 if causal else 1.0)
+                yield (f"prefill hd{hd} {seq} {'causal' if causal else 'full'}", flops,
+                       lambda q=q, k=k, v=v, out=out, c=causal: pfa.single_prefill_with_kv_cache(q, k, v, causal=c,
+                                                                                                  out=out))
+
+
+def batch_cases(torch, pfa):
+    """bench batch --quick's ragged and paged rows (32 / 8 heads, hd128, page 16 in random order)."""
+    from pyflashattn.bench import batch as bb
+
+    ctx = bb._Ctx()
+    for name in ("uniform16", "skewed"):
+        lens = bb.batch_lengths(name, quick=True)
+        indptr = bb._indptr(lens)
+        for causal in (False, True):
+            q, k, v = bb._make_inputs(ctx, lens, 7)
+            cache, kv_indptr, indices, last = bb._paged_cache(ctx, lens, k, v, 11)
+            flops = sum(bb.request_flops(n, n, causal) for n in lens)
+            out = torch.empty_like(q)
+            tag = f"{name} {'causal' if causal else 'full'}"
+            ragged = pfa.BatchPrefillWithRaggedKVCacheWrapper(ctx.ws, "NHD")
+            ragged.plan(indptr, indptr, bb.HQ, bb.HKV, bb.HEAD_DIM, causal=causal, q_data_type=torch.bfloat16)
+            yield f"ragged {tag}", flops, lambda w=ragged, q=q, k=k, v=v, out=out: w.run(q, k, v, out=out)
+            ws = torch.empty(bb.WORKSPACE_BYTES, dtype=torch.uint8, device="cuda")
+            paged = pfa.BatchPrefillWithPagedKVCacheWrapper(ws, "NHD")
+            paged.plan(indptr, kv_indptr, indices, last, bb.HQ, bb.HKV, bb.HEAD_DIM, bb.PAGE_SIZE, causal=causal,
+                       q_data_type=torch.bfloat16)
+            yield f"paged {tag}", flops, lambda w=paged, q=q, c=cache, out=out: w.run(q, c, out=out)
+
+
+def time_pairs(torch, swap: BeforeKernels, fn, pairs: int, warmup: int = 3) -> tuple[list, list]:
+    """Device times (ms) of fn() on each side, `pairs` pairs, the order alternating per pair."""
+    from pyflashattn.testing.bench_util import _flush_buffer
+
+    buf = _flush_buffer(torch.device("cuda", torch.cuda.current_device()))
+    for side in (True, False):
+        swap.active = side
+        for _ in range(warmup):
+            fn()
+    torch.cuda.synchronize()
+    events = {True: [], False: []}
+    for i in range(pairs):
+        for side in ((True, False) if i % 2 == 0 else (False, True)):
+            swap.active = side
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            buf.fill_(i)
+            start.record()
+            fn()
+            end.record()
+            events[side].append((start, end))
+    swap.active = False
+    torch.cuda.synchronize()
+    return ([s.elapsed_time(e) for s, e in events[True]], [s.elapsed_time(e) for s, e in events[False]])
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--before", required=True, type=pathlib.Path, help="the before build's cubins/ directory")
+    ap.add_argument("--cases", default="prefill,batch", help="comma-separated: " + ", ".join(CASES))
+    ap.add_argument("--pairs", type=int, default=40)
+    ap.add_argument("--json", type=pathlib.Path)
+    args = ap.parse_args(argv)
+    import torch
+
+    import pyflashattn
+    from pyflashattn._runtime import cuda as _cuda, registry as _registry
+
+    dev = torch.cuda.current_device()
+    arch = _registry.build_arch(_cuda.properties(dev)["cc"])
+    rows = before_rows(json.loads((args.before / "manifest.json").read_text()), _registry.PARAMS_SHA256, arch)
+    swap = BeforeKernels(_cuda, args.before, rows, dev)
+    swap.install()
+    results = []
+    print(f"{'case':34s} {'after/before speed':>18s} {'q1..q3':>13s} {'before ms':>10s} {'after ms':>9s} "
+          f"{'after TFLOP/s':>13s}")
+    for kind in args.cases.split(","):
+        gen = {"prefill": prefill_cases, "batch": batch_cases}[kind]
+        for name, flops, fn in gen(torch, pyflashattn):
+            st = paired_stats(*time_pairs(torch, swap, fn, args.pairs))
+            st.update(case=name, after_tflops=flops / st["after_ms"] / 1e9)
+            results.append(st)
+            print(f"{name:34s} {st['ratio']:18.4f} {st['q1']:6.3f}..{st['q3']:.3f} {st['before_ms']:10.4f} "
+                  f"{st['after_ms']:9.4f} {st['after_tflops']:13.1f}", flush=True)
+    ratios = [r["ratio"] for r in results]
+    geo = statistics.geometric_mean(ratios) if ratios else float("nan")
+    print(f"geomean after/before speed over {len(ratios)} cases: {geo:.4f}")
+    if args.json:
+        args.json.write_text(json.dumps({"cases": results, "geomean": geo}, indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent.parent))
+    sys.exit(main())
