@@ -177,6 +177,9 @@ def main(argv=None) -> int:
     ap.add_argument("--pairs", type=int, default=40)
     ap.add_argument("--json", type=pathlib.Path)
     args = ap.parse_args(argv)
+    unknown = [c for c in args.cases.split(",") if c not in CASES]
+    if unknown:
+        ap.error(f"--cases: unknown {', '.join(unknown)} (choose from {', '.join(CASES)})")
     import torch
 
     import pyflashattn
