@@ -1,7 +1,7 @@
 """Same-process A/B of two kernel builds: this checkout's host code and cubins ("after") against
 another build's cubins ("before"), launched call by call on the same inputs.
 
-    python3 build_tools/ab_kernels.py --before OLDTREE/cubins [--cases prefill,batch] [--pairs 40]
+    python3 build_tools/ab_kernels.py --before OLDTREE/cubins [--cases prefill,batch,decode] [--pairs 40]
         [--json F]
 
 Why: build_tools/ab_compare.py runs each version's bench in a process of its own, so the two
@@ -29,7 +29,7 @@ import pathlib
 import statistics
 import sys
 
-CASES = ("prefill", "batch")
+CASES = ("prefill", "batch", "decode")
 
 
 # ---- what runs on the CPU too (tests/test_ab_kernels.py) --------------------------------------
@@ -116,7 +116,7 @@ def prefill_cases(torch, pfa):
                 q, k, v = (torch.randn(seq, h, hd, device="cuda", dtype=torch.bfloat16) for _ in range(3))
                 out = torch.empty_like(q)
                 flops = 4 * seq * seq * h * hd * (0.5 if causal else 1.0)
-                yield (f"prefill hd{hd} {seq} {'causal' if causal else 'full'}", flops,
+                yield (f"prefill hd{hd} {seq} {'causal' if causal else 'full'}", flops, "TFLOP/s",
                        lambda q=q, k=k, v=v, out=out, c=causal: pfa.single_prefill_with_kv_cache(q, k, v, causal=c,
                                                                                                   out=out))
 
@@ -137,12 +137,38 @@ def batch_cases(torch, pfa):
             tag = f"{name} {'causal' if causal else 'full'}"
             ragged = pfa.BatchPrefillWithRaggedKVCacheWrapper(ctx.ws, "NHD")
             ragged.plan(indptr, indptr, bb.HQ, bb.HKV, bb.HEAD_DIM, causal=causal, q_data_type=torch.bfloat16)
-            yield f"ragged {tag}", flops, lambda w=ragged, q=q, k=k, v=v, out=out: w.run(q, k, v, out=out)
+            yield f"ragged {tag}", flops, "TFLOP/s", lambda w=ragged, q=q, k=k, v=v, out=out: w.run(q, k, v, out=out)
             ws = torch.empty(bb.WORKSPACE_BYTES, dtype=torch.uint8, device="cuda")
             paged = pfa.BatchPrefillWithPagedKVCacheWrapper(ws, "NHD")
             paged.plan(indptr, kv_indptr, indices, last, bb.HQ, bb.HKV, bb.HEAD_DIM, bb.PAGE_SIZE, causal=causal,
                        q_data_type=torch.bfloat16)
-            yield f"paged {tag}", flops, lambda w=paged, q=q, c=cache, out=out: w.run(q, c, out=out)
+            yield f"paged {tag}", flops, "TFLOP/s", lambda w=paged, q=q, c=cache, out=out: w.run(q, c, out=out)
+
+
+def decode_cases(torch, pfa):
+    """bench decode's XQA rows (B=64 x 4096 keys, 32 / 8 heads, hd128, page 16): the bf16, fp8 and
+    NVFP4 caches and the 8-token speculative decode; rates in TB/s of K/V as stored."""
+    from pyflashattn.bench import decode_xqa as dx
+
+    gen = torch.Generator(device="cuda").manual_seed(5)
+    hd, pages = 128, dx.B * dx.KV_LEN // dx.PAGE_SIZE
+    codes, sf, wide = dx._nvfp4_cache(torch, pages, hd, gen)
+    elems = 2 * dx.B * dx.KV_LEN * dx.HKV * hd
+    q = torch.randn(dx.B, dx.HQ, hd, dtype=torch.bfloat16, device="cuda", generator=gen)
+    q8 = torch.randn(dx.B * dx.SPEC_Q, dx.HQ, hd, dtype=torch.bfloat16, device="cuda", generator=gen)
+    bt = torch.randperm(pages, device="cuda", generator=gen).to(torch.int32).view(dx.B, -1)
+    sl = torch.full((dx.B,), dx.KV_LEN, dtype=torch.int32, device="cuda")
+    out, out8 = torch.empty_like(q), torch.empty_like(q8)
+    ws = torch.zeros(256 << 20, dtype=torch.uint8, device="cuda")
+    xqa = pfa.decode.xqa_batch_decode_with_kv_cache
+    for kind, cache, scales, nbytes in (("bf16", wide, None, 2 * elems),
+                                        ("fp8", wide.to(torch.float8_e4m3fn), None, elems),
+                                        ("nvfp4", codes, sf, elems // 2 + elems // 16)):
+        yield (f"xqa {kind} B={dx.B} x {dx.KV_LEN}", nbytes, "TB/s",
+               lambda c=cache, s=scales: xqa(q, c, ws, bt, sl, dx.KV_LEN, bmm1_scale=hd**-0.5, out=out,
+                                            kv_cache_sf=s))
+    yield (f"xqa spec{dx.SPEC_Q} B={dx.B} x {dx.KV_LEN}", 2 * elems, "TB/s",
+           lambda: xqa(q8, wide, ws, bt, sl, dx.KV_LEN, bmm1_scale=hd**-0.5, out=out8, q_len_per_req=dx.SPEC_Q))
 
 
 def time_pairs(torch, swap: BeforeKernels, fn, pairs: int, warmup: int = 3) -> tuple[list, list]:
@@ -173,7 +199,8 @@ def time_pairs(torch, swap: BeforeKernels, fn, pairs: int, warmup: int = 3) -> t
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--before", required=True, type=pathlib.Path, help="the before build's cubins/ directory")
-    ap.add_argument("--cases", default="prefill,batch", help="comma-separated: " + ", ".join(CASES))
+    ap.add_argument("--cases", default="prefill,batch", help="comma-separated: " + ", ".join(CASES)
+                    + " (decode: XQA's rows, not yet run on a GPU)")
     ap.add_argument("--pairs", type=int, default=40)
     ap.add_argument("--json", type=pathlib.Path)
     args = ap.parse_args(argv)
@@ -192,15 +219,16 @@ def main(argv=None) -> int:
     swap.install()
     results = []
     print(f"{'case':34s} {'after/before speed':>18s} {'q1..q3':>13s} {'before ms':>10s} {'after ms':>9s} "
-          f"{'after TFLOP/s':>13s}")
+          f"{'after rate':>16s}")
     for kind in args.cases.split(","):
-        gen = {"prefill": prefill_cases, "batch": batch_cases}[kind]
-        for name, flops, fn in gen(torch, pyflashattn):
+        gen = {"prefill": prefill_cases, "batch": batch_cases, "decode": decode_cases}[kind]
+        for name, work, unit, fn in gen(torch, pyflashattn):
             st = paired_stats(*time_pairs(torch, swap, fn, args.pairs))
-            st.update(case=name, after_tflops=flops / st["after_ms"] / 1e9)
+            # work: FLOPs (TFLOP/s) or bytes (TB/s), either way / ms / 1e9
+            st.update(case=name, after_rate=work / st["after_ms"] / 1e9, unit=unit)
             results.append(st)
             print(f"{name:34s} {st['ratio']:18.4f} {st['q1']:6.3f}..{st['q3']:.3f} {st['before_ms']:10.4f} "
-                  f"{st['after_ms']:9.4f} {st['after_tflops']:13.1f}", flush=True)
+                  f"{st['after_ms']:9.4f} {st['after_rate']:8.2f} {unit}", flush=True)
     ratios = [r["ratio"] for r in results]
     geo = statistics.geometric_mean(ratios) if ratios else float("nan")
     print(f"geomean after/before speed over {len(ratios)} cases: {geo:.4f}")
