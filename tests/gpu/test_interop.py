@@ -193,6 +193,6 @@ def test_trtllm_packed_layouts_in_cupy_and_jax(layout, fw):
         assert isinstance(o, jax.Array)
         got = np.asarray(jax.lax.bitcast_convert_type(o, jnp.uint16))
     assert np.array_equal(got, want), f"{fw} and torch differ ({layout})"
-    a = to_numpy_f64(torch.from_numpy(got.view(np.int16)).view(torch.bfloat16))
+    a = to_numpy_f64(torch.from_numpy(got.view(np.int16).copy()).view(torch.bfloat16))
     assert not np.isnan(a).any()
     np.testing.assert_allclose(a, ref, atol=1e-2, rtol=1e-2, err_msg=f"{fw} {layout}")
