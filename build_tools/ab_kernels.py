@@ -18,8 +18,11 @@ kernel a call picks (a name the before build lacks: refused at the first launch)
 ab_compare.py.
 
 Each case reports the median of the pairs' ratios (before time / after time: above 1 the after
-build is faster) with its quartiles, and each side's median time. L2 is flushed before every call
-(bench_util's flush), as the benches do.
+build is faster) with its quartiles, each side's median time, and how far the two sides' outputs
+are apart (one call each into a NaN-poisoned output; a case past OUTPUT_TOL is flagged and the exit
+status is 1: the grid is this checkout's, so a before kernel written for another grid contract
+would be timed on partial work). L2 is flushed before every call (bench_util's flush), as the
+benches do.
 """
 from __future__ import annotations
 
@@ -30,16 +33,32 @@ import statistics
 import sys
 
 CASES = ("prefill", "batch", "decode")
+# Outputs of the two builds further apart than this (relative, or any unwritten element) flag the
+# case: a kernel change that only reorders arithmetic stays far below it (bf16 rounding ~4e-3 an
+# element); a before kernel running under a grid it was not written for does not.
+OUTPUT_TOL = 1e-2
 
 
 # ---- what runs on the CPU too (tests/test_ab_kernels.py) --------------------------------------
-def before_rows(before: dict, params_sha256: str, arch: str) -> dict:
-    """The before manifest's kernel rows of `arch` by name; ValueError if it was built against
-    another params layout (its kernels would read this checkout's params struct wrongly)."""
+def before_rows(before: dict, params_sha256: str) -> dict:
+    """The before manifest's kernel rows by (name, arch) (an sm_89 GPU runs sm_80 rows too: the
+    launcher's own row says which); ValueError if it was built against another params layout (its
+    kernels would read this checkout's params struct wrongly)."""
     if before.get("params_sha256") != params_sha256:
         raise ValueError("the before cubins were built against another params layout (params_sha256 differs): "
                          "compare such builds with ab_compare.py")
-    return {r["name"]: r for r in before.get("kernels", ()) if r.get("arch") == arch}
+    return {(r["name"], r.get("arch")): r for r in before.get("kernels", ())}
+
+
+def outputs_differ(before, after) -> float:
+    """Relative Frobenius distance of two outputs (numpy float64 arrays, NaN-poisoned before each
+    call); inf where either has a NaN (an element the call did not write) or the shapes differ."""
+    import numpy as np
+
+    if before.shape != after.shape or np.isnan(before).any() or np.isnan(after).any():
+        return float("inf")
+    scale = float(np.linalg.norm(after)) or 1.0
+    return float(np.linalg.norm(before - after)) / scale
 
 
 def paired_stats(before_ms: list, after_ms: list) -> dict:
@@ -56,7 +75,9 @@ def paired_stats(before_ms: list, after_ms: list) -> dict:
 # ---- the swap ----------------------------------------------------------------------------------
 class BeforeKernels:
     """Launcher.__call__ patched: while `active`, a launch runs the before build's function of the
-    launcher's kernel name (loaded on first use) with the before row's dynamic shared memory."""
+    launcher's kernel name and arch (loaded on first use) with the before row's dynamic shared
+    memory. What it cannot see: a kernel whose grid contract changed under the same name (the
+    grid is this checkout's); main() therefore compares the two sides' outputs."""
 
     def __init__(self, cuda, cubins: pathlib.Path, rows: dict, device: int):
         self.cuda, self.cubins, self.rows, self.device = cuda, cubins, rows, device
@@ -66,7 +87,7 @@ class BeforeKernels:
     def function(self, launcher):
         hit = self._funcs.get(launcher.name)
         if hit is None:
-            row = self.rows.get(launcher.name)
+            row = self.rows.get((launcher.name, (getattr(launcher, "meta", None) or {}).get("arch")))
             if row is None:
                 raise RuntimeError(f"the before build has no kernel {launcher.name}: the call picks a kernel it "
                                    "lacks (compare with ab_compare.py)")
@@ -171,6 +192,21 @@ def decode_cases(torch, pfa):
            lambda: xqa(q8, wide, ws, bt, sl, dx.KV_LEN, bmm1_scale=hd**-0.5, out=out8, q_len_per_req=dx.SPEC_Q))
 
 
+def compare_outputs(torch, swap: BeforeKernels, fn) -> float:
+    """outputs_differ of one call on each side, the output (fn's result, the same out= tensor
+    every call) NaN-poisoned before each: an element either side leaves unwritten shows."""
+    res = []
+    for side in (True, False):
+        out = fn()
+        out.fill_(float("nan"))
+        swap.active = side
+        fn()
+        swap.active = False
+        torch.cuda.synchronize()
+        res.append(out.float().cpu().double().numpy())
+    return outputs_differ(*res)
+
+
 def time_pairs(torch, swap: BeforeKernels, fn, pairs: int, warmup: int = 3) -> tuple[list, list]:
     """Device times (ms) of fn() on each side, `pairs` pairs, the order alternating per pair."""
     from pyflashattn.testing.bench_util import _flush_buffer
@@ -213,28 +249,32 @@ def main(argv=None) -> int:
     from pyflashattn._runtime import cuda as _cuda, registry as _registry
 
     dev = torch.cuda.current_device()
-    arch = _registry.build_arch(_cuda.properties(dev)["cc"])
-    rows = before_rows(json.loads((args.before / "manifest.json").read_text()), _registry.PARAMS_SHA256, arch)
+    rows = before_rows(json.loads((args.before / "manifest.json").read_text()), _registry.PARAMS_SHA256)
     swap = BeforeKernels(_cuda, args.before, rows, dev)
     swap.install()
     results = []
     print(f"{'case':34s} {'after/before speed':>18s} {'q1..q3':>13s} {'before ms':>10s} {'after ms':>9s} "
-          f"{'after rate':>16s}")
+          f"{'after rate':>16s} {'outputs rel diff':>16s}")
+    differ = 0
     for kind in args.cases.split(","):
         gen = {"prefill": prefill_cases, "batch": batch_cases, "decode": decode_cases}[kind]
         for name, work, unit, fn in gen(torch, pyflashattn):
+            rel = compare_outputs(torch, swap, fn)
             st = paired_stats(*time_pairs(torch, swap, fn, args.pairs))
             # work: FLOPs (TFLOP/s) or bytes (TB/s), either way / ms / 1e9
-            st.update(case=name, after_rate=work / st["after_ms"] / 1e9, unit=unit)
+            st.update(case=name, after_rate=work / st["after_ms"] / 1e9, unit=unit, outputs_rel_diff=rel)
             results.append(st)
+            bad = not rel <= OUTPUT_TOL
+            differ += bad
             print(f"{name:34s} {st['ratio']:18.4f} {st['q1']:6.3f}..{st['q3']:.3f} {st['before_ms']:10.4f} "
-                  f"{st['after_ms']:9.4f} {st['after_rate']:8.2f} {unit}", flush=True)
+                  f"{st['after_ms']:9.4f} {st['after_rate']:8.2f} {unit:>7s} {rel:9.2e}"
+                  + ("  OUTPUTS DIFFER: the timing compares different work" if bad else ""), flush=True)
     ratios = [r["ratio"] for r in results]
     geo = statistics.geometric_mean(ratios) if ratios else float("nan")
     print(f"geomean after/before speed over {len(ratios)} cases: {geo:.4f}")
     if args.json:
         args.json.write_text(json.dumps({"cases": results, "geomean": geo}, indent=1))
-    return 0
+    return 1 if differ else 0
 
 
 if __name__ == "__main__":

@@ -12,13 +12,26 @@ abk = importlib.util.module_from_spec(_spec)
 _spec.loader.exec_module(abk)
 
 
-def test_before_rows_by_name_of_the_arch_and_the_params_check():
+def test_before_rows_by_name_and_arch_and_the_params_check():
     m = {"params_sha256": "abc", "kernels": [{"name": "k1", "arch": "sm_90a"}, {"name": "k1", "arch": "sm_80"},
                                               {"name": "k2", "arch": "sm_90a"}]}
-    assert sorted(abk.before_rows(m, "abc", "sm_90a")) == ["k1", "k2"]
-    assert abk.before_rows(m, "abc", "sm_80")["k1"]["arch"] == "sm_80"
+    rows = abk.before_rows(m, "abc")
+    assert sorted(rows) == [("k1", "sm_80"), ("k1", "sm_90a"), ("k2", "sm_90a")]
+    assert rows[("k1", "sm_80")]["arch"] == "sm_80"
     with pytest.raises(ValueError, match="params layout"):
-        abk.before_rows(m, "other", "sm_90a")
+        abk.before_rows(m, "other")
+
+
+def test_outputs_differ_flags_unwritten_elements_and_distance():
+    np = pytest.importorskip("numpy")
+    a = np.ones((4, 3))
+    assert abk.outputs_differ(a, a.copy()) == 0.0
+    assert abk.outputs_differ(a * 1.001, a) == pytest.approx(1e-3)
+    nan = a.copy()
+    nan[2, 1] = np.nan  # an element the before kernel left unwritten (NaN-poisoned)
+    assert abk.outputs_differ(nan, a) == float("inf") and abk.outputs_differ(a, nan) == float("inf")
+    assert abk.outputs_differ(a[:2], a) == float("inf")
+    assert not abk.outputs_differ(a * 2, a) <= abk.OUTPUT_TOL
 
 
 def test_paired_stats_take_each_pairs_ratio():
@@ -51,6 +64,7 @@ def _fake_cuda(cu, loaded):
     class Launcher:
         def __init__(self, name, threads, smem):
             self.name, self.threads, self._cu, self._argv_addr = name, threads, cu, 0xA0
+            self.meta = {"arch": "sm_90a"}
             self._head = ("after_func", 4, 1, 1, threads, 1, 1, smem)
 
         def __call__(self, stream):
@@ -80,9 +94,10 @@ def test_the_swap_launches_the_before_function_with_its_shared_memory(tmp_path):
     cuda = _fake_cuda(cu, loaded)
     (tmp_path / "attn.cubin").write_bytes(b"x")
     (tmp_path / "merge.cubin").write_bytes(b"y")
-    rows = {"attn": {"name": "attn", "file": "attn.cubin", "threads": 384, "smem_bytes": 1000},
-            "merge": {"name": "merge", "file": "merge.cubin", "threads": 128, "smem_bytes": 0},
-            "wide": {"name": "wide", "file": "attn.cubin", "threads": 256, "smem_bytes": 0}}
+    rows = {("attn", "sm_90a"): {"name": "attn", "file": "attn.cubin", "threads": 384, "smem_bytes": 1000},
+            ("merge", "sm_90a"): {"name": "merge", "file": "merge.cubin", "threads": 128, "smem_bytes": 512},
+            ("wide", "sm_90a"): {"name": "wide", "file": "attn.cubin", "threads": 256, "smem_bytes": 0},
+            ("other_arch", "sm_80"): {"name": "other_arch", "file": "attn.cubin", "threads": 128, "smem_bytes": 0}}
     swap = abk.BeforeKernels(cuda, tmp_path, rows, 0)
     swap.install()
     attn, merge = cuda.Launcher("attn", 384, 1008), cuda.ProgrammaticLauncher("merge", 128, 0)
@@ -96,8 +111,11 @@ def test_the_swap_launches_the_before_function_with_its_shared_memory(tmp_path):
     merge(9)
     assert cu.calls[0] == ("plain", ("before_func", "attn", 1000), 4, 1, 1, 384, 1, 1, 1000, 9, 0xA0, 0)
     assert cu.calls[1] == cu.calls[0] and loaded == ["attn.cubin", "merge.cubin"]  # loaded once each
-    assert cu.calls[2] == ("ex", ("before_func", "merge", 0), 0, 9) and merge._config.sharedMemBytes == 0
+    # the before row's shared memory for its launch, the launcher's own restored after it
+    assert cu.calls[2] == ("ex", ("before_func", "merge", 512), 512, 9) and merge._config.sharedMemBytes == 0
     with pytest.raises(RuntimeError, match="no kernel missing"):
         cuda.Launcher("missing", 128, 0)(9)
+    with pytest.raises(RuntimeError, match="no kernel other_arch"):  # a row of another arch is not this one's
+        cuda.Launcher("other_arch", 128, 0)(9)
     with pytest.raises(RuntimeError, match="256 threads before, 128 after"):
         cuda.Launcher("wide", 128, 0)(9)
