@@ -450,9 +450,9 @@ def test_current_stream_jax_and_others_use_library_stream(fake_cuda):
 
 
 def test_dim1_views_and_the_launch_export(fake_cuda):
-    """slice_dim1: a JAX array's (or any non-torch / CuPy producer's) [:, i] is a view of its one
-    export; launch_view exports a JAX array again with the launch stream (the DLPack handshake the
-    derived views skip), other producers once."""
+    """slice_dim1: a JAX array's (or any non-torch / CuPy producer's) [:, i] is a view of its
+    export; launch_view exports such an array again with the launch stream (the DLPack handshake
+    the derived views skip): JAX's and other producers' alike."""
     from pyflashattn._runtime.tensor import index_dim1, launch_view, slice_dim1
 
     j = FakeJax(shape=(5, 3, 2, 8), strides=(48, 16, 8, 1), dtype=_dtypes.BFLOAT16, data=0x10000, device=(2, 1))
@@ -462,9 +462,12 @@ def test_dim1_views_and_the_launch_export(fake_cuda):
     assert (h.ptr, h.shape, h.strides, h.framework) == (0x10000 + 2 * 16 * 2, (5, 2, 8), (48, 8, 1), "jax")
     assert h.obj is j and h._keep is v._keep
     assert index_dim1(v, 0).ptr == 0x10000
-    other = FakeProducer(shape=(5, 1, 8), strides=(8, 8, 1))
+    other = FakeProducer(shape=(5, 1, 8), strides=(8, 8, 1), device=(2, 0))
     launch_view(other, "kv_cache")
-    assert len(other.calls) == 1
+    assert [c["stream"] for c in other.calls] == [None, 0x7700]  # the library stream of device 0
+    seen = FakeProducer(shape=(5, 1, 8), strides=(8, 8, 1), device=(2, 0))
+    launch_view(seen, "kv_cache", view(seen, "kv_cache"))  # a view taken already: one more export, with the stream
+    assert [c["stream"] for c in seen.calls] == [None, 0x7700]
     assert launch_view(h, "x") is h  # a view passes through
 
 

@@ -66,10 +66,10 @@ class BatchEngine:
         self.skip = 0.0  # run()'s skip_softmax_threshold_scale_factor in the struct (0 = off)
         self.skip_home = None  # the plan's launcher while its skip-softmax sibling runs (apply_skip_softmax)
 
-    def enable_graph(self, max_batch: int, max_pages: int, max_total_q: int | None = None):
-        """CUDA-graph mode with this capacity (batch size, pages; query tokens, else the first
-        plan's)."""
-        self.graph = GraphState(max_batch, max_pages, max_total_q)
+    def enable_graph(self, max_batch: int, max_pages: int):
+        """CUDA-graph mode with this capacity (batch size, pages; query tokens: the first plan's, or
+        GraphState.max_total_q set before it, as pyflashattn.jax does)."""
+        self.graph = GraphState(max_batch, max_pages)
         self.watch_capture = False
 
     def detach_metadata(self) -> list:

@@ -14,9 +14,10 @@ from .._runtime import cuda as _cuda
 class GraphState:
     __slots__ = ("max_batch", "max_pages", "max_total_q", "capacity", "captured", "sig", "probe")
 
-    def __init__(self, max_batch: int, max_pages: int, max_total_q: int | None = None):
+    def __init__(self, max_batch: int, max_pages: int):
         self.max_batch, self.max_pages = max_batch, max_pages
-        self.max_total_q = max_total_q  # None: fixed by the first plan
+        # query tokens: None until the first plan fixes it (pyflashattn.jax sets it before then)
+        self.max_total_q = None
         self.capacity = None  # fixed by the first plan that succeeds
         self.captured = None  # the plan settings a captured run() baked in
         self.sig = None  # the current plan's settings

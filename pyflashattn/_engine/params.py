@@ -9,7 +9,7 @@ from . import options as _options
 
 LOG2E = 1.4426950408889634
 MERGE_ROWS_PER_BLOCK = 4  # the merge kernel: one warp per (token, head) row, four warps a CTA
-MERGE_CTAS_PER_SM = 16  # its grid's cap per SM: 64 warps an SM, the most resident
+MERGE_CTAS_PER_SM = 16  # the warp-per-pair kernel's grid cap per SM (it strides over the pairs past it)
 # "0" / "1": the one-warp or the one-CTA-per-row merge kernel whatever the shape (read at plan
 # time; an A/B switch, see merge_cta_per_row). Unset: chosen by shape.
 MERGE_CTA_ENV = "PYFLASHATTN_MERGE_CTA_PER_ROW"
@@ -40,7 +40,7 @@ def merge_cta_per_row(dev: int, rows: int, num_heads: int) -> bool:
 
 
 def configure_merge(mg, rows: int, num_heads: int, head_dim: int, num_splits: int, lse_scale: float,
-                    o_format: int = 0, dev: int | None = None) -> None:
+                    o_format: int, dev: int) -> None:
     """The merge kernel over `rows` tokens: num_splits chunks each (0: per-token merge_indptr),
     writing the output in o_format (operands.OUT_*); its grid from the kernel's (row, head)
     pairs per CTA (the manifest's rows_per_block). The warp-per-pair kernel strides over the
@@ -52,7 +52,7 @@ def configure_merge(mg, rows: int, num_heads: int, head_dim: int, num_splits: in
     mp.lse_scale, mp.o_format = lse_scale, o_format
     per_block = mg.meta.get("rows_per_block", MERGE_ROWS_PER_BLOCK)
     ctas = max(1, -(-rows * num_heads // per_block))
-    if dev is not None and not mg.meta.get("cta_per_row"):
+    if not mg.meta.get("cta_per_row"):
         ctas = min(ctas, _cuda.properties(dev)["sm_count"] * MERGE_CTAS_PER_SM)
     mg.configure((ctas, 1, 1))
 

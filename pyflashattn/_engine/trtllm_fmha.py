@@ -26,16 +26,18 @@ def parse_layout(qkv, layout: str):
     page tensors."""
     if layout == "PACKED_QKV":
         t = qkv[0] if isinstance(qkv, (tuple, list)) and len(qkv) == 1 else qkv
-        v = _tensor.launch_view(t, "qkv")
+        v = _tensor.view(t, "qkv")
         if v.ndim != 4 or v.shape[1] != 3:
             raise ValueError(f"qkv must be [num_tokens, 3, num_heads, head_dim] for PACKED_QKV, got shape {v.shape}")
+        v = _tensor.launch_view(t, "qkv", v)  # (checked first: bad input raises before the driver is asked)
         return _tensor.slice_dim1(t, v, 0), (_tensor.slice_dim1(t, v, 1), _tensor.slice_dim1(t, v, 2)), "NHD", True
     if layout == "CONTIGUOUS_Q_KV":
         q, kv = _parts(qkv, 2, layout)
-        v = _tensor.launch_view(kv, "qkv[1] (KV)")
+        v = _tensor.view(kv, "qkv[1] (KV)")
         if v.ndim != 4 or v.shape[1] != 2:
             raise ValueError(f"KV must be [num_tokens, 2, num_kv_heads, head_dim] for CONTIGUOUS_Q_KV, got shape "
                              f"{v.shape}")
+        v = _tensor.launch_view(kv, "qkv[1] (KV)", v)
         return q, (_tensor.slice_dim1(kv, v, 0), _tensor.slice_dim1(kv, v, 1)), "NHD", True
     if layout == "SEPARATE_Q_K_V":
         q, k, v = _parts(qkv, 3, layout)

@@ -110,11 +110,13 @@ def slice_dim1(x, v: TensorView, i: int):
 
 def launch_view(x, name: str, v: TensorView | None = None) -> TensorView:
     """view(x) that a launch on the stream the library picks for x's framework (no stream= given)
-    may read: a JAX array is exported again with that stream, whose DLPack handshake orders the
-    launch after JAX's pending writes. For the views derived from it (slice_dim1), which reach the
-    launch as views and get no handshake of their own there. v: x's view, if taken already."""
+    may read: an array of any producer but torch / CuPy (whose slices slice_dim1 takes, viewed with
+    their handshake at launch) is exported again with that stream, whose DLPack handshake orders
+    the launch after the producer's pending writes (JAX's). For the views derived from it
+    (slice_dim1), which reach the launch as views and get no handshake of their own there. v: x's
+    view, if taken already."""
     v = view(x, name) if v is None else v
-    if v.framework == "jax" and type(x) is not TensorView:
+    if v.framework not in ("torch", "cupy", "numpy") and type(x) is not TensorView:
         v = view(x, name, stream=current_stream("jax", v.device_id))
     return v
 

@@ -85,8 +85,11 @@ def _build(ordinals, qv, kv, vv, mv, mask_kind, causal, kv_layout, window_left, 
     specs = [jax.ShapeDtypeStruct(plan.o_shape, _bridge.jax_dtype(plan.odt))]
     if return_lse:
         specs.append(jax.ShapeDtypeStruct(plan.lse_shape, _bridge.jax_dtype(_dtypes.FLOAT32)))
-    ws = _bridge.scratch_bytes(plan.ws_bytes)
-    scratch = ws + _bridge.COUNTER_BYTES if plan.attn is not None and (plan.ws_bytes or plan.section) else 0
+    # one scratch layout for every local GPU's plan (the KV split, and so the partials' bytes,
+    # follows each GPU's SM count): the largest workspace, the counters behind it
+    ws = max(_bridge.scratch_bytes(q.ws_bytes) for q in plans.values())
+    scratch = ws + _bridge.COUNTER_BYTES if any(q.attn is not None and (q.ws_bytes or q.section)
+                                                for q in plans.values()) else 0
     if scratch:
         specs.append(jax.ShapeDtypeStruct((scratch,), _bridge.jax_dtype(_dtypes.UINT8)))
     tensor_scales = [type(x) is _bridge.TensorView for x in numbers]
