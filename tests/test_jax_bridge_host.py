@@ -3,11 +3,13 @@ buffer_callback with the version it needs, and the bridge's buffer views (fake X
 from __future__ import annotations
 
 import importlib
+import pathlib
 import sys
 import types
 
 import pytest
 
+import pyflashattn
 from pyflashattn._runtime import dtypes as _dtypes
 
 
@@ -26,8 +28,16 @@ def _fake_jax(monkeypatch, version: str, with_callback: bool):
         mods["jax.experimental.buffer_callback"] = None  # import fails
     for name, mod in mods.items():
         monkeypatch.setitem(sys.modules, name, mod)
-    for name in [m for m in sys.modules if m == "pyflashattn.jax" or m.startswith("pyflashattn.jax.")]:
+    # pyflashattn.jax and its modules are imported afresh against the fake; afterwards sys.modules
+    # and the package attribute are as before (a module first imported here must not outlive the
+    # test: a later `import pyflashattn.jax` would get this copy, not the real JAX's)
+    pkg = pathlib.Path(pyflashattn.__file__).parent / "jax"
+    names = {"pyflashattn.jax"} | {f"pyflashattn.jax.{f.stem}" for f in pkg.glob("*.py") if f.stem != "__init__"}
+    names |= {m for m in sys.modules if m.startswith("pyflashattn.jax.")}
+    for name in names:
+        monkeypatch.setitem(sys.modules, name, None)  # recorded, so teardown restores or removes it
         monkeypatch.delitem(sys.modules, name)
+    monkeypatch.setattr(pyflashattn, "jax", getattr(pyflashattn, "jax", None), raising=False)
 
 
 def test_import_names_the_jax_it_needs(monkeypatch):
@@ -53,3 +63,15 @@ def test_buffer_views_of_xla_buffers(monkeypatch):
     assert _bridge._is_fp8(_dtypes.FLOAT8_E5M2) and not _bridge._is_fp8(_dtypes.UINT8)
     with pytest.raises(TypeError, match="out= is not supported: JAX arrays are immutable"):
         _bridge.no_out("f", out=object())
+
+
+def test_the_fake_imports_leave_nothing_behind(monkeypatch):
+    """After the tests above (and here after a fake import within a nested patch), no
+    pyflashattn.jax module imported against a fake JAX remains importable from sys.modules."""
+    before = {m for m in sys.modules if m == "pyflashattn.jax" or m.startswith("pyflashattn.jax.")}
+    had = hasattr(pyflashattn, "jax")
+    with pytest.MonkeyPatch.context() as mp:
+        _fake_jax(mp, "0.11.2", with_callback=True)
+        importlib.import_module("pyflashattn.jax._bridge")
+    after = {m for m in sys.modules if m == "pyflashattn.jax" or m.startswith("pyflashattn.jax.")}
+    assert after == before and hasattr(pyflashattn, "jax") == had

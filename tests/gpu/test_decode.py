@@ -12,6 +12,7 @@ column dropped).
 from __future__ import annotations
 
 import math
+import types
 
 import numpy as np
 import pytest
@@ -416,9 +417,13 @@ def test_xqa_interop_cupy_and_jax():
     torch.cuda.synchronize()  # JAX's imports of the torch tensors are not ordered on torch's stream
     o = decode.xqa_batch_decode_with_kv_cache(*[jax.dlpack.from_dlpack(a) for a in args], 200)
     _check(torch.from_dlpack(o), None, ref, F16, "xqa jax")
-    # a [P, 1, ...] cache (K and V share the pages): a JAX array's half is a view, not a JAX slice
+    # a [P, 1, ...] cache (K and V share the pages): a JAX array's half is a view, not a JAX slice;
+    # torch's result (into a poisoned out) against the reference with V = K, JAX's bit for bit with it
     shared = pg.cache[:, :1].contiguous()
-    want = decode.xqa_batch_decode_with_kv_cache(q, shared, _ws(), bt, seq, 200)
+    want = decode.xqa_batch_decode_with_kv_cache(q, shared, _ws(), bt, seq, 200,
+                                                 out=torch.full_like(q, float("nan")))
+    _check(want, None, _refs(q, types.SimpleNamespace(kv_lens=pg.kv_lens, k=pg.k, v=pg.k), 1, 8, sm_scale=1.0), F16,
+           "xqa [P, 1] cache")
     torch.cuda.synchronize()
     got = decode.xqa_batch_decode_with_kv_cache(*[jax.dlpack.from_dlpack(a) for a in (q, shared, _ws(), bt, seq)],
                                                 200)

@@ -130,6 +130,11 @@ q, k, v = (jnp.asarray(rng.standard_normal(s).astype(np.float32), jnp.bfloat16)
            for s in ((256, 8, 128), (512, 2, 128), (512, 2, 128)))
 f = jax.jit(lambda q, k, v: pfj.single_prefill_with_kv_cache(q + 1, k - 1, v * 2, causal=True) * 3)
 first = np.asarray(f(q, k, v))
+from pyflashattn.testing import attention_ref, to_numpy_f64
+from pyflashattn.testing.checks import assert_close
+f64 = lambda x: to_numpy_f64(np.asarray(jnp.asarray(x, jnp.float32)))
+ro, _ = attention_ref(f64(q + 1), f64(k - 1), f64(v * 2), causal=True)
+assert_close(f64(first), 3 * ro, atol=3e-2, rtol=1e-2, what="recorded o")  # bf16 tolerances, o times 3
 for _ in range(20):
     out = f(q, k, v)
 out.block_until_ready()
@@ -151,7 +156,8 @@ def test_command_buffer_replays_skip_python():
     r = subprocess.run([sys.executable, "-c", _REPLAY_SCRIPT], env=env, capture_output=True, text=True, timeout=300)
     assert r.returncode == 0, r.stderr[-3000:]
     launches = int(r.stdout.split("PYTHON_LAUNCHES")[1].split()[0])
-    assert 1 <= launches < 21, f"Python launched {launches} times for 21 calls: no command-buffer replay"
+    # (session 26 measured 1 of 21: the recording)
+    assert 1 <= launches <= 2, f"Python launched {launches} times for 21 calls: no command-buffer replay"
 
 
 def test_single_prefill_trace_time_errors():
@@ -163,7 +169,7 @@ def test_single_prefill_trace_time_errors():
     with pytest.raises(ValueError, match="head_dim"):
         jax.jit(lambda q, k, v: pfj.single_prefill_with_kv_cache(q, k, v)).lower(q, k, k)
     k32 = jax.ShapeDtypeStruct((20, 2, 128), jnp.float32)
-    with pytest.raises(TypeError, match="k"):
+    with pytest.raises(TypeError, match=r"\bk\b.*float32"):  # names the argument and its dtype
         jax.jit(lambda q, k, v: pfj.single_prefill_with_kv_cache(q, k, v)).lower(q, k32, k32)
     qa = jnp.zeros((10, 8, 128), jnp.bfloat16)
     ka = jnp.zeros((20, 2, 128), jnp.bfloat16)
@@ -275,7 +281,7 @@ def test_batch_run_trace_time_errors():
     with pytest.raises(ValueError, match="paged_kv_cache must have shape"):
         jax.jit(w.run).lower(jax.ShapeDtypeStruct((32, 8, 128), jnp.bfloat16),
                              jax.ShapeDtypeStruct((8, 2, 16, 4, 128), jnp.bfloat16), plan)
-    with pytest.raises(TypeError, match="q"):
+    with pytest.raises(TypeError, match=r"\bq\b.*float16"):  # names the argument and its dtype
         jax.jit(w.run).lower(jax.ShapeDtypeStruct((32, 8, 128), jnp.float16), cache, plan)
     with pytest.raises(TypeError, match="plan must be the Plan"):
         w.run(jnp.zeros((32, 8, 128), jnp.bfloat16), jnp.zeros((8, 2, 16, 2, 128), jnp.bfloat16), plan.state)

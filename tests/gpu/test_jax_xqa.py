@@ -255,5 +255,5 @@ def test_xqa_jit_refusals(monkeypatch):
 
 
 def test_xqa_public_name():
-    """pyflashattn.jax exports it (once __init__ does; the module's function until then)."""
-    assert getattr(pfj, "xqa_batch_decode_with_kv_cache", xqa) is xqa
+    """pyflashattn.jax exports it."""
+    assert pfj.xqa_batch_decode_with_kv_cache is xqa
