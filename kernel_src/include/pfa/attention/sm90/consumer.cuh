@@ -7,7 +7,8 @@
 //   O += P V      wgmma, P from registers (S's accumulator layout is the A fragment's), V from
 //                 shared memory read transposed (MN-major)
 // and it releases each K and V stage to the producer as soon as its wgmma has read it.
-// The first tile's softmax applies corr to an O that is still zero: rescale_o is skipped there.
+// O's rescale for a tile's max waits for the next tile's turn (RESCALE_IN_TURN) or follows the
+// softmax; at the first tile O is still zero and corr is 0 or 1 (Softmax::rescale keeps it finite).
 // Skip-softmax (PrefillParams::skip_softmax_factor, SkipSoftmax in softmax_state.cuh), in the SKIP
 // twins only, votes per warpgroup, its 64 rows (one bar.red): a skipped tile runs no softmax and
 // issues no P V. A wgmma behind a data-dependent branch makes ptxas serialise every wgmma of the
@@ -174,6 +175,14 @@ struct ConsumerSm90 {
   static constexpr bool Q_REGS = HEAD_DIM <= 128 && Cfg::CONSUMERS == 2;  // three consumers (160 registers) spill
   using QFrags = uint32_t[Q_REGS ? QK_STEPS : 1][4];
 
+  // FlashAttention-3's order inside a turn: the S GEMM issued, then O's rescale (for the previous
+  // tile's max) and V's wait, then the P V GEMM. The rescale's multiplies run under the S GEMM
+  // instead of in the stretch after the softmax, where the tensor pipe idles unless the other
+  // consumer issues. Not for the paged rows, whose owned-row cp.async producer fills V later in
+  // the turn (the wait would hold the turn: 0.98x), nor hd64, whose rescale is short (0.995x);
+  // hd128 / hd256 single and ragged measured 1.01-1.035x (NOTES.md, session 28).
+  static constexpr bool RESCALE_IN_TURN = !Cfg::PAGED && HEAD_DIM >= 128;
+
   // The warpgroup's Q rows as the A fragments of the S GEMM's k-steps (ldmatrix from the
   // 128-byte-swizzled tile: chunk c of row t at c ^ (t % 8), column blocks of 128 bytes), a k-step
   // 32 bytes: 16 elements of a 16-bit Q, 32 of an e4m3 one (whose A fragment, four e4m3 a
@@ -284,11 +293,16 @@ struct ConsumerSm90 {
       const int st = walk.stage<STAGES>(it), prev = walk.stage<STAGES>(it - 1);
       const int n0 = w.tile_start + it * BLOCK_N;
       ptx::mbar_wait(Cfg::k_full(base, st), walk.phase<STAGES>(it));
-      ptx::mbar_wait(Cfg::v_full(base, prev), walk.phase<STAGES>(it - 1));
+      if constexpr (!RESCALE_IN_TURN) ptx::mbar_wait(Cfg::v_full(base, prev), walk.phase<STAGES>(it - 1));
       turn.take();
       ptx::wgmma_fence();
       issue_qk(s, s_q, base + Cfg::K_OFFSET + st * Cfg::KV_TILE_BYTES, wg, qf);
       ptx::wgmma_commit();
+      if constexpr (RESCALE_IN_TURN) {
+        rescale_o(o, corr);
+        ptx::mbar_wait(Cfg::v_full(base, prev), walk.phase<STAGES>(it - 1));
+        ptx::wgmma_fence();  // the rescaled O before the P V wgmma accumulates into it
+      }
       if (!SKIP || pv_prev) issue_pv(o, a, base + Cfg::V_OFFSET + prev * Cfg::KV_TILE_BYTES);
       ptx::wgmma_commit();
       turn.pass();
@@ -302,13 +316,17 @@ struct ConsumerSm90 {
       ptx::wgmma_fence_regs(o);
       ptx::wgmma_keep_regs(a);
       if (lane == 0) ptx::mbar_arrive(Cfg::v_empty(base, prev));
-      rescale_o(o, corr);
+      if constexpr (!RESCALE_IN_TURN) rescale_o(o, corr);
       p_frags(s, a);  // a skipped tile's too (never issued): a's live range stays the loop's own
       pv_prev = !skipped;
     }
     const int last = walk.stage<STAGES>(n - 1);
-    ptx::mbar_wait(Cfg::v_full(base, last), walk.phase<STAGES>(n - 1));
+    if constexpr (!RESCALE_IN_TURN) ptx::mbar_wait(Cfg::v_full(base, last), walk.phase<STAGES>(n - 1));
     turn.take();
+    if constexpr (RESCALE_IN_TURN) {
+      rescale_o(o, corr);
+      ptx::mbar_wait(Cfg::v_full(base, last), walk.phase<STAGES>(n - 1));
+    }
     ptx::wgmma_fence();
     if (!SKIP || pv_prev) issue_pv(o, a, base + Cfg::V_OFFSET + last * Cfg::KV_TILE_BYTES);
     ptx::wgmma_commit();
