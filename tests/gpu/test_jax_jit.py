@@ -135,11 +135,15 @@ from pyflashattn.testing.checks import assert_close
 f64 = lambda x: to_numpy_f64(np.asarray(jnp.asarray(x, jnp.float32)))
 ro, _ = attention_ref(f64(q + 1), f64(k - 1), f64(v * 2), causal=True)
 assert_close(f64(first), 3 * ro, atol=3e-2, rtol=1e-2, what="recorded o")  # bf16 tolerances, o times 3
+for _ in range(10):  # warm-up: XLA may re-record while the buffers' addresses settle
+    out = f(q, k, v)
+out.block_until_ready()
+warm = len(calls)
 for _ in range(20):
     out = f(q, k, v)
 out.block_until_ready()
 assert np.array_equal(np.asarray(out).view(np.uint16), first.view(np.uint16)), "a replay changed the result"
-print("PYTHON_LAUNCHES", len(calls))
+print("PYTHON_LAUNCHES", warm, len(calls) - warm)
 """
 
 
@@ -155,9 +159,12 @@ def test_command_buffer_replays_skip_python():
                XLA_PYTHON_CLIENT_PREALLOCATE="false")
     r = subprocess.run([sys.executable, "-c", _REPLAY_SCRIPT], env=env, capture_output=True, text=True, timeout=300)
     assert r.returncode == 0, r.stderr[-3000:]
-    launches = int(r.stdout.split("PYTHON_LAUNCHES")[1].split()[0])
-    # (session 26 measured 1 of 21: the recording)
-    assert 1 <= launches <= 2, f"Python launched {launches} times for 21 calls: no command-buffer replay"
+    warm, steady = map(int, r.stdout.split("PYTHON_LAUNCHES")[1].split()[:2])
+    # The recording runs Python (warm >= 1); XLA re-records a command buffer whose buffer addresses
+    # changed, which the reference check's allocations cause during the first calls (4 of 21
+    # measured in session 28): once settled, 20 calls run no Python.
+    assert 1 <= warm <= 11, f"Python launched {warm} times in the first 11 calls"
+    assert steady == 0, f"Python launched {steady} times in 20 settled calls: no command-buffer replay"
 
 
 def test_single_prefill_trace_time_errors():
