@@ -32,7 +32,7 @@ import pathlib
 import statistics
 import sys
 
-CASES = ("prefill", "batch", "decode")
+CASES = ("prefill", "fp8", "batch", "decode")
 # Outputs of the two builds further apart than this (relative, or any unwritten element) flag the
 # case: a kernel change that only reorders arithmetic stays far below it (bf16 rounding ~4e-3 an
 # element); a before kernel running under a grid it was not written for does not.
@@ -140,6 +140,21 @@ def prefill_cases(torch, pfa):
                 yield (f"prefill hd{hd} {seq} {'causal' if causal else 'full'}", flops, "TFLOP/s",
                        lambda q=q, k=k, v=v, out=out, c=causal: pfa.single_prefill_with_kv_cache(q, k, v, causal=c,
                                                                                                   out=out))
+
+
+def fp8_cases(torch, pfa):
+    """bench prefill's fp8 column: the same rows with q, k, v in e4m3 (unit scales), bf16 out."""
+    for hd in (64, 128, 256):
+        for seq in (2048, 8192):
+            for causal in (False, True):
+                h = 2048 // hd
+                q, k, v = (torch.randn(seq, h, hd, device="cuda", dtype=torch.bfloat16).to(torch.float8_e4m3fn)
+                           for _ in range(3))
+                out = torch.empty(seq, h, hd, device="cuda", dtype=torch.bfloat16)
+                flops = 4 * seq * seq * h * hd * (0.5 if causal else 1.0)
+                yield (f"e4m3 hd{hd} {seq} {'causal' if causal else 'full'}", flops, "TFLOP/s",
+                       lambda q=q, k=k, v=v, out=out, c=causal: pfa.single_prefill_with_kv_cache(
+                           q, k, v, causal=c, o_dtype=torch.bfloat16, out=out))
 
 
 def batch_cases(torch, pfa):
@@ -257,7 +272,7 @@ def main(argv=None) -> int:
           f"{'after rate':>16s} {'outputs rel diff':>16s}")
     differ = 0
     for kind in args.cases.split(","):
-        gen = {"prefill": prefill_cases, "batch": batch_cases, "decode": decode_cases}[kind]
+        gen = {"prefill": prefill_cases, "fp8": fp8_cases, "batch": batch_cases, "decode": decode_cases}[kind]
         for name, work, unit, fn in gen(torch, pyflashattn):
             rel = compare_outputs(torch, swap, fn)
             st = paired_stats(*time_pairs(torch, swap, fn, args.pairs))
