@@ -732,6 +732,22 @@ class BatchEngine:
         strides = (c.strides[0],) + c.strides[2:]
         return c.ptr, c.ptr + c.strides[1] * item, strides, strides, c.shape[0]
 
+    def ragged_kv(self, k, v, hs):
+        """k and v's views, checked against the plan, and their rows: [rows, Hkv, D] (NHD) or
+        [Hkv, rows, D] (HND), rows = kv_indptr[-1], or K's own row count under device_lengths (the
+        kernel clamps each request's rows into K / V). hs: the stream's handshake (None: trace time)."""
+        _, _, Hkv, D = self.shape
+        kv, vv = self.kv_operand(k, "k", hs), self.kv_operand(v, "v", hs)
+        total_kv = self.src.total_kv
+        if self.device_lengths and kv.ndim == 3:
+            total_kv = kv.shape[0 if self.kv_layout == "NHD" else 1]
+        want = (total_kv, Hkv, D) if self.kv_layout == "NHD" else (Hkv, total_kv, D)
+        for t, n in ((kv, "k"), (vv, "v")):
+            if t.shape != want:
+                raise ValueError(f"{n} must have shape {want} (kv_indptr[-1], num_kv_heads, head_dim in "
+                                 f"{self.kv_layout}), got {t.shape}")
+        return kv, vv, total_kv
+
     def run_ragged(self, q, k, v, *args, q_scale=None, k_scale=None, v_scale=None, out=None, lse=None,
                    return_lse: bool = False, stream=None, enable_pdl=None, sinks=None,
                    skip_softmax_threshold_scale_factor=None):
@@ -748,16 +764,7 @@ class BatchEngine:
         if fast is not None:
             return fast
         qv, out_, ov, lse_, lv, s, hs = self.check_q(q, out, lse, return_lse, stream)
-        _, Hq, Hkv, D = self.shape
-        kv, vv = self.kv_operand(k, "k", hs), self.kv_operand(v, "v", hs)
-        total_kv = self.src.total_kv
-        if self.device_lengths and kv.ndim == 3:  # the kernel clamps each request's rows into K / V
-            total_kv = kv.shape[0 if self.kv_layout == "NHD" else 1]
-        want = (total_kv, Hkv, D) if self.kv_layout == "NHD" else (Hkv, total_kv, D)
-        for t, n in ((kv, "k"), (vv, "v")):
-            if t.shape != want:
-                raise ValueError(f"{n} must have shape {want} (kv_indptr[-1], num_kv_heads, head_dim in "
-                                 f"{self.kv_layout}), got {t.shape}")
+        kv, vv, total_kv = self.ragged_kv(k, v, hs)
         p = self.attn.params
         # K / V's rows: device lengths are clamped into them; a TMA kernel's boxes stay within them
         p.kv_tokens = total_kv

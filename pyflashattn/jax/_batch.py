@@ -226,8 +226,9 @@ class _JitBatch:
                 parts = kv_views if len(kv_views) == 2 else None
                 eng._paged_operands(parts if parts else kv_views[0], parts or kv_views, None)
             else:
-                for v, n in zip(kv_views, ("k", "v")):
-                    eng.kv_operand(v, n, None)
+                eng.ragged_kv(kv_views[0], kv_views[1], None)
+            if sv is not None:
+                operands.sinks_operand(sv, eng.cfg.num_qo_heads, eng.cfg.num_kv_heads, self.dev)
             return
         cache = kv_views if len(kv_views) == 2 and kind == "paged" else kv_views[0]
         if kind == "paged":

@@ -119,6 +119,8 @@ _REPLAY_SCRIPT = """
 import numpy as np, jax, jax.numpy as jnp
 import pyflashattn.jax as pfj
 from pyflashattn._engine.single import SinglePlan
+from pyflashattn.testing import attention_ref, to_numpy_f64
+from pyflashattn.testing.checks import assert_close
 calls = []
 real = SinglePlan.run
 def counting(self, *a, **kw):
@@ -126,23 +128,26 @@ def counting(self, *a, **kw):
     return real(self, *a, **kw)
 SinglePlan.run = counting
 rng = np.random.default_rng(3)
-q, k, v = (jnp.asarray(rng.standard_normal(s).astype(np.float32), jnp.bfloat16)
-           for s in ((256, 8, 128), (512, 2, 128), (512, 2, 128)))
 f = jax.jit(lambda q, k, v: pfj.single_prefill_with_kv_cache(q + 1, k - 1, v * 2, causal=True) * 3)
-first = np.asarray(f(q, k, v))
-from pyflashattn.testing import attention_ref, to_numpy_f64
-from pyflashattn.testing.checks import assert_close
 f64 = lambda x: to_numpy_f64(np.asarray(jnp.asarray(x, jnp.float32)))
-ro, _ = attention_ref(f64(q + 1), f64(k - 1), f64(v * 2), causal=True)
-assert_close(f64(first), 3 * ro, atol=3e-2, rtol=1e-2, what="recorded o")  # bf16 tolerances, o times 3
-for _ in range(10):  # warm-up: XLA may re-record while the buffers' addresses settle
-    out = f(q, k, v)
-out.block_until_ready()
+# two input sets, alternated: a replay that skipped the kernel (or kept the recorded inputs) would
+# hand back the other set's result
+sets, firsts = [], []
+for n in range(2):
+    q, k, v = (jnp.asarray(rng.standard_normal(s).astype(np.float32), jnp.bfloat16)
+               for s in ((256, 8, 128), (512, 2, 128), (512, 2, 128)))
+    first = np.asarray(f(q, k, v))
+    ro, _ = attention_ref(f64(q + 1), f64(k - 1), f64(v * 2), causal=True)
+    assert_close(f64(first), 3 * ro, atol=3e-2, rtol=1e-2, what=f"recorded o of set {n}")  # bf16, o times 3
+    sets.append((q, k, v))
+    firsts.append(first.view(np.uint16))
+assert not np.array_equal(firsts[0], firsts[1])
+for i in range(10):  # warm-up: XLA may re-record while the buffers' addresses settle
+    f(*sets[i % 2]).block_until_ready()
 warm = len(calls)
-for _ in range(20):
-    out = f(q, k, v)
-out.block_until_ready()
-assert np.array_equal(np.asarray(out).view(np.uint16), first.view(np.uint16)), "a replay changed the result"
+for i in range(20):
+    out = np.asarray(f(*sets[i % 2]))
+    assert np.array_equal(out.view(np.uint16), firsts[i % 2]), f"replay {i} is not input set {i % 2}'s result"
 print("PYTHON_LAUNCHES", warm, len(calls) - warm)
 """
 
@@ -161,9 +166,9 @@ def test_command_buffer_replays_skip_python():
     assert r.returncode == 0, r.stderr[-3000:]
     warm, steady = map(int, r.stdout.split("PYTHON_LAUNCHES")[1].split()[:2])
     # The recording runs Python (warm >= 1); XLA re-records a command buffer whose buffer addresses
-    # changed, which the reference check's allocations cause during the first calls (4 of 21
-    # measured in session 28): once settled, 20 calls run no Python.
-    assert 1 <= warm <= 11, f"Python launched {warm} times in the first 11 calls"
+    # changed, which the reference checks' allocations cause during the first calls (4 of 21
+    # measured in session 28 with one input set): once settled, 20 calls run no Python.
+    assert 1 <= warm <= 12, f"Python launched {warm} times in the first 12 calls"
     assert steady == 0, f"Python launched {steady} times in 20 settled calls: no command-buffer replay"
 
 
@@ -298,6 +303,24 @@ def test_batch_run_trace_time_errors():
     with pytest.raises(NotImplementedError, match="custom masks"):
         w.plan(np.array([0, 4], np.int32), np.array([0, 2], np.int32), np.array([0, 1], np.int32),
                np.array([5], np.int32), 8, 2, 128, 16, q_data_type="bfloat16", custom_mask=np.ones(4 * 21, bool))
+
+
+def test_ragged_run_trace_time_errors():
+    """K / V shapes and sinks are checked while tracing (the eager run()'s checks), not in the callback."""
+    w = pfj.BatchPrefillWithRaggedKVCacheWrapper("NHD", max_batch_size=2, max_num_tokens=32)
+    plan = w.plan(np.array([0, 4], np.int32), np.array([0, 40], np.int32), 8, 2, 128, q_data_type="bfloat16")
+    q = jax.ShapeDtypeStruct((32, 8, 128), jnp.bfloat16)
+    k = jax.ShapeDtypeStruct((64, 2, 128), jnp.bfloat16)
+    with pytest.raises(ValueError, match=r"\bv\b must have shape \(64, 2, 128\)"):
+        jax.jit(w.run).lower(q, k, jax.ShapeDtypeStruct((48, 2, 128), jnp.bfloat16), plan)
+    with pytest.raises(ValueError, match=r"\bk\b must have shape \(64, 2, 128\)"):
+        jax.jit(w.run).lower(q, jax.ShapeDtypeStruct((64, 4, 128), jnp.bfloat16), k, plan)
+    run = lambda q, k, v, sinks: w.run(q, k, v, plan, sinks=sinks)  # noqa: E731
+    with pytest.raises(ValueError, match="sinks must have shape"):
+        jax.jit(run).lower(q, k, k, jax.ShapeDtypeStruct((7,), jnp.float32))
+    with pytest.raises(TypeError, match="sinks"):
+        jax.jit(run).lower(q, k, k, jax.ShapeDtypeStruct((8,), jnp.bfloat16))
+    jax.jit(run).lower(q, k, k, jax.ShapeDtypeStruct((2, 4), jnp.float32))  # [Hkv, group] is accepted
 
 
 @pytest.mark.parametrize("kv_dtype", ["bfloat16", "float8_e4m3fn"])
