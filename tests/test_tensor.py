@@ -362,8 +362,8 @@ class FakeCuda:
         self.freed = []
         self.next_ptr = 0xD0000000
 
-    def ensure_context(self, dev):
-        self.log.append(("ctx", dev))
+    def ensure_context(self, dev, force=False):
+        self.log.append(("ctx", dev, "forced") if force else ("ctx", dev))
 
     def library_stream(self, dev):
         return 0x7700 + dev
@@ -583,6 +583,8 @@ def test_empty_jax_roundtrip(fake_cuda, monkeypatch, dtype):
     assert fake_cuda.freed == []
     arr.release()
     assert fake_cuda.freed == [ptr]
+    # the deleter runs on any of JAX's threads: the context is set whatever this thread last set
+    assert ("ctx", 1, "forced") in fake_cuda.log
     arr.release()  # a second deleter call must not free twice
     assert fake_cuda.freed == [ptr]
 

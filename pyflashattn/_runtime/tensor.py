@@ -438,7 +438,9 @@ def _free_managed(addr: int, _live=_LIVE) -> None:
     ptr, device_id, stream = entry[0], entry[1], entry[2]
     from . import cuda as _cuda
 
-    _cuda.ensure_context(device_id)  # JAX may call from a thread with no current context
+    # JAX may call from a thread with no current context, or from one of XLA's whose context XLA
+    # switched since this thread's last set (the cached "current" would then be stale): forced
+    _cuda.ensure_context(device_id, force=True)
     # Stream-ordered: the launch that writes the output may still be running when JAX drops the
     # array (a synchronous cuMemFree of stream-ordered memory assumes every access is done, and a
     # pipelined loop of 64 MB outputs faulted on exactly that: NOTES.md, session 26).
@@ -525,7 +527,7 @@ class _JaxOutput:
                 self._state = "freed"
                 from . import cuda as _cuda
 
-                _cuda.ensure_context(self.device_id)
+                _cuda.ensure_context(self.device_id, force=True)  # any thread (the GC's): as _free_managed
                 _cuda.mem_free_async(self.ptr, self.launch_stream)
             elif self._state == "exported":
                 self._reclaim_unconsumed()
