@@ -283,12 +283,9 @@ def _run_fast(hit, query, kv_cache, workspace, bt, sl, s1, s2, out, sinks, mask,
     e, planned_keys, num_pages, words = hit
     if workspace is not e.ws_buf:
         return None
-    p = e.attn.params
-    p.kv_page_indices, p.kv_seq_lens, p.kv_max_len, p.num_pages = bt.data_ptr(), sl.data_ptr(), planned_keys, num_pages
-    p.scale_dev = 0 if s1.__class__ in _NUMBERS else s1.data_ptr()
-    p.v_scale_dev = 0 if s2.__class__ in _NUMBERS else s2.data_ptr()
-    if words:
-        p.custom_mask, p.spec_mask_words = mask.data_ptr(), words
+    point(e.attn.params, bt.data_ptr(), sl.data_ptr(), planned_keys, num_pages,
+          0 if s1.__class__ in _NUMBERS else s1.data_ptr(), 0 if s2.__class__ in _NUMBERS else s2.data_ptr(), words,
+          mask.data_ptr() if words else 0)
     e.point_sinks(0 if sinks is None else sinks.data_ptr())  # validated with this signature
     e.apply_scales(float(s1) if s1.__class__ in _NUMBERS else None, float(s2) if s2.__class__ in _NUMBERS else None)
     kv_parts = tuple(kv_cache) if isinstance(kv_cache, tuple) else (kv_cache,)

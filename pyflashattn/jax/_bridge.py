@@ -178,6 +178,24 @@ class Callable:
                 for r, d, f in zip(res, self.out_dtypes, self.out_fp8)]
 
 
+class CallCache:
+    """Each module's built Callables by call key (eager calls reuse JAX's compiled wrapper): at most
+    `size`, cleared when full (the keys are shapes and settings: a program uses few)."""
+
+    def __init__(self, size: int = 64):
+        self.size, self.calls = size, {}
+
+    def get(self, key, build) -> "Callable":
+        """The Callable for key, build() on a miss."""
+        call = self.calls.get(key)
+        if call is None:
+            call = build()
+            if len(self.calls) >= self.size:
+                self.calls.clear()
+            self.calls[key] = call
+        return call
+
+
 def _refusing_grad(jax, call, who: str):
     """call, whose differentiation raises NotImplementedError naming it (jax.custom_jvp: the
     kernels are forward-only; buffer_callback's own error names its primitive)."""

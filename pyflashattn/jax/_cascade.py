@@ -17,8 +17,7 @@ from .._runtime import cuda as _cuda, dtypes as _dtypes
 from .._runtime.dlpack import compact_strides, kDLCUDA
 from . import _bridge
 
-_CACHE: dict = {}  # (kind, shapes, dtypes, lse_base, GPUs) -> _bridge.Callable
-_CACHE_SIZE = 64
+_CACHE = _bridge.CallCache()  # (kind, shapes, dtypes, lse_base, GPUs) -> _bridge.Callable
 
 
 def merge_state(v_a, s_a, v_b, s_b, *, lse_base: str = "log2"):
@@ -61,13 +60,7 @@ def _views(named, dev: int) -> list:
 def _callable(kind: str, views, scales: tuple, ordinals, v_shape: tuple, s_shape: tuple) -> _bridge.Callable:
     """The cached callable of this signature: results v (the values' dtype) and s (float32)."""
     key = (kind, tuple((v.shape, v.dtype.name) for v in views), scales, tuple(ordinals))
-    call = _CACHE.get(key)
-    if call is None:
-        call = _build(kind, views[0].dtype, scales, ordinals, v_shape, s_shape)
-        if len(_CACHE) >= _CACHE_SIZE:
-            _CACHE.clear()
-        _CACHE[key] = call
-    return call
+    return _CACHE.get(key, lambda: _build(kind, views[0].dtype, scales, ordinals, v_shape, s_shape))
 
 
 def _build(kind: str, dtype, scales: tuple, ordinals, v_shape: tuple, s_shape: tuple) -> _bridge.Callable:

@@ -23,8 +23,7 @@ from .._engine import page as _engine
 from .._runtime import cuda as _cuda, dtypes as _dtypes
 from . import _bridge
 
-_CACHE: dict = {}  # (what, signature, GPUs) -> _bridge.Callable
-_CACHE_SIZE = 64
+_CACHE = _bridge.CallCache()  # (what, signature, GPUs) -> _bridge.Callable
 _INDEX_NAMES = ("batch_indices", "positions", "kv_indices", "kv_indptr")
 
 
@@ -53,7 +52,7 @@ def append_paged_kv_cache(append_key, append_value, batch_indices, positions, pa
     a = _engine.check_append(k, v, bi, pos, cache_views, idx, indptr, last, kv_layout)
     key = ("append", tuple((t.shape, t.dtype.name) for t in (k, bi, idx, indptr)),
            tuple((t.shape, t.dtype.name) for t, _ in a.cache.views), kv_layout, tuple(ordinals))
-    call = _cached(key, lambda: _build(a, pair, kv_layout, ordinals))
+    call = _CACHE.get(key, lambda: _build(a, pair, kv_layout, ordinals))
     out = call(*parts, append_key, append_value, batch_indices, positions, kv_indices, kv_indptr)
     return (out[0], out[1]) if pair else out[0]
 
@@ -106,7 +105,7 @@ def get_seq_lens(kv_indptr, kv_last_page_len, page_size: int):
 
         return _bridge.Callable("get_seq_lens (page)", launch, (_int32((B,)),))
 
-    return _cached(("seq_lens", B, ps, tuple(ordinals)), build)(kv_indptr, kv_last_page_len)[0]
+    return _CACHE.get(("seq_lens", B, ps, tuple(ordinals)), build)(kv_indptr, kv_last_page_len)[0]
 
 
 def get_batch_indices_positions(append_indptr, seq_lens, nnz: int):
@@ -129,18 +128,8 @@ def get_batch_indices_positions(append_indptr, seq_lens, nnz: int):
 
         return _bridge.Callable("get_batch_indices_positions (page)", launch, (_int32((nnz,)),) * 2)
 
-    bi, pos = _cached(("positions", iv.shape, nnz, tuple(ordinals)), build)(append_indptr, seq_lens)
+    bi, pos = _CACHE.get(("positions", iv.shape, nnz, tuple(ordinals)), build)(append_indptr, seq_lens)
     return bi, pos
-
-
-def _cached(key, build) -> _bridge.Callable:
-    call = _CACHE.get(key)
-    if call is None:
-        call = build()
-        if len(_CACHE) >= _CACHE_SIZE:
-            _CACHE.clear()
-        _CACHE[key] = call
-    return call
 
 
 def _launchers(ordinals) -> dict:

@@ -15,8 +15,7 @@ from .._engine.single import SinglePlan
 from .._runtime import cuda as _cuda, dtypes as _dtypes
 from . import _bridge
 
-_CACHE: dict = {}  # plan key -> _bridge.Callable (eager calls reuse JAX's compiled wrapper)
-_CACHE_SIZE = 64
+_CACHE = _bridge.CallCache()  # plan key -> _bridge.Callable
 
 
 def _key_of(*views):
@@ -55,13 +54,8 @@ def single_prefill_with_kv_cache(q, k, v, custom_mask=None, packed_custom_mask=N
     mv = _bridge.aval_view(mask, mname, dev0) if mask_kind else None
     key = (_key_of(qv, kv, vv, mv, *scale_views), bool(causal), kv_layout, window_left, sm_scale, opts, mask_kind,
            o_dtype, vs, bool(return_lse), tuple(ordinals))
-    call = _CACHE.get(key)
-    if call is None:
-        call = _build(ordinals, qv, kv, vv, mv, mask_kind, causal, kv_layout, window_left, sm_scale, opts, o_dtype,
-                      vs, numbers, fp8_args, return_lse)
-        if len(_CACHE) >= _CACHE_SIZE:
-            _CACHE.clear()
-        _CACHE[key] = call
+    call = _CACHE.get(key, lambda: _build(ordinals, qv, kv, vv, mv, mask_kind, causal, kv_layout, window_left,
+                                          sm_scale, opts, o_dtype, vs, numbers, fp8_args, return_lse))
     args = [q, k, v] + ([mask] if mask_kind else []) + [a for a in scale_arrays if a is not None]
     res = call(*args)
     return (res[0], res[1]) if return_lse else res[0]

@@ -42,8 +42,7 @@ from . import _bridge
 
 FMHA = "trtllm_fmha_v2_prefill"
 CONTEXT = "trtllm_batch_context_with_kv_cache"
-_CACHE: dict = {}  # call key -> _bridge.Callable (refusing vmap): eager calls reuse the compiled wrapper
-_CACHE_SIZE = 64
+_CACHE = _bridge.CallCache()  # call key -> _bridge.Callable (refusing vmap)
 _META = ("seq_lens", "cum_seq_lens_q", "cum_seq_lens_kv", "block_tables")
 
 
@@ -174,12 +173,7 @@ def _call(name, ops, args, check, static, workspace_buffer, pdl, return_lse):
     key = (name, ops.key(), static, tuple(sorted((k, v) for k, v in args.items() if type(v) is not _Ref and
                                                  not isinstance(v, tuple) and v is not None)),
            pdl, return_lse, tuple(ops.ordinals))
-    hit = _CACHE.get(key)
-    if hit is None:
-        hit = _build(name, ops, args, check, c, bounds, pdl, return_lse)
-        if len(_CACHE) >= _CACHE_SIZE:
-            _CACHE.clear()
-        _CACHE[key] = hit
+    hit = _CACHE.get(key, lambda: _build(name, ops, args, check, c, bounds, pdl, return_lse))
     res = hit(*ops.arrays)
     extra = c.stats or return_lse
     return (res[0], res[1]) if extra else res[0]

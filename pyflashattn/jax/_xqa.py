@@ -37,8 +37,7 @@ from .._runtime import dtypes as _dtypes, tensor as _tensor
 from . import _bridge
 
 NAME = "xqa_batch_decode_with_kv_cache"
-_CACHE: dict = {}  # call key -> _bridge.Callable (refusing vmap): eager calls reuse the compiled wrapper
-_CACHE_SIZE = 64
+_CACHE = _bridge.CallCache()  # call key -> _bridge.Callable (refusing vmap)
 _CACHE_NAMES = ("k_cache", "v_cache")
 _SF_NAMES = ("k_sf", "v_sf")
 
@@ -73,12 +72,7 @@ def xqa_batch_decode_with_kv_cache(query, kv_cache, workspace_buffer, block_tabl
     general = os.environ.get(xqa.SPEC_GENERAL_ENV) == "1"  # read at plan time, as by the eager API
     key = (tuple((n, views[n].shape, views[n].dtype.name) for n in names), c[:14], window_left, c.s1, c.s2,
            enable_pdl, general, tuple(ordinals))
-    hit = _CACHE.get(key)
-    if hit is None:
-        hit = _build(ordinals, names, c, window_left, "bmm1_scale" in views, enable_pdl)
-        if len(_CACHE) >= _CACHE_SIZE:
-            _CACHE.clear()
-        _CACHE[key] = hit
+    hit = _CACHE.get(key, lambda: _build(ordinals, names, c, window_left, "bmm1_scale" in views, enable_pdl))
     return hit(*arrays)[0]
 
 
