@@ -75,3 +75,16 @@ def test_the_fake_imports_leave_nothing_behind(monkeypatch):
         importlib.import_module("pyflashattn.jax._bridge")
     after = {m for m in sys.modules if m == "pyflashattn.jax" or m.startswith("pyflashattn.jax.")}
     assert after == before and hasattr(pyflashattn, "jax") == had
+
+
+def test_poisoned_results_are_the_floating_unaliased_ones(monkeypatch):
+    _fake_jax(monkeypatch, "0.11.2", with_callback=True)
+    from pyflashattn._runtime import dtypes as dt
+    from pyflashattn.jax import _bridge
+
+    outs = [dt.BFLOAT16, dt.FLOAT32, dt.UINT8, dt.INT32, dt.FLOAT8_E4M3, dt.FLOAT4_E2M1_X2, dt.FLOAT16]
+    monkeypatch.delenv(_bridge.POISON_ENV, raising=False)
+    assert _bridge.poisoned_results(outs, None) == []
+    monkeypatch.setenv(_bridge.POISON_ENV, "1")
+    assert _bridge.poisoned_results(outs, None) == [0, 1, 4, 6]
+    assert _bridge.poisoned_results(outs, {3: 0, 4: 6}) == [1, 4]  # input 3 -> result 0, 4 -> 6: in place

@@ -392,6 +392,11 @@ def zeroed(nbytes: int) -> int:
     return ptr
 
 
+def memset8_async(ptr: int, value: int, nbytes: int, stream: int) -> None:
+    """Set `nbytes` bytes at ptr to `value`, ordered on `stream` (legal while it captures)."""
+    check(driver().cuMemsetD8Async(ptr, value, nbytes, stream), "cuMemsetD8Async")
+
+
 def memset32_async(ptr: int, value: int, count: int, stream: int) -> None:
     """Set `count` 32-bit words at ptr to `value`, ordered on `stream` (legal while it captures)."""
     check(driver().cuMemsetD32Async(ptr, value, count, stream), "cuMemsetD32Async")
