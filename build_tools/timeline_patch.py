@@ -74,11 +74,15 @@ sub("sm90/consumer.cuh", "    const int last = walk.stage<STAGES>(n - 1);\n",
 # the tile loop's waits, summed (32-bit clock: a block's loop stays far below 2^32 cycles)
 sub("sm90/consumer.cuh", "    bool pv_prev = true;  // tile it - 1 has a P V to issue\n",
     "    bool pv_prev = true;  // tile it - 1 has a P V to issue\n    unsigned _tlw[7] = {0, 0, 0, 0, 0, 0, 0};\n")
+# (V's wait sits before the turn, or inside it between the two GEMMs: RESCALE_IN_TURN)
 sub("sm90/consumer.cuh", "      ptx::mbar_wait(Cfg::k_full(base, st), walk.phase<STAGES>(it));\n"
-    "      ptx::mbar_wait(Cfg::v_full(base, prev), walk.phase<STAGES>(it - 1));\n      turn.take();\n",
+    "      if constexpr (!RESCALE_IN_TURN) ptx::mbar_wait(Cfg::v_full(base, prev), walk.phase<STAGES>(it - 1));\n"
+    "      turn.take();\n",
     "      PFA_TLW(0, ptx::mbar_wait(Cfg::k_full(base, st), walk.phase<STAGES>(it)));\n"
-    "      PFA_TLW(1, ptx::mbar_wait(Cfg::v_full(base, prev), walk.phase<STAGES>(it - 1)));\n"
+    "      if constexpr (!RESCALE_IN_TURN) PFA_TLW(1, ptx::mbar_wait(Cfg::v_full(base, prev), walk.phase<STAGES>(it - 1)));\n"
     "      PFA_TLW(2, turn.take());\n      const unsigned _t5 = clock();\n")
+sub("sm90/consumer.cuh", "        rescale_o(o, corr);\n        ptx::mbar_wait(Cfg::v_full(base, prev), walk.phase<STAGES>(it - 1));\n",
+    "        rescale_o(o, corr);\n        PFA_TLW(1, ptx::mbar_wait(Cfg::v_full(base, prev), walk.phase<STAGES>(it - 1)));\n")
 # the turn's hold (the two GEMMs' issue) and the softmax between the S and P V waits
 sub("sm90/consumer.cuh", "      turn.pass();\n      ptx::wgmma_wait<1>();",
     "      turn.pass();\n      _tlw[5] += clock() - _t5;\n      ptx::wgmma_wait<1>();")
