@@ -11,6 +11,10 @@ from __future__ import annotations
 from .._runtime import cuda as _cuda
 
 
+class FrozenSettingsError(ValueError):
+    """A plan whose settings differ from those a captured (or frozen) run() baked in."""
+
+
 class GraphState:
     __slots__ = ("max_batch", "max_pages", "max_total_q", "capacity", "captured", "sig", "probe")
 
@@ -73,18 +77,28 @@ class GraphState:
             if old[key] == val:
                 continue
             if key == "custom_mask":
-                raise ValueError(
+                raise FrozenSettingsError(
                     f"custom_mask / packed_custom_mask: run() was captured in a CUDA graph "
                     f"{'with' if old[key] else 'without'} a custom mask and replays that kernel as captured, so a "
                     f"plan {'without' if old[key] else 'with'} one would not be honoured; use another wrapper (and "
                     "graph) for it" + (", or pass an all-True mask" if old[key] else ""))
-            raise ValueError(f"{key}: run() was captured in a CUDA graph with {key} = {old[key]!r}; the replay keeps "
-                             f"it, so a plan with {val!r} would not be honoured; use another wrapper (and graph) "
-                             "for it")
+            raise FrozenSettingsError(f"{key}: run() was captured in a CUDA graph with {key} = {old[key]!r}; the "
+                                      f"replay keeps it, so a plan with {val!r} would not be honoured; use another "
+                                      "wrapper (and graph) for it")
 
     def commit(self, cap: dict, tile: int, sig: dict) -> None:
         cap.setdefault("decode_rows", tile)  # the first successful plan's tile, for good
         self.capacity, self.sig = cap, sig
+
+    def fix_token_capacity(self, max_total_q: int) -> None:
+        """The query-token capacity, before the first plan (which otherwise takes its own token
+        count): pyflashattn.jax's wrappers, whose q / out hold max_num_tokens rows."""
+        self.max_total_q = max_total_q
+
+    def freeze(self) -> None:
+        """The current plan's settings frozen as a capture freezes them, and no capture probing:
+        pyflashattn.jax, where any jitted run() may be recorded by XLA."""
+        self.captured, self.probe = self.sig, False
 
     def note_capture(self, s: int) -> None:
         """The first run() recorded into a CUDA graph freezes the plan settings it baked in."""

@@ -175,32 +175,44 @@ def attend(c: Call, workspace, out, lse, return_lse, pdl):
     return (res, _tensor.finalize(st)) if stats else res
 
 
-def device_metadata(dev, lengths, bounds, paging) -> tuple:
-    """The device metadata's checks (views only: nothing read, no sync) and addresses:
-    (cum_seq_lens_q, cum_seq_lens_kv) for ragged K/V; (cum_seq_lens_q, seq_lens, K page ids, V page
-    ids or 0, block-table row stride, row width, pages the ids may address) for a paged cache.
+class DeviceMeta(NamedTuple):
+    """device_metadata()'s addresses (0: not given) and the block table's geometry."""
+    cum_q: int
+    cum_kv: int = 0  # ragged K/V
+    seq_lens: int = 0  # paged: the lengths, K's and V's page ids (V's 0: in K's table)
+    k_ids: int = 0
+    v_ids: int = 0
+    row_stride: int = 0  # block-table entries between rows
+    width: int = 0  # entries a row holds
+    pages: int = 0  # pages the ids may address
+    paged: bool = False
+
+
+def device_metadata(dev, lengths, bounds, paging) -> DeviceMeta:
+    """The device metadata's checks (views only: nothing read, no sync) and addresses.
     pyflashattn.jax runs it on trace-time views and again on XLA's buffers."""
     seq_lens, cum_q, cum_kv = lengths[:3]
     B, mq, mk = bounds
     named = (("cum_seq_lens_q", cum_q), ("seq_lens", seq_lens), ("cum_seq_lens_kv", cum_kv))
     if paging is None:
         cq, _, ck = operands.trtllm_device_lengths(named, B, dev)
-        return cq, ck
+        return DeviceMeta(cq, cum_kv=ck)
     cq, sl = operands.trtllm_device_lengths(named[:2], B, dev)
     if cum_kv is not None and not isinstance(cum_kv, np.ndarray):
         operands.trtllm_device_lengths(named[2:], B, dev)
     ps = paging.page_size
     bt, v_ids, row, width = operands.trtllm_device_block_table(paging.block_tables, B, paging.separate, -(-mk // ps),
                                                                dev)
-    return cq, sl, bt, v_ids, row, width, max(paging.k_pages, paging.v_pages)
+    return DeviceMeta(cq, seq_lens=sl, k_ids=bt, v_ids=v_ids, row_stride=row, width=width,
+                      pages=max(paging.k_pages, paging.v_pages), paged=True)
 
 
-def point_metadata(e, meta: tuple, max_q: int, max_kv: int) -> None:
+def point_metadata(e, meta: DeviceMeta, max_q: int, max_kv: int) -> None:
     """Point a device-lengths plan at device_metadata()'s addresses."""
-    if len(meta) == 2:
-        trtllm_device.point(e, meta[0], max_q, max_kv, ragged_kv=meta[1])
+    if not meta.paged:
+        trtllm_device.point(e, meta.cum_q, max_q, max_kv, ragged_kv=meta.cum_kv)
     else:
-        trtllm_device.point(e, meta[0], max_q, max_kv, paged=(meta[1], meta[2], meta[3], meta[6]))
+        trtllm_device.point(e, meta.cum_q, max_q, max_kv, paged=(meta.seq_lens, meta.k_ids, meta.v_ids, meta.pages))
 
 
 def _device_plan(dev, workspace, kv_layout, qv, kv, heads, dtypes, mask, pos, cap, general, stats, bounds, lengths,
@@ -220,7 +232,7 @@ def _device_plan(dev, workspace, kv_layout, qv, kv, heads, dtypes, mask, pos, ca
                                     tables=(paging.block_tables, paging.page_size, paging.k_pages, paging.separate,
                                             paging.v_pages))
         e = trtllm_device.plan(dev, workspace, kv_layout, True, heads, dtypes, B, mq, mk, causal, wl, chunk, pos, cap,
-                               general, stats, (paging.page_size, meta[4], meta[5]))
+                               general, stats, (paging.page_size, meta.row_stride, meta.width))
     point_metadata(e, meta, mq, mk)
     return e
 

@@ -127,6 +127,11 @@ class Checked(NamedTuple):
     s2: float
     s2_dev: int
 
+    def plan_key(self) -> tuple:
+        """What the planned engine depends on (the launch's operands aside)."""
+        return (self.dev, self.layout, self.batch, self.q_len, self.hq, self.hkv, self.hd, self.page_size, self.pages,
+                self.row_stride, self.words, self.qdt.name, self.kdt.name, self.odt.name)
+
 
 def xqa_batch_decode(query, kv_cache, workspace_buffer, block_tables, seq_lens, max_seq_len: int,
                      bmm1_scale=1.0, bmm2_scale=1.0, window_left: int = -1, out=None, sinks=None,
@@ -294,8 +299,7 @@ def _run_fast(hit, query, kv_cache, workspace, bt, sl, s1, s2, out, sinks, mask,
 
 def _engine(workspace, c: Checked, window_left, scale_on_device) -> BatchEngine:
     """The planned engine for this shape key (planned on first use, then reused)."""
-    key = (c.dev, c.layout, c.batch, c.q_len, c.hq, c.hkv, c.hd, c.page_size, c.pages, c.row_stride, c.words,
-           c.qdt.name, c.kdt.name, c.odt.name, window_left, scale_on_device)
+    key = c.plan_key() + (window_left, scale_on_device)
     e = _ENGINES.get(key)
     if e is None:
         e = plan_engine(workspace, c, window_left, scale_on_device)

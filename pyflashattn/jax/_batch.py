@@ -22,7 +22,7 @@ import threading
 import numpy as np
 
 from .. import decode as _decode, prefill as _prefill
-from .._engine import indices as _indices, operands
+from .._engine import graph as _graph, indices as _indices, operands
 from .._runtime import dtypes as _dtypes
 from .._runtime.dlpack import compact_strides, kDLCUDA
 from . import _bridge
@@ -118,17 +118,14 @@ class _JitBatch:
             self.engine.point_workspace(0)
             try:
                 plan_fn(*args, **kwargs)
-            except ValueError as e:
-                if "captured in a CUDA graph" not in str(e):
-                    raise
+            except _graph.FrozenSettingsError as e:
                 raise ValueError(f"pyflashattn.jax {self.NAME}: the first plan() fixes the settings every jitted run() "
                                  f"launches with (they are baked into the launch XLA may record): {e}") from None
             eng = self.engine
             fields = eng.detach_metadata()
             if self.fields is None:
                 self.fields = fields
-            g = eng.graph
-            g.captured, g.probe = g.sig, False  # later plans keep these settings (check_sig)
+            eng.graph.freeze()  # later plans keep these settings (check_sig)
             host, nbytes = eng.staging.last
             state = np.array(host[:max(nbytes // 4, 1)], dtype=np.int32)
         return Plan(jax.device_put(state, _jax_device(self.dev)), self)
@@ -271,7 +268,7 @@ class BatchPrefillWithPagedKVCacheWrapper(_JitBatch):
             w = _prefill.BatchPrefillWithPagedKVCacheWrapper(
                 ws, kv_layout, True, _capacity("max_batch_size", B + 1), _capacity("max_batch_size", B + 1),
                 _capacity("max_num_pages", max_num_pages), _capacity("max_batch_size", B))
-            w._engine.graph.max_total_q = self.max_tokens
+            w._engine.graph.fix_token_capacity(self.max_tokens)
             return w
 
         super().__init__(make, device, float_workspace_bytes)
@@ -309,7 +306,7 @@ class BatchPrefillWithRaggedKVCacheWrapper(_JitBatch):
         def make(ws):
             w = _prefill.BatchPrefillWithRaggedKVCacheWrapper(ws, kv_layout, True, _capacity("max_batch_size", B + 1),
                                                              _capacity("max_batch_size", B + 1))
-            w._engine.graph.max_total_q = self.max_tokens
+            w._engine.graph.fix_token_capacity(self.max_tokens)
             return w
 
         super().__init__(make, device, float_workspace_bytes)
@@ -349,7 +346,7 @@ class BatchDecodeWithPagedKVCacheWrapper(_JitBatch):
     def plan(self, indptr, indices, last_page_len, *args, **kwargs) -> Plan:
         if self.max_tokens is None:
             q_len = operands.positive_int(kwargs.get("q_len_per_req", 1), "q_len_per_req")
-            self.engine.graph.max_total_q = self.max_batch * q_len
+            self.engine.graph.fix_token_capacity(self.max_batch * q_len)
         def extent():
             if indptr is not None:
                 return _paged_extent(indptr, indices)

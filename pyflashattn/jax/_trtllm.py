@@ -233,7 +233,7 @@ def _build(name, ops, args, check, c, bounds, pdl, return_lse):
 
     ordinals = ops.ordinals
     meta = trtllm.device_metadata(ordinals[0], c.lengths, bounds, c.paging)
-    geometry = None if c.paging is None else (c.paging.page_size, meta[4], meta[5])
+    geometry = None if c.paging is None else (c.paging.page_size, meta.row_stride, meta.width)
     engines = {dev: _plan(dev, c, bounds, geometry, type(args["bmm1_scale"]) is _Ref) for dev in ordinals}
     ws, scratch = _bridge.engines_scratch(engines.values())
     tokens, (hq, _, hd) = c.q.shape[0], c.heads

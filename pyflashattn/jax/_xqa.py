@@ -70,7 +70,7 @@ def xqa_batch_decode_with_kv_cache(query, kv_cache, workspace_buffer, block_tabl
     if "sinks" in views:  # (the eager API checks them at launch)
         operands.sinks_operand(views["sinks"], c.hq, c.hkv, c.dev)
     general = os.environ.get(xqa.SPEC_GENERAL_ENV) == "1"  # read at plan time, as by the eager API
-    key = (tuple((n, views[n].shape, views[n].dtype.name) for n in names), c[:14], window_left, c.s1, c.s2,
+    key = (tuple((n, views[n].shape, views[n].dtype.name) for n in names), c.plan_key(), window_left, c.s1, c.s2,
            enable_pdl, general, tuple(ordinals))
     hit = _CACHE.get(key, lambda: _build(ordinals, names, c, window_left, "bmm1_scale" in views, enable_pdl))
     return hit(*arrays)[0]
