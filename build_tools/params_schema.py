@@ -17,6 +17,8 @@ PREFILL = (
         ("k_tmap", "tmap", "TMA kernels (manifest tma): K as a 3-D tensor map (head_dim, kv heads, rows), boxes "
          "of 64 elements x 1 head x BLOCK_N rows in the 128-byte swizzle; encoded by the host per K tensor"),
         ("v_tmap", "tmap", "TMA kernels: V, as k_tmap"),
+        ("q_tmap", "tmap", "the 16-bit TMA kernels with q_tma: Q as a 3-D tensor map (head_dim, q heads, tokens), "
+         "boxes of 64 elements x group heads x BLOCK_M / group tokens: a row tile's packed rows in order"),
         ("q", "ptr", "[qo_len, Hq, D] rows at q_stride_n, heads at q_stride_h (elements)"),
         ("k", "ptr", "key rows at k_stride_n, kv heads at k_stride_h (NHD or HND via strides)"),
         ("v", "ptr", "value rows at v_stride_n, kv heads at v_stride_h"),
@@ -97,7 +99,8 @@ PREFILL = (
         ("kv_max_len", "i32", "key counts read from the device are clamped to it: block table (kv_seq_lens), at "
          "most the keys its table row's planned pages hold, so no row is read past its table; ragged (> 0: "
          "kv_indptr is the caller's device array, TRT-LLM), with kv_tokens; 0 = ragged kv_indptr built by plan()"),
-        ("q_tokens", "i32", "with qo_max_len: tokens in q / o"),
+        ("q_tokens", "i32", "tokens in q / o: with qo_max_len, what a request's rows are clamped into; with q_tma, "
+         "what Q's boxes stay within"),
         ("qo_max_len", "i32", "> 0: qo_indptr is the caller's device array (TRT-LLM): a request's first row is "
          "clamped into [0, q_tokens] and its length to qo_max_len (the plan's row tiles cover it) and the tokens "
          "left, so bad metadata never reads or writes outside q / o; 0 = qo_indptr built by plan() (trusted)"),
@@ -149,6 +152,8 @@ PREFILL = (
         ("grid_section_z", "i32", "sm90 kernels: the z values [0, grid_section_z) run in grid_section's "
          "sections, the rest (the lightest work items or row tiles) after them with every x together, so the "
          "CTAs finish together (routing.section_head_z; grid_z with one section)"),
+        ("q_tma", "i32", "the 16-bit TMA kernels: 1 = q_tmap holds Q's map (tma.q_geometry) and q_tokens Q's rows, "
+         "so a row tile whose box stays within them comes by TMA; 0 = Q by the producer's copies"),
     ],
 )
 

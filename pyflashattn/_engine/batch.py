@@ -51,6 +51,7 @@ class BatchEngine:
         # a TMA kernel's K/V maps (tma.KvMaps, pointed by run()) and its cp.async twin, which runs
         # instead where run()'s K/V have strides TMA cannot address (kv_fallback)
         self.kv_maps = self.kv_twin = None
+        self.q_map = None  # its Q map (tma.QMap: a 16-bit TMA kernel), pointed by run() too
         self.kv_fallback = False
         self.consts = None  # the option fields last written into the attention launcher's struct
         self.pending_copy = False
@@ -223,6 +224,8 @@ class BatchEngine:
             self.kv_maps, self.kv_twin = tma.KvMaps(cfg.q_dtype.short, la.params), route.attn
         else:
             self.kv_maps = self.kv_twin = None
+        self.q_map = tma.q_map(cfg.q_dtype.short, la.params, la.meta, cfg.num_qo_heads, cfg.head_dim,
+                               cfg.num_qo_heads // cfg.num_kv_heads, cfg.q_dtype.bits // 8)
         self.kv_fallback = False
         if merge is not None:  # a captured graph always holds the merge (a no-op for unsplit rows)
             params.configure_merge(merge, merge_rows, cfg.num_qo_heads,
@@ -471,6 +474,8 @@ class BatchEngine:
             self.skip_home, self.attn = None, home
             if self.kv_maps is not None:  # home's maps came back from the sibling's struct: rewrite them
                 self.kv_maps.forget()
+            if self.q_map is not None:
+                self.q_map.forget()
         self.attn.params.skip_softmax_factor = f
         self.skip = f
 
@@ -550,6 +555,9 @@ class BatchEngine:
         p = la.params
         p.q, p.o = qv.ptr, ov.ptr
         p.q_stride_n, p.q_stride_h = qv.strides[0], qv.strides[1]
+        if self.q_map is not None:  # (the plan's own struct: a skip-softmax sibling copies it, ignoring Q's map)
+            self.q_map.configure(qv.shape[0], qv.strides[0], qv.strides[1])
+            self.q_map.point(qv.ptr)
         osn, osh = ov.strides[0], ov.strides[1]
         if self.cfg.o_format == operands.OUT_NVFP4:  # the kernels count e2m1 elements, two a byte
             osn, osh = 2 * osn, 2 * osh
@@ -625,6 +633,8 @@ class BatchEngine:
         p.q, p.k, p.v, p.o = qp, kp, vp, op
         if self.kv_maps is not None:
             self.kv_maps.repoint(kp, vp)
+        if self.q_map is not None:
+            self.q_map.point(qp)
         p.lse = lp = lse.data_ptr() if lse is not None else 0
         if total_q:
             self.pdl(self.attn, pdl)(s)

@@ -58,6 +58,18 @@ def paged_geometry(pages: int, page_size: int, heads: int, head_dim: int, stride
             (BOX_BYTES // itemsize, box_rows, 1, 1))
 
 
+def q_geometry(heads: int, head_dim: int, stride_n: int, stride_h: int, itemsize: int, group: int,
+               block_m: int):
+    """(dims, byte strides, box) of Q [tokens, Hq, D] for row tiles of block_m packed rows (row r =
+    token r / group, head r % group): a box of 64 16-bit columns x group heads x block_m / group
+    tokens lands the tile's rows in order. None where a tile is not whole tokens (group does not
+    divide block_m) or a box dim would pass 256."""
+    if block_m % group or block_m // group > 256 or group > 256:
+        return None
+    return ((head_dim, heads, ROW_EXTENT), (stride_h * itemsize, stride_n * itemsize),
+            (BOX_BYTES // itemsize, group, block_m // group))
+
+
 def addressable(geometry: tuple) -> bool:
     """Whether TMA can address this geometry (the operand checks already require 16-byte rows;
     left: zero strides of broadcast views, huge strides, empty dims)."""
@@ -139,6 +151,15 @@ class _MapField:
                     self.rest = self.word.value - ((ptr >> shift) << bit)
         self.ptr = ptr
 
+    def repoint(self, short: str, ptr: int) -> None:
+        """A new address in the last geometry (runs every call: the word's patch inlined)."""
+        if ptr != self.ptr:
+            if self.word is not None:
+                self.word.value = self.rest | ((ptr >> self.shift) << self.bit)
+                self.ptr = ptr
+            else:
+                self.write(short, ptr, self.geometry)
+
 
 class KvMaps:
     """The K and V maps in one launcher's params struct: a field is encoded when its geometry
@@ -170,16 +191,49 @@ class KvMaps:
     def repoint(self, k_ptr: int, v_ptr: int) -> None:
         """New addresses in the geometries of the last point() (the run() fast path's: same
         shapes and strides)."""
-        k, v = self.k, self.v
-        if k_ptr != k.ptr:
-            if k.word is not None:  # (write()'s first branch, inlined: this runs every call)
-                k.word.value = k.rest | ((k_ptr >> k.shift) << k.bit)
-                k.ptr = k_ptr
-            else:
-                k.write(self.short, k_ptr, k.geometry)
-        if v_ptr != v.ptr:
-            if v.word is not None:
-                v.word.value = v.rest | ((v_ptr >> v.shift) << v.bit)
-                v.ptr = v_ptr
-            else:
-                v.write(self.short, v_ptr, v.geometry)
+        self.k.repoint(self.short, k_ptr)
+        self.v.repoint(self.short, v_ptr)
+
+
+class QMap:
+    """Q's map in a 16-bit TMA launcher's struct (PrefillParams.q_tmap; q_tma = 1 while it holds a
+    usable map, q_tokens = Q's rows, which the kernel keeps its boxes within): configure() per
+    geometry (Q's rows and strides), point() per address. Where TMA cannot address Q, q_tma = 0
+    and the producer copies Q as before."""
+
+    __slots__ = ("short", "p", "f", "shape", "itemsize", "key", "geometry")
+
+    def __init__(self, short: str, p, heads: int, head_dim: int, group: int, block_m: int, itemsize: int):
+        self.short, self.p, self.f = short, p, _MapField(p, "q_tmap")
+        self.shape, self.itemsize = (heads, head_dim, group, block_m), itemsize
+        self.key = self.geometry = None
+
+    def configure(self, rows: int, stride_n: int, stride_h: int) -> None:
+        key = (rows, stride_n, stride_h)
+        if key == self.key:
+            return
+        heads, head_dim, group, block_m = self.shape
+        g = q_geometry(heads, head_dim, stride_n, stride_h, self.itemsize, group, block_m)
+        self.key, self.geometry = key, (g if g is not None and addressable(g) and rows < ROW_EXTENT else None)
+        p = self.p
+        p.q_tma, p.q_tokens = (1, rows) if self.geometry is not None else (0, p.q_tokens)
+
+    def point(self, ptr: int) -> None:
+        if self.geometry is None:
+            return
+        f = self.f
+        if f.geometry != self.geometry:
+            f.write(self.short, ptr, self.geometry)
+        else:
+            f.repoint(self.short, ptr)
+
+    def forget(self) -> None:
+        """The struct was overwritten (see KvMaps.forget): configure() and point() rewrite it."""
+        self.f.ptr, self.f.word, self.f.geometry, self.key = None, None, None, None
+
+
+def q_map(short: str, p, meta: dict, heads: int, head_dim: int, group: int, itemsize: int):
+    """A QMap for a launcher whose kernel loads Q by TMA (a 16-bit TMA row), else None."""
+    if not meta.get("tma") or itemsize != 2:
+        return None
+    return QMap(short, p, heads, head_dim, group, meta["block_m"], itemsize)

@@ -16,6 +16,7 @@ struct alignas(64) TensorMapBytes {
 struct PrefillParams {
   TensorMapBytes k_tmap;  // TMA kernels (manifest tma): K as a 3-D tensor map (head_dim, kv heads, rows), boxes of 64 elements x 1 head x BLOCK_N rows in the 128-byte swizzle; encoded by the host per K tensor
   TensorMapBytes v_tmap;  // TMA kernels: V, as k_tmap
+  TensorMapBytes q_tmap;  // the 16-bit TMA kernels with q_tma: Q as a 3-D tensor map (head_dim, q heads, tokens), boxes of 64 elements x group heads x BLOCK_M / group tokens: a row tile's packed rows in order
   uint64_t q;  // [qo_len, Hq, D] rows at q_stride_n, heads at q_stride_h (elements)
   uint64_t k;  // key rows at k_stride_n, kv heads at k_stride_h (NHD or HND via strides)
   uint64_t v;  // value rows at v_stride_n, kv heads at v_stride_h
@@ -81,7 +82,7 @@ struct PrefillParams {
   float v_scale;  // output multiplier (fp8 V dequantisation scale); 1 otherwise
   int32_t kv_fp8;  // fp8 K/V storage of the kv_dtype=fp8 kernels: 1 = e4m3fn, 2 = e5m2 (0 = K/V in q's dtype, or NVFP4 codes, whose elements are their bytes); strides stay in elements
   int32_t kv_max_len;  // key counts read from the device are clamped to it: block table (kv_seq_lens), at most the keys its table row's planned pages hold, so no row is read past its table; ragged (> 0: kv_indptr is the caller's device array, TRT-LLM), with kv_tokens; 0 = ragged kv_indptr built by plan()
-  int32_t q_tokens;  // with qo_max_len: tokens in q / o
+  int32_t q_tokens;  // tokens in q / o: with qo_max_len, what a request's rows are clamped into; with q_tma, what Q's boxes stay within
   int32_t qo_max_len;  // > 0: qo_indptr is the caller's device array (TRT-LLM): a request's first row is clamped into [0, q_tokens] and its length to qo_max_len (the plan's row tiles cover it) and the tokens left, so bad metadata never reads or writes outside q / o; 0 = qo_indptr built by plan() (trusted)
   int32_t kv_tokens;  // ragged K/V: rows in K / V (with kv_max_len > 0 a request's rows are clamped into them; the TMA kernels issue a box only within them; 0 = unknown: a request's last tile is copied)
   int32_t num_pages;  // paged KV: pages in the cache; a page id outside [0, num_pages) is clamped into it, so bad metadata never reads outside the cache (0 = ids trusted, plan() checked them)
@@ -101,95 +102,98 @@ struct PrefillParams {
   int32_t grid_section;  // sm90 kernels: kv heads (grid x) per section of the logical grid's order; a section's blocks (its heads x every chunk and row tile) all come before the next section's, so the K/V the CTAs in flight read stays within L2 (routing.l2_section; grid_x = one section, which persistent launches without sched keep)
   uint64_t sched;  // persistent kernels: int32 [2] zeroed (next block, CTAs finished), the dynamic tile scheduler's counters (sm90/tile_scheduler.cuh); the launch's last CTA zeroes them again for the next. 0 = none: each CTA takes a fixed share of the blocks
   int32_t grid_section_z;  // sm90 kernels: the z values [0, grid_section_z) run in grid_section's sections, the rest (the lightest work items or row tiles) after them with every x together, so the CTAs finish together (routing.section_head_z; grid_z with one section)
+  int32_t q_tma;  // the 16-bit TMA kernels: 1 = q_tmap holds Q's map (tma.q_geometry) and q_tokens Q's rows, so a row tile whose box stays within them comes by TMA; 0 = Q by the producer's copies
 };
-static_assert(sizeof(PrefillParams) == 832, "PrefillParams size drifted from the schema");
+static_assert(sizeof(PrefillParams) == 960, "PrefillParams size drifted from the schema");
 static_assert(offsetof(PrefillParams, k_tmap) == 0, "PrefillParams.k_tmap offset");
 static_assert(offsetof(PrefillParams, v_tmap) == 128, "PrefillParams.v_tmap offset");
-static_assert(offsetof(PrefillParams, q) == 256, "PrefillParams.q offset");
-static_assert(offsetof(PrefillParams, k) == 264, "PrefillParams.k offset");
-static_assert(offsetof(PrefillParams, v) == 272, "PrefillParams.v offset");
-static_assert(offsetof(PrefillParams, o) == 280, "PrefillParams.o offset");
-static_assert(offsetof(PrefillParams, lse) == 288, "PrefillParams.lse offset");
-static_assert(offsetof(PrefillParams, o_partial) == 296, "PrefillParams.o_partial offset");
-static_assert(offsetof(PrefillParams, lse_partial) == 304, "PrefillParams.lse_partial offset");
-static_assert(offsetof(PrefillParams, custom_mask) == 312, "PrefillParams.custom_mask offset");
-static_assert(offsetof(PrefillParams, alibi_slopes) == 320, "PrefillParams.alibi_slopes offset");
-static_assert(offsetof(PrefillParams, work_request) == 328, "PrefillParams.work_request offset");
-static_assert(offsetof(PrefillParams, work_qtile) == 336, "PrefillParams.work_qtile offset");
-static_assert(offsetof(PrefillParams, work_chunk) == 344, "PrefillParams.work_chunk offset");
-static_assert(offsetof(PrefillParams, num_chunks) == 352, "PrefillParams.num_chunks offset");
-static_assert(offsetof(PrefillParams, o_indptr) == 360, "PrefillParams.o_indptr offset");
-static_assert(offsetof(PrefillParams, qo_indptr) == 368, "PrefillParams.qo_indptr offset");
-static_assert(offsetof(PrefillParams, kv_indptr) == 376, "PrefillParams.kv_indptr offset");
-static_assert(offsetof(PrefillParams, kv_page_indices) == 384, "PrefillParams.kv_page_indices offset");
-static_assert(offsetof(PrefillParams, kv_last_page_len) == 392, "PrefillParams.kv_last_page_len offset");
-static_assert(offsetof(PrefillParams, mask_indptr) == 400, "PrefillParams.mask_indptr offset");
-static_assert(offsetof(PrefillParams, kv_chunk_size_dev) == 408, "PrefillParams.kv_chunk_size_dev offset");
-static_assert(offsetof(PrefillParams, sinks) == 416, "PrefillParams.sinks offset");
-static_assert(offsetof(PrefillParams, scale_dev) == 424, "PrefillParams.scale_dev offset");
-static_assert(offsetof(PrefillParams, v_scale_dev) == 432, "PrefillParams.v_scale_dev offset");
-static_assert(offsetof(PrefillParams, kv_seq_lens) == 440, "PrefillParams.kv_seq_lens offset");
-static_assert(offsetof(PrefillParams, k_sf) == 448, "PrefillParams.k_sf offset");
-static_assert(offsetof(PrefillParams, v_sf) == 456, "PrefillParams.v_sf offset");
-static_assert(offsetof(PrefillParams, softmax_stats) == 464, "PrefillParams.softmax_stats offset");
-static_assert(offsetof(PrefillParams, v_page_indices) == 472, "PrefillParams.v_page_indices offset");
-static_assert(offsetof(PrefillParams, q_stride_n) == 480, "PrefillParams.q_stride_n offset");
-static_assert(offsetof(PrefillParams, q_stride_h) == 488, "PrefillParams.q_stride_h offset");
-static_assert(offsetof(PrefillParams, k_stride_n) == 496, "PrefillParams.k_stride_n offset");
-static_assert(offsetof(PrefillParams, k_stride_h) == 504, "PrefillParams.k_stride_h offset");
-static_assert(offsetof(PrefillParams, v_stride_n) == 512, "PrefillParams.v_stride_n offset");
-static_assert(offsetof(PrefillParams, v_stride_h) == 520, "PrefillParams.v_stride_h offset");
-static_assert(offsetof(PrefillParams, o_stride_n) == 528, "PrefillParams.o_stride_n offset");
-static_assert(offsetof(PrefillParams, o_stride_h) == 536, "PrefillParams.o_stride_h offset");
-static_assert(offsetof(PrefillParams, k_stride_page) == 544, "PrefillParams.k_stride_page offset");
-static_assert(offsetof(PrefillParams, v_stride_page) == 552, "PrefillParams.v_stride_page offset");
-static_assert(offsetof(PrefillParams, k_sf_stride_page) == 560, "PrefillParams.k_sf_stride_page offset");
-static_assert(offsetof(PrefillParams, k_sf_stride_n) == 568, "PrefillParams.k_sf_stride_n offset");
-static_assert(offsetof(PrefillParams, k_sf_stride_h) == 576, "PrefillParams.k_sf_stride_h offset");
-static_assert(offsetof(PrefillParams, v_sf_stride_page) == 584, "PrefillParams.v_sf_stride_page offset");
-static_assert(offsetof(PrefillParams, v_sf_stride_n) == 592, "PrefillParams.v_sf_stride_n offset");
-static_assert(offsetof(PrefillParams, v_sf_stride_h) == 600, "PrefillParams.v_sf_stride_h offset");
-static_assert(offsetof(PrefillParams, qo_len) == 608, "PrefillParams.qo_len offset");
-static_assert(offsetof(PrefillParams, kv_len) == 612, "PrefillParams.kv_len offset");
-static_assert(offsetof(PrefillParams, num_qo_heads) == 616, "PrefillParams.num_qo_heads offset");
-static_assert(offsetof(PrefillParams, num_kv_heads) == 620, "PrefillParams.num_kv_heads offset");
-static_assert(offsetof(PrefillParams, group_size) == 624, "PrefillParams.group_size offset");
-static_assert(offsetof(PrefillParams, num_kv_chunks) == 628, "PrefillParams.num_kv_chunks offset");
-static_assert(offsetof(PrefillParams, rows_fastest) == 632, "PrefillParams.rows_fastest offset");
-static_assert(offsetof(PrefillParams, kv_chunk_size) == 636, "PrefillParams.kv_chunk_size offset");
-static_assert(offsetof(PrefillParams, causal) == 640, "PrefillParams.causal offset");
-static_assert(offsetof(PrefillParams, window_left) == 644, "PrefillParams.window_left offset");
-static_assert(offsetof(PrefillParams, sm_scale_log2) == 648, "PrefillParams.sm_scale_log2 offset");
-static_assert(offsetof(PrefillParams, logits_soft_cap) == 652, "PrefillParams.logits_soft_cap offset");
-static_assert(offsetof(PrefillParams, rope) == 656, "PrefillParams.rope offset");
-static_assert(offsetof(PrefillParams, rope_rcp_scale) == 660, "PrefillParams.rope_rcp_scale offset");
-static_assert(offsetof(PrefillParams, rope_log2_theta) == 664, "PrefillParams.rope_log2_theta offset");
-static_assert(offsetof(PrefillParams, lse_scale) == 668, "PrefillParams.lse_scale offset");
-static_assert(offsetof(PrefillParams, page_size) == 672, "PrefillParams.page_size offset");
-static_assert(offsetof(PrefillParams, page_shift) == 676, "PrefillParams.page_shift offset");
-static_assert(offsetof(PrefillParams, v_scale) == 680, "PrefillParams.v_scale offset");
-static_assert(offsetof(PrefillParams, kv_fp8) == 684, "PrefillParams.kv_fp8 offset");
-static_assert(offsetof(PrefillParams, kv_max_len) == 688, "PrefillParams.kv_max_len offset");
-static_assert(offsetof(PrefillParams, q_tokens) == 692, "PrefillParams.q_tokens offset");
-static_assert(offsetof(PrefillParams, qo_max_len) == 696, "PrefillParams.qo_max_len offset");
-static_assert(offsetof(PrefillParams, kv_tokens) == 700, "PrefillParams.kv_tokens offset");
-static_assert(offsetof(PrefillParams, num_pages) == 704, "PrefillParams.num_pages offset");
-static_assert(offsetof(PrefillParams, spec_mask_words) == 708, "PrefillParams.spec_mask_words offset");
-static_assert(offsetof(PrefillParams, chunk_shift) == 712, "PrefillParams.chunk_shift offset");
-static_assert(offsetof(PrefillParams, o_format) == 716, "PrefillParams.o_format offset");
-static_assert(offsetof(PrefillParams, skip_softmax_factor) == 720, "PrefillParams.skip_softmax_factor offset");
-static_assert(offsetof(PrefillParams, q_scale_heads) == 728, "PrefillParams.q_scale_heads offset");
-static_assert(offsetof(PrefillParams, k_scale_heads) == 736, "PrefillParams.k_scale_heads offset");
-static_assert(offsetof(PrefillParams, v_scale_heads) == 744, "PrefillParams.v_scale_heads offset");
-static_assert(offsetof(PrefillParams, o_sf) == 752, "PrefillParams.o_sf offset");
-static_assert(offsetof(PrefillParams, o_sf_row0) == 760, "PrefillParams.o_sf_row0 offset");
-static_assert(offsetof(PrefillParams, o_sf_scale) == 764, "PrefillParams.o_sf_scale offset");
-static_assert(offsetof(PrefillParams, grid_x) == 768, "PrefillParams.grid_x offset");
-static_assert(offsetof(PrefillParams, grid_y) == 772, "PrefillParams.grid_y offset");
-static_assert(offsetof(PrefillParams, grid_z) == 776, "PrefillParams.grid_z offset");
-static_assert(offsetof(PrefillParams, grid_section) == 780, "PrefillParams.grid_section offset");
-static_assert(offsetof(PrefillParams, sched) == 784, "PrefillParams.sched offset");
-static_assert(offsetof(PrefillParams, grid_section_z) == 792, "PrefillParams.grid_section_z offset");
+static_assert(offsetof(PrefillParams, q_tmap) == 256, "PrefillParams.q_tmap offset");
+static_assert(offsetof(PrefillParams, q) == 384, "PrefillParams.q offset");
+static_assert(offsetof(PrefillParams, k) == 392, "PrefillParams.k offset");
+static_assert(offsetof(PrefillParams, v) == 400, "PrefillParams.v offset");
+static_assert(offsetof(PrefillParams, o) == 408, "PrefillParams.o offset");
+static_assert(offsetof(PrefillParams, lse) == 416, "PrefillParams.lse offset");
+static_assert(offsetof(PrefillParams, o_partial) == 424, "PrefillParams.o_partial offset");
+static_assert(offsetof(PrefillParams, lse_partial) == 432, "PrefillParams.lse_partial offset");
+static_assert(offsetof(PrefillParams, custom_mask) == 440, "PrefillParams.custom_mask offset");
+static_assert(offsetof(PrefillParams, alibi_slopes) == 448, "PrefillParams.alibi_slopes offset");
+static_assert(offsetof(PrefillParams, work_request) == 456, "PrefillParams.work_request offset");
+static_assert(offsetof(PrefillParams, work_qtile) == 464, "PrefillParams.work_qtile offset");
+static_assert(offsetof(PrefillParams, work_chunk) == 472, "PrefillParams.work_chunk offset");
+static_assert(offsetof(PrefillParams, num_chunks) == 480, "PrefillParams.num_chunks offset");
+static_assert(offsetof(PrefillParams, o_indptr) == 488, "PrefillParams.o_indptr offset");
+static_assert(offsetof(PrefillParams, qo_indptr) == 496, "PrefillParams.qo_indptr offset");
+static_assert(offsetof(PrefillParams, kv_indptr) == 504, "PrefillParams.kv_indptr offset");
+static_assert(offsetof(PrefillParams, kv_page_indices) == 512, "PrefillParams.kv_page_indices offset");
+static_assert(offsetof(PrefillParams, kv_last_page_len) == 520, "PrefillParams.kv_last_page_len offset");
+static_assert(offsetof(PrefillParams, mask_indptr) == 528, "PrefillParams.mask_indptr offset");
+static_assert(offsetof(PrefillParams, kv_chunk_size_dev) == 536, "PrefillParams.kv_chunk_size_dev offset");
+static_assert(offsetof(PrefillParams, sinks) == 544, "PrefillParams.sinks offset");
+static_assert(offsetof(PrefillParams, scale_dev) == 552, "PrefillParams.scale_dev offset");
+static_assert(offsetof(PrefillParams, v_scale_dev) == 560, "PrefillParams.v_scale_dev offset");
+static_assert(offsetof(PrefillParams, kv_seq_lens) == 568, "PrefillParams.kv_seq_lens offset");
+static_assert(offsetof(PrefillParams, k_sf) == 576, "PrefillParams.k_sf offset");
+static_assert(offsetof(PrefillParams, v_sf) == 584, "PrefillParams.v_sf offset");
+static_assert(offsetof(PrefillParams, softmax_stats) == 592, "PrefillParams.softmax_stats offset");
+static_assert(offsetof(PrefillParams, v_page_indices) == 600, "PrefillParams.v_page_indices offset");
+static_assert(offsetof(PrefillParams, q_stride_n) == 608, "PrefillParams.q_stride_n offset");
+static_assert(offsetof(PrefillParams, q_stride_h) == 616, "PrefillParams.q_stride_h offset");
+static_assert(offsetof(PrefillParams, k_stride_n) == 624, "PrefillParams.k_stride_n offset");
+static_assert(offsetof(PrefillParams, k_stride_h) == 632, "PrefillParams.k_stride_h offset");
+static_assert(offsetof(PrefillParams, v_stride_n) == 640, "PrefillParams.v_stride_n offset");
+static_assert(offsetof(PrefillParams, v_stride_h) == 648, "PrefillParams.v_stride_h offset");
+static_assert(offsetof(PrefillParams, o_stride_n) == 656, "PrefillParams.o_stride_n offset");
+static_assert(offsetof(PrefillParams, o_stride_h) == 664, "PrefillParams.o_stride_h offset");
+static_assert(offsetof(PrefillParams, k_stride_page) == 672, "PrefillParams.k_stride_page offset");
+static_assert(offsetof(PrefillParams, v_stride_page) == 680, "PrefillParams.v_stride_page offset");
+static_assert(offsetof(PrefillParams, k_sf_stride_page) == 688, "PrefillParams.k_sf_stride_page offset");
+static_assert(offsetof(PrefillParams, k_sf_stride_n) == 696, "PrefillParams.k_sf_stride_n offset");
+static_assert(offsetof(PrefillParams, k_sf_stride_h) == 704, "PrefillParams.k_sf_stride_h offset");
+static_assert(offsetof(PrefillParams, v_sf_stride_page) == 712, "PrefillParams.v_sf_stride_page offset");
+static_assert(offsetof(PrefillParams, v_sf_stride_n) == 720, "PrefillParams.v_sf_stride_n offset");
+static_assert(offsetof(PrefillParams, v_sf_stride_h) == 728, "PrefillParams.v_sf_stride_h offset");
+static_assert(offsetof(PrefillParams, qo_len) == 736, "PrefillParams.qo_len offset");
+static_assert(offsetof(PrefillParams, kv_len) == 740, "PrefillParams.kv_len offset");
+static_assert(offsetof(PrefillParams, num_qo_heads) == 744, "PrefillParams.num_qo_heads offset");
+static_assert(offsetof(PrefillParams, num_kv_heads) == 748, "PrefillParams.num_kv_heads offset");
+static_assert(offsetof(PrefillParams, group_size) == 752, "PrefillParams.group_size offset");
+static_assert(offsetof(PrefillParams, num_kv_chunks) == 756, "PrefillParams.num_kv_chunks offset");
+static_assert(offsetof(PrefillParams, rows_fastest) == 760, "PrefillParams.rows_fastest offset");
+static_assert(offsetof(PrefillParams, kv_chunk_size) == 764, "PrefillParams.kv_chunk_size offset");
+static_assert(offsetof(PrefillParams, causal) == 768, "PrefillParams.causal offset");
+static_assert(offsetof(PrefillParams, window_left) == 772, "PrefillParams.window_left offset");
+static_assert(offsetof(PrefillParams, sm_scale_log2) == 776, "PrefillParams.sm_scale_log2 offset");
+static_assert(offsetof(PrefillParams, logits_soft_cap) == 780, "PrefillParams.logits_soft_cap offset");
+static_assert(offsetof(PrefillParams, rope) == 784, "PrefillParams.rope offset");
+static_assert(offsetof(PrefillParams, rope_rcp_scale) == 788, "PrefillParams.rope_rcp_scale offset");
+static_assert(offsetof(PrefillParams, rope_log2_theta) == 792, "PrefillParams.rope_log2_theta offset");
+static_assert(offsetof(PrefillParams, lse_scale) == 796, "PrefillParams.lse_scale offset");
+static_assert(offsetof(PrefillParams, page_size) == 800, "PrefillParams.page_size offset");
+static_assert(offsetof(PrefillParams, page_shift) == 804, "PrefillParams.page_shift offset");
+static_assert(offsetof(PrefillParams, v_scale) == 808, "PrefillParams.v_scale offset");
+static_assert(offsetof(PrefillParams, kv_fp8) == 812, "PrefillParams.kv_fp8 offset");
+static_assert(offsetof(PrefillParams, kv_max_len) == 816, "PrefillParams.kv_max_len offset");
+static_assert(offsetof(PrefillParams, q_tokens) == 820, "PrefillParams.q_tokens offset");
+static_assert(offsetof(PrefillParams, qo_max_len) == 824, "PrefillParams.qo_max_len offset");
+static_assert(offsetof(PrefillParams, kv_tokens) == 828, "PrefillParams.kv_tokens offset");
+static_assert(offsetof(PrefillParams, num_pages) == 832, "PrefillParams.num_pages offset");
+static_assert(offsetof(PrefillParams, spec_mask_words) == 836, "PrefillParams.spec_mask_words offset");
+static_assert(offsetof(PrefillParams, chunk_shift) == 840, "PrefillParams.chunk_shift offset");
+static_assert(offsetof(PrefillParams, o_format) == 844, "PrefillParams.o_format offset");
+static_assert(offsetof(PrefillParams, skip_softmax_factor) == 848, "PrefillParams.skip_softmax_factor offset");
+static_assert(offsetof(PrefillParams, q_scale_heads) == 856, "PrefillParams.q_scale_heads offset");
+static_assert(offsetof(PrefillParams, k_scale_heads) == 864, "PrefillParams.k_scale_heads offset");
+static_assert(offsetof(PrefillParams, v_scale_heads) == 872, "PrefillParams.v_scale_heads offset");
+static_assert(offsetof(PrefillParams, o_sf) == 880, "PrefillParams.o_sf offset");
+static_assert(offsetof(PrefillParams, o_sf_row0) == 888, "PrefillParams.o_sf_row0 offset");
+static_assert(offsetof(PrefillParams, o_sf_scale) == 892, "PrefillParams.o_sf_scale offset");
+static_assert(offsetof(PrefillParams, grid_x) == 896, "PrefillParams.grid_x offset");
+static_assert(offsetof(PrefillParams, grid_y) == 900, "PrefillParams.grid_y offset");
+static_assert(offsetof(PrefillParams, grid_z) == 904, "PrefillParams.grid_z offset");
+static_assert(offsetof(PrefillParams, grid_section) == 908, "PrefillParams.grid_section offset");
+static_assert(offsetof(PrefillParams, sched) == 912, "PrefillParams.sched offset");
+static_assert(offsetof(PrefillParams, grid_section_z) == 920, "PrefillParams.grid_section_z offset");
+static_assert(offsetof(PrefillParams, q_tma) == 924, "PrefillParams.q_tma offset");
 
 // combine split-KV partials (float32 o, base-2 lse) into the final output
 struct MergeParams {
