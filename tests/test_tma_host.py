@@ -17,7 +17,7 @@ from pyflashattn._engine import routing, single, tma
 from pyflashattn._runtime import cuda as _cuda
 from pyflashattn._runtime.params_gen import PrefillParams
 from pyflashattn.testing.fake_driver import (
-    T, D, HKV, KV_INDICES, KV_INDPTR, LAST, NPAGES, PS, TKV, FakeEnv, FakeTorch, cache_t, i32, kv_t, last_attn,
+    T, D, HKV, KV_INDICES, KV_INDPTR, LAST, NPAGES, PS, TKV, TQ, FakeEnv, FakeTorch, cache_t, i32, kv_t, last_attn,
     out_t, paged, plan_ragged, q_t, ragged)
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent.parent / "build_tools"))
@@ -144,8 +144,8 @@ def test_paged_tma_only_where_pages_make_whole_boxes(monkeypatch, ps, tma_kernel
         strides = (HKV * D * 2, D * 2, 2 * ps * HKV * D * 2)
         assert _map_bytes(p, "k_tmap") == _expected(0x200000, dims, strides, (64, rows, 1, 1))
         assert _map_bytes(p, "v_tmap") == _expected(0x200000 + ps * HKV * D * 2, dims, strides, (64, rows, 1, 1))
-    else:
-        assert not _maps(env)
+    else:  # only Q's map (every 16-bit sm90 row takes one): no K/V map
+        assert _maps(env) and all(m[2][1] == (D, HQ, tma.ROW_EXTENT) for m in _maps(env))
 
 
 @pytest.mark.parametrize("ps,tma_kernel", [(16, True), (32, True), (8, False)])
@@ -582,3 +582,68 @@ def test_scheduler_counters_are_not_made_while_the_stream_captures(monkeypatch):
     made = _cuda.Workspace.counters(0, 7)
     assert made and ctypes.string_at(made, 16) == bytes(16) and _cuda.Workspace.counters(0, 7) == made
     assert ("memset", made, 16) in env.cu.log
+
+
+Q_DIMS, Q_STRIDES = (D, HQ, tma.ROW_EXTENT), (D * 2, HQ * D * 2)
+
+
+@pytest.mark.parametrize("kv_load", ["tma", "cpasync"])
+def test_q_map_of_a_16bit_sm90_plan_follows_q(monkeypatch, kv_load):
+    """Both sm90 producers take Q by TMA: the map's box is group heads x block_m / group tokens
+    (the row tile's packed rows in order), q_tokens Q's rows; a new q is patched, not encoded."""
+    env = _env(monkeypatch, kv_load)
+    w = ragged(env)
+    plan_ragged(w)
+    w.run(q_t(), kv_t(data=0x300000), kv_t(data=0x380000), out=out_t())
+    name, _, _, p = last_attn(env)
+    group, block_m = HQ // HKV, w._engine.attn.meta["block_m"]
+    box = (64, group, block_m // group)
+    assert "_sm90_" in name and p.q_tma == 1 and p.q_tokens == TQ
+    assert _map_bytes(p, "q_tmap") == _expected(p.q, Q_DIMS, Q_STRIDES, box)
+    encoded = len(_maps(env))
+    w.run(q_t(data=0x900000), kv_t(data=0x300000), kv_t(data=0x380000), out=out_t())
+    p = last_attn(env)[3]
+    assert len(_maps(env)) == encoded and p.q == 0x900000
+    assert _map_bytes(p, "q_tmap") == _expected(0x900000, Q_DIMS, Q_STRIDES, box)
+
+
+def test_q_map_needs_whole_tokens_per_row_tile():
+    assert tma.q_geometry(12, 128, 12 * 128, 128, 2, 3, 128) is None  # 128 rows are not whole tokens of 3 heads
+    assert tma.q_geometry(12, 128, 12 * 128, 128, 2, 3, 192) == ((128, 12, tma.ROW_EXTENT), (256, 12 * 256),
+                                                                 (64, 3, 64))
+    assert tma.q_geometry(512, 64, 512 * 64, 64, 2, 512, 512) is None  # a box dim past 256
+
+
+def test_q_map_forget_rewrites_the_struct(monkeypatch):
+    _env(monkeypatch)
+    p = PrefillParams()
+    m = tma.q_map("f16", p, {"impl": "sm90", "block_m": 128}, HQ, D, HQ // HKV, 2)
+    assert tma.q_map("f16", p, {"impl": "sm80", "block_m": 128}, HQ, D, HQ // HKV, 2) is None
+    assert tma.q_map("e4m3", p, {"impl": "sm90", "block_m": 128}, HQ, D, HQ // HKV, 1) is None
+    m.configure(100, HQ * D, D)
+    m.point(0x100000)
+    assert (p.q_tma, p.q_tokens) == (1, 100)
+    p.q_tma, p.q_tokens = 0, 0  # the struct overwritten (a sibling's struct copied back)
+    m.forget()
+    m.configure(100, HQ * D, D)
+    m.point(0x100000)
+    assert (p.q_tma, p.q_tokens) == (1, 100)
+    assert _map_bytes(p, "q_tmap") == _expected(0x100000, Q_DIMS, Q_STRIDES, (64, HQ // HKV, 128 // (HQ // HKV)))
+    m.configure(100, HQ * D + 4, D)  # a token stride TMA cannot take (not 16 bytes): the copies
+    assert p.q_tma == 0
+
+
+def test_skip_softmax_sibling_copies_q(monkeypatch):
+    """The skip-softmax sibling's struct is a copy; Q's map is pointed in the plan's own struct,
+    so the sibling copies Q (q_tma 0) and the plan's struct takes Q's map again afterwards."""
+    env = _env(monkeypatch, "tma")
+    w = ragged(env)
+    plan_ragged(w)
+    w.run(q_t(), kv_t(data=0x300000), kv_t(data=0x380000), out=out_t(), skip_softmax_threshold_scale_factor=0.5)
+    name, _, _, p = last_attn(env)
+    assert name.endswith("_skip") and p.q_tma == 0
+    w.run(q_t(data=0x900000), kv_t(data=0x300000), kv_t(data=0x380000), out=out_t())
+    name, _, _, p = last_attn(env)
+    assert name.endswith("_tma") and p.q_tma == 1 and p.q == 0x900000
+    group = HQ // HKV
+    assert _map_bytes(p, "q_tmap") == _expected(0x900000, Q_DIMS, Q_STRIDES, (64, group, 128 // group))

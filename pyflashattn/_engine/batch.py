@@ -467,6 +467,7 @@ class BatchEngine:
                 raise NotImplementedError(f"{options.SKIP_SOFTMAX_ARG}: {m['name']} has no skip-softmax and no "
                                           f"general kernel of its tile has it ({sib.meta['name']})")
             _cuda.copy_params(sib, la)
+            sib.params.q_tma = 0  # (Q's map is pointed in home's struct only: the sibling copies Q)
             self.skip_home, self.attn = la, sib
         elif not f and self.skip_home is not None:
             home = self.skip_home

@@ -215,10 +215,10 @@ class SinglePlan:
         if self.attn.meta.get("tma"):
             self.tma_geometry = geometry(self.attn.meta["block_n"])
             self.kv_maps = tma.KvMaps(self.dtype.short, p)
-            self.q_map = tma.q_map(self.dtype.short, p, self.attn.meta, num_qo_heads, head_dim,
-                                   num_qo_heads // num_kv_heads, qv.dtype.bits // 8)
-            if self.q_map is not None:
-                self.q_map.configure(qo_len, qv.strides[0], qv.strides[1])
+        self.q_map = tma.q_map(self.dtype.short, p, self.attn.meta, num_qo_heads, head_dim,
+                               num_qo_heads // num_kv_heads, qv.dtype.bits // 8)
+        if self.q_map is not None:
+            self.q_map.configure(qo_len, qv.strides[0], qv.strides[1])
         p.qo_len, p.kv_len = qo_len, kv_len
         p.kv_tokens = kv_len  # K / V's rows: a TMA kernel's boxes stay within them
         params.fill_score_fields(p, self.dev, num_qo_heads, num_kv_heads, causal, window_left, sm_scale, opts)
@@ -339,8 +339,8 @@ class SinglePlan:
             fp8.point_scales(p, scale_ptrs or (0, 0, 0))
         if self.kv_maps is not None:
             self.kv_maps.point(k, v, *self.tma_geometry)
-            if self.q_map is not None:
-                self.q_map.point(q)
+        if self.q_map is not None:
+            self.q_map.point(q)
         p.v_scale = v_scale
         p.o_stride_n, p.o_stride_h = self.o_strides[0], self.o_strides[1]
         if ws is None:

@@ -1,6 +1,6 @@
 // The producer warpgroup of the sm_90a prefill when K/V come by TMA (PrefillSm90Config::TMA):
-// Q as in producer.cuh, then one warp issues the K/V ring's boxes from the host-encoded tensor
-// maps (PrefillParams::k_tmap / v_tmap, pyflashattn/_engine/tma.py); the other warps only help
+// Q as in producer.cuh (ProducerSm90::load_q), then one warp issues the K/V ring's boxes from the
+// host-encoded tensor maps (PrefillParams::k_tmap / v_tmap, pyflashattn/_engine/tma.py); the other warps only help
 // copy the tiles that do not go by TMA.
 //
 //  - contiguous / ragged K/V: a 3-D map (column, kv head, row) over the whole K (V) tensor; a tile
@@ -174,8 +174,7 @@ struct ProducerSm90Tma {
                                              Sm90Walk& walk) {
     if (w.num_tiles == 0) return;
     wait_q_free<Cfg>(base, walk);
-    ProducerSm90<Cfg>::load_q(p, w, base + Cfg::Q_OFFSET, tid);
-    ptx::cp_async_mbar_arrive(Cfg::q_full(base));
+    ProducerSm90<Cfg>::load_q(p, w, base, tid);
     const int warp = tid / 32, lane = tid % 32;
     // Every row tile of the head reads these K/V rows again: keep them in L2 over Q and outputs.
     const uint64_t keep = ptx::l2_evict_last();
