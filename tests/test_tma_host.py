@@ -144,8 +144,8 @@ def test_paged_tma_only_where_pages_make_whole_boxes(monkeypatch, ps, tma_kernel
         strides = (HKV * D * 2, D * 2, 2 * ps * HKV * D * 2)
         assert _map_bytes(p, "k_tmap") == _expected(0x200000, dims, strides, (64, rows, 1, 1))
         assert _map_bytes(p, "v_tmap") == _expected(0x200000 + ps * HKV * D * 2, dims, strides, (64, rows, 1, 1))
-    else:  # only Q's map (every 16-bit sm90 row takes one): no K/V map
-        assert _maps(env) and all(m[2][1] == (D, HQ, tma.ROW_EXTENT) for m in _maps(env))
+    else:
+        assert not _maps(env)
 
 
 @pytest.mark.parametrize("ps,tma_kernel", [(16, True), (32, True), (8, False)])
@@ -588,17 +588,21 @@ Q_DIMS, Q_STRIDES = (D, HQ, tma.ROW_EXTENT), (D * 2, HQ * D * 2)
 
 
 @pytest.mark.parametrize("kv_load", ["tma", "cpasync"])
-def test_q_map_of_a_16bit_sm90_plan_follows_q(monkeypatch, kv_load):
-    """Both sm90 producers take Q by TMA: the map's box is group heads x block_m / group tokens
-    (the row tile's packed rows in order), q_tokens Q's rows; a new q is patched, not encoded."""
+def test_q_map_of_a_16bit_tma_plan_follows_q(monkeypatch, kv_load):
+    """The TMA rows take Q by TMA: the map's box is group heads x block_m / group tokens (the row
+    tile's packed rows in order), q_tokens Q's rows; a new q is patched, not encoded. The
+    cp.async rows copy Q (no map)."""
     env = _env(monkeypatch, kv_load)
     w = ragged(env)
     plan_ragged(w)
     w.run(q_t(), kv_t(data=0x300000), kv_t(data=0x380000), out=out_t())
     name, _, _, p = last_attn(env)
+    if kv_load == "cpasync":
+        assert "_sm90_" in name and not name.endswith("_tma") and p.q_tma == 0 and not _maps(env)
+        return
     group, block_m = HQ // HKV, w._engine.attn.meta["block_m"]
     box = (64, group, block_m // group)
-    assert "_sm90_" in name and p.q_tma == 1 and p.q_tokens == TQ
+    assert name.endswith("_tma") and p.q_tma == 1 and p.q_tokens == TQ
     assert _map_bytes(p, "q_tmap") == _expected(p.q, Q_DIMS, Q_STRIDES, box)
     encoded = len(_maps(env))
     w.run(q_t(data=0x900000), kv_t(data=0x300000), kv_t(data=0x380000), out=out_t())
@@ -617,9 +621,9 @@ def test_q_map_needs_whole_tokens_per_row_tile():
 def test_q_map_forget_rewrites_the_struct(monkeypatch):
     _env(monkeypatch)
     p = PrefillParams()
-    m = tma.q_map("f16", p, {"impl": "sm90", "block_m": 128}, HQ, D, HQ // HKV, 2)
-    assert tma.q_map("f16", p, {"impl": "sm80", "block_m": 128}, HQ, D, HQ // HKV, 2) is None
-    assert tma.q_map("e4m3", p, {"impl": "sm90", "block_m": 128}, HQ, D, HQ // HKV, 1) is None
+    m = tma.q_map("f16", p, {"impl": "sm90", "tma": True, "block_m": 128}, HQ, D, HQ // HKV, 2)
+    assert tma.q_map("f16", p, {"impl": "sm90", "tma": False, "block_m": 128}, HQ, D, HQ // HKV, 2) is None
+    assert tma.q_map("e4m3", p, {"impl": "sm90", "tma": True, "block_m": 128}, HQ, D, HQ // HKV, 1) is None
     m.configure(100, HQ * D, D)
     m.point(0x100000)
     assert (p.q_tma, p.q_tokens) == (1, 100)

@@ -233,8 +233,8 @@ class QMap:
 
 
 def q_map(short: str, p, meta: dict, heads: int, head_dim: int, group: int, itemsize: int):
-    """A QMap for a launcher whose kernel can load Q by TMA (a 16-bit sm90 row: both producers,
-    sm90/producer.cuh), else None."""
-    if meta.get("impl") != "sm90" or itemsize != 2:
+    """A QMap for a launcher whose kernel loads Q by TMA (a 16-bit TMA row: ProducerSm90::load_q),
+    else None."""
+    if not meta.get("tma") or itemsize != 2:
         return None
     return QMap(short, p, heads, head_dim, group, meta["block_m"], itemsize)

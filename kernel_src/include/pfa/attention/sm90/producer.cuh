@@ -196,28 +196,31 @@ struct ProducerSm90 {
   static_assert(Cfg::WG_THREADS % CPR == 0 && BLOCK_N % ROW_STEP == 0 && Cfg::BLOCK_M % ROW_STEP == 0,
                 "whole rows per pass");
 
-  // The row tile's Q, completing q_full (WG_THREADS arrivals): by TMA where the host gave Q's map
-  // (q_tma: a 16-bit sm90 plan, tma.QMap) and the tile's tokens stay within q_tokens, thread 0
+  // The row tile's Q, completing q_full (WG_THREADS arrivals): on the TMA rows, by TMA where the
+  // host gave Q's map (q_tma, tma.QMap) and the tile's tokens stay within q_tokens, thread 0
   // announcing the tile's bytes and issuing Q_COL_BLOCKS boxes of group heads x BLOCK_M / group
   // tokens (rows past the request then hold the next request's Q: never stored, never voting);
   // else the warpgroup's copies (rows past the request zero-filled). A few instructions of one
   // thread instead of the copies, which took 2-3k cycles to issue at each block's start beside
-  // the consumers' epilogue (NOTES.md, session 28).
+  // the consumers' epilogue (NOTES.md, session 28). Not on the cp.async rows: the paged ones lost
+  // 1-3% with it (the same A/B), the ragged ones gained 0.3-0.5%.
   static constexpr int Q_BOX_COLS = Cfg::ROW_BYTES / (int)sizeof(T), Q_COL_BLOCKS = Cfg::HEAD_DIM / Q_BOX_COLS;
   static __device__ __forceinline__ void load_q(const PrefillParams& p, const PrefillWork& w, uint32_t base, int tid) {
-    const int tokens = Cfg::BLOCK_M / w.group, t0 = (int)w.q_row0 + w.r0 / w.group;
-    if (p.q_tma != 0 && (int64_t)t0 + tokens <= (int64_t)p.q_tokens) {
-      if (tid == 0) {
-        ptx::mbar_arrive_expect_tx(Cfg::q_full(base), Cfg::Q_BYTES);
-        const uint64_t once = ptx::l2_evict_first();  // each Q row is read by one CTA
+    if constexpr (Cfg::TMA) {
+      const int tokens = Cfg::BLOCK_M / w.group, t0 = (int)w.q_row0 + w.r0 / w.group;
+      if (p.q_tma != 0 && (int64_t)t0 + tokens <= (int64_t)p.q_tokens) {
+        if (tid == 0) {
+          ptx::mbar_arrive_expect_tx(Cfg::q_full(base), Cfg::Q_BYTES);
+          const uint64_t once = ptx::l2_evict_first();  // each Q row is read by one CTA
 #pragma unroll
-        for (int col = 0; col < Q_COL_BLOCKS; ++col)
-          ptx::tma_load_3d(base + Cfg::Q_OFFSET + col * Cfg::BLOCK_M * Cfg::ROW_BYTES, &p.q_tmap, col * Q_BOX_COLS,
-                           w.kv_head * w.group, t0, Cfg::q_full(base), once);
-      } else {
-        ptx::mbar_arrive(Cfg::q_full(base));
+          for (int col = 0; col < Q_COL_BLOCKS; ++col)
+            ptx::tma_load_3d(base + Cfg::Q_OFFSET + col * Cfg::BLOCK_M * Cfg::ROW_BYTES, &p.q_tmap,
+                             col * Q_BOX_COLS, w.kv_head * w.group, t0, Cfg::q_full(base), once);
+        } else {
+          ptx::mbar_arrive(Cfg::q_full(base));
+        }
+        return;
       }
-      return;
     }
     load_q_rows<Cfg, T, CPR, ROW_STEP>(p, w, base + Cfg::Q_OFFSET, tid);
     ptx::cp_async_mbar_arrive(Cfg::q_full(base));
