@@ -4,7 +4,9 @@ encodes one CUtensorMap per K and V tensor (cuTensorMapEncodeTiled) into the ker
   - contiguous / ragged K/V: 3-D (head_dim, kv heads, rows), boxes of 128 bytes of columns (64
     16-bit or 128 e4m3 elements) x 1 head x block_n rows (the fp8 rows: sm90/fp8_producer.cuh);
   - a paged cache: 4-D (head_dim, page slot, kv head, page), boxes of 128 bytes of columns x box_rows slots
-    (min(page_size, block_n)) x 1 head x 1 page.
+    (min(page_size, block_n)) x 1 head x 1 page;
+  - the 16-bit rows' Q (PrefillParams.q_tmap, QMap): 3-D (head_dim, q heads, tokens), boxes of 64
+    columns x group heads x block_m / group tokens (sm90/producer.cuh ProducerSm90::load_q).
 Boxes land in shared memory in the kernel's 128-byte-swizzled column blocks.
 
 run() must stay cheap while K/V pointers change every call (a ragged batch's K/V are new tensors
