@@ -224,9 +224,9 @@ def compare_outputs(torch, swap: BeforeKernels, fn) -> float:
 
 def time_pairs(torch, swap: BeforeKernels, fn, pairs: int, warmup: int = 3) -> tuple[list, list]:
     """Device times (ms) of fn() on each side, `pairs` pairs, the order alternating per pair."""
-    from pyflashattn.testing.bench_util import _flush_buffer
+    from pyflashattn.testing.bench_util import flush_buffer
 
-    buf = _flush_buffer(torch.device("cuda", torch.cuda.current_device()))
+    buf = flush_buffer(torch.device("cuda", torch.cuda.current_device()))
     for side in (True, False):
         swap.active = side
         for _ in range(warmup):

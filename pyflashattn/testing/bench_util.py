@@ -25,7 +25,9 @@ def _torch():
     return torch
 
 
-def _flush_buffer(device):
+def flush_buffer(device):
+    """The device's L2-sized int32 buffer whose zeroing flushes L2 before a timed call (bench_ms,
+    build_tools/ab_kernels.py's alternating pairs)."""
     torch = _torch()
     key = str(device)
     buf = _flush_bufs.get(key)
@@ -45,7 +47,7 @@ def bench_samples_ms(fn, *, warmup: int = 3, rep: int = 20, flush_l2: bool = Tru
     """
     torch = _torch()
     device = torch.device("cuda", torch.cuda.current_device()) if device is None else device
-    buf = _flush_buffer(device) if flush_l2 else None
+    buf = flush_buffer(device) if flush_l2 else None
     for _ in range(warmup):
         fn()
     torch.cuda.synchronize(device)
