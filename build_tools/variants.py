@@ -244,7 +244,8 @@ class HopperPrefillVariant(Sm90Roles):
     """A row of the sm_90a prefill family (prefill_sm90.cuh): one producer warpgroup and
     `consumers` warpgroups of 64 rows (BLOCK_M = 64 * consumers), a `stages`-deep K/V ring of
     block_n-key tiles. The registry prefers it on sm_90a wherever a row matches the call; what it
-    does not cover (general options, fp8 K/V, decode tiles) has no row and runs on sm80."""
+    does not cover (general options, fp8 K/V at head_dim 256, NVFP4 K/V, decode tiles) has no row
+    and runs on sm80."""
     dtype: str
     head_dim: int
     block_n: int
@@ -264,6 +265,9 @@ class HopperPrefillVariant(Sm90Roles):
     # (sm90/cta.cuh, PrefillSm90Config::PERSISTENT); the host launches them (launch.configure_grid).
     # None: the head dim's HOPPER_PERSISTENT entry.
     persistent: bool = None
+    # "fp8": one-byte K/V (e4m3fn / e5m2, PrefillParams.kv_fp8) under the 16-bit Q, copied raw and
+    # widened into the 16-bit ring by the producer (sm90/widen_producer.cuh; PrefillSm90Config::KV_FP8)
+    kv_dtype: str = ""
     tune: bool = False
     impl: str = SM90
     archs: tuple = IMPL_ARCHS[SM90]
@@ -277,10 +281,12 @@ class HopperPrefillVariant(Sm90Roles):
         # PrefillSm90Config::SMEM_BYTES: Q, STAGES K and V tiles, 1 + 4 * STAGES mbarriers, (TMA) the
         # tail tile's mbarrier, (persistent) Q's empty mbarrier and the tile scheduler's index ring
         # (4 mbarriers, 2 int32), the alignment slack
+        # (kv_dtype fp8: two raw K / V tile pairs of block_n rows of 128 bytes, sm90_raw_tile_bytes)
         tile = self.block_n * self.head_dim * HALF_BYTES
         tail = self.BARRIER_BYTES if self.tma else 0
         q_empty = self.BARRIER_BYTES + 4 * self.BARRIER_BYTES + 8 if self.persistent else 0
-        return (self.block_m * self.head_dim * HALF_BYTES + 2 * self.stages * tile
+        raw = 4 * self.block_n * max(128, self.head_dim) if self.kv_dtype else 0
+        return (self.block_m * self.head_dim * HALF_BYTES + 2 * self.stages * tile + raw
                 + (1 + 4 * self.stages) * self.BARRIER_BYTES + tail + q_empty + self.ATOM_BYTES)
 
     def fits(self, arch):
@@ -288,7 +294,8 @@ class HopperPrefillVariant(Sm90Roles):
 
     @property
     def name(self):
-        return (f"pfa_prefill_{self.impl}_{self.dtype}_hd{self.head_dim}_m{self.block_m}n{self.block_n}"
+        return (f"pfa_prefill_{self.impl}_{self.dtype}{'_kv' + self.kv_dtype if self.kv_dtype else ''}"
+                f"_hd{self.head_dim}_m{self.block_m}n{self.block_n}"
                 f"c{self.consumers}s{self.stages}{'_pp' if self.pingpong else ''}{'_paged' if self.paged else ''}"
                 f"{'_ps' if self.persistent else ''}{'_tma' if self.tma else ''}{'_skip' if self.skip else ''}")
 
@@ -297,10 +304,11 @@ class HopperPrefillVariant(Sm90Roles):
                 f"PFA_DEFINE_PREFILL_SM90({self.name}, {DTYPES[self.dtype]}, {self.head_dim}, {self.block_n}, "
                 f"{self.consumers}, {self.stages}, {'true' if self.pingpong else 'false'}, "
                 f"{'true' if self.paged else 'false'}, {'true' if self.tma else 'false'}, "
-                f"{'true' if self.skip else 'false'}, {'true' if self.persistent else 'false'}, {self.smem_bytes})\n")
+                f"{'true' if self.skip else 'false'}, {'true' if self.persistent else 'false'}, "
+                f"{'true' if self.kv_dtype else 'false'}, {self.smem_bytes})\n")
 
     def manifest(self):
-        return {"family": "prefill", "impl": self.impl, "dtype": self.dtype, "kv_dtype": self.dtype,
+        return {"family": "prefill", "impl": self.impl, "dtype": self.dtype, "kv_dtype": self.kv_dtype or self.dtype,
                 "head_dim": self.head_dim, "block_m": self.block_m, "block_n": self.block_n,
                 "warps": self.threads // WARP_THREADS, "threads": self.threads, "smem_bytes": self.smem_bytes,
                 "ctas_per_sm": 1, "tune": self.tune, "general": False, "paged": self.paged, "decode": False,
@@ -424,6 +432,11 @@ HOPPER_TILES = {64: (128, 3, 2), 128: (128, 2, 2), 256: (80, 2, 2)}
 # Paged K/V: a third stage where shared memory holds it, the producer's page-table lookups have a
 # tile more to land in.
 HOPPER_TILES_PAGED = {64: (128, 2, 3), 128: (128, 2, 3), 256: (80, 2, 2)}
+# One-byte K/V under a 16-bit Q (HopperPrefillVariant.kv_dtype "fp8"), by storage: head_dim ->
+# (block_n, consumers, stages), the 16-bit rows' tiles where shared memory also holds the two raw
+# tile pairs (hd128 paged: two stages, not three); hd256 has no room for them and runs on sm80.
+HOPPER_TILES_KV_FP8 = {"ragged": {64: (128, 3, 2), 128: (128, 2, 2)},
+                       "paged": {64: (128, 2, 3), 128: (128, 2, 2)}}
 # Second contiguous / ragged row tiles, by head dim (block_n, consumers, stages), with their TMA
 # twins: picked for single prefill where the default row's blocks fill the SMs' last round badly
 # (routing.row_tile_block_m). hd64: 128 rows beside the default 192 (32 heads x 1024 tokens make
@@ -662,6 +675,9 @@ def variants(tune=False):
             if tune or not twin_tune:
                 out += [HopperPrefillVariant(dtype, hd, *tile, paged=storage == "paged", tma=True, tune=twin_tune)
                         for hd, tile in tiles.items()]
+        out += [HopperPrefillVariant(dtype, hd, *tile, paged=storage == "paged", kv_dtype="fp8", skip=skip)
+                for storage, tiles in HOPPER_TILES_KV_FP8.items() for hd, tile in tiles.items()
+                for skip in (False, True)]
         # after the default rows: the registry picks these only when asked for their block_m (their
         # skip twins keep every shipped row's, though only single prefill, without skip-softmax,
         # asks for them)

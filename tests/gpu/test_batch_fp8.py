@@ -31,6 +31,7 @@ if not hasattr(torch, "float8_e4m3fn"):
 
 import pyflashattn  # noqa: E402
 from pyflashattn._engine.routing import built_decode_tiles, decode_tile_rows  # noqa: E402
+from pyflashattn._runtime import registry as _registry  # noqa: E402
 from pyflashattn.quantization import segment_packbits  # noqa: E402
 from pyflashattn.testing import attention_ref, to_numpy_f64  # noqa: E402
 from pyflashattn.testing.checks import assert_close, batch_heads_to_check  # noqa: E402
@@ -54,8 +55,24 @@ ROPE_LSE_TOL = {F16: LSE_TOL[F16], BF16: dict(atol=1e-2, rtol=1e-3)}
 REF_LOGIT_BUDGET = 1 << 24
 GARBAGE_SCALE = 4.0  # slots that belong to no request: random, larger, finite (e4m3 max is 448)
 GUARD_ROWS = 64
+SM90 = torch.cuda.get_device_capability()[0] == 9
 
 _WS = []
+
+
+@pytest.fixture(params=["default", "sm80"])
+def family(request, monkeypatch):
+    """Which family runs the call: the registry's choice ("default": on sm_90 the sm90 family's
+    fp8-K/V rows wherever they cover it: no general option, head_dim <= 128, not a decode tile), or
+    the sm80 family, forced on sm_90 by the implementation preference (elsewhere it is the default:
+    skipped)."""
+    if request.param == "sm80":
+        if not SM90:
+            pytest.skip("the sm80 family is the default off sm_90")
+        monkeypatch.setitem(_registry.IMPL_PREFERENCE, "sm_90a", ("sm80",))
+        _registry.force("prefill", None)  # drops the cached launchers and decode-tile rows
+    yield request.param
+    _registry.force("prefill", None)
 
 
 def _workspace():
@@ -278,7 +295,8 @@ def _build(key, kind, batch, qo_max, kv_max, mode, ps, hq, hkv, d, qdt, kvdt, la
 
 @pytest.mark.parametrize("key,kind,batch,qo_max,kv_max,mode,ps,hq,hkv,d,qdt,kvdt,layout,causal,form",
                          [pytest.param(*c, id=c[0]) for c in GRID])
-def test_fp8_batch_grid(key, kind, batch, qo_max, kv_max, mode, ps, hq, hkv, d, qdt, kvdt, layout, causal, form):
+def test_fp8_batch_grid(family, key, kind, batch, qo_max, kv_max, mode, ps, hq, hkv, d, qdt, kvdt, layout, causal,
+                        form):
     b, pg, kv_args = _build(key, kind, batch, qo_max, kv_max, mode, ps, hq, hkv, d, qdt, kvdt, layout, form)
     ks, vs = _scales(_seed(key, "scales"))
     w = _wrapper(kind, layout)
@@ -287,7 +305,11 @@ def test_fp8_batch_grid(key, kind, batch, qo_max, kv_max, mode, ps, hq, hkv, d, 
     tiles = built_decode_tiles(torch.cuda.current_device(), {"fp16": "f16", "bf16": "bf16"}[qdt], "fp8", d,
                                kind == "paged")
     tile = decode_tile_rows(d, max(b.qo_lens) * (hq // hkv), tiles)
-    assert w._engine.attn.meta["decode"] is bool(tile) and w._engine.schedule.block_m == (tile or 128), w._engine.attn.name
+    meta = w._engine.attn.meta
+    assert meta["decode"] is bool(tile) and w._engine.schedule.block_m == (tile or meta["block_m"]), meta["name"]
+    # the sm90 family's widening rows where they cover the call, else the sm80 family
+    sm90 = family == "default" and SM90 and not tile and d <= 128
+    assert (meta["impl"] == "sm90") is sm90 and meta["kv_dtype"] == "fp8", meta["name"]
     o, lse = _run_into(w, b, kv_args, k_scale=ks, v_scale=vs)
     _check(b, o, lse, _refs(b, causal, {}, ks, vs, seed=_seed(key, "heads")), vs, {}, key)
     # the allocated path, same plan and scales: the same bits

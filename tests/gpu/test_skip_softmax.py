@@ -221,15 +221,17 @@ def test_context(family, factor_kind):
 # ---------------------------------------------------------------------------------------------
 # BatchPrefillWithPagedKVCacheWrapper.run: split KV, GQA, head dims; the factor per run
 # ---------------------------------------------------------------------------------------------
-def _paged_wrapper(q, k, v, ql, kl, hq, hkv, d, dtype, ps, causal, **plan_kw):
+def _paged_wrapper(q, k, v, ql, kl, hq, hkv, d, dtype, ps, causal, kv_dtype=None, **plan_kw):
     cache, table = paged(k, v, kl, ps, seed=3)
+    if kv_dtype is not None:  # k / v hold kv_dtype's values already: the cast is exact
+        cache = cache.to(kv_dtype)
     pages = [-(-n // ps) for n in kl]
     indptr = torch.tensor(np.concatenate([[0], np.cumsum(pages)]), dtype=torch.int32, device=DEV)
     indices = torch.cat([table[b, :pages[b]] for b in range(len(kl))])
     last = torch.tensor([n - (p - 1) * ps for n, p in zip(kl, pages)], dtype=torch.int32, device=DEV)
     w = pyflashattn.prefill.BatchPrefillWithPagedKVCacheWrapper(scratch_workspace(), "NHD")
-    w.plan(cum(ql), indptr, indices, last, hq, hkv, d, ps, causal=causal, q_data_type=dtype, kv_data_type=dtype,
-           **plan_kw)
+    w.plan(cum(ql), indptr, indices, last, hq, hkv, d, ps, causal=causal, q_data_type=dtype,
+           kv_data_type=kv_dtype or dtype, **plan_kw)
     return w, cache
 
 
@@ -262,6 +264,22 @@ def test_paged_prefill_wrapper_geometry(family, d, group):
     geo = engine_geometry(w._engine)
     assert_family(geo[3], family)
     check(out, q, k, v, ql, kl, factor, geo, dtype, causal=True, what=f"paged wrapper d{d} g{group}")
+
+
+@pytest.mark.parametrize("d", [64, 128])
+def test_paged_prefill_wrapper_fp8_kv(family, d):
+    """An e4m3 cache under a 16-bit q (sm_90: the sm90 family's widening rows' skip twins)."""
+    ql, kl, hq, hkv, dtype = [130, 40], [1500, 700], 8, 2, BF16
+    q, k, v = dominant_inputs(ql, kl, hq, hkv, d, dtype, seed=41 * d)
+    k, v = (x.float().to(torch.float8_e4m3fn).float().to(dtype) for x in (k, v))  # e4m3's values
+    w, cache = _paged_wrapper(q, k, v, ql, kl, hq, hkv, d, dtype, 16, True, kv_dtype=torch.float8_e4m3fn)
+    factor = factor_for(kl)
+    out = poisoned(q.shape, dtype)
+    w.run(q, cache, out=out, skip_softmax_threshold_scale_factor=factor)
+    geo = engine_geometry(w._engine)
+    assert_family(geo[3], family)
+    assert geo[3]["kv_dtype"] == "fp8", geo[3]["name"]
+    check(out, q, k, v, ql, kl, factor, geo, dtype, causal=True, what=f"paged wrapper fp8 K/V d{d}")
 
 
 # ---------------------------------------------------------------------------------------------

@@ -4,12 +4,14 @@
 //   work.cuh           which request, row tile and KV chunk; the key range (shared with sm80)
 //   sm90/producer.cuh  warpgroup 0: Q, then the K/V ring by cp.async, completing on mbarriers
 //   sm90/producer_tma.cuh  or (TMA) the K/V ring as TMA boxes issued by one warp
+//   sm90/widen_producer.cuh  or (KV_FP8) one-byte K/V copied raw, then widened into the ring
 //   sm90/consumer.cuh  warpgroups 1..CONSUMERS: 64 rows each, S = Q K^T and O += P V on wgmma,
 //                      overlapped with the softmax; PINGPONG alternates the two consumers' GEMMs
 //   sm90/epilogue.cuh  normalise, then O + LSE or split-KV partials (epilogue.cuh layouts)
 // sm90/config.cuh holds the tile shape, register split and shared-memory layout.
-// Covered so far: 16-bit Q/K/V, contiguous, ragged or paged K/V, causal / window / none, LSE, split KV,
-// sinks; everything else routes to the sm80 family (variants.py builds only these rows).
+// Covered so far: 16-bit Q with 16-bit or (KV_FP8, head_dim <= 128) fp8 K/V, contiguous, ragged or
+// paged K/V, causal / window / none, LSE, split KV, sinks; everything else routes to the sm80
+// family (variants.py builds only these rows).
 #pragma once
 #include <stdint.h>
 
@@ -20,6 +22,7 @@
 #include "pfa/attention/sm90/epilogue.cuh"
 #include "pfa/attention/sm90/producer.cuh"
 #include "pfa/attention/sm90/producer_tma.cuh"
+#include "pfa/attention/sm90/widen_producer.cuh"
 #include "pfa/attention/work.cuh"
 #include "pfa/ptx/mma_sm80.cuh"
 #include "pfa/ptx/pdl.cuh"
@@ -28,9 +31,9 @@
 namespace pfa {
 
 template <typename T, int HEAD_DIM, int BLOCK_N, int CONSUMERS, int STAGES, bool PINGPONG, bool PAGED, bool TMA,
-          bool SKIP, bool PERSISTENT>
-struct PrefillSm90 : PrefillSm90Config<T, HEAD_DIM, BLOCK_N, CONSUMERS, STAGES, PAGED, TMA, PERSISTENT> {
-  using Cfg = PrefillSm90Config<T, HEAD_DIM, BLOCK_N, CONSUMERS, STAGES, PAGED, TMA, PERSISTENT>;
+          bool SKIP, bool PERSISTENT, bool KV_FP8 = false>
+struct PrefillSm90 : PrefillSm90Config<T, HEAD_DIM, BLOCK_N, CONSUMERS, STAGES, PAGED, TMA, PERSISTENT, KV_FP8> {
+  using Cfg = PrefillSm90Config<T, HEAD_DIM, BLOCK_N, CONSUMERS, STAGES, PAGED, TMA, PERSISTENT, KV_FP8>;
   using Consumer = ConsumerSm90<Cfg, PINGPONG, SKIP>;
 
   // wg: the consumer's index (0 .. CONSUMERS - 1); tid: the thread's index within its warpgroup.
@@ -50,7 +53,9 @@ struct PrefillSm90 : PrefillSm90Config<T, HEAD_DIM, BLOCK_N, CONSUMERS, STAGES, 
     run_warp_specialized_cta<Cfg>(
         p, smem,
         [&](const PrefillWork& w, uint32_t base, int tid, Sm90Walk& walk) {
-          if constexpr (Cfg::TMA)
+          if constexpr (Cfg::KV_FP8)
+            ProducerSm90Widen<Cfg>::run(p, w, base, tid, walk);
+          else if constexpr (Cfg::TMA)
             ProducerSm90Tma<Cfg>::run(p, w, base, tid, walk);
           else
             ProducerSm90<Cfg>::run(p, w, base, tid, walk);
@@ -65,12 +70,12 @@ struct PrefillSm90 : PrefillSm90Config<T, HEAD_DIM, BLOCK_N, CONSUMERS, STAGES, 
 
 // One extern "C" entry per variant (see PFA_DEFINE_PREFILL_SM80). SMEM: variants.py's smem_bytes,
 // checked against the kernel's layout at compile time.
-#define PFA_DEFINE_PREFILL_SM90(NAME, T, HD, BN, CONSUMERS, STAGES, PINGPONG, PAGED, TMA, SKIP, PERSISTENT, SMEM) \
-  static_assert(                                                                                                 \
-      pfa::PrefillSm90<T, HD, BN, CONSUMERS, STAGES, PINGPONG, PAGED, TMA, SKIP, PERSISTENT>::SMEM_BYTES == (SMEM), \
-      #NAME ": variants.py smem_bytes differs from the kernel's shared-memory layout");                          \
-  extern "C" __global__ void __launch_bounds__((CONSUMERS + 1) * 128, 1)                                         \
-      NAME(const __grid_constant__ pfa::PrefillParams p) {                                                       \
-    extern __shared__ __align__(1024) char smem[];                                                               \
-    pfa::PrefillSm90<T, HD, BN, CONSUMERS, STAGES, PINGPONG, PAGED, TMA, SKIP, PERSISTENT>::run(p, smem);         \
+#define PFA_DEFINE_PREFILL_SM90(NAME, T, HD, BN, CONSUMERS, STAGES, PINGPONG, PAGED, TMA, SKIP, PERSISTENT, KV_FP8, SMEM) \
+  static_assert(                                                                                                     \
+      pfa::PrefillSm90<T, HD, BN, CONSUMERS, STAGES, PINGPONG, PAGED, TMA, SKIP, PERSISTENT, KV_FP8>::SMEM_BYTES == (SMEM), \
+      #NAME ": variants.py smem_bytes differs from the kernel's shared-memory layout");                              \
+  extern "C" __global__ void __launch_bounds__((CONSUMERS + 1) * 128, 1)                                             \
+      NAME(const __grid_constant__ pfa::PrefillParams p) {                                                           \
+    extern __shared__ __align__(1024) char smem[];                                                                   \
+    pfa::PrefillSm90<T, HD, BN, CONSUMERS, STAGES, PINGPONG, PAGED, TMA, SKIP, PERSISTENT, KV_FP8>::run(p, smem);    \
   }

@@ -4,9 +4,9 @@
 // (BLOCK_M = 64 * CONSUMERS packed rows). Every tile in shared memory is stored in the wgmma
 // 128-byte-swizzle layout (ptx/sm90.cuh): column blocks of 64 elements, 128-byte rows, chunk c of
 // row r at c ^ (r % 8). Layout, each part 1024-byte aligned:
-//   Q [BLOCK_M x D] | K stages [STAGES][BLOCK_N x D] | V stages [STAGES][BLOCK_N x D] | mbarriers
-//   | (TMA) the tail tile's mbarrier | (PERSISTENT) the Q tile's "empty" mbarrier, the tile
-//   scheduler's index ring
+//   Q [BLOCK_M x D] | K stages [STAGES][BLOCK_N x D] | V stages [STAGES][BLOCK_N x D]
+//   | (KV_FP8) raw K, V [2][BLOCK_N x 128 bytes] | mbarriers | (TMA) the tail tile's mbarrier
+//   | (PERSISTENT) the Q tile's "empty" mbarrier, the tile scheduler's index ring
 #pragma once
 #include <stdint.h>
 
@@ -14,16 +14,22 @@
 
 namespace pfa {
 
-// The shared-memory offset of the mbarriers: behind Q and the K and V stages (16-bit elements).
-constexpr int sm90_bar_offset(int head_dim, int block_n, int consumers, int stages) {
-  return consumers * 64 * head_dim * 2 + 2 * stages * block_n * head_dim * 2;
+// Bytes of one raw (one-byte) K or V tile of the KV_FP8 rows: BLOCK_N rows of 128 bytes (a 64-dim
+// row fills the first half of its swizzle row, as the fp8 family's ROW_PAD).
+constexpr int sm90_raw_tile_bytes(int head_dim, int block_n) { return block_n * (head_dim < 128 ? 128 : head_dim); }
+
+// The shared-memory offset of the mbarriers: behind Q and the K and V stages (16-bit elements),
+// and (kv_fp8) the two raw K / V tile pairs.
+constexpr int sm90_bar_offset(int head_dim, int block_n, int consumers, int stages, bool kv_fp8 = false) {
+  return consumers * 64 * head_dim * 2 + 2 * stages * block_n * head_dim * 2 +
+         (kv_fp8 ? 4 * sm90_raw_tile_bytes(head_dim, block_n) : 0);
 }
 
 template <typename T_, int HEAD_DIM_, int BLOCK_N_, int CONSUMERS_, int STAGES_, bool PAGED_, bool TMA_ = false,
-          bool PERSISTENT_ = false>
+          bool PERSISTENT_ = false, bool KV_FP8_ = false>
 struct PrefillSm90Config
-    : Sm90Pipeline<CONSUMERS_, STAGES_, sm90_bar_offset(HEAD_DIM_, BLOCK_N_, CONSUMERS_, STAGES_)> {
-  using Base = Sm90Pipeline<CONSUMERS_, STAGES_, sm90_bar_offset(HEAD_DIM_, BLOCK_N_, CONSUMERS_, STAGES_)>;
+    : Sm90Pipeline<CONSUMERS_, STAGES_, sm90_bar_offset(HEAD_DIM_, BLOCK_N_, CONSUMERS_, STAGES_, KV_FP8_)> {
+  using Base = Sm90Pipeline<CONSUMERS_, STAGES_, sm90_bar_offset(HEAD_DIM_, BLOCK_N_, CONSUMERS_, STAGES_, KV_FP8_)>;
   using Base::ATOM_BYTES, Base::BAR_OFFSET, Base::BLOCK_M, Base::CHUNK_BYTES, Base::CONSUMERS, Base::NUM_BARRIERS,
       Base::PRODUCER_BAR, Base::ROW_BYTES, Base::STAGES;
   using Elem = T_;
@@ -41,6 +47,11 @@ struct PrefillSm90Config
   // block: the K/V ring runs on across work items, and the producer loads the next item's Q once
   // the consumers have released this one's (q_empty), while they finish its last tiles and epilogue.
   static constexpr bool PERSISTENT = PERSISTENT_;
+  // One-byte K/V (e4m3fn or e5m2: PrefillParams::kv_fp8) under a 16-bit Q: the producer copies each
+  // K / V tile as stored into a raw tile pair (2 buffers) and widens it into the 16-bit K / V stage
+  // the consumers read (sm90/widen_producer.cuh); consumers and epilogue are the 16-bit ones.
+  static constexpr bool KV_FP8 = KV_FP8_;
+  static_assert(!KV_FP8 || (!TMA && HEAD_DIM <= 128 && BLOCK_N <= 128), "fp8 K/V: cp.async raw tiles of 128-byte rows");
   static_assert(!PAGED || TMA || BLOCK_N <= 128, "paged by cp.async: one lane of a producer warp owns each row");
   static_assert(HEAD_DIM % 64 == 0, "head_dim in whole 128-byte swizzle blocks");
   static_assert(BLOCK_N % 16 == 0 && BLOCK_N <= 256, "BLOCK_N: k-steps of 16 keys, one wgmma N");
@@ -51,7 +62,10 @@ struct PrefillSm90Config
   static constexpr int Q_OFFSET = 0;
   static constexpr int K_OFFSET = Q_OFFSET + Q_BYTES;
   static constexpr int V_OFFSET = K_OFFSET + STAGES * KV_TILE_BYTES;
-  static_assert(BAR_OFFSET == V_OFFSET + STAGES * KV_TILE_BYTES, "sm90_bar_offset: the mbarriers follow V");
+  // KV_FP8: raw K of buffer b at RAW_OFFSET + 2 b RAW_TILE_BYTES, its raw V right behind it
+  static constexpr int RAW_OFFSET = V_OFFSET + STAGES * KV_TILE_BYTES;
+  static constexpr int RAW_TILE_BYTES = KV_FP8 ? sm90_raw_tile_bytes(HEAD_DIM, BLOCK_N) : 0;
+  static_assert(BAR_OFFSET == RAW_OFFSET + 4 * RAW_TILE_BYTES, "sm90_bar_offset: the mbarriers follow V (and raw K / V)");
   // TMA: the mbarrier a request's last V tile lands on before the producer zeroes its rows past
   // kv_len and completes the stage itself (producer_tma.cuh)
   static constexpr int TAIL_BAR_OFFSET = BAR_OFFSET + NUM_BARRIERS * 8;

@@ -180,8 +180,9 @@ struct ConsumerSm90 {
   // instead of in the stretch after the softmax, where the tensor pipe idles unless the other
   // consumer issues. Not for the paged rows, whose owned-row cp.async producer fills V later in
   // the turn (the wait would hold the turn: 0.98x), nor hd64, whose rescale is short (0.995x);
-  // hd128 / hd256 single and ragged measured 1.01-1.035x (NOTES.md, session 28).
-  static constexpr bool RESCALE_IN_TURN = !Cfg::PAGED && HEAD_DIM >= 128;
+  // hd128 / hd256 single and ragged measured 1.01-1.035x (NOTES.md, session 28). Nor the fp8-K/V
+  // rows, whose producer widens V last in the turn, as the paged copies fill it.
+  static constexpr bool RESCALE_IN_TURN = !Cfg::PAGED && !Cfg::KV_FP8 && HEAD_DIM >= 128;
 
   // The warpgroup's Q rows as the A fragments of the S GEMM's k-steps (ldmatrix from the
   // 128-byte-swizzled tile: chunk c of row t at c ^ (t % 8), column blocks of 128 bytes), a k-step

@@ -62,26 +62,12 @@ struct ProducerSm90Fp8 {
   }
 
   // One K or raw V tile: keys [n0, n0 + BLOCK_N) from `head` (the kv head's base, rows at
-  // stride_n bytes from row0), keys at or past kv_len zero-filled.
+  // stride_n bytes from row0), keys at or past kv_len zero-filled (load_tile_rows, producer.cuh).
+  // Partly rolled: with the transpose's addresses live too, a full unroll spills on PRODUCER_REGS
+  // (two rows per pass fit 40 registers, one row 32).
   static __device__ __forceinline__ void load_tile(uint32_t s_tile, const uint8_t* head, int64_t stride_n,
                                                    int64_t row0, int n0, int kv_len, int tid, uint64_t policy) {
-    const int chunk = tid % CPR, r0 = tid / CPR;
-    const uint8_t* src = head + (row0 + n0 + r0) * stride_n + chunk * Cfg::CHUNK_ELEMS;
-    const int64_t step = (int64_t)ROW_STEP * stride_n;
-    const int valid_rows = kv_len - n0 - r0;
-    // A thread's rows are ROW_STEP apart, a multiple of the swizzle's 8-row repeat: one swizzled
-    // offset, then whole rows (not the swizzle worked out again for every copy).
-    static_assert(ROW_STEP % 8 == 0, "the thread's rows share their swizzle phase");
-    const uint32_t dst = s_tile + Cfg::swz(BLOCK_N, r0, chunk);
-    // Partly rolled: with the transpose's addresses live too, a full unroll spills on PRODUCER_REGS
-    // (two rows per pass fit 40 registers, one row 32).
-#pragma unroll(LOAD_UNROLL)
-    for (int i = 0; i < BLOCK_N / ROW_STEP; ++i) {
-      const bool valid = i * ROW_STEP < valid_rows;
-      ptx::cp_async_16_hint(dst + i * ROW_STEP * Cfg::ROW_BYTES,
-                            valid ? static_cast<const void*>(src) : static_cast<const void*>(head), valid, policy);
-      src += step;
-    }
+    load_tile_rows<Cfg, uint8_t, CPR, ROW_STEP, LOAD_UNROLL>(s_tile, head, stride_n, row0, n0, kv_len, tid, policy);
   }
 
   // Raw V tile [key][dim] -> Vt tile [dim][key in the order above] (every producer thread).

@@ -60,6 +60,31 @@ __device__ __forceinline__ void load_q_rows(const PrefillParams& p, const Prefil
   }
 }
 
+// One contiguous / ragged K or V tile of elements E (keys [n0, n0 + BLOCK_N) of the rows from row0,
+// `stride_n` elements apart, of the kv head at `head`) into the 128-byte-swizzled tile at s_tile,
+// CPR 16-byte chunks a row, ROW_STEP rows between one thread's chunks, UNROLL copies a pass; keys
+// at or past kv_len zero-filled. Shared by the one-byte tiles of the fp8 and the fp8-K/V producers.
+template <class Cfg, typename E, int CPR, int ROW_STEP, int UNROLL>
+__device__ __forceinline__ void load_tile_rows(uint32_t s_tile, const E* head, int64_t stride_n, int64_t row0, int n0,
+                                               int kv_len, int tid, uint64_t policy) {
+  constexpr int CHUNK_ELEMS = Cfg::CHUNK_BYTES / int(sizeof(E));
+  const int chunk = tid % CPR, r0 = tid / CPR;
+  const E* src = head + (row0 + n0 + r0) * stride_n + chunk * CHUNK_ELEMS;
+  const int64_t step = (int64_t)ROW_STEP * stride_n;
+  const int valid_rows = kv_len - n0 - r0;
+  // A thread's rows are ROW_STEP apart, a multiple of the swizzle's 8-row repeat: one swizzled
+  // offset, then whole rows (not the swizzle worked out again for every copy).
+  static_assert(ROW_STEP % 8 == 0, "the thread's rows share their swizzle phase");
+  const uint32_t dst = s_tile + Cfg::swz(Cfg::BLOCK_N, r0, chunk);
+#pragma unroll(UNROLL)
+  for (int i = 0; i < Cfg::BLOCK_N / ROW_STEP; ++i) {
+    const bool valid = i * ROW_STEP < valid_rows;
+    ptx::cp_async_16_hint(dst + i * ROW_STEP * Cfg::ROW_BYTES,
+                          valid ? static_cast<const void*>(src) : static_cast<const void*>(head), valid, policy);
+    src += step;
+  }
+}
+
 // The pipeline's mbarriers (the Cfg's q_full, then per stage k_full, v_full, k_empty, v_empty):
 // the full ones count Cfg::K_FULL_ARRIVALS / V_FULL_ARRIVALS (one per producer thread: its
 // cp.async, or in the fp8 kernels its V transpose; TMA: the issuing thread's one); the empty ones

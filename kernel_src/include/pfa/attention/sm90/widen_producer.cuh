@@ -1,0 +1,152 @@
+// The producer warpgroup of the sm_90a prefill over one-byte K/V (PrefillSm90Config::KV_FP8: a
+// 16-bit Q over an e4m3fn / e5m2 cache, the batch wrappers' kv_data_type). Q as the 16-bit
+// producer loads it; then each K / V tile is copied as stored (cp.async, one-byte rows in the
+// 128-byte swizzle, zero-filled past kv_len) into one of two raw tile pairs, and once it has
+// landed, widened into the 16-bit K / V stage the consumers read. The consumers and the epilogue
+// are the 16-bit family's: k_scale sits in the logit scale, v_scale in the output's.
+//
+// Each thread widens exactly the raw chunks it copied (load_tile_rows / load_tile_paged give
+// thread t chunk t % CPR of rows t / CPR + i ROW_STEP), so its own cp.async.wait_group makes them
+// visible and a raw buffer is reused only by the thread that read it: no producer barrier. Tile
+// it + 1's copies are in flight while tile it is widened. A raw chunk (16 dims) becomes the
+// 16-bit chunks 2c and 2c + 1 of its row (widen_fp8x4: bit moves and one packed multiply; fp8
+// Inf / NaN codes are not preserved, as in the sm80 family's widening).
+#pragma once
+#include <stdint.h>
+
+#include "pfa/attention/kv_source.cuh"
+#include "pfa/attention/params.h"
+#include "pfa/attention/sm90/pipeline.cuh"
+#include "pfa/attention/sm90/producer.cuh"
+#include "pfa/attention/work.cuh"
+#include "pfa/common/dtypes.cuh"
+#include "pfa/ptx/mma_sm80.cuh"
+#include "pfa/ptx/sm90.cuh"
+
+namespace pfa {
+
+template <class Cfg>
+struct ProducerSm90Widen {
+  using T = typename Cfg::Elem;
+  static constexpr int BLOCK_N = Cfg::BLOCK_N, STAGES = Cfg::STAGES, ROW_BYTES = Cfg::ROW_BYTES;
+  static constexpr int CPR = Cfg::HEAD_DIM / 16;          // one-byte elements: 16 a chunk
+  static constexpr int ROW_STEP = Cfg::WG_THREADS / CPR;  // rows between one thread's chunks
+  static constexpr int ROWS = BLOCK_N / ROW_STEP;         // raw chunks a thread copies (and widens) a tile
+  static_assert(Cfg::KV_FP8 && Cfg::WG_THREADS % CPR == 0 && BLOCK_N % ROW_STEP == 0 && ROW_STEP % 8 == 0,
+                "whole rows per pass, a thread's rows in one swizzle phase");
+  // copies a pass: two rows fit the 32 / 40 producer registers with the widening's addresses live
+  static constexpr int UNROLL = 2;
+  // Paged copies one row at a time (load_tile_paged's MAX_RUN = 1), as the fp8 producer: with the
+  // page-run paths compiled in, ptxas 13.0 gave these copies the `[R + UR0 + imm], desc[UR1]` form
+  // that stops the GPU (build_tools/nvcc_guard.sh refuses it).
+  static constexpr int PAGE_RUN_MAX = 1;
+
+  // The raw K (IS_V false) or V tile of buffer b.
+  template <bool IS_V>
+  static __device__ __forceinline__ uint32_t raw(uint32_t base, int b) {
+    return base + Cfg::RAW_OFFSET + (2 * b + IS_V) * Cfg::RAW_TILE_BYTES;
+  }
+
+  // This thread's raw chunks of a tile at s_raw -> its 16-bit chunks of the stage at s_tile.
+  template <int FMT>
+  static __device__ __forceinline__ void widen_as(uint32_t s_raw, uint32_t s_tile, int tid) {
+    const int chunk = tid % CPR, r0 = tid / CPR;
+    const uint32_t src = s_raw + Cfg::swz(BLOCK_N, r0, chunk);
+    const uint32_t dst0 = s_tile + Cfg::swz(BLOCK_N, r0, 2 * chunk), dst1 = s_tile + Cfg::swz(BLOCK_N, r0, 2 * chunk + 1);
+#pragma unroll(UNROLL)
+    for (int i = 0; i < ROWS; ++i) {
+      const uint32_t step = i * ROW_STEP * ROW_BYTES;  // whole rows: the same swizzle phase
+      const uint4 r = ptx::ld_shared_v4(src + step);
+      const uint2 a = widen_fp8x4<T, FMT>(r.x), b = widen_fp8x4<T, FMT>(r.y);
+      const uint2 c = widen_fp8x4<T, FMT>(r.z), d = widen_fp8x4<T, FMT>(r.w);
+      ptx::st_shared_v4(dst0 + step, a.x, a.y, b.x, b.y);
+      ptx::st_shared_v4(dst1 + step, c.x, c.y, d.x, d.y);
+    }
+  }
+  // The format is a runtime field (PrefillParams::kv_fp8): one branch a tile, each loop with its
+  // conversion's constants in the instructions.
+  static __device__ __forceinline__ void widen(const PrefillParams& p, uint32_t s_raw, uint32_t s_tile, int tid) {
+    if (p.kv_fp8 == kFp8E5M2)
+      widen_as<kFp8E5M2>(s_raw, s_tile, tid);
+    else
+      widen_as<kFp8E4M3>(s_raw, s_tile, tid);
+  }
+
+  // A widened tile into stage s: wait for the consumers to free it, widen, fence the generic
+  // stores for the async proxy (the consumers' wgmma), announce it (one arrival a thread).
+  static __device__ __forceinline__ void fill_stage(const PrefillParams& p, uint32_t s_raw, uint32_t s_tile,
+                                                    uint32_t empty, uint32_t full, uint32_t free_parity, int tid) {
+    ptx::mbar_wait(empty, free_parity);
+    widen(p, s_raw, s_tile, tid);
+    ptx::fence_proxy_async();
+    ptx::mbar_arrive(full);
+  }
+
+  // base: the aligned shared-memory base as a shared-window address. walk: the CTA's place in the
+  // ring (sm90/pipeline.cuh). The raw buffers restart at 0 every work item: the item before ended
+  // with all of its raw tiles widened.
+  static __device__ __forceinline__ void run(const PrefillParams& p, const PrefillWork& w, uint32_t base, int tid,
+                                             const Sm90Walk& walk) {
+    if (w.num_tiles == 0) return;  // (the consumers wait for no Q either)
+    wait_q_free<Cfg>(base, walk);
+    ProducerSm90<Cfg>::load_q(p, w, base, tid);
+    const uint8_t* k = reinterpret_cast<const uint8_t*>(p.k) + w.kv_head * p.k_stride_h;
+    const uint8_t* v = reinterpret_cast<const uint8_t*>(p.v) + w.kv_head * p.v_stride_h;
+    const int64_t row0 = RaggedKvRows{w.kv_row0}.row(0, 0);
+    const int n = w.num_tiles;
+    // Paged: the owned row's page ids of the next tile to copy (owned_page_id, producer.cuh), K's
+    // and V's (its own where the call has them), loaded a tile ahead of their copies.
+    const int32_t* k_pages = page_table<false>(p) + w.page_base;
+    const int32_t* v_pages = page_table<true>(p) + w.page_base;
+    const bool v_ids = Cfg::PAGED && p.v_page_indices != 0;
+    const int row = Cfg::PAGED ? owned_row<Cfg, CPR, ROW_STEP>(tid) : 0;
+    // Every row tile of the head reads these K/V rows again: keep them in L2 over Q and outputs.
+    const uint64_t keep = ptx::l2_evict_last();
+    int32_t next_k = 0, next_v = 0;
+    if constexpr (Cfg::PAGED) {
+      next_k = owned_page_id<Cfg, CPR, ROW_STEP>(p, k_pages, w.tile_start + row, w.kv_len, tid);
+      next_v = v_ids ? owned_page_id<Cfg, CPR, ROW_STEP>(p, v_pages, w.tile_start + row, w.kv_len, tid) : next_k;
+    }
+    // Tile it's raw K and V into buffer it & 1, one cp.async group.
+    auto copy = [&](int it) {
+      const int n0 = w.tile_start + it * BLOCK_N, b = it & 1;
+      if constexpr (Cfg::PAGED) {
+        const int t = n0 + row;
+        const int64_t k_off = page_offset<uint8_t>(p, next_k, t, w.kv_len, p.k_stride_page, p.k_stride_n);
+        const int64_t v_off = page_offset<uint8_t>(p, next_v, t, w.kv_len, p.v_stride_page, p.v_stride_n);
+        if (it + 1 < n) {
+          next_k = owned_page_id<Cfg, CPR, ROW_STEP>(p, k_pages, t + BLOCK_N, w.kv_len, tid);
+          next_v = v_ids ? owned_page_id<Cfg, CPR, ROW_STEP>(p, v_pages, t + BLOCK_N, w.kv_len, tid) : next_k;
+        }
+        load_tile_paged<Cfg, uint8_t, CPR, ROW_STEP, UNROLL, PAGE_RUN_MAX>(raw<false>(base, b), k, k_off, n0, w.kv_len,
+                                                                           -1, p.k_stride_n, tid, keep);
+        load_tile_paged<Cfg, uint8_t, CPR, ROW_STEP, UNROLL, PAGE_RUN_MAX>(raw<true>(base, b), v, v_off, n0, w.kv_len,
+                                                                           -1, p.v_stride_n, tid, keep);
+      } else {
+        load_tile_rows<Cfg, uint8_t, CPR, ROW_STEP, UNROLL>(raw<false>(base, b), k, p.k_stride_n, row0, n0, w.kv_len,
+                                                            tid, keep);
+        load_tile_rows<Cfg, uint8_t, CPR, ROW_STEP, UNROLL>(raw<true>(base, b), v, p.v_stride_n, row0, n0, w.kv_len,
+                                                            tid, keep);
+      }
+      ptx::cp_async_commit();
+    };
+    copy(0);
+#pragma unroll 1
+    for (int it = 0; it < n; ++it) {
+      if (it + 1 < n) {
+        copy(it + 1);
+        ptx::cp_async_wait<1>();  // this thread's copies of tile it have landed
+      } else {
+        ptx::cp_async_wait<0>();
+      }
+      const int s = walk.stage<STAGES>(it), b = it & 1;
+      const uint32_t free_parity = walk.phase<STAGES>(it) ^ 1;
+      fill_stage(p, raw<false>(base, b), base + Cfg::K_OFFSET + s * Cfg::KV_TILE_BYTES, Cfg::k_empty(base, s),
+                 Cfg::k_full(base, s), free_parity, tid);
+      fill_stage(p, raw<true>(base, b), base + Cfg::V_OFFSET + s * Cfg::KV_TILE_BYTES, Cfg::v_empty(base, s),
+                 Cfg::v_full(base, s), free_parity, tid);
+    }
+  }
+};
+
+}  // namespace pfa
