@@ -8,7 +8,10 @@
 //   | (KV_FP8) raw K, V [2][BLOCK_N x 128 bytes] | mbarriers | (TMA) the tail tile's mbarrier
 //   | (PERSISTENT) the Q tile's "empty" mbarrier, the tile scheduler's index ring
 #pragma once
+#include <cuda_fp16.h>
 #include <stdint.h>
+
+#include <type_traits>
 
 #include "pfa/attention/sm90/pipeline.cuh"
 
@@ -52,6 +55,11 @@ struct PrefillSm90Config
   // the consumers read (sm90/widen_producer.cuh); consumers and epilogue are the 16-bit ones.
   static constexpr bool KV_FP8 = KV_FP8_;
   static_assert(!KV_FP8 || (!TMA && HEAD_DIM <= 128 && BLOCK_N <= 128), "fp8 K/V: cp.async raw tiles of 128-byte rows");
+  // The V stages' and P's element type, the P V GEMM's: KV_FP8 widens V to fp16 under either
+  // query dtype (e4m3 / e5m2 values are exact in fp16, P in [0, 1] is at least as exact as in
+  // bf16, and fp16 takes the one-instruction hardware conversion where bf16 takes five bit moves
+  // a pair); otherwise the query's.
+  using VElem = typename std::conditional<KV_FP8, half, T_>::type;
   static_assert(!PAGED || TMA || BLOCK_N <= 128, "paged by cp.async: one lane of a producer warp owns each row");
   static_assert(HEAD_DIM % 64 == 0, "head_dim in whole 128-byte swizzle blocks");
   static_assert(BLOCK_N % 16 == 0 && BLOCK_N <= 256, "BLOCK_N: k-steps of 16 keys, one wgmma N");

@@ -33,10 +33,11 @@ namespace pfa {
 template <class Cfg, bool PINGPONG, bool SKIP>
 struct ConsumerSm90 {
   using T = typename Cfg::Elem;
+  using TV = typename Cfg::VElem;  // P and V (fp16 under a widened fp8 V, config.cuh)
   static constexpr int BLOCK_M = Cfg::BLOCK_M, BLOCK_N = Cfg::BLOCK_N, HEAD_DIM = Cfg::HEAD_DIM;
   static constexpr int STAGES = Cfg::STAGES, ROW_BYTES = Cfg::ROW_BYTES;
   using MmaS = ptx::Wgmma<T, BLOCK_N>;
-  using MmaO = ptx::Wgmma<T, HEAD_DIM>;
+  using MmaO = ptx::Wgmma<TV, HEAD_DIM>;
   static constexpr int S_ACC = MmaS::ACC, O_ACC = MmaO::ACC;
   static constexpr int S_COLS = BLOCK_N / 8, O_COLS = HEAD_DIM / 8;  // 8-column blocks per row
   static constexpr int QK_STEPS = HEAD_DIM / 16, PV_STEPS = BLOCK_N / 16;
@@ -159,10 +160,10 @@ struct ConsumerSm90 {
   static __device__ __forceinline__ void p_frags(const float (&s)[S_ACC], uint32_t (&a)[PV_STEPS][4]) {
 #pragma unroll
     for (int kk = 0; kk < PV_STEPS; ++kk) {
-      a[kk][0] = Pack2<T>::from(s[8 * kk + 0], s[8 * kk + 1]);
-      a[kk][1] = Pack2<T>::from(s[8 * kk + 2], s[8 * kk + 3]);
-      a[kk][2] = Pack2<T>::from(s[8 * kk + 4], s[8 * kk + 5]);
-      a[kk][3] = Pack2<T>::from(s[8 * kk + 6], s[8 * kk + 7]);
+      a[kk][0] = Pack2<TV>::from(s[8 * kk + 0], s[8 * kk + 1]);
+      a[kk][1] = Pack2<TV>::from(s[8 * kk + 2], s[8 * kk + 3]);
+      a[kk][2] = Pack2<TV>::from(s[8 * kk + 4], s[8 * kk + 5]);
+      a[kk][3] = Pack2<TV>::from(s[8 * kk + 6], s[8 * kk + 7]);
     }
   }
 

@@ -42,6 +42,7 @@ struct PrefillSm90Fp8Config
   using Base = Sm90Pipeline<CONSUMERS_, STAGES_, sm90_fp8_bar_offset(HEAD_DIM_, CONSUMERS_, STAGES_, BLOCK_N_)>;
   using Base::ATOM_BYTES, Base::BAR_OFFSET, Base::BLOCK_M, Base::NUM_BARRIERS, Base::ROW_BYTES, Base::STAGES;
   using Elem = __nv_fp8_e4m3;  // Q, K, V
+  using VElem = Elem;          // (P and V of the P V GEMM: as the 16-bit configuration's)
   // The output's "own" 16-bit type for o_format (0 = bf16, 1 = fp16, 2 = e4m3), as the 16-bit
   // kernels' o_format counts from their query dtype.
   using Out16 = __nv_bfloat16;

@@ -2,8 +2,9 @@
 // 16-bit Q over an e4m3fn / e5m2 cache, the batch wrappers' kv_data_type). Q as the 16-bit
 // producer loads it; then each K / V tile is copied as stored (cp.async, one-byte rows in the
 // 128-byte swizzle, zero-filled past kv_len) into one of two raw tile pairs, and once it has
-// landed, widened into the 16-bit K / V stage the consumers read. The consumers and the epilogue
-// are the 16-bit family's: k_scale sits in the logit scale, v_scale in the output's.
+// landed, widened into the 16-bit K / V stage the consumers read (K in the query's type, V in
+// fp16: Cfg::VElem). The consumers and the epilogue are the 16-bit family's: k_scale sits in the
+// logit scale, v_scale in the output's.
 //
 // Each thread widens exactly the raw chunks it copied (load_tile_rows / load_tile_paged give
 // thread t chunk t % CPR of rows t / CPR + i ROW_STEP), so its own cp.async.wait_group makes them
@@ -13,6 +14,8 @@
 // Inf / NaN codes are not preserved, as in the sm80 family's widening).
 #pragma once
 #include <stdint.h>
+
+#include <type_traits>
 
 #include "pfa/attention/kv_source.cuh"
 #include "pfa/attention/params.h"
@@ -47,8 +50,8 @@ struct ProducerSm90Widen {
     return base + Cfg::RAW_OFFSET + (2 * b + IS_V) * Cfg::RAW_TILE_BYTES;
   }
 
-  // This thread's raw chunks of a tile at s_raw -> its 16-bit chunks of the stage at s_tile.
-  template <int FMT>
+  // This thread's raw chunks of a tile at s_raw -> its 16-bit chunks (E) of the stage at s_tile.
+  template <typename E, int FMT>
   static __device__ __forceinline__ void widen_as(uint32_t s_raw, uint32_t s_tile, int tid) {
     const int chunk = tid % CPR, r0 = tid / CPR;
     const uint32_t src = s_raw + Cfg::swz(BLOCK_N, r0, chunk);
@@ -57,27 +60,31 @@ struct ProducerSm90Widen {
     for (int i = 0; i < ROWS; ++i) {
       const uint32_t step = i * ROW_STEP * ROW_BYTES;  // whole rows: the same swizzle phase
       const uint4 r = ptx::ld_shared_v4(src + step);
-      const uint2 a = widen_fp8x4<T, FMT>(r.x), b = widen_fp8x4<T, FMT>(r.y);
-      const uint2 c = widen_fp8x4<T, FMT>(r.z), d = widen_fp8x4<T, FMT>(r.w);
+      const uint2 a = widen_fp8x4<E, FMT>(r.x), b = widen_fp8x4<E, FMT>(r.y);
+      const uint2 c = widen_fp8x4<E, FMT>(r.z), d = widen_fp8x4<E, FMT>(r.w);
       ptx::st_shared_v4(dst0 + step, a.x, a.y, b.x, b.y);
       ptx::st_shared_v4(dst1 + step, c.x, c.y, d.x, d.y);
     }
   }
-  // The format is a runtime field (PrefillParams::kv_fp8): one branch a tile, each loop with its
-  // conversion's constants in the instructions.
+  // K into the query's type, V into the P V GEMM's (Cfg::VElem: fp16). The format is a runtime
+  // field (PrefillParams::kv_fp8): one branch a tile, each loop with its conversion's constants in
+  // the instructions.
+  template <bool IS_V>
   static __device__ __forceinline__ void widen(const PrefillParams& p, uint32_t s_raw, uint32_t s_tile, int tid) {
+    using E = typename std::conditional<IS_V, typename Cfg::VElem, T>::type;
     if (p.kv_fp8 == kFp8E5M2)
-      widen_as<kFp8E5M2>(s_raw, s_tile, tid);
+      widen_as<E, kFp8E5M2>(s_raw, s_tile, tid);
     else
-      widen_as<kFp8E4M3>(s_raw, s_tile, tid);
+      widen_as<E, kFp8E4M3>(s_raw, s_tile, tid);
   }
 
   // A widened tile into stage s: wait for the consumers to free it, widen, fence the generic
   // stores for the async proxy (the consumers' wgmma), announce it (one arrival a thread).
+  template <bool IS_V>
   static __device__ __forceinline__ void fill_stage(const PrefillParams& p, uint32_t s_raw, uint32_t s_tile,
                                                     uint32_t empty, uint32_t full, uint32_t free_parity, int tid) {
     ptx::mbar_wait(empty, free_parity);
-    widen(p, s_raw, s_tile, tid);
+    widen<IS_V>(p, s_raw, s_tile, tid);
     ptx::fence_proxy_async();
     ptx::mbar_arrive(full);
   }
@@ -141,9 +148,9 @@ struct ProducerSm90Widen {
       }
       const int s = walk.stage<STAGES>(it), b = it & 1;
       const uint32_t free_parity = walk.phase<STAGES>(it) ^ 1;
-      fill_stage(p, raw<false>(base, b), base + Cfg::K_OFFSET + s * Cfg::KV_TILE_BYTES, Cfg::k_empty(base, s),
+      fill_stage<false>(p, raw<false>(base, b), base + Cfg::K_OFFSET + s * Cfg::KV_TILE_BYTES, Cfg::k_empty(base, s),
                  Cfg::k_full(base, s), free_parity, tid);
-      fill_stage(p, raw<true>(base, b), base + Cfg::V_OFFSET + s * Cfg::KV_TILE_BYTES, Cfg::v_empty(base, s),
+      fill_stage<true>(p, raw<true>(base, b), base + Cfg::V_OFFSET + s * Cfg::KV_TILE_BYTES, Cfg::v_empty(base, s),
                  Cfg::v_full(base, s), free_parity, tid);
     }
   }
