@@ -60,6 +60,15 @@ struct PrefillSm90Config
   // bf16, and fp16 takes the one-instruction hardware conversion where bf16 takes five bit moves
   // a pair); otherwise the query's.
   using VElem = typename std::conditional<KV_FP8, half, T_>::type;
+  // KV_FP8 with two consumers: 16 more registers for the producer (its widening keeps several
+  // chunks' loads in flight), 8 fewer for each consumer; within the register file and what the
+  // launch gives the CTA (Sm90Pipeline's checks, repeated for these values).
+  static constexpr int PRODUCER_REGS = KV_FP8 && CONSUMERS_ == 2 ? 56 : Base::PRODUCER_REGS;
+  static constexpr int CONSUMER_REGS = KV_FP8 && CONSUMERS_ == 2 ? 224 : Base::CONSUMER_REGS;
+  static_assert(PRODUCER_REGS * Base::WG_THREADS + CONSUMER_REGS * Base::WG_THREADS * CONSUMERS_ <= 65536,
+                "register file");
+  static_assert((Base::LAUNCH_REGS - PRODUCER_REGS) >= (CONSUMER_REGS - Base::LAUNCH_REGS) * CONSUMERS_,
+                "the consumers' registers come from the producer's");
   static_assert(!PAGED || TMA || BLOCK_N <= 128, "paged by cp.async: one lane of a producer warp owns each row");
   static_assert(HEAD_DIM % 64 == 0, "head_dim in whole 128-byte swizzle blocks");
   static_assert(BLOCK_N % 16 == 0 && BLOCK_N <= 256, "BLOCK_N: k-steps of 16 keys, one wgmma N");

@@ -39,6 +39,9 @@ struct ProducerSm90Widen {
                 "whole rows per pass, a thread's rows in one swizzle phase");
   // copies a pass: two rows fit the 32 / 40 producer registers with the widening's addresses live
   static constexpr int UNROLL = 2;
+  // raw chunks loaded together before they are widened (widen_as): as many as the registers hold
+  static constexpr int WIDEN_BATCH = Cfg::PRODUCER_REGS >= 56 ? 4 : 2;
+  static_assert(ROWS % WIDEN_BATCH == 0, "whole batches");
   // Paged copies one row at a time (load_tile_paged's MAX_RUN = 1), as the fp8 producer: with the
   // page-run paths compiled in, ptxas 13.0 gave these copies the `[R + UR0 + imm], desc[UR1]` form
   // that stops the GPU (build_tools/nvcc_guard.sh refuses it).
@@ -56,14 +59,21 @@ struct ProducerSm90Widen {
     const int chunk = tid % CPR, r0 = tid / CPR;
     const uint32_t src = s_raw + Cfg::swz(BLOCK_N, r0, chunk);
     const uint32_t dst0 = s_tile + Cfg::swz(BLOCK_N, r0, 2 * chunk), dst1 = s_tile + Cfg::swz(BLOCK_N, r0, 2 * chunk + 1);
-#pragma unroll(UNROLL)
-    for (int i = 0; i < ROWS; ++i) {
-      const uint32_t step = i * ROW_STEP * ROW_BYTES;  // whole rows: the same swizzle phase
-      const uint4 r = ptx::ld_shared_v4(src + step);
-      const uint2 a = widen_fp8x4<E, FMT>(r.x), b = widen_fp8x4<E, FMT>(r.y);
-      const uint2 c = widen_fp8x4<E, FMT>(r.z), d = widen_fp8x4<E, FMT>(r.w);
-      ptx::st_shared_v4(dst0 + step, a.x, a.y, b.x, b.y);
-      ptx::st_shared_v4(dst1 + step, c.x, c.y, d.x, d.y);
+    // WIDEN_BATCH chunks' loads issued back to back, then their conversions and stores: the
+    // shared-memory accesses are volatile, so one chunk at a time would wait out each load.
+#pragma unroll 1
+    for (int i0 = 0; i0 < ROWS; i0 += WIDEN_BATCH) {
+      uint4 r[WIDEN_BATCH];
+#pragma unroll
+      for (int j = 0; j < WIDEN_BATCH; ++j) r[j] = ptx::ld_shared_v4(src + (i0 + j) * ROW_STEP * ROW_BYTES);
+#pragma unroll
+      for (int j = 0; j < WIDEN_BATCH; ++j) {
+        const uint32_t step = (i0 + j) * ROW_STEP * ROW_BYTES;  // whole rows: the same swizzle phase
+        const uint2 a = widen_fp8x4<E, FMT>(r[j].x), b = widen_fp8x4<E, FMT>(r[j].y);
+        const uint2 c = widen_fp8x4<E, FMT>(r[j].z), d = widen_fp8x4<E, FMT>(r[j].w);
+        ptx::st_shared_v4(dst0 + step, a.x, a.y, b.x, b.y);
+        ptx::st_shared_v4(dst1 + step, c.x, c.y, d.x, d.y);
+      }
     }
   }
   // K into the query's type, V into the P V GEMM's (Cfg::VElem: fp16). The format is a runtime
