@@ -82,6 +82,24 @@ def test_every_shipped_sm90_row_has_a_skip_twin():
         assert (m["skip_softmax_rows"], m["twin_of"]) == ((64, v.name[:-5]) if v.skip else (0, None))
 
 
+def test_fp8_cache_under_a_16bit_query_routes_by_head_dim(fake):
+    """The sm90 family's fp8-K/V rows (widened in the kernel) serve lean hd64 / hd128 calls, ragged
+    and paged, on sm_90a; hd256 and the general options fall to the sm80 rows."""
+    rows = [dict(v.manifest(), name=v.name, arch=a, file=f"{a}/{v.name}.cubin")
+            for v in variants.variants() for a in v.archs]
+    fake(rows, H100)
+    for hd in (64, 128, 256):
+        for paged in (False, True):
+            for general in (False, True):
+                row = _registry.find("prefill", 0, dtype="bf16", kv_dtype="fp8", head_dim=hd, paged=paged,
+                                     general=general)
+                want = "sm90" if hd <= 128 and not general else "sm80"
+                assert (row["impl"], row["kv_dtype"]) == (want, "fp8"), row["name"]
+                if want == "sm90":
+                    assert row["smem_bytes"] <= H100["smem_optin"] and row["name"] + "_skip" in \
+                        {r["name"] for r in rows}
+
+
 def test_archs_come_before_impls(fake, monkeypatch):
     # an 8.9 GPU walks sm_89 then sm_80: a less preferred family on sm_89 beats a preferred one on sm_80
     monkeypatch.setitem(_registry.IMPL_PREFERENCE, "sm_89", ("new", "sm80"))
