@@ -57,8 +57,8 @@ struct PrefillSm90Config
   static_assert(!KV_FP8 || (!TMA && HEAD_DIM <= 128 && BLOCK_N <= 128), "fp8 K/V: cp.async raw tiles of 128-byte rows");
   // The V stages' and P's element type, the P V GEMM's: KV_FP8 widens V to fp16 under either
   // query dtype (e4m3 / e5m2 values are exact in fp16, P in [0, 1] is at least as exact as in
-  // bf16, and fp16 takes the one-instruction hardware conversion where bf16 takes five bit moves
-  // a pair); otherwise the query's.
+  // bf16, and an e4m3 pair becomes fp16 in one hardware conversion, bf16 in four bit operations);
+  // otherwise the query's.
   using VElem = typename std::conditional<KV_FP8, half, T_>::type;
   // KV_FP8 with two consumers: 16 more registers for the producer (its widening keeps several
   // chunks' loads in flight), 8 fewer for each consumer; within the register file and what the

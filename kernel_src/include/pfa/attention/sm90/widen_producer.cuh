@@ -10,8 +10,9 @@
 // thread t chunk t % CPR of rows t / CPR + i ROW_STEP), so its own cp.async.wait_group makes them
 // visible and a raw buffer is reused only by the thread that read it: no producer barrier. Tile
 // it + 1's copies are in flight while tile it is widened. A raw chunk (16 dims) becomes the
-// 16-bit chunks 2c and 2c + 1 of its row (widen_fp8x4: bit moves and one packed multiply; fp8
-// Inf / NaN codes are not preserved, as in the sm80 family's widening).
+// 16-bit chunks 2c and 2c + 1 of its row (widen_fp8x4: bf16 by bit moves and a packed multiply,
+// fp16 by the hardware conversion (e4m3) or a byte move (e5m2); fp8 Inf / NaN codes are not
+// preserved, as in the sm80 family's widening).
 #pragma once
 #include <stdint.h>
 
