@@ -6,7 +6,8 @@ One call each: sm90 single prefill (TMA K/V, causal, partial tiles: the tail cop
 row tiles than SMs, so persistent CTAs walk several blocks), sm90 paged
 batch by the cp.async producer's owned-row copies (pages 16, 64 and 8, shuffled; with PFA_SM90_KV_LOAD=tma
 and a `make TUNE=1` build, page 16 by TMA boxes), sm90 ragged batch with split KV and its merge (TMA,
-a tail box with V's rows zeroed), sm90 fp8 prefill, single and over a paged fp8 cache (by
+a tail box with V's rows zeroed), a bf16 query over fp8 caches (paged and ragged: the sm90 rows
+that widen raw one-byte tiles), sm90 fp8 prefill, single and over a paged fp8 cache (by
 copies, and at page 32 by the TMA twin in a TUNE build; walking several blocks, single and ragged), the sm80
 decode tile through XQA (bf16, fp8 and NVFP4 caches: the last two register-widened), a TRT-LLM
 context call over device metadata. Every output is checked for NaN; the sanitizer's report is the
@@ -60,6 +61,18 @@ def main():
         wp.plan(qo, indptr, perm.numpy(), last, 8, 2, 128, ps, causal=True, q_data_type=BF16)
         finite(f"paged page {ps} ({wp._engine.attn.name})", wp.run(q[:130], cache))
     e4 = torch.float8_e4m3fn
+    # a bf16 q over an fp8 cache: the sm90 rows that copy raw one-byte tiles and widen them
+    # (widen_producer.cuh), paged (e4m3, the last page size's cache) and ragged (e5m2) walking
+    # several blocks at hd64 (three consumers) and hd128
+    wk = pyflashattn.BatchPrefillWithPagedKVCacheWrapper(ws, "NHD")
+    wk.plan(qo, indptr, perm.numpy(), last, 8, 2, 128, ps, causal=True, q_data_type=BF16, kv_data_type=e4)
+    finite(f"paged bf16 q, e4m3 cache ({wk._engine.attn.name})", wk.run(q[:130], cache.to(e4)))
+    for d, heads, n in ((64, 48, 640), (128, 16, 1280)):
+        wr = pyflashattn.BatchPrefillWithRaggedKVCacheWrapper(ws, "NHD")
+        ind = np.array([0, n // 2, n], np.int32)
+        wr.plan(ind, ind, heads, heads // 4, d, causal=True, q_data_type=BF16, kv_data_type=torch.float8_e5m2)
+        kv5 = [rnd(n, heads // 4, d).to(torch.float8_e5m2) for _ in range(2)]
+        finite(f"ragged bf16 q, e5m2 K/V walk hd{d} ({wr._engine.attn.name})", wr.run(rnd(n, heads, d), *kv5))
     wp = pyflashattn.BatchPrefillWithPagedKVCacheWrapper(ws, "NHD")
     wp.plan(qo, indptr, perm.numpy(), last, 8, 2, 128, ps, causal=True, q_data_type=e4, kv_data_type=e4,
             o_data_type=BF16)
