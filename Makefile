@@ -53,8 +53,10 @@ BUILD_CONFIG_TEXT := ARCHS=$(ARCHS) TUNE=$(TUNE)
 $(shell mkdir -p cubins && [ "$$(cat $(BUILD_CONFIG) 2>/dev/null)" = "$(BUILD_CONFIG_TEXT)" ] || \
         echo "$(BUILD_CONFIG_TEXT)" > $(BUILD_CONFIG))
 
+# --diag-error=174: "expression has no effect" fails the build (a Python-style `a, b = x, y` is a
+# C++ comma expression that assigns only the last: it hung a kernel once, NOTES.md session 29).
 NVCC_FLAGS := -std=c++17 -O3 -cubin -Ikernel_src/include -Xptxas=--warn-on-spills -lineinfo \
-              --expt-relaxed-constexpr -Wno-deprecated-gpu-targets
+              --expt-relaxed-constexpr -Wno-deprecated-gpu-targets --diag-error=174
 # sm_90a needs the -gencode form: the -arch shorthand also runs a plain sm_90 pass.
 gencode = -gencode=arch=compute_$(subst sm_,,$(1)),code=$(1)
 
