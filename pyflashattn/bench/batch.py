@@ -20,8 +20,9 @@ cache cast once, k_scale = v_scale = 1). Columns:
   efficiency the batch path keeps on short, ragged requests;
 * ``paged/ragged``: the cost of the page-table indirection;
 * ``fp8 paged`` and ``fp8/paged``: the e4m3 paged cache against the bf16 one (half the K/V bytes,
-  plus the widening to bf16 in shared memory). Its check is against our bf16 paged kernel on the
-  same (widened) fp8 values, since fp8 rounding alone moves the output ~3% from SDPA's;
+  plus the widening in shared memory: on sm_90 K to bf16 and V to fp16). Its check is against our
+  bf16 paged kernel on the same (widened) fp8 values, since fp8 rounding alone moves the output
+  ~3% from SDPA's;
 * ``sdpa loop``: torch SDPA (flash backend where it takes the shape) called once per request
   in a Python loop, K/V expanded to 32 heads beforehand (outside the timed region). There is no
   varlen SDPA in torch, so this is what a torch user would do; reported for scale, launch gaps
