@@ -31,8 +31,10 @@ constexpr int sm90_bar_offset(int head_dim, int block_n, int consumers, int stag
 template <typename T_, int HEAD_DIM_, int BLOCK_N_, int CONSUMERS_, int STAGES_, bool PAGED_, bool TMA_ = false,
           bool PERSISTENT_ = false, bool KV_FP8_ = false>
 struct PrefillSm90Config
-    : Sm90Pipeline<CONSUMERS_, STAGES_, sm90_bar_offset(HEAD_DIM_, BLOCK_N_, CONSUMERS_, STAGES_, KV_FP8_)> {
-  using Base = Sm90Pipeline<CONSUMERS_, STAGES_, sm90_bar_offset(HEAD_DIM_, BLOCK_N_, CONSUMERS_, STAGES_, KV_FP8_)>;
+    : Sm90Pipeline<CONSUMERS_, STAGES_, sm90_bar_offset(HEAD_DIM_, BLOCK_N_, CONSUMERS_, STAGES_, KV_FP8_),
+                   sm90_producer_regs(CONSUMERS_, KV_FP8_)> {
+  using Base = Sm90Pipeline<CONSUMERS_, STAGES_, sm90_bar_offset(HEAD_DIM_, BLOCK_N_, CONSUMERS_, STAGES_, KV_FP8_),
+                            sm90_producer_regs(CONSUMERS_, KV_FP8_)>;
   using Base::ATOM_BYTES, Base::BAR_OFFSET, Base::BLOCK_M, Base::CHUNK_BYTES, Base::CONSUMERS, Base::NUM_BARRIERS,
       Base::PRODUCER_BAR, Base::ROW_BYTES, Base::STAGES;
   using Elem = T_;
@@ -60,15 +62,6 @@ struct PrefillSm90Config
   // bf16, and an e4m3 pair becomes fp16 in one hardware conversion, bf16 in four bit operations);
   // otherwise the query's.
   using VElem = typename std::conditional<KV_FP8, half, T_>::type;
-  // KV_FP8 with two consumers: 16 more registers for the producer (its widening keeps several
-  // chunks' loads in flight), 8 fewer for each consumer; within the register file and what the
-  // launch gives the CTA (Sm90Pipeline's checks, repeated for these values).
-  static constexpr int PRODUCER_REGS = KV_FP8 && CONSUMERS_ == 2 ? 56 : Base::PRODUCER_REGS;
-  static constexpr int CONSUMER_REGS = KV_FP8 && CONSUMERS_ == 2 ? 224 : Base::CONSUMER_REGS;
-  static_assert(PRODUCER_REGS * Base::WG_THREADS + CONSUMER_REGS * Base::WG_THREADS * CONSUMERS_ <= 65536,
-                "register file");
-  static_assert((Base::LAUNCH_REGS - PRODUCER_REGS) >= (CONSUMER_REGS - Base::LAUNCH_REGS) * CONSUMERS_,
-                "the consumers' registers come from the producer's");
   static_assert(!PAGED || TMA || BLOCK_N <= 128, "paged by cp.async: one lane of a producer warp owns each row");
   static_assert(HEAD_DIM % 64 == 0, "head_dim in whole 128-byte swizzle blocks");
   static_assert(BLOCK_N % 16 == 0 && BLOCK_N <= 256, "BLOCK_N: k-steps of 16 keys, one wgmma N");

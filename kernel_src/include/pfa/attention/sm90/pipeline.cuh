@@ -31,7 +31,16 @@ struct Sm90Walk {
   }
 };
 
-template <int CONSUMERS_, int STAGES_, int BAR_OFFSET_>
+// The producer warpgroup's registers after setmaxnreg: 40 with two consumers, 32 with three; a
+// producer that widens one-byte K/V (PrefillSm90Config::KV_FP8) 56 with two (its widening keeps
+// several chunks' loads in flight; the consumers then get 8 fewer each).
+constexpr int sm90_producer_regs(int consumers, bool widens = false) {
+  return consumers == 2 ? (widens ? 56 : 40) : 32;
+}
+
+// PRODUCER_REGS_: the producer's registers (sm90_producer_regs); the consumers take what is left
+// (CONSUMER_REGS).
+template <int CONSUMERS_, int STAGES_, int BAR_OFFSET_, int PRODUCER_REGS_ = sm90_producer_regs(CONSUMERS_)>
 struct Sm90Pipeline {
   static constexpr int CONSUMERS = CONSUMERS_, STAGES = STAGES_, BAR_OFFSET = BAR_OFFSET_;
   static constexpr int WG_THREADS = 128;
@@ -45,10 +54,10 @@ struct Sm90Pipeline {
   // named barriers: 0 = __syncthreads, 1 .. CONSUMERS = the consumers' turns, then the producer's
   static constexpr int PRODUCER_BAR = 1 + CONSUMERS;
 
-  // Producer registers after setmaxnreg, and the consumers': together within the register file
-  // (65536 per SM, one CTA per SM).
-  static constexpr int PRODUCER_REGS = CONSUMERS == 2 ? 40 : 32;
-  static constexpr int CONSUMER_REGS = CONSUMERS == 2 ? 232 : 160;
+  // Producer registers after setmaxnreg, and the consumers': the rest of the register file (65536
+  // per SM, one CTA per SM) in setmaxnreg's steps of 8 (two consumers 232, three 160 by default).
+  static constexpr int PRODUCER_REGS = PRODUCER_REGS_;
+  static constexpr int CONSUMER_REGS = (65536 / WG_THREADS - PRODUCER_REGS) / CONSUMERS / 8 * 8;
   static_assert(PRODUCER_REGS * WG_THREADS + CONSUMER_REGS * WG_THREADS * CONSUMERS <= 65536, "register file");
   // setmaxnreg moves registers within what the launch gave the CTA (__launch_bounds__(THREADS, 1):
   // 65536 / THREADS a thread, in steps of 8): the consumers' increase must come out of what the
