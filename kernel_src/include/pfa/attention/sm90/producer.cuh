@@ -139,6 +139,25 @@ __device__ __forceinline__ int32_t owned_page_id(const PrefillParams& p, const i
   if (tid % 32 >= Rows::WARP_ROWS || t >= kv_len) return 0;
   return checked_page_id(p, __ldg(pages + (p.page_shift >= 0 ? t >> p.page_shift : t / p.page_size)));
 }
+// Paged: the owned row's page ids of a request's tiles (owned_page_id), K's and V's (its own
+// where the call has them, else K's), the tables' bases worked out once. The producers load a
+// tile's ids a tile ahead of its copies.
+template <class Cfg, int CPR, int ROW_STEP>
+struct OwnedPageIds {
+  const int32_t* k_pages;
+  const int32_t* v_pages;
+  bool v_ids;
+  int32_t k = 0, v = 0;  // the ids of the tile last loaded
+  __device__ __forceinline__ OwnedPageIds(const PrefillParams& p, const PrefillWork& w)
+      : k_pages(page_table<false>(p) + w.page_base),
+        v_pages(page_table<true>(p) + w.page_base),
+        v_ids(Cfg::PAGED && p.v_page_indices != 0) {}
+  // the ids of key t (the owned row of a tile)
+  __device__ __forceinline__ void load(const PrefillParams& p, int t, int kv_len, int tid) {
+    k = owned_page_id<Cfg, CPR, ROW_STEP>(p, k_pages, t, kv_len, tid);
+    v = v_ids ? owned_page_id<Cfg, CPR, ROW_STEP>(p, v_pages, t, kv_len, tid) : k;
+  }
+};
 // Byte offset of key t within a kv head: id * stride_page + slot * stride_n (elements E), 0 past kv_len.
 template <typename E>
 __device__ __forceinline__ int64_t page_offset(const PrefillParams& p, int32_t id, int t, int kv_len,
@@ -291,18 +310,12 @@ struct ProducerSm90 {
     load_q(p, w, base, tid);
     const T* k = reinterpret_cast<const T*>(p.k) + w.kv_head * p.k_stride_h;
     const T* v = reinterpret_cast<const T*>(p.v) + w.kv_head * p.v_stride_h;
-    // Paged: K's page table, and V's (its own ids where the call has them, else K's)
-    const int32_t* k_pages = page_table<false>(p) + w.page_base;
-    const int32_t* v_pages = page_table<true>(p) + w.page_base;
-    const bool v_ids = PAGED && p.v_page_indices != 0;
+    // Paged: the owned row's page ids of the next tile (K's, and V's own where the call has them)
+    OwnedPageIds<Cfg, CPR, ROW_STEP> next(p, w);
     const int row = owned_row<Cfg, CPR, ROW_STEP>(tid);
     // Every row tile of the head reads these K/V rows again: keep them in L2 over Q and outputs.
     const uint64_t keep = ptx::l2_evict_last();
-    int32_t next_k = 0, next_v = 0;  // the owned row's page ids in the next tile
-    if constexpr (PAGED) {
-      next_k = owned_page_id<Cfg, CPR, ROW_STEP>(p, k_pages, w.tile_start + row, w.kv_len, tid);
-      next_v = v_ids ? owned_page_id<Cfg, CPR, ROW_STEP>(p, v_pages, w.tile_start + row, w.kv_len, tid) : next_k;
-    }
+    if constexpr (PAGED) next.load(p, w.tile_start + row, w.kv_len, tid);
     for (int it = 0; it < w.num_tiles; ++it) {
       const int s = walk.stage<STAGES>(it);
       const uint32_t free_parity = walk.phase<STAGES>(it) ^ 1;
@@ -310,12 +323,9 @@ struct ProducerSm90 {
       int64_t k_off = 0, v_off = 0;
       if constexpr (PAGED) {
         const int t = n0 + row;
-        k_off = page_offset<T>(p, next_k, t, w.kv_len, p.k_stride_page, p.k_stride_n);
-        v_off = page_offset<T>(p, next_v, t, w.kv_len, p.v_stride_page, p.v_stride_n);
-        if (it + 1 < w.num_tiles) {
-          next_k = owned_page_id<Cfg, CPR, ROW_STEP>(p, k_pages, t + BLOCK_N, w.kv_len, tid);
-          next_v = v_ids ? owned_page_id<Cfg, CPR, ROW_STEP>(p, v_pages, t + BLOCK_N, w.kv_len, tid) : next_k;
-        }
+        k_off = page_offset<T>(p, next.k, t, w.kv_len, p.k_stride_page, p.k_stride_n);
+        v_off = page_offset<T>(p, next.v, t, w.kv_len, p.v_stride_page, p.v_stride_n);
+        if (it + 1 < w.num_tiles) next.load(p, t + BLOCK_N, w.kv_len, tid);
       }
       copy_tile(w, base + Cfg::K_OFFSET + s * Cfg::KV_TILE_BYTES, k, p.k_stride_n, k_off, p.page_shift, n0,
                 Cfg::k_empty(base, s), Cfg::k_full(base, s), free_parity, tid, keep);

@@ -112,30 +112,21 @@ struct ProducerSm90Widen {
     const uint8_t* v = reinterpret_cast<const uint8_t*>(p.v) + w.kv_head * p.v_stride_h;
     const int64_t row0 = RaggedKvRows{w.kv_row0}.row(0, 0);
     const int n = w.num_tiles;
-    // Paged: the owned row's page ids of the next tile to copy (owned_page_id, producer.cuh), K's
-    // and V's (its own where the call has them), loaded a tile ahead of their copies.
-    const int32_t* k_pages = page_table<false>(p) + w.page_base;
-    const int32_t* v_pages = page_table<true>(p) + w.page_base;
-    const bool v_ids = Cfg::PAGED && p.v_page_indices != 0;
+    // Paged: the owned row's page ids of the next tile to copy (OwnedPageIds, producer.cuh), loaded
+    // a tile ahead of their copies.
+    OwnedPageIds<Cfg, CPR, ROW_STEP> next(p, w);
     const int row = Cfg::PAGED ? owned_row<Cfg, CPR, ROW_STEP>(tid) : 0;
     // Every row tile of the head reads these K/V rows again: keep them in L2 over Q and outputs.
     const uint64_t keep = ptx::l2_evict_last();
-    int32_t next_k = 0, next_v = 0;
-    if constexpr (Cfg::PAGED) {
-      next_k = owned_page_id<Cfg, CPR, ROW_STEP>(p, k_pages, w.tile_start + row, w.kv_len, tid);
-      next_v = v_ids ? owned_page_id<Cfg, CPR, ROW_STEP>(p, v_pages, w.tile_start + row, w.kv_len, tid) : next_k;
-    }
+    if constexpr (Cfg::PAGED) next.load(p, w.tile_start + row, w.kv_len, tid);
     // Tile it's raw K and V into buffer it & 1, one cp.async group.
     auto copy = [&](int it) {
       const int n0 = w.tile_start + it * BLOCK_N, b = it & 1;
       if constexpr (Cfg::PAGED) {
         const int t = n0 + row;
-        const int64_t k_off = page_offset<uint8_t>(p, next_k, t, w.kv_len, p.k_stride_page, p.k_stride_n);
-        const int64_t v_off = page_offset<uint8_t>(p, next_v, t, w.kv_len, p.v_stride_page, p.v_stride_n);
-        if (it + 1 < n) {
-          next_k = owned_page_id<Cfg, CPR, ROW_STEP>(p, k_pages, t + BLOCK_N, w.kv_len, tid);
-          next_v = v_ids ? owned_page_id<Cfg, CPR, ROW_STEP>(p, v_pages, t + BLOCK_N, w.kv_len, tid) : next_k;
-        }
+        const int64_t k_off = page_offset<uint8_t>(p, next.k, t, w.kv_len, p.k_stride_page, p.k_stride_n);
+        const int64_t v_off = page_offset<uint8_t>(p, next.v, t, w.kv_len, p.v_stride_page, p.v_stride_n);
+        if (it + 1 < n) next.load(p, t + BLOCK_N, w.kv_len, tid);
         load_tile_paged<Cfg, uint8_t, CPR, ROW_STEP, UNROLL, PAGE_RUN_MAX>(raw<false>(base, b), k, k_off, n0, w.kv_len,
                                                                            -1, p.k_stride_n, tid, keep);
         load_tile_paged<Cfg, uint8_t, CPR, ROW_STEP, UNROLL, PAGE_RUN_MAX>(raw<true>(base, b), v, v_off, n0, w.kv_len,
