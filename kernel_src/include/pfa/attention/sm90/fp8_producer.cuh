@@ -115,7 +115,9 @@ struct ProducerSm90Fp8 {
   }
 
   // Paged: the owned row's page ids (owned_page_id, producer.cuh) of the tile at n0: K's, and V's
-  // (its own where the call has them, else K's).
+  // (its own where the call has them, else K's). The tables' bases are worked out per call, not
+  // held as OwnedPageIds holds them: in this producer's registers that changed its paged rows' code
+  // (nvdisasm), untested on a GPU.
   struct TileIds {
     int32_t k, v;
   };
