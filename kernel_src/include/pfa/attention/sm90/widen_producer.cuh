@@ -38,7 +38,7 @@ struct ProducerSm90Widen {
   static constexpr int ROWS = BLOCK_N / ROW_STEP;         // raw chunks a thread copies (and widens) a tile
   static_assert(Cfg::KV_FP8 && Cfg::WG_THREADS % CPR == 0 && BLOCK_N % ROW_STEP == 0 && ROW_STEP % 8 == 0,
                 "whole rows per pass, a thread's rows in one swizzle phase");
-  // copies a pass: two rows fit the 32 / 40 producer registers with the widening's addresses live
+  // copies a pass: two rows fit the 32 / 56 producer registers with the widening's addresses live
   static constexpr int UNROLL = 2;
   // raw chunks loaded together before they are widened (widen_as): as many as the registers hold
   static constexpr int WIDEN_BATCH = Cfg::PRODUCER_REGS >= 56 ? 4 : 2;
@@ -47,6 +47,7 @@ struct ProducerSm90Widen {
   // page-run paths compiled in, ptxas 13.0 gave these copies the `[R + UR0 + imm], desc[UR1]` form
   // that stops the GPU (build_tools/nvcc_guard.sh refuses it).
   static constexpr int PAGE_RUN_MAX = 1;
+  static constexpr int NO_PAGE_RUNS = -1;  // load_tile_paged's page_shift: no runs to find
 
   // The raw K (IS_V false) or V tile of buffer b.
   template <bool IS_V>
@@ -128,9 +129,9 @@ struct ProducerSm90Widen {
         const int64_t v_off = page_offset<uint8_t>(p, next.v, t, w.kv_len, p.v_stride_page, p.v_stride_n);
         if (it + 1 < n) next.load(p, t + BLOCK_N, w.kv_len, tid);
         load_tile_paged<Cfg, uint8_t, CPR, ROW_STEP, UNROLL, PAGE_RUN_MAX>(raw<false>(base, b), k, k_off, n0, w.kv_len,
-                                                                           -1, p.k_stride_n, tid, keep);
+                                                                           NO_PAGE_RUNS, p.k_stride_n, tid, keep);
         load_tile_paged<Cfg, uint8_t, CPR, ROW_STEP, UNROLL, PAGE_RUN_MAX>(raw<true>(base, b), v, v_off, n0, w.kv_len,
-                                                                           -1, p.v_stride_n, tid, keep);
+                                                                           NO_PAGE_RUNS, p.v_stride_n, tid, keep);
       } else {
         load_tile_rows<Cfg, uint8_t, CPR, ROW_STEP, UNROLL>(raw<false>(base, b), k, p.k_stride_n, row0, n0, w.kv_len,
                                                             tid, keep);
@@ -151,9 +152,9 @@ struct ProducerSm90Widen {
       const int s = walk.stage<STAGES>(it), b = it & 1;
       const uint32_t free_parity = walk.phase<STAGES>(it) ^ 1;
       fill_stage<false>(p, raw<false>(base, b), base + Cfg::K_OFFSET + s * Cfg::KV_TILE_BYTES, Cfg::k_empty(base, s),
-                 Cfg::k_full(base, s), free_parity, tid);
+                        Cfg::k_full(base, s), free_parity, tid);
       fill_stage<true>(p, raw<true>(base, b), base + Cfg::V_OFFSET + s * Cfg::KV_TILE_BYTES, Cfg::v_empty(base, s),
-                 Cfg::v_full(base, s), free_parity, tid);
+                       Cfg::v_full(base, s), free_parity, tid);
     }
   }
 };
