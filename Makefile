@@ -23,6 +23,8 @@ TOOLCHAIN_REQS := build_tools/toolchain-requirements.txt
 PIP_NVCC  := $(TOOLCHAIN)/bin/nvcc
 NVCC      ?= $(or $(shell command -v nvcc 2>/dev/null),$(PIP_NVCC))
 OUT       ?= bench_out
+# gpu-check's concurrent pytest processes (build_tools/pytest_groups.py: whole files a group)
+TEST_JOBS ?= 5
 VENV      := .venv
 
 # Parallel without being told: -j<cores> at the top level when no -j was given (a command-line
@@ -137,11 +139,12 @@ demo:
 	@$(LOCAL_ARCH_SH); echo "$(MAKE) ARCHS='$$arch'"; $(MAKE) ARCHS="$$arch"
 	$(PYTHON) -m pyflashattn.bench.demo
 
-# One command for the GPU machine: build for the local arch, GPU tests, a short benchmark.
+# One command for the GPU machine: build for the local arch, every test (TEST_JOBS pytest processes
+# side by side), the quick benchmarks.
 gpu-check:
 	@mkdir -p $(OUT)
 	@$(LOCAL_ARCH_SH); echo "$(MAKE) ARCHS='$$arch' TUNE=$(TUNE)"; $(MAKE) ARCHS="$$arch" TUNE=$(TUNE) 2>&1 | tee $(OUT)/build.log
-	set -o pipefail; PYTHONUNBUFFERED=1 $(PYTHON) -m pytest -q -rs tests 2>&1 | tee $(OUT)/tests.log
+	set -o pipefail; PYTHONUNBUFFERED=1 $(PYTHON) build_tools/pytest_groups.py --jobs $(TEST_JOBS) --log-dir $(OUT) tests 2>&1 | tee $(OUT)/tests.log
 	set -o pipefail; PYTHONUNBUFFERED=1 $(PYTHON) -m pyflashattn.bench prefill --quick --json $(OUT)/bench.json 2>&1 | tee $(OUT)/bench.log
 	set -o pipefail; PYTHONUNBUFFERED=1 $(PYTHON) -m pyflashattn.bench batch --quick --json $(OUT)/bench_batch.json 2>&1 | tee $(OUT)/bench_batch.log
 	set -o pipefail; PYTHONUNBUFFERED=1 $(PYTHON) -m pyflashattn.bench decode --quick --json $(OUT)/bench_decode.json 2>&1 | tee $(OUT)/bench_decode.log

@@ -1,0 +1,28 @@
+"""build_tools/pytest_groups.py (gpu-check's concurrent pytest processes): grouping and summaries."""
+import collections
+
+import pytest_groups
+
+
+def test_groups_hold_whole_files_once_and_balance_weight():
+    counts = collections.Counter({"tests/gpu/test_a.py": 500, "tests/gpu/test_b.py": 300, "tests/test_c.py": 900,
+                                  "tests/test_d.py": 100, "tests/gpu/test_e.py": 50, "tests/test_f.py": 10})
+    groups = pytest_groups.group_files(counts, 3)
+    assert len(groups) == 3
+    assert sorted(f for g in groups for f in g) == sorted(counts)
+    weight = [sum(counts[f] * (pytest_groups.GPU_WEIGHT if "/gpu/" in f else 1) for f in g) for g in groups]
+    # the heaviest file (2000) alone; the rest fill the two others
+    assert max(weight) == 2000 and min(weight) >= 900
+
+
+def test_more_jobs_than_files_gives_a_group_a_file():
+    groups = pytest_groups.group_files(collections.Counter({"tests/test_x.py": 3, "tests/test_y.py": 2}), 8)
+    assert sorted(map(tuple, groups)) == [("tests/test_x.py",), ("tests/test_y.py",)]
+
+
+def test_summary_line_is_pytests_last_one(tmp_path):
+    log = tmp_path / "g.log"
+    log.write_text("...\nFAILED tests/test_x.py::t - boom\n=== 1 failed, 12 passed, 2 skipped in 3.1s ===\n")
+    assert pytest_groups.summary_line(log) == "1 failed, 12 passed, 2 skipped in 3.1s"
+    log.write_text("Traceback\nImportError: no\n")
+    assert pytest_groups.summary_line(log) == "ImportError: no"
