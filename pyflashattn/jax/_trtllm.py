@@ -180,8 +180,9 @@ def _call(name, ops, args, check, static, workspace_buffer, pdl, return_lse):
 
 
 def _check_more(name, c, dev):
-    """The checks the eager call makes after its front check (bounds, device metadata, sinks, K/V
-    against the plan), on the trace-time views. Returns (batch, max_q_len, max_kv_len)."""
+    """The checks the eager call makes after its front check (bounds, device metadata, sinks), on
+    the trace-time views (K / V against the plan: _build, through the engine's ragged_kv). Returns
+    (batch, max_q_len, max_kv_len)."""
     if c.dtypes[2] is operands.NVFP4_OUTPUT:
         raise NotImplementedError(f"pyflashattn.jax.{name}: out_dtype='nvfp4' (the NVFP4 output) is not supported "
                                   "under jax: the eager call allocates the FP4Tensor's swizzled scales itself; "
@@ -195,14 +196,6 @@ def _check_more(name, c, dev):
     trtllm.device_metadata(dev, c.lengths, bounds, c.paging)
     if c.sinks is not None:  # (the eager APIs check them at launch)
         operands.sinks_operand(c.sinks, c.heads[0], c.heads[1], dev)
-    if c.paging is None:  # (the eager run checks V against K at launch: SEPARATE_Q_K_V may differ)
-        k, v = c.kv
-        for t, n in ((k, "k"), (v, "v")):
-            if t.dtype is not k.dtype:
-                raise TypeError(f"{n} must be {k.dtype.name} (K/V share a dtype), got {t.dtype.name}")
-            if t.shape != k.shape:
-                raise ValueError(f"{n} must have shape {k.shape} (kv_indptr[-1], num_kv_heads, head_dim in NHD), "
-                                 f"got {t.shape}")
     return bounds
 
 
@@ -235,6 +228,8 @@ def _build(name, ops, args, check, c, bounds, pdl, return_lse):
     meta = trtllm.device_metadata(ordinals[0], c.lengths, bounds, c.paging)
     geometry = None if c.paging is None else (c.paging.page_size, meta.row_stride, meta.width)
     engines = {dev: _plan(dev, c, bounds, geometry, type(args["bmm1_scale"]) is _Ref) for dev in ordinals}
+    if c.paging is None:  # K and V against the plan, as the eager run checks them at launch (SEPARATE_Q_K_V's
+        engines[ordinals[0]].ragged_kv(*c.kv, None)  # may differ); a cache hit has the same shapes and dtypes
     ws, scratch = _bridge.engines_scratch(engines.values())
     tokens, (hq, _, hd) = c.q.shape[0], c.heads
     f32 = _bridge.jax_dtype(_dtypes.FLOAT32)

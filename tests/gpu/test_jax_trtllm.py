@@ -233,6 +233,11 @@ def test_trace_time_errors():
         jax.jit(lambda m: fmha((b.q, kv), "CONTIGUOUS_Q_KV", None, b.sl, m, 40, 0.1, 1.0, 2, b.cq, b.ck))(20)
     with pytest.raises(NotImplementedError, match="does not support vmap"):
         jax.vmap(lambda q: fmha((q, kv), "CONTIGUOUS_Q_KV", None, b.sl, 20, 40, 0.1, 1.0, 2, b.cq, b.ck))(b.q[None])
+    # SEPARATE_Q_K_V: V against the plan (the engine's ragged_kv, as the eager run checks it)
+    with pytest.raises(ValueError, match="v must have shape"):
+        call(qkv=(b.q, b.k, b.v[:-1]), input_layout="SEPARATE_Q_K_V")
+    with pytest.raises(TypeError, match="v has dtype float16"):
+        call(qkv=(b.q, b.k, b.v.astype(jnp.float16)), input_layout="SEPARATE_Q_K_V")
     cache, table = b.paged(16, "HND")
     with pytest.raises(TypeError, match="block_tables must be int32"):
         jax.jit(lambda: context(b.q, cache, None, table.astype(jnp.uint32), b.sl, 20, 40, 0.1, 1.0, 2, b.cq,
