@@ -590,17 +590,8 @@ class BatchEngine:
         """A TMA plan's K/V maps from the struct's strides (num_pages: the paged cache's pages, 0 =
         ragged); K/V that TMA cannot address run on the cp.async twin (kv_fallback)."""
         _, _, Hkv, D = self.shape
-        item, bn = self.cfg.kv_dtype.bits // 8, self.attn.meta["block_n"]
-        if self.paged:
-            rows, ps = tma.paged_box_rows(self.src.page_size, bn), self.src.page_size
-            kg = tma.paged_geometry(num_pages, ps, Hkv, D, (p.k_stride_page, p.k_stride_n, p.k_stride_h), item, rows)
-            # separate V ids (TRT-LLM) may count from K's base across K and V (the fmha tuple form):
-            # V's map then spans the pages they address, p.num_pages (trtllm_device.point)
-            v_pages = max(num_pages, p.num_pages) if p.v_page_indices else num_pages
-            vg = tma.paged_geometry(v_pages, ps, Hkv, D, (p.v_stride_page, p.v_stride_n, p.v_stride_h), item, rows)
-        else:
-            kg = tma.ragged_geometry(Hkv, D, p.k_stride_n, p.k_stride_h, item, bn)
-            vg = tma.ragged_geometry(Hkv, D, p.v_stride_n, p.v_stride_h, item, bn)
+        kg, vg = tma.kv_geometries(p, Hkv, D, self.cfg.kv_dtype.bits // 8, self.attn.meta["block_n"],
+                                   self.src.page_size if self.paged else 0, num_pages)
         self.kv_fallback = not self.kv_maps.point(k_ptr, v_ptr, kg, vg)
 
     def torch_fast(self, q, kv_parts, out, lse, return_lse, stream, pdl):

@@ -60,6 +60,23 @@ def paged_geometry(pages: int, page_size: int, heads: int, head_dim: int, stride
             (BOX_BYTES // itemsize, box_rows, 1, 1))
 
 
+def kv_geometries(p, heads: int, head_dim: int, itemsize: int, block_n: int, page_size: int = 0,
+                  num_pages: int = 0) -> tuple:
+    """(K's, V's) geometry of a TMA plan's maps from the params struct p's strides: ragged
+    (page_size 0), or a paged cache of num_pages pages. Separate V ids (TRT-LLM) may count from K's
+    base across K and V (the fmha tuple form): V's map then spans the pages they address, p.num_pages
+    (trtllm_device.point)."""
+    if not page_size:
+        return (ragged_geometry(heads, head_dim, p.k_stride_n, p.k_stride_h, itemsize, block_n),
+                ragged_geometry(heads, head_dim, p.v_stride_n, p.v_stride_h, itemsize, block_n))
+    rows = paged_box_rows(page_size, block_n)
+    v_pages = max(num_pages, p.num_pages) if p.v_page_indices else num_pages
+    return (paged_geometry(num_pages, page_size, heads, head_dim, (p.k_stride_page, p.k_stride_n, p.k_stride_h),
+                           itemsize, rows),
+            paged_geometry(v_pages, page_size, heads, head_dim, (p.v_stride_page, p.v_stride_n, p.v_stride_h),
+                           itemsize, rows))
+
+
 def q_geometry(heads: int, head_dim: int, stride_n: int, stride_h: int, itemsize: int, group: int,
                block_m: int):
     """(dims, byte strides, box) of Q [tokens, Hq, D] for row tiles of block_m packed rows (row r =
