@@ -136,3 +136,37 @@ def test_bench_subcommands_parse_the_old_flags(monkeypatch):
     for key in ("pyflashattn.bench.batch", "pyflashattn.bench.decode", "prefill"):
         assert got[key].quick and got[key].json == "x.json", key
     assert got["prefill_run"] is prefill.run_prefill
+
+
+def test_batch_table_adds_flashinfer_only_when_it_was_timed():
+    from pyflashattn.bench import batch
+
+    row = {"batch": "uniform16", "causal": True, "num_requests": 16, "total_tokens": 41202, "errors": [],
+           "ragged_tflops": 600.0, "paged_tflops": 500.0, "fp8_paged_tflops": 400.0}
+    assert "FlashInfer" not in batch._table([row])
+    row.update(fi_ragged_tflops=560.0, fi_paged_tflops=460.0, fi_fp8_paged_tflops=None, fi_ragged_backend="fa3",
+               fi_paged_backend="fa3", fi_fp8_paged_backend="fa2", ragged_over_fi=600 / 560, paged_over_fi=500 / 460,
+               fp8_paged_over_fi=None)
+    text = batch._table([row])
+    assert "backends fa2/fa3" in text
+    last = text.splitlines()[-1]
+    assert "560.0" in last and "460.0" in last and "1.07" in last and "1.09" in last and last.count("-") == 2
+
+
+def test_batch_flashinfer_failure_is_an_error_of_the_row_not_of_the_run():
+    from pyflashattn.bench import batch
+
+    class Torch:
+        class cuda:
+            @staticmethod
+            def get_device_capability():
+                return (9, 0)
+
+    class Fi:
+        def BatchPrefillWithRaggedKVCacheWrapper(self, *a, **k):
+            raise RuntimeError("no JIT here")
+
+    ctx = type("Ctx", (), {"torch": Torch, "fi": Fi(), "ws_fi": None})()
+    row = {"errors": []}
+    assert batch._flashinfer_timer(ctx, row, "ragged", None, (), [], None, (), True, None) is None
+    assert row["fi_ragged_backend"] == "fa3" and "flashinfer ragged (fa3): " in row["errors"][0]

@@ -28,6 +28,12 @@ cache cast once, k_scale = v_scale = 1). Columns:
   varlen SDPA in torch, so this is what a torch user would do; reported for scale, launch gaps
   included.
 
+When flashinfer is importable (and PFA_BENCH_FLASHINFER is not 0), FlashInfer's wrappers run the
+same three kinds on the same tensors, checked as ours are, timed in the same rounds, and a second
+table gives their TFLOP/s and pyflashattn's ratio to each: the ragged and bf16 paged ones on its
+FA3 backend on sm_90 (FA2 elsewhere), the fp8 paged one on FA2 (FlashInfer's FA3 backend does not
+take an fp8 cache under a 16-bit query). FlashInfer JIT-compiles them on first use (minutes).
+
 Timing: CUDA-event medians with an L2 flush before each repetition; plan() outside the timed
 region. Before a number is posted, the batch output of every request is compared with SDPA's on
 the same inputs (relative Frobenius error <= REL_TOL); a failing row posts no time. All columns
@@ -116,6 +122,16 @@ class _Ctx:
             self.pfa = None
             self.pfa_error = _short_err(e)
         self.ws = torch.empty(WORKSPACE_BYTES, dtype=torch.uint8, device="cuda")
+        # FlashInfer, when importable: its own workspace (its plans stage metadata there, as ours do)
+        self.fi = self.ws_fi = None
+        if os.environ.get("PFA_BENCH_FLASHINFER", "1") != "0":
+            try:
+                import flashinfer
+
+                self.fi = flashinfer
+                self.ws_fi = torch.empty(WORKSPACE_BYTES, dtype=torch.uint8, device="cuda")
+            except Exception:
+                pass
 
     def sdpa(self, q, k, v, causal):
         """q [1, H, s, d], k/v [1, H, s, d]: flash backend when it takes the call, else default."""
@@ -180,6 +196,36 @@ def _check_per_request(ctx, o, refs, qo_indptr):
     return worst
 
 
+# FlashInfer's backend per kind on sm_90 (elsewhere FA2): its FA3 kernels take no fp8 cache under
+# a 16-bit query.
+FI_KINDS = ("ragged", "paged", "fp8_paged")
+FI_BACKEND_SM90 = {"ragged": "fa3", "paged": "fa3", "fp8_paged": "fa2"}
+
+
+def _flashinfer_timer(ctx: _Ctx, row, kind, q, kv_args, check, qo_indptr, plan_args, causal, kv_dtype):
+    """FlashInfer's wrapper of this kind planned and run on our inputs, checked against the same
+    references as ours; its timer, or None with the reason in row["errors"]."""
+    torch, fi = ctx.torch, ctx.fi
+    backend = FI_BACKEND_SM90[kind] if torch.cuda.get_device_capability()[0] == 9 else "fa2"
+    row[f"fi_{kind}_backend"] = backend
+    try:
+        cls = fi.BatchPrefillWithRaggedKVCacheWrapper if kind == "ragged" else fi.BatchPrefillWithPagedKVCacheWrapper
+        w = cls(ctx.ws_fi, "NHD", backend=backend)
+        args = [torch.as_tensor(a, device="cuda") if isinstance(a, np.ndarray) else a for a in plan_args]
+        w.plan(*args, causal=causal, q_data_type=torch.bfloat16, kv_data_type=kv_dtype or torch.bfloat16)
+        out = w.run(q, *kv_args)
+        torch.cuda.synchronize()
+        rel = _check_per_request(ctx, out, check, qo_indptr)
+        row[f"fi_{kind}_rel_err"] = rel
+        if not rel <= REL_TOL:  # NaN fails too
+            row["errors"].append(f"flashinfer {kind} ({backend}): output mismatch, worst request rel {rel:.3g}")
+            return None
+        return lambda wu, r: ctx.bench_samples_ms(lambda: w.run(q, *kv_args), warmup=wu, rep=r)
+    except Exception as e:
+        row["errors"].append(f"flashinfer {kind} ({backend}): {_short_err(e)}")
+        return None
+
+
 def _bench_batch(ctx: _Ctx, name, lens, causal, warmup, rep):
     torch = ctx.torch
     seed = zlib.crc32(repr((name, causal)).encode())
@@ -214,14 +260,16 @@ def _bench_batch(ctx: _Ctx, name, lens, causal, warmup, rep):
             continue
         try:
             out = torch.empty_like(q)
+            kv_dtype = None
             if kind == "ragged":
+                plan_args = (qo_indptr, qo_indptr, HQ, HKV, HEAD_DIM)
                 w = ctx.pfa.BatchPrefillWithRaggedKVCacheWrapper(ctx.ws, "NHD")
-                w.plan(qo_indptr, qo_indptr, HQ, HKV, HEAD_DIM, causal=causal, q_data_type=torch.bfloat16)
+                w.plan(*plan_args, causal=causal, q_data_type=torch.bfloat16)
                 kv_args = (k, v)
                 check = refs
             else:
                 cache, kv_indptr, indices, last = _paged_cache(ctx, lens, k, v, seed + 7)
-                kv_dtype = None
+                plan_args = (qo_indptr, kv_indptr, indices, last, HQ, HKV, HEAD_DIM, PAGE_SIZE)
                 check = refs
                 if kind == "fp8_paged":
                     cache8 = cache.float().to(torch.float8_e4m3fn)
@@ -235,8 +283,7 @@ def _bench_batch(ctx: _Ctx, name, lens, causal, warmup, rep):
                     del wide, cache
                     cache, kv_dtype = cache8, torch.float8_e4m3fn
                 w = ctx.pfa.BatchPrefillWithPagedKVCacheWrapper(ctx.ws, "NHD")
-                w.plan(qo_indptr, kv_indptr, indices, last, HQ, HKV, HEAD_DIM, PAGE_SIZE, causal=causal,
-                       q_data_type=torch.bfloat16, kv_data_type=kv_dtype)
+                w.plan(*plan_args, causal=causal, q_data_type=torch.bfloat16, kv_data_type=kv_dtype)
                 kv_args = (cache,)
             row[f"{kind}_workspace_bytes"] = w.workspace_size()
             w.run(q, *kv_args, out=out)
@@ -249,6 +296,11 @@ def _bench_batch(ctx: _Ctx, name, lens, causal, warmup, rep):
             else:
                 timers[kind] = (lambda w, kv_args, out: lambda wu, r: ctx.bench_samples_ms(
                     lambda: w.run(q, *kv_args, out=out), warmup=wu, rep=r))(w, kv_args, out)
+            if ctx.fi is not None:
+                fi_timer = _flashinfer_timer(ctx, row, kind, q, kv_args, check, qo_indptr, plan_args, causal,
+                                             kv_dtype)
+                if fi_timer is not None:
+                    timers[f"fi_{kind}"] = fi_timer
         except Exception as e:
             row["errors"].append(f"pfa {kind}: {_short_err(e)}")
     refs.clear()  # free the references before the single-request run (the views stay: SDPA's timer)
@@ -293,6 +345,9 @@ def _bench_batch(ctx: _Ctx, name, lens, causal, warmup, rep):
     row["paged_over_ragged"] = _ratio(row["paged_tflops"], row["ragged_tflops"])
     row["fp8_over_bf16_paged"] = _ratio(row["fp8_paged_tflops"], row["paged_tflops"])
     row["ragged_over_sdpa_loop"] = _ratio(row["ragged_tflops"], row["sdpa_loop_tflops"])
+    for kind in FI_KINDS:
+        row[f"fi_{kind}_tflops"] = _tflops(flops, row.get(f"fi_{kind}_ms"))
+        row[f"{kind}_over_fi"] = _ratio(row[f"{kind}_tflops"], row[f"fi_{kind}_tflops"])
     torch.cuda.empty_cache()
     return row
 
@@ -389,6 +444,16 @@ def _table(rows) -> str:
         if r["errors"]:
             line += "  !"
         lines.append(line)
+    if any(r.get(f"fi_{k}_tflops") for r in rows for k in FI_KINDS):
+        head = (f"{'batch':>10} {'causal':>6} | {'FI rag':>7} {'FI pag':>7} {'FI fp8':>7} | {'rag/FI':>7} "
+                f"{'pag/FI':>7} {'fp8/FI':>7}")
+        backends = "/".join(sorted({r.get(f"fi_{k}_backend") for r in rows for k in FI_KINDS} - {None}))
+        lines += ["", f"FlashInfer on the same inputs, same rounds (TFLOP/s; backends {backends}: FA3 for the 16-bit "
+                      "K/V on sm_90, FA2 for the fp8 cache) and pyflashattn's ratio to it", head, "-" * len(head)]
+        for r in rows:
+            lines.append(f"{r['batch']:>10} {str(r['causal']):>6} | "
+                         + " ".join(_fmt(r.get(f"fi_{k}_tflops")) for k in FI_KINDS) + " | "
+                         + " ".join(_fmt(r.get(f"{k}_over_fi"), ".2f") for k in FI_KINDS))
     return "\n".join(lines)
 
 
