@@ -165,11 +165,13 @@ def test_command_buffer_replays_skip_python():
     r = subprocess.run([sys.executable, "-c", _REPLAY_SCRIPT], env=env, capture_output=True, text=True, timeout=300)
     assert r.returncode == 0, r.stderr[-3000:]
     warm, steady = map(int, r.stdout.split("PYTHON_LAUNCHES")[1].split()[:2])
-    # The recording runs Python (warm >= 1); XLA re-records a command buffer whose buffer addresses
-    # changed, which the reference checks' allocations cause during the first calls (4 of 21
-    # measured in session 28 with one input set): once settled, 20 calls run no Python.
+    # The recording runs Python (warm >= 1). XLA re-records a command buffer whose buffer addresses
+    # changed: the reference checks' allocations cause that during the first calls (4 of 21 measured
+    # in session 28 with one input set), and an output buffer placed elsewhere may cause it later
+    # (1 of 20 settled calls once, with four other test processes on the GPU). Without replays every
+    # settled call would run Python (20 of 20).
     assert 1 <= warm <= 12, f"Python launched {warm} times in the first 12 calls"
-    assert steady == 0, f"Python launched {steady} times in 20 settled calls: no command-buffer replay"
+    assert steady <= 2, f"Python launched {steady} times in 20 settled calls: no command-buffer replay"
 
 
 def test_single_prefill_trace_time_errors():
