@@ -97,9 +97,9 @@ sub("sm90/cta.cuh", "        const int b = producer ? Sched::produce(p, base, k,
     "        const int b = producer ? Sched::produce(p, base, k, tid) : Sched::consume(base, k);\n"
     "        if (producer) PFA_TL(walk.q_round, 33);\n")
 sub("sm90/producer_tma.cuh", "    if (w.num_tiles == 0) return;\n    wait_q_free<Cfg>(base, walk);\n"
-    "    ProducerSm90<Cfg>::load_q(p, w, base + Cfg::Q_OFFSET, tid);\n    ptx::cp_async_mbar_arrive(Cfg::q_full(base));\n",
+    "    ProducerSm90<Cfg>::load_q(p, w, base, tid);\n",
     "    if (w.num_tiles == 0) return;\n    PFA_TL(walk.q_round, 34);\n    wait_q_free<Cfg>(base, walk);\n    PFA_TL(walk.q_round, 35);\n"
-    "    ProducerSm90<Cfg>::load_q(p, w, base + Cfg::Q_OFFSET, tid);\n    ptx::cp_async_mbar_arrive(Cfg::q_full(base));\n"
+    "    ProducerSm90<Cfg>::load_q(p, w, base, tid);\n"
     "    PFA_TL(walk.q_round, 36);\n")
 sub("sm90/producer_tma.cuh", "      if (tma && tail) ++walk.tails;\n    }\n",
     "      if (tma && tail) ++walk.tails;\n    }\n    PFA_TL(walk.q_round, 37);\n")
