@@ -158,7 +158,8 @@ def fp8_cases(torch, pfa):
 
 
 def batch_cases(torch, pfa):
-    """bench batch --quick's ragged and paged rows (32 / 8 heads, hd128, page 16 in random order)."""
+    """bench batch --quick's ragged, paged and fp8-cache paged rows (32 / 8 heads, hd128, page 16 in
+    random order; the fp8 row: the same cache in e4m3 under the bf16 query)."""
     from pyflashattn.bench import batch as bb
 
     ctx = bb._Ctx()
@@ -179,6 +180,12 @@ def batch_cases(torch, pfa):
             paged.plan(indptr, kv_indptr, indices, last, bb.HQ, bb.HKV, bb.HEAD_DIM, bb.PAGE_SIZE, causal=causal,
                        q_data_type=torch.bfloat16)
             yield f"paged {tag}", flops, "TFLOP/s", lambda w=paged, q=q, c=cache, out=out: w.run(q, c, out=out)
+            cache8 = cache.float().to(torch.float8_e4m3fn)
+            ws8 = torch.empty(bb.WORKSPACE_BYTES, dtype=torch.uint8, device="cuda")
+            paged8 = pfa.BatchPrefillWithPagedKVCacheWrapper(ws8, "NHD")
+            paged8.plan(indptr, kv_indptr, indices, last, bb.HQ, bb.HKV, bb.HEAD_DIM, bb.PAGE_SIZE, causal=causal,
+                        q_data_type=torch.bfloat16, kv_data_type=torch.float8_e4m3fn)
+            yield f"fp8pag {tag}", flops, "TFLOP/s", lambda w=paged8, q=q, c=cache8, out=out: w.run(q, c, out=out)
 
 
 def decode_cases(torch, pfa):
