@@ -45,12 +45,16 @@ struct RaggedKvRows {
 // full but the last, which holds kv_last_page_len[b].
 // By block table (kv_seq_lens set): seq_lens[b], clamped to kv_max_len (at most the keys of the
 // pages its table row holds: the host sets it so).
-__device__ __forceinline__ int paged_request_len(const PrefillParams& p, int b, int k0, int k1) {
-  if (p.kv_seq_lens != 0) {
-    const uint32_t len = reinterpret_cast<const uint32_t*>(p.kv_seq_lens)[b];  // int32 or uint32: same bits
-    return (int)min(len, (uint32_t)p.kv_max_len);
-  }
-  return k1 > k0 ? (k1 - k0 - 1) * p.page_size + reinterpret_cast<const int32_t*>(p.kv_last_page_len)[b] : 0;
+// Two steps, so the word's load goes out with the request's other loads (work.cuh load_plan_item):
+// paged_len_word loads it, paged_request_len makes the length of it.
+__device__ __forceinline__ uint32_t paged_len_word(const PrefillParams& p, int b) {
+  // kv_seq_lens: int32 or uint32, the same bits
+  return p.kv_seq_lens != 0 ? reinterpret_cast<const uint32_t*>(p.kv_seq_lens)[b]
+                            : (uint32_t)reinterpret_cast<const int32_t*>(p.kv_last_page_len)[b];
+}
+__device__ __forceinline__ int paged_request_len(const PrefillParams& p, uint32_t word, int k0, int k1) {
+  if (p.kv_seq_lens != 0) return (int)min(word, (uint32_t)p.kv_max_len);
+  return k1 > k0 ? (k1 - k0 - 1) * p.page_size + (int)word : 0;
 }
 
 // A page id from the table, clamped into the cache when the host could not check it (num_pages
