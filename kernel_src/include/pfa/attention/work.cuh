@@ -50,20 +50,27 @@ template <bool PAGED, bool MASKED>
 __device__ __forceinline__ bool load_plan_item(const PrefillParams& p, int item, int& tile_m, PrefillWork& w) {
   const int b = reinterpret_cast<const int32_t*>(p.work_request)[item];
   if (b < 0) return false;
-  // Every load that needs only b goes out together, before any arithmetic on what they return: a
-  // load written after a clamp or a test of another's value waited for it, and each such wait is a
-  // memory latency on every block's way in (o_indptr: the host sets it wherever a request may be
-  // split; the paged length word whatever the page count).
-  const int32_t* qo_indptr = reinterpret_cast<const int32_t*>(p.qo_indptr);
-  const int32_t* kv_indptr = reinterpret_cast<const int32_t*>(p.kv_indptr);
   tile_m = reinterpret_cast<const int32_t*>(p.work_qtile)[item];
   w.chunk = reinterpret_cast<const int32_t*>(p.work_chunk)[item];
   w.num_chunks = reinterpret_cast<const int32_t*>(p.num_chunks)[b];
+  const int32_t* qo_indptr = reinterpret_cast<const int32_t*>(p.qo_indptr);
+  const int32_t* kv_indptr = reinterpret_cast<const int32_t*>(p.kv_indptr);
   int q0 = qo_indptr[b], q1 = qo_indptr[b + 1];
-  int k0 = kv_indptr[b], k1 = kv_indptr[b + 1];
-  const uint32_t len_word = PAGED ? paged_len_word(p, b) : 0;
-  const int part_base = p.o_indptr != 0 ? reinterpret_cast<const int32_t*>(p.o_indptr)[b] : -1;
-  const int mask_off = MASKED && w.rule.bits != nullptr ? reinterpret_cast<const int32_t*>(p.mask_indptr)[b] : 0;
+  // Paged: every load that needs only b goes out here, before any arithmetic on what they return
+  // (a load written after a clamp or a test of another's value waits for it: a further memory
+  // latency on each block's way in; o_indptr: the host sets it wherever a request may be split):
+  // paged batches +0.3-0.8% (NOTES.md, session 30). The contiguous kernels keep the order below:
+  // with the same early loads their TMA rows compiled differently around the plan branch and ran
+  // single prefill 0.5% slower, the ragged batches no faster.
+  int k0 = 0, k1 = 0, part_base = -1, mask_off = 0;
+  uint32_t len_word = 0;
+  if constexpr (PAGED) {
+    k0 = kv_indptr[b];
+    k1 = kv_indptr[b + 1];
+    len_word = paged_len_word(p, b);
+    if (p.o_indptr != 0) part_base = reinterpret_cast<const int32_t*>(p.o_indptr)[b];
+    if (MASKED && w.rule.bits != nullptr) mask_off = reinterpret_cast<const int32_t*>(p.mask_indptr)[b];
+  }
   if (p.qo_max_len != 0) clamp_rows(q0, q1, p.q_tokens, p.qo_max_len);  // the caller's device metadata
   w.q_row0 = q0;
   w.qo_len = q1 - q0;
@@ -71,12 +78,19 @@ __device__ __forceinline__ bool load_plan_item(const PrefillParams& p, int item,
     w.page_base = k0;
     w.kv_len = paged_request_len(p, len_word, k0, k1);
   } else {
+    k0 = kv_indptr[b];
+    k1 = kv_indptr[b + 1];
     if (p.kv_max_len != 0) clamp_rows(k0, k1, p.kv_tokens, p.kv_max_len);
     w.kv_row0 = k0;
     w.kv_len = k1 - k0;
   }
-  if (w.num_chunks > 1) w.part_base = part_base;
-  if (MASKED) w.rule.bits += mask_off;  // (nullptr + 0 where there is no mask)
+  if (PAGED) {
+    if (w.num_chunks > 1) w.part_base = part_base;
+    if (MASKED) w.rule.bits += mask_off;  // (nullptr + 0 where there is no mask)
+  } else {
+    if (w.num_chunks > 1) w.part_base = reinterpret_cast<const int32_t*>(p.o_indptr)[b];
+    if (MASKED && w.rule.bits != nullptr) w.rule.bits += reinterpret_cast<const int32_t*>(p.mask_indptr)[b];
+  }
   return true;
 }
 
@@ -145,10 +159,13 @@ __device__ __forceinline__ bool decode_work(const PrefillParams& p, PrefillWork&
   w.page_base = 0;
   w.rule.bits = GENERAL || (SPEC && p.spec_mask_words > 0) ? reinterpret_cast<const uint8_t*>(p.custom_mask) : nullptr;
   // Batch plans keep the chunk size on the device, so a replayed CUDA graph sees each new plan's.
-  // Loaded here, beside the work list's first load: written where it is used, the load waited for
-  // the plan item's loads and the row-tile test, a third memory latency on every block's way in.
-  const int chunk_size =
-      p.kv_chunk_size_dev != 0 ? *reinterpret_cast<const int32_t*>(p.kv_chunk_size_dev) : p.kv_chunk_size;
+  // Paged: loaded here, beside the work list's first load (where it is used, it waits for the plan
+  // item's loads and the row-tile test); the contiguous kernels load it there (load_plan_item says
+  // why).
+  int chunk_early = 0;
+  if constexpr (PAGED)
+    chunk_early =
+        p.kv_chunk_size_dev != 0 ? *reinterpret_cast<const int32_t*>(p.kv_chunk_size_dev) : p.kv_chunk_size;
   // Batch plan: grid z indexes the work list, which the plan already ordered longest first.
   if (p.work_request != 0 && !load_plan_item<PAGED, GENERAL || SPEC>(p, g.z(), tile_m, w)) return false;
   w.rows_total = w.qo_len * w.group;
@@ -160,6 +177,9 @@ __device__ __forceinline__ bool decode_work(const PrefillParams& p, PrefillWork&
   const MaskRule rule{w.qo_len, w.kv_len, p.causal != 0, p.window_left, w.rule.bits,
                       GENERAL || SPEC ? p.spec_mask_words : 0, p.chunk_shift};
   w.rule = rule;
+  const int chunk_size =
+      PAGED ? chunk_early
+            : (p.kv_chunk_size_dev != 0 ? *reinterpret_cast<const int32_t*>(p.kv_chunk_size_dev) : p.kv_chunk_size);
   const int chunk_lo = w.chunk * chunk_size;
   const int chunk_hi = min(chunk_lo + chunk_size, w.kv_len);
   w.kv_lo = max(rule.kv_begin(w.q_lo), chunk_lo);
