@@ -308,36 +308,53 @@ def _bench_batch(ctx: _Ctx, name, lens, causal, warmup, rep):
     # one request of the batch's total length through single prefill (a rate to compare)
     row["single_ms"] = None
     row["single_flops"] = request_flops(total, total, causal)
-    if ctx.pfa is not None:
-        try:
-            qs, ks, vs = _make_inputs(ctx, [total], seed + 13)
-            o = ctx.pfa.single_prefill_with_kv_cache(qs, ks, vs, causal=causal)
-            torch.cuda.synchronize()
-            # check the last rows against SDPA (a full reference would cost as much as the run);
-            # with qo = kv, causal row total - n + i sees keys [0, total - n + i]
-            n = min(total, 256)
-            qv = qs[-n:].transpose(0, 1).unsqueeze(0)
-            kv_ = ks.repeat_interleave(g, dim=1).transpose(0, 1).unsqueeze(0)
-            vv = vs.repeat_interleave(g, dim=1).transpose(0, 1).unsqueeze(0)
-            mask = torch.ones(n, total, dtype=torch.bool, device="cuda").tril(total - n) if causal else None
-            ref = torch.nn.functional.scaled_dot_product_attention(qv, kv_, vv, attn_mask=mask)
-            del qv, kv_, vv, mask
-            rel = _rel(torch, o[-n:], ref[0].transpose(0, 1))
-            row["single_rel_err"] = rel
-            del ref
-            if not rel <= REL_TOL:
-                row["errors"].append(f"pfa single: output mismatch vs SDPA, rel {rel:.3g}")
-            else:
-                timers["single"] = lambda wu, r: ctx.bench_samples_ms(
-                    lambda: ctx.pfa.single_prefill_with_kv_cache(qs, ks, vs, causal=causal), warmup=wu, rep=r)
-            del o
-        except Exception as e:
-            row["errors"].append(f"pfa single: {_short_err(e)}")
+    single = _single_timer(ctx, row, total, causal, seed + 13)
+    if single is not None:
+        timers["single"] = single
 
     for key, ms in interleaved_median_ms(timers, warmup, rep, row["errors"]).items():
         row[f"{key}_ms"] = ms
     views.clear()
     timers.clear()
+    _rates(row, flops)
+    torch.cuda.empty_cache()
+    return row
+
+
+def _single_timer(ctx: _Ctx, row, total, causal, seed):
+    """Single prefill over one request of the batch's total length, its last rows checked against
+    SDPA; its timer, or None with the reason in row["errors"]."""
+    if ctx.pfa is None:
+        return None
+    torch, g = ctx.torch, HQ // HKV
+    try:
+        qs, ks, vs = _make_inputs(ctx, [total], seed)
+        o = ctx.pfa.single_prefill_with_kv_cache(qs, ks, vs, causal=causal)
+        torch.cuda.synchronize()
+        # check the last rows against SDPA (a full reference would cost as much as the run);
+        # with qo = kv, causal row total - n + i sees keys [0, total - n + i]
+        n = min(total, 256)
+        qv = qs[-n:].transpose(0, 1).unsqueeze(0)
+        kv_ = ks.repeat_interleave(g, dim=1).transpose(0, 1).unsqueeze(0)
+        vv = vs.repeat_interleave(g, dim=1).transpose(0, 1).unsqueeze(0)
+        mask = torch.ones(n, total, dtype=torch.bool, device="cuda").tril(total - n) if causal else None
+        ref = torch.nn.functional.scaled_dot_product_attention(qv, kv_, vv, attn_mask=mask)
+        del qv, kv_, vv, mask
+        rel = _rel(torch, o[-n:], ref[0].transpose(0, 1))
+        row["single_rel_err"] = rel
+        del ref, o
+        if not rel <= REL_TOL:
+            row["errors"].append(f"pfa single: output mismatch vs SDPA, rel {rel:.3g}")
+            return None
+        return lambda wu, r: ctx.bench_samples_ms(
+            lambda: ctx.pfa.single_prefill_with_kv_cache(qs, ks, vs, causal=causal), warmup=wu, rep=r)
+    except Exception as e:
+        row["errors"].append(f"pfa single: {_short_err(e)}")
+        return None
+
+
+def _rates(row, flops):
+    """TFLOP/s from the timed milliseconds, and the ratios the tables print."""
     for key in ("ragged", "paged", "fp8_paged", "sdpa_loop"):
         row[f"{key}_tflops"] = _tflops(flops, row.get(f"{key}_ms"))
     row["single_tflops"] = _tflops(row["single_flops"], row["single_ms"])
@@ -348,8 +365,6 @@ def _bench_batch(ctx: _Ctx, name, lens, causal, warmup, rep):
     for kind in FI_KINDS:
         row[f"fi_{kind}_tflops"] = _tflops(flops, row.get(f"fi_{kind}_ms"))
         row[f"{kind}_over_fi"] = _ratio(row[f"{kind}_tflops"], row[f"fi_{kind}_tflops"])
-    torch.cuda.empty_cache()
-    return row
 
 
 def _plan_lengths(B, seed):
