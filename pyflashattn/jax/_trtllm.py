@@ -228,8 +228,10 @@ def _build(name, ops, args, check, c, bounds, pdl, return_lse):
     meta = trtllm.device_metadata(ordinals[0], c.lengths, bounds, c.paging)
     geometry = None if c.paging is None else (c.paging.page_size, meta.row_stride, meta.width)
     engines = {dev: _plan(dev, c, bounds, geometry, type(args["bmm1_scale"]) is _Ref) for dev in ordinals}
-    if c.paging is None:  # K and V against the plan, as the eager run checks them at launch (SEPARATE_Q_K_V's
-        engines[ordinals[0]].ragged_kv(*c.kv, None)  # may differ); a cache hit has the same shapes and dtypes
+    # K and V against the plan, as the eager run checks them at launch (SEPARATE_Q_K_V's may differ);
+    # a cache hit has the same shapes and dtypes, so a miss is where to check
+    if c.paging is None:
+        engines[ordinals[0]].ragged_kv(*c.kv, None)
     ws, scratch = _bridge.engines_scratch(engines.values())
     tokens, (hq, _, hd) = c.q.shape[0], c.heads
     f32 = _bridge.jax_dtype(_dtypes.FLOAT32)

@@ -84,7 +84,7 @@ __device__ __forceinline__ bool load_plan_item(const PrefillParams& p, int item,
     w.kv_row0 = k0;
     w.kv_len = k1 - k0;
   }
-  if (PAGED) {
+  if constexpr (PAGED) {
     if (w.num_chunks > 1) w.part_base = part_base;
     if (MASKED) w.rule.bits += mask_off;  // (nullptr + 0 where there is no mask)
   } else {
