@@ -24,9 +24,14 @@ GPU_WEIGHT = 4  # a GPU test's rough cost in CPU tests (its float64 reference, i
 
 
 def collect(python: str, paths: list, env: dict) -> collections.Counter:
-    """Test items per file, from pytest's own collection."""
+    """Test items per file, from pytest's own collection. A file that fails to collect (an import
+    error) lists no items, so it would fall out of every group and the run would pass without it:
+    any collection error ends the run here, with pytest's report and its status."""
     out = subprocess.run([python, "-m", "pytest", "--collect-only", "-q", "-p", "no:cacheprovider", *paths],
                          capture_output=True, text=True, env=env)
+    if out.returncode not in (0, 5):  # 5: nothing collected (reported below)
+        sys.stderr.write(out.stdout[-8000:] + out.stderr[-4000:])
+        raise SystemExit(f"pytest_groups: collection failed under {' '.join(paths)} (status {out.returncode})")
     counts = collections.Counter()
     for line in out.stdout.splitlines():
         if "::" in line:

@@ -1,5 +1,9 @@
 """build_tools/pytest_groups.py (gpu-check's concurrent pytest processes): grouping and summaries."""
 import collections
+import os
+import sys
+
+import pytest
 
 import pytest_groups
 
@@ -26,3 +30,14 @@ def test_summary_line_is_pytests_last_one(tmp_path):
     assert pytest_groups.summary_line(log) == "1 failed, 12 passed, 2 skipped in 3.1s"
     log.write_text("Traceback\nImportError: no\n")
     assert pytest_groups.summary_line(log) == "ImportError: no"
+
+
+def test_a_file_that_fails_to_collect_fails_the_run(tmp_path):
+    (tmp_path / "test_ok.py").write_text("def test_ok():\n    assert True\n")
+    (tmp_path / "test_broken.py").write_text("import not_a_module_of_this_suite\n\ndef test_b():\n    pass\n")
+    env = dict(os.environ)
+    with pytest.raises(SystemExit, match="collection failed"):
+        pytest_groups.collect(sys.executable, [str(tmp_path)], env)
+    (tmp_path / "test_broken.py").unlink()
+    counts = pytest_groups.collect(sys.executable, [str(tmp_path)], env)
+    assert list(counts.values()) == [1] and next(iter(counts)).endswith("test_ok.py")
