@@ -13,10 +13,10 @@ from params_schema import ALIGNS, C_TYPES, FAMILIES, SIZES  # noqa: E402
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 C_OUT = ROOT / "kernel_src/include/pfa/attention/params.h"
 PY_OUT = ROOT / "pyflashattn/_runtime/params_gen.py"
-CTYPES = {"ptr": "ctypes.c_uint64", "i64": "ctypes.c_int64", "i32": "ctypes.c_int32", "f32": "ctypes.c_float",
-          "tmap": "ctypes.c_uint8 * 128"}
+CTYPES = {"ptr": "ctypes.c_uint64", "i64": "ctypes.c_int64", "i32": "ctypes.c_int32", "u32": "ctypes.c_uint32",
+          "u8": "ctypes.c_uint8", "f32": "ctypes.c_float", "tmap": "ctypes.c_uint8 * 128"}
 # C's natural alignment of each ctypes field type (what ctypes itself lays out with)
-CTYPES_ALIGN = {"ptr": 8, "i64": 8, "i32": 4, "f32": 4, "tmap": 1}
+CTYPES_ALIGN = {"ptr": 8, "i64": 8, "i32": 4, "u32": 4, "u8": 1, "f32": 4, "tmap": 1}
 
 
 def layout(fields):

@@ -154,6 +154,22 @@ PREFILL = (
          "CTAs finish together (routing.section_head_z; grid_z with one section)"),
         ("q_tma", "i32", "the 16-bit TMA kernels: 1 = q_tmap holds Q's map (tma.q_geometry) and q_tokens Q's rows, "
          "so a row tile whose box stays within them comes by TMA; 0 = Q by the producer's copies"),
+        # The divisors a block's work decode uses, as multipliers and shifts (fastdiv.cuh: n / d =
+        # (umulhi(n, mul) + n) >> shift for 0 <= n < 2^31), set by the host beside the divisors
+        # (launch.fast_divisor): a hardware-less integer division is ~30 dependent instructions.
+        # In the struct's tail padding, so its size and every other field's offset stay.
+        ("div_group_mul", "u32", "group_size's multiplier (params.fill_score_fields)"),
+        ("div_section_mul", "u32", "sm90 kernels: the multiplier of a section's blocks (grid_section * grid_y * "
+         "grid_section_z; launch.configure_grid)"),
+        ("div_x_mul", "u32", "sm90 kernels: grid_section's multiplier"),
+        ("div_last_x_mul", "u32", "sm90 kernels: the last section's x values' (grid_x - its first x; "
+         "grid_section's when the sections divide grid_x)"),
+        ("div_y_mul", "u32", "sm90 kernels: grid_y's multiplier"),
+        ("div_group_shift", "u8", "group_size's shift"),
+        ("div_section_shift", "u8", "a section's blocks' shift"),
+        ("div_x_shift", "u8", "grid_section's shift"),
+        ("div_last_x_shift", "u8", "the last section's shift"),
+        ("div_y_shift", "u8", "grid_y's shift"),
     ],
 )
 
@@ -276,6 +292,7 @@ CASCADE = (
 )
 FAMILIES["cascade"] = CASCADE
 
-C_TYPES = {"ptr": "uint64_t", "i64": "int64_t", "i32": "int32_t", "f32": "float", "tmap": "TensorMapBytes"}
-SIZES = {"ptr": 8, "i64": 8, "i32": 4, "f32": 4, "tmap": 128}
-ALIGNS = {"ptr": 8, "i64": 8, "i32": 4, "f32": 4, "tmap": 64}  # a CUtensorMap is 64-byte aligned
+C_TYPES = {"ptr": "uint64_t", "i64": "int64_t", "i32": "int32_t", "u32": "uint32_t", "u8": "uint8_t", "f32": "float",
+           "tmap": "TensorMapBytes"}
+SIZES = {"ptr": 8, "i64": 8, "i32": 4, "u32": 4, "u8": 1, "f32": 4, "tmap": 128}
+ALIGNS = {"ptr": 8, "i64": 8, "i32": 4, "u32": 4, "u8": 1, "f32": 4, "tmap": 64}  # a CUtensorMap is 64-byte aligned

@@ -10,6 +10,7 @@ from __future__ import annotations
 import sys
 
 from .._runtime import cuda as _cuda, tensor as _tensor
+from . import params as _params
 
 TORCH_TYPES: set = set()  # classes seen to be torch tensors (framework_of, once per class)
 
@@ -88,13 +89,14 @@ def configure_grid(la, grid: tuple[int, int, int], dev: int, section: int = 0, s
         la.configure(grid)
         return
     p = la.params
-    p.grid_x, p.grid_y, p.grid_z = grid
     blocks = grid[0] * grid[1] * grid[2]
     persistent = bool(la.meta.get("persistent"))
     p.sched = sched if persistent else 0
     sectioned = 0 < section < grid[0] and (p.sched or not persistent)
-    p.grid_section = section if sectioned else grid[0]
-    p.grid_section_z = min(max(section_z, 0), grid[2]) if sectioned else grid[2]
+    if sectioned:
+        _params.set_grid_order(p, grid, section, min(max(section_z, 0), grid[2]))
+    else:
+        _params.set_grid_order(p, grid, grid[0], grid[2])
     if persistent:
         blocks = min(blocks, _cuda.properties(dev)["sm_count"] * la.meta["ctas_per_sm"])
     la.configure((max(1, blocks), 1, 1))

@@ -1,6 +1,7 @@
 """Filling the kernels' params structs from a problem description: one place for every API."""
 from __future__ import annotations
 
+import functools
 import math
 import os
 
@@ -16,11 +17,37 @@ MERGE_CTA_ENV = "PYFLASHATTN_MERGE_CTA_PER_ROW"
 MAX_GRID_YZ = 65535  # the CUDA limit of gridDim.y / gridDim.z
 
 
+@functools.lru_cache(maxsize=1024)
+def fast_divisor(d: int) -> tuple[int, int]:
+    """(mul, shift) of the divisor d >= 1 for the kernels' fast_div (fastdiv.cuh): for every
+    0 <= n < 2^31, n // d == (umulhi(n, mul) + n) >> shift, with shift = ceil(log2 d) and mul =
+    floor(2^32 (2^shift - d) / d) + 1 < 2^32 (Granlund and Montgomery's round-up method)."""
+    if not 1 <= d < 1 << 31:
+        raise ValueError(f"divisor {d} outside [1, 2^31)")
+    shift = (d - 1).bit_length()
+    return ((1 << 32) * ((1 << shift) - d)) // d + 1, shift
+
+
+def set_grid_order(p, grid: tuple[int, int, int], section: int, section_z: int) -> None:
+    """The logical grid's fields of an sm90 PrefillParams (work.cuh LogicalGrid): its extent, the
+    sections of `section` x values over the z values below `section_z`, and the multipliers of
+    the divisors LogicalGrid::at uses (a section's blocks, a section's width, the last section's,
+    grid_y)."""
+    gx, gy, gz = grid
+    p.grid_x, p.grid_y, p.grid_z, p.grid_section, p.grid_section_z = gx, gy, gz, section, section_z
+    last = gx - (gx - 1) // section * section  # the last section's x values
+    p.div_section_mul, p.div_section_shift = fast_divisor(max(1, section * gy * section_z))
+    p.div_x_mul, p.div_x_shift = fast_divisor(section)
+    p.div_last_x_mul, p.div_last_x_shift = fast_divisor(last)
+    p.div_y_mul, p.div_y_shift = fast_divisor(gy)
+
+
 def fill_score_fields(p, dev: int, num_qo_heads: int, num_kv_heads: int, causal: bool, window_left: int,
                       sm_scale: float, opts) -> None:
     """The heads, mask and score-transform fields of a PrefillParams struct (v_scale reset to 1;
     o_format is the caller's)."""
     p.num_qo_heads, p.num_kv_heads, p.group_size = num_qo_heads, num_kv_heads, num_qo_heads // num_kv_heads
+    p.div_group_mul, p.div_group_shift = fast_divisor(p.group_size)
     p.causal, p.window_left, p.sm_scale_log2 = int(causal), window_left, sm_scale * LOG2E
     p.lse_scale, p.logits_soft_cap, p.v_scale = opts.lse_scale, opts.soft_cap, 1.0
     p.rope = int(opts.pos == "ROPE_LLAMA")

@@ -34,6 +34,21 @@ LOG2E = 1.4426950408889634
 # ---------------------------------------------------------------------------------------------
 # the simulated driver
 # ---------------------------------------------------------------------------------------------
+
+def check_divisor_fields(p, sm90: bool) -> None:
+    """Every attention launch carries the multipliers of the divisors its kernel divides by
+    (fastdiv.cuh): group_size's always, the logical grid's on the sm90 kernels (LogicalGrid)."""
+    from .._engine.params import fast_divisor
+
+    pairs = [("group", p.group_size)]
+    if sm90:
+        last = p.grid_x - (p.grid_x - 1) // p.grid_section * p.grid_section
+        pairs += [("section", max(1, p.grid_section * p.grid_y * p.grid_section_z)), ("x", p.grid_section),
+                  ("last_x", last), ("y", p.grid_y)]
+    for name, d in pairs:
+        got = (getattr(p, f"div_{name}_mul"), getattr(p, f"div_{name}_shift"))
+        assert got == fast_divisor(d), f"PrefillParams.div_{name}_*: {got} for the divisor {d}"
+
 class _Enum:
     def __init__(self, **kw):
         self.__dict__.update(kw)
@@ -150,6 +165,8 @@ class FakeDriver:
         argv = ctypes.cast(argv_addr, ctypes.POINTER(ctypes.c_void_p))
         p = ptype.from_buffer_copy(ctypes.string_at(argv[0], ctypes.sizeof(ptype)))
         grid = (gx, gy, gz)
+        if ptype.__name__ == "PrefillParams":
+            check_divisor_fields(p, "sm90" in str(name))
         self.launches.append((name, grid, stream, p))
         self.log.append(("launch", name, stream))
         model = self.simulators.get(ptype)

@@ -103,6 +103,16 @@ struct PrefillParams {
   uint64_t sched;  // persistent kernels: int32 [2] zeroed (next block, CTAs finished), the dynamic tile scheduler's counters (sm90/tile_scheduler.cuh); the launch's last CTA zeroes them again for the next. 0 = none: each CTA takes a fixed share of the blocks
   int32_t grid_section_z;  // sm90 kernels: the z values [0, grid_section_z) run in grid_section's sections, the rest (the lightest work items or row tiles) after them with every x together, so the CTAs finish together (routing.section_head_z; grid_z with one section)
   int32_t q_tma;  // the 16-bit TMA kernels: 1 = q_tmap holds Q's map (tma.q_geometry) and q_tokens Q's rows, so a row tile whose box stays within them comes by TMA; 0 = Q by the producer's copies
+  uint32_t div_group_mul;  // group_size's multiplier (params.fill_score_fields)
+  uint32_t div_section_mul;  // sm90 kernels: the multiplier of a section's blocks (grid_section * grid_y * grid_section_z; launch.configure_grid)
+  uint32_t div_x_mul;  // sm90 kernels: grid_section's multiplier
+  uint32_t div_last_x_mul;  // sm90 kernels: the last section's x values' (grid_x - its first x; grid_section's when the sections divide grid_x)
+  uint32_t div_y_mul;  // sm90 kernels: grid_y's multiplier
+  uint8_t div_group_shift;  // group_size's shift
+  uint8_t div_section_shift;  // a section's blocks' shift
+  uint8_t div_x_shift;  // grid_section's shift
+  uint8_t div_last_x_shift;  // the last section's shift
+  uint8_t div_y_shift;  // grid_y's shift
 };
 static_assert(sizeof(PrefillParams) == 960, "PrefillParams size drifted from the schema");
 static_assert(offsetof(PrefillParams, k_tmap) == 0, "PrefillParams.k_tmap offset");
@@ -194,6 +204,16 @@ static_assert(offsetof(PrefillParams, grid_section) == 908, "PrefillParams.grid_
 static_assert(offsetof(PrefillParams, sched) == 912, "PrefillParams.sched offset");
 static_assert(offsetof(PrefillParams, grid_section_z) == 920, "PrefillParams.grid_section_z offset");
 static_assert(offsetof(PrefillParams, q_tma) == 924, "PrefillParams.q_tma offset");
+static_assert(offsetof(PrefillParams, div_group_mul) == 928, "PrefillParams.div_group_mul offset");
+static_assert(offsetof(PrefillParams, div_section_mul) == 932, "PrefillParams.div_section_mul offset");
+static_assert(offsetof(PrefillParams, div_x_mul) == 936, "PrefillParams.div_x_mul offset");
+static_assert(offsetof(PrefillParams, div_last_x_mul) == 940, "PrefillParams.div_last_x_mul offset");
+static_assert(offsetof(PrefillParams, div_y_mul) == 944, "PrefillParams.div_y_mul offset");
+static_assert(offsetof(PrefillParams, div_group_shift) == 948, "PrefillParams.div_group_shift offset");
+static_assert(offsetof(PrefillParams, div_section_shift) == 949, "PrefillParams.div_section_shift offset");
+static_assert(offsetof(PrefillParams, div_x_shift) == 950, "PrefillParams.div_x_shift offset");
+static_assert(offsetof(PrefillParams, div_last_x_shift) == 951, "PrefillParams.div_last_x_shift offset");
+static_assert(offsetof(PrefillParams, div_y_shift) == 952, "PrefillParams.div_y_shift offset");
 
 // combine split-KV partials (float32 o, base-2 lse) into the final output
 struct MergeParams {

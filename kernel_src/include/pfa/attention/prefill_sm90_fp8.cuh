@@ -47,7 +47,7 @@ struct PrefillSm90Fp8 : PrefillSm90Fp8Config<HEAD_DIM, CONSUMERS, STAGES, PAGED,
   static __device__ __forceinline__ void consume(const PrefillParams& p, const PrefillWork& w, uint32_t base, int wg,
                                                  int tid, const Sm90Walk& walk) {
     const int lane = tid % 32, warp = tid / 32;
-    const typename Consumer::Rows rows = Consumer::rows_of(w, wg, warp, lane);
+    const typename Consumer::Rows rows = Consumer::rows_of(p, w, wg, warp, lane);
     float o[Consumer::O_ACC];
 #pragma unroll
     for (int i = 0; i < Consumer::O_ACC; ++i) o[i] = 0.f;

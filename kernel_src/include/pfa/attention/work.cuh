@@ -14,8 +14,14 @@
 #include "pfa/attention/kv_source.cuh"
 #include "pfa/attention/mask.cuh"
 #include "pfa/attention/params.h"
+#include "pfa/common/fastdiv.cuh"
 
 namespace pfa {
+
+// n / group_size for 0 <= n < 2^31 (a packed row's query row), by the host's multiplier.
+__device__ __forceinline__ int group_div(const PrefillParams& p, int n) {
+  return fast_div(n, p.div_group_mul, p.div_group_shift);
+}
 
 // The problem one CTA works on. Packed row r = q_idx * group + head_in_group (GQA packing), so
 // a tile's query heads share every K/V tile it loads.
@@ -117,11 +123,16 @@ struct LogicalGrid {
       const int r = item - zh * per_z, z = r / per_z, xy = r - z * per_z, y = xy / p.grid_x;
       return {xy - y * p.grid_x, y, zh + z, p.grid_z};
     }
+    // The sectioned part divides by the host's multipliers (fastdiv.cuh): this runs on every
+    // role's way into each block; the tail above is the lightest blocks, a few a CTA at most.
     const int per_x = p.grid_y * zh;  // blocks of one x value in the sectioned part
-    const int x0 = item / (p.grid_section * per_x) * p.grid_section;  // the section's first x
-    const int xs = min(p.grid_section, p.grid_x - x0);                // its x values (the last may have fewer)
-    const int within = item - x0 * per_x, yz = within / xs;
-    return {x0 + within - yz * xs, yz % p.grid_y, yz / p.grid_y, p.grid_z};
+    const int x0 = fast_div(item, p.div_section_mul, p.div_section_shift) * p.grid_section;  // the section's first x
+    const bool last = x0 + p.grid_section > p.grid_x;  // the last section, narrower than the rest
+    const int xs = last ? p.grid_x - x0 : p.grid_section;  // its x values
+    const int within = item - x0 * per_x;
+    const int yz = fast_div(within, last ? p.div_last_x_mul : p.div_x_mul, last ? p.div_last_x_shift : p.div_x_shift);
+    const int z = fast_div(yz, p.div_y_mul, p.div_y_shift);
+    return {x0 + within - yz * xs, yz - z * p.grid_y, z, p.grid_z};
   }
   __device__ __forceinline__ int x() const { return bx; }
   __device__ __forceinline__ int y() const { return by; }
@@ -171,8 +182,8 @@ __device__ __forceinline__ bool decode_work(const PrefillParams& p, PrefillWork&
   w.rows_total = w.qo_len * w.group;
   w.r0 = tile_m * BLOCK_M;
   if (w.r0 >= w.rows_total) return false;
-  w.q_lo = w.r0 / w.group;
-  w.q_hi = (min(w.r0 + BLOCK_M, w.rows_total) - 1) / w.group;
+  w.q_lo = group_div(p, w.r0);
+  w.q_hi = group_div(p, min(w.r0 + BLOCK_M, w.rows_total) - 1);
 
   const MaskRule rule{w.qo_len, w.kv_len, p.causal != 0, p.window_left, w.rule.bits,
                       GENERAL || SPEC ? p.spec_mask_words : 0, p.chunk_shift};

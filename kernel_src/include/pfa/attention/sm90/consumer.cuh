@@ -52,17 +52,18 @@ struct ConsumerSm90 {
     int keep_lo, keep_hi;  // keys all of them keep (MaskRule::kept_by_all): tiles inside skip mask()
   };
 
-  static __device__ __forceinline__ Rows rows_of(const PrefillWork& w, int wg, int warp, int lane) {
+  static __device__ __forceinline__ Rows rows_of(const PrefillParams& p, const PrefillWork& w, int wg, int warp,
+                                                 int lane) {
     Rows r;
     const int first = w.r0 + wg * Cfg::WG_ROWS;
     const int last = max(first, min(first + Cfg::WG_ROWS, w.rows_total) - 1);
-    r.q_lo = first / w.group;
-    r.q_hi = last / w.group;
+    r.q_lo = group_div(p, first);
+    r.q_hi = group_div(p, last);
     w.rule.kept_by_all(r.q_lo, r.q_hi, r.keep_lo, r.keep_hi);
 #pragma unroll
     for (int i = 0; i < 2; ++i) {
       r.tile_row[i] = wg * Cfg::WG_ROWS + warp * 16 + lane / 4 + 8 * i;
-      const int q = (w.r0 + r.tile_row[i]) / w.group;
+      const int q = group_div(p, w.r0 + r.tile_row[i]);
       w.rule.row_range(q, r.lo[i], r.hi[i]);
     }
     return r;

@@ -30,7 +30,7 @@ __device__ __forceinline__ void wait_q_free(uint32_t base, const Sm90Walk& walk)
 // into the 128-byte-swizzled Q tile at s_q, CPR 16-byte chunks a row, ROW_STEP rows between one
 // thread's chunks; rows past the request zero-filled. Shared by the 16-bit and the fp8 producers.
 // A thread's rows step by ROW_STEP, its token and head by ROW_STEP / group and ROW_STEP % group:
-// one division a thread, not one a row (a division a row, with the producer's 40 registers
+// one division a thread (by the host's multiplier), not one a row (a division a row, with the producer's 40 registers
 // spilling round it, took ~4k cycles a block to issue Q's copies, which the next block's
 // consumers waited for: NOTES.md, session 25).
 template <class Cfg, typename E, int CPR, int ROW_STEP>
@@ -39,11 +39,11 @@ __device__ __forceinline__ void load_q_rows(const PrefillParams& p, const Prefil
   const E* q = reinterpret_cast<const E*>(p.q);
   const uint64_t once = ptx::l2_evict_first();  // each Q row is read by one CTA
   const int chunk = tid % CPR, g = w.group;
-  const int step_q = ROW_STEP / g, step_h = ROW_STEP - step_q * g;
+  const int step_q = group_div(p, ROW_STEP), step_h = ROW_STEP - step_q * g;
   const int64_t step = step_q * p.q_stride_n + step_h * p.q_stride_h;  // elements: the row step
   const int64_t wrap = p.q_stride_n - g * p.q_stride_h;                // the head passing the group
   int r = w.r0 + tid / CPR;
-  const int qi = r / g;
+  const int qi = group_div(p, r);
   int h = r - qi * g;
   const E* src = q + (w.q_row0 + qi) * p.q_stride_n + (w.kv_head * g + h) * p.q_stride_h + chunk * CHUNK_ELEMS;
 #pragma unroll 4
@@ -251,7 +251,7 @@ struct ProducerSm90 {
   static constexpr int Q_BOX_COLS = Cfg::ROW_BYTES / (int)sizeof(T), Q_COL_BLOCKS = Cfg::HEAD_DIM / Q_BOX_COLS;
   static __device__ __forceinline__ void load_q(const PrefillParams& p, const PrefillWork& w, uint32_t base, int tid) {
     if constexpr (Cfg::TMA) {
-      const int tokens = Cfg::BLOCK_M / w.group, t0 = (int)w.q_row0 + w.r0 / w.group;
+      const int tokens = group_div(p, Cfg::BLOCK_M), t0 = (int)w.q_row0 + group_div(p, w.r0);
       if (p.q_tma != 0 && (int64_t)t0 + tokens <= (int64_t)p.q_tokens) {
         if (tid == 0) {
           ptx::mbar_arrive_expect_tx(Cfg::q_full(base), Cfg::Q_BYTES);
