@@ -32,6 +32,15 @@ def test_summary_line_is_pytests_last_one(tmp_path):
     assert pytest_groups.summary_line(log) == "ImportError: no"
 
 
+def test_summary_line_under_q_with_stderr_after_it(tmp_path):
+    # -q prints the closing line bare; a process's exit (JAX's logging) may write after it, and a
+    # traceback line naming a failure is not the summary (gpu-check's total missed 388 tests so).
+    log = tmp_path / "g.log"
+    log.write_text("....\n388 passed in 81.50s (0:01:21)\nTraceback\n"
+                   "RuntimeError: launch of k failed: CUDA_ERROR_LAUNCH_FAILED (injected) [x='jit']\n")
+    assert pytest_groups.summary_line(log) == "388 passed in 81.50s (0:01:21)"
+
+
 def test_a_file_that_fails_to_collect_fails_the_run(tmp_path):
     (tmp_path / "test_ok.py").write_text("def test_ok():\n    assert True\n")
     (tmp_path / "test_broken.py").write_text("import not_a_module_of_this_suite\n\ndef test_b():\n    pass\n")
