@@ -212,6 +212,14 @@ def decode_cases(torch, pfa):
                                             kv_cache_sf=s))
     yield (f"xqa spec{dx.SPEC_Q} B={dx.B} x {dx.KV_LEN}", 2 * elems, "TB/s",
            lambda: xqa(q8, wide, ws, bt, sl, dx.KV_LEN, bmm1_scale=hd**-0.5, out=out8, q_len_per_req=dx.SPEC_Q))
+    # #18's other shape: one request of 32768 keys, split over every SM and merged (the same cache's
+    # pages, read as one long request)
+    kv1 = 32768
+    bt1, sl1 = bt.view(1, -1)[:, :kv1 // dx.PAGE_SIZE].contiguous(), torch.full((1,), kv1, dtype=torch.int32, device="cuda")
+    q1, out1 = q[:1].clone(), torch.empty_like(q[:1])
+    for kind, cache in (("bf16", wide), ("fp8", wide.to(torch.float8_e4m3fn))):
+        yield (f"xqa {kind} B=1 x {kv1}", 2 * kv1 * dx.HKV * hd * cache.element_size(), "TB/s",
+               lambda c=cache: xqa(q1, c, ws, bt1, sl1, kv1, bmm1_scale=hd**-0.5, out=out1))
 
 
 def compare_outputs(torch, swap: BeforeKernels, fn) -> float:
