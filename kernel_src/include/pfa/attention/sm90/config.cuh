@@ -32,9 +32,9 @@ template <typename T_, int HEAD_DIM_, int BLOCK_N_, int CONSUMERS_, int STAGES_,
           bool PERSISTENT_ = false, bool KV_FP8_ = false>
 struct PrefillSm90Config
     : Sm90Pipeline<CONSUMERS_, STAGES_, sm90_bar_offset(HEAD_DIM_, BLOCK_N_, CONSUMERS_, STAGES_, KV_FP8_),
-                   sm90_producer_regs(CONSUMERS_, KV_FP8_)> {
+                   sm90_producer_regs(CONSUMERS_, KV_FP8_, PAGED_ && HEAD_DIM_ <= 128)> {
   using Base = Sm90Pipeline<CONSUMERS_, STAGES_, sm90_bar_offset(HEAD_DIM_, BLOCK_N_, CONSUMERS_, STAGES_, KV_FP8_),
-                            sm90_producer_regs(CONSUMERS_, KV_FP8_)>;
+                            sm90_producer_regs(CONSUMERS_, KV_FP8_, PAGED_ && HEAD_DIM_ <= 128)>;
   using Base::ATOM_BYTES, Base::BAR_OFFSET, Base::BLOCK_M, Base::CHUNK_BYTES, Base::CONSUMERS, Base::NUM_BARRIERS,
       Base::PRODUCER_BAR, Base::ROW_BYTES, Base::STAGES;
   using Elem = T_;
