@@ -156,7 +156,7 @@ PREFILL = (
          "so a row tile whose box stays within them comes by TMA; 0 = Q by the producer's copies"),
         # The divisors a block's work decode uses, as multipliers and shifts (fastdiv.cuh: n / d =
         # (umulhi(n, mul) + n) >> shift for 0 <= n < 2^31), set by the host beside the divisors
-        # (launch.fast_divisor): a hardware-less integer division is ~30 dependent instructions.
+        # (params.fast_divisor): an integer division, run in software, is ~30 dependent instructions.
         # In the struct's tail padding, so its size and every other field's offset stay.
         ("div_group_mul", "u32", "group_size's multiplier (params.fill_score_fields)"),
         ("div_section_mul", "u32", "sm90 kernels: the multiplier of a section's blocks (grid_section * grid_y * "

@@ -30,9 +30,9 @@ __device__ __forceinline__ void wait_q_free(uint32_t base, const Sm90Walk& walk)
 // into the 128-byte-swizzled Q tile at s_q, CPR 16-byte chunks a row, ROW_STEP rows between one
 // thread's chunks; rows past the request zero-filled. Shared by the 16-bit and the fp8 producers.
 // A thread's rows step by ROW_STEP, its token and head by ROW_STEP / group and ROW_STEP % group:
-// one division a thread (by the host's multiplier), not one a row (a division a row, with the producer's 40 registers
-// spilling round it, took ~4k cycles a block to issue Q's copies, which the next block's
-// consumers waited for: NOTES.md, session 25).
+// one division a thread (by the host's multiplier), not one a row (a division a row, with the
+// producer's 40 registers spilling round it, took ~4k cycles a block to issue Q's copies, which
+// the next block's consumers waited for: NOTES.md, session 25).
 template <class Cfg, typename E, int CPR, int ROW_STEP>
 __device__ __forceinline__ void load_q_rows(const PrefillParams& p, const PrefillWork& w, uint32_t s_q, int tid) {
   constexpr int CHUNK_ELEMS = Cfg::CHUNK_BYTES / int(sizeof(E));
