@@ -34,9 +34,10 @@ struct Sm90Walk {
 // The producer warpgroup's registers after setmaxnreg: 40 with two consumers, 32 with three; 56
 // with two (the consumers then get 8 fewer each, 224, where none of them spills) for a producer
 // that widens one-byte K/V (PrefillSm90Config::KV_FP8: its widening keeps several chunks' loads in
-// flight) or copies paged K/V (its page-run copies: paged batches +5-9%, NOTES.md session 31; the
-// contiguous rows lost 1-2% on single prefill with the consumers at 224, so they keep 40; so do
-// the hd256 paged rows, whose consumers are the tightest: the skip twin's spills grow at 224).
+// flight), and for the paged 16-bit rows up to hd128. Their producer compiles to the same code at
+// 56; it is their consumers, scheduled by ptxas for 224 registers, that ran paged batches 6-9%
+// faster (NOTES.md, session 31). The contiguous rows' consumers ran single prefill 1-2% slower at
+// 224, so they keep 40, as do the hd256 paged rows (their skip twin's consumer spills grow).
 constexpr int sm90_producer_regs(int consumers, bool widens = false, bool paged = false) {
   return consumers == 2 ? (widens || paged ? 56 : 40) : 32;
 }
