@@ -104,6 +104,19 @@ def _indptr(lens):
     return np.concatenate([[0], np.cumsum(lens)]).astype(np.int32)
 
 
+def import_flashinfer():
+    """(the flashinfer module, None), or (None, why it is not timed): switched off by
+    PFA_BENCH_FLASHINFER=0, or the import's error (a missing module, or a broken install, which
+    the report names instead of silently leaving FlashInfer's rows out)."""
+    if os.environ.get("PFA_BENCH_FLASHINFER", "1") == "0":
+        return None, "PFA_BENCH_FLASHINFER=0"
+    try:
+        import flashinfer
+    except Exception as e:  # noqa: BLE001 - any import failure: the run goes on without it
+        return None, _short_err(e)
+    return flashinfer, None
+
+
 class _Ctx:
     def __init__(self):
         import torch
@@ -123,15 +136,8 @@ class _Ctx:
             self.pfa_error = _short_err(e)
         self.ws = torch.empty(WORKSPACE_BYTES, dtype=torch.uint8, device="cuda")
         # FlashInfer, when importable: its own workspace (its plans stage metadata there, as ours do)
-        self.fi = self.ws_fi = None
-        if os.environ.get("PFA_BENCH_FLASHINFER", "1") != "0":
-            try:
-                import flashinfer
-
-                self.fi = flashinfer
-                self.ws_fi = torch.empty(WORKSPACE_BYTES, dtype=torch.uint8, device="cuda")
-            except Exception:
-                pass
+        self.fi, self.fi_error = import_flashinfer()
+        self.ws_fi = torch.empty(WORKSPACE_BYTES, dtype=torch.uint8, device="cuda") if self.fi else None
 
     def sdpa(self, q, k, v, causal):
         """q [1, H, s, d], k/v [1, H, s, d]: flash backend when it takes the call, else default."""
@@ -482,11 +488,14 @@ def run(args) -> int:
             "warmup": warmup, "rep": rep, "l2_flush": True, "rel_tol": REL_TOL, "quick": bool(args.quick),
             "flops": "per request: 4*qo*kv*Hq*D, causal 4*Hq*D*(qo*kv - qo^2/2)",
             "time": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
-            "pyflashattn": getattr(ctx.pfa, "__version__", None) if ctx.pfa else None}
+            "pyflashattn": getattr(ctx.pfa, "__version__", None) if ctx.pfa else None,
+            "flashinfer": getattr(ctx.fi, "__version__", None) if ctx.fi else None, "flashinfer_error": ctx.fi_error}
     print(f"# {meta['device']} ({meta['sm_count']} SMs), torch {meta['torch']}, bf16, head_dim {HEAD_DIM}, "
           f"{HQ}/{HKV} heads", flush=True)
     if ctx.pfa_error:
         print(f"# pyflashattn unavailable: {ctx.pfa_error}", flush=True)
+    if ctx.fi_error:
+        print(f"# FlashInfer not timed: {ctx.fi_error}", flush=True)
     gpu_warmup()
     rows = []
     for name in ("uniform16", "skewed"):
