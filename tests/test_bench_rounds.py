@@ -172,17 +172,17 @@ def test_batch_flashinfer_failure_is_an_error_of_the_row_not_of_the_run():
     assert row["fi_ragged_backend"] == "fa3" and "flashinfer ragged (fa3): " in row["errors"][0]
 
 
-def test_batch_says_why_flashinfer_is_not_timed(monkeypatch):
+def test_benches_say_why_flashinfer_is_not_timed(monkeypatch):
     import sys
     import types
 
-    from pyflashattn.bench import batch
+    from pyflashattn.testing import bench_util
 
     monkeypatch.setenv("PFA_BENCH_FLASHINFER", "0")
-    assert batch.import_flashinfer() == (None, "PFA_BENCH_FLASHINFER=0")
+    assert bench_util.import_flashinfer() == (None, "PFA_BENCH_FLASHINFER=0")
     monkeypatch.delenv("PFA_BENCH_FLASHINFER")
     monkeypatch.setitem(sys.modules, "flashinfer", None)  # not installed: the import raises ImportError
-    fi, why = batch.import_flashinfer()
+    fi, why = bench_util.import_flashinfer()
     assert fi is None and "flashinfer" in why
 
     class Broken:  # an install whose import fails inside (a missing dependency, say)
@@ -193,9 +193,9 @@ def test_batch_says_why_flashinfer_is_not_timed(monkeypatch):
 
     monkeypatch.delitem(sys.modules, "flashinfer")
     monkeypatch.setattr(sys, "meta_path", [Broken()] + sys.meta_path)
-    fi, why = batch.import_flashinfer()
+    fi, why = bench_util.import_flashinfer()
     assert fi is None and "tvm_ffi is missing" in why
     fake = types.ModuleType("flashinfer")
     monkeypatch.setattr(sys, "meta_path", sys.meta_path[1:])
     monkeypatch.setitem(sys.modules, "flashinfer", fake)
-    assert batch.import_flashinfer() == (fake, None)
+    assert bench_util.import_flashinfer() == (fake, None)

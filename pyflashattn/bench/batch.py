@@ -59,7 +59,7 @@ import zlib
 
 import numpy as np
 
-from pyflashattn.testing.bench_util import bench_main, gpu_warmup, interleaved_median_ms, short_error
+from pyflashattn.testing.bench_util import bench_main, gpu_warmup, import_flashinfer, interleaved_median_ms, short_error
 
 REL_TOL = 2e-2  # bf16: two correct kernels differ by ~1e-3..1e-2; a wrong mask or tile lands far above
 HQ, HKV, HEAD_DIM = 32, 8, 128
@@ -102,19 +102,6 @@ def batch_lengths(name: str, quick: bool = False) -> list[int]:
 
 def _indptr(lens):
     return np.concatenate([[0], np.cumsum(lens)]).astype(np.int32)
-
-
-def import_flashinfer():
-    """(the flashinfer module, None), or (None, why it is not timed): switched off by
-    PFA_BENCH_FLASHINFER=0, or the import's error (a missing module, or a broken install, which
-    the report names instead of silently leaving FlashInfer's rows out)."""
-    if os.environ.get("PFA_BENCH_FLASHINFER", "1") == "0":
-        return None, "PFA_BENCH_FLASHINFER=0"
-    try:
-        import flashinfer
-    except Exception as e:  # noqa: BLE001 - any import failure: the run goes on without it
-        return None, _short_err(e)
-    return flashinfer, None
 
 
 class _Ctx:

@@ -4,7 +4,8 @@ prefill sweep (batch x seq = 16k tokens, heads x head_dim = 2048, seq 1k .. 16k,
 32), of trtllm_batch_context_with_kv_cache over the same paged cache, the ratio to torch SDPA's
 cuDNN backend on the same batch, the paging costs (time / CONTIGUOUS_Q_KV's time - 1) of the
 fmha paged layout and of the context API, and FlashInfer's trtllm_fmha_v2_prefill
-(CONTIGUOUS_Q_KV) when flashinfer is importable.
+(CONTIGUOUS_Q_KV) when flashinfer is importable (PFA_BENCH_FLASHINFER=0 leaves it out; the
+header says why it is not timed).
 
 --fp8: e4m3 queries, keys and values (the bf16 inputs rounded to e4m3, scales 1) into a bf16
 output, against FlashInfer's fmha_v2 with the same e4m3 inputs (#19 item 3, #20's e4m3 goal), and
@@ -26,7 +27,8 @@ from __future__ import annotations
 import json
 import math
 
-from pyflashattn.testing.bench_util import bench_main, bench_samples_ms, interleaved_median_ms, short_error
+from pyflashattn.testing.bench_util import (bench_main, bench_samples_ms, import_flashinfer, interleaved_median_ms,
+                                             short_error)
 
 TOKENS, HIDDEN, HD, PAGE = 16384, 2048, 128, 32
 SEQS = (1024, 2048, 4096, 8192, 16384)
@@ -63,7 +65,7 @@ def _restrict_flashinfer_fmha_v2():
     FL.is_kernel_spec_valid = valid
 
 
-def _row(torch, pfa, ws, s, warmup, rep, fp8=False, causal=True):
+def _row(torch, pfa, ws, s, warmup, rep, fp8=False, causal=True, fi=None):
     b, h = TOKENS // s, HIDDEN // HD
     q, k, v, cum, sl, cache, table = _inputs(torch, b, s)
     if fp8:
@@ -87,12 +89,8 @@ def _row(torch, pfa, ws, s, warmup, rep, fp8=False, causal=True):
     def sdpa():
         with sdpa_kernel(SDPBackend.CUDNN_ATTENTION):
             return torch.nn.functional.scaled_dot_product_attention(qs, ks, vs, is_causal=causal)
-    try:
-        import flashinfer
-        calls["flashinfer"] = lambda: flashinfer.prefill.trtllm_fmha_v2_prefill(
-            (q, kv), "CONTIGUOUS_Q_KV", **common)
-    except Exception:
-        pass
+    if fi is not None:
+        calls["flashinfer"] = lambda: fi.prefill.trtllm_fmha_v2_prefill((q, kv), "CONTIGUOUS_Q_KV", **common)
     row = {"seq": s, "batch": b, "errors": []}
     ref = sdpa().transpose(1, 2).reshape(b * s, h, HD).float()
     timers = {"cudnn": lambda w, r: bench_samples_ms(sdpa, warmup=w, rep=r)}
@@ -123,14 +121,18 @@ def run(args) -> int:
     import pyflashattn as pfa
     ws = torch.zeros(256 << 20, dtype=torch.uint8, device="cuda")
     seqs = SEQS[::2] if args.quick else SEQS
-    _restrict_flashinfer_fmha_v2()
-    rows = [_row(torch, pfa, ws, s, args.warmup, args.rep, args.fp8, not args.full) for s in seqs]
+    fi, fi_error = import_flashinfer()
+    if fi is not None:
+        _restrict_flashinfer_fmha_v2()
+    rows = [_row(torch, pfa, ws, s, args.warmup, args.rep, args.fp8, not args.full, fi) for s in seqs]
     fmt = lambda x, spec=".1f": "-" if x is None else format(x, spec)  # noqa: E731
     inputs = "e4m3 -> bf16" if args.fp8 else "bf16"
     print(f"TRT-LLM prefill, {inputs}, {'no mask' if args.full else 'causal'}, {TOKENS} tokens, {HIDDEN // HD} heads x {HD}, page {PAGE} "
           f"({torch.cuda.get_device_name()}): TFLOP/s")
     head = (f"{'seq':>6} {'B':>3} | {'cudnn':>6} {'contig':>6} {'paged':>6} {'context':>7} {'fi fmha2':>8} | "
             f"{'contig/cudnn':>12} {'contig/fi':>9} {'paging cost':>11} {'context cost':>12}")
+    if fi_error:
+        print(f"# FlashInfer not timed: {fi_error}")
     print(head + "\n" + "-" * len(head))
     for r in rows:
         ratio = lambda a, b: None if r[a] is None or r[b] is None else r[a] / r[b]  # noqa: E731

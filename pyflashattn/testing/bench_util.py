@@ -12,7 +12,7 @@ import statistics
 import time
 
 __all__ = ["bench_ms", "bench_samples_ms", "host_overhead_us", "host_overhead_interleaved_us",
-           "interleaved_median_ms", "short_error", "gpu_warmup", "L2_FLUSH_BYTES"]
+           "interleaved_median_ms", "short_error", "import_flashinfer", "gpu_warmup", "L2_FLUSH_BYTES"]
 
 L2_FLUSH_BYTES = 256 << 20
 
@@ -127,6 +127,21 @@ def gpu_warmup(seconds: float = 1.0, device=None) -> None:
 def short_error(e: BaseException, limit: int = 200) -> str:
     """One line naming an exception, for a benchmark row's error list."""
     return f"{type(e).__name__}: {e}".replace("\n", " ")[:limit]
+
+
+def import_flashinfer():
+    """(the flashinfer module, None) for the benches' same-run comparisons, or (None, why it is not
+    timed): switched off by PFA_BENCH_FLASHINFER=0, or the import's error (a missing module, or a
+    broken install, which the report names instead of silently leaving FlashInfer's rows out)."""
+    import os
+
+    if os.environ.get("PFA_BENCH_FLASHINFER", "1") == "0":
+        return None, "PFA_BENCH_FLASHINFER=0"
+    try:
+        import flashinfer
+    except Exception as e:  # noqa: BLE001 - any import failure: the run goes on without it
+        return None, short_error(e)
+    return flashinfer, None
 
 
 def interleaved_median_ms(timers: dict, warmup: int, rep: int, errors: list, rounds: int = 3) -> dict:
