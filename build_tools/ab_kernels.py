@@ -32,7 +32,7 @@ import pathlib
 import statistics
 import sys
 
-CASES = ("prefill", "fp8", "batch", "decode")
+CASES = ("prefill", "fp8", "batch", "decode", "trtllm")
 # Outputs of the two builds further apart than this (relative, or any unwritten element) flag the
 # case: a kernel change that only reorders arithmetic stays far below it (bf16 rounding ~4e-3 an
 # element); a before kernel running under a grid it was not written for does not.
@@ -215,11 +215,43 @@ def decode_cases(torch, pfa):
     # #18's other shape: one request of 32768 keys, split over every SM and merged (the same cache's
     # pages, read as one long request)
     kv1 = 32768
-    bt1, sl1 = bt.view(1, -1)[:, :kv1 // dx.PAGE_SIZE].contiguous(), torch.full((1,), kv1, dtype=torch.int32, device="cuda")
+    bt1 = bt.view(1, -1)[:, :kv1 // dx.PAGE_SIZE].contiguous()
+    sl1 = torch.full((1,), kv1, dtype=torch.int32, device="cuda")
     q1, out1 = q[:1].clone(), torch.empty_like(q[:1])
     for kind, cache in (("bf16", wide), ("fp8", wide.to(torch.float8_e4m3fn))):
         yield (f"xqa {kind} B=1 x {kv1}", 2 * kv1 * dx.HKV * hd * cache.element_size(), "TB/s",
                lambda c=cache: xqa(q1, c, ws, bt1, sl1, kv1, bmm1_scale=hd**-0.5, out=out1))
+
+
+def trtllm_cases(torch, pfa):
+    """bench trtllm's rows at 4 x 4096 and 1 x 16384 tokens, causal, 16 heads x 128: trtllm_fmha_v2_prefill
+    over CONTIGUOUS_Q_KV and Q_PAGED_KV_HND (page 32), bf16 inputs and e4m3 inputs into a bf16
+    output (#20's paging cost and e4m3 rows; the e4m3 paged rows run a CTA a block)."""
+    from pyflashattn.bench import trtllm as bt
+
+    ws = torch.zeros(256 << 20, dtype=torch.uint8, device="cuda")
+    h = bt.HIDDEN // bt.HD
+    for s in (4096, 16384):
+        b = bt.TOKENS // s
+        q, k, v, cum, sl, cache, table = bt._inputs(torch, b, s)
+        flops = 4 * b * h * s * s * bt.HD / 2
+        for fp8 in (False, True):
+            qq, kk, vv, cc = (x.to(torch.float8_e4m3fn) for x in (q, k, v, cache)) if fp8 else (q, k, v, cache)
+            kv = torch.stack([kk, vv], 1)
+            out = torch.empty(b * s, h, bt.HD, dtype=torch.bfloat16, device="cuda")
+            common = dict(workspace_buffer=ws, seq_lens=sl, max_q_len=s, max_kv_len=s, bmm1_scale=bt.HD**-0.5,
+                          bmm2_scale=1.0, batch_size=b, cum_seq_lens_q=cum, cum_seq_lens_kv=cum, mask_mode="causal",
+                          out=out, out_dtype=torch.bfloat16)
+            tag = f"{'e4m3' if fp8 else 'bf16'} {b}x{s} causal"
+            yield (f"trtllm contig {tag}", flops, "TFLOP/s",
+                   lambda qq=qq, kv=kv, c=common: pfa.prefill.trtllm_fmha_v2_prefill((qq, kv), "CONTIGUOUS_Q_KV", **c))
+            yield (f"trtllm paged {tag}", flops, "TFLOP/s",
+                   lambda qq=qq, cc=cc, t=table, c=common: pfa.prefill.trtllm_fmha_v2_prefill(
+                       (qq, cc), "Q_PAGED_KV_HND", block_tables=t, **c))
+
+
+GENERATORS = {"prefill": prefill_cases, "fp8": fp8_cases, "batch": batch_cases, "decode": decode_cases,
+              "trtllm": trtllm_cases}
 
 
 def compare_outputs(torch, swap: BeforeKernels, fn) -> float:
@@ -266,7 +298,7 @@ def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--before", required=True, type=pathlib.Path, help="the before build's cubins/ directory")
     ap.add_argument("--cases", default="prefill,batch", help="comma-separated: " + ", ".join(CASES)
-                    + " (decode: XQA's rows, not yet run on a GPU)")
+                    + " (trtllm: not yet run on a GPU)")
     ap.add_argument("--pairs", type=int, default=40)
     ap.add_argument("--json", type=pathlib.Path)
     args = ap.parse_args(argv)
@@ -287,8 +319,7 @@ def main(argv=None) -> int:
           f"{'after rate':>16s} {'outputs rel diff':>16s}")
     differ = 0
     for kind in args.cases.split(","):
-        gen = {"prefill": prefill_cases, "fp8": fp8_cases, "batch": batch_cases, "decode": decode_cases}[kind]
-        for name, work, unit, fn in gen(torch, pyflashattn):
+        for name, work, unit, fn in GENERATORS[kind](torch, pyflashattn):
             rel = compare_outputs(torch, swap, fn)
             st = paired_stats(*time_pairs(torch, swap, fn, args.pairs))
             # work: FLOPs (TFLOP/s) or bytes (TB/s), either way / ms / 1e9

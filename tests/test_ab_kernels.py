@@ -34,6 +34,10 @@ def test_outputs_differ_flags_unwritten_elements_and_distance():
     assert not abk.outputs_differ(a * 2, a) <= abk.OUTPUT_TOL
 
 
+def test_every_case_set_has_its_generator():
+    assert set(abk.GENERATORS) == set(abk.CASES)
+
+
 def test_paired_stats_take_each_pairs_ratio():
     st = abk.paired_stats([2.0, 2.2, 1.0, 4.0], [1.0, 2.0, 1.0, 2.0])  # ratios 2, 1.1, 1, 2
     assert st["ratio"] == pytest.approx(1.55) and st["pairs"] == 4
