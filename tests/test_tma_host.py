@@ -554,6 +554,15 @@ def test_persistent_single_prefill_takes_the_streams_counters_and_l2_sections(mo
     first = p.sched
     pyflashattn.single_prefill_with_kv_cache(q, k, v, causal=True, out=T((4096, HQ, D), data=0x400000))
     assert last_attn(env)[3].sched == first  # the stream's counters, made once
+    # a launch without counters (a capture that has none) runs one section, and the next with them
+    # its sections again: the logical grid's divisors follow each time (the fake driver checks them)
+    (plan,) = single._tls.plans.values()
+    plan.run(0x100000, 0x300000, 0x380000, 0x400000, 0, 0, sched=0)
+    p = last_attn(env)[3]
+    assert p.sched == 0 and (p.grid_section, p.grid_section_z) == (p.grid_x, p.grid_z) == (HKV, p.grid_z)
+    plan.run(0x100000, 0x300000, 0x380000, 0x400000, 0, 0)
+    p = last_attn(env)[3]
+    assert p.sched and p.grid_section == 1 and (p.div_x_mul, p.div_x_shift) == (1, 0)  # stream 0's counters
 
 
 def test_rows_fastest_single_prefill_takes_no_sections(monkeypatch):

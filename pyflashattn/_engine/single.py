@@ -176,7 +176,7 @@ class SinglePlan:
 
     __slots__ = ("o_shape", "o_strides", "lse_shape", "dtype", "odt", "o_format", "fp8", "heads", "attn", "merge",
                  "num_chunks", "ws_mask_bytes", "ws_o_bytes", "ws_bytes", "dev", "mask_kind", "mask_bits",
-                 "kv_maps", "tma_geometry", "section", "sectioned", "q_map")
+                 "kv_maps", "tma_geometry", "section", "q_map")
 
     def __init__(self, qv, kv, vv, ov, lv, causal, kv_layout, window_left, sm_scale, opts=options.PLAIN,
                  mask_kind=None, mv=None, o_dtype=None):
@@ -305,7 +305,6 @@ class SinglePlan:
             props, meta, num_kv_heads, kv_len, head_dim, 1 if self.fp8 else self.dtype.bits // 8, row_tile_tiles,
             num_kv_heads * chunks)
         self.section = (section, head_z) if meta.get("persistent") and section else None
-        self.sectioned = False  # whether the params hold self.section's order (run() sets it)
         launch.configure_grid(la, (row_tiles, chunks, num_kv_heads) if rows_fastest else
                               (num_kv_heads, chunks, row_tiles), dev, section, section_z=head_z)
 
@@ -350,10 +349,9 @@ class SinglePlan:
             if sched is None:
                 sched = _cuda.Workspace.counters(self.dev, stream)
             p.sched = sched
-            if bool(sched) != self.sectioned:  # plan() left one section (configure_grid without counters)
-                self.sectioned = bool(sched)
-                params.set_grid_order(p, (p.grid_x, p.grid_y, p.grid_z),
-                                      *(self.section if sched else (p.grid_x, p.grid_z)))
+            order = self.section if sched else (p.grid_x, p.grid_z)  # without counters: one section
+            if (p.grid_section, p.grid_section_z) != order:  # plan() left one section; the divisors follow
+                params.set_grid_order(p, (p.grid_x, p.grid_y, p.grid_z), *order)
         if self.mask_kind == "packed":
             p.custom_mask = mask_view.ptr
         elif self.mask_kind == "bool":
