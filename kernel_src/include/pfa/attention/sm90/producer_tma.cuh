@@ -18,7 +18,7 @@
 // its boxes stay inside the tensors: paged, the boxes of the request's own pages (none past them:
 // the page table ends there); ragged, a box ending within K / V's rows (PrefillParams::kv_tokens;
 // the ragged map's row extent is ROW_EXTENT, so the map itself bounds nothing). Its V boxes land on
-// the tail barrier instead of the stage's; the warp then zeroes V's rows at or past kv_len (a last
+// the tail barrier instead of the stage's; the warpgroup then zeroes V's rows at or past kv_len (a last
 // page's unused slots, the next request's rows, or a box not issued may hold NaN / Inf, and
 // 0 * NaN is NaN in O += P V) and completes the stage itself. K's rows past kv_len need nothing:
 // the consumers mask those keys to -inf whatever S holds. A tail whose box would pass the tensor
@@ -102,19 +102,19 @@ struct ProducerSm90Tma {
     }
   }
 
-  // The tail's V tile: its boxes land on the tail barrier (phase `parity`), then the warp zeroes
-  // rows kv_len - n0 .. BLOCK_N - 1 and completes the stage's `full` barrier (one arrival).
-  static __device__ __forceinline__ void tma_tail_v(const PrefillParams& p, const PrefillWork& w, uint32_t s_tile,
-                                                    uint32_t tail, uint32_t parity, uint32_t full, int n0, int rows,
-                                                    int32_t id, int box, int col, int lane, uint64_t policy) {
-    tma_tile(p, w, s_tile, &p.v_tmap, tail, n0, rows, live_boxes(w, rows, n0), id, box, col, lane, policy);
+  // The tail's V tile, once warp 0 has issued its boxes on the tail barrier (phase `parity`): the
+  // whole warpgroup waits for them, zeroes rows kv_len - n0 .. BLOCK_N - 1 (a quarter each: with
+  // warp 0 alone the zeroing held the consumers' last P V and warp 0's next block, NOTES.md
+  // session 31) and completes the stage's `full` barrier (one arrival).
+  static __device__ __forceinline__ void tail_v_zero(const PrefillWork& w, uint32_t s_tile, uint32_t tail,
+                                                     uint32_t parity, uint32_t full, int n0, int tid) {
     ptx::mbar_wait(tail, parity);
 #pragma unroll 1
-    for (int i = (w.kv_len - n0) * CPR + lane; i < BLOCK_N * CPR; i += 32)
+    for (int i = (w.kv_len - n0) * CPR + tid; i < BLOCK_N * CPR; i += Cfg::WG_THREADS)
       ptx::st_shared_zero16(s_tile + Cfg::swz(BLOCK_N, i / CPR, i % CPR));
     ptx::fence_proxy_async();  // the wgmma reads the zeroed rows through the async proxy
-    __syncwarp();
-    if (lane == 0) ptx::mbar_arrive(full);
+    ptx::bar_sync(Cfg::PRODUCER_BAR, Cfg::WG_THREADS);
+    if (tid == 0) ptx::mbar_arrive(full);
   }
 
   // Paged, the copy path: lane l holds the page ids (K's or V's table, as box_page_id) of rows l,
@@ -200,7 +200,7 @@ struct ProducerSm90Tma {
       const uint32_t free_parity = walk.phase<STAGES>(it) ^ 1;
       const int n0 = w.tile_start + it * BLOCK_N;
       const bool tma = by_tma(p, w, rows, n0), tail = n0 + BLOCK_N > w.kv_len;
-      if (warp != 0 && tma) continue;  // warps 1..3 take part in the copied tiles only (never a TMA tail)
+      if (warp != 0 && tma && !tail) continue;  // warps 1..3: the copied tiles and a TMA tail's zeroing
       // the next tile's page ids, loaded while this tile waits for its stage
       int32_t next = 0, next_v = 0;
       if (PAGED && warp == 0 && it + 1 < w.num_tiles && by_tma(p, w, rows, n0 + BLOCK_N)) {
@@ -211,15 +211,16 @@ struct ProducerSm90Tma {
       const uint32_t k_tile = base + Cfg::K_OFFSET + s * Cfg::KV_TILE_BYTES;
       const uint32_t v_tile = base + Cfg::V_OFFSET + s * Cfg::KV_TILE_BYTES;
       if (tma) {
-        ptx::mbar_wait(Cfg::k_empty(base, s), free_parity);
-        tma_tile(p, w, k_tile, &p.k_tmap, Cfg::k_full(base, s), n0, rows, tail ? live_boxes(w, rows, n0) : all_boxes,
-                 id, box, col, lane, keep);
-        ptx::mbar_wait(Cfg::v_empty(base, s), free_parity);
-        if (!tail)
-          tma_tile(p, w, v_tile, &p.v_tmap, Cfg::v_full(base, s), n0, rows, all_boxes, id_v, box, col, lane, keep);
-        else
-          tma_tail_v(p, w, v_tile, tail_bar, walk.tails & 1, Cfg::v_full(base, s), n0, rows, id_v, box, col, lane,
-                     keep);
+        if (warp == 0) {
+          ptx::mbar_wait(Cfg::k_empty(base, s), free_parity);
+          tma_tile(p, w, k_tile, &p.k_tmap, Cfg::k_full(base, s), n0, rows,
+                   tail ? live_boxes(w, rows, n0) : all_boxes, id, box, col, lane, keep);
+          ptx::mbar_wait(Cfg::v_empty(base, s), free_parity);
+          // the tail's V lands on the tail barrier: the warpgroup zeroes past kv_len, then completes it
+          tma_tile(p, w, v_tile, &p.v_tmap, tail ? tail_bar : Cfg::v_full(base, s), n0, rows,
+                   tail ? live_boxes(w, rows, n0) : all_boxes, id_v, box, col, lane, keep);
+        }
+        if (tail) tail_v_zero(w, v_tile, tail_bar, walk.tails & 1, Cfg::v_full(base, s), n0, tid);
       } else {
         int32_t ids[ID_REGS];
         if (PAGED) row_page_ids<false>(p, w, n0, lane, ids);
