@@ -352,7 +352,8 @@ class HopperFp8PrefillVariant(Sm90Roles):
 
     def __post_init__(self):
         if self.persistent is None:
-            object.__setattr__(self, "persistent", HOPPER_FP8_PERSISTENT[self.head_dim] and not self.paged)
+            table = HOPPER_FP8_PERSISTENT_PAGED if self.paged else HOPPER_FP8_PERSISTENT
+            object.__setattr__(self, "persistent", table[self.head_dim])
 
     @property
     def smem_bytes(self):
@@ -408,10 +409,13 @@ HOPPER_FP8_TILES = {64: (3, 2, True), 128: (2, 2, True), 256: (2, 2, False)}
 # at 1k (a power-of-two length leaves a partial last tile), about even elsewhere.
 HOPPER_FP8_TUNE_TILES = [(128, 192, True)]
 # head_dim -> whether the fp8 rows are persistent (as HOPPER_PERSISTENT; hd256's serial consumers
-# hold a 128-register O, as the 16-bit hd256 row that spilled with the walk's state). The paged fp8
-# rows stay a CTA a block: persistent, their producer spilled in its copy loop and long paged
-# prefills lost 4-9% (NOTES.md, session 20).
+# hold a 128-register O, as the 16-bit hd256 row that spilled with the walk's state).
 HOPPER_FP8_PERSISTENT = {64: True, 128: True, 256: False}
+# The paged fp8 rows: hd128 persistent, its producer at 56 registers (fp8_config.cuh; at 40 its copy
+# loop spilled and long paged prefills lost 4-9%, NOTES.md sessions 20 and 30; at 56, against a CTA
+# a block, TRT-LLM paged e4m3 1k / 4k / 16k causal +19 / +6 / +2%, session 32); hd64 (three
+# consumers, a 32-register producer) stays a CTA a block.
+HOPPER_FP8_PERSISTENT_PAGED = {64: False, 128: True, 256: False}
 # The fp8 rows' TMA twins (K and raw V by boxes): head dims with whole 128-byte rows, and per
 # storage whether they ship (routing.kv_load_pair runs a shipped twin wherever TMA can address
 # the call's K/V; a tune row only under PFA_SM90_KV_LOAD=tma). The paged twins: a box a page, warp 0
@@ -451,8 +455,10 @@ HOPPER_TILES_ALT = {64: (128, 2, 2)}
 # cp.async: since the rows became persistent, the owned-row copies beat the TMA twin at every page
 # size measured (NOTES.md, session 19: TRT-LLM paged HND page 32, 1k-16k causal, 1.03-1.23x).
 HOPPER_KV_LOAD = {"ragged": "tma", "paged": "cpasync"}
-# Alternatives for `make TUNE=1`: FA3's non-causal hd128 tile (176 keys), a third K/V stage at hd128,
-# two consumers (128 rows) at hd64.
+# Alternatives for `make TUNE=1`, each with its TMA twin: FA3's non-causal hd128 tile (176 keys; Q
+# from shared memory, ConsumerSm90::Q_REGS), a third K/V stage at hd128, two consumers (128 rows) at
+# hd64. 176 and 144 keys (Q in registers) ran 0.83-0.99x the 128-key TMA row at 4k-16k (NOTES.md,
+# session 32).
 HOPPER_TUNE_TILES = [(128, (176, 2, 2)), (128, (128, 2, 3)), (64, (128, 2, 3))]
 
 
@@ -689,7 +695,8 @@ def variants(tune=False):
         if tune:
             out += [HopperPrefillVariant(dtype, hd, *tile, pingpong=False, tune=True)
                     for hd, tile in HOPPER_TILES.items()]
-            out += [HopperPrefillVariant(dtype, hd, *tile, tune=True) for hd, tile in HOPPER_TUNE_TILES]
+            out += [HopperPrefillVariant(dtype, hd, *tile, tma=tma, tune=True) for hd, tile in HOPPER_TUNE_TILES
+                    for tma in (False, True)]
         out += [MergeVariant(dtype), MergeVariant(dtype, cta_per_row=True)]
     out += [HopperFp8PrefillVariant(hd, *tile, paged=paged) for paged in (False, True)
             for hd, tile in HOPPER_FP8_TILES.items()]

@@ -271,8 +271,8 @@ def test_fp8_rows_of_the_variant_table():
         assert v.archs == ("sm_90a",) and v.smem_bytes <= variants.SMEM_OPTIN["sm_90a"]
         assert v.manifest()["dtype"] == v.manifest()["kv_dtype"] == E4M3.short
         assert v.manifest()["paged"] == v.paged and ("_paged" in v.name) == v.paged
-        # persistent (the scheduler's walk) where variants.HOPPER_FP8_PERSISTENT says so, never paged
-        want = variants.HOPPER_FP8_PERSISTENT[v.head_dim] and not v.paged
+        # persistent (the scheduler's walk) where variants.HOPPER_FP8_PERSISTENT(_PAGED) says so
+        want = (variants.HOPPER_FP8_PERSISTENT_PAGED if v.paged else variants.HOPPER_FP8_PERSISTENT)[v.head_dim]
         assert v.manifest()["persistent"] == v.persistent == want
         assert v.name.removesuffix("_tma").endswith("_ps") == v.persistent
         # the TMA twins: rows of whole 128-byte rows, a twin's tile (and persistence: a plan falls

@@ -395,8 +395,10 @@ def test_only_the_hd64_hd128_sm90_rows_are_persistent():
         if isinstance(v, (variants.HopperPrefillVariant, variants.HopperFp8PrefillVariant)):
             table = (variants.HOPPER_PERSISTENT if isinstance(v, variants.HopperPrefillVariant)
                      else variants.HOPPER_FP8_PERSISTENT)
-            fp8_paged = isinstance(v, variants.HopperFp8PrefillVariant) and v.paged  # a CTA a block
-            assert v.persistent is (table[v.head_dim] and not fp8_paged) is (v.head_dim != 256 and not fp8_paged)
+            fp8_paged = isinstance(v, variants.HopperFp8PrefillVariant) and v.paged
+            if fp8_paged:
+                table = variants.HOPPER_FP8_PERSISTENT_PAGED
+            assert v.persistent is table[v.head_dim] is (v.head_dim == 128 if fp8_paged else v.head_dim != 256)
             assert ("_ps" in v.name) is v.persistent
             assert v.manifest()["persistent"] is v.persistent
 

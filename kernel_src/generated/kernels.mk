@@ -335,7 +335,7 @@ KERNELS_sm_90a := \
   pfa_prefill_sm90_e4m3_hd128_m128n128c2s2_pp_ps \
   pfa_prefill_sm90_e4m3_hd256_m128n128c2s2_pp_serial \
   pfa_prefill_sm90_e4m3_hd64_m192n128c3s2_pp_paged \
-  pfa_prefill_sm90_e4m3_hd128_m128n128c2s2_pp_paged \
+  pfa_prefill_sm90_e4m3_hd128_m128n128c2s2_pp_paged_ps \
   pfa_prefill_sm90_e4m3_hd256_m128n128c2s2_pp_serial_paged \
   pfa_prefill_sm90_e4m3_hd128_m128n128c2s2_pp_ps_tma \
   pfa_prefill_sm90_e4m3_hd256_m128n128c2s2_pp_serial_tma \

@@ -174,7 +174,9 @@ struct ConsumerSm90 {
   // producer's K / V writes (~110 of its 128 B a clock at the tensor cores' peak, hd128); Q is
   // ~20% of the reads. The fragments replace the S GEMM's 8 Q descriptors; the Q tile is free for
   // the next work item's Q once the item's first S GEMM has read them (release_q).
-  static constexpr bool Q_REGS = HEAD_DIM <= 128 && Cfg::CONSUMERS == 2;  // three consumers (160 registers) spill
+  // Three consumers (160 registers) spill; so do S, P, O and Q's fragments of a longer tile (176
+  // keys: 88 + 44 + 64 + 32 of 232, and ptxas serialises the wgmma).
+  static constexpr bool Q_REGS = HEAD_DIM <= 128 && Cfg::CONSUMERS == 2 && BLOCK_N <= 128;
   using QFrags = uint32_t[Q_REGS ? QK_STEPS : 1][4];
 
   // FlashAttention-3's order inside a turn: the S GEMM issued, then O's rescale (for the previous

@@ -35,11 +35,15 @@ constexpr int sm90_fp8_bar_offset(int head_dim, int consumers, int stages, int b
   return consumers * 64 * row_pad + stages * block_n * row_pad + stages * head_dim * vt_row + 2 * block_n * row_pad;
 }
 
+// The paged rows' producer (two consumers: hd128) takes 56 registers, as the 16-bit paged rows'
+// (sm90_producer_regs): persistent, its owned-row copy loop spilled at 40.
 template <int HEAD_DIM_, int CONSUMERS_, int STAGES_, bool PAGED_, bool PERSISTENT_ = false, bool TMA_ = false,
           int BLOCK_N_ = 128>
 struct PrefillSm90Fp8Config
-    : Sm90Pipeline<CONSUMERS_, STAGES_, sm90_fp8_bar_offset(HEAD_DIM_, CONSUMERS_, STAGES_, BLOCK_N_)> {
-  using Base = Sm90Pipeline<CONSUMERS_, STAGES_, sm90_fp8_bar_offset(HEAD_DIM_, CONSUMERS_, STAGES_, BLOCK_N_)>;
+    : Sm90Pipeline<CONSUMERS_, STAGES_, sm90_fp8_bar_offset(HEAD_DIM_, CONSUMERS_, STAGES_, BLOCK_N_),
+                   sm90_producer_regs(CONSUMERS_, false, PAGED_ && HEAD_DIM_ <= 128)> {
+  using Base = Sm90Pipeline<CONSUMERS_, STAGES_, sm90_fp8_bar_offset(HEAD_DIM_, CONSUMERS_, STAGES_, BLOCK_N_),
+                            sm90_producer_regs(CONSUMERS_, false, PAGED_ && HEAD_DIM_ <= 128)>;
   using Base::ATOM_BYTES, Base::BAR_OFFSET, Base::BLOCK_M, Base::NUM_BARRIERS, Base::ROW_BYTES, Base::STAGES;
   using Elem = __nv_fp8_e4m3;  // Q, K, V
   using VElem = Elem;          // (P and V of the P V GEMM: as the 16-bit configuration's)

@@ -37,7 +37,9 @@ struct Sm90Walk {
 // flight), and for the paged 16-bit rows up to hd128. Their producer compiles to the same code at
 // 56; it is their consumers, scheduled by ptxas for 224 registers, that ran paged batches 6-9%
 // faster (NOTES.md, session 31). The contiguous rows' consumers ran single prefill 1-2% slower at
-// 224, so they keep 40, as do the hd256 paged rows (their skip twin's consumer spills grow).
+// 224, so they keep 40, as do the hd256 paged rows (their skip twin's consumer spills grow). The
+// paged e4m3 hd128 row takes 56 too (fp8_config.cuh): persistent, its producer spilled in the copy
+// loop at 40 (NOTES.md, session 32).
 constexpr int sm90_producer_regs(int consumers, bool widens = false, bool paged = false) {
   return consumers == 2 ? (widens || paged ? 56 : 40) : 32;
 }
