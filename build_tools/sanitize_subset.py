@@ -4,7 +4,7 @@
 
 One call each: sm90 single prefill (TMA K/V, causal, partial tiles: the tail copied; and with more
 row tiles than SMs, so persistent CTAs walk several blocks), sm90 paged
-batch by the cp.async producer's owned-row copies (pages 16, 64 and 8, shuffled; with PFA_SM90_KV_LOAD=tma
+batch by the cp.async producer's owned-row copies (pages 16, 64 and 8, shuffled, NHD and HND; with PFA_SM90_KV_LOAD=tma
 and a `make TUNE=1` build, page 16 by TMA boxes), sm90 ragged batch with split KV and its merge (TMA,
 a tail box with V's rows zeroed), a bf16 query over fp8 caches (paged and ragged: the sm90 rows
 that widen raw one-byte tiles), sm90 fp8 prefill, single and over a paged fp8 cache (by
@@ -60,6 +60,10 @@ def main():
         wp = pyflashattn.BatchPrefillWithPagedKVCacheWrapper(ws, "NHD")
         wp.plan(qo, indptr, perm.numpy(), last, 8, 2, 128, ps, causal=True, q_data_type=BF16)
         finite(f"paged page {ps} ({wp._engine.attn.name})", wp.run(q[:130], cache))
+        # HND: a kv head's slots of a page back to back, the copies' dense runs (16: 2, 64: 8)
+        wh = pyflashattn.BatchPrefillWithPagedKVCacheWrapper(ws, "HND")
+        wh.plan(qo, indptr, perm.numpy(), last, 8, 2, 128, ps, causal=True, q_data_type=BF16)
+        finite(f"paged HND page {ps} ({wh._engine.attn.name})", wh.run(q[:130], cache.transpose(2, 3).contiguous()))
     e4 = torch.float8_e4m3fn
     # a bf16 q over an fp8 cache: the sm90 rows that copy raw one-byte tiles and widen them
     # (widen_producer.cuh), paged (e4m3, the last page size's cache) and ragged (e5m2) walking
