@@ -453,7 +453,8 @@ HOPPER_TILES_ALT = {64: (128, 2, 2)}
 # routing then prefers it: pyflashattn/_engine/routing.kv_load_pair), else a tune row (`make TUNE=1`,
 # run by PFA_SM90_KV_LOAD=tma for A/B runs). Flip an entry to ship TMA for that storage. Paged ships
 # cp.async: since the rows became persistent, the owned-row copies beat the TMA twin at every page
-# size measured (NOTES.md, session 19: TRT-LLM paged HND page 32, 1k-16k causal, 1.03-1.23x).
+# size measured (NOTES.md, session 19: TRT-LLM paged HND page 32, 1k-16k causal, 1.03-1.23x;
+# session 32, 16 x 512-4096 NHD: the twin 0.75-0.79x at page 16, 0.88-0.89x at 32, 0.94-0.98x at 64).
 HOPPER_KV_LOAD = {"ragged": "tma", "paged": "cpasync"}
 # Alternatives for `make TUNE=1`, each with its TMA twin: FA3's non-causal hd128 tile (176 keys; Q
 # from shared memory, ConsumerSm90::Q_REGS), a third K/V stage at hd128, two consumers (128 rows) at

@@ -112,10 +112,10 @@ def tma_fits(paged: bool, page_size: int, block_n: int, total_kv: int) -> bool:
 # That tile now goes by TMA too where its boxes stay inside K / V (producer_tma.cuh).
 TMA_MIN_TILES = 8
 # Paged TMA pays from boxes of PAGED_TMA_MIN_BOX_ROWS rows: a page of 16 rows is a box of 16 rows,
-# 32 boxes a 128-key tile, and the TMA unit, not memory, then limits the kernel. Same run, H200,
-# 16 x 512-4096, 32/8, hd128, NHD, TMA / the cp.async producer's owned-row copies (full / causal):
-# page 16 0.91 / 0.94, page 32 1.03 / 1.02; the TRT-LLM context API (page 32, HND, 1 x 16k causal)
-# 1.10x.
+# 32 boxes a 128-key tile, and the TMA unit, not memory, then limits the kernel. (Measured against
+# the owned-row copies before those became persistent and ran in page runs; since, the paged twins
+# are tune rows, variants.HOPPER_KV_LOAD, and ran 0.75-0.98x the copies at pages 16-64: NOTES.md,
+# session 32. The rule applies where a TUNE build and PFA_SM90_KV_LOAD=tma run them.)
 PAGED_TMA_MIN_BOX_ROWS = 32
 
 
