@@ -93,10 +93,9 @@ def configure_grid(la, grid: tuple[int, int, int], dev: int, section: int = 0, s
     persistent = bool(la.meta.get("persistent"))
     p.sched = sched if persistent else 0
     sectioned = 0 < section < grid[0] and (p.sched or not persistent)
-    if sectioned:
-        _params.set_grid_order(p, grid, section, min(max(section_z, 0), grid[2]))
-    else:
-        _params.set_grid_order(p, grid, grid[0], grid[2])
+    # one section: every x value together, every z value in it
+    _params.set_grid_order(p, grid, section if sectioned else grid[0],
+                           min(max(section_z, 0), grid[2]) if sectioned else grid[2])
     if persistent:
         blocks = min(blocks, _cuda.properties(dev)["sm_count"] * la.meta["ctas_per_sm"])
     la.configure((max(1, blocks), 1, 1))

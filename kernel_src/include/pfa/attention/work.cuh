@@ -49,6 +49,15 @@ struct PrefillWork {
   int num_tiles;          // BLOCK_N tiles to visit (0: nothing visible, the CTA writes empty rows)
 };
 
+// Packed row r's query row within the request (token) and its query head.
+struct PackedRow {
+  int token, head;
+};
+__device__ __forceinline__ PackedRow packed_row(const PrefillParams& p, const PrefillWork& w, int r) {
+  const int token = group_div(p, r);
+  return {token, w.kv_head * w.group + r - token * w.group};
+}
+
 // Batch plan: overwrite the single-request defaults with work item `item`'s request, row tile and
 // chunk. False for a padding item (fixed-size CUDA-graph grids pad the list with request -1).
 // MASKED: the kernel honours a custom mask (GENERAL, or SPEC: speculative-decoding masks only).

@@ -51,7 +51,7 @@ struct EpilogueSm90 {
     for (int i = 0; i < 2; ++i) {
       const int r = w.r0 + tile_row[i];
       if (r >= w.rows_total) continue;
-      const int token = group_div(p, r), head = w.kv_head * w.group + r - token * w.group;
+      const auto [token, head] = packed_row(p, w, r);
       if (w.num_chunks == 1) {  // e4m3 (16-bit formats: store_16bit)
         float f = 1.f;
         if (p.sinks != 0) f = sink_factor(reinterpret_cast<const float*>(p.sinks)[head], lse[i]);
@@ -97,7 +97,7 @@ struct EpilogueSm90 {
     for (int i = 0; i < 2; ++i) {
       const int r = w.r0 + tile_row[i];
       const bool live = r < w.rows_total;
-      const int token = group_div(p, r), head = w.kv_head * w.group + r - token * w.group;
+      const auto [token, head] = packed_row(p, w, r);
       float f = 1.f;
       if (live && p.sinks != 0) f = sink_factor(reinterpret_cast<const float*>(p.sinks)[head], lse[i]);
       char* row = reinterpret_cast<char*>(p.o) + 2 * output_offset(p, w, token, head);
@@ -150,7 +150,7 @@ struct EpilogueSm90 {
     for (int i = 0; i < 2; ++i) {
       const int r = w.r0 + tile_row[i];
       const bool live = r < w.rows_total;
-      const int token = group_div(p, r), head = w.kv_head * w.group + r - token * w.group;
+      const auto [token, head] = packed_row(p, w, r);
       const float f = p.sinks != 0 ? sink_factor(reinterpret_cast<const float*>(p.sinks)[head], lse[i]) : 1.f;
       // byte offset of the row's first code pair; lane q stores column tiles 4c + q
       const int64_t row_byte = output_offset(p, w, token, head) >> 1;

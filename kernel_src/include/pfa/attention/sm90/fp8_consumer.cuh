@@ -63,7 +63,7 @@ struct ConsumerSm90Fp8 : ConsumerSm90<Cfg, PINGPONG, false> {
     if (p.k_scale_heads != 0) base *= reinterpret_cast<const float*>(p.k_scale_heads)[w.kv_head];
 #pragma unroll
     for (int i = 0; i < 2; ++i) {
-      const int r_i = w.r0 + r.tile_row[i], head = w.kv_head * w.group + r_i - group_div(p, r_i) * w.group;
+      const int head = packed_row(p, w, w.r0 + r.tile_row[i]).head;
       scale[i] = p.q_scale_heads != 0 ? base * reinterpret_cast<const float*>(p.q_scale_heads)[head] : base;
     }
   }
