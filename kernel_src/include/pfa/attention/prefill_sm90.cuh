@@ -62,7 +62,8 @@ struct PrefillSm90 : PrefillSm90Config<T, HEAD_DIM, BLOCK_N, CONSUMERS, STAGES, 
         },
         [&](const PrefillWork& w, uint32_t base, int wg, int tid, const Sm90Walk& walk) {
           consume(p, w, base, wg, tid, walk);
-        });
+        },
+        [&](int wg, const Sm90Walk& walk) { Consumer::walk_done(wg, walk); });
   }
 };
 

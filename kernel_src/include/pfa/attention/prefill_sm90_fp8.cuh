@@ -72,7 +72,8 @@ struct PrefillSm90Fp8 : PrefillSm90Fp8Config<HEAD_DIM, CONSUMERS, STAGES, PAGED,
         },
         [&](const PrefillWork& w, uint32_t base, int wg, int tid, const Sm90Walk& walk) {
           consume(p, w, base, wg, tid, walk);
-        });
+        },
+        [&](int wg, const Sm90Walk& walk) { Consumer::walk_done(wg, walk); });
   }
 };
 

@@ -182,11 +182,12 @@ struct ConsumerSm90 {
   // FlashAttention-3's order inside a turn: the S GEMM issued, then O's rescale (for the previous
   // tile's max) and V's wait, then the P V GEMM. The rescale's multiplies run under the S GEMM
   // instead of in the stretch after the softmax, where the tensor pipe idles unless the other
-  // consumer issues. Not for the paged rows, whose owned-row cp.async producer fills V later in
-  // the turn (the wait would hold the turn: 0.98x), nor hd64, whose rescale is short (0.995x);
-  // hd128 / hd256 single and ragged measured 1.01-1.035x (NOTES.md, session 28). Nor the fp8-K/V
-  // rows, whose producer widens V last in the turn, as the paged copies fill it.
-  static constexpr bool RESCALE_IN_TURN = !Cfg::PAGED && !Cfg::KV_FP8 && HEAD_DIM >= 128;
+  // consumer issues. hd128 / hd256 single and ragged measured 1.01-1.035x (NOTES.md, session 28);
+  // the paged rows, 0.98x then (their copies filled V late in the turn), have had it since their
+  // producer copies a tile in page runs a tile ahead: TRT-LLM's paged HND +1.4-1.7%, bench batch's
+  // NHD page 16 even (session 33). Not hd64, whose rescale is short (0.995x), nor the fp8-K/V rows,
+  // whose producer widens V last in the turn.
+  static constexpr bool RESCALE_IN_TURN = !Cfg::KV_FP8 && HEAD_DIM >= 128;
 
   // The warpgroup's Q rows as the A fragments of the S GEMM's k-steps (ldmatrix from the
   // 128-byte-swizzled tile: chunk c of row t at c ^ (t % 8), column blocks of 128 bytes), a k-step
@@ -264,8 +265,9 @@ struct ConsumerSm90 {
     const Turns turn{wg};
     const int n = w.num_tiles;
     if (n == 0) return;
-    // consumer 0 takes the first turn, given by the last one
-    if (PINGPONG && wg == Cfg::CONSUMERS - 1) ptx::bar_arrive(1, 2 * Cfg::WG_THREADS);
+    // consumer 0 takes the walk's first turn, given by the last one; later blocks' first turns
+    // come from the last consumer's last pass of the block before (see walk_done)
+    if (PINGPONG && wg == Cfg::CONSUMERS - 1 && walk.q_round == 0) ptx::bar_arrive(1, 2 * Cfg::WG_THREADS);
     // No proxy fence after the waits: a cp.async's arrival on an mbarrier (cp_async_mbar_arrive)
     // makes its writes visible to the waiting threads' wgmma, as FlashAttention-3's cp.async
     // producer relies on.
@@ -335,11 +337,20 @@ struct ConsumerSm90 {
     ptx::wgmma_fence();
     if (!SKIP || pv_prev) issue_pv(o, a, base + Cfg::V_OFFSET + last * Cfg::KV_TILE_BYTES);
     ptx::wgmma_commit();
-    if (wg != Cfg::CONSUMERS - 1) turn.pass();  // the last consumer's last pass would meet no take
+    turn.pass();  // the last consumer's: consumer 0's first turn of the next block (walk_done)
     ptx::wgmma_wait<0>();
     ptx::wgmma_fence_regs(o);
     ptx::wgmma_keep_regs(a);
     if (lane == 0) ptx::mbar_arrive(Cfg::v_empty(base, last));
+  }
+
+  // After the CTA's last block. The turn runs on across blocks: the last consumer passes it on
+  // after each block's last P V, so consumer 0 can issue the next block's first S while the others
+  // finish this one (before, the last consumer gave it only once into the next block: consumer 0
+  // waited for its epilogue and work decode). Consumer 0 takes the walk's last pass here, so
+  // every arrival on a turn's barrier meets its wait.
+  static __device__ __forceinline__ void walk_done(int wg, const Sm90Walk& walk) {
+    if (PINGPONG && wg == 0 && walk.q_round > 0) Turns{0}.take();
   }
 };
 

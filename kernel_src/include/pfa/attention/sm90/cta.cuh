@@ -21,13 +21,17 @@
 
 namespace pfa {
 
+struct NoWalkEnd {
+  __device__ __forceinline__ void operator()(int, const Sm90Walk&) const {}
+};
+
 // produce(w, base, tid, walk): the producer warpgroup; consume(w, base, wg, tid, walk): consumer
 // wg (0 .. CONSUMERS - 1), tid its thread within the warpgroup, walk its Sm90Walk (advanced here
-// after each block). base: the shared window's address of the dynamic shared memory, rounded up to
-// the swizzle atom.
-template <class Cfg, class Produce, class Consume>
+// after each block); walk_done(wg, walk): consumer wg after its CTA's last block. base: the shared
+// window's address of the dynamic shared memory, rounded up to the swizzle atom.
+template <class Cfg, class Produce, class Consume, class WalkDone = NoWalkEnd>
 __device__ __forceinline__ void run_warp_specialized_cta(const PrefillParams& p, char* smem, Produce produce,
-                                                         Consume consume) {
+                                                         Consume consume, WalkDone walk_done = {}) {
   // As the sm80 kernel: the merge may launch early; nothing is read before the grid ahead is done.
   ptx::allow_dependents();
   ptx::wait_prior_grids();
@@ -50,6 +54,8 @@ __device__ __forceinline__ void run_warp_specialized_cta(const PrefillParams& p,
     } else {
       ptx::setmaxnreg_inc<Cfg::CONSUMER_REGS>();
       consume(w, base, wg - 1, tid % Cfg::WG_THREADS, walk);
+      walk.advance(w.num_tiles);
+      walk_done(wg - 1, walk);
     }
   } else {
     using Sched = Sm90TileScheduler<Cfg>;
@@ -74,6 +80,7 @@ __device__ __forceinline__ void run_warp_specialized_cta(const PrefillParams& p,
         role(w, walk);
         walk.advance(w.num_tiles);
       }
+      return walk;
     };
     if (wg == 0) {
       ptx::setmaxnreg_dec<Cfg::PRODUCER_REGS>();
@@ -84,8 +91,9 @@ __device__ __forceinline__ void run_warp_specialized_cta(const PrefillParams& p,
       ptx::cp_async_wait<0>();
     } else {
       ptx::setmaxnreg_inc<Cfg::CONSUMER_REGS>();
-      walk_blocks([&](const PrefillWork& w, Sm90Walk& walk) { consume(w, base, wg - 1, tid % Cfg::WG_THREADS, walk); },
-                  false);
+      const Sm90Walk walk = walk_blocks(
+          [&](const PrefillWork& w, Sm90Walk& walk) { consume(w, base, wg - 1, tid % Cfg::WG_THREADS, walk); }, false);
+      walk_done(wg - 1, walk);
     }
   }
 }

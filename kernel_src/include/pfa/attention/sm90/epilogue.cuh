@@ -43,7 +43,12 @@ struct EpilogueSm90 {
       }
     }
     if (w.num_chunks == 1 && p.o_format != kOutE4M3) {
-      store_16bit(p, w, tile_row, lane, o, lse);
+      // one branch, then the format's packs alone (pack_out2's run-time format packed every pair
+      // both ways, the unused one predicated off but issued all the same)
+      if (p.o_format == kOutOther16)
+        store_16bit<typename Other16<T>::type>(p, w, tile_row, lane, o, lse);
+      else
+        store_16bit<T>(p, w, tile_row, lane, o, lse);
       return;
     }
     const int col = 2 * (lane % 4);
@@ -81,18 +86,18 @@ struct EpilogueSm90 {
     reinterpret_cast<float*>(p.lse)[lse_index(w, p.num_qo_heads, token, head)] = lse * p.lse_scale;
   }
 
-  // Unsplit rows in a 16-bit format (p.o_format: the query's type or the other one), their sinks
+  // Unsplit rows in the 16-bit type O (p.o_format: the query's type or the other one), their sinks
   // applied, and their LSE. A lane holds a 4-byte pair of every 8-column tile of its two rows; per
   // four column tiles the quad's 4 x 4 words are transposed (quad_transpose4) so that each lane
   // stores one tile's 16 bytes: a quarter of the stores, each filling whole 32-byte sectors. Every
   // lane runs the shuffles (rows past the tile's end too; their stores are skipped). Output rows
   // start on 16 bytes: the host's validator requires it of every output (operands.check_out:
   // 16-byte aligned pointer, strides in multiples of 8 elements).
+  template <typename O>
   static __device__ __forceinline__ void store_16bit(const PrefillParams& p, const PrefillWork& w,
                                                      const int (&tile_row)[2], int lane, const float (&o)[O_ACC],
                                                      float (&lse)[2]) {
     static_assert(O_COLS % 4 == 0, "whole groups of four column tiles");
-    const int fmt = p.o_format;
 #pragma unroll
     for (int i = 0; i < 2; ++i) {
       const int r = w.r0 + tile_row[i];
@@ -107,7 +112,7 @@ struct EpilogueSm90 {
 #pragma unroll
         for (int k = 0; k < 4; ++k) {
           const int j = 4 * c + k;
-          a[k] = pack_out2<T>(o[4 * j + 2 * i] * f, o[4 * j + 2 * i + 1] * f, fmt);
+          a[k] = Pack2<O>::from(o[4 * j + 2 * i] * f, o[4 * j + 2 * i + 1] * f);
         }
         quad_transpose4(a, lane);
         char* dst = row + 16 * (4 * c + lane % 4);  // column tile 4 c + lane % 4, lane k's pair at 4 k

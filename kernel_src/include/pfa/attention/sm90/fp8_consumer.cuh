@@ -173,7 +173,8 @@ struct ConsumerSm90Fp8 : ConsumerSm90<Cfg, PINGPONG, false> {
     const Turns turn{wg};
     const int n = w.num_tiles;
     if (n == 0) return;
-    if (PINGPONG && wg == Cfg::CONSUMERS - 1) ptx::bar_arrive(1, 2 * Cfg::WG_THREADS);
+    // the walk's first turn (later blocks': the last consumer's last pass before, Base::walk_done)
+    if (PINGPONG && wg == Cfg::CONSUMERS - 1 && walk.q_round == 0) ptx::bar_arrive(1, 2 * Cfg::WG_THREADS);
     ptx::mbar_wait(Cfg::q_full(base), walk.q_round & 1);
     static_assert(!Q_REGS, "Q in registers is the overlapped loop's; this one reads Q from shared memory");
     const QFrags qf{};  // (unread: issue_qk takes Q's descriptors)
@@ -202,7 +203,7 @@ struct ConsumerSm90Fp8 : ConsumerSm90<Cfg, PINGPONG, false> {
       ptx::wgmma_fence();
       issue_pv(o, a, base + Cfg::V_OFFSET + st * Cfg::VT_TILE_BYTES);
       ptx::wgmma_commit();
-      if (it + 1 < n || wg != Cfg::CONSUMERS - 1) turn.pass();  // the last consumer's last pass would meet no take
+      turn.pass();  // the last consumer's last: consumer 0's first turn of the next block
       ptx::wgmma_wait<0>();
       ptx::wgmma_fence_regs(o);
       ptx::wgmma_keep_regs(a);
@@ -219,7 +220,8 @@ struct ConsumerSm90Fp8 : ConsumerSm90<Cfg, PINGPONG, false> {
     const Turns turn{wg};
     const int n = w.num_tiles;
     if (n == 0) return;
-    if (PINGPONG && wg == Cfg::CONSUMERS - 1) ptx::bar_arrive(1, 2 * Cfg::WG_THREADS);
+    // the walk's first turn (later blocks': the last consumer's last pass before, Base::walk_done)
+    if (PINGPONG && wg == Cfg::CONSUMERS - 1 && walk.q_round == 0) ptx::bar_arrive(1, 2 * Cfg::WG_THREADS);
     ptx::mbar_wait(Cfg::q_full(base), walk.q_round & 1);
     QFrags qf;
     if constexpr (Q_REGS) Base::load_q(qf, s_q, r.tile_row[0] - lane / 4, lane);
@@ -272,7 +274,7 @@ struct ConsumerSm90Fp8 : ConsumerSm90<Cfg, PINGPONG, false> {
     ptx::wgmma_fence();
     issue_pv(o, a, base + Cfg::V_OFFSET + last * Cfg::VT_TILE_BYTES);
     ptx::wgmma_commit();
-    if (wg != Cfg::CONSUMERS - 1) turn.pass();  // the last consumer's last pass would meet no take
+    turn.pass();  // the last consumer's: consumer 0's first turn of the next block
     ptx::wgmma_wait<0>();
     ptx::wgmma_fence_regs(o);
     ptx::wgmma_keep_regs(a);
