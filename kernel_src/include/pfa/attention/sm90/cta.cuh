@@ -21,7 +21,7 @@
 
 namespace pfa {
 
-struct NoWalkEnd {
+struct NoWalkDone {
   __device__ __forceinline__ void operator()(int, const Sm90Walk&) const {}
 };
 
@@ -29,7 +29,7 @@ struct NoWalkEnd {
 // wg (0 .. CONSUMERS - 1), tid its thread within the warpgroup, walk its Sm90Walk (advanced here
 // after each block); walk_done(wg, walk): consumer wg after its CTA's last block. base: the shared
 // window's address of the dynamic shared memory, rounded up to the swizzle atom.
-template <class Cfg, class Produce, class Consume, class WalkDone = NoWalkEnd>
+template <class Cfg, class Produce, class Consume, class WalkDone = NoWalkDone>
 __device__ __forceinline__ void run_warp_specialized_cta(const PrefillParams& p, char* smem, Produce produce,
                                                          Consume consume, WalkDone walk_done = {}) {
   // As the sm80 kernel: the merge may launch early; nothing is read before the grid ahead is done.
