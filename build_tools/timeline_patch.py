@@ -46,9 +46,10 @@ def gt():
 sub("sm90/cta.cuh", "  ptx::allow_dependents();\n  ptx::wait_prior_grids();\n",
     "  if (threadIdx.x == 0) { ::pfa_tl_cta[blockIdx.x * 4] = " + gt() + "; ::pfa_tl_cta[blockIdx.x * 4 + 1] = clock64(); }\n"
     "  ptx::allow_dependents();\n  ptx::wait_prior_grids();\n")
-sub("sm90/cta.cuh", "      walk_blocks([&](const PrefillWork& w, Sm90Walk& walk) { consume(w, base, wg - 1, tid % Cfg::WG_THREADS, walk); },\n                  false);\n",
-    "      walk_blocks([&](const PrefillWork& w, Sm90Walk& walk) { consume(w, base, wg - 1, tid % Cfg::WG_THREADS, walk); },\n                  false);\n"
-    "      if (tid == Cfg::WG_THREADS) { ::pfa_tl_cta[blockIdx.x * 4 + 2] = " + gt() + "; ::pfa_tl_cta[blockIdx.x * 4 + 3] = clock64(); }\n")
+sub("sm90/cta.cuh", "      walk_done(wg - 1, walk);\n    }\n  }\n}\n",
+    "      walk_done(wg - 1, walk);\n"
+    "      if (tid == Cfg::WG_THREADS) { ::pfa_tl_cta[blockIdx.x * 4 + 2] = " + gt() + "; ::pfa_tl_cta[blockIdx.x * 4 + 3] = clock64(); }\n"
+    "    }\n  }\n}\n")
 # consumer: entry / epilogue end (prefill_sm90.cuh consume)
 import re
 pf = root / "prefill_sm90.cuh"

@@ -144,11 +144,32 @@ def ragged(causal):
     flops = sum(4 * 32 * 128 * (l * l * (0.5 if causal else 1)) for l in lens)
     return (lambda: w.run(q, k, v)), flops
 
+def paged(causal, ps=16):
+    """The ragged batch's lengths in a paged cache (NHD, pages in random order): the cp.async
+    producer's kernel, so its rows have the consumers' stamps only (the P rows are the TMA
+    producer's)."""
+    rng = np.random.RandomState(0)
+    lens = rng.randint(1024, 4097, 16)
+    ind = np.concatenate([[0], np.cumsum(lens)]).astype(np.int32)
+    npg = [(int(l) + ps - 1) // ps for l in lens]
+    kvi = np.concatenate([[0], np.cumsum(npg)]).astype(np.int32)
+    perm = np.random.RandomState(1).permutation(sum(npg)).astype(np.int32)
+    last = np.array([int(l) - (n - 1) * ps for l, n in zip(lens, npg)], np.int32)
+    q = torch.randn(int(ind[-1]), 32, 128, device="cuda", dtype=torch.bfloat16)
+    cache = torch.randn(sum(npg), 2, ps, 8, 128, device="cuda", dtype=torch.bfloat16)
+    ws = torch.empty(256 << 20, dtype=torch.uint8, device="cuda")
+    w = pfa.BatchPrefillWithPagedKVCacheWrapper(ws, "NHD")
+    w.plan(ind, kvi, perm, last, 32, 8, 128, ps, causal=causal, q_data_type=torch.bfloat16)
+    flops = sum(4 * 32 * 128 * (l * l * (0.5 if causal else 1)) for l in lens)
+    return (lambda: w.run(q, cache)), flops
+
 cases = [("1x2048 hd128 16h full", *single(2048, 16, 128, False)),
          ("1x4096 hd128 16h full", *single(4096, 16, 128, False)),
          ("1x4096 hd128 16h causal", *single(4096, 16, 128, True)),
          ("1x16384 hd128 16h full", *single(16384, 16, 128, False)),
          ("ragged 16x1k-4k causal", *ragged(True)),
-         ("ragged 16x1k-4k full", *ragged(False))]
+         ("ragged 16x1k-4k full", *ragged(False)),
+         ("paged 16x1k-4k causal", *paged(True)),
+         ("paged 16x1k-4k full", *paged(False))]
 for label, fn, fl in cases:
     analyse(label, fn, fl)
