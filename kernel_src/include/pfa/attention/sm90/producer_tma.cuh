@@ -1,7 +1,7 @@
 // The producer warpgroup of the sm_90a prefill when K/V come by TMA (PrefillSm90Config::TMA):
 // Q as in producer.cuh (ProducerSm90::load_q), then one warp issues the K/V ring's boxes from the
-// host-encoded tensor maps (PrefillParams::k_tmap / v_tmap, pyflashattn/_engine/tma.py); the other warps only help
-// copy the tiles that do not go by TMA.
+// host-encoded tensor maps (PrefillParams::k_tmap / v_tmap, pyflashattn/_engine/tma.py); the other
+// warps help copy the tiles that do not go by TMA and zero a TMA tail's V rows (tail_v_zero).
 //
 //  - contiguous / ragged K/V: a 3-D map (column, kv head, row) over the whole K (V) tensor; a tile
 //    is HEAD_DIM / 64 boxes of BLOCK_N rows at row kv_row0 + n0.
