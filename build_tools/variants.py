@@ -279,11 +279,11 @@ class HopperPrefillVariant(Sm90Roles):
     @property
     def smem_bytes(self):
         # PrefillSm90Config::SMEM_BYTES: Q, STAGES K and V tiles, 1 + 4 * STAGES mbarriers, (TMA) the
-        # tail tile's mbarrier, (persistent) Q's empty mbarrier and the tile scheduler's index ring
+        # tail tiles' STAGES mbarriers, (persistent) Q's empty mbarrier and the tile scheduler's index ring
         # (4 mbarriers, 2 int32), the alignment slack
         # (kv_dtype fp8: two raw K / V tile pairs of block_n rows of 128 bytes, sm90_raw_tile_bytes)
         tile = self.block_n * self.head_dim * HALF_BYTES
-        tail = self.BARRIER_BYTES if self.tma else 0
+        tail = self.stages * self.BARRIER_BYTES if self.tma else 0  # a tail barrier a stage
         q_empty = self.BARRIER_BYTES + 4 * self.BARRIER_BYTES + 8 if self.persistent else 0
         raw = 4 * self.block_n * max(128, self.head_dim) if self.kv_dtype else 0
         return (self.block_m * self.head_dim * HALF_BYTES + 2 * self.stages * tile + raw

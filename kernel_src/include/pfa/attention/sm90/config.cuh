@@ -76,10 +76,14 @@ struct PrefillSm90Config
   static constexpr int RAW_OFFSET = V_OFFSET + STAGES * KV_TILE_BYTES;
   static constexpr int RAW_TILE_BYTES = KV_FP8 ? sm90_raw_tile_bytes(HEAD_DIM, BLOCK_N) : 0;
   static_assert(BAR_OFFSET == RAW_OFFSET + 4 * RAW_TILE_BYTES, "sm90_bar_offset: the mbarriers follow V (and raw K / V)");
-  // TMA: the mbarrier a request's last V tile lands on before the producer zeroes its rows past
-  // kv_len and completes the stage itself (producer_tma.cuh)
+  // TMA: the mbarriers a request's last V tile lands on before producer warps 1..3 zero its rows
+  // past kv_len and complete the stage (producer_tma.cuh), one per stage: warp 0 runs ahead of
+  // them by fewer tails than that
   static constexpr int TAIL_BAR_OFFSET = BAR_OFFSET + NUM_BARRIERS * 8;
-  static constexpr int TAIL_BAR_BYTES = TMA ? 8 : 0;
+  static constexpr int TAIL_BAR_BYTES = TMA ? 8 * STAGES : 0;
+  // TMA: producer warp 0 goes on without warps 1..3 (the tail's zeroing, the block index's handoff
+  // through the scheduler's ring, Q's arrivals: tile_scheduler.cuh, producer.cuh)
+  static constexpr bool TAIL_WARPS = TMA;
   // init_ring_barriers: the arrivals k_full / v_full count (TMA: the issuing warp's one, else one a
   // producer thread), and the one-arrival barriers at TMA_BAR_OFFSET (the tail's)
   static constexpr int K_FULL_ARRIVALS = TMA ? 1 : Base::WG_THREADS, V_FULL_ARRIVALS = K_FULL_ARRIVALS;
@@ -96,7 +100,8 @@ struct PrefillSm90Config
   static constexpr int SMEM_BYTES = SCHED_OFFSET + SCHED_BYTES + ATOM_BYTES;
   // named barriers after the pipeline's (sm90/pipeline.cuh): each consumer's skip-softmax vote
   static constexpr int SKIP_VOTE_BAR = PRODUCER_BAR + 1;  // + the consumer's index
-  static_assert(SKIP_VOTE_BAR + CONSUMERS <= 16, "16 named barriers");
+  static constexpr int TAIL_ZERO_BAR = SKIP_VOTE_BAR + CONSUMERS;  // producer warps 1..3 (TMA)
+  static_assert(TAIL_ZERO_BAR < 16, "16 named barriers");
   static_assert(BLOCK_N * ROW_BYTES % ATOM_BYTES == 0 && KV_TILE_BYTES % ATOM_BYTES == 0, "1024-byte tiles");
 };
 

@@ -88,7 +88,7 @@ __device__ __forceinline__ void load_tile_rows(uint32_t s_tile, const E* head, i
 // The pipeline's mbarriers (the Cfg's q_full, then per stage k_full, v_full, k_empty, v_empty):
 // the full ones count Cfg::K_FULL_ARRIVALS / V_FULL_ARRIVALS (one per producer thread: its
 // cp.async, or in the fp8 kernels its V transpose; TMA: the issuing thread's one); the empty ones
-// one per consumer warp; the Cfg's TMA_BARS barriers at TMA_BAR_OFFSET (16-bit: the tail tile's;
+// one per consumer warp; the Cfg's TMA_BARS barriers at TMA_BAR_OFFSET (16-bit: the tail tiles';
 // fp8: the raw V buffers') one; (PERSISTENT) Q's empty one one per consumer thread
 // (ConsumerSm90::release_q).
 template <class Cfg>
@@ -255,12 +255,15 @@ struct ProducerSm90 {
       if (p.q_tma != 0 && (int64_t)t0 + tokens <= (int64_t)p.q_tokens) {
         if (tid == 0) {
           ptx::mbar_arrive_expect_tx(Cfg::q_full(base), Cfg::Q_BYTES);
+          // TAIL_WARPS: the other threads' arrivals too, so that warp 0 need not wait for warps
+          // 1..3 (still zeroing the last block's tail, producer_tma.cuh)
+          if constexpr (Cfg::TAIL_WARPS) ptx::mbar_arrive_count(Cfg::q_full(base), Cfg::WG_THREADS - 1);
           const uint64_t once = ptx::l2_evict_first();  // each Q row is read by one CTA
 #pragma unroll
           for (int col = 0; col < Q_COL_BLOCKS; ++col)
             ptx::tma_load_3d(base + Cfg::Q_OFFSET + col * Cfg::BLOCK_M * Cfg::ROW_BYTES, &p.q_tmap,
                              col * Q_BOX_COLS, w.kv_head * w.group, t0, Cfg::q_full(base), once);
-        } else {
+        } else if constexpr (!Cfg::TAIL_WARPS) {
           ptx::mbar_arrive(Cfg::q_full(base));
         }
         return;

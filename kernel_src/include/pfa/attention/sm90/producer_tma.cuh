@@ -18,9 +18,9 @@
 // its boxes stay inside the tensors: paged, the boxes of the request's own pages (none past them:
 // the page table ends there); ragged, a box ending within K / V's rows (PrefillParams::kv_tokens;
 // the ragged map's row extent is ROW_EXTENT, so the map itself bounds nothing). Its V boxes land on
-// the tail barrier instead of the stage's; the warpgroup then zeroes V's rows at or past kv_len (a last
+// a tail barrier instead of the stage's; warps 1..3 then zero V's rows at or past kv_len (a last
 // page's unused slots, the next request's rows, or a box not issued may hold NaN / Inf, and
-// 0 * NaN is NaN in O += P V) and completes the stage itself. K's rows past kv_len need nothing:
+// 0 * NaN is NaN in O += P V) and complete the stage, while warp 0 goes on. K's rows past kv_len need nothing:
 // the consumers mask those keys to -inf whatever S holds. A tail whose box would pass the tensor
 // (the last request of a ragged K / V, kv_tokens 0) is copied by the producer warpgroup with
 // zero-filled cp.async.
@@ -102,19 +102,26 @@ struct ProducerSm90Tma {
     }
   }
 
-  // The tail's V tile, once warp 0 has issued its boxes on the tail barrier (phase `parity`): the
-  // whole warpgroup waits for them, zeroes rows kv_len - n0 .. BLOCK_N - 1 (a quarter each: with
-  // warp 0 alone the zeroing held the consumers' last P V and warp 0's next block, NOTES.md
-  // session 31) and completes the stage's `full` barrier (one arrival).
+  // The tail's V tile, once warp 0 has issued its boxes on tail barrier `tails % STAGES` (phase
+  // tails / STAGES): warps 1..3 wait for them, zero rows kv_len - n0 .. BLOCK_N - 1 (with warp 0
+  // alone the zeroing held the consumers' last P V and warp 0's next block, NOTES.md session 31)
+  // and complete the stage's `full` barrier (one arrival). Warp 0 goes on to the next block
+  // meanwhile: its Q and first tiles no longer wait for the tail's landing (1.3k cycles a ragged
+  // block, NOTES.md session 33). It can be a tail ahead of them at most STAGES - 1 times: its next
+  // issue onto the same barrier needs a stage the consumers free only after this tail's `full`.
+  static constexpr int TAIL_THREADS = Cfg::WG_THREADS - 32;
+  static __device__ __forceinline__ uint32_t tail_bar(uint32_t base, int tails) {
+    return base + Cfg::TAIL_BAR_OFFSET + 8 * (tails % STAGES);
+  }
   static __device__ __forceinline__ void tail_v_zero(const PrefillWork& w, uint32_t s_tile, uint32_t tail,
                                                      uint32_t parity, uint32_t full, int n0, int tid) {
     ptx::mbar_wait(tail, parity);
 #pragma unroll 1
-    for (int i = (w.kv_len - n0) * CPR + tid; i < BLOCK_N * CPR; i += Cfg::WG_THREADS)
+    for (int i = (w.kv_len - n0) * CPR + tid - 32; i < BLOCK_N * CPR; i += TAIL_THREADS)
       ptx::st_shared_zero16(s_tile + Cfg::swz(BLOCK_N, i / CPR, i % CPR));
     ptx::fence_proxy_async();  // the wgmma reads the zeroed rows through the async proxy
-    ptx::bar_sync(Cfg::PRODUCER_BAR, Cfg::WG_THREADS);
-    if (tid == 0) ptx::mbar_arrive(full);
+    ptx::bar_sync(Cfg::TAIL_ZERO_BAR, TAIL_THREADS);
+    if (tid == 32) ptx::mbar_arrive(full);
   }
 
   // Paged, the copy path: lane l holds the page ids (K's or V's table, as box_page_id) of rows l,
@@ -183,9 +190,9 @@ struct ProducerSm90Tma {
     const bool v_ids = PAGED && p.v_page_indices != 0;  // V has page ids of its own
     const T* k = reinterpret_cast<const T*>(p.k) + w.kv_head * p.k_stride_h;
     const T* v = reinterpret_cast<const T*>(p.v) + w.kv_head * p.v_stride_h;
-    // A work item's key range holds at most one tail (the request's last tile): its barrier's
-    // phase is the count of tails before (one a block of a persistent CTA's walk at most).
-    const uint32_t tail_bar = base + Cfg::TAIL_BAR_OFFSET;
+    // A work item's key range holds at most one tail (the request's last tile): walk.tails counts
+    // the tails before (one a block of a persistent CTA's walk at most), which picks its barrier
+    // and phase (tail_v_zero).
     // Boxes of a whole tile, once: the steady state does no division (live_boxes only in the tail).
     const int all_boxes = rows > 0 ? BLOCK_N / rows : 0;
     auto boxes_of = [&](int n0) { return n0 + BLOCK_N <= w.kv_len ? all_boxes : live_boxes(w, rows, n0); };
@@ -201,6 +208,7 @@ struct ProducerSm90Tma {
       const int n0 = w.tile_start + it * BLOCK_N;
       const bool tma = by_tma(p, w, rows, n0), tail = n0 + BLOCK_N > w.kv_len;
       if (warp != 0 && tma && !tail) continue;  // warps 1..3: the copied tiles and a TMA tail's zeroing
+      const uint32_t tail_at = tail_bar(base, walk.tails);
       // the next tile's page ids, loaded while this tile waits for its stage
       int32_t next = 0, next_v = 0;
       if (PAGED && warp == 0 && it + 1 < w.num_tiles && by_tma(p, w, rows, n0 + BLOCK_N)) {
@@ -217,10 +225,10 @@ struct ProducerSm90Tma {
                    tail ? live_boxes(w, rows, n0) : all_boxes, id, box, col, lane, keep);
           ptx::mbar_wait(Cfg::v_empty(base, s), free_parity);
           // the tail's V lands on the tail barrier: the warpgroup zeroes past kv_len, then completes it
-          tma_tile(p, w, v_tile, &p.v_tmap, tail ? tail_bar : Cfg::v_full(base, s), n0, rows,
+          tma_tile(p, w, v_tile, &p.v_tmap, tail ? tail_at : Cfg::v_full(base, s), n0, rows,
                    tail ? live_boxes(w, rows, n0) : all_boxes, id_v, box, col, lane, keep);
         }
-        if (tail) tail_v_zero(w, v_tile, tail_bar, walk.tails & 1, Cfg::v_full(base, s), n0, tid);
+        if (tail && warp != 0) tail_v_zero(w, v_tile, tail_at, (walk.tails / STAGES) & 1, Cfg::v_full(base, s), n0, tid);
       } else {
         int32_t ids[ID_REGS];
         if (PAGED) row_page_ids<false>(p, w, n0, lane, ids);

@@ -17,8 +17,9 @@
 // producer's thread 0 as soon as the producer starts a block (the producer runs ahead of the
 // consumers, so the fetch's latency hides behind their tiles). The index reaches the CTA's threads
 // through a two-slot ring in shared memory: slot k & 1 holds block k's index; the producer's named
-// barrier hands it to the producer warpgroup, `full` (one arrival, the fetching thread's) to the
-// consumers, whose `empty` (one arrival per consumer thread) frees the slot for block k + 2. An
+// barrier hands it to the producer warpgroup (TAIL_WARPS: a shuffle to warp 0, the ring to warps
+// 1..3), `full` (one arrival, the fetching thread's) to the consumers, whose `empty` (one arrival
+// per reading thread) frees the slot for block k + 2. An
 // index past the grid ends every role's walk. The launch's last CTA to finish zeroes both
 // counters, so the next launch (a CUDA-graph replay too) finds them as the host left them.
 #pragma once
@@ -45,18 +46,20 @@ struct Sm90TileScheduler {
     return base + Cfg::SCHED_OFFSET + 32 + 4 * slot;
   }
 
+  // A slot's readers: every consumer thread, and (TAIL_WARPS) producer warps 1..3.
+  static constexpr int READERS = Cfg::CONSUMERS * Cfg::WG_THREADS + (Cfg::TAIL_WARPS ? Cfg::WG_THREADS - 32 : 0);
   static __device__ __forceinline__ void init(uint32_t base) {
 #pragma unroll
     for (int s = 0; s < 2; ++s) {
       ptx::mbar_init(full(base, s), 1);
-      ptx::mbar_init(empty(base, s), Cfg::CONSUMERS * Cfg::WG_THREADS);
+      ptx::mbar_init(empty(base, s), READERS);
     }
   }
 
   static __device__ __forceinline__ int blocks(const PrefillParams& p) { return p.grid_x * p.grid_y * p.grid_z; }
 
-  // The producer's thread 0: fetch block k's index into its slot.
-  static __device__ __forceinline__ void fetch(const PrefillParams& p, uint32_t base, int k) {
+  // The producer's thread 0: fetch block k's index into its slot (and return it).
+  static __device__ __forceinline__ int fetch(const PrefillParams& p, uint32_t base, int k) {
     const int slot = k & 1;
     ptx::mbar_wait(empty(base, slot), ((k >> 1) & 1) ^ 1);  // every consumer has read block k - 2's index
     const int G = gridDim.x, c = blockIdx.x;
@@ -69,6 +72,7 @@ struct Sm90TileScheduler {
       b = k * G + ((k & 1) ? G - 1 - c : c);
     ptx::st_shared_u32(index(base, slot), (uint32_t)b);
     ptx::mbar_arrive(full(base, slot));  // release: the index store before the arrival
+    return b;
   }
 
   // Block k's index (>= blocks(p): the walk is over), once per block of the walk by every thread of
@@ -76,10 +80,18 @@ struct Sm90TileScheduler {
   // on (and orders these reads before thread 0's store of block k + 2's index, after the next
   // barrier). A consumer thread waits for `full`, reads it and frees the slot: its arrival releases
   // its own read (each thread arrives: an arrival orders no other thread's accesses).
+  // TAIL_WARPS: warp 0 takes thread 0's index by shuffle and warps 1..3 read the slot as a
+  // consumer does, so that warp 0 never waits for them (producer_tma.cuh).
   static __device__ __forceinline__ int produce(const PrefillParams& p, uint32_t base, int k, int tid) {
-    if (tid == 0) fetch(p, base, k);
-    ptx::bar_sync(Cfg::PRODUCER_BAR, Cfg::WG_THREADS);
-    return (int)ptx::ld_shared_u32(index(base, k & 1));
+    if constexpr (Cfg::TAIL_WARPS) {
+      if (tid >= 32) return consume(base, k);
+      const int b = tid == 0 ? fetch(p, base, k) : 0;
+      return __shfl_sync(0xffffffffu, b, 0);
+    } else {
+      if (tid == 0) fetch(p, base, k);
+      ptx::bar_sync(Cfg::PRODUCER_BAR, Cfg::WG_THREADS);
+      return (int)ptx::ld_shared_u32(index(base, k & 1));
+    }
   }
   static __device__ __forceinline__ int consume(uint32_t base, int k) {
     const int slot = k & 1;
