@@ -37,8 +37,10 @@ struct PrefillSm90 : PrefillSm90Config<T, HEAD_DIM, BLOCK_N, CONSUMERS, STAGES, 
   using Consumer = ConsumerSm90<Cfg, PINGPONG, SKIP>;
 
   // wg: the consumer's index (0 .. CONSUMERS - 1); tid: the thread's index within its warpgroup.
+  // ahead(): run_warp_specialized_cta's, between the tile loop and the epilogue.
+  template <class Ahead>
   static __device__ __forceinline__ void consume(const PrefillParams& p, const PrefillWork& w, uint32_t base, int wg,
-                                                 int tid, const Sm90Walk& walk) {
+                                                 int tid, const Sm90Walk& walk, Ahead&& ahead) {
     const int lane = tid % 32, warp = tid / 32;
     const typename Consumer::Rows rows = Consumer::rows_of(p, w, wg, warp, lane);
     float o[Consumer::O_ACC];
@@ -46,6 +48,7 @@ struct PrefillSm90 : PrefillSm90Config<T, HEAD_DIM, BLOCK_N, CONSUMERS, STAGES, 
     for (int i = 0; i < Consumer::O_ACC; ++i) o[i] = 0.f;
     float m[2] = {-INFINITY, -INFINITY}, l[2] = {0.f, 0.f};
     Consumer::mainloop(p, w, rows, base, wg, lane, o, m, l, walk);
+    ahead();
     EpilogueSm90<Cfg, Consumer::O_ACC>::run(p, w, rows.tile_row, lane, o, m, l);
   }
 
@@ -60,8 +63,8 @@ struct PrefillSm90 : PrefillSm90Config<T, HEAD_DIM, BLOCK_N, CONSUMERS, STAGES, 
           else
             ProducerSm90<Cfg>::run(p, w, base, tid, walk);
         },
-        [&](const PrefillWork& w, uint32_t base, int wg, int tid, const Sm90Walk& walk) {
-          consume(p, w, base, wg, tid, walk);
+        [&](const PrefillWork& w, uint32_t base, int wg, int tid, const Sm90Walk& walk, auto&& ahead) {
+          consume(p, w, base, wg, tid, walk, ahead);
         },
         [&](int wg, const Sm90Walk& walk) { Consumer::walk_done(wg, walk); });
   }

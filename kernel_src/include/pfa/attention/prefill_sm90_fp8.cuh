@@ -44,8 +44,10 @@ struct PrefillSm90Fp8 : PrefillSm90Fp8Config<HEAD_DIM, CONSUMERS, STAGES, PAGED,
   using Consumer = ConsumerSm90Fp8<Cfg, PINGPONG, OVERLAP>;
   using OutCfg = Sm90Fp8OutCfg<typename Cfg::Out16, HEAD_DIM, PAGED>;
 
+  // ahead(): run_warp_specialized_cta's, between the tile loop and the epilogue.
+  template <class Ahead>
   static __device__ __forceinline__ void consume(const PrefillParams& p, const PrefillWork& w, uint32_t base, int wg,
-                                                 int tid, const Sm90Walk& walk) {
+                                                 int tid, const Sm90Walk& walk, Ahead&& ahead) {
     const int lane = tid % 32, warp = tid / 32;
     const typename Consumer::Rows rows = Consumer::rows_of(p, w, wg, warp, lane);
     float o[Consumer::O_ACC];
@@ -53,6 +55,7 @@ struct PrefillSm90Fp8 : PrefillSm90Fp8Config<HEAD_DIM, CONSUMERS, STAGES, PAGED,
     for (int i = 0; i < Consumer::O_ACC; ++i) o[i] = 0.f;
     float m[2] = {-INFINITY, -INFINITY}, l[2] = {0.f, 0.f};
     Consumer::mainloop(p, w, rows, base, wg, lane, o, m, l, walk);
+    ahead();
     Consumer::unshift_max(m);
     // scale_v of the kv head: O is linear in V, so it scales O here (before the normalisation and
     // any sink factor, which are per row and commute with it; split partials carry it into the merge).
@@ -70,8 +73,8 @@ struct PrefillSm90Fp8 : PrefillSm90Fp8Config<HEAD_DIM, CONSUMERS, STAGES, PAGED,
         [&](const PrefillWork& w, uint32_t base, int tid, Sm90Walk& walk) {
           ProducerSm90Fp8<Cfg>::run(p, w, base, tid, walk);
         },
-        [&](const PrefillWork& w, uint32_t base, int wg, int tid, const Sm90Walk& walk) {
-          consume(p, w, base, wg, tid, walk);
+        [&](const PrefillWork& w, uint32_t base, int wg, int tid, const Sm90Walk& walk, auto&& ahead) {
+          consume(p, w, base, wg, tid, walk, ahead);
         },
         [&](int wg, const Sm90Walk& walk) { Consumer::walk_done(wg, walk); });
   }

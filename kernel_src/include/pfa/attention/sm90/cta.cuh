@@ -25,10 +25,12 @@ struct NoWalkDone {
   __device__ __forceinline__ void operator()(int, const Sm90Walk&) const {}
 };
 
-// produce(w, base, tid, walk): the producer warpgroup; consume(w, base, wg, tid, walk): consumer
-// wg (0 .. CONSUMERS - 1), tid its thread within the warpgroup, walk its Sm90Walk (advanced here
-// after each block); walk_done(wg, walk): consumer wg after its CTA's last block. base: the shared
-// window's address of the dynamic shared memory, rounded up to the swizzle atom.
+// produce(w, base, tid, walk): the producer warpgroup; consume(w, base, wg, tid, walk, ahead):
+// consumer wg (0 .. CONSUMERS - 1), tid its thread within the warpgroup, walk its Sm90Walk
+// (advanced here after each block), ahead() to be called between the block's tile loop and its
+// epilogue (persistent: it takes and decodes the walk's next block); walk_done(wg, walk): consumer
+// wg after its CTA's last block. base: the shared window's address of the dynamic shared memory,
+// rounded up to the swizzle atom.
 template <class Cfg, class Produce, class Consume, class WalkDone = NoWalkDone>
 __device__ __forceinline__ void run_warp_specialized_cta(const PrefillParams& p, char* smem, Produce produce,
                                                          Consume consume, WalkDone walk_done = {}) {
@@ -53,7 +55,7 @@ __device__ __forceinline__ void run_warp_specialized_cta(const PrefillParams& p,
       produce(w, base, tid, walk);
     } else {
       ptx::setmaxnreg_inc<Cfg::CONSUMER_REGS>();
-      consume(w, base, wg - 1, tid % Cfg::WG_THREADS, walk);
+      consume(w, base, wg - 1, tid % Cfg::WG_THREADS, walk, [] {});
       walk.advance(w.num_tiles);
       walk_done(wg - 1, walk);
     }
@@ -89,10 +91,43 @@ __device__ __forceinline__ void run_warp_specialized_cta(const PrefillParams& p,
       // Every cp.async lands before the CTA exits (the barriers they arrive on live in its shared memory).
       ptx::cp_async_commit();
       ptx::cp_async_wait<0>();
-    } else {
+    } else if constexpr (!Cfg::DECODE_AHEAD) {
       ptx::setmaxnreg_inc<Cfg::CONSUMER_REGS>();
       const Sm90Walk walk = walk_blocks(
-          [&](const PrefillWork& w, Sm90Walk& walk) { consume(w, base, wg - 1, tid % Cfg::WG_THREADS, walk); }, false);
+          [&](const PrefillWork& w, Sm90Walk& walk) {
+            consume(w, base, wg - 1, tid % Cfg::WG_THREADS, walk, [] {});
+          },
+          false);
+      walk_done(wg - 1, walk);
+    } else {
+      ptx::setmaxnreg_inc<Cfg::CONSUMER_REGS>();
+      // DECODE_AHEAD: a consumer takes and decodes block k + 1 between block k's tile loop and its
+      // epilogue (`ahead`). The index is in the ring by then (the producer fetched it as it
+      // finished issuing block k), and the decode's dependent loads (plan item, then indptrs) run
+      // under the epilogue instead of between it and the next block's first S. The walk starts
+      // from an empty block whose `ahead` takes block 0.
+      Sm90Walk walk;
+      const int blocks = Sched::blocks(p);
+      PrefillWork w;
+      bool run = false;
+#pragma unroll 1
+      for (int k = 0, b = 0; b < blocks; ++k) {
+        PrefillWork next;
+        bool run_next;
+        auto ahead = [&] {
+          b = Sched::consume(base, k);
+          run_next = b < blocks &&
+                     decode_work<Cfg::BLOCK_M, Cfg::BLOCK_N, Cfg::PAGED, false, true>(p, next, LogicalGrid::at(p, b));
+        };
+        if (run) {
+          consume(w, base, wg - 1, tid % Cfg::WG_THREADS, walk, ahead);
+          walk.advance(w.num_tiles);
+        } else {
+          ahead();
+        }
+        w = next;
+        run = run_next;
+      }
       walk_done(wg - 1, walk);
     }
   }
