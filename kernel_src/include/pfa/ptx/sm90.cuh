@@ -39,6 +39,19 @@ __device__ __forceinline__ void mbar_wait(uint32_t bar, uint32_t parity) {
       : "memory");
 }
 
+// Whether the barrier's phase of parity `parity` has completed, without waiting (mbar_wait's test).
+__device__ __forceinline__ bool mbar_test(uint32_t bar, uint32_t parity) {
+  uint32_t done;
+  asm volatile(
+      "{\n.reg .pred p;\n"
+      "mbarrier.test_wait.parity.acquire.cta.shared::cta.b64 p, [%1], %2;\n"
+      "selp.u32 %0, 1, 0, p;\n}\n"
+      : "=r"(done)
+      : "r"(bar), "r"(parity)
+      : "memory");
+  return done != 0;
+}
+
 // One arrival on `bar` once every cp.async this thread issued so far has landed (.noinc: the
 // arrival is one of the count the barrier was initialised with).
 __device__ __forceinline__ void cp_async_mbar_arrive(uint32_t bar) {

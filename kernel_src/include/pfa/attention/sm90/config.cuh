@@ -88,7 +88,8 @@ struct PrefillSm90Config
   // (cta.cuh). Measured per row (NOTES.md, session 34): the ragged and contiguous hd128 rows gained
   // 0.5-1.2%; the paged rows lost 0.3-0.7% and hd64 up to 2% at 2k causal (its three consumers
   // spilled more), so they decode after the epilogue as before.
-  static constexpr bool DECODE_AHEAD = PERSISTENT && !PAGED && !KV_FP8 && HEAD_DIM >= 128;
+  static constexpr bool DECODE_AHEAD = PERSISTENT && !KV_FP8 && HEAD_DIM >= 128;
+  static constexpr bool AHEAD_WHEN_READY = PAGED;
   // init_ring_barriers: the arrivals k_full / v_full count (TMA: the issuing warp's one, else one a
   // producer thread), and the one-arrival barriers at TMA_BAR_OFFSET (the tail's)
   static constexpr int K_FULL_ARRIVALS = TMA ? 1 : Base::WG_THREADS, V_FULL_ARRIVALS = K_FULL_ARRIVALS;

@@ -113,17 +113,23 @@ __device__ __forceinline__ void run_warp_specialized_cta(const PrefillParams& p,
 #pragma unroll 1
       for (int k = 0, b = 0; b < blocks; ++k) {
         PrefillWork next;
-        bool run_next;
-        auto ahead = [&] {
+        bool run_next, taken = false;
+        auto take = [&] {
           b = Sched::consume(base, k);
           run_next = b < blocks &&
                      decode_work<Cfg::BLOCK_M, Cfg::BLOCK_N, Cfg::PAGED, false, true>(p, next, LogicalGrid::at(p, b));
+          taken = true;
+        };
+        // AHEAD_WHEN_READY: only if the index is there already; else after the epilogue
+        auto ahead = [&] {
+          if (!Cfg::AHEAD_WHEN_READY || Sched::ready(base, k)) take();
         };
         if (run) {
           consume(w, base, wg - 1, tid % Cfg::WG_THREADS, walk, ahead);
           walk.advance(w.num_tiles);
+          if (Cfg::AHEAD_WHEN_READY && !taken) take();
         } else {
-          ahead();
+          take();
         }
         w = next;
         run = run_next;

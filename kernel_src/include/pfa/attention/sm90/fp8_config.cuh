@@ -94,6 +94,7 @@ struct PrefillSm90Fp8Config
   // config.cuh's DECODE_AHEAD: measured, the paged e4m3 rows gained 0.4-1.3%, the contiguous ones
   // lost 0.3-0.7% (NOTES.md, session 34).
   static constexpr bool DECODE_AHEAD = PERSISTENT && PAGED;
+  static constexpr bool AHEAD_WHEN_READY = false;
   static __device__ __forceinline__ uint32_t raw_full(uint32_t base, int b) { return base + TMA_BAR_OFFSET + 8 * b; }
   static constexpr int Q_EMPTY_BAR_OFFSET = TMA_BAR_OFFSET + TMA_BARS * 8;
   static constexpr int Q_EMPTY_BAR_BYTES = PERSISTENT ? 8 : 0;

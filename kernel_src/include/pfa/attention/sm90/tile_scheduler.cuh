@@ -93,6 +93,10 @@ struct Sm90TileScheduler {
       return (int)ptx::ld_shared_u32(index(base, k & 1));
     }
   }
+  // Whether block k's index is in its slot (consume would not wait).
+  static __device__ __forceinline__ bool ready(uint32_t base, int k) {
+    return ptx::mbar_test(full(base, k & 1), (k >> 1) & 1);
+  }
   static __device__ __forceinline__ int consume(uint32_t base, int k) {
     const int slot = k & 1;
     ptx::mbar_wait(full(base, slot), (k >> 1) & 1);
