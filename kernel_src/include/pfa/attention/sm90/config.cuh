@@ -85,9 +85,10 @@ struct PrefillSm90Config
   // through the scheduler's ring, Q's arrivals: tile_scheduler.cuh, producer.cuh)
   static constexpr bool TAIL_WARPS = TMA;
   // Persistent: the consumers take and decode the walk's next block before this block's epilogue
-  // (cta.cuh). Measured per row (NOTES.md, session 34): the ragged and contiguous hd128 rows gained
-  // 0.5-1.2%; the paged rows lost 0.3-0.7% and hd64 up to 2% at 2k causal (its three consumers
-  // spilled more), so they decode after the epilogue as before.
+  // (cta.cuh); AHEAD_WHEN_READY: only where its index is in the ring already, else after the
+  // epilogue. Measured per row (NOTES.md, session 34): the ragged and contiguous hd128 rows gained
+  // 0.5-1.2%; the paged rows lost 0.3-0.7% when they waited for the index there, and gain 0.8-1.4%
+  // (TRT-LLM's HND pages) without; hd64 lost up to 2% at 2k causal (its three consumers spilled more).
   static constexpr bool DECODE_AHEAD = PERSISTENT && !KV_FP8 && HEAD_DIM >= 128;
   static constexpr bool AHEAD_WHEN_READY = PAGED;
   // init_ring_barriers: the arrivals k_full / v_full count (TMA: the issuing warp's one, else one a
