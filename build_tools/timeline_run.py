@@ -3,7 +3,7 @@ CTA's cycles go (block entry -> Q -> first turn -> first S -> tile loop -> last 
 the gaps between blocks) for a few single-prefill and ragged shapes, and the producer's steps towards
 the next block's Q against consumer 0's stamps (the "P ..." rows). TL_CARVEOUT=<percent> sets the
 kernels' preferred shared-memory carveout (an L1-size experiment). Needs torch and a GPU."""
-import sys, numpy as np, torch
+import sys, time, numpy as np, torch
 import pyflashattn as pfa
 from pyflashattn._runtime import registry, cuda as C
 
@@ -163,13 +163,20 @@ def paged(causal, ps=16):
     flops = sum(4 * 32 * 128 * (l * l * (0.5 if causal else 1)) for l in lens)
     return (lambda: w.run(q, cache)), flops
 
-cases = [("1x2048 hd128 16h full", *single(2048, 16, 128, False)),
-         ("1x4096 hd128 16h full", *single(4096, 16, 128, False)),
-         ("1x4096 hd128 16h causal", *single(4096, 16, 128, True)),
-         ("1x16384 hd128 16h full", *single(16384, 16, 128, False)),
-         ("ragged 16x1k-4k causal", *ragged(True)),
-         ("ragged 16x1k-4k full", *ragged(False)),
-         ("paged 16x1k-4k causal", *paged(True)),
-         ("paged 16x1k-4k full", *paged(False))]
-for label, fn, fl in cases:
-    analyse(label, fn, fl)
+# TL_CASES=<substring>[,<substring>...] runs only the cases whose label contains one of them (a
+# whole run took over 200 s in session 34); each case's wall time is printed after it.
+cases = [("1x2048 hd128 16h full", lambda: single(2048, 16, 128, False)),
+         ("1x4096 hd128 16h full", lambda: single(4096, 16, 128, False)),
+         ("1x4096 hd128 16h causal", lambda: single(4096, 16, 128, True)),
+         ("1x16384 hd128 16h full", lambda: single(16384, 16, 128, False)),
+         ("ragged 16x1k-4k causal", lambda: ragged(True)),
+         ("ragged 16x1k-4k full", lambda: ragged(False)),
+         ("paged 16x1k-4k causal", lambda: paged(True)),
+         ("paged 16x1k-4k full", lambda: paged(False))]
+want = [w for w in os.environ.get("TL_CASES", "").split(",") if w]
+for label, make in cases:
+    if want and not any(w in label for w in want):
+        continue
+    t0 = time.time()
+    analyse(label, *make())
+    print(f"   ({time.time() - t0:.1f} s)", flush=True)
