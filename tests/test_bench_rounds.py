@@ -199,3 +199,56 @@ def test_benches_say_why_flashinfer_is_not_timed(monkeypatch):
     monkeypatch.setattr(sys, "meta_path", sys.meta_path[1:])
     monkeypatch.setitem(sys.modules, "flashinfer", fake)
     assert bench_util.import_flashinfer() == (fake, None)
+
+
+def test_prefill_table_adds_flashinfer_and_the_best_peer_only_when_it_was_timed():
+    row = {"head_dim": 64, "seq": 4096, "causal": False, "heads": 32, "errors": [], "pfa_tflops": 520.0,
+           "flash_tflops": 300.0, "cudnn_tflops": 480.0, "pfa_over_flash": 520 / 300, "pfa_over_cudnn": 520 / 480,
+           "pfa_max_abs_diff": 1e-3, "fp8_tflops": None, "fp8_over_pfa": None}
+    assert "fi" not in bench._table([row], False).splitlines()[1].split()
+    row.update(fi_tflops=540.0, fi_backend="fa3", pfa_over_best=520 / 540)
+    text = bench._table([row], False)
+    assert "FlashInfer fa3" in text and "pfa/best" in text
+    last = text.splitlines()[-1]
+    assert "540.0" in last and "0.96" in last
+
+
+def test_prefill_flashinfer_column_checks_then_times_and_a_failure_is_the_rows():
+    class Torch:
+        pass
+
+    calls = []
+
+    class Fi:
+        def single_prefill_with_kv_cache(self, q, k, v, causal, backend):
+            calls.append((causal, backend))
+            return q
+
+    ctx = type("Ctx", (), {"torch": Torch, "fi": Fi(), "fi_backend": "fa3",
+                           "bench_samples_ms": staticmethod(lambda fn, warmup, rep: [fn() and 1.0])})()
+    checked = []
+    orig = bench._check
+    try:
+        bench._check = lambda torch, o, ref: (checked.append((o, ref)) or (0.5 if ref == "far" else 1e-3, 0.0))
+        row, timers = {"errors": []}, {}
+        bench._flashinfer_timer(ctx, row, "q", "k", "v", True, "ref", timers)
+        assert row["fi_backend"] == "fa3" and row["fi_rel_err"] == 1e-3 and checked == [("q", "ref")]
+        assert timers["fi"](1, 1) == [1.0] and calls == [(True, "fa3"), (True, "fa3")]
+        row, timers = {"errors": []}, {}
+        bench._flashinfer_timer(ctx, row, "q", "k", "v", False, "far", timers)
+        assert "fi" not in timers and "output mismatch" in row["errors"][0]
+    finally:
+        bench._check = orig
+
+    class Broken:
+        def single_prefill_with_kv_cache(self, *a, **k):
+            raise RuntimeError("no JIT here")
+
+    ctx.fi = Broken()
+    row, timers = {"errors": []}, {}
+    bench._flashinfer_timer(ctx, row, "q", "k", "v", True, "ref", timers)
+    assert not timers and row["errors"] == ["flashinfer (fa3): RuntimeError: no JIT here"]
+    ctx.fi = None
+    row = {"errors": []}
+    bench._flashinfer_timer(ctx, row, "q", "k", "v", True, "ref", timers)
+    assert row == {"errors": [], "fi_ms": None}

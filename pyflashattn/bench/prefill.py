@@ -30,6 +30,13 @@ posted, the pyflashattn output is checked against SDPA's on the same inputs; a r
 relative error ``||o - o_sdpa|| / ||o_sdpa||`` exceeds ``REL_TOL`` (or is NaN) posts no
 pyflashattn number, so a broken kernel cannot post a fast time.
 
+**fi** column: FlashInfer's single_prefill_with_kv_cache on the same request (backend "fa3" on
+sm_90, "fa2" elsewhere) when flashinfer is importable (PFA_BENCH_FLASHINFER=0 leaves it out; the
+report says why it is missing), checked against SDPA like ours and timed in the same interleaved
+rounds. ``pfa/best`` is pyflashattn over the fastest of cuDNN and FlashInfer: the issue's
+single-prefill bar at every head dim (the shared peer script times head_dim 128 only). Its first
+call at a head dim JIT-compiles FlashInfer's module (minutes).
+
 **fp8** column (sm_90 GPUs): the same request with q, k and v cast to
 float8_e4m3fn (unit scales) and a bf16 output, on the fp8 prefill kernels, timed in the same
 interleaved rounds as the 16-bit pyflashattn column, so ``fp8/pfa`` is a same-run ratio. It is
@@ -53,7 +60,7 @@ import sys
 import time
 import zlib
 
-from pyflashattn.testing.bench_util import gpu_warmup, interleaved_median_ms, run_if_cuda, short_error
+from pyflashattn.testing.bench_util import gpu_warmup, import_flashinfer, interleaved_median_ms, run_if_cuda, short_error
 
 # Two correct bf16 kernels differ by ~1e-3..1e-2 relative (bf16 P before PV); a wrong mask,
 # a dropped tile or garbage lands far above.
@@ -121,6 +128,8 @@ class _Ctx:
         self.bench_ms = bench_ms
         self.bench_samples_ms = bench_samples_ms
         self.host_overhead_interleaved_us = host_overhead_interleaved_us
+        self.fi, self.fi_error = import_flashinfer()
+        self.fi_backend = "fa3" if torch.cuda.get_device_capability()[0] == 9 else "fa2"
         # the fp8 prefill kernels are sm_90a only (elsewhere fp8 q raises NotImplementedError)
         self.fp8 = (self.pfa is not None and hasattr(torch, "float8_e4m3fn")
                     and torch.cuda.get_device_capability() == (9, 0))
@@ -208,20 +217,44 @@ def _bench_row(ctx: _Ctx, hd, seq, causal, dtype, hidden, tokens, batch, warmup,
                                                                   warmup=w, rep=r)
         except Exception as e:
             row["errors"].append(f"pfa: {_short_err(e)}")
+    _flashinfer_timer(ctx, row, q, k, v, causal, ref, timers)
     del ref
     _fp8_timer(ctx, row, q, k, v, causal, timers)
     for key, ms in _interleaved_ms(timers, warmup, rep, row["errors"]).items():
         row[f"{key}_ms"] = ms
 
-    for key in ("pfa", "flash", "cudnn", "fp8"):
+    for key in ("pfa", "flash", "cudnn", "fi", "fp8"):
         row[f"{key}_tflops"] = _tflops(flops, row.get(f"{key}_ms"))
     row["pfa_over_flash"] = _ratio(row["pfa_tflops"], row["flash_tflops"])
     row["pfa_over_cudnn"] = _ratio(row["pfa_tflops"], row["cudnn_tflops"])
+    peers = [row[f"{key}_tflops"] for key in ("cudnn", "fi") if row.get(f"{key}_tflops")]
+    row["pfa_over_best"] = _ratio(row["pfa_tflops"], max(peers)) if peers else None
     row["fp8_over_pfa"] = _ratio(row["fp8_tflops"], row["pfa_tflops"])
 
     if batch:
         _bench_batch(ctx, row, hd, seq, causal, h, b, flops * b, rand, warmup, rep)
     return row
+
+
+def _flashinfer_timer(ctx: _Ctx, row, q, k, v, causal, ref, timers):
+    """The fi column (module docstring): FlashInfer's single prefill on our request, checked
+    against `ref`, then a timer in `timers`; a failure is an error of the row, not of the run."""
+    row["fi_ms"] = None
+    if ctx.fi is None:
+        return
+    row["fi_backend"] = backend = ctx.fi_backend
+    try:
+        def call():
+            return ctx.fi.single_prefill_with_kv_cache(q, k, v, causal=causal, backend=backend)
+
+        rel = _check(ctx.torch, call(), ref)[0]
+        row["fi_rel_err"] = rel
+        if not rel <= REL_TOL:  # NaN fails too
+            row["errors"].append(f"flashinfer ({backend}): output mismatch vs SDPA, rel {rel:.3g} > {REL_TOL}")
+            return
+        timers["fi"] = lambda w, r: ctx.bench_samples_ms(call, warmup=w, rep=r)
+    except Exception as e:
+        row["errors"].append(f"flashinfer ({backend}): {_short_err(e)}")
 
 
 def _fp8_timer(ctx: _Ctx, row, q, k, v, causal, timers):
@@ -313,18 +346,25 @@ def _fmt(x, spec=".1f", width=7):
 
 
 def _table(rows, batch) -> str:
+    fi = any(r.get("fi_tflops") for r in rows)  # FlashInfer's columns only when it was timed
     head = (f"{'hd':>4} {'seq':>6} {'causal':>6} {'h':>3} | {'pfa':>7} {'flash':>7} {'cudnn':>7} "
-            f"{'pfa/fl':>6} {'pfa/cu':>6} {'maxdiff':>8} | {'fp8':>7} {'fp8/pfa':>7}")
+            + (f"{'fi':>7} " if fi else "")
+            + f"{'pfa/fl':>6} {'pfa/cu':>6} " + (f"{'pfa/best':>8} " if fi else "")
+            + f"{'maxdiff':>8} | {'fp8':>7} {'fp8/pfa':>7}")
     if batch:
         head += f" | {'b':>3} {'pfa*b':>7} {'flash*b':>7} {'cudnn*b':>7} {'pfa/cu':>6}"
+    backends = "/".join(sorted({r.get("fi_backend") for r in rows} - {None}))
     lines = ["TFLOP/s (single request; *b = 16384-token batch, pfa as b sequential calls; fp8 = e4m3 q/k/v, "
-             "bf16 out, same rounds as pfa)", head,
+             "bf16 out, same rounds as pfa"
+             + (f"; fi = FlashInfer {backends}, best = the faster of cuDNN and it" if fi else "") + ")", head,
              "-" * len(head)]
     for r in rows:
         line = (f"{r['head_dim']:>4} {r['seq']:>6} {str(r['causal']):>6} {r['heads']:>3} | "
                 f"{_fmt(r['pfa_tflops'])} {_fmt(r['flash_tflops'])} {_fmt(r['cudnn_tflops'])} "
-                f"{_fmt(r['pfa_over_flash'], '.2f', 6)} {_fmt(r['pfa_over_cudnn'], '.2f', 6)} "
-                f"{_fmt(r.get('pfa_max_abs_diff'), '.1e', 8)} | "
+                + (f"{_fmt(r.get('fi_tflops'))} " if fi else "")
+                + f"{_fmt(r['pfa_over_flash'], '.2f', 6)} {_fmt(r['pfa_over_cudnn'], '.2f', 6)} "
+                + (f"{_fmt(r.get('pfa_over_best'), '.2f', 8)} " if fi else "")
+                + f"{_fmt(r.get('pfa_max_abs_diff'), '.1e', 8)} | "
                 f"{_fmt(r.get('fp8_tflops'))} {_fmt(r.get('fp8_over_pfa'), '.2f', 7)}")
         if batch:
             line += (f" | {r['batch']:>3} {_fmt(r.get('pfa_b_tflops'))} "
@@ -353,10 +393,14 @@ def run_prefill(args) -> int:
         "time": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
     }
     meta["pyflashattn"] = _pfa_version()
+    meta["flashinfer"] = getattr(ctx.fi, "__version__", None) if ctx.fi else None
+    meta["flashinfer_error"] = ctx.fi_error
     print(f"# {meta['device']} ({meta['sm_count']} SMs), torch {meta['torch']}, "
           f"cuDNN {meta['cudnn']}, {args.dtype}", flush=True)
     if ctx.pfa_error:
         print(f"# pyflashattn unavailable: {ctx.pfa_error}", flush=True)
+    if ctx.fi_error:
+        print(f"# FlashInfer not timed: {ctx.fi_error}", flush=True)
 
     gpu_warmup()  # the first row must not pay for an idle GPU's clock ramp
     rows = []
@@ -367,7 +411,8 @@ def run_prefill(args) -> int:
                                args.warmup, args.rep)
                 rows.append(r)
                 print(f"# hd={hd} seq={seq} causal={causal}: pfa {_fmt(r['pfa_tflops']).strip()} "
-                      f"cudnn {_fmt(r['cudnn_tflops']).strip()} fp8 {_fmt(r.get('fp8_tflops')).strip()} TFLOP/s, "
+                      f"cudnn {_fmt(r['cudnn_tflops']).strip()} fi {_fmt(r.get('fi_tflops')).strip()} "
+                      f"fp8 {_fmt(r.get('fp8_tflops')).strip()} TFLOP/s, "
                       f"rel err {_fmt(r.get('pfa_rel_err'), '.2e', 0).strip()}", flush=True)
                 torch.cuda.empty_cache()
     host = _host_overhead(ctx, dtype, args.host_calls)
