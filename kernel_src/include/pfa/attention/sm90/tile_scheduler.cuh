@@ -19,8 +19,8 @@
 // through a two-slot ring in shared memory: slot k & 1 holds block k's index; the producer's named
 // barrier hands it to the producer warpgroup (TAIL_WARPS: a shuffle to warp 0, the ring to warps
 // 1..3), `full` (one arrival, the fetching thread's) to the consumers, whose `empty` (one arrival
-// per reading thread) frees the slot for block k + 2. An
-// index past the grid ends every role's walk. The launch's last CTA to finish zeroes both
+// per reading thread) frees the slot for block k + 2. An index past the grid ends every role's
+// walk. The launch's last CTA to finish zeroes both
 // counters, so the next launch (a CUDA-graph replay too) finds them as the host left them.
 #pragma once
 #include <stdint.h>
@@ -61,7 +61,7 @@ struct Sm90TileScheduler {
   // The producer's thread 0: fetch block k's index into its slot (and return it).
   static __device__ __forceinline__ int fetch(const PrefillParams& p, uint32_t base, int k) {
     const int slot = k & 1;
-    ptx::mbar_wait(empty(base, slot), ((k >> 1) & 1) ^ 1);  // every consumer has read block k - 2's index
+    ptx::mbar_wait(empty(base, slot), ((k >> 1) & 1) ^ 1);  // every reader has read block k - 2's index
     const int G = gridDim.x, c = blockIdx.x;
     int b;
     if (k == 0)
