@@ -213,10 +213,7 @@ def test_prefill_table_adds_flashinfer_and_the_best_peer_only_when_it_was_timed(
     assert "540.0" in last and "0.96" in last
 
 
-def test_prefill_flashinfer_column_checks_then_times_and_a_failure_is_the_rows():
-    class Torch:
-        pass
-
+def test_prefill_flashinfer_column_checks_then_times_and_a_failure_is_the_rows(monkeypatch):
     calls = []
 
     class Fi:
@@ -224,21 +221,22 @@ def test_prefill_flashinfer_column_checks_then_times_and_a_failure_is_the_rows()
             calls.append((causal, backend))
             return q
 
-    ctx = type("Ctx", (), {"torch": Torch, "fi": Fi(), "fi_backend": "fa3",
+    ctx = type("Ctx", (), {"torch": None, "fi": Fi(), "fi_backend": "fa3",
                            "bench_samples_ms": staticmethod(lambda fn, warmup, rep: [fn() and 1.0])})()
     checked = []
-    orig = bench._check
-    try:
-        bench._check = lambda torch, o, ref: (checked.append((o, ref)) or (0.5 if ref == "far" else 1e-3, 0.0))
-        row, timers = {"errors": []}, {}
-        bench._flashinfer_timer(ctx, row, "q", "k", "v", True, "ref", timers)
-        assert row["fi_backend"] == "fa3" and row["fi_rel_err"] == 1e-3 and checked == [("q", "ref")]
-        assert timers["fi"](1, 1) == [1.0] and calls == [(True, "fa3"), (True, "fa3")]
-        row, timers = {"errors": []}, {}
-        bench._flashinfer_timer(ctx, row, "q", "k", "v", False, "far", timers)
-        assert "fi" not in timers and "output mismatch" in row["errors"][0]
-    finally:
-        bench._check = orig
+    monkeypatch.setattr(bench, "_check",
+                        lambda torch, o, ref: checked.append((o, ref)) or (0.5 if ref == "far" else 1e-3, 0.0))
+    row, timers = {"errors": []}, {}
+    bench._flashinfer_timer(ctx, row, "q", "k", "v", True, "ref", timers)
+    assert row["fi_backend"] == "fa3" and row["fi_rel_err"] == 1e-3 and checked == [("q", "ref")]
+    assert timers["fi"](1, 1) == [1.0] and calls == [(True, "fa3"), (True, "fa3")]
+    row, timers = {"errors": []}, {}
+    bench._flashinfer_timer(ctx, row, "q", "k", "v", False, "far", timers)  # past REL_TOL: not timed
+    assert "fi" not in timers and "output mismatch" in row["errors"][0]
+    monkeypatch.setattr(bench, "_check", lambda torch, o, ref: (float("nan"), 0.0))
+    row, timers = {"errors": []}, {}
+    bench._flashinfer_timer(ctx, row, "q", "k", "v", False, "ref", timers)  # NaN never passes
+    assert "fi" not in timers and "output mismatch" in row["errors"][0]
 
     class Broken:
         def single_prefill_with_kv_cache(self, *a, **k):

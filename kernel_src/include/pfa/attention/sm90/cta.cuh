@@ -39,14 +39,17 @@ __device__ __forceinline__ void run_warp_specialized_cta(const PrefillParams& p,
   ptx::wait_prior_grids();
   const uint32_t base = (ptx::smem_u32(smem) + Cfg::ATOM_BYTES - 1) & ~(uint32_t)(Cfg::ATOM_BYTES - 1);
   const int tid = threadIdx.x, wg = tid / Cfg::WG_THREADS;
+  // Block b of the logical grid into w (false: nothing to do), for every role and walk below.
   // Honours rows_fastest (a head's row tiles together, its K/V shared in L2): the register it
   // costs is no constraint here.
+  auto decode = [&](PrefillWork& w, int b) {
+    return decode_work<Cfg::BLOCK_M, Cfg::BLOCK_N, Cfg::PAGED, false, true>(p, w, LogicalGrid::at(p, b));
+  };
   if constexpr (!Cfg::PERSISTENT) {
     // A one-dimensional launch over the logical grid (LogicalGrid: in L2 sections): the hardware
     // starts blocks in launch order as CTAs retire, a section's before the next's.
     PrefillWork w;
-    if (!decode_work<Cfg::BLOCK_M, Cfg::BLOCK_N, Cfg::PAGED, false, true>(p, w, LogicalGrid::at(p, blockIdx.x)))
-      return;
+    if (!decode(w, blockIdx.x)) return;
     if (tid == 0) init_ring_barriers<Cfg>(base);
     __syncthreads();
     Sm90Walk walk;
@@ -78,7 +81,7 @@ __device__ __forceinline__ void run_warp_specialized_cta(const PrefillParams& p,
         const int b = producer ? Sched::produce(p, base, k, tid) : Sched::consume(base, k);
         if (b >= blocks) break;
         PrefillWork w;
-        if (!decode_work<Cfg::BLOCK_M, Cfg::BLOCK_N, Cfg::PAGED, false, true>(p, w, LogicalGrid::at(p, b))) continue;
+        if (!decode(w, b)) continue;
         role(w, walk);
         walk.advance(w.num_tiles);
       }
@@ -116,8 +119,7 @@ __device__ __forceinline__ void run_warp_specialized_cta(const PrefillParams& p,
         bool run_next, taken = false;
         auto take = [&] {
           b = Sched::consume(base, k);
-          run_next = b < blocks &&
-                     decode_work<Cfg::BLOCK_M, Cfg::BLOCK_N, Cfg::PAGED, false, true>(p, next, LogicalGrid::at(p, b));
+          run_next = b < blocks && decode(next, b);
           taken = true;
         };
         // AHEAD_WHEN_READY: only if the index is there already; else after the epilogue
