@@ -102,3 +102,18 @@ def test_xqa_may_be_captured_after_its_warm_up_call(fake, monkeypatch):
     fake.cu.capturing.add(0x5100)  # the fake's current stream
     decode.xqa_batch_decode_with_kv_cache(**args)
     assert len(fake.cu.launches) == launches + 1 and fake.cu.launches[-1][2] == 0x5100  # on the capturing stream
+
+
+def test_a_library_output_freed_during_another_streams_capture_frees_in_relaxed_mode(fake):
+    """A JAX output dropped (garbage collection included) while torch captures in global mode:
+    its stream-ordered free runs under the relaxed capture mode, which a global capture does not
+    refuse, and the thread's own mode comes back (the standalone test_page graph failure)."""
+    from pyflashattn._runtime import cuda as _cuda
+
+    cu = fake.cu
+    cu.capturing.add(STREAM)  # another stream captures
+    ptr = _cuda.mem_alloc_async(256, 0x5200)
+    _cuda.mem_free_async(ptr, 0x5200)
+    relaxed = cu.CUstreamCaptureMode.CU_STREAM_CAPTURE_MODE_RELAXED
+    assert ("free_async", ptr, 0x5200, relaxed) in cu.log
+    assert cu.capture_mode == cu.CUstreamCaptureMode.CU_STREAM_CAPTURE_MODE_GLOBAL

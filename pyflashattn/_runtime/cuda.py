@@ -379,8 +379,20 @@ def mem_free(ptr: int) -> None:
 
 
 def mem_free_async(ptr: int, stream: int) -> None:
-    """Free mem_alloc_async memory once the work queued on `stream` so far is done."""
-    check(driver().cuMemFreeAsync(ptr, stream), "cuMemFreeAsync")
+    """Free mem_alloc_async memory once the work queued on `stream` so far is done.
+
+    Under this thread's relaxed capture mode: the callers free library outputs (JAX's) whenever
+    they are dropped, garbage collection included, and so possibly while another stream captures
+    a graph in global mode (torch's default), which refuses the free and invalidates its capture
+    (CUDA_ERROR_STREAM_CAPTURE_UNSUPPORTED). A stream-ordered free on a stream that is not
+    capturing is safe beside a capture; a free on a capturing stream is captured either way."""
+    cu = driver()
+    prev = check(cu.cuThreadExchangeStreamCaptureMode(cu.CUstreamCaptureMode.CU_STREAM_CAPTURE_MODE_RELAXED),
+                 "cuThreadExchangeStreamCaptureMode")
+    try:
+        check(cu.cuMemFreeAsync(ptr, stream), "cuMemFreeAsync")
+    finally:
+        check(cu.cuThreadExchangeStreamCaptureMode(prev), "cuThreadExchangeStreamCaptureMode")
 
 
 def zeroed(nbytes: int) -> int:

@@ -61,6 +61,8 @@ class FakeDriver:
     lagging = False  # cuEventQuery says "not ready": a GPU that has not reached the copies yet
     CUevent_flags = _Enum(CU_EVENT_DISABLE_TIMING=2)
     CUstreamCaptureStatus = _Enum(CU_STREAM_CAPTURE_STATUS_NONE=0, CU_STREAM_CAPTURE_STATUS_ACTIVE=1)
+    CUstreamCaptureMode = _Enum(CU_STREAM_CAPTURE_MODE_GLOBAL=0, CU_STREAM_CAPTURE_MODE_THREAD_LOCAL=1,
+                                CU_STREAM_CAPTURE_MODE_RELAXED=2)
 
     def __init__(self):
         self.mem = {}  # address -> ctypes buffer (device and pinned host alike)
@@ -101,8 +103,14 @@ class FakeDriver:
 
     def cuMemFreeAsync(self, a, s):
         self.freed.append(a)
-        self.log.append(("free_async", a, s))
+        self.log.append(("free_async", a, s, self.capture_mode))
         return (0,)
+
+    capture_mode = 0  # this (one) thread's stream capture interaction mode
+
+    def cuThreadExchangeStreamCaptureMode(self, mode):
+        prev, self.capture_mode = self.capture_mode, mode
+        return 0, prev
 
     def cuMemsetD8(self, dst, value, n):
         self.log.append(("memset", dst, n))
