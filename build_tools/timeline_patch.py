@@ -5,7 +5,8 @@
 
 Consumer warpgroup c's thread 0 stamps, for each of its CTA's first 16 blocks (Sm90Walk.q_round),
 events c * 16 + 0 .. 6: block entry, Q landed, first turn taken, first S done, tile loop done, last
-P V done, epilogue done (+ 7: the block's tile count), and + 8 .. 14 the cycles its tile loop spent
+P V done, epilogue done (+ 7: the block's tile count; + 15: ahead() done, between the last P V and
+the epilogue), and + 8 .. 14 the cycles its tile loop spent
 (clock, summed over the block's tiles after the first) waiting for K (k_full), for V (v_full), for
 its turn, for S (wgmma wait 1) and for P V (wgmma wait 0), holding its turn (issuing the two GEMMs)
 and between the S and P V waits (the softmax); the producer's thread 0 (TMA rows), events 32 .. 37
@@ -58,6 +59,9 @@ a = "    Consumer::mainloop(p, w, rows, base, wg, lane, o, m, l, walk);\n"
 assert src.count(a) == 1
 src = src.replace(a, "    PFA_TL(walk.q_round, wg * 16 + 0);\n    PFA_TLV(walk.q_round, wg * 16 + 7, w.num_tiles);\n" + a +
                   "    PFA_TL(walk.q_round, wg * 16 + 5);\n")
+b = "    ahead();\n"  # (+ 15) the next block taken (DECODE_AHEAD: its decode) before the epilogue
+assert src.count(b) == 1
+src = src.replace(b, b + "    PFA_TL(walk.q_round, wg * 16 + 15);\n")
 m = re.search(r"    EpilogueSm90<Cfg, Consumer::O_ACC[^>]*>::run\([^;]*\);\n", src)
 src = src[:m.end()] + "    PFA_TL(walk.q_round, wg * 16 + 6);\n" + src[m.end():]
 pf.write_text(src)

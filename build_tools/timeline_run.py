@@ -70,7 +70,7 @@ def analyse(label, fn, flops):
               f" first end {(g1.min()-g0.min())/1e3:.1f} us")
         # CTA start -> first block's entry
         rows = {k: [] for k in ["start->entry0", "entry->q", "q->turn0", "turn0->S0", "S0->loopend",
-                                 "loopend->lastPV", "epilogue", "gap(prev epi->entry)", "tiles", "per-tile(loop)",
+                                 "loopend->lastPV", "epilogue", "  ahead()", "  epilogue proper", "gap(prev epi->entry)", "tiles", "per-tile(loop)",
                                  "block total", "end->cta end",
                                  "wg0 wait K/tile", "wg0 wait V/tile", "wg0 wait turn/tile", "wg0 wait S/tile",
                                  "wg0 wait PV/tile", "wg0 wait issue/tile", "wg0 wait softmax/tile",
@@ -91,6 +91,8 @@ def analyse(label, fn, flops):
                     rows["entry->q"].append(e_[1] - e_[0]); rows["q->turn0"].append(e_[2] - e_[1])
                     rows["turn0->S0"].append(e_[3] - e_[2]); rows["S0->loopend"].append(e_[4] - e_[3])
                     rows["loopend->lastPV"].append(e_[5] - e_[4]); rows["epilogue"].append(e_[6] - e_[5])
+                    if e_[15]:
+                        rows["  ahead()"].append(e_[15] - e_[5]); rows["  epilogue proper"].append(e_[6] - e_[15])
                     rows["tiles"].append(n); rows["block total"].append(e_[6] - e_[0])
                     if n > 1:
                         rows["per-tile(loop)"].append((e_[4] - e_[3]) / (n - 1))
