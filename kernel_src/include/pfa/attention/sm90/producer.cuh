@@ -249,10 +249,17 @@ struct ProducerSm90 {
   // the consumers' epilogue (NOTES.md, session 28). Not on the cp.async rows: the paged ones lost
   // 1-3% with it (the same A/B), the ragged ones gained 0.3-0.5%.
   static constexpr int Q_BOX_COLS = Cfg::ROW_BYTES / (int)sizeof(T), Q_COL_BLOCKS = Cfg::HEAD_DIM / Q_BOX_COLS;
+  // Whether the block's Q goes by TMA (thread 0's boxes; else every producer thread copies rows):
+  // the call has Q's map and the tile's tokens lie within Q's rows.
+  static __device__ __forceinline__ bool q_by_tma(const PrefillParams& p, const PrefillWork& w) {
+    const int tokens = group_div(p, Cfg::BLOCK_M), t0 = (int)w.q_row0 + group_div(p, w.r0);
+    return Cfg::TMA && p.q_tma != 0 && (int64_t)t0 + tokens <= (int64_t)p.q_tokens;
+  }
+
   static __device__ __forceinline__ void load_q(const PrefillParams& p, const PrefillWork& w, uint32_t base, int tid) {
     if constexpr (Cfg::TMA) {
-      const int tokens = group_div(p, Cfg::BLOCK_M), t0 = (int)w.q_row0 + group_div(p, w.r0);
-      if (p.q_tma != 0 && (int64_t)t0 + tokens <= (int64_t)p.q_tokens) {
+      if (q_by_tma(p, w)) {
+        const int t0 = (int)w.q_row0 + group_div(p, w.r0);
         if (tid == 0) {
           ptx::mbar_arrive_expect_tx(Cfg::q_full(base), Cfg::Q_BYTES);
           // TAIL_WARPS: the other threads' arrivals too, so that warp 0 need not wait for warps

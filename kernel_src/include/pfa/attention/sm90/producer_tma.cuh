@@ -180,9 +180,18 @@ struct ProducerSm90Tma {
   static __device__ __forceinline__ void run(const PrefillParams& p, const PrefillWork& w, uint32_t base, int tid,
                                              Sm90Walk& walk) {
     if (w.num_tiles == 0) return;
-    wait_q_free<Cfg>(base, walk);
-    ProducerSm90<Cfg>::load_q(p, w, base, tid);
     const int warp = tid / 32, lane = tid % 32;
+    // TAIL_WARPS, Q by TMA: thread 0 gives all of q_full's arrivals, so warps 1..3 neither load Q
+    // nor wait for it to be free. Their wait could come two Q rounds late (they trail warp 0 by
+    // their decode and the tail's zeroing, and the consumers need nothing of them in a block
+    // without a tail), and a wait on q_empty two phases late sees its parity again and never
+    // returns: ragged batches with fixed_split_size (short blocks) hung one run in two (NOTES.md,
+    // session 35). Where Q is copied they must wait, and then the consumers cannot release that
+    // Q before their arrivals, so the wait is never late.
+    if (!Cfg::TAIL_WARPS || warp == 0 || !ProducerSm90<Cfg>::q_by_tma(p, w)) {
+      wait_q_free<Cfg>(base, walk);
+      ProducerSm90<Cfg>::load_q(p, w, base, tid);
+    }
     // Every row tile of the head reads these K/V rows again: keep them in L2 over Q and outputs.
     const uint64_t keep = ptx::l2_evict_last();
     const int rows = box_rows(p);
