@@ -70,8 +70,8 @@ def analyse(label, fn, flops):
               f" first end {(g1.min()-g0.min())/1e3:.1f} us")
         # CTA start -> first block's entry
         rows = {k: [] for k in ["start->entry0", "entry->q", "q->turn0", "turn0->S0", "S0->loopend",
-                                 "loopend->lastPV", "epilogue", "  ahead()", "  epilogue proper", "gap(prev epi->entry)", "tiles", "per-tile(loop)",
-                                 "block total", "end->cta end",
+                                 "loopend->lastPV", "epilogue", "  ahead()", "  epilogue proper",
+                                 "gap(prev epi->entry)", "tiles", "per-tile(loop)", "block total", "end->cta end",
                                  "wg0 wait K/tile", "wg0 wait V/tile", "wg0 wait turn/tile", "wg0 wait S/tile",
                                  "wg0 wait PV/tile", "wg0 wait issue/tile", "wg0 wait softmax/tile",
                                  "wg1 wait K/tile", "wg1 wait V/tile", "wg1 wait turn/tile",
