@@ -1,7 +1,9 @@
 #!/bin/sh
-# Runs an nvcc command line and fails it when ptxas serialised a kernel's wgmma (C7520: a wgmma
-# operand defined on a data-dependent path makes ptxas serialise EVERY wgmma of the kernel, a
-# silent ~2x loss on the sm90 family). Only the skip-softmax twins (*_skip.cubin) are allowed it.
+# Runs an nvcc command line and fails it when ptxas serialised a kernel's wgmma ("wgmma.mma_async
+# instructions are serialized": C7520, a wgmma operand defined on a data-dependent path; C7515,
+# non-wgmma code defining accumulator registers inside a wgmma's pipeline stage; C7512, registers;
+# each makes ptxas serialise EVERY wgmma of the kernel, a silent ~2x loss on the sm90 family). Only
+# the skip-softmax twins (*_skip.cubin) are allowed it (their C7520).
 # Also fails a cubin with the odd-descriptor cp.async below.
 log=$(mktemp) || exit 1
 "$@" 2>"$log"
@@ -10,10 +12,10 @@ cat "$log" >&2
 out=
 prev=
 for a in "$@"; do [ "$prev" = "-o" ] && out=$a; prev=$a; done
-if [ $rc -eq 0 ] && grep -q C7520 "$log"; then
+if [ $rc -eq 0 ] && grep -q "wgmma.mma_async instructions are serialized" "$log"; then
   case "$out" in
     *_skip.cubin) ;;
-    *) echo "nvcc_guard: ptxas serialised the wgmma of $out (C7520 above); see build_tools/nvcc_guard.sh" >&2
+    *) echo "nvcc_guard: ptxas serialised the wgmma of $out (above); see build_tools/nvcc_guard.sh" >&2
        rm -f "$out"; rc=1 ;;
   esac
 fi
