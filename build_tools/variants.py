@@ -268,6 +268,9 @@ class HopperPrefillVariant(Sm90Roles):
     # "fp8": one-byte K/V (e4m3fn / e5m2, PrefillParams.kv_fp8) under the 16-bit Q, copied raw and
     # widened into the 16-bit ring by the producer (sm90/widen_producer.cuh; PrefillSm90Config::KV_FP8)
     kv_dtype: str = ""
+    # the paged copies' dense twin (PrefillSm90Config::DENSE_KV): run instead of the row without it
+    # where a kv head's page slots are back to back (routing.dense_twin); only by name
+    dense: bool = False
     tune: bool = False
     impl: str = SM90
     archs: tuple = IMPL_ARCHS[SM90]
@@ -297,7 +300,8 @@ class HopperPrefillVariant(Sm90Roles):
         return (f"pfa_prefill_{self.impl}_{self.dtype}{'_kv' + self.kv_dtype if self.kv_dtype else ''}"
                 f"_hd{self.head_dim}_m{self.block_m}n{self.block_n}"
                 f"c{self.consumers}s{self.stages}{'_pp' if self.pingpong else ''}{'_paged' if self.paged else ''}"
-                f"{'_ps' if self.persistent else ''}{'_tma' if self.tma else ''}{'_skip' if self.skip else ''}")
+                f"{'_ps' if self.persistent else ''}{'_tma' if self.tma else ''}{'_dense' if self.dense else ''}"
+                f"{'_skip' if self.skip else ''}")
 
     def source(self):
         return (f'#include "pfa/attention/prefill_sm90.cuh"\n'
@@ -305,7 +309,7 @@ class HopperPrefillVariant(Sm90Roles):
                 f"{self.consumers}, {self.stages}, {'true' if self.pingpong else 'false'}, "
                 f"{'true' if self.paged else 'false'}, {'true' if self.tma else 'false'}, "
                 f"{'true' if self.skip else 'false'}, {'true' if self.persistent else 'false'}, "
-                f"{'true' if self.kv_dtype else 'false'}, {self.smem_bytes})\n")
+                f"{'true' if self.kv_dtype else 'false'}, {'true' if self.dense else 'false'}, {self.smem_bytes})\n")
 
     def manifest(self):
         return {"family": "prefill", "impl": self.impl, "dtype": self.dtype, "kv_dtype": self.kv_dtype or self.dtype,
@@ -315,7 +319,8 @@ class HopperPrefillVariant(Sm90Roles):
                 "rows_fastest": True, "device_scale": True, "tma": self.tma, "persistent": self.persistent,
                 # one consumer warpgroup votes (consumer.cuh); a twin is only picked by name
                 "skip_softmax_rows": self.WG_ROWS if self.skip else 0,
-                "twin_of": dataclasses.replace(self, skip=False).name if self.skip else None,
+                "twin_of": dataclasses.replace(self, skip=False, dense=False).name if self.skip or self.dense else None,
+                "dense_kv": self.dense,
                 "nvfp4_out": self.paged and self.head_dim <= 128}  # PrefillSm90Config::NVFP4_OUT
 
 
@@ -446,6 +451,10 @@ HOPPER_TILES_KV_FP8 = {"ragged": {64: (128, 3, 2), 128: (128, 2, 2)},
 # (routing.row_tile_block_m). hd64: 128 rows beside the default 192 (32 heads x 1024 tokens make
 # 192 blocks of 192 rows, 0.73 of two rounds on 132 SMs; 256 of 128 rows, 0.97).
 HOPPER_TILES_ALT = {64: (128, 2, 2)}
+# Head dims whose paged rows have a dense twin (name + "_dense", PrefillSm90Config::DENSE_KV): the
+# copies of a cache whose kv head's page slots are back to back (HND, TRT-LLM's default layout) step
+# by a constant. Not hd256, whose 40-register producer spilled with the dense runs (NOTES.md, session 32).
+HOPPER_DENSE_KV = (64, 128)
 # How the sm90 family loads K/V, per KV storage: "cpasync" (the producer warpgroup's cp.async,
 # producer.cuh) or "tma" (one producer warp issuing boxes from host-encoded tensor maps,
 # producer_tma.cuh; paged: pages of 16+ rows, smaller ones stay on cp.async). Each default row above
@@ -677,6 +686,8 @@ def variants(tune=False):
         out += [HopperPrefillVariant(dtype, hd, *tile, paged=True) for hd, tile in HOPPER_TILES_PAGED.items()]
         out += [HopperPrefillVariant(dtype, hd, *tile, paged=paged, skip=True)
                 for paged, tiles in ((False, HOPPER_TILES), (True, HOPPER_TILES_PAGED)) for hd, tile in tiles.items()]
+        out += [HopperPrefillVariant(dtype, hd, *tile, paged=True, dense=True)
+                for hd, tile in HOPPER_TILES_PAGED.items() if hd in HOPPER_DENSE_KV]
         for storage, tiles in (("ragged", HOPPER_TILES), ("paged", HOPPER_TILES_PAGED)):
             twin_tune = HOPPER_KV_LOAD[storage] != "tma"
             if tune or not twin_tune:

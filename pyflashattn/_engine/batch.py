@@ -169,6 +169,8 @@ class BatchEngine:
                 routing.tma_fits(self.paged, src.page_size, la.meta["block_n"], src.total_kv) and \
                 routing.tma_pays(self.paged, src.page_size, src.kv_lens, la.meta["block_n"], cap is not None):
             la = route.tma  # the same tile: the schedule below is the cp.async kernel's
+        elif la is route.attn and route.dense is not None and routing.dense_layout(self.kv_layout, cfg.num_kv_heads):
+            la = route.dense  # the same tile; a run() over strided page slots falls back (kv_fallback)
         meta = la.meta
         plan = schedule.schedule_prefill(src.qo, src.qo_lens, src.kv_lens, src.max_qo, src.max_kv, cfg.group,
                                          cfg.num_kv_heads, meta["block_m"], meta["block_n"], budget, bool(causal),
@@ -220,10 +222,8 @@ class BatchEngine:
         self.attn = la
         self.skip, self.skip_home = 0.0, None  # run(skip_softmax_threshold_scale_factor=...) sets it
         la.params.skip_softmax_factor = 0.0
-        if la.meta.get("tma"):
-            self.kv_maps, self.kv_twin = tma.KvMaps(cfg.q_dtype.short, la.params), route.attn
-        else:
-            self.kv_maps = self.kv_twin = None
+        self.kv_maps = tma.KvMaps(cfg.q_dtype.short, la.params) if la.meta.get("tma") else None
+        self.kv_twin = route.attn if la.meta.get("tma") or la.meta.get("dense_kv") else None
         self.q_map = tma.q_map(cfg.q_dtype.short, la.params, la.meta, cfg.num_qo_heads, cfg.head_dim,
                                cfg.num_qo_heads // cfg.num_kv_heads, cfg.q_dtype.bits // 8)
         self.kv_fallback = False
@@ -488,8 +488,8 @@ class BatchEngine:
             key = ("skip", m["name"])
             la = self.launchers.get(key)
             if la is None:
-                name = m["name"][:-len(routing.TMA_SUFFIX)] if m.get("tma") else m["name"]
-                la = self.launchers[key] = _registry.new_launcher("prefill", self.dev, name=name + "_skip")
+                la = self.launchers[key] = _registry.new_launcher("prefill", self.dev,
+                                                                  name=routing.base_kernel_name(m) + "_skip")
             return la
         return self.launcher("prefill", m["dtype"], m["kv_dtype"], m["head_dim"], True)
 
@@ -570,7 +570,8 @@ class BatchEngine:
                 return
         elif self.shape[0] == 0:
             return
-        if self.kv_fallback and la.meta.get("tma"):  # K/V TMA cannot address: the cp.async twin, same struct
+        # K/V that TMA cannot address, or a dense twin's cache with strided page slots: the row itself, same struct
+        if self.kv_fallback and (la.meta.get("tma") or la.meta.get("dense_kv")):
             _cuda.copy_params(self.kv_twin, la)
             la = self.kv_twin
         self.pdl(la, pdl)(s)
@@ -684,6 +685,8 @@ class BatchEngine:
         p.v_stride_page, p.v_stride_n, p.v_stride_h = operands.paged_kv_strides(self.kv_layout, vs)
         if self.kv_maps is not None:
             self._point_maps(p, k_ptr, v_ptr, num_pages)
+        elif self.kv_twin is not None:  # a dense twin: its copies step HEAD_DIM elements a page slot
+            self.kv_fallback = not (p.k_stride_n == p.v_stride_n == self.shape[3])
         self.launch(qv, ov, lv, s, enable_pdl)
         if kv_cache_sf is None:  # (NVFP4: every run points the scales, no fast path)
             self.remember(q, kv_parts, out, lse, return_lse)

@@ -100,6 +100,46 @@ def kv_load_pair(dev: int, la, named):
     return la, twin
 
 
+# The paged rows' dense twins (build_tools/variants.py HOPPER_DENSE_KV: name + DENSE_SUFFIX, the
+# same tile): a plan whose cache keeps a kv head's page slots back to back (HND, or NHD with one kv
+# head) runs the twin, whose copies step by a constant; a run() whose cache strides are not dense
+# falls back to the row itself (BatchEngine.kv_fallback). PFA_SM90_DENSE_KV=0 never runs the twins
+# (A/B runs).
+DENSE_SUFFIX = "_dense"
+DENSE_ENV = "PFA_SM90_DENSE_KV"
+
+
+def dense_twin(dev: int, la, named):
+    """The dense twin of paged row-tile launcher la (named(name) makes a launcher by kernel name), or
+    None: not built, not a paged cp.async row, or switched off by PFA_SM90_DENSE_KV=0."""
+    meta = la.meta
+    if meta.get("impl") != "sm90" or not meta.get("paged") or meta.get("tma") or \
+            os.environ.get(DENSE_ENV, "").strip() == "0":
+        return None
+    row = _built_row(dev, meta["name"] + DENSE_SUFFIX)
+    if row is None:
+        return None
+    twin = named(row["name"])
+    if (twin.meta["block_m"], twin.meta["block_n"]) != (meta["block_m"], meta["block_n"]):
+        raise RuntimeError(f"{row['name']} is no twin of {meta['name']}: their tiles differ")
+    return twin
+
+
+def dense_layout(kv_layout: str, num_kv_heads: int) -> bool:
+    """Whether a paged cache of this layout keeps a kv head's page slots back to back when it is
+    contiguous (HND; NHD only with one kv head): the plans that take the dense twin."""
+    return kv_layout == "HND" or num_kv_heads == 1
+
+
+def base_kernel_name(meta) -> str:
+    """A twin's (TMA or dense) row name without its suffix: the kernel its skip twin is named after."""
+    name = meta["name"]
+    for suffix, flag in ((TMA_SUFFIX, "tma"), (DENSE_SUFFIX, "dense_kv")):
+        if meta.get(flag) and name.endswith(suffix):
+            return name[:-len(suffix)]
+    return name
+
+
 def tma_fits(paged: bool, page_size: int, block_n: int, total_kv: int) -> bool:
     """Whether a plan's K/V geometry has TMA boxes: pages of tma.paged_box_rows, ragged rows
     within the 32-bit coordinates."""
@@ -321,11 +361,12 @@ def nvfp4_out_built(dev: int, dtype: str, kv_dtype: str, head_dim: int, general:
 class Route:
     """The kernels a batch plan may run, resolved once per plan settings: the row-tile kernel
     (`attn`, `ctas`, `budget` = CTAs per wave; None for a decode-only K/V storage), its TMA twin
-    (`tma`, or None; the plan runs it where tma_fits) and, for lean
+    (`tma`, or None; the plan runs it where tma_fits), its dense twin (`dense`, or None; the plan
+    runs it where dense_layout) and, for lean
     options, the decode tiles by rows: decode[rows] = (launcher, budget, ctas), their rows in
     `tiles` (the plan picks one per batch with decode_tile_rows; `decode_only`: always one)."""
 
-    __slots__ = ("attn", "tma", "ctas", "budget", "decode", "tiles", "decode_only")
+    __slots__ = ("attn", "tma", "dense", "ctas", "budget", "decode", "tiles", "decode_only")
 
     def __init__(self, launcher, dev: int, dtype: str, kv_dtype: str, head_dim: int, general: bool, paged: bool,
                  widened: bool, nvfp4_out: bool = False):
@@ -334,11 +375,14 @@ class Route:
         nvfp4_out: only kernels that write the NVFP4 output (new_attention)."""
         props = _cuda.properties(dev)
         self.decode_only = kv_dtype in DECODE_ONLY_KV
-        self.attn = self.tma = self.ctas = self.budget = None
+        self.attn = self.tma = self.dense = self.ctas = self.budget = None
         if not self.decode_only:
-            # attn: the cp.async kernel; tma: its TMA twin where the K/V load says so (kv_load_pair)
+            # attn: the cp.async kernel; tma: its TMA twin where the K/V load says so (kv_load_pair);
+            # dense: its dense twin (paged; dense_twin)
             row_tile = launcher("prefill", dtype, kv_dtype, head_dim, general, nvfp4_out=nvfp4_out)
-            self.attn, self.tma = kv_load_pair(dev, row_tile, lambda name: launcher("prefill", dtype, name=name))
+            named = lambda name: launcher("prefill", dtype, name=name)  # noqa: E731
+            self.attn, self.tma = kv_load_pair(dev, row_tile, named)
+            self.dense = dense_twin(dev, self.attn, named)
             self.ctas = ctas_per_sm(self.attn.meta, props)
             self.budget = props["sm_count"] * self.ctas
         self.decode = None

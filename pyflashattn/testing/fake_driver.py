@@ -337,7 +337,8 @@ class FakeEnv:
     def use_sm90_rows(self, monkeypatch, variants):
         """Make the 16-bit and e4m3 lean row-tile launchers the sm90 rows among `variants`
         (variants.py rows, TUNE=1 ones included), by name too: the K/V load routing
-        (routing.kv_load_pair) then sees cp.async rows and their TMA twins as the manifest lists them."""
+        (routing.kv_load_pair, routing.dense_twin) then sees cp.async rows and their TMA and dense
+        twins as the manifest lists them."""
         from pyflashattn._runtime.params_gen import PrefillParams as _Params
         hopper = {v.name: v for v in variants
                   if type(v).__name__ in ("HopperPrefillVariant", "HopperFp8PrefillVariant")}
@@ -350,7 +351,8 @@ class FakeEnv:
                     and not match.get("general") and match.get("kv_dtype") == match.get("dtype"):
                 v = next((r for r in hopper.values() if r.dtype == match["dtype"] and r.head_dim == match["head_dim"]
                           and r.paged == match["paged"] and match.get("block_m", r.block_m) == r.block_m
-                          and not (r.tune or r.tma or getattr(r, "skip", False))), None)
+                          and not (r.tune or r.tma or getattr(r, "skip", False)
+                                   or getattr(r, "dense", False))), None)
             if v is None:
                 return fake_new(family, dev, **match)
             la = _cuda.Launcher(v.name, (v.name, _Params), _Params, v.threads, v.smem_bytes)

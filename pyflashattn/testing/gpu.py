@@ -69,6 +69,13 @@ def tma_built(paged: bool, fp8: bool = False) -> bool:
                for r in registry.manifest()["kernels"])
 
 
+def dense_built() -> bool:
+    """Whether this build has the paged rows' dense twins (variants.HOPPER_DENSE_KV)."""
+    from pyflashattn._runtime import registry
+
+    return any(r.get("dense_kv") for r in registry.manifest()["kernels"])
+
+
 def select_kv_load(load: str, monkeypatch) -> None:
     """The sm90 family's K/V load for one test: "default" (what the variant table ships), or
     "cpasync" / "tma" forced through PFA_SM90_KV_LOAD (skipped off sm_90a, and "tma" where no TMA

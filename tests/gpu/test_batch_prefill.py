@@ -30,7 +30,7 @@ from types import SimpleNamespace
 import numpy as np
 import pytest
 
-from pyflashattn.testing.gpu import require_cuda_torch, select_kv_load, tma_built
+from pyflashattn.testing.gpu import dense_built, require_cuda_torch, select_kv_load, tma_built
 
 pytestmark = pytest.mark.gpu
 
@@ -205,18 +205,20 @@ def _write_pages(nhd_view, b, page_size, kv_indptr, indices):
 
 def _paginate(b, page_size, layout, form, seed, extra_pages=None):
     """A paged cache holding batch b: pages in random order among unused garbage pages.
-    form: '5d' (one tensor), 'tuple' (separate k/v tensors) or 'tuple_views' (the two halves of
-    one 5-D tensor: non-contiguous, page stride 2x). Returns a namespace with the run() argument
-    and the plan() index arrays (numpy int32)."""
+    form: '5d' (one tensor), 'tuple' (separate k/v tensors), 'tuple_views' (the two halves of
+    one 5-D tensor: non-contiguous, page stride 2x) or 'padded' (a 5-D view of a cache whose rows
+    hold 8 elements more: page slots D + 8 apart, which an HND plan's dense twin cannot take).
+    Returns a namespace with the run() argument and the plan() index arrays (numpy int32)."""
     rng = np.random.default_rng(seed)
     n_used = sum(-(-kv // page_size) for kv in b.kv_lens)
     extra = max(3, n_used // 4) if extra_pages is None else extra_pages
     num_pages = n_used + extra
     kv_indptr, indices, last = _page_table(b.kv_lens, page_size, rng.permutation(num_pages))
     shape = (num_pages, 2, page_size, b.hkv, b.d) if layout == "NHD" else (num_pages, 2, b.hkv, page_size, b.d)
-    store = _randn(shape, b.dt, seed + 17, GARBAGE_SCALE)
+    pad = 8 if form == "padded" else 0
+    store = _randn(shape[:-1] + (b.d + pad,), b.dt, seed + 17, GARBAGE_SCALE)[..., :b.d]
     _write_pages(store if layout == "NHD" else store.permute(0, 1, 3, 2, 4), b, page_size, kv_indptr, indices)
-    if form == "5d":
+    if form in ("5d", "padded"):
         cache = store
     elif form == "tuple":
         cache = (store[:, 0].contiguous(), store[:, 1].contiguous())
@@ -356,6 +358,9 @@ GRID = [
     ("p-40-decode", "paged", 40, 8, 8192, "decode", [], 16, 32, 8, 128, "bf16", "NHD", True, "5d"),
     ("p-9-ps24", "paged", 9, 200, 1500, "mixed", [], 24, 32, 8, 128, "bf16", "NHD", True, "tuple"),
     ("p-3-hnd-ps16", "paged", 3, 777, 5000, "append", [], 16, 32, 4, 256, "bf16", "HND", False, "tuple"),
+    # page slots D + 8 apart: the dense twin's plan falls back to its row (BatchEngine.kv_fallback)
+    ("p-9-hnd-padded", "paged", 9, 500, 3000, "append", [], 32, 32, 8, 128, "bf16", "HND", True, "padded"),
+    ("p-5-nhd1-padded-d64", "paged", 5, 300, 2000, "mixed", [], 16, 8, 1, 64, "fp16", "NHD", False, "padded"),
     ("r-64-small", "ragged", 64, 128, 1024, "append", [], 0, 32, 8, 128, "bf16", "NHD", True, None),
     ("r-16-big", "ragged", 16, 2048, 8192, "mixed", [(2048, 4096)], 0, 32, 4, 64, "fp16", "NHD", True, None),
     ("r-7-d256", "ragged", 7, 700, 3000, "mixed", [], 0, 32, 32, 256, "bf16", "NHD", False, None),
@@ -452,6 +457,13 @@ def test_batch_grid(key, kind, batch, qo_max, kv_max, mode, pin, ps, hq, hkv, d,
     now = [b.q] + _tensors(kv_args)
     assert all(torch.equal(a, s) for a, s in zip(now, snap)), "an input was modified"
     _check_batch(b, o2, lse2, causal, {}, _seed(key, "heads"), key)
+    if w._engine.attn.meta.get("dense_kv"):  # the dense twin ran, or (strided page slots) its row
+        assert w._engine.kv_fallback is (form == "padded"), key
+    elif kind == "paged" and kv_load == "default" and not tile and w._engine.attn.meta.get("impl") == "sm90" \
+            and d <= 128 and (layout == "HND" or hkv == 1):
+        assert not dense_built(), f"{key}: a dense layout on {w._engine.attn.name}"
+
+
 
 
 # ---------------------------------------------------------------------------------------

@@ -31,9 +31,9 @@
 namespace pfa {
 
 template <typename T, int HEAD_DIM, int BLOCK_N, int CONSUMERS, int STAGES, bool PINGPONG, bool PAGED, bool TMA,
-          bool SKIP, bool PERSISTENT, bool KV_FP8 = false>
-struct PrefillSm90 : PrefillSm90Config<T, HEAD_DIM, BLOCK_N, CONSUMERS, STAGES, PAGED, TMA, PERSISTENT, KV_FP8> {
-  using Cfg = PrefillSm90Config<T, HEAD_DIM, BLOCK_N, CONSUMERS, STAGES, PAGED, TMA, PERSISTENT, KV_FP8>;
+          bool SKIP, bool PERSISTENT, bool KV_FP8 = false, bool DENSE_KV = false>
+struct PrefillSm90 : PrefillSm90Config<T, HEAD_DIM, BLOCK_N, CONSUMERS, STAGES, PAGED, TMA, PERSISTENT, KV_FP8, DENSE_KV> {
+  using Cfg = PrefillSm90Config<T, HEAD_DIM, BLOCK_N, CONSUMERS, STAGES, PAGED, TMA, PERSISTENT, KV_FP8, DENSE_KV>;
   using Consumer = ConsumerSm90<Cfg, PINGPONG, SKIP>;
 
   // wg: the consumer's index (0 .. CONSUMERS - 1); tid: the thread's index within its warpgroup.
@@ -74,12 +74,14 @@ struct PrefillSm90 : PrefillSm90Config<T, HEAD_DIM, BLOCK_N, CONSUMERS, STAGES, 
 
 // One extern "C" entry per variant (see PFA_DEFINE_PREFILL_SM80). SMEM: variants.py's smem_bytes,
 // checked against the kernel's layout at compile time.
-#define PFA_DEFINE_PREFILL_SM90(NAME, T, HD, BN, CONSUMERS, STAGES, PINGPONG, PAGED, TMA, SKIP, PERSISTENT, KV_FP8, SMEM) \
-  static_assert(                                                                                                     \
-      pfa::PrefillSm90<T, HD, BN, CONSUMERS, STAGES, PINGPONG, PAGED, TMA, SKIP, PERSISTENT, KV_FP8>::SMEM_BYTES == (SMEM), \
-      #NAME ": variants.py smem_bytes differs from the kernel's shared-memory layout");                              \
+#define PFA_DEFINE_PREFILL_SM90(NAME, T, HD, BN, CONSUMERS, STAGES, PINGPONG, PAGED, TMA, SKIP, PERSISTENT, KV_FP8, \
+                                DENSE_KV, SMEM)                                                                    \
+  static_assert(pfa::PrefillSm90<T, HD, BN, CONSUMERS, STAGES, PINGPONG, PAGED, TMA, SKIP, PERSISTENT, KV_FP8,         \
+                                 DENSE_KV>::SMEM_BYTES == (SMEM),                                                    \
+                #NAME ": variants.py smem_bytes differs from the kernel's shared-memory layout");                    \
   extern "C" __global__ void __launch_bounds__((CONSUMERS + 1) * 128, 1)                                             \
       NAME(const __grid_constant__ pfa::PrefillParams p) {                                                           \
     extern __shared__ __align__(1024) char smem[];                                                                   \
-    pfa::PrefillSm90<T, HD, BN, CONSUMERS, STAGES, PINGPONG, PAGED, TMA, SKIP, PERSISTENT, KV_FP8>::run(p, smem);    \
+    pfa::PrefillSm90<T, HD, BN, CONSUMERS, STAGES, PINGPONG, PAGED, TMA, SKIP, PERSISTENT, KV_FP8, DENSE_KV>::run(   \
+        p, smem);                                                                                                    \
   }

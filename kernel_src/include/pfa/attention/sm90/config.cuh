@@ -29,7 +29,7 @@ constexpr int sm90_bar_offset(int head_dim, int block_n, int consumers, int stag
 }
 
 template <typename T_, int HEAD_DIM_, int BLOCK_N_, int CONSUMERS_, int STAGES_, bool PAGED_, bool TMA_ = false,
-          bool PERSISTENT_ = false, bool KV_FP8_ = false>
+          bool PERSISTENT_ = false, bool KV_FP8_ = false, bool DENSE_KV_ = false>
 struct PrefillSm90Config
     : Sm90Pipeline<CONSUMERS_, STAGES_, sm90_bar_offset(HEAD_DIM_, BLOCK_N_, CONSUMERS_, STAGES_, KV_FP8_),
                    sm90_producer_regs(CONSUMERS_, KV_FP8_, PAGED_ && HEAD_DIM_ <= 128)> {
@@ -57,6 +57,13 @@ struct PrefillSm90Config
   // the consumers read (sm90/widen_producer.cuh); consumers and epilogue are the 16-bit ones.
   static constexpr bool KV_FP8 = KV_FP8_;
   static_assert(!KV_FP8 || (!TMA && HEAD_DIM <= 128 && BLOCK_N <= 128), "fp8 K/V: cp.async raw tiles of 128-byte rows");
+  // The paged copies' dense twin: a kv head's slots of a page are back to back (k_stride_n and
+  // v_stride_n == HEAD_DIM: an HND cache, or NHD with one kv head), which the host guarantees
+  // before it launches this kernel (routing.dense_twin; otherwise the row without it runs). A page
+  // run's copies then step by a constant: one base address plus immediates, and one compare of the
+  // rows left a copy (producer.cuh dense_rows_in_runs).
+  static constexpr bool DENSE_KV = DENSE_KV_;
+  static_assert(!DENSE_KV || (PAGED && !TMA && !KV_FP8 && HEAD_DIM <= 128), "dense: the 16-bit paged copies");
   // The V stages' and P's element type, the P V GEMM's: KV_FP8 widens V to fp16 under either
   // query dtype (e4m3 / e5m2 values are exact in fp16, P in [0, 1] is at least as exact as in
   // bf16, and an e4m3 pair becomes fp16 in one hardware conversion, bf16 in four bit operations);

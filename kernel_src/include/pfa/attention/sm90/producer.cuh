@@ -194,13 +194,31 @@ __device__ __forceinline__ void paged_rows_in_runs(int64_t row_off, int b, int64
     }
   }
 }
+// As paged_rows_in_runs where a page's slots are back to back (Cfg::DENSE_KV: the step is
+// STEP_BYTES, a constant): a run's copies address one base plus immediates, and each copy's
+// validity is one compare of the rows left (rows_left: keys from this thread's first row to
+// kv_len) against an immediate. Fully unrolled: 4.4 instructions a copy at hd128 page 32 against
+// 7.0 with the step in a register (NOTES.md, session 32: in the kernel beside the strided path, that
+// code cost the strided path 3-5%; as a twin of its own it costs that path nothing).
+template <class Cfg, int CPR, int ROW_STEP, int RUN, int STEP_BYTES, class Copy>
+__device__ __forceinline__ void dense_rows_in_runs(int64_t row_off, int b, int rows_left, Copy copy) {
+  constexpr int ROWS = Cfg::BLOCK_N / ROW_STEP, WARP_R0 = OwnedRows<Cfg, CPR, ROW_STEP>::WARP_R0;
+  static_assert(ROWS % RUN == 0, "whole runs");
+#pragma unroll
+  for (int i0 = 0; i0 < ROWS; i0 += RUN) {
+    const int64_t off = __shfl_sync(0xffffffffu, row_off, i0 * WARP_R0 + b);
+#pragma unroll
+    for (int j = 0; j < RUN; ++j) copy(i0 + j, off + j * STEP_BYTES, (i0 + j) * ROW_STEP < rows_left);
+  }
+}
 // One paged K or V tile (Cfg::BLOCK_N rows of elements E, keys [n0, n0 + BLOCK_N)) into the
 // 128-byte-swizzled tile at s_tile: row r's byte offset from its owning lane (row_off: this lane's
 // row's), once a page run (page_run_rows; the owned-row shuffles were the paged producer's
 // short-scoreboard stalls); keys at or past kv_len zero-filled. `head`: the kv head's base,
 // stride_n: the cache's elements from one slot of a page to the next. MAX_RUN caps the run
-// lengths compiled in (1: every row its own shuffle, as before the runs).
-template <class Cfg, typename E, int CPR, int ROW_STEP, int UNROLL, int MAX_RUN = 8>
+// lengths compiled in (1: every row its own shuffle, as before the runs). DENSE: stride_n is
+// Cfg::HEAD_DIM (Cfg::DENSE_KV), the runs' copies dense_rows_in_runs'.
+template <class Cfg, typename E, int CPR, int ROW_STEP, int UNROLL, int MAX_RUN = 8, bool DENSE = false>
 __device__ __forceinline__ void load_tile_paged(uint32_t s_tile, const E* head, int64_t row_off, int n0, int kv_len,
                                                 int page_shift, int64_t stride_n, int tid, uint64_t policy) {
   using Rows = OwnedRows<Cfg, CPR, ROW_STEP>;
@@ -211,6 +229,26 @@ __device__ __forceinline__ void load_tile_paged(uint32_t s_tile, const E* head, 
   // Rows ROW_STEP apart share their swizzle phase when ROW_STEP is a multiple of its 8-row repeat:
   // one swizzled offset plus whole rows then (not the swizzle worked out for every copy).
   const uint32_t dst0 = s_tile + Cfg::swz(Cfg::BLOCK_N, r0, chunk);
+  if constexpr (DENSE) {
+    const int run = page_run_rows<Cfg, ROW_STEP>(page_shift);
+    auto copy_valid = [&](int i, int64_t off, bool valid) {
+      const uint32_t dst = ROW_STEP % 8 == 0 ? dst0 + i * ROW_STEP * Cfg::ROW_BYTES
+                                             : s_tile + Cfg::swz(Cfg::BLOCK_N, r0 + i * ROW_STEP, chunk);
+      ptx::cp_async_16_hint(dst, src + off, valid, policy);
+    };
+    constexpr int STEP = ROW_STEP * Cfg::HEAD_DIM * (int)sizeof(E);
+    const int left = kv_len - n0 - r0;
+    if constexpr (ROWS % 8 == 0 && MAX_RUN >= 8) {
+      if (run >= 8) return dense_rows_in_runs<Cfg, CPR, ROW_STEP, 8, STEP>(row_off, b, left, copy_valid);
+    }
+    if constexpr (ROWS % 4 == 0 && MAX_RUN >= 4) {
+      if (run >= 4) return dense_rows_in_runs<Cfg, CPR, ROW_STEP, 4, STEP>(row_off, b, left, copy_valid);
+    }
+    if constexpr (ROWS % 2 == 0 && MAX_RUN >= 2) {
+      if (run >= 2) return dense_rows_in_runs<Cfg, CPR, ROW_STEP, 2, STEP>(row_off, b, left, copy_valid);
+    }
+    return dense_rows_in_runs<Cfg, CPR, ROW_STEP, 1, STEP>(row_off, b, left, copy_valid);
+  }
   auto copy = [&](int i, int64_t off) {
     const int r = r0 + i * ROW_STEP;
     const uint32_t dst =
@@ -305,8 +343,8 @@ struct ProducerSm90 {
                                                    uint64_t policy) {
     ptx::mbar_wait(empty, free_parity);
     if constexpr (PAGED)
-      load_tile_paged<Cfg, T, CPR, ROW_STEP, 4>(s_tile, head, row_off, n0, w.kv_len, page_shift, stride_n, tid,
-                                                policy);
+      load_tile_paged<Cfg, T, CPR, ROW_STEP, 4, 8, Cfg::DENSE_KV>(s_tile, head, row_off, n0, w.kv_len, page_shift,
+                                                                  stride_n, tid, policy);
     else
       load_tile(s_tile, head, stride_n, RaggedKvRows{w.kv_row0}.row(0, 0), n0, w.kv_len, tid, policy);
     ptx::cp_async_mbar_arrive(full);
@@ -333,8 +371,9 @@ struct ProducerSm90 {
       int64_t k_off = 0, v_off = 0;
       if constexpr (PAGED) {
         const int t = n0 + row;
-        k_off = page_offset<T>(p, next.k, t, w.kv_len, p.k_stride_page, p.k_stride_n);
-        v_off = page_offset<T>(p, next.v, t, w.kv_len, p.v_stride_page, p.v_stride_n);
+        // (DENSE_KV: the slot stride is HEAD_DIM, a shift)
+        k_off = page_offset<T>(p, next.k, t, w.kv_len, p.k_stride_page, Cfg::DENSE_KV ? Cfg::HEAD_DIM : p.k_stride_n);
+        v_off = page_offset<T>(p, next.v, t, w.kv_len, p.v_stride_page, Cfg::DENSE_KV ? Cfg::HEAD_DIM : p.v_stride_n);
         if (it + 1 < w.num_tiles) next.load(p, t + BLOCK_N, w.kv_len, tid);
       }
       copy_tile(w, base + Cfg::K_OFFSET + s * Cfg::KV_TILE_BYTES, k, p.k_stride_n, k_off, p.page_shift, n0,

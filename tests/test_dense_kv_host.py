@@ -1,0 +1,100 @@
+"""The paged rows' dense twins on the simulated driver: which plans take them (an HND cache, or NHD
+with one kv head; PFA_SM90_DENSE_KV=0 never), the fallback to the row itself for a run() whose cache
+strides its page slots, and the skip-softmax sibling of a dense plan."""
+from __future__ import annotations
+
+import pathlib
+import sys
+
+import pytest
+
+from pyflashattn._engine import routing
+from pyflashattn.testing.fake_driver import (
+    D, HKV, KV_INDICES, KV_INDPTR, LAST, NPAGES, PS, T, FakeEnv, cache_t, i32, last_attn, paged)
+
+sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent.parent / "build_tools"))
+import variants  # noqa: E402
+
+HQ = 8
+QO_LONG = i32(0, 40, 40, 57)  # 160 and 68 packed rows: past the paged decode tiles, the row-tile kernel
+
+
+def _env(monkeypatch, dense_env=None):
+    rows = variants.variants()
+    env = FakeEnv(monkeypatch, rows)
+    env.use_sm90_rows(monkeypatch, rows)
+    if dense_env is None:
+        monkeypatch.delenv(routing.DENSE_ENV, raising=False)
+    else:
+        monkeypatch.setenv(routing.DENSE_ENV, dense_env)
+    return env
+
+
+def _plan(w, hkv=HKV):
+    w.plan(QO_LONG, KV_INDPTR, KV_INDICES, LAST, HQ, hkv, D, PS)
+
+
+def q_long():
+    return T((57, HQ, D), data=0x100000)
+
+
+def out_long():
+    return T((57, HQ, D), data=0x400000)
+
+
+def test_dense_rows_are_twins_of_the_paged_rows():
+    rows = {v.name: v for v in variants.variants() if isinstance(v, variants.HopperPrefillVariant)}
+    dense = [v for v in rows.values() if v.dense]
+    assert {(v.dtype, v.head_dim) for v in dense} == {(t, hd) for t in ("bf16", "f16") for hd in variants.HOPPER_DENSE_KV}
+    for v in dense:
+        base = rows[v.name.removesuffix("_dense")]
+        m = v.manifest()
+        assert v.paged and not v.tma and not v.skip and m["dense_kv"] and m["twin_of"] == base.name
+        assert (v.block_m, v.block_n, v.stages, v.smem_bytes) == (base.block_m, base.block_n, base.stages, base.smem_bytes)
+        assert "true, " + str(v.smem_bytes) in v.source() and not base.manifest()["dense_kv"]
+
+
+@pytest.mark.parametrize("layout,hkv,dense_env,want", [("HND", HKV, None, True), ("NHD", HKV, None, False),
+                                                      ("NHD", 1, None, True), ("HND", HKV, "0", False)])
+def test_plans_take_the_dense_twin_where_page_slots_are_dense(monkeypatch, layout, hkv, dense_env, want):
+    env = _env(monkeypatch, dense_env)
+    w = paged(env, layout=layout)
+    _plan(w, hkv)
+    name = w._engine.attn.name
+    assert "_paged" in name and name.endswith("_dense") is want and bool(w._engine.attn.meta["dense_kv"]) is want
+    shape = (NPAGES, 2, PS, hkv, D) if layout == "NHD" else (NPAGES, 2, hkv, PS, D)
+    w.run(q_long(), T(shape, data=0x200000), out=out_long())
+    launched, _, _, p = last_attn(env)
+    assert launched.endswith("_dense") is want and not w._engine.kv_fallback
+    assert p.k_stride_n == (D if layout == "HND" else hkv * D)
+
+
+def test_strided_page_slots_fall_back_to_the_row(monkeypatch):
+    env = _env(monkeypatch)
+    w = paged(env, layout="HND")
+    _plan(w)
+    dense_name = w._engine.attn.name
+    # an HND cache whose slots are D + 8 elements apart (a view of a padded cache): not dense
+    pad = D + 8
+    strides = (2 * HKV * PS * pad, HKV * PS * pad, PS * pad, pad, 1)
+    w.run(q_long(), T((NPAGES, 2, HKV, PS, D), strides=strides, data=0x200000), out=out_long())
+    launched, grid, _, p = last_attn(env)
+    assert launched == dense_name.removesuffix("_dense") and w._engine.kv_fallback
+    assert (p.k_stride_n, p.v_stride_n, p.k_stride_h) == (pad, pad, PS * pad)
+    assert grid == w._engine.attn.grid
+    # no fast path on the fallback; a dense cache runs the twin again
+    w.run(q_long(), cache_t(layout="HND"), out=out_long())
+    launched, _, _, p = last_attn(env)
+    assert launched == dense_name and not w._engine.kv_fallback and p.k_stride_n == D
+
+
+def test_skip_softmax_on_a_dense_plan_runs_the_rows_skip_twin(monkeypatch):
+    env = _env(monkeypatch)
+    w = paged(env, layout="HND")
+    _plan(w)
+    dense_name = w._engine.attn.name
+    w.run(q_long(), cache_t(layout="HND"), out=out_long(), skip_softmax_threshold_scale_factor=1.0)
+    launched, _, _, p = last_attn(env)
+    assert launched == dense_name.removesuffix("_dense") + "_skip" and p.skip_softmax_factor > 0
+    w.run(q_long(), cache_t(layout="HND"), out=out_long())
+    assert last_attn(env)[0] == dense_name
