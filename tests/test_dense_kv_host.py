@@ -1,5 +1,5 @@
 """The paged rows' dense twins on the simulated driver: which plans take them (an HND cache, or NHD
-with one kv head; PFA_SM90_DENSE_KV=0 never), the fallback to the row itself for a run() whose cache
+with one kv head, pages of 32+ slots; PFA_SM90_DENSE_KV=0 never), the fallback to the row itself for a run() whose cache
 strides its page slots, and the skip-softmax sibling of a dense plan."""
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ import pytest
 
 from pyflashattn._engine import routing
 from pyflashattn.testing.fake_driver import (
-    D, HKV, KV_INDICES, KV_INDPTR, LAST, NPAGES, PS, T, FakeEnv, cache_t, i32, last_attn, paged)
+    D, HKV, KV_INDICES, KV_INDPTR, LAST, NPAGES, PS, T, FakeEnv, i32, last_attn, paged)
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent.parent / "build_tools"))
 import variants  # noqa: E402
@@ -30,8 +30,16 @@ def _env(monkeypatch, dense_env=None):
     return env
 
 
-def _plan(w, hkv=HKV):
-    w.plan(QO_LONG, KV_INDPTR, KV_INDICES, LAST, HQ, hkv, D, PS)
+PS32 = 32  # pages from which the twin pays (routing.DENSE_MIN_PAGE)
+
+
+def _plan(w, hkv=HKV, ps=PS32):
+    w.plan(QO_LONG, KV_INDPTR, KV_INDICES, LAST, HQ, hkv, D, ps)
+
+
+def _cache(layout="HND", hkv=HKV, ps=PS32, strides=None):
+    shape = (NPAGES, 2, ps, hkv, D) if layout == "NHD" else (NPAGES, 2, hkv, ps, D)
+    return T(shape, strides=strides, data=0x200000)
 
 
 def q_long():
@@ -54,16 +62,16 @@ def test_dense_rows_are_twins_of_the_paged_rows():
         assert "true, " + str(v.smem_bytes) in v.source() and not base.manifest()["dense_kv"]
 
 
-@pytest.mark.parametrize("layout,hkv,dense_env,want", [("HND", HKV, None, True), ("NHD", HKV, None, False),
-                                                      ("NHD", 1, None, True), ("HND", HKV, "0", False)])
-def test_plans_take_the_dense_twin_where_page_slots_are_dense(monkeypatch, layout, hkv, dense_env, want):
+@pytest.mark.parametrize("layout,hkv,ps,dense_env,want", [
+    ("HND", HKV, PS32, None, True), ("NHD", HKV, PS32, None, False), ("NHD", 1, PS32, None, True),
+    ("HND", HKV, PS32, "0", False), ("HND", HKV, PS, None, False), ("HND", HKV, 64, None, True)])
+def test_plans_take_the_dense_twin_where_page_slots_are_dense(monkeypatch, layout, hkv, ps, dense_env, want):
     env = _env(monkeypatch, dense_env)
     w = paged(env, layout=layout)
-    _plan(w, hkv)
+    _plan(w, hkv, ps)
     name = w._engine.attn.name
     assert "_paged" in name and name.endswith("_dense") is want and bool(w._engine.attn.meta["dense_kv"]) is want
-    shape = (NPAGES, 2, PS, hkv, D) if layout == "NHD" else (NPAGES, 2, hkv, PS, D)
-    w.run(q_long(), T(shape, data=0x200000), out=out_long())
+    w.run(q_long(), _cache(layout, hkv, ps), out=out_long())
     launched, _, _, p = last_attn(env)
     assert launched.endswith("_dense") is want and not w._engine.kv_fallback
     assert p.k_stride_n == (D if layout == "HND" else hkv * D)
@@ -76,14 +84,14 @@ def test_strided_page_slots_fall_back_to_the_row(monkeypatch):
     dense_name = w._engine.attn.name
     # an HND cache whose slots are D + 8 elements apart (a view of a padded cache): not dense
     pad = D + 8
-    strides = (2 * HKV * PS * pad, HKV * PS * pad, PS * pad, pad, 1)
-    w.run(q_long(), T((NPAGES, 2, HKV, PS, D), strides=strides, data=0x200000), out=out_long())
+    strides = (2 * HKV * PS32 * pad, HKV * PS32 * pad, PS32 * pad, pad, 1)
+    w.run(q_long(), _cache(strides=strides), out=out_long())
     launched, grid, _, p = last_attn(env)
     assert launched == dense_name.removesuffix("_dense") and w._engine.kv_fallback
-    assert (p.k_stride_n, p.v_stride_n, p.k_stride_h) == (pad, pad, PS * pad)
+    assert (p.k_stride_n, p.v_stride_n, p.k_stride_h) == (pad, pad, PS32 * pad)
     assert grid == w._engine.attn.grid
     # no fast path on the fallback; a dense cache runs the twin again
-    w.run(q_long(), cache_t(layout="HND"), out=out_long())
+    w.run(q_long(), _cache(), out=out_long())
     launched, _, _, p = last_attn(env)
     assert launched == dense_name and not w._engine.kv_fallback and p.k_stride_n == D
 
@@ -93,8 +101,8 @@ def test_skip_softmax_on_a_dense_plan_runs_the_rows_skip_twin(monkeypatch):
     w = paged(env, layout="HND")
     _plan(w)
     dense_name = w._engine.attn.name
-    w.run(q_long(), cache_t(layout="HND"), out=out_long(), skip_softmax_threshold_scale_factor=1.0)
+    w.run(q_long(), _cache(), out=out_long(), skip_softmax_threshold_scale_factor=1.0)
     launched, _, _, p = last_attn(env)
     assert launched == dense_name.removesuffix("_dense") + "_skip" and p.skip_softmax_factor > 0
-    w.run(q_long(), cache_t(layout="HND"), out=out_long())
+    w.run(q_long(), _cache(), out=out_long())
     assert last_attn(env)[0] == dense_name

@@ -169,7 +169,8 @@ class BatchEngine:
                 routing.tma_fits(self.paged, src.page_size, la.meta["block_n"], src.total_kv) and \
                 routing.tma_pays(self.paged, src.page_size, src.kv_lens, la.meta["block_n"], cap is not None):
             la = route.tma  # the same tile: the schedule below is the cp.async kernel's
-        elif la is route.attn and route.dense is not None and routing.dense_layout(self.kv_layout, cfg.num_kv_heads):
+        elif la is route.attn and route.dense is not None and \
+                routing.dense_pays(self.kv_layout, cfg.num_kv_heads, src.page_size):
             la = route.dense  # the same tile; a run() over strided page slots falls back (kv_fallback)
         meta = la.meta
         plan = schedule.schedule_prefill(src.qo, src.qo_lens, src.kv_lens, src.max_qo, src.max_kv, cfg.group,

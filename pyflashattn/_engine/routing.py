@@ -125,10 +125,15 @@ def dense_twin(dev: int, la, named):
     return twin
 
 
-def dense_layout(kv_layout: str, num_kv_heads: int) -> bool:
-    """Whether a paged cache of this layout keeps a kv head's page slots back to back when it is
-    contiguous (HND; NHD only with one kv head): the plans that take the dense twin."""
-    return kv_layout == "HND" or num_kv_heads == 1
+# Pages from which the dense twin pays: same-process A/B against its row (NOTES.md, session 36,
+# H200): page 32 +1.2-2.9% (HND, hd64 and hd128), page 64 +0.4%, page 16 -1.0 to -1.4%.
+DENSE_MIN_PAGE = 32
+
+
+def dense_pays(kv_layout: str, num_kv_heads: int, page_size: int) -> bool:
+    """Whether a paged plan takes the dense twin: a layout whose contiguous cache keeps a kv head's
+    page slots back to back (HND; NHD only with one kv head), pages of DENSE_MIN_PAGE slots or more."""
+    return (kv_layout == "HND" or num_kv_heads == 1) and page_size >= DENSE_MIN_PAGE
 
 
 def base_kernel_name(meta) -> str:
@@ -362,7 +367,7 @@ class Route:
     """The kernels a batch plan may run, resolved once per plan settings: the row-tile kernel
     (`attn`, `ctas`, `budget` = CTAs per wave; None for a decode-only K/V storage), its TMA twin
     (`tma`, or None; the plan runs it where tma_fits), its dense twin (`dense`, or None; the plan
-    runs it where dense_layout) and, for lean
+    runs it where dense_pays) and, for lean
     options, the decode tiles by rows: decode[rows] = (launcher, budget, ctas), their rows in
     `tiles` (the plan picks one per batch with decode_tile_rows; `decode_only`: always one)."""
 

@@ -39,6 +39,7 @@ torch = require_cuda_torch()
 import pyflashattn  # noqa: E402  (after the GPU probe: the CPU box must skip, not error)
 from pyflashattn._engine.routing import (  # noqa: E402
     DECODE_MAX_ROWS, built_decode_tiles, decode_tile_rows, tma_fits)
+from pyflashattn._engine.routing import dense_pays  # noqa: E402
 from pyflashattn._runtime import registry as _registry  # noqa: E402
 from pyflashattn.testing import attention_ref, to_numpy_f64  # noqa: E402
 from pyflashattn.testing.frameworks import capture_torch_graph as _capture  # noqa: E402
@@ -360,7 +361,7 @@ GRID = [
     ("p-3-hnd-ps16", "paged", 3, 777, 5000, "append", [], 16, 32, 4, 256, "bf16", "HND", False, "tuple"),
     # page slots D + 8 apart: the dense twin's plan falls back to its row (BatchEngine.kv_fallback)
     ("p-9-hnd-padded", "paged", 9, 500, 3000, "append", [], 32, 32, 8, 128, "bf16", "HND", True, "padded"),
-    ("p-5-nhd1-padded-d64", "paged", 5, 300, 2000, "mixed", [], 16, 8, 1, 64, "fp16", "NHD", False, "padded"),
+    ("p-5-nhd1-padded-d64", "paged", 5, 300, 2000, "mixed", [], 32, 8, 1, 64, "fp16", "NHD", False, "padded"),
     ("r-64-small", "ragged", 64, 128, 1024, "append", [], 0, 32, 8, 128, "bf16", "NHD", True, None),
     ("r-16-big", "ragged", 16, 2048, 8192, "mixed", [(2048, 4096)], 0, 32, 4, 64, "fp16", "NHD", True, None),
     ("r-7-d256", "ragged", 7, 700, 3000, "mixed", [], 0, 32, 32, 256, "bf16", "NHD", False, None),
@@ -460,7 +461,7 @@ def test_batch_grid(key, kind, batch, qo_max, kv_max, mode, pin, ps, hq, hkv, d,
     if w._engine.attn.meta.get("dense_kv"):  # the dense twin ran, or (strided page slots) its row
         assert w._engine.kv_fallback is (form == "padded"), key
     elif kind == "paged" and kv_load == "default" and not tile and w._engine.attn.meta.get("impl") == "sm90" \
-            and d <= 128 and (layout == "HND" or hkv == 1):
+            and d <= 128 and dense_pays(layout, hkv, ps):
         assert not dense_built(), f"{key}: a dense layout on {w._engine.attn.name}"
 
 
