@@ -78,7 +78,7 @@ def kv_load_pair(dev: int, la, named):
     cp.async sibling the fallback."""
     meta = la.meta
     if meta.get("tma"):
-        base = _built_row(dev, meta["name"][:-len(TMA_SUFFIX)])
+        base = _built_row(dev, base_kernel_name(meta))
         if base is None:
             raise RuntimeError(f"{meta['name']} loads K/V by TMA; its cp.async sibling (for K/V that TMA cannot "
                                "address) is not built")

@@ -9,6 +9,8 @@
 #pragma once
 #include <stdint.h>
 
+#include <type_traits>
+
 #include "pfa/attention/kv_source.cuh"
 #include "pfa/attention/params.h"
 #include "pfa/attention/sm90/config.cuh"
@@ -211,6 +213,21 @@ __device__ __forceinline__ void dense_rows_in_runs(int64_t row_off, int b, int r
     for (int j = 0; j < RUN; ++j) copy(i0 + j, off + j * STEP_BYTES, (i0 + j) * ROW_STEP < rows_left);
   }
 }
+// f(std::integral_constant<int, RUN>) for the longest run length compiled in (8, 4, 2, 1 rows:
+// those dividing ROWS, up to MAX_RUN) that `run` (page_run_rows) allows: one copy path per length.
+template <int ROWS, int MAX_RUN, class F>
+__device__ __forceinline__ void by_page_run(int run, F&& f) {
+  if constexpr (ROWS % 8 == 0 && MAX_RUN >= 8) {
+    if (run >= 8) return f(std::integral_constant<int, 8>{});
+  }
+  if constexpr (ROWS % 4 == 0 && MAX_RUN >= 4) {
+    if (run >= 4) return f(std::integral_constant<int, 4>{});
+  }
+  if constexpr (ROWS % 2 == 0 && MAX_RUN >= 2) {
+    if (run >= 2) return f(std::integral_constant<int, 2>{});
+  }
+  f(std::integral_constant<int, 1>{});
+}
 // One paged K or V tile (Cfg::BLOCK_N rows of elements E, keys [n0, n0 + BLOCK_N)) into the
 // 128-byte-swizzled tile at s_tile: row r's byte offset from its owning lane (row_off: this lane's
 // row's), once a page run (page_run_rows; the owned-row shuffles were the paged producer's
@@ -238,16 +255,9 @@ __device__ __forceinline__ void load_tile_paged(uint32_t s_tile, const E* head, 
     };
     constexpr int STEP = ROW_STEP * Cfg::HEAD_DIM * (int)sizeof(E);
     const int left = kv_len - n0 - r0;
-    if constexpr (ROWS % 8 == 0 && MAX_RUN >= 8) {
-      if (run >= 8) return dense_rows_in_runs<Cfg, CPR, ROW_STEP, 8, STEP>(row_off, b, left, copy_valid);
-    }
-    if constexpr (ROWS % 4 == 0 && MAX_RUN >= 4) {
-      if (run >= 4) return dense_rows_in_runs<Cfg, CPR, ROW_STEP, 4, STEP>(row_off, b, left, copy_valid);
-    }
-    if constexpr (ROWS % 2 == 0 && MAX_RUN >= 2) {
-      if (run >= 2) return dense_rows_in_runs<Cfg, CPR, ROW_STEP, 2, STEP>(row_off, b, left, copy_valid);
-    }
-    return dense_rows_in_runs<Cfg, CPR, ROW_STEP, 1, STEP>(row_off, b, left, copy_valid);
+    return by_page_run<ROWS, MAX_RUN>(run, [&](auto run_c) {
+      dense_rows_in_runs<Cfg, CPR, ROW_STEP, decltype(run_c)::value, STEP>(row_off, b, left, copy_valid);
+    });
   }
   auto copy = [&](int i, int64_t off) {
     const int r = r0 + i * ROW_STEP;
@@ -257,16 +267,9 @@ __device__ __forceinline__ void load_tile_paged(uint32_t s_tile, const E* head, 
   };
   const int64_t step = (int64_t)ROW_STEP * stride_n * (int64_t)sizeof(E);
   const int run = page_run_rows<Cfg, ROW_STEP>(page_shift);
-  if constexpr (ROWS % 8 == 0 && MAX_RUN >= 8) {
-    if (run >= 8) return paged_rows_in_runs<Cfg, CPR, ROW_STEP, 8, UNROLL>(row_off, b, step, copy);
-  }
-  if constexpr (ROWS % 4 == 0 && MAX_RUN >= 4) {
-    if (run >= 4) return paged_rows_in_runs<Cfg, CPR, ROW_STEP, 4, UNROLL>(row_off, b, step, copy);
-  }
-  if constexpr (ROWS % 2 == 0 && MAX_RUN >= 2) {
-    if (run >= 2) return paged_rows_in_runs<Cfg, CPR, ROW_STEP, 2, UNROLL>(row_off, b, step, copy);
-  }
-  paged_rows_in_runs<Cfg, CPR, ROW_STEP, 1, UNROLL>(row_off, b, step, copy);
+  by_page_run<ROWS, MAX_RUN>(run, [&](auto run_c) {
+    paged_rows_in_runs<Cfg, CPR, ROW_STEP, decltype(run_c)::value, UNROLL>(row_off, b, step, copy);
+  });
 }
 
 template <class Cfg>
