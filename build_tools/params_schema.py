@@ -170,6 +170,16 @@ PREFILL = (
         ("div_x_shift", "u8", "grid_section's shift"),
         ("div_last_x_shift", "u8", "the last section's shift"),
         ("div_y_shift", "u8", "grid_y's shift"),
+        ("sk_tiles", "i32", "persistent sm90 16-bit kernels, a single request's equal work items (stream-K, "
+         "sm90/stream_k.cuh): KV tiles of every block; the blocks from sk_first on are shared out as equal "
+         "ranges of tiles, an item split between two CTAs at most; 0 = off"),
+        ("sk_first", "i32", "stream-K: the first block of the shared-out region (whole rounds of the grid "
+         "before it run a block a CTA)"),
+        ("sk_partial", "ptr", "stream-K: float32 slots, one per CTA, each CONSUMERS x (O_ACC + 4) x 128 "
+         "values in the consumers' register order: an item's later keys' unnormalised O, row maxes and "
+         "sums, left by the CTA that starts with them for the CTA that ends with the item's first keys"),
+        ("sk_flags", "ptr", "stream-K: int32 [CTAs, CONSUMERS] zeroed: 1 once a slot's warpgroup part is "
+         "written; its reader zeroes it again for the next launch"),
     ],
 )
 

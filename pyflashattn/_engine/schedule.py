@@ -48,7 +48,8 @@ from .geometry import tile_spans
 from .npfast import accumulate as _acc, consts as _k, div as _div, lpt_order as _lpt_order, shared as _shared
 from .npfast import unsigned_max
 
-__all__ = ["PrefillPlan", "plan_prefill", "schedule_prefill", "MIN_CHUNK_TOKENS", "SHORT_KV_TILES", "WORKSPACE_ALIGN"]
+__all__ = ["PrefillPlan", "plan_prefill", "schedule_prefill", "stream_k_first", "MIN_CHUNK_TOKENS", "SHORT_KV_TILES",
+           "STREAM_K_MIN_TILES", "WORKSPACE_ALIGN"]
 
 # The wave-filling search never makes a chunk shorter than this many keys (rounded up to whole
 # BLOCK_N tiles): it amortises the partial store and the merge. (The one-request cost model
@@ -154,6 +155,31 @@ class PrefillPlan:
 
 
 # ---- validation helpers ---------------------------------------------------------------------
+# Stream-K (sm90/stream_k.cuh): a persistent launch of `blocks` equal blocks of `tiles` KV tiles on
+# `ctas` CTAs runs ceil(blocks / ctas) rounds, the last one partly idle (a power-of-two shape on
+# 132 SMs runs like 128: 3%; hd64's 192-row tile at 4096 keys, 5.33 rounds: 11%). Sharing the last
+# blocks out as equal ranges of tiles ends every CTA together, at the price of a block boundary or
+# two more a CTA and a hand-off: about 5.5 tiles a CTA by the same-process A/B (H200, NOTES.md
+# session 37: hd128 1 x 4096, 3.9 tiles to gain, ran 0.987x; 1 x 8192, 15.5 tiles, 1.018x).
+# Taken where the last round's idle share is worth at least STREAM_K_MIN_TILES tiles a CTA.
+STREAM_K_MIN_TILES = 8
+# "0": never (A/B runs); "1": wherever the shape allows, gain or not (tests); unset: where it pays
+STREAM_K_ENV = "PFA_STREAM_K"
+
+
+def stream_k_first(blocks: int, ctas: int, tiles: int, force: bool = False) -> int | None:
+    """The first block stream-K shares out (whole rounds of `ctas` blocks before it, between one
+    and two rounds' worth after it, so that every CTA's range is longer than a block and an item is
+    split once at most), or None: fewer blocks than two rounds' share, rounds that divide the
+    blocks, or (unless `force`) less than STREAM_K_MIN_TILES tiles a CTA to gain."""
+    rounds, rest = divmod(blocks, ctas)
+    if rounds < 1 or rest == 0 or tiles < 2:
+        return None
+    if not force and (ctas - rest) * tiles < STREAM_K_MIN_TILES * ctas:
+        return None
+    return (rounds - 1) * ctas
+
+
 def _pos_int(v, name: str) -> int:
     try:
         i = operator.index(v)

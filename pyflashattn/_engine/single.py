@@ -8,6 +8,7 @@ lookup and the launch.
 """
 from __future__ import annotations
 
+import os
 import threading
 
 import numpy as np
@@ -176,7 +177,7 @@ class SinglePlan:
 
     __slots__ = ("o_shape", "o_strides", "lse_shape", "dtype", "odt", "o_format", "fp8", "heads", "attn", "merge",
                  "num_chunks", "ws_mask_bytes", "ws_o_bytes", "ws_bytes", "dev", "mask_kind", "mask_bits",
-                 "kv_maps", "tma_geometry", "section", "q_map")
+                 "kv_maps", "tma_geometry", "section", "q_map", "stream_k", "ws_sk_bytes")
 
     def __init__(self, qv, kv, vv, ov, lv, causal, kv_layout, window_left, sm_scale, opts=options.PLAIN,
                  mask_kind=None, mv=None, o_dtype=None):
@@ -191,7 +192,7 @@ class SinglePlan:
         if causal and kv_len < qo_len:
             raise ValueError(f"causal attention needs kv_len >= qo_len, got kv_len={kv_len}, qo_len={qo_len}")
         sm_scale = options.softmax_scale(sm_scale, head_dim)
-        self.attn = self.merge = self.kv_maps = self.tma_geometry = self.q_map = None
+        self.attn = self.merge = self.kv_maps = self.tma_geometry = self.q_map = self.stream_k = None
         if qo_len * num_qo_heads == 0:
             return  # nothing to compute: empty outputs
         _cuda.ensure_context(self.dev)
@@ -307,9 +308,22 @@ class SinglePlan:
         self.section = (section, head_z) if meta.get("persistent") and section else None
         launch.configure_grid(la, (row_tiles, chunks, num_kv_heads) if rows_fastest else
                               (num_kv_heads, chunks, row_tiles), dev, section, section_z=head_z)
+        # Equal blocks on a persistent row: the last round's blocks shared out as ranges of tiles
+        # (schedule.stream_k_first; run() turns it on where the stream has the flags)
+        want = os.environ.get(schedule.STREAM_K_ENV, "").strip()
+        if meta.get("stream_k") and rows_fastest and chunks == 1 and want != "0":
+            blocks, ctas, tiles = row_tiles * num_kv_heads, la.grid[0], -(-kv_len // meta["block_n"])
+            first = schedule.stream_k_first(blocks, ctas, tiles, force=want == "1")
+            if first is not None and ctas * (meta["block_m"] // 64) * 4 <= _cuda.Workspace.FLAG_BYTES:
+                self.stream_k = (tiles, first, ctas)
 
     def _size_workspace(self, qo_len, num_qo_heads, head_dim, opts):
-        """Workspace: [packed bool mask, 16-byte padded] [split partial o] [split partial lse]."""
+        """Workspace: [packed bool mask, 16-byte padded] [split partial o] [split partial lse]; then,
+        apart (stream-K, not in a caller's scratch), a slot a CTA of its consumers' registers."""
+        self.ws_sk_bytes = 0
+        if self.stream_k is not None:
+            consumers = self.attn.meta["block_m"] // 64  # warpgroups of 64 rows, 128 threads each
+            self.ws_sk_bytes = self.stream_k[2] * consumers * (head_dim // 2 + 4) * 128 * 4
         self.ws_mask_bytes = (-(-self.mask_bits // 8) + 15) // 16 * 16 if self.mask_kind == "bool" else 0
         self.ws_o_bytes = self.ws_bytes = self.ws_mask_bytes
         if self.num_chunks > 1:
@@ -343,8 +357,14 @@ class SinglePlan:
             self.q_map.point(q)
         p.v_scale = v_scale
         p.o_stride_n, p.o_stride_h = self.o_strides[0], self.o_strides[1]
+        sk = self.stream_k if ws is None else None  # (a caller's scratch has no room for it)
         if ws is None:
-            ws = _cuda.Workspace.get(self.dev, stream, self.ws_bytes) if self.ws_bytes else 0
+            total = self.ws_bytes + self.ws_sk_bytes
+            ws = _cuda.Workspace.get(self.dev, stream, total) if total else 0
+        if self.stream_k is not None:
+            flags = _cuda.Workspace.flags(self.dev, stream) if sk else 0
+            p.sk_tiles, p.sk_first = (sk[0], sk[1]) if flags else (0, 0)
+            p.sk_partial, p.sk_flags = (ws + self.ws_bytes, flags) if flags else (0, 0)
         if self.section:  # a persistent row in L2 sections: the stream's tile-scheduler counters
             if sched is None:
                 sched = _cuda.Workspace.counters(self.dev, stream)

@@ -454,9 +454,24 @@ class Workspace:
 
     _spaces: dict[tuple[int, int], "Workspace"] = {}
 
+    # stream-K's hand-off flags (sm90/stream_k.cuh: int32 [CTAs, consumers], zeroed, each lowered
+    # again by its reader): room for 256 CTAs of 4 consumer warpgroups
+    FLAG_BYTES = 4096
+
     def __init__(self, device_id: int, stream: int):
         self.device_id, self.stream, self.ptr, self.size = device_id, stream, 0, 0
-        self.sched = 0
+        self.sched = self.flag_ptr = 0
+
+    @classmethod
+    def flags(cls, device_id: int, stream: int) -> int:
+        """Stream-K's zeroed flags for launches on this stream (0 while none exist and the stream
+        captures: a zeroing the graph would not replay first; the launch then does without)."""
+        ws = cls._spaces.get((device_id, stream))
+        if ws is None:
+            ws = cls._spaces[(device_id, stream)] = cls(device_id, stream)
+        if not ws.flag_ptr and not stream_capturing(stream):
+            ws.flag_ptr = zeroed(cls.FLAG_BYTES)
+        return ws.flag_ptr
 
     @classmethod
     def counters(cls, device_id: int, stream: int) -> int:

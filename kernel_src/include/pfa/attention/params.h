@@ -113,8 +113,12 @@ struct PrefillParams {
   uint8_t div_x_shift;  // grid_section's shift
   uint8_t div_last_x_shift;  // the last section's shift
   uint8_t div_y_shift;  // grid_y's shift
+  int32_t sk_tiles;  // persistent sm90 16-bit kernels, a single request's equal work items (stream-K, sm90/stream_k.cuh): KV tiles of every block; the blocks from sk_first on are shared out as equal ranges of tiles, an item split between two CTAs at most; 0 = off
+  int32_t sk_first;  // stream-K: the first block of the shared-out region (whole rounds of the grid before it run a block a CTA)
+  uint64_t sk_partial;  // stream-K: float32 slots, one per CTA, each CONSUMERS x (O_ACC + 4) x 128 values in the consumers' register order: an item's later keys' unnormalised O, row maxes and sums, left by the CTA that starts with them for the CTA that ends with the item's first keys
+  uint64_t sk_flags;  // stream-K: int32 [CTAs, CONSUMERS] zeroed: 1 once a slot's warpgroup part is written; its reader zeroes it again for the next launch
 };
-static_assert(sizeof(PrefillParams) == 960, "PrefillParams size drifted from the schema");
+static_assert(sizeof(PrefillParams) == 1024, "PrefillParams size drifted from the schema");
 static_assert(offsetof(PrefillParams, k_tmap) == 0, "PrefillParams.k_tmap offset");
 static_assert(offsetof(PrefillParams, v_tmap) == 128, "PrefillParams.v_tmap offset");
 static_assert(offsetof(PrefillParams, q_tmap) == 256, "PrefillParams.q_tmap offset");
@@ -214,6 +218,10 @@ static_assert(offsetof(PrefillParams, div_section_shift) == 949, "PrefillParams.
 static_assert(offsetof(PrefillParams, div_x_shift) == 950, "PrefillParams.div_x_shift offset");
 static_assert(offsetof(PrefillParams, div_last_x_shift) == 951, "PrefillParams.div_last_x_shift offset");
 static_assert(offsetof(PrefillParams, div_y_shift) == 952, "PrefillParams.div_y_shift offset");
+static_assert(offsetof(PrefillParams, sk_tiles) == 956, "PrefillParams.sk_tiles offset");
+static_assert(offsetof(PrefillParams, sk_first) == 960, "PrefillParams.sk_first offset");
+static_assert(offsetof(PrefillParams, sk_partial) == 968, "PrefillParams.sk_partial offset");
+static_assert(offsetof(PrefillParams, sk_flags) == 976, "PrefillParams.sk_flags offset");
 
 // combine split-KV partials (float32 o, base-2 lse) into the final output
 struct MergeParams {

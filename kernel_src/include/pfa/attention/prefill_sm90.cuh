@@ -8,6 +8,7 @@
 //   sm90/consumer.cuh  warpgroups 1..CONSUMERS: 64 rows each, S = Q K^T and O += P V on wgmma,
 //                      overlapped with the softmax; PINGPONG alternates the two consumers' GEMMs
 //   sm90/epilogue.cuh  normalise, then O + LSE or split-KV partials (epilogue.cuh layouts)
+//   sm90/stream_k.cuh  (PERSISTENT) a single request's last blocks shared out as ranges of tiles
 // sm90/config.cuh holds the tile shape, register split and shared-memory layout.
 // Covered so far: 16-bit Q with 16-bit or (KV_FP8, head_dim <= 128) fp8 K/V, contiguous, ragged or
 // paged K/V, causal / window / none, LSE, split KV, sinks; everything else routes to the sm80
@@ -22,6 +23,7 @@
 #include "pfa/attention/sm90/epilogue.cuh"
 #include "pfa/attention/sm90/producer.cuh"
 #include "pfa/attention/sm90/producer_tma.cuh"
+#include "pfa/attention/sm90/stream_k.cuh"
 #include "pfa/attention/sm90/widen_producer.cuh"
 #include "pfa/attention/work.cuh"
 #include "pfa/ptx/mma_sm80.cuh"
@@ -49,6 +51,9 @@ struct PrefillSm90 : PrefillSm90Config<T, HEAD_DIM, BLOCK_N, CONSUMERS, STAGES, 
     float m[2] = {-INFINITY, -INFINITY}, l[2] = {0.f, 0.f};
     Consumer::mainloop(p, w, rows, base, wg, lane, o, m, l, walk);
     ahead();
+    if constexpr (Cfg::STREAM_K) {  // a piece of a shared-out block: hand off, or fold in the rest
+      if (p.sk_tiles != 0 && !StreamK<Cfg>::settle(p, w, wg, tid, o, m, l)) return;
+    }
     EpilogueSm90<Cfg, Consumer::O_ACC>::run(p, w, rows.tile_row, lane, o, m, l);
   }
 

@@ -108,6 +108,17 @@ __device__ __forceinline__ uint32_t ld_shared_u32(uint32_t addr) {
   return v;
 }
 
+// A flag between CTAs (stream-K's hand-off, sm90/stream_k.cuh): a release store after the writer's
+// data, an acquire load before the reader's, both at GPU scope.
+__device__ __forceinline__ void st_release_gpu(int* addr, int v) {
+  asm volatile("st.release.gpu.global.b32 [%0], %1;\n" ::"l"(addr), "r"(v) : "memory");
+}
+__device__ __forceinline__ int ld_acquire_gpu(const int* addr) {
+  int v;
+  asm volatile("ld.acquire.gpu.global.b32 %0, [%1];\n" : "=r"(v) : "l"(addr) : "memory");
+  return v;
+}
+
 // Arrive on named barrier `id` without waiting (the threads that bar.sync on it wait for
 // `threads` arrivals in all). Barrier 0 is __syncthreads'.
 __device__ __forceinline__ void bar_arrive(int id, int threads) {

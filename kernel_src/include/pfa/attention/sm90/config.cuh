@@ -52,6 +52,9 @@ struct PrefillSm90Config
   // block: the K/V ring runs on across work items, and the producer loads the next item's Q once
   // the consumers have released this one's (q_empty), while they finish its last tiles and epilogue.
   static constexpr bool PERSISTENT = PERSISTENT_;
+  // A persistent launch may share its last blocks out as ranges of KV tiles (sm90/stream_k.cuh,
+  // PrefillParams::sk_tiles; the consumers' hand-off is in prefill_sm90.cuh's consume)
+  static constexpr bool STREAM_K = PERSISTENT;
   // One-byte K/V (e4m3fn or e5m2: PrefillParams::kv_fp8) under a 16-bit Q: the producer copies each
   // K / V tile as stored into a raw tile pair (2 buffers) and widens it into the 16-bit K / V stage
   // the consumers read (sm90/widen_producer.cuh); consumers and epilogue are the 16-bit ones.
@@ -112,8 +115,10 @@ struct PrefillSm90Config
   static constexpr int SCHED_BYTES = PERSISTENT ? 40 : 0;
   // + 1024: the dynamic shared memory base is rounded up to the swizzle atom at run time
   static constexpr int SMEM_BYTES = SCHED_OFFSET + SCHED_BYTES + ATOM_BYTES;
-  // named barriers after the pipeline's (sm90/pipeline.cuh): each consumer's skip-softmax vote
+  // named barriers after the pipeline's (sm90/pipeline.cuh): each consumer's own (+ its index):
+  // its skip-softmax vote, its stream-K hand-off (sm90/stream_k.cuh)
   static constexpr int SKIP_VOTE_BAR = PRODUCER_BAR + 1;  // + the consumer's index
+  static constexpr int WG_BAR = SKIP_VOTE_BAR;
   static constexpr int TAIL_ZERO_BAR = SKIP_VOTE_BAR + CONSUMERS;  // producer warps 1..3 (TMA)
   static_assert(TAIL_ZERO_BAR < 16, "16 named barriers");
   static_assert(BLOCK_N * ROW_BYTES % ATOM_BYTES == 0 && KV_TILE_BYTES % ATOM_BYTES == 0, "1024-byte tiles");

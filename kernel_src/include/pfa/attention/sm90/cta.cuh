@@ -14,6 +14,7 @@
 #include "pfa/attention/params.h"
 #include "pfa/attention/sm90/pipeline.cuh"
 #include "pfa/attention/sm90/producer.cuh"
+#include "pfa/attention/sm90/stream_k.cuh"
 #include "pfa/attention/sm90/tile_scheduler.cuh"
 #include "pfa/attention/work.cuh"
 #include "pfa/ptx/pdl.cuh"
@@ -42,8 +43,13 @@ __device__ __forceinline__ void run_warp_specialized_cta(const PrefillParams& p,
   // Block b of the logical grid into w (false: nothing to do), for every role and walk below.
   // Honours rows_fastest (a head's row tiles together, its K/V shared in L2): the register it
   // costs is no constraint here.
+  // Stream-K (PERSISTENT): a block of the shared-out region to the CTA's part of its tiles.
   auto decode = [&](PrefillWork& w, int b) {
-    return decode_work<Cfg::BLOCK_M, Cfg::BLOCK_N, Cfg::PAGED, false, true>(p, w, LogicalGrid::at(p, b));
+    if (!decode_work<Cfg::BLOCK_M, Cfg::BLOCK_N, Cfg::PAGED, false, true>(p, w, LogicalGrid::at(p, b))) return false;
+    if constexpr (Cfg::STREAM_K) {
+      if (p.sk_tiles != 0) StreamK<Cfg>::clip(p, w, p.grid_x * p.grid_y * p.grid_z, b, blockIdx.x, gridDim.x);
+    }
+    return true;
   };
   if constexpr (!Cfg::PERSISTENT) {
     // A one-dimensional launch over the logical grid (LogicalGrid: in L2 sections): the hardware

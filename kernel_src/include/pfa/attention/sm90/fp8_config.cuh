@@ -64,6 +64,7 @@ struct PrefillSm90Fp8Config
   static_assert(!TMA || HEAD_DIM % 128 == 0, "fp8 TMA: whole 128-byte rows");
   // The CTAs walk the logical grid (sm90/cta.cuh), as the 16-bit family's PERSISTENT rows
   static constexpr bool PERSISTENT = PERSISTENT_;
+  static constexpr bool STREAM_K = false;  // (sm90/stream_k.cuh: the 16-bit consumers' only)
   // (PrefillSm90Config's widened one-byte K/V under a 16-bit Q: K and V stay fp8 here)
   static constexpr bool KV_FP8 = false;
   static_assert(HEAD_DIM == 64 || HEAD_DIM % 128 == 0, "fp8: head_dim in whole (or, 64, half) swizzle rows");

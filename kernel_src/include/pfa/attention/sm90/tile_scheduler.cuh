@@ -10,7 +10,9 @@
 //
 // Without counters (PrefillParams::sched 0: single prefill, whose calls have no zeroed memory of
 // their own) CTA c takes a fixed share, round k's block k * G + c (G - 1 - c on odd k): the
-// boustrophedon evens out one descending list, so the host then keeps one section.
+// boustrophedon evens out one descending list, so the host then keeps one section. Or, where the
+// blocks all cost the same (sk_tiles), rounds of k * G + c and then stream-K's ranges of the last
+// blocks' tiles (sm90/stream_k.cuh).
 //
 // How: PrefillParams::sched holds two zeroed int32 counters (next block, CTAs finished). CTA c's
 // first block is c itself; each later one comes from atomicAdd(next) + gridDim.x, fetched by the
@@ -26,6 +28,7 @@
 #include <stdint.h>
 
 #include "pfa/attention/params.h"
+#include "pfa/attention/sm90/stream_k.cuh"
 #include "pfa/ptx/mma_sm80.cuh"
 #include "pfa/ptx/sm90.cuh"
 
@@ -57,6 +60,10 @@ struct Sm90TileScheduler {
   }
 
   static __device__ __forceinline__ int blocks(const PrefillParams& p) { return p.grid_x * p.grid_y * p.grid_z; }
+  static __device__ __forceinline__ bool stream_k(const PrefillParams& p) {
+    if constexpr (Cfg::STREAM_K) return p.sk_tiles != 0;
+    return false;
+  }
 
   // The producer's thread 0: fetch block k's index into its slot (and return it).
   static __device__ __forceinline__ int fetch(const PrefillParams& p, uint32_t base, int k) {
@@ -64,7 +71,9 @@ struct Sm90TileScheduler {
     ptx::mbar_wait(empty(base, slot), ((k >> 1) & 1) ^ 1);  // every reader has read block k - 2's index
     const int G = gridDim.x, c = blockIdx.x;
     int b;
-    if (k == 0)
+    if (stream_k(p))  // (no counters: single prefill)
+      b = StreamK<Cfg>::block(p, blocks(p), k, c, G);
+    else if (k == 0)
       b = c;
     else if (p.sched != 0)
       b = atomicAdd(reinterpret_cast<int*>(p.sched), 1) + G;
