@@ -317,7 +317,8 @@ class HopperPrefillVariant(Sm90Roles):
                 "warps": self.threads // WARP_THREADS, "threads": self.threads, "smem_bytes": self.smem_bytes,
                 "ctas_per_sm": 1, "tune": self.tune, "general": False, "paged": self.paged, "decode": False,
                 "rows_fastest": True, "device_scale": True, "tma": self.tma, "persistent": self.persistent,
-                "stream_k": self.persistent and not self.paged,  # PrefillSm90Config::STREAM_K (sm90/stream_k.cuh)
+                # PrefillSm90Config::STREAM_K (sm90/stream_k.cuh): single prefill's rows
+                "stream_k": self.persistent and not self.paged and not self.kv_dtype,
                 # one consumer warpgroup votes (consumer.cuh); a twin is only picked by name
                 "skip_softmax_rows": self.WG_ROWS if self.skip else 0,
                 "twin_of": dataclasses.replace(self, skip=False, dense=False).name if self.skip or self.dense else None,

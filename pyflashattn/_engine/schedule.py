@@ -154,7 +154,6 @@ class PrefillPlan:
                 "num_chunks": self.num_chunks, "o_indptr": self.o_indptr, "merge_indptr": self.merge_indptr}
 
 
-# ---- validation helpers ---------------------------------------------------------------------
 # Stream-K (sm90/stream_k.cuh): a persistent launch of `blocks` equal blocks of `tiles` KV tiles on
 # `ctas` CTAs runs ceil(blocks / ctas) rounds, the last one partly idle (a power-of-two shape on
 # 132 SMs runs like 128: 3%; hd64's 192-row tile at 4096 keys, 5.33 rounds: 11%). Sharing the last
@@ -170,8 +169,8 @@ STREAM_K_ENV = "PFA_STREAM_K"
 def stream_k_first(blocks: int, ctas: int, tiles: int, force: bool = False) -> int | None:
     """The first block stream-K shares out (whole rounds of `ctas` blocks before it, between one
     and two rounds' worth after it, so that every CTA's range is longer than a block and an item is
-    split once at most), or None: fewer blocks than two rounds' share, rounds that divide the
-    blocks, or (unless `force`) less than STREAM_K_MIN_TILES tiles a CTA to gain."""
+    split once at most), or None: a round of blocks or less, rounds that divide the blocks, or
+    (unless `force`) less than STREAM_K_MIN_TILES tiles a CTA to gain."""
     rounds, rest = divmod(blocks, ctas)
     if rounds < 1 or rest == 0 or tiles < 2:
         return None
@@ -180,6 +179,7 @@ def stream_k_first(blocks: int, ctas: int, tiles: int, force: bool = False) -> i
     return (rounds - 1) * ctas
 
 
+# ---- validation helpers ---------------------------------------------------------------------
 def _pos_int(v, name: str) -> int:
     try:
         i = operator.index(v)

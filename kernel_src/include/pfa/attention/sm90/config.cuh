@@ -53,9 +53,9 @@ struct PrefillSm90Config
   // the consumers have released this one's (q_empty), while they finish its last tiles and epilogue.
   static constexpr bool PERSISTENT = PERSISTENT_;
   // A persistent launch may share its last blocks out as ranges of KV tiles (sm90/stream_k.cuh,
-  // PrefillParams::sk_tiles; the consumers' hand-off is in prefill_sm90.cuh's consume): single
-  // prefill's contiguous rows only, so the paged rows compile none of it
-  static constexpr bool STREAM_K = PERSISTENT && !PAGED_;
+  // PrefillParams::sk_tiles; the consumers' hand-off is in prefill_sm90.cuh's consume): the rows
+  // single prefill runs only (contiguous 16-bit K/V), so the paged and fp8-K/V rows compile none of it
+  static constexpr bool STREAM_K = PERSISTENT && !PAGED_ && !KV_FP8_;
   // One-byte K/V (e4m3fn or e5m2: PrefillParams::kv_fp8) under a 16-bit Q: the producer copies each
   // K / V tile as stored into a raw tile pair (2 buffers) and widens it into the 16-bit K / V stage
   // the consumers read (sm90/widen_producer.cuh); consumers and epilogue are the 16-bit ones.

@@ -10,12 +10,13 @@
 //    key): its consumers leave their unnormalised O, row maxes and row sums in slot c + 1 of
 //    sk_partial, in their own register order, and raise its flag;
 //  - CTA c ends its range with the item's first tiles (a "head" piece): once its tile loop is done
-//    it waits for the flag (raised long before: the tail was its writer's first piece), folds the
-//    slot into its registers as one more online-softmax step, lowers the flag for the next launch,
-//    and writes the rows through the usual epilogue (sinks, LSE, every output format).
+//    it waits for the flag (raised long before: the tail is its writer's first piece after the
+//    whole rounds, the head its reader's last), folds the slot into its registers as one more
+//    online-softmax step, lowers the flag for the next launch, and writes the rows through the
+//    usual epilogue (LSE, scales, every output format).
 // Each consumer warpgroup hands off its own 64 rows (a flag each), through its own named barrier.
-// No CTA waits on one that has not started its range: a writer's piece is its first, so a wait can
-// only be on a CTA that is running (or about to), never on one behind a waiting CTA.
+// A writer's piece depends on nothing but its own CTA's earlier blocks, so a waiting CTA waits on
+// one that runs (or will, once any CTA finishes): no cycle of waits, however few SMs the launch gets.
 #pragma once
 #include <math.h>
 #include <stdint.h>
@@ -81,7 +82,7 @@ struct StreamK {
     const bool last = w.tile_start + w.num_tiles * BLOCK_N >= w.kv_hi;
     if (first && last) return true;
     const int c = blockIdx.x;
-    if (!first) {  // a tail piece: CTA c's first, into slot c
+    if (!first) {  // a tail piece: CTA c's first after its whole rounds, into slot c
       float4* dst = slot<O_ACC>(p, c, wg) + tid;
 #pragma unroll
       for (int v = 0; v < O_ACC / 4; ++v)
