@@ -1,12 +1,12 @@
 """Single-request prefill through the engine: one cached plan per problem signature.
 
 Full validation, routing and scheduling (a one-request schedule from the same scheduler as the
-batch wrappers, so a request gets the same chunks, hence the same bits, in both APIs; except where
-stream-K shares out a long non-causal call's last round, schedule.stream_k_first: a split item's
-two parts meet in one more online-softmax step, so those rows can differ from the batch API's by
-its rounding) happen once per signature (shapes, strides, dtypes, devices, options); repeated calls reuse the plan
+batch wrappers, so a request gets the same chunks, hence the same bits, in both APIs) happen
+once per signature (shapes, strides, dtypes, devices, options); repeated calls reuse the plan
 and its params struct, and repeated torch calls take a fast path of attribute reads, one dict
-lookup and the launch.
+lookup and the launch. The exception to the same bits: where stream-K shares out a long
+non-causal call's last round (schedule.stream_k_first), a split item's two parts meet in one more
+online-softmax step, so those rows can differ from the batch API's by its rounding.
 """
 from __future__ import annotations
 

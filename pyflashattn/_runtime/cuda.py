@@ -463,12 +463,17 @@ class Workspace:
         self.sched = self.flag_ptr = 0
 
     @classmethod
-    def flags(cls, device_id: int, stream: int) -> int:
-        """Stream-K's zeroed flags for launches on this stream (0 while none exist and the stream
-        captures: a zeroing the graph would not replay first; the launch then does without)."""
+    def _of(cls, device_id: int, stream: int) -> "Workspace":
         ws = cls._spaces.get((device_id, stream))
         if ws is None:
             ws = cls._spaces[(device_id, stream)] = cls(device_id, stream)
+        return ws
+
+    @classmethod
+    def flags(cls, device_id: int, stream: int) -> int:
+        """Stream-K's zeroed flags for launches on this stream (0 while none exist and the stream
+        captures: a zeroing the graph would not replay first; the launch then does without)."""
+        ws = cls._of(device_id, stream)
         if not ws.flag_ptr and not stream_capturing(stream):
             ws.flag_ptr = zeroed(cls.FLAG_BYTES)
         return ws.flag_ptr
@@ -477,18 +482,14 @@ class Workspace:
     def counters(cls, device_id: int, stream: int) -> int:
         """The tile scheduler's counters for launches on this stream (sched_counters: 0 while none
         exist and the stream captures). Their own allocation: the scratch block moves on growth."""
-        ws = cls._spaces.get((device_id, stream))
-        if ws is None:
-            ws = cls._spaces[(device_id, stream)] = cls(device_id, stream)
+        ws = cls._of(device_id, stream)
         if not ws.sched:
             ws.sched = sched_counters(stream)
         return ws.sched
 
     @classmethod
     def get(cls, device_id: int, stream: int, nbytes: int) -> int:
-        ws = cls._spaces.get((device_id, stream))
-        if ws is None:
-            ws = cls._spaces[(device_id, stream)] = cls(device_id, stream)
+        ws = cls._of(device_id, stream)
         if ws.size < nbytes:
             cu = driver()
             if ws.ptr:
