@@ -64,7 +64,8 @@ def test_dense_rows_are_twins_of_the_paged_rows():
 
 @pytest.mark.parametrize("layout,hkv,ps,dense_env,want", [
     ("HND", HKV, PS32, None, True), ("NHD", HKV, PS32, None, False), ("NHD", 1, PS32, None, True),
-    ("HND", HKV, PS32, "0", False), ("HND", HKV, PS, None, False), ("HND", HKV, 64, None, True)])
+    ("HND", HKV, PS32, "0", False), ("HND", HKV, PS32, "1", True), ("HND", HKV, PS, None, False),
+    ("HND", HKV, 64, None, True)])
 def test_plans_take_the_dense_twin_where_page_slots_are_dense(monkeypatch, layout, hkv, ps, dense_env, want):
     env = _env(monkeypatch, dense_env)
     w = paged(env, layout=layout)
@@ -75,6 +76,12 @@ def test_plans_take_the_dense_twin_where_page_slots_are_dense(monkeypatch, layou
     launched, _, _, p = last_attn(env)
     assert launched.endswith("_dense") is want and not w._engine.kv_fallback
     assert p.k_stride_n == (D if layout == "HND" else hkv * D)
+
+
+def test_a_dense_switch_it_does_not_know_is_refused(monkeypatch):
+    env = _env(monkeypatch, "off")
+    with pytest.raises(ValueError, match=routing.DENSE_ENV):
+        _plan(paged(env, layout="HND"))
 
 
 def test_strided_page_slots_fall_back_to_the_row(monkeypatch):

@@ -161,6 +161,17 @@ def test_stream_k_env_and_the_callers_scratch(monkeypatch):
     assert last_attn(env)[3].sk_tiles == 64
 
 
+@pytest.mark.parametrize("value", ["2", "yes", "off"])
+def test_a_stream_k_switch_it_does_not_know_is_refused(monkeypatch, value):
+    env = _env(monkeypatch)
+    monkeypatch.setenv(schedule.STREAM_K_ENV, value)
+    with pytest.raises(ValueError, match=schedule.STREAM_K_ENV):
+        _call()
+    assert not env.attn_launches()  # refused before any launch
+    monkeypatch.setenv(schedule.STREAM_K_ENV, " 1 ")
+    assert schedule.stream_k_mode() == "1"
+
+
 def test_stream_k_flags_are_not_made_while_the_stream_captures(monkeypatch):
     env = _env(monkeypatch)
     _call()

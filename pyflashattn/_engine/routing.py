@@ -104,7 +104,7 @@ def kv_load_pair(dev: int, la, named):
 # same tile): a plan whose cache keeps a kv head's page slots back to back (HND, or NHD with one kv
 # head) runs the twin, whose copies step by a constant; a run() whose cache strides are not dense
 # falls back to the row itself (BatchEngine.kv_fallback). PFA_SM90_DENSE_KV=0 never runs the twins
-# (A/B runs).
+# (A/B runs); 1 or unset runs them where dense_pays.
 DENSE_SUFFIX = "_dense"
 DENSE_ENV = "PFA_SM90_DENSE_KV"
 
@@ -113,8 +113,10 @@ def dense_twin(dev: int, la, named):
     """The dense twin of paged row-tile launcher la (named(name) makes a launcher by kernel name), or
     None: not built, not a paged cp.async row, or switched off by PFA_SM90_DENSE_KV=0."""
     meta = la.meta
-    if meta.get("impl") != "sm90" or not meta.get("paged") or meta.get("tma") or \
-            os.environ.get(DENSE_ENV, "").strip() == "0":
+    want = os.environ.get(DENSE_ENV, "").strip()
+    if want not in ("", "0", "1"):
+        raise ValueError(f"{DENSE_ENV}={want!r}: expected 0 (off), 1 or unset (where dense_pays)")
+    if meta.get("impl") != "sm90" or not meta.get("paged") or meta.get("tma") or want == "0":
         return None
     row = _built_row(dev, meta["name"] + DENSE_SUFFIX)
     if row is None:

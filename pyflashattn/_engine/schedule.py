@@ -39,6 +39,7 @@ Layout contract (the kernels' side, see kernel_src/include/pfa/attention/params.
 from __future__ import annotations
 
 import operator
+import os
 from dataclasses import dataclass
 
 import numpy as np
@@ -48,7 +49,7 @@ from .geometry import tile_spans
 from .npfast import accumulate as _acc, consts as _k, div as _div, lpt_order as _lpt_order, shared as _shared
 from .npfast import unsigned_max
 
-__all__ = ["PrefillPlan", "plan_prefill", "schedule_prefill", "stream_k_first", "MIN_CHUNK_TOKENS", "SHORT_KV_TILES",
+__all__ = ["PrefillPlan", "plan_prefill", "schedule_prefill", "stream_k_first", "stream_k_mode", "MIN_CHUNK_TOKENS", "SHORT_KV_TILES",
            "STREAM_K_MIN_TILES", "WORKSPACE_ALIGN"]
 
 # The wave-filling search never makes a chunk shorter than this many keys (rounded up to whole
@@ -164,6 +165,16 @@ class PrefillPlan:
 STREAM_K_MIN_TILES = 8
 # "0": never (A/B runs); "1": wherever the shape allows, gain or not (tests); unset: where it pays
 STREAM_K_ENV = "PFA_STREAM_K"
+STREAM_K_MODES = ("", "0", "1")
+
+
+def stream_k_mode() -> str:
+    """PFA_STREAM_K as one of STREAM_K_MODES ("" = unset); any other value is a ValueError, not a
+    switch read as its default."""
+    want = os.environ.get(STREAM_K_ENV, "").strip()
+    if want not in STREAM_K_MODES:
+        raise ValueError(f"{STREAM_K_ENV}={want!r}: expected 0, 1 or unset")
+    return want
 
 
 def stream_k_first(blocks: int, ctas: int, tiles: int, force: bool = False) -> int | None:

@@ -10,7 +10,6 @@ online-softmax step, so those rows can differ from the batch API's by its roundi
 """
 from __future__ import annotations
 
-import os
 import threading
 
 import numpy as np
@@ -312,7 +311,7 @@ class SinglePlan:
                               (num_kv_heads, chunks, row_tiles), dev, section, section_z=head_z)
         # Equal blocks on a persistent row: the last round's blocks shared out as ranges of tiles
         # (schedule.stream_k_first; run() turns it on where the stream has the flags)
-        want = os.environ.get(schedule.STREAM_K_ENV, "").strip()
+        want = schedule.stream_k_mode()
         if meta.get("stream_k") and rows_fastest and chunks == 1 and want != "0":
             blocks, ctas, tiles = row_tiles * num_kv_heads, la.grid[0], -(-kv_len // meta["block_n"])
             first = schedule.stream_k_first(blocks, ctas, tiles, force=want == "1")

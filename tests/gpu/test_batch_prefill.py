@@ -465,8 +465,6 @@ def test_batch_grid(key, kind, batch, qo_max, kv_max, mode, pin, ps, hq, hkv, d,
         assert not dense_built(), f"{key}: a dense layout on {w._engine.attn.name}"
 
 
-
-
 # ---------------------------------------------------------------------------------------
 # Options through the batch wrappers (window, soft cap, ALiBi, RoPE, lse_base, sm_scale)
 # ---------------------------------------------------------------------------------------

@@ -130,6 +130,7 @@ def test_stream_k_graph_replay(monkeypatch):
         q.copy_(cuda_randn(q.shape, g2, F16))
         k.copy_(cuda_randn(k.shape, g2, F16))
         o.fill_(float("nan"))
+        lse.fill_(float("nan"))
         graph.replay()
         torch.cuda.synchronize()
         heads = np.array([0, hq - 1])

@@ -52,7 +52,7 @@ struct PrefillSm90 : PrefillSm90Config<T, HEAD_DIM, BLOCK_N, CONSUMERS, STAGES, 
     Consumer::mainloop(p, w, rows, base, wg, lane, o, m, l, walk);
     ahead();
     if constexpr (Cfg::STREAM_K) {  // a piece of a shared-out block: hand off, or fold in the rest
-      if (p.sk_tiles != 0 && !StreamK<Cfg>::settle(p, w, wg, tid, o, m, l)) return;
+      if (StreamK<Cfg>::on(p) && !StreamK<Cfg>::settle(p, w, wg, tid, o, m, l)) return;
     }
     EpilogueSm90<Cfg, Consumer::O_ACC>::run(p, w, rows.tile_row, lane, o, m, l);
   }

@@ -47,7 +47,7 @@ __device__ __forceinline__ void run_warp_specialized_cta(const PrefillParams& p,
   auto decode = [&](PrefillWork& w, int b) {
     if (!decode_work<Cfg::BLOCK_M, Cfg::BLOCK_N, Cfg::PAGED, false, true>(p, w, LogicalGrid::at(p, b))) return false;
     if constexpr (Cfg::STREAM_K) {
-      if (p.sk_tiles != 0) StreamK<Cfg>::clip(p, w, p.grid_x * p.grid_y * p.grid_z, b, blockIdx.x, gridDim.x);
+      if (StreamK<Cfg>::on(p)) StreamK<Cfg>::clip(p, w, p.grid_x * p.grid_y * p.grid_z, b, blockIdx.x, gridDim.x);
     }
     return true;
   };

@@ -32,6 +32,11 @@ template <class Cfg>
 struct StreamK {
   static constexpr int BLOCK_N = Cfg::BLOCK_N;
 
+  // Whether this launch shares blocks out: the one test of the scheduler, the decode and the
+  // consumers, each behind `if constexpr (Cfg::STREAM_K)` (a kernel without it compiles none of
+  // this: a call left to dead-code elimination still moved those kernels' register allocation).
+  static __device__ __forceinline__ bool on(const PrefillParams& p) { return p.sk_tiles != 0; }
+
   // The tile units of the shared-out region before CTA c's range (c = G: all of them), floor(c R T
   // / G) for R blocks of T tiles, in 32-bit divisions: c R < 2 G^2 and (c R mod G) T < G T.
   static __device__ __forceinline__ int64_t bound(const PrefillParams& p, int blocks, int c, int G) {

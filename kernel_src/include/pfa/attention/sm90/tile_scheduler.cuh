@@ -61,7 +61,7 @@ struct Sm90TileScheduler {
 
   static __device__ __forceinline__ int blocks(const PrefillParams& p) { return p.grid_x * p.grid_y * p.grid_z; }
   static __device__ __forceinline__ bool stream_k(const PrefillParams& p) {
-    if constexpr (Cfg::STREAM_K) return p.sk_tiles != 0;
+    if constexpr (Cfg::STREAM_K) return StreamK<Cfg>::on(p);
     return false;
   }
 
