@@ -226,7 +226,7 @@ def decode_cases(torch, pfa):
 def trtllm_cases(torch, pfa):
     """bench trtllm's rows at 4 x 4096 and 1 x 16384 tokens, causal, 16 heads x 128: trtllm_fmha_v2_prefill
     over CONTIGUOUS_Q_KV and Q_PAGED_KV_HND (page 32), bf16 inputs and e4m3 inputs into a bf16
-    output (#20's paging cost and e4m3 rows)."""
+    output (#20's paging cost and e4m3 rows); the contiguous rows without a mask too."""
     from pyflashattn.bench import trtllm as bt
 
     ws = torch.zeros(256 << 20, dtype=torch.uint8, device="cuda")
@@ -245,6 +245,9 @@ def trtllm_cases(torch, pfa):
             tag = f"{'e4m3' if fp8 else 'bf16'} {b}x{s} causal"
             yield (f"trtllm contig {tag}", flops, "TFLOP/s",
                    lambda qq=qq, kv=kv, c=common: pfa.prefill.trtllm_fmha_v2_prefill((qq, kv), "CONTIGUOUS_Q_KV", **c))
+            full = dict(common, mask_mode="padding")  # (#20's non-causal shapes: contiguous only)
+            yield (f"trtllm contig {tag[:-6]}full", 2 * flops, "TFLOP/s",
+                   lambda qq=qq, kv=kv, c=full: pfa.prefill.trtllm_fmha_v2_prefill((qq, kv), "CONTIGUOUS_Q_KV", **c))
             yield (f"trtllm paged {tag}", flops, "TFLOP/s",
                    lambda qq=qq, cc=cc, t=table, c=common: pfa.prefill.trtllm_fmha_v2_prefill(
                        (qq, cc), "Q_PAGED_KV_HND", block_tables=t, **c))

@@ -16,11 +16,12 @@
 
 namespace pfa {
 
-template <bool LAZY_RESCALE>
+template <bool LAZY_RESCALE, int SLACK_QUARTERS = 32>
 struct OnlineSoftmax {
-  // Lazy rescale: how far (log2 units) the running max may lag the true one; P <= 2^8 = 256
-  // fits fp16/bf16 and fp32 sums with room to spare.
-  static constexpr float RESCALE_SLACK = 8.f;
+  // Lazy rescale: how far (log2 units, in quarters) the running max may lag the true one. The
+  // default, P <= 2^8 = 256, fits fp16/bf16 and fp32 sums with room to spare; P rounded to e4m3
+  // needs less (sm90/fp8_consumer.cuh).
+  static constexpr float RESCALE_SLACK = SLACK_QUARTERS / 4.f;
 
   // Fold a tile's raw row max (before scaling) into m. Returns the max to subtract in the
   // exponent, m_use, and sets corr = 2^(m_old - m_use), the factor for l and O (exactly 1 when

@@ -48,12 +48,22 @@ struct ConsumerSm90Fp8 : ConsumerSm90<Cfg, PINGPONG, false> {
   static constexpr int S_COLS = BLOCK_N / 8;
   static constexpr int QK_STEPS = HEAD_DIM / MmaS::K, PV_STEPS = BLOCK_N / MmaO::K;
   static constexpr unsigned FULL = 0xffffffffu;
-  using Softmax = OnlineSoftmax<false>;
-  // P is formed as 2^(x - m + P_LOG2_OFFSET), in [0, 256] instead of [0, 1]: e4m3 keeps 3 mantissa
-  // bits down to 2^-6 and flushes below 2^-9, so unshifted probabilities under ~2^-6 would lose
-  // precision (and under 2^-10 vanish) in the P V product. l sums the same shifted values, so O / l
-  // is unchanged; the epilogue gets m - P_LOG2_OFFSET (unshift_max) for the LSE.
-  static constexpr float P_LOG2_OFFSET = 8.f;
+  // Lazy rescale (OnlineSoftmax<true>): the running max m may lag the true one by up to the slack,
+  // so that a tile whose rows' maxes all stay within it leaves O as it is (a warp-uniform skip of
+  // rescale_o's 64 multiplies a tile, 12% of the hd128 tile loop's instructions). Where the
+  // consumers share the issue slots with the paged rows' copying producer, and in the serial loop
+  // (hd256), that gained 3-4% (NOTES.md, session 38); the contiguous overlapped rows (TMA, K and V
+  // from one producer thread) lost 1-9% with it and keep the strict max. No fp8 call takes
+  // skip-softmax or softmax stats, which need the strict one.
+  static constexpr bool LAZY_O = (Cfg::PAGED && Cfg::CONSUMERS == 2) || !OVERLAP;
+  // P is formed as 2^(x - m + P_LOG2_OFFSET), up to 2^8 (lazy: 2^(7 + 1.75) ~ 430, under e4m3's
+  // largest finite value 448 = 2^8.81) instead of 1: e4m3 keeps 3 mantissa bits down to 2^-6 and
+  // flushes below 2^-9, so unshifted probabilities under ~2^-6 would lose precision (and under
+  // 2^-10 vanish) in the P V product. l sums the same shifted values, so O / l is unchanged; the
+  // epilogue gets m - P_LOG2_OFFSET (unshift_max) for the LSE.
+  static constexpr float P_LOG2_OFFSET = LAZY_O ? 7.f : 8.f;
+  using Softmax = OnlineSoftmax<LAZY_O, 7>;  // (lazy: slack 1.75)
+  static_assert(!LAZY_O || P_LOG2_OFFSET + Softmax::RESCALE_SLACK < 8.807f, "P stays under e4m3's 448");
 
   // Each row's logit scale (log2 units): the kernel's (logit_scale: sm_scale * log2 e, times a
   // device-side bmm1 scale) times the per-head fp8 dequantisation scales, when given.
@@ -77,9 +87,11 @@ struct ConsumerSm90Fp8 : ConsumerSm90<Cfg, PINGPONG, false> {
     else return !w.rule.keeps_all(r.q_lo, r.q_hi, n0, n0 + BLOCK_N - 1);
   }
 
-  // ConsumerSm90::softmax with a scale per row, P shifted by P_LOG2_OFFSET.
-  static __device__ __forceinline__ void softmax(float (&s)[S_ACC], float (&m)[2], float (&l)[2], float (&corr)[2],
+  // ConsumerSm90::softmax with a scale per row, P shifted by P_LOG2_OFFSET, the max lazy. Returns
+  // whether either of the thread's rows moved its max (else corr is exactly 1 for both).
+  static __device__ __forceinline__ bool softmax(float (&s)[S_ACC], float (&m)[2], float (&l)[2], float (&corr)[2],
                                                  const float (&scale)[2]) {
+    bool moved = false;
 #pragma unroll
     for (int i = 0; i < 2; ++i) {
       float mx = -INFINITY;
@@ -87,7 +99,9 @@ struct ConsumerSm90Fp8 : ConsumerSm90<Cfg, PINGPONG, false> {
       for (int j = 0; j < S_COLS; ++j) mx = fmaxf(mx, fmaxf(s[4 * j + 2 * i], s[4 * j + 2 * i + 1]));
       mx = fmaxf(mx, __shfl_xor_sync(FULL, mx, 1));
       mx = fmaxf(mx, __shfl_xor_sync(FULL, mx, 2));
+      const float m_old = m[i];
       const float m_use = Softmax::rescale(m[i], mx, scale[i], corr[i]) - P_LOG2_OFFSET;
+      moved |= m[i] != m_old;  // (-inf kept is not a move: corr 1 then too, O still zero)
       float sum = 0.f;
 #pragma unroll
       for (int j = 0; j < S_COLS; ++j)
@@ -99,6 +113,13 @@ struct ConsumerSm90Fp8 : ConsumerSm90<Cfg, PINGPONG, false> {
         }
       l[i] = fmaf(l[i], corr[i], sum);
     }
+    return moved;
+  }
+
+  // O's rescale; LAZY_O: where some row of the warp moved its max (a warp-uniform branch: most
+  // tiles past a row's first few skip it).
+  static __device__ __forceinline__ void rescale_o(float (&o)[O_ACC], const float (&corr)[2], bool moved) {
+    if (!LAZY_O || __any_sync(FULL, moved)) Base::rescale_o(o, corr);
   }
 
   // After the tile loop: the row maxes the epilogue's LSE needs (l holds sums of shifted P).
@@ -195,8 +216,8 @@ struct ConsumerSm90Fp8 : ConsumerSm90<Cfg, PINGPONG, false> {
       if (lane == 0) ptx::mbar_arrive(Cfg::k_empty(base, st));
       Base::release_q(base, it, n);
       if (masks_tile(w, r, n0)) Base::mask(s, r, n0, lane);
-      softmax(s, m, l, corr, scale);
-      if (it > 0) Base::rescale_o(o, corr);  // the first tile's O is still zero
+      const bool moved = softmax(s, m, l, corr, scale);
+      if (it > 0) rescale_o(o, corr, moved);  // the first tile's O is still zero
       p_frags(s, a);
       ptx::mbar_wait(Cfg::v_full(base, st), parity);
       turn.take();
@@ -260,12 +281,12 @@ struct ConsumerSm90Fp8 : ConsumerSm90<Cfg, PINGPONG, false> {
       if (lane == 0) ptx::mbar_arrive(Cfg::k_empty(base, st));
       if constexpr (!Q_REGS) Base::release_q(base, it, n);
       if (masks_tile(w, r, n0)) Base::mask(s, r, n0, lane);
-      softmax(s, m, l, corr, scale);
+      const bool moved = softmax(s, m, l, corr, scale);
       ptx::wgmma_wait<0>();
       ptx::wgmma_fence_regs(o);
       ptx::wgmma_keep_regs(a);
       if (lane == 0) ptx::mbar_arrive(Cfg::v_empty(base, prev));
-      Base::rescale_o(o, corr);
+      rescale_o(o, corr, moved);
       p_frags(s, a);
     }
     const int last = walk.stage<STAGES>(n - 1);
