@@ -37,6 +37,15 @@ CASES = ("prefill", "fp8", "batch", "decode", "trtllm")
 # case: a kernel change that only reorders arithmetic stays far below it (bf16 rounding ~4e-3 an
 # element); a before kernel running under a grid it was not written for does not.
 OUTPUT_TOL = 1e-2
+# e4m3 queries: P is rounded to e4m3 (3 mantissa bits) before P V, so two kernels that form P at
+# another scale (a lazy running max, another offset) land ~2-3% apart; a wrong grid still lands far
+# past this.
+OUTPUT_TOL_FP8 = 5e-2
+
+
+def output_tol(case: str) -> float:
+    """The outputs' tolerance of a case by its name (e4m3 queries: OUTPUT_TOL_FP8)."""
+    return OUTPUT_TOL_FP8 if "e4m3" in case.split() else OUTPUT_TOL
 
 
 # ---- what runs on the CPU too (tests/test_ab_kernels.py) --------------------------------------
@@ -327,7 +336,7 @@ def main(argv=None) -> int:
             # work: FLOPs (TFLOP/s) or bytes (TB/s), either way / ms / 1e9
             st.update(case=name, after_rate=work / st["after_ms"] / 1e9, unit=unit, outputs_rel_diff=rel)
             results.append(st)
-            bad = not rel <= OUTPUT_TOL
+            bad = not rel <= output_tol(name)
             differ += bad
             print(f"{name:34s} {st['ratio']:18.4f} {st['q1']:6.3f}..{st['q3']:.3f} {st['before_ms']:10.4f} "
                   f"{st['after_ms']:9.4f} {st['after_rate']:8.2f} {unit:>7s} {rel:9.2e}"

@@ -123,3 +123,11 @@ def test_the_swap_launches_the_before_function_with_its_shared_memory(tmp_path):
         cuda.Launcher("other_arch", 128, 0)(9)
     with pytest.raises(RuntimeError, match="256 threads before, 128 after"):
         cuda.Launcher("wide", 128, 0)(9)
+
+
+def test_output_tolerance_by_case():
+    """e4m3 query cases allow P's e4m3 rounding at another scale; every other case stays at bf16's."""
+    assert abk.output_tol("e4m3 hd128 8192 full") == abk.OUTPUT_TOL_FP8
+    assert abk.output_tol("trtllm paged e4m3 1x16384 causal") == abk.OUTPUT_TOL_FP8
+    assert abk.output_tol("fp8pag uniform16 full") == abk.OUTPUT_TOL  # (a bf16 query over an fp8 cache)
+    assert abk.output_tol("ragged uniform16 full") == abk.OUTPUT_TOL < abk.OUTPUT_TOL_FP8

@@ -42,7 +42,13 @@ struct ConsumerSm90 {
   static constexpr int S_COLS = BLOCK_N / 8, O_COLS = HEAD_DIM / 8;  // 8-column blocks per row
   static constexpr int QK_STEPS = HEAD_DIM / 16, PV_STEPS = BLOCK_N / 16;
   static constexpr unsigned FULL = 0xffffffffu;
-  using Softmax = OnlineSoftmax<false>;
+  // Lazy O rescale on the paged rows (OnlineSoftmax<true>: the running max may lag the true one by
+  // 8 log2 units, P <= 256): a tile whose rows' maxes stay within that leaves O as it is, a
+  // warp-uniform skip of rescale_o's multiplies (rescale_o_if), so the consumers leave more issue
+  // slots to the paged rows' copying producer. Not with skip-softmax, whose vote compares against
+  // the strict running max.
+  static constexpr bool LAZY_O = Cfg::PAGED && !SKIP;
+  using Softmax = OnlineSoftmax<LAZY_O>;
 
   // The rows this thread holds (i = 0, 1: rows lane / 4 and lane / 4 + 8 of its warp's 16).
   struct Rows {
@@ -105,13 +111,15 @@ struct ConsumerSm90 {
   }
 
   // Online softmax of one tile: s becomes P (unnormalised), l rescaled, corr = the factor for
-  // each row's O (applied by rescale_o, once no wgmma writes O). With skip-softmax on (vote), the
+  // each row's O (applied by rescale_o, once no wgmma writes O); moved: whether either of the
+  // thread's rows moved its max (else corr is exactly 1 for both). With skip-softmax on (vote), the
   // warpgroup first votes on the row maxes (SkipSoftmax: every row's max negligible against its
   // running max, padding rows not voting; the 128 threads AND their votes on the consumer's own
   // named barrier): true = the tile is skipped, m and l untouched, corr = 1.
   static __device__ __forceinline__ bool softmax(float (&s)[S_ACC], float (&m)[2], float (&l)[2], float (&corr)[2],
-                                                 float scale, bool vote, const SkipSoftmax& skip, const PrefillWork& w,
-                                                 const Rows& r, int wg) {
+                                                 bool& moved, float scale, bool vote, const SkipSoftmax& skip,
+                                                 const PrefillWork& w, const Rows& r, int wg) {
+    moved = false;
     float mx[2];
 #pragma unroll
     for (int i = 0; i < 2; ++i) {
@@ -132,7 +140,9 @@ struct ConsumerSm90 {
     }
 #pragma unroll
     for (int i = 0; i < 2; ++i) {
+      const float m_old = m[i];
       const float m_use = Softmax::rescale(m[i], mx[i], scale, corr[i]);
+      moved |= m[i] != m_old;  // (-inf kept is not a move: corr is 1 then too)
       float sum = 0.f;
 #pragma unroll
       for (int j = 0; j < S_COLS; ++j)
@@ -155,6 +165,12 @@ struct ConsumerSm90 {
         o[4 * j + 2 * i] *= corr[i];
         o[4 * j + 2 * i + 1] *= corr[i];
       }
+  }
+  // rescale_o; LAZY: only where some row of the warp moved its max (a warp-uniform branch: past a
+  // row's first tiles most skip it).
+  template <bool LAZY>
+  static __device__ __forceinline__ void rescale_o_if(float (&o)[O_ACC], const float (&corr)[2], bool moved) {
+    if (!LAZY || __any_sync(FULL, moved)) rescale_o(o, corr);
   }
 
   // P as the A fragments of the P V k-steps: k-step kk covers S columns 16 kk .. 16 kk + 15.
@@ -291,7 +307,8 @@ struct ConsumerSm90 {
     release_q(base, Q_REGS ? n - 1 : 0, n);
     if (masks_tile(r, w.tile_start)) mask(s, r, w.tile_start, lane);
     const SkipSoftmax skip = SkipSoftmax::make(p.skip_softmax_factor, w.kv_len);
-    softmax(s, m, l, corr, scale, false, skip, w, r, wg);
+    bool moved;
+    softmax(s, m, l, corr, moved, scale, false, skip, w, r, wg);
     p_frags(s, a);
     // The first tile is never skipped (every running max is -inf before it); a skipped tile's P V
     // is left out, its commit group empty, so the waits below count groups as before.
@@ -306,7 +323,7 @@ struct ConsumerSm90 {
       issue_qk(s, s_q, base + Cfg::K_OFFSET + st * Cfg::KV_TILE_BYTES, wg, qf);
       ptx::wgmma_commit();
       if constexpr (RESCALE_IN_TURN) {
-        rescale_o(o, corr);
+        rescale_o_if<LAZY_O>(o, corr, moved);
         ptx::mbar_wait(Cfg::v_full(base, prev), walk.phase<STAGES>(it - 1));
         ptx::wgmma_fence();  // the rescaled O before the P V wgmma accumulates into it
       }
@@ -318,12 +335,12 @@ struct ConsumerSm90 {
       if (lane == 0) ptx::mbar_arrive(Cfg::k_empty(base, st));
       if constexpr (!Q_REGS) release_q(base, it, n);
       if (masks_tile(r, n0)) mask(s, r, n0, lane);
-      const bool skipped = softmax(s, m, l, corr, scale, SKIP && skip.on(), skip, w, r, wg);
+      const bool skipped = softmax(s, m, l, corr, moved, scale, SKIP && skip.on(), skip, w, r, wg);
       ptx::wgmma_wait<0>();
       ptx::wgmma_fence_regs(o);
       ptx::wgmma_keep_regs(a);
       if (lane == 0) ptx::mbar_arrive(Cfg::v_empty(base, prev));
-      if constexpr (!RESCALE_IN_TURN) rescale_o(o, corr);
+      if constexpr (!RESCALE_IN_TURN) rescale_o_if<LAZY_O>(o, corr, moved);
       p_frags(s, a);  // a skipped tile's too (never issued): a's live range stays the loop's own
       pv_prev = !skipped;
     }
@@ -331,7 +348,7 @@ struct ConsumerSm90 {
     if constexpr (!RESCALE_IN_TURN) ptx::mbar_wait(Cfg::v_full(base, last), walk.phase<STAGES>(n - 1));
     turn.take();
     if constexpr (RESCALE_IN_TURN) {
-      rescale_o(o, corr);
+      rescale_o_if<LAZY_O>(o, corr, moved);
       ptx::mbar_wait(Cfg::v_full(base, last), walk.phase<STAGES>(n - 1));
     }
     ptx::wgmma_fence();

@@ -116,12 +116,6 @@ struct ConsumerSm90Fp8 : ConsumerSm90<Cfg, PINGPONG, false> {
     return moved;
   }
 
-  // O's rescale; LAZY_O: where some row of the warp moved its max (a warp-uniform branch: most
-  // tiles past a row's first few skip it).
-  static __device__ __forceinline__ void rescale_o(float (&o)[O_ACC], const float (&corr)[2], bool moved) {
-    if (!LAZY_O || __any_sync(FULL, moved)) Base::rescale_o(o, corr);
-  }
-
   // After the tile loop: the row maxes the epilogue's LSE needs (l holds sums of shifted P).
   static __device__ __forceinline__ void unshift_max(float (&m)[2]) {
     m[0] -= P_LOG2_OFFSET;  // -inf (a row with no visible key) stays -inf
@@ -217,7 +211,7 @@ struct ConsumerSm90Fp8 : ConsumerSm90<Cfg, PINGPONG, false> {
       Base::release_q(base, it, n);
       if (masks_tile(w, r, n0)) Base::mask(s, r, n0, lane);
       const bool moved = softmax(s, m, l, corr, scale);
-      if (it > 0) rescale_o(o, corr, moved);  // the first tile's O is still zero
+      if (it > 0) Base::template rescale_o_if<LAZY_O>(o, corr, moved);  // the first tile's O is still zero
       p_frags(s, a);
       ptx::mbar_wait(Cfg::v_full(base, st), parity);
       turn.take();
@@ -286,7 +280,7 @@ struct ConsumerSm90Fp8 : ConsumerSm90<Cfg, PINGPONG, false> {
       ptx::wgmma_fence_regs(o);
       ptx::wgmma_keep_regs(a);
       if (lane == 0) ptx::mbar_arrive(Cfg::v_empty(base, prev));
-      rescale_o(o, corr, moved);
+      Base::template rescale_o_if<LAZY_O>(o, corr, moved);
       p_frags(s, a);
     }
     const int last = walk.stage<STAGES>(n - 1);
