@@ -42,12 +42,13 @@ struct ConsumerSm90 {
   static constexpr int S_COLS = BLOCK_N / 8, O_COLS = HEAD_DIM / 8;  // 8-column blocks per row
   static constexpr int QK_STEPS = HEAD_DIM / 16, PV_STEPS = BLOCK_N / 16;
   static constexpr unsigned FULL = 0xffffffffu;
-  // Lazy O rescale on the paged rows (OnlineSoftmax<true>: the running max may lag the true one by
-  // 8 log2 units, P <= 256): a tile whose rows' maxes stay within that leaves O as it is, a
-  // warp-uniform skip of rescale_o's multiplies (rescale_o_if), so the consumers leave more issue
-  // slots to the paged rows' copying producer. Not with skip-softmax, whose vote compares against
-  // the strict running max.
-  static constexpr bool LAZY_O = Cfg::PAGED && !SKIP;
+  // Lazy O rescale (OnlineSoftmax<true>: the running max may lag the true one by 8 log2 units,
+  // P <= 256): a tile whose rows' maxes stay within that leaves O as it is, a warp-uniform skip of
+  // rescale_o's multiplies (rescale_o_if): fewer issue slots taken from the other consumer's
+  // softmax and from a copying producer. ab_kernels (NOTES.md, session 38): hd128 / hd256 single
+  // +1-5%, ragged +1.5-2%, paged +0.3-1.4% (fp8 cache +2%); hd64 (three consumers) lost 2.6% and
+  // keeps the strict max. Not with skip-softmax, whose vote compares against the strict one.
+  static constexpr bool LAZY_O = !SKIP && HEAD_DIM >= 128;
   using Softmax = OnlineSoftmax<LAZY_O>;
 
   // The rows this thread holds (i = 0, 1: rows lane / 4 and lane / 4 + 8 of its warp's 16).
