@@ -113,7 +113,8 @@ struct ConsumerSm90 {
 
   // Online softmax of one tile: s becomes P (unnormalised), l rescaled, corr = the factor for
   // each row's O (applied by rescale_o, once no wgmma writes O); moved: whether either of the
-  // thread's rows moved its max (else corr is exactly 1 for both). With skip-softmax on (vote), the
+  // thread's rows moved its max (else corr is exactly 1, or 0 for a row that has seen no key yet,
+  // whose O is still zero). With skip-softmax on (vote), the
   // warpgroup first votes on the row maxes (SkipSoftmax: every row's max negligible against its
   // running max, padding rows not voting; the 128 threads AND their votes on the consumer's own
   // named barrier): true = the tile is skipped, m and l untouched, corr = 1.
@@ -143,7 +144,7 @@ struct ConsumerSm90 {
     for (int i = 0; i < 2; ++i) {
       const float m_old = m[i];
       const float m_use = Softmax::rescale(m[i], mx[i], scale, corr[i]);
-      moved |= m[i] != m_old;  // (-inf kept is not a move: corr is 1 then too)
+      moved |= m[i] != m_old;  // (-inf kept is not a move: corr is 0 then, on a row whose O is zero)
       float sum = 0.f;
 #pragma unroll
       for (int j = 0; j < S_COLS; ++j)

@@ -87,8 +87,9 @@ struct ConsumerSm90Fp8 : ConsumerSm90<Cfg, PINGPONG, false> {
     else return !w.rule.keeps_all(r.q_lo, r.q_hi, n0, n0 + BLOCK_N - 1);
   }
 
-  // ConsumerSm90::softmax with a scale per row, P shifted by P_LOG2_OFFSET, the max lazy. Returns
-  // whether either of the thread's rows moved its max (else corr is exactly 1 for both).
+  // ConsumerSm90::softmax with a scale per row, P shifted by P_LOG2_OFFSET, the max lazy where
+  // LAZY_O. Returns whether either of the thread's rows moved its max (else corr is exactly 1, or
+  // 0 for a row that has seen no key yet, whose O is still zero).
   static __device__ __forceinline__ bool softmax(float (&s)[S_ACC], float (&m)[2], float (&l)[2], float (&corr)[2],
                                                  const float (&scale)[2]) {
     bool moved = false;
@@ -101,7 +102,7 @@ struct ConsumerSm90Fp8 : ConsumerSm90<Cfg, PINGPONG, false> {
       mx = fmaxf(mx, __shfl_xor_sync(FULL, mx, 2));
       const float m_old = m[i];
       const float m_use = Softmax::rescale(m[i], mx, scale[i], corr[i]) - P_LOG2_OFFSET;
-      moved |= m[i] != m_old;  // (-inf kept is not a move: corr 1 then too, O still zero)
+      moved |= m[i] != m_old;  // (-inf kept is not a move: corr is 0 then, on a row whose O is zero)
       float sum = 0.f;
 #pragma unroll
       for (int j = 0; j < S_COLS; ++j)
