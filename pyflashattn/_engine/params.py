@@ -3,10 +3,9 @@ from __future__ import annotations
 
 import functools
 import math
-import os
 
 from .._runtime import cuda as _cuda
-from . import options as _options
+from . import options as _options, switches
 
 LOG2E = 1.4426950408889634
 MERGE_ROWS_PER_BLOCK = 4  # the merge kernel: one warp per (token, head) row, four warps a CTA
@@ -59,9 +58,9 @@ def merge_cta_per_row(dev: int, rows: int, num_heads: int) -> bool:
     """Whether the split-KV merge of `rows` tokens runs one CTA per (token, head), its warps
     sharing the row's chunks, instead of one warp: when one warp per row would leave SMs without
     a CTA (few rows, e.g. one long decode request, whose every row then walks all its chunks
-    alone). PYFLASHATTN_MERGE_CTA_PER_ROW=0 / 1 forces either kernel."""
-    forced = os.environ.get(MERGE_CTA_ENV, "")
-    if forced in ("0", "1"):
+    alone). PYFLASHATTN_MERGE_CTA_PER_ROW=0 / 1 forces either kernel (another value: ValueError)."""
+    forced = switches.choice(MERGE_CTA_ENV, ("0", "1"))
+    if forced:
         return forced == "1"
     return -(-rows * num_heads // MERGE_ROWS_PER_BLOCK) < _cuda.properties(dev)["sm_count"]
 

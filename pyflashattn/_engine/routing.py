@@ -12,7 +12,7 @@ import os
 import numpy as np
 
 from .._runtime import cuda as _cuda, registry as _registry
-from . import tma
+from . import switches, tma
 
 HEAD_DIMS = (64, 128, 256)
 SMEM_RESERVED_PER_CTA = 1024  # the driver's shared memory per resident CTA
@@ -61,10 +61,7 @@ TMA_SUFFIX = "_tma"
 
 def kv_load_override():
     """PFA_SM90_KV_LOAD: "tma", "cpasync" or None (unset: the variant table decides)."""
-    want = os.environ.get(KV_LOAD_ENV, "").strip().lower()
-    if want and want not in KV_LOADS:
-        raise ValueError(f"{KV_LOAD_ENV}={want!r}: expected one of {KV_LOADS} (or unset)")
-    return want or None
+    return switches.choice(KV_LOAD_ENV, KV_LOADS, lower=True) or None
 
 
 def _built_row(dev: int, name: str):
@@ -113,9 +110,7 @@ def dense_twin(dev: int, la, named):
     """The dense twin of paged row-tile launcher la (named(name) makes a launcher by kernel name), or
     None: not built, not a paged cp.async row, or switched off by PFA_SM90_DENSE_KV=0."""
     meta = la.meta
-    want = os.environ.get(DENSE_ENV, "").strip()
-    if want not in ("", "0", "1"):
-        raise ValueError(f"{DENSE_ENV}={want!r}: expected 0 (off), 1 or unset (where dense_pays)")
+    want = switches.choice(DENSE_ENV, ("0", "1"))
     if meta.get("impl") != "sm90" or not meta.get("paged") or meta.get("tma") or want == "0":
         return None
     row = _built_row(dev, meta["name"] + DENSE_SUFFIX)

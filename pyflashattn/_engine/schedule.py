@@ -39,12 +39,11 @@ Layout contract (the kernels' side, see kernel_src/include/pfa/attention/params.
 from __future__ import annotations
 
 import operator
-import os
 from dataclasses import dataclass
 
 import numpy as np
 
-from . import cost_model
+from . import cost_model, switches
 from .geometry import tile_spans
 from .npfast import accumulate as _acc, consts as _k, div as _div, lpt_order as _lpt_order, shared as _shared
 from .npfast import unsigned_max
@@ -171,10 +170,7 @@ STREAM_K_MODES = ("", "0", "1")
 def stream_k_mode() -> str:
     """PFA_STREAM_K as one of STREAM_K_MODES ("" = unset); any other value is a ValueError, not a
     switch read as its default."""
-    want = os.environ.get(STREAM_K_ENV, "").strip()
-    if want not in STREAM_K_MODES:
-        raise ValueError(f"{STREAM_K_ENV}={want!r}: expected 0, 1 or unset")
-    return want
+    return switches.choice(STREAM_K_ENV, STREAM_K_MODES[1:])
 
 
 def stream_k_first(blocks: int, ctas: int, tiles: int, force: bool = False) -> int | None:
