@@ -125,6 +125,9 @@ def test_stream_k_graph_replay(monkeypatch):
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph, stream=s):
         pyflashattn.single_prefill_with_kv_cache(q, k, v, out=o, lse=lse, return_lse=True)
+    # the captured launch shares blocks out (stream s made its flags before the capture): else the
+    # replays below would check a launch without a hand-off
+    assert _plan_of() is plan and plan.attn.params.sk_tiles == plan.stream_k[0]
     for i in range(3):
         g2 = cuda_generator("stream-k-graph", i)
         q.copy_(cuda_randn(q.shape, g2, F16))
