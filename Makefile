@@ -143,11 +143,13 @@ demo:
 	@$(LOCAL_ARCH_SH); echo "$(MAKE) ARCHS='$$arch'"; $(MAKE) ARCHS="$$arch"
 	$(PYTHON) -m pyflashattn.bench.demo
 
-# One command for the GPU machine: build for the local arch, every test (TEST_JOBS pytest processes
-# side by side), the quick benchmarks.
+# One command for the GPU machine: build for the local arch, the cp.async check over every cubin
+# (nvcc_guard.sh --check: cubins built on a machine without cuobjdump skipped it), every test
+# (TEST_JOBS pytest processes side by side), the quick benchmarks.
 gpu-check:
 	@mkdir -p $(OUT)
 	@$(LOCAL_ARCH_SH); echo "$(MAKE) ARCHS='$$arch' TUNE=$(TUNE)"; $(MAKE) ARCHS="$$arch" TUNE=$(TUNE) 2>&1 | tee $(OUT)/build.log
+	NVCC="$(NVCC)" sh build_tools/nvcc_guard.sh --check cubins/*/*.cubin
 	set -o pipefail; PYTHONUNBUFFERED=1 $(PYTHON) build_tools/pytest_groups.py --jobs $(TEST_JOBS) --log-dir $(OUT) tests 2>&1 | tee $(OUT)/tests.log
 	set -o pipefail; PYTHONUNBUFFERED=1 $(PYTHON) -m pyflashattn.bench prefill --quick --json $(OUT)/bench.json 2>&1 | tee $(OUT)/bench.log
 	set -o pipefail; PYTHONUNBUFFERED=1 $(PYTHON) -m pyflashattn.bench batch --quick --json $(OUT)/bench_batch.json 2>&1 | tee $(OUT)/bench_batch.log

@@ -2,7 +2,7 @@
 another build's cubins ("before"), launched call by call on the same inputs.
 
     python3 build_tools/ab_kernels.py --before OLDTREE/cubins [--cases prefill,batch,decode] [--pairs 40]
-        [--json F]
+        [--match REGEX] [--json F]
 
 Why: build_tools/ab_compare.py runs each version's bench in a process of its own, so the two
 versions meet different moments of the machine (the clock under the power cap, other tenants of
@@ -29,6 +29,7 @@ from __future__ import annotations
 import argparse
 import json
 import pathlib
+import re
 import statistics
 import sys
 
@@ -49,6 +50,11 @@ def output_tol(case: str) -> float:
 
 
 # ---- what runs on the CPU too (tests/test_ab_kernels.py) --------------------------------------
+def case_selected(name: str, match: str) -> bool:
+    """--match: every case when empty, else those whose name the regular expression finds."""
+    return not match or re.search(match, name) is not None
+
+
 def before_rows(before: dict, params_sha256: str) -> dict:
     """The before manifest's kernel rows by (name, arch) (an sm_89 GPU runs sm_80 rows too: the
     launcher's own row says which); ValueError if it was built against another params layout (its
@@ -311,6 +317,7 @@ def main(argv=None) -> int:
     ap.add_argument("--before", required=True, type=pathlib.Path, help="the before build's cubins/ directory")
     ap.add_argument("--cases", default="prefill,batch", help="comma-separated: " + ", ".join(CASES))
     ap.add_argument("--pairs", type=int, default=40)
+    ap.add_argument("--match", default="", help="only the cases whose name matches this regular expression")
     ap.add_argument("--json", type=pathlib.Path)
     args = ap.parse_args(argv)
     unknown = [c for c in args.cases.split(",") if c not in CASES]
@@ -331,6 +338,8 @@ def main(argv=None) -> int:
     differ = 0
     for kind in args.cases.split(","):
         for name, work, unit, fn in GENERATORS[kind](torch, pyflashattn):
+            if not case_selected(name, args.match):
+                continue
             rel = compare_outputs(torch, swap, fn)
             st = paired_stats(*time_pairs(torch, swap, fn, args.pairs))
             # work: FLOPs (TFLOP/s) or bytes (TB/s), either way / ms / 1e9

@@ -131,3 +131,10 @@ def test_output_tolerance_by_case():
     assert abk.output_tol("trtllm paged e4m3 1x16384 causal") == abk.OUTPUT_TOL_FP8
     assert abk.output_tol("fp8pag uniform16 full") == abk.OUTPUT_TOL  # (a bf16 query over an fp8 cache)
     assert abk.output_tol("ragged uniform16 full") == abk.OUTPUT_TOL < abk.OUTPUT_TOL_FP8
+
+
+def test_match_selects_cases_by_regular_expression():
+    assert abk.case_selected("trtllm contig e4m3 4x4096 full", "")
+    assert abk.case_selected("trtllm contig e4m3 4x4096 full", "contig e4m3|e4m3 hd128")
+    assert abk.case_selected("e4m3 hd128 8192 causal", "contig e4m3|e4m3 hd128")
+    assert not abk.case_selected("trtllm paged bf16 4x4096 causal", "contig e4m3|e4m3 hd128")
