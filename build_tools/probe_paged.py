@@ -16,7 +16,6 @@ import pyflashattn as pfa
 from pyflashattn.bench import batch as bb
 from pyflashattn.testing.bench_util import flush_buffer
 
-ROUNDS = int(sys.argv[1]) if len(sys.argv) > 1 else 15
 
 
 def cache_for(lens, k, v, page, shuffle, layout):
@@ -62,6 +61,7 @@ def _install_spy():
 
 
 def main():
+    rounds = int(sys.argv[1]) if len(sys.argv) > 1 else 15
     _install_spy()
     lens = bb.batch_lengths("uniform16", quick=True)
     indptr = bb._indptr(lens)
@@ -111,7 +111,7 @@ def main():
                 print(f"{name}: differs from ragged by {err:.2e}")
         buf = flush_buffer(torch.device("cuda"))
         times = {n: [] for n in calls}
-        for r in range(ROUNDS + 2):
+        for r in range(rounds + 2):
             for name, fn in calls.items():
                 buf.zero_()
                 s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
@@ -122,7 +122,7 @@ def main():
                 if r >= 2:
                     times[name].append(s.elapsed_time(e))
         rag_ms = statistics.median(times["ragged"])
-        print(f"uniform16 {'causal' if causal else 'full'} ({ROUNDS} rounds)")
+        print(f"uniform16 {'causal' if causal else 'full'} ({rounds} rounds)")
         for name, t in times.items():
             ms = statistics.median(t)
             print(f"  {name:18s} {flops / ms / 1e9:7.1f} TFLOP/s  ragged/this {rag_ms / ms:.3f}  {KERNELS.get(name)}")
