@@ -50,6 +50,13 @@ struct ConsumerSm90 {
   // keeps the strict max. Not with skip-softmax, whose vote compares against the strict one.
   static constexpr bool LAZY_O = !SKIP && HEAD_DIM >= 128;
   using Softmax = OnlineSoftmax<LAZY_O>;
+  // The quad's max shuffles only where a row's max may move (row_maxes / max_held), on the paged
+  // rows: same-process A/B (NOTES.md, session 39, outputs bit-identical) TRT-LLM paged +4.7-5.3%,
+  // bench batch paged +0.9-1.9%, where a copying producer's shuffles and cp.async fill the MIO
+  // queue the consumers' shuffles wait in; the contiguous / ragged rows moved -1.3 to +1.9% (the
+  // skewed batch's short rows move their maxes often: the vote is pure cost there) and the
+  // widening (fp8 K/V) rows -0.5 to +0.3%: they keep the shuffles.
+  static constexpr bool HELD_MAX = LAZY_O && Cfg::PAGED && !Cfg::KV_FP8;
 
   // The rows this thread holds (i = 0, 1: rows lane / 4 and lane / 4 + 8 of its warp's 16).
   struct Rows {
@@ -111,6 +118,54 @@ struct ConsumerSm90 {
         }
   }
 
+  // Whether every row of the warp keeps its running max m on this tile by the lazy rule
+  // (OnlineSoftmax::rescale: the row max, scaled, at most `slack` past m) judged on each thread's
+  // own keys (mx before the quad's shuffles): if every thread's share passes, so does the row's
+  // max, and m stays with corr exactly 1, the result bit for bit the rescale's. The warp then skips
+  // the max's shuffles (four a tile, on the softmax's path: behind a copying producer's shuffles
+  // and cp.async in the MIO queue they were 5.6% of the paged consumers' ncu samples against 2.8%
+  // on the ragged cp.async row, NOTES.md session 39) and the rescale's exponent. A row that has
+  // seen no key (m = -inf) never passes. Shared by the fp8 consumer (a scale per row).
+  template <class Scale>
+  static __device__ __forceinline__ bool max_held(const float (&mx)[2], const float (&m)[2], const Scale& scale,
+                                                  float slack) {
+    bool keeps = true;
+#pragma unroll
+    for (int i = 0; i < 2; ++i) keeps &= mx[i] * row_scale(scale, i) - m[i] <= slack;
+    return __all_sync(FULL, keeps);
+  }
+  static __device__ __forceinline__ float row_scale(float scale, int) { return scale; }
+  static __device__ __forceinline__ float row_scale(const float (&scale)[2], int i) { return scale[i]; }
+  // The max of row i (0, 1) over this thread's keys, and over the lane quad's.
+  static __device__ __forceinline__ float thread_row_max(const float (&s)[S_ACC], int i) {
+    float mx = -INFINITY;
+#pragma unroll
+    for (int j = 0; j < S_COLS; ++j) mx = fmaxf(mx, fmaxf(s[4 * j + 2 * i], s[4 * j + 2 * i + 1]));
+    return mx;
+  }
+  static __device__ __forceinline__ float quad_max(float mx) {
+    mx = fmaxf(mx, __shfl_xor_sync(FULL, mx, 1));
+    return fmaxf(mx, __shfl_xor_sync(FULL, mx, 2));
+  }
+  // The tile's row maxes (raw, before the scale) into mx. HELD: first on the thread's own keys, and
+  // over the quad only where the warp's maxes may move (max_held false); returns max_held (false
+  // without HELD). HELD needs the lazy max (OnlineSoftmax<true>).
+  template <bool HELD, class Scale>
+  static __device__ __forceinline__ bool row_maxes(const float (&s)[S_ACC], float (&mx)[2], const float (&m)[2],
+                                                   const Scale& scale, float slack) {
+    if constexpr (HELD) {
+#pragma unroll
+      for (int i = 0; i < 2; ++i) mx[i] = thread_row_max(s, i);
+      if (max_held(mx, m, scale, slack)) return true;
+#pragma unroll
+      for (int i = 0; i < 2; ++i) mx[i] = quad_max(mx[i]);
+    } else {
+#pragma unroll
+      for (int i = 0; i < 2; ++i) mx[i] = quad_max(thread_row_max(s, i));
+    }
+    return false;
+  }
+
   // Online softmax of one tile: s becomes P (unnormalised), l rescaled, corr = the factor for
   // each row's O (applied by rescale_o, once no wgmma writes O); moved: whether either of the
   // thread's rows moved its max (else corr is exactly 1, or 0 for a row that has seen no key yet,
@@ -123,14 +178,7 @@ struct ConsumerSm90 {
                                                  const PrefillWork& w, const Rows& r, int wg) {
     moved = false;
     float mx[2];
-#pragma unroll
-    for (int i = 0; i < 2; ++i) {
-      mx[i] = -INFINITY;
-#pragma unroll
-      for (int j = 0; j < S_COLS; ++j) mx[i] = fmaxf(mx[i], fmaxf(s[4 * j + 2 * i], s[4 * j + 2 * i + 1]));
-      mx[i] = fmaxf(mx[i], __shfl_xor_sync(FULL, mx[i], 1));
-      mx[i] = fmaxf(mx[i], __shfl_xor_sync(FULL, mx[i], 2));
-    }
+    const bool held = row_maxes<HELD_MAX>(s, mx, m, scale, Softmax::RESCALE_SLACK);
     if (vote) {
       bool all = true;
 #pragma unroll
@@ -143,7 +191,11 @@ struct ConsumerSm90 {
 #pragma unroll
     for (int i = 0; i < 2; ++i) {
       const float m_old = m[i];
-      const float m_use = Softmax::rescale(m[i], mx[i], scale, corr[i]);
+      float m_use = m[i];
+      if (held)
+        corr[i] = 1.f;
+      else
+        m_use = Softmax::rescale(m[i], mx[i], scale, corr[i]);
       moved |= m[i] != m_old;  // (-inf kept is not a move: corr is 0 then, on a row whose O is zero)
       float sum = 0.f;
 #pragma unroll

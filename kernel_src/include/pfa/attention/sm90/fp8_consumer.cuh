@@ -64,6 +64,9 @@ struct ConsumerSm90Fp8 : ConsumerSm90<Cfg, PINGPONG, false> {
   static constexpr float P_LOG2_OFFSET = LAZY_O ? 7.f : 8.f;
   using Softmax = OnlineSoftmax<LAZY_O, 7>;  // (lazy: slack 1.75)
   static_assert(!LAZY_O || P_LOG2_OFFSET + Softmax::RESCALE_SLACK < 8.807f, "P stays under e4m3's 448");
+  // ConsumerSm90::HELD_MAX on the paged overlapped rows (hd128: TRT-LLM paged e4m3 +1.0-2.0%,
+  // NOTES.md session 39); the serial hd256 rows moved -0.6 to +2.2% and keep the shuffles.
+  static constexpr bool HELD_MAX = LAZY_O && Cfg::PAGED && OVERLAP;
 
   // Each row's logit scale (log2 units): the kernel's (logit_scale: sm_scale * log2 e, times a
   // device-side bmm1 scale) times the per-head fp8 dequantisation scales, when given.
@@ -93,15 +96,14 @@ struct ConsumerSm90Fp8 : ConsumerSm90<Cfg, PINGPONG, false> {
   static __device__ __forceinline__ bool softmax(float (&s)[S_ACC], float (&m)[2], float (&l)[2], float (&corr)[2],
                                                  const float (&scale)[2]) {
     bool moved = false;
-#pragma unroll
-    for (int i = 0; i < 2; ++i) {
-      float mx = -INFINITY;
-#pragma unroll
-      for (int j = 0; j < S_COLS; ++j) mx = fmaxf(mx, fmaxf(s[4 * j + 2 * i], s[4 * j + 2 * i + 1]));
-      mx = fmaxf(mx, __shfl_xor_sync(FULL, mx, 1));
-      mx = fmaxf(mx, __shfl_xor_sync(FULL, mx, 2));
+    // one row's rescale and exponents; held: its max stays (ConsumerSm90::max_held), corr = 1
+    auto row = [&](int i, float mx, bool held) {
       const float m_old = m[i];
-      const float m_use = Softmax::rescale(m[i], mx, scale[i], corr[i]) - P_LOG2_OFFSET;
+      float m_use = m[i] - P_LOG2_OFFSET;
+      if (held)
+        corr[i] = 1.f;
+      else
+        m_use = Softmax::rescale(m[i], mx, scale[i], corr[i]) - P_LOG2_OFFSET;
       moved |= m[i] != m_old;  // (-inf kept is not a move: corr is 0 then, on a row whose O is zero)
       float sum = 0.f;
 #pragma unroll
@@ -113,6 +115,15 @@ struct ConsumerSm90Fp8 : ConsumerSm90<Cfg, PINGPONG, false> {
           sum += x;
         }
       l[i] = fmaf(l[i], corr[i], sum);
+    };
+    if constexpr (HELD_MAX) {  // the quad's shuffles and the rescale only where a max may move
+      float mx[2];
+      const bool held = Base::template row_maxes<true>(s, mx, m, scale, Softmax::RESCALE_SLACK);
+#pragma unroll
+      for (int i = 0; i < 2; ++i) row(i, mx[i], held);
+    } else {
+#pragma unroll
+      for (int i = 0; i < 2; ++i) row(i, Base::quad_max(Base::thread_row_max(s, i)), false);
     }
     return moved;
   }
