@@ -8,36 +8,14 @@ each plan launched (the same grid everywhere: only the K/V loads differ).
 """
 import statistics
 import sys
+import types
 
-import numpy as np
 import torch
 
 import pyflashattn as pfa
 from pyflashattn.bench import batch as bb
 from pyflashattn.testing.bench_util import flush_buffer
 
-
-
-def cache_for(lens, k, v, page, shuffle, layout):
-    pages = [-(-n // page) for n in lens]
-    used = int(sum(pages))
-    num = used + 8
-    order = np.random.default_rng(3).permutation(num).astype(np.int32) if shuffle else np.arange(num, dtype=np.int32)
-    kv_indptr = bb._indptr(pages)
-    idx = order[:used]
-    last = np.asarray([n - (p - 1) * page for n, p in zip(lens, pages)], np.int32)
-    tp = np.concatenate([idx[kv_indptr[i] + np.arange(n) // page] for i, n in enumerate(lens)])
-    ts = np.concatenate([np.arange(n) % page for n in lens])
-    tp, ts = (torch.as_tensor(x.astype(np.int64), device="cuda") for x in (tp, ts))
-    if layout == "NHD":
-        cache = torch.randn(num, 2, page, bb.HKV, bb.HEAD_DIM, dtype=torch.bfloat16, device="cuda")
-        cache[:, 0][tp, ts] = k
-        cache[:, 1][tp, ts] = v
-    else:
-        cache = torch.randn(num, 2, bb.HKV, page, bb.HEAD_DIM, dtype=torch.bfloat16, device="cuda")
-        cache[:, 0].transpose(1, 2)[tp, ts] = k
-        cache[:, 1].transpose(1, 2)[tp, ts] = v
-    return cache, kv_indptr, idx, last
 
 
 KERNELS = {}
@@ -91,7 +69,8 @@ def main():
                 for shuffle in (True, False):
                     if layout == "HND" and not shuffle:
                         continue
-                    c, kvi, idx, last = cache_for(lens, k, v, page, shuffle, layout)
+                    c, kvi, idx, last = bb._paged_cache(types.SimpleNamespace(torch=torch), lens, k, v, 3, page,
+                                                        shuffle, layout)
                     w = pfa.BatchPrefillWithPagedKVCacheWrapper(torch.empty(256 << 20, dtype=torch.uint8,
                                                                             device="cuda"), layout)
                     spy(w, f"{layout} p{page} {'shuf' if shuffle else 'order'}")

@@ -115,8 +115,8 @@ def batch_ab(args, causals):
         timers, names = {}, {}
         for storage in ["ragged"] + [f"paged{ps}" for ps in map(int, args.page_sizes.split(","))]:
             if storage != "ragged":
-                bb.PAGE_SIZE = int(storage[5:])
-                cache, kv_indptr, indices, last = bb._paged_cache(ctx, lens, k, v, 77)
+                page_size = int(storage[5:])
+                cache, kv_indptr, indices, last = bb._paged_cache(ctx, lens, k, v, 77, page_size)
             for load in ("cpasync", "tma"):
                 os.environ[KV_LOAD_ENV] = load  # read when a plan routes
                 out = torch.empty_like(q)
@@ -126,7 +126,7 @@ def batch_ab(args, causals):
                     kv = (k, v)
                 else:
                     w = pyflashattn.BatchPrefillWithPagedKVCacheWrapper(ctx.ws, "NHD")
-                    w.plan(qi, kv_indptr, indices, last, bb.HQ, bb.HKV, bb.HEAD_DIM, bb.PAGE_SIZE, causal=causal,
+                    w.plan(qi, kv_indptr, indices, last, bb.HQ, bb.HKV, bb.HEAD_DIM, page_size, causal=causal,
                            q_data_type=torch.bfloat16)
                     kv = (cache,)
                 key = f"{storage} {load}"

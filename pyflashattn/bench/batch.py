@@ -150,26 +150,31 @@ def _make_inputs(ctx: _Ctx, lens, seed):
     return q, k, v
 
 
-def _paged_cache(ctx: _Ctx, lens, k, v, seed):
-    """k/v scattered into a [P, 2, PAGE_SIZE, Hkv, D] cache, pages in random order; returns the
-    cache and the plan's index arrays."""
+def _paged_cache(ctx: _Ctx, lens, k, v, seed, page_size: int = PAGE_SIZE, shuffle: bool = True,
+                 layout: str = "NHD"):
+    """k/v ([tokens, Hkv, D]) scattered into a paged cache, [P, 2, page_size, Hkv, D] (NHD) or
+    [P, 2, Hkv, page_size, D] (HND), its pages in random order (else in order); returns the cache
+    and the plan's index arrays."""
     torch = ctx.torch
-    pages = [-(-n // PAGE_SIZE) for n in lens]
+    pages = [-(-n // page_size) for n in lens]
     used = int(sum(pages))
     rng = np.random.default_rng(seed)
     num_pages = used + max(4, used // 8)
-    perm = rng.permutation(num_pages).astype(np.int32)
+    perm = (rng.permutation(num_pages) if shuffle else np.arange(num_pages)).astype(np.int32)
     kv_indptr = _indptr(pages)
     indices = perm[:used]
-    last = np.asarray([n - (p - 1) * PAGE_SIZE for n, p in zip(lens, pages)], np.int32)
-    tok_page = np.concatenate([indices[kv_indptr[i] + np.arange(n) // PAGE_SIZE] for i, n in enumerate(lens)])
-    tok_slot = np.concatenate([np.arange(n) % PAGE_SIZE for n in lens])
-    cache = torch.randn((num_pages, 2, PAGE_SIZE, HKV, HEAD_DIM), dtype=torch.bfloat16, device="cuda",
+    last = np.asarray([n - (p - 1) * page_size for n, p in zip(lens, pages)], np.int32)
+    tok_page = np.concatenate([indices[kv_indptr[i] + np.arange(n) // page_size] for i, n in enumerate(lens)])
+    tok_slot = np.concatenate([np.arange(n) % page_size for n in lens])
+    hkv, d = k.shape[1], k.shape[2]
+    shape = (num_pages, 2, page_size, hkv, d) if layout == "NHD" else (num_pages, 2, hkv, page_size, d)
+    cache = torch.randn(shape, dtype=torch.bfloat16, device="cuda",
                         generator=torch.Generator(device="cuda").manual_seed(seed + 1))
     tp = torch.as_tensor(tok_page.astype(np.int64), device="cuda")
     ts = torch.as_tensor(tok_slot.astype(np.int64), device="cuda")
-    cache[:, 0][tp, ts] = k
-    cache[:, 1][tp, ts] = v
+    for j, x in enumerate((k, v)):
+        half = cache[:, j] if layout == "NHD" else cache[:, j].transpose(1, 2)  # [P, page, Hkv, D] either way
+        half[tp, ts] = x
     return cache, kv_indptr, indices, last
 
 

@@ -22,6 +22,7 @@ struct OnlineSoftmax {
   // default, P <= 2^8 = 256, fits fp16/bf16 and fp32 sums with room to spare; P rounded to e4m3
   // needs less (sm90/fp8_consumer.cuh).
   static constexpr float RESCALE_SLACK = SLACK_QUARTERS / 4.f;
+  static constexpr bool LAZY = LAZY_RESCALE;
 
   // Fold a tile's raw row max (before scaling) into m. Returns the max to subtract in the
   // exponent, m_use, and sets corr = 2^(m_old - m_use), the factor for l and O (exactly 1 when
@@ -46,6 +47,12 @@ struct OnlineSoftmax {
     return m_use;
   }
 
+  // Whether a tile whose raw max is tile_max leaves m as it is by rescale's lazy rule (scaled, at
+  // most RESCALE_SLACK past m). Also for a max over part of a row's keys: if every part's holds, the
+  // row's does (ConsumerSm90::max_held). Never for m = -inf (no key yet).
+  static __device__ __forceinline__ bool holds(float tile_max, float scale, float m) {
+    return LAZY_RESCALE && tile_max * scale - m <= RESCALE_SLACK;
+  }
   // Unnormalised probability of raw score s: 2^(s * scale - m_use).
   static __device__ __forceinline__ float prob(float s, float scale, float m_use) {
     return ptx::exp2_approx(fmaf(s, scale, -m_use));

@@ -119,19 +119,19 @@ struct ConsumerSm90 {
   }
 
   // Whether every row of the warp keeps its running max m on this tile by the lazy rule
-  // (OnlineSoftmax::rescale: the row max, scaled, at most `slack` past m) judged on each thread's
-  // own keys (mx before the quad's shuffles): if every thread's share passes, so does the row's
-  // max, and m stays with corr exactly 1, the result bit for bit the rescale's. The warp then skips
+  // (SoftmaxT::holds, the consumer's OnlineSoftmax) judged on each thread's own keys (mx before the
+  // quad's shuffles): if every thread's share holds, so does the row's max, and m stays with corr
+  // exactly 1, the result bit for bit the rescale's. The warp then skips
   // the max's shuffles (four a tile, on the softmax's path: behind a copying producer's shuffles
   // and cp.async in the MIO queue they were 5.6% of the paged consumers' ncu samples against 2.8%
   // on the ragged cp.async row, NOTES.md session 39) and the rescale's exponent. A row that has
   // seen no key (m = -inf) never passes. Shared by the fp8 consumer (a scale per row).
-  template <class Scale>
-  static __device__ __forceinline__ bool max_held(const float (&mx)[2], const float (&m)[2], const Scale& scale,
-                                                  float slack) {
+  template <class SoftmaxT, class Scale>
+  static __device__ __forceinline__ bool max_held(const float (&mx)[2], const float (&m)[2], const Scale& scale) {
+    static_assert(SoftmaxT::LAZY, "a held max is the lazy rule's");
     bool keeps = true;
 #pragma unroll
-    for (int i = 0; i < 2; ++i) keeps &= mx[i] * row_scale(scale, i) - m[i] <= slack;
+    for (int i = 0; i < 2; ++i) keeps &= SoftmaxT::holds(mx[i], row_scale(scale, i), m[i]);
     return __all_sync(FULL, keeps);
   }
   static __device__ __forceinline__ float row_scale(float scale, int) { return scale; }
@@ -149,14 +149,14 @@ struct ConsumerSm90 {
   }
   // The tile's row maxes (raw, before the scale) into mx. HELD: first on the thread's own keys, and
   // over the quad only where the warp's maxes may move (max_held false); returns max_held (false
-  // without HELD). HELD needs the lazy max (OnlineSoftmax<true>).
-  template <bool HELD, class Scale>
+  // without HELD). HELD needs the lazy max (SoftmaxT: OnlineSoftmax<true, ..>).
+  template <bool HELD, class SoftmaxT, class Scale>
   static __device__ __forceinline__ bool row_maxes(const float (&s)[S_ACC], float (&mx)[2], const float (&m)[2],
-                                                   const Scale& scale, float slack) {
+                                                   const Scale& scale) {
     if constexpr (HELD) {
 #pragma unroll
       for (int i = 0; i < 2; ++i) mx[i] = thread_row_max(s, i);
-      if (max_held(mx, m, scale, slack)) return true;
+      if (max_held<SoftmaxT>(mx, m, scale)) return true;
 #pragma unroll
       for (int i = 0; i < 2; ++i) mx[i] = quad_max(mx[i]);
     } else {
@@ -178,7 +178,7 @@ struct ConsumerSm90 {
                                                  const PrefillWork& w, const Rows& r, int wg) {
     moved = false;
     float mx[2];
-    const bool held = row_maxes<HELD_MAX>(s, mx, m, scale, Softmax::RESCALE_SLACK);
+    const bool held = row_maxes<HELD_MAX, Softmax>(s, mx, m, scale);
     if (vote) {
       bool all = true;
 #pragma unroll

@@ -118,7 +118,7 @@ struct ConsumerSm90Fp8 : ConsumerSm90<Cfg, PINGPONG, false> {
     };
     if constexpr (HELD_MAX) {  // the quad's shuffles and the rescale only where a max may move
       float mx[2];
-      const bool held = Base::template row_maxes<true>(s, mx, m, scale, Softmax::RESCALE_SLACK);
+      const bool held = Base::template row_maxes<true, Softmax>(s, mx, m, scale);
 #pragma unroll
       for (int i = 0; i < 2; ++i) row(i, mx[i], held);
     } else {
