@@ -2,7 +2,7 @@
 another build's cubins ("before"), launched call by call on the same inputs.
 
     python3 build_tools/ab_kernels.py --before OLDTREE/cubins [--cases prefill,batch,decode] [--pairs 40]
-        [--match REGEX] [--json F]
+        [--match REGEX] [--alias NEW=OLD ...] [--json F]
 
 Why: build_tools/ab_compare.py runs each version's bench in a process of its own, so the two
 versions meet different moments of the machine (the clock under the power cap, other tenants of
@@ -33,7 +33,7 @@ import re
 import statistics
 import sys
 
-CASES = ("prefill", "fp8", "batch", "decode", "trtllm")
+CASES = ("prefill", "fp8", "batch", "pages", "decode", "trtllm")
 # Outputs of the two builds further apart than this (relative, or any unwritten element) flag the
 # case: a kernel change that only reorders arithmetic stays far below it (bf16 rounding ~4e-3 an
 # element); a before kernel running under a grid it was not written for does not.
@@ -55,14 +55,33 @@ def case_selected(name: str, match: str) -> bool:
     return not match or re.search(match, name) is not None
 
 
-def before_rows(before: dict, params_sha256: str) -> dict:
+def before_rows(before: dict, params_sha256: str, aliases: dict | None = None) -> dict:
     """The before manifest's kernel rows by (name, arch) (an sm_89 GPU runs sm_80 rows too: the
     launcher's own row says which); ValueError if it was built against another params layout (its
-    kernels would read this checkout's params struct wrongly)."""
+    kernels would read this checkout's params struct wrongly). aliases {new: old} (--alias): where
+    the after build launches kernel `new`, which the before build lacks (a new twin of a row), the
+    before side runs its kernel `old` (the row's row "function")."""
     if before.get("params_sha256") != params_sha256:
         raise ValueError("the before cubins were built against another params layout (params_sha256 differs): "
                          "compare such builds with ab_compare.py")
-    return {(r["name"], r.get("arch")): r for r in before.get("kernels", ())}
+    rows = {(r["name"], r.get("arch")): r for r in before.get("kernels", ())}
+    for new, old in (aliases or {}).items():
+        hits = {arch: r for (name, arch), r in rows.items() if name == old}
+        if not hits:
+            raise ValueError(f"--alias {new}={old}: the before build has no kernel {old}")
+        rows.update({(new, arch): dict(r, function=old) for arch, r in hits.items()})
+    return rows
+
+
+def parse_aliases(items) -> dict:
+    """--alias NEW=OLD arguments as {new: old}; ValueError naming a malformed one."""
+    out = {}
+    for item in items or ():
+        new, sep, old = item.partition("=")
+        if not sep or not new or not old:
+            raise ValueError(f"--alias {item!r}: expected NEW=OLD (kernel names)")
+        out[new] = old
+    return out
 
 
 def outputs_differ(before, after) -> float:
@@ -109,7 +128,7 @@ class BeforeKernels:
             if row["threads"] != launcher.threads:
                 raise RuntimeError(f"{launcher.name}: {row['threads']} threads before, {launcher.threads} after")
             lib = self.cuda.load_library((self.cubins / row["file"]).read_bytes(), row["file"])
-            func = self.cuda.get_function(lib, row["name"], self.device, row["smem_bytes"])
+            func = self.cuda.get_function(lib, row.get("function", row["name"]), self.device, row["smem_bytes"])
             hit = self._funcs[launcher.name] = (func, row["smem_bytes"])
         return hit
 
@@ -203,6 +222,35 @@ def batch_cases(torch, pfa):
             yield f"fp8pag {tag}", flops, "TFLOP/s", lambda w=paged8, q=q, c=cache8, out=out: w.run(q, c, out=out)
 
 
+# pages_cases' sweep: (head_dim, kv_layout, page_size); the paged copies' addressing depends on
+# all three (the page runs, the dense twins from page 32 in HND)
+PAGE_SWEEP = tuple((hd, layout, ps) for hd in (128, 64) for layout, ps in
+                   (("NHD", 8), ("NHD", 16), ("NHD", 32), ("NHD", 64), ("HND", 16), ("HND", 32)))
+
+
+def pages_cases(torch, pfa):
+    """The paged batch at the PAGE_SWEEP page sizes, layouts and head dims: bench batch's uniform16
+    (32 / 8 heads at hd128, 16 / 4 at hd64: the same rows per kv head), bf16, pages in random order."""
+    from pyflashattn.bench import batch as bb
+
+    ctx = bb._Ctx()
+    lens = bb.batch_lengths("uniform16", quick=True)
+    indptr = bb._indptr(lens)
+    gen = torch.Generator(device="cuda").manual_seed(7)
+    for hd, layout, ps in PAGE_SWEEP:
+        hq, hkv = (bb.HQ, bb.HKV) if hd == 128 else (bb.HQ // 2, bb.HKV // 2)
+        q, k, v = (torch.randn(int(sum(lens)), h, hd, dtype=torch.bfloat16, device="cuda", generator=gen)
+                   for h in (hq, hkv, hkv))
+        cache, kv_indptr, indices, last = bb._paged_cache(ctx, lens, k, v, 11, page_size=ps, layout=layout)
+        out = torch.empty_like(q)
+        for causal in (False, True):
+            flops = sum(bb.request_flops(n, n, causal, hq, hd) for n in lens)
+            w = pfa.BatchPrefillWithPagedKVCacheWrapper(ctx.ws, layout)
+            w.plan(indptr, kv_indptr, indices, last, hq, hkv, hd, ps, causal=causal, q_data_type=torch.bfloat16)
+            yield (f"pages hd{hd} {layout} p{ps} {'causal' if causal else 'full'}", flops, "TFLOP/s",
+                   lambda w=w, q=q, c=cache, out=out: w.run(q, c, out=out))
+
+
 def decode_cases(torch, pfa):
     """bench decode's XQA rows (B=64 x 4096 keys, 32 / 8 heads, hd128, page 16): the bf16, fp8 and
     NVFP4 caches and the 8-token speculative decode; rates in TB/s of K/V as stored."""
@@ -268,8 +316,8 @@ def trtllm_cases(torch, pfa):
                        (qq, cc), "Q_PAGED_KV_HND", block_tables=t, **c))
 
 
-GENERATORS = {"prefill": prefill_cases, "fp8": fp8_cases, "batch": batch_cases, "decode": decode_cases,
-              "trtllm": trtllm_cases}
+GENERATORS = {"prefill": prefill_cases, "fp8": fp8_cases, "batch": batch_cases, "pages": pages_cases,
+              "decode": decode_cases, "trtllm": trtllm_cases}
 
 
 def compare_outputs(torch, swap: BeforeKernels, fn) -> float:
@@ -319,6 +367,8 @@ def main(argv=None) -> int:
     ap.add_argument("--pairs", type=int, default=40)
     ap.add_argument("--match", default="", help="only the cases whose name matches this regular expression")
     ap.add_argument("--json", type=pathlib.Path)
+    ap.add_argument("--alias", action="append", metavar="NEW=OLD",
+                    help="the before side runs its kernel OLD where the after build launches NEW (a new twin)")
     args = ap.parse_args(argv)
     unknown = [c for c in args.cases.split(",") if c not in CASES]
     if unknown:
@@ -329,7 +379,8 @@ def main(argv=None) -> int:
     from pyflashattn._runtime import cuda as _cuda, registry as _registry
 
     dev = torch.cuda.current_device()
-    rows = before_rows(json.loads((args.before / "manifest.json").read_text()), _registry.PARAMS_SHA256)
+    rows = before_rows(json.loads((args.before / "manifest.json").read_text()), _registry.PARAMS_SHA256,
+                       parse_aliases(args.alias))
     swap = BeforeKernels(_cuda, args.before, rows, dev)
     swap.install()
     results = []

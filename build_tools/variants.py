@@ -271,6 +271,9 @@ class HopperPrefillVariant(Sm90Roles):
     # the paged copies' dense twin (PrefillSm90Config::DENSE_KV): run instead of the row without it
     # where a kv head's page slots are back to back (routing.dense_twin); only by name
     dense: bool = False
+    # the paged copies' page-16 twin in warp spans (PrefillSm90Config::SPAN_KV): run instead of the
+    # row without it for pages of routing.SPAN_PAGE slots (routing.span_pays); only by name
+    span: bool = False
     tune: bool = False
     impl: str = SM90
     archs: tuple = IMPL_ARCHS[SM90]
@@ -301,6 +304,7 @@ class HopperPrefillVariant(Sm90Roles):
                 f"_hd{self.head_dim}_m{self.block_m}n{self.block_n}"
                 f"c{self.consumers}s{self.stages}{'_pp' if self.pingpong else ''}{'_paged' if self.paged else ''}"
                 f"{'_ps' if self.persistent else ''}{'_tma' if self.tma else ''}{'_dense' if self.dense else ''}"
+                f"{'_span' if self.span else ''}"
                 f"{'_skip' if self.skip else ''}")
 
     def source(self):
@@ -309,7 +313,8 @@ class HopperPrefillVariant(Sm90Roles):
                 f"{self.consumers}, {self.stages}, {'true' if self.pingpong else 'false'}, "
                 f"{'true' if self.paged else 'false'}, {'true' if self.tma else 'false'}, "
                 f"{'true' if self.skip else 'false'}, {'true' if self.persistent else 'false'}, "
-                f"{'true' if self.kv_dtype else 'false'}, {'true' if self.dense else 'false'}, {self.smem_bytes})\n")
+                f"{'true' if self.kv_dtype else 'false'}, {'true' if self.dense else 'false'}, "
+                f"{'true' if self.span else 'false'}, {self.smem_bytes})\n")
 
     def manifest(self):
         return {"family": "prefill", "impl": self.impl, "dtype": self.dtype, "kv_dtype": self.kv_dtype or self.dtype,
@@ -321,8 +326,10 @@ class HopperPrefillVariant(Sm90Roles):
                 "stream_k": self.persistent and not self.paged and not self.kv_dtype,
                 # one consumer warpgroup votes (consumer.cuh); a twin is only picked by name
                 "skip_softmax_rows": self.WG_ROWS if self.skip else 0,
-                "twin_of": dataclasses.replace(self, skip=False, dense=False).name if self.skip or self.dense else None,
+                "twin_of": (dataclasses.replace(self, skip=False, dense=False, span=False).name
+                            if self.skip or self.dense or self.span else None),
                 "dense_kv": self.dense,
+                "span_kv": self.span,
                 "nvfp4_out": self.paged and self.head_dim <= 128}  # PrefillSm90Config::NVFP4_OUT
 
 
@@ -457,6 +464,10 @@ HOPPER_TILES_ALT = {64: (128, 2, 2)}
 # copies of a cache whose kv head's page slots are back to back (HND, TRT-LLM's default layout) step
 # by a constant. Not hd256, whose 40-register producer spilled with the dense runs (NOTES.md, session 32).
 HOPPER_DENSE_KV = (64, 128)
+# Head dims whose paged rows have a page-16 twin in warp spans (name + "_span",
+# PrefillSm90Config::SPAN_KV): hd128, whose rows interleave across the warpgroup and so cross a
+# page every two copies at page 16 (hd64's rows copy in spans always: PrefillSm90Config::SPANS).
+HOPPER_SPAN_KV = (128,)
 # How the sm90 family loads K/V, per KV storage: "cpasync" (the producer warpgroup's cp.async,
 # producer.cuh) or "tma" (one producer warp issuing boxes from host-encoded tensor maps,
 # producer_tma.cuh; paged: pages of 16+ rows, smaller ones stay on cp.async). Each default row above
@@ -690,6 +701,8 @@ def variants(tune=False):
                 for paged, tiles in ((False, HOPPER_TILES), (True, HOPPER_TILES_PAGED)) for hd, tile in tiles.items()]
         out += [HopperPrefillVariant(dtype, hd, *tile, paged=True, dense=True)
                 for hd, tile in HOPPER_TILES_PAGED.items() if hd in HOPPER_DENSE_KV]
+        out += [HopperPrefillVariant(dtype, hd, *tile, paged=True, span=True)
+                for hd, tile in HOPPER_TILES_PAGED.items() if hd in HOPPER_SPAN_KV]
         for storage, tiles in (("ragged", HOPPER_TILES), ("paged", HOPPER_TILES_PAGED)):
             twin_tune = HOPPER_KV_LOAD[storage] != "tma"
             if tune or not twin_tune:

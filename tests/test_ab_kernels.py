@@ -22,6 +22,19 @@ def test_before_rows_by_name_and_arch_and_the_params_check():
         abk.before_rows(m, "other")
 
 
+def test_aliases_run_the_old_kernel_where_the_after_build_launches_a_new_one():
+    m = {"params_sha256": "abc", "kernels": [{"name": "k1", "arch": "sm_90a", "file": "k1.cubin"},
+                                              {"name": "k1", "arch": "sm_80", "file": "k1_80.cubin"}]}
+    rows = abk.before_rows(m, "abc", abk.parse_aliases(["k1_span=k1"]))
+    assert rows[("k1_span", "sm_90a")] == {"name": "k1", "arch": "sm_90a", "file": "k1.cubin", "function": "k1"}
+    assert rows[("k1_span", "sm_80")]["file"] == "k1_80.cubin" and "function" not in rows[("k1", "sm_90a")]
+    with pytest.raises(ValueError, match="no kernel k9"):
+        abk.before_rows(m, "abc", {"x": "k9"})
+    for bad in ("k1_span", "=k1", "k1_span="):
+        with pytest.raises(ValueError, match="NEW=OLD"):
+            abk.parse_aliases([bad])
+
+
 def test_outputs_differ_flags_unwritten_elements_and_distance():
     np = pytest.importorskip("numpy")
     a = np.ones((4, 3))
@@ -101,7 +114,10 @@ def test_the_swap_launches_the_before_function_with_its_shared_memory(tmp_path):
     rows = {("attn", "sm_90a"): {"name": "attn", "file": "attn.cubin", "threads": 384, "smem_bytes": 1000},
             ("merge", "sm_90a"): {"name": "merge", "file": "merge.cubin", "threads": 128, "smem_bytes": 512},
             ("wide", "sm_90a"): {"name": "wide", "file": "attn.cubin", "threads": 256, "smem_bytes": 0},
-            ("other_arch", "sm_80"): {"name": "other_arch", "file": "attn.cubin", "threads": 128, "smem_bytes": 0}}
+            ("other_arch", "sm_80"): {"name": "other_arch", "file": "attn.cubin", "threads": 128, "smem_bytes": 0},
+            # an alias (--alias attn_twin=attn): the before function is the row's "function"
+            ("attn_twin", "sm_90a"): {"name": "attn", "file": "attn.cubin", "threads": 384, "smem_bytes": 1000,
+                                      "function": "attn"}}
     swap = abk.BeforeKernels(cuda, tmp_path, rows, 0)
     swap.install()
     attn, merge = cuda.Launcher("attn", 384, 1008), cuda.ProgrammaticLauncher("merge", 128, 0)
@@ -123,6 +139,9 @@ def test_the_swap_launches_the_before_function_with_its_shared_memory(tmp_path):
         cuda.Launcher("other_arch", 128, 0)(9)
     with pytest.raises(RuntimeError, match="256 threads before, 128 after"):
         cuda.Launcher("wide", 128, 0)(9)
+    cu.calls.clear()
+    cuda.Launcher("attn_twin", 384, 1008)(9)
+    assert cu.calls[0][1] == ("before_func", "attn", 1000)
 
 
 def test_output_tolerance_by_case():

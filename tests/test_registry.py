@@ -75,11 +75,13 @@ def test_every_shipped_sm90_row_has_a_skip_twin():
             and v.dtype in ("bf16", "f16")]
     names = {v.name for v in rows}
     shipped = [v for v in rows if not v.skip]
-    # a TMA or dense row's skip calls run its cp.async row's twin (BatchEngine.skip_sibling)
-    assert shipped and all(v.name.removesuffix("_tma").removesuffix("_dense") + "_skip" in names for v in shipped)
+    # a TMA, dense or span row's skip calls run its cp.async row's twin (BatchEngine.skip_sibling)
+    assert shipped and all(v.name.removesuffix("_tma").removesuffix("_dense").removesuffix("_span") + "_skip" in names
+                           for v in shipped)
     for v in rows:
         m = v.manifest()
-        twin = v.name[:-5] if v.skip else v.name[:-6] if getattr(v, "dense", False) else None
+        twin = (v.name.removesuffix("_skip") if v.skip else v.name.removesuffix("_dense") if v.dense
+                else v.name.removesuffix("_span") if v.span else None)
         assert (m["skip_softmax_rows"], m["twin_of"]) == (64 if v.skip else 0, twin)
 
 

@@ -241,6 +241,7 @@ KERNELS_sm_90a := \
   pfa_prefill_sm90_f16_hd256_m128n80c2s2_pp_paged_skip \
   pfa_prefill_sm90_f16_hd64_m128n128c2s3_pp_paged_ps_dense \
   pfa_prefill_sm90_f16_hd128_m128n128c2s3_pp_paged_ps_dense \
+  pfa_prefill_sm90_f16_hd128_m128n128c2s3_pp_paged_ps_span \
   pfa_prefill_sm90_f16_hd64_m192n128c3s2_pp_ps_tma \
   pfa_prefill_sm90_f16_hd128_m128n128c2s2_pp_ps_tma \
   pfa_prefill_sm90_f16_hd256_m128n80c2s2_pp_tma \
@@ -319,6 +320,7 @@ KERNELS_sm_90a := \
   pfa_prefill_sm90_bf16_hd256_m128n80c2s2_pp_paged_skip \
   pfa_prefill_sm90_bf16_hd64_m128n128c2s3_pp_paged_ps_dense \
   pfa_prefill_sm90_bf16_hd128_m128n128c2s3_pp_paged_ps_dense \
+  pfa_prefill_sm90_bf16_hd128_m128n128c2s3_pp_paged_ps_span \
   pfa_prefill_sm90_bf16_hd64_m192n128c3s2_pp_ps_tma \
   pfa_prefill_sm90_bf16_hd128_m128n128c2s2_pp_ps_tma \
   pfa_prefill_sm90_bf16_hd256_m128n80c2s2_pp_tma \

@@ -173,6 +173,8 @@ class BatchEngine(RunOptions):
         elif la is route.attn and route.dense is not None and \
                 routing.dense_pays(self.kv_layout, cfg.num_kv_heads, src.page_size):
             la = route.dense  # the same tile; a run() over strided page slots falls back (kv_fallback)
+        elif la is route.attn and route.span is not None and routing.span_pays(src.page_size):
+            la = route.span  # the same tile, any strides
         meta = la.meta
         plan = schedule.schedule_prefill(src.qo, src.qo_lens, src.kv_lens, src.max_qo, src.max_kv, cfg.group,
                                          cfg.num_kv_heads, meta["block_m"], meta["block_n"], budget, bool(causal),

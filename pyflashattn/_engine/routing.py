@@ -109,11 +109,39 @@ DENSE_ENV = "PFA_SM90_DENSE_KV"
 def dense_twin(dev: int, la, named):
     """The dense twin of paged row-tile launcher la (named(name) makes a launcher by kernel name), or
     None: not built, not a paged cp.async row, or switched off by PFA_SM90_DENSE_KV=0."""
+    return _paged_twin(dev, la, named, DENSE_SUFFIX, DENSE_ENV)
+
+
+# The hd128 paged rows' page-16 twins (build_tools/variants.py HOPPER_SPAN_KV: name + SPAN_SUFFIX,
+# the same tile): their copies go in warp spans, two page runs a thread a tile at page 16 against
+# eight (PrefillSm90Config::SPAN_KV); any strides, so no fallback. A plan with pages of SPAN_PAGE
+# slots runs the twin; PFA_SM90_SPAN_KV=0 never (A/B runs).
+SPAN_SUFFIX = "_span"
+SPAN_ENV = "PFA_SM90_SPAN_KV"
+# Same-process A/B of the spans against the interleaved rows, hd128 (NOTES.md, session 40, H200):
+# page 16 +0.8-1.2% (NHD and HND), pages 8 / 32 / 64 -2 to -6%.
+SPAN_PAGE = 16
+
+
+def span_twin(dev: int, la, named):
+    """The page-16 span twin of paged row-tile launcher la, or None: not built, not a paged cp.async
+    row, or switched off by PFA_SM90_SPAN_KV=0."""
+    return _paged_twin(dev, la, named, SPAN_SUFFIX, SPAN_ENV)
+
+
+def span_pays(page_size: int) -> bool:
+    """Whether a paged plan takes the span twin: pages of SPAN_PAGE slots."""
+    return page_size == SPAN_PAGE
+
+
+def _paged_twin(dev: int, la, named, suffix: str, env: str):
+    """The twin (name + suffix, the same tile) of paged cp.async row-tile launcher la, or None where
+    it is not built, la is no such row, or the switch env is "0"."""
     meta = la.meta
-    want = switches.choice(DENSE_ENV, ("0", "1"))
+    want = switches.choice(env, ("0", "1"))
     if meta.get("impl") != "sm90" or not meta.get("paged") or meta.get("tma") or want == "0":
         return None
-    row = _built_row(dev, meta["name"] + DENSE_SUFFIX)
+    row = _built_row(dev, meta["name"] + suffix)
     if row is None:
         return None
     twin = named(row["name"])
@@ -134,9 +162,9 @@ def dense_pays(kv_layout: str, num_kv_heads: int, page_size: int) -> bool:
 
 
 def base_kernel_name(meta) -> str:
-    """A twin's (TMA or dense) row name without its suffix: the kernel its skip twin is named after."""
+    """A twin's (TMA, dense or span) row name without its suffix: the kernel its skip twin is named after."""
     name = meta["name"]
-    for suffix, flag in ((TMA_SUFFIX, "tma"), (DENSE_SUFFIX, "dense_kv")):
+    for suffix, flag in ((TMA_SUFFIX, "tma"), (DENSE_SUFFIX, "dense_kv"), (SPAN_SUFFIX, "span_kv")):
         if meta.get(flag) and name.endswith(suffix):
             return name[:-len(suffix)]
     return name
@@ -364,11 +392,11 @@ class Route:
     """The kernels a batch plan may run, resolved once per plan settings: the row-tile kernel
     (`attn`, `ctas`, `budget` = CTAs per wave; None for a decode-only K/V storage), its TMA twin
     (`tma`, or None; the plan runs it where tma_fits), its dense twin (`dense`, or None; the plan
-    runs it where dense_pays) and, for lean
+    runs it where dense_pays), its span twin (`span`, or None; where span_pays) and, for lean
     options, the decode tiles by rows: decode[rows] = (launcher, budget, ctas), their rows in
     `tiles` (the plan picks one per batch with decode_tile_rows; `decode_only`: always one)."""
 
-    __slots__ = ("attn", "tma", "dense", "ctas", "budget", "decode", "tiles", "decode_only")
+    __slots__ = ("attn", "tma", "dense", "span", "ctas", "budget", "decode", "tiles", "decode_only")
 
     def __init__(self, launcher, dev: int, dtype: str, kv_dtype: str, head_dim: int, general: bool, paged: bool,
                  widened: bool, nvfp4_out: bool = False):
@@ -377,14 +405,15 @@ class Route:
         nvfp4_out: only kernels that write the NVFP4 output (new_attention)."""
         props = _cuda.properties(dev)
         self.decode_only = kv_dtype in DECODE_ONLY_KV
-        self.attn = self.tma = self.dense = self.ctas = self.budget = None
+        self.attn = self.tma = self.dense = self.span = self.ctas = self.budget = None
         if not self.decode_only:
             # attn: the cp.async kernel; tma: its TMA twin where the K/V load says so (kv_load_pair);
-            # dense: its dense twin (paged; dense_twin)
+            # dense, span: its dense and span twins (paged; dense_twin, span_twin)
             row_tile = launcher("prefill", dtype, kv_dtype, head_dim, general, nvfp4_out=nvfp4_out)
             named = lambda name: launcher("prefill", dtype, name=name)  # noqa: E731
             self.attn, self.tma = kv_load_pair(dev, row_tile, named)
             self.dense = dense_twin(dev, self.attn, named)
+            self.span = span_twin(dev, self.attn, named)
             self.ctas = ctas_per_sm(self.attn.meta, props)
             self.budget = props["sm_count"] * self.ctas
         self.decode = None

@@ -1,5 +1,5 @@
 """The environment switches of A/B runs and tests that take one of a fixed set of values
-(PFA_SM90_KV_LOAD, PFA_SM90_DENSE_KV, PFA_STREAM_K, PYFLASHATTN_MERGE_CTA_PER_ROW), read where a
+(PFA_SM90_KV_LOAD, PFA_SM90_DENSE_KV, PFA_SM90_SPAN_KV, PFA_STREAM_K, PYFLASHATTN_MERGE_CTA_PER_ROW), read where a
 plan resolves its route. One reader, so that a value the switch does not know is a ValueError
 naming the variable before any launch, never read as its default."""
 from __future__ import annotations

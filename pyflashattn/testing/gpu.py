@@ -69,11 +69,12 @@ def tma_built(paged: bool, fp8: bool = False) -> bool:
                for r in registry.manifest()["kernels"])
 
 
-def dense_built() -> bool:
-    """Whether this build has the paged rows' dense twins (variants.HOPPER_DENSE_KV)."""
+def twin_built(key: str, head_dim: int = 0) -> bool:
+    """Whether this build has paged twins of manifest flag `key` ("dense_kv": the dense twins,
+    variants.HOPPER_DENSE_KV; "span_kv": the span twins, HOPPER_SPAN_KV), of head_dim if given."""
     from pyflashattn._runtime import registry
 
-    return any(r.get("dense_kv") for r in registry.manifest()["kernels"])
+    return any(r.get(key) and head_dim in (0, r.get("head_dim")) for r in registry.manifest()["kernels"])
 
 
 def select_kv_load(load: str, monkeypatch) -> None:

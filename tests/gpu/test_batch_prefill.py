@@ -30,7 +30,7 @@ from types import SimpleNamespace
 import numpy as np
 import pytest
 
-from pyflashattn.testing.gpu import dense_built, require_cuda_torch, select_kv_load, tma_built
+from pyflashattn.testing.gpu import require_cuda_torch, select_kv_load, tma_built, twin_built
 
 pytestmark = pytest.mark.gpu
 
@@ -39,7 +39,7 @@ torch = require_cuda_torch()
 import pyflashattn  # noqa: E402  (after the GPU probe: the CPU box must skip, not error)
 from pyflashattn._engine.routing import (  # noqa: E402
     DECODE_MAX_ROWS, built_decode_tiles, decode_tile_rows, tma_fits)
-from pyflashattn._engine.routing import dense_pays  # noqa: E402
+from pyflashattn._engine.routing import dense_pays, span_pays  # noqa: E402
 from pyflashattn._runtime import registry as _registry  # noqa: E402
 from pyflashattn.testing import attention_ref, to_numpy_f64  # noqa: E402
 from pyflashattn.testing.frameworks import capture_torch_graph as _capture  # noqa: E402
@@ -362,6 +362,12 @@ GRID = [
     # page slots D + 8 apart: the dense twin's plan falls back to its row (BatchEngine.kv_fallback)
     ("p-9-hnd-padded", "paged", 9, 500, 3000, "append", [], 32, 32, 8, 128, "bf16", "HND", True, "padded"),
     ("p-5-nhd1-padded-d64", "paged", 5, 300, 2000, "mixed", [], 32, 8, 1, 64, "fp16", "NHD", False, "padded"),
+    # the sm90 copies in warp spans (hd64 rows; the hd128 page-16 twin, here over padded page slots):
+    # page runs of a non-power-of-two page (one row each), of 8, and capped inside pages of 256
+    ("p-7-d64-ps24", "paged", 7, 300, 2000, "mixed", [], 24, 16, 4, 64, "bf16", "NHD", True, "5d"),
+    ("p-5-d64-ps8", "paged", 5, 300, 1500, "mixed", [(300, 1500)], 8, 16, 4, 64, "bf16", "NHD", True, "tuple_views"),
+    ("p-6-d64-ps256-hnd", "paged", 6, 400, 3000, "append", [], 256, 16, 2, 64, "fp16", "HND", False, "tuple"),
+    ("p-7-hnd-ps16-padded", "paged", 7, 400, 2500, "append", [], 16, 32, 8, 128, "fp16", "HND", True, "padded"),
     ("r-64-small", "ragged", 64, 128, 1024, "append", [], 0, 32, 8, 128, "bf16", "NHD", True, None),
     ("r-16-big", "ragged", 16, 2048, 8192, "mixed", [(2048, 4096)], 0, 32, 4, 64, "fp16", "NHD", True, None),
     ("r-7-d256", "ragged", 7, 700, 3000, "mixed", [], 0, 32, 32, 256, "bf16", "NHD", False, None),
@@ -458,11 +464,16 @@ def test_batch_grid(key, kind, batch, qo_max, kv_max, mode, pin, ps, hq, hkv, d,
     now = [b.q] + _tensors(kv_args)
     assert all(torch.equal(a, s) for a, s in zip(now, snap)), "an input was modified"
     _check_batch(b, o2, lse2, causal, {}, _seed(key, "heads"), key)
-    if w._engine.attn.meta.get("dense_kv"):  # the dense twin ran, or (strided page slots) its row
+    meta = w._engine.attn.meta
+    sm90_row = kind == "paged" and not tile and meta.get("impl") == "sm90"
+    if meta.get("dense_kv"):  # the dense twin ran, or (strided page slots) its row
         assert w._engine.kv_fallback is (form == "padded"), key
-    elif kind == "paged" and kv_load == "default" and not tile and w._engine.attn.meta.get("impl") == "sm90" \
-            and d <= 128 and dense_pays(layout, hkv, ps):
-        assert not dense_built(), f"{key}: a dense layout on {w._engine.attn.name}"
+    elif sm90_row and kv_load == "default" and d <= 128 and dense_pays(layout, hkv, ps):
+        assert not twin_built("dense_kv"), f"{key}: a dense layout on {w._engine.attn.name}"
+    # the span twin: exactly the cp.async plans with pages of 16 (hd128), at any strides (under
+    # "tma" too where no paged TMA twin is built)
+    spans = sm90_row and not meta.get("tma") and span_pays(ps) and twin_built("span_kv", d)
+    assert bool(meta.get("span_kv")) is spans, f"{key}: {w._engine.attn.name}"
 
 
 # ---------------------------------------------------------------------------------------

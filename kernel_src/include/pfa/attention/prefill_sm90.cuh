@@ -33,9 +33,11 @@
 namespace pfa {
 
 template <typename T, int HEAD_DIM, int BLOCK_N, int CONSUMERS, int STAGES, bool PINGPONG, bool PAGED, bool TMA,
-          bool SKIP, bool PERSISTENT, bool KV_FP8 = false, bool DENSE_KV = false>
-struct PrefillSm90 : PrefillSm90Config<T, HEAD_DIM, BLOCK_N, CONSUMERS, STAGES, PAGED, TMA, PERSISTENT, KV_FP8, DENSE_KV> {
-  using Cfg = PrefillSm90Config<T, HEAD_DIM, BLOCK_N, CONSUMERS, STAGES, PAGED, TMA, PERSISTENT, KV_FP8, DENSE_KV>;
+          bool SKIP, bool PERSISTENT, bool KV_FP8 = false, bool DENSE_KV = false, bool SPAN_KV = false>
+struct PrefillSm90
+    : PrefillSm90Config<T, HEAD_DIM, BLOCK_N, CONSUMERS, STAGES, PAGED, TMA, PERSISTENT, KV_FP8, DENSE_KV, SPAN_KV> {
+  using Cfg = PrefillSm90Config<T, HEAD_DIM, BLOCK_N, CONSUMERS, STAGES, PAGED, TMA, PERSISTENT, KV_FP8, DENSE_KV,
+                                SPAN_KV>;
   using Consumer = ConsumerSm90<Cfg, PINGPONG, SKIP>;
 
   // wg: the consumer's index (0 .. CONSUMERS - 1); tid: the thread's index within its warpgroup.
@@ -80,13 +82,13 @@ struct PrefillSm90 : PrefillSm90Config<T, HEAD_DIM, BLOCK_N, CONSUMERS, STAGES, 
 // One extern "C" entry per variant (see PFA_DEFINE_PREFILL_SM80). SMEM: variants.py's smem_bytes,
 // checked against the kernel's layout at compile time.
 #define PFA_DEFINE_PREFILL_SM90(NAME, T, HD, BN, CONSUMERS, STAGES, PINGPONG, PAGED, TMA, SKIP, PERSISTENT, KV_FP8, \
-                                DENSE_KV, SMEM)                                                                    \
+                                DENSE_KV, SPAN_KV, SMEM)                                                           \
   static_assert(pfa::PrefillSm90<T, HD, BN, CONSUMERS, STAGES, PINGPONG, PAGED, TMA, SKIP, PERSISTENT, KV_FP8,         \
-                                 DENSE_KV>::SMEM_BYTES == (SMEM),                                                    \
+                                 DENSE_KV, SPAN_KV>::SMEM_BYTES == (SMEM),                                           \
                 #NAME ": variants.py smem_bytes differs from the kernel's shared-memory layout");                    \
   extern "C" __global__ void __launch_bounds__((CONSUMERS + 1) * 128, 1)                                             \
       NAME(const __grid_constant__ pfa::PrefillParams p) {                                                           \
     extern __shared__ __align__(1024) char smem[];                                                                   \
-    pfa::PrefillSm90<T, HD, BN, CONSUMERS, STAGES, PINGPONG, PAGED, TMA, SKIP, PERSISTENT, KV_FP8, DENSE_KV>::run(   \
-        p, smem);                                                                                                    \
+    pfa::PrefillSm90<T, HD, BN, CONSUMERS, STAGES, PINGPONG, PAGED, TMA, SKIP, PERSISTENT, KV_FP8, DENSE_KV,          \
+                     SPAN_KV>::run(p, smem);                                                                         \
   }

@@ -29,7 +29,7 @@ constexpr int sm90_bar_offset(int head_dim, int block_n, int consumers, int stag
 }
 
 template <typename T_, int HEAD_DIM_, int BLOCK_N_, int CONSUMERS_, int STAGES_, bool PAGED_, bool TMA_ = false,
-          bool PERSISTENT_ = false, bool KV_FP8_ = false, bool DENSE_KV_ = false>
+          bool PERSISTENT_ = false, bool KV_FP8_ = false, bool DENSE_KV_ = false, bool SPAN_KV_ = false>
 struct PrefillSm90Config
     : Sm90Pipeline<CONSUMERS_, STAGES_, sm90_bar_offset(HEAD_DIM_, BLOCK_N_, CONSUMERS_, STAGES_, KV_FP8_),
                    sm90_producer_regs(CONSUMERS_, KV_FP8_, PAGED_ && HEAD_DIM_ <= 128)> {
@@ -68,6 +68,16 @@ struct PrefillSm90Config
   // rows left a copy (producer.cuh dense_rows_in_runs).
   static constexpr bool DENSE_KV = DENSE_KV_;
   static_assert(!DENSE_KV || (PAGED && !TMA && !KV_FP8 && HEAD_DIM <= 128), "dense: the 16-bit paged copies");
+  // The 16-bit strided paged copies in warp spans (producer.cuh load_tile_spans: a warp's 32 rows
+  // of a tile, few pages a thread) instead of rows interleaved across the warpgroup. Same-process
+  // A/B (NOTES.md, session 40): hd64 +0.7-2.7% at pages 16-64 (its interleaved rows ran 16 apart,
+  // runs of a page up to 4 copies), even at page 8; hd128 +0.8-1.2% at page 16 but -2 to -6% at
+  // pages 8, 32 and 64. So hd64 rows always, hd128 in a page-16 twin of its own (SPAN_KV_: name +
+  // "_span", routing.span_pays; compiled beside the interleaved copies it cost the other pages
+  // 1.4-5.3%, session 39).
+  static constexpr bool SPAN_KV = SPAN_KV_;
+  static_assert(!SPAN_KV || (PAGED && !TMA && !KV_FP8 && !DENSE_KV && HEAD_DIM == 128), "spans: the hd128 twin");
+  static constexpr bool SPANS = PAGED && !TMA && !KV_FP8 && !DENSE_KV && BLOCK_N == 128 && (HEAD_DIM == 64 || SPAN_KV);
   // The V stages' and P's element type, the P V GEMM's: KV_FP8 widens V to fp16 under either
   // query dtype (e4m3 / e5m2 values are exact in fp16, P in [0, 1] is at least as exact as in
   // bf16, and an e4m3 pair becomes fp16 in one hardware conversion, bf16 in four bit operations);

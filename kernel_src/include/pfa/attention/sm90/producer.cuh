@@ -272,12 +272,58 @@ __device__ __forceinline__ void load_tile_paged(uint32_t s_tile, const E* head, 
   });
 }
 
+// One paged K or V tile as load_tile_paged, in warp spans (Cfg::SPANS): warp w copies the tile's
+// rows [32 w, 32 w + 32), lane l rows l / CPR + WR0 i (WR0 = 32 / CPR rows a warp pass), so that
+// a thread's copies cross few pages: at hd128 page 16 two runs of 8 copies a tile, two offset
+// shuffles, against eight runs of 2 with the rows interleaved. The owning lane of a span's row r is
+// lane r (owned_row: tid), so a run from copy i of lane b takes lane i WR0 + b's offset. A thread's
+// rows step by WR0, not by whole swizzle repeats: its chunk's swizzle phase (c ^ r % 8) takes
+// 8 / WR0 values, the lane's own XOR a constant where copies go in groups of whole periods.
+template <class Cfg, typename E, int CPR, int UNROLL, int MAX_RUN = 8>
+__device__ __forceinline__ void load_tile_spans(uint32_t s_tile, const E* head, int64_t row_off, int n0, int kv_len,
+                                                int page_shift, int64_t stride_n, int tid, uint64_t policy) {
+  constexpr int WR0 = 32 / CPR, ROWS = 32 / WR0;
+  static_assert(32 % CPR == 0 && Cfg::BLOCK_N == 32 * (Cfg::WG_THREADS / 32) && WR0 <= 8, "a warp's span: 32 rows");
+  static_assert(Cfg::BLOCK_N / (Cfg::WG_THREADS / CPR) == ROWS, "paged_rows_in_runs' copies a tile");
+  const int lane = tid % 32, chunk = lane % CPR, r0 = tid / 32 * 32 + lane / CPR;
+  const char* src = reinterpret_cast<const char*>(head) + chunk * Cfg::CHUNK_BYTES;
+  const uint32_t dst0 = s_tile + (uint32_t)((chunk >> 3) * Cfg::BLOCK_N * Cfg::ROW_BYTES + r0 * Cfg::ROW_BYTES);
+  const uint32_t phase = (uint32_t)((chunk & 7) ^ (r0 & 7));  // r0 % 8 < WR0: no carry into i WR0
+  // copy g + i (g a multiple of the phase's period 8 / WR0, i a constant): the phase a constant
+  auto copy = [&](int g, int i, int64_t off) {
+    const uint32_t dst = dst0 + (g + i) * WR0 * Cfg::ROW_BYTES + ((phase ^ (uint32_t)((i * WR0) & 7)) << 4);
+    ptx::cp_async_16_hint(dst, src + off, n0 + r0 + (g + i) * WR0 < kv_len, policy);
+  };
+  const int64_t step = (int64_t)WR0 * stride_n * (int64_t)sizeof(E);
+  // runs: a page holds page_size / WR0 of a thread's rows (page sizes that are powers of two: the
+  // spans and the tiles start on page boundaries or inside one page)
+  const int run = page_shift < 0 || (1 << page_shift) < WR0 ? 1 : min((1 << page_shift) / WR0, ROWS);
+  by_page_run<ROWS, MAX_RUN>(run, [&](auto run_c) {
+    constexpr int RUN = decltype(run_c)::value, PERIOD = 8 / WR0;
+    constexpr int GROUP = RUN > UNROLL ? (RUN > PERIOD ? RUN : PERIOD) : (UNROLL > PERIOD ? UNROLL : PERIOD);
+    static_assert(ROWS % GROUP == 0 && GROUP % RUN == 0, "whole groups of whole runs");
+#pragma unroll 1
+    for (int g = 0; g < ROWS; g += GROUP) {
+#pragma unroll
+      for (int i1 = 0; i1 < GROUP; i1 += RUN) {
+        int64_t off = __shfl_sync(0xffffffffu, row_off, (g + i1) * WR0 + lane / CPR);
+#pragma unroll
+        for (int j = 0; j < RUN; ++j) {
+          copy(g, i1 + j, off);
+          off += step;  // past kv_len too: such a copy reads nothing (zero-filled)
+        }
+      }
+    }
+  });
+}
+
 template <class Cfg>
 struct ProducerSm90 {
   static constexpr bool PAGED = Cfg::PAGED;
   using T = typename Cfg::Elem;
   static constexpr int CPR = Cfg::CPR, BLOCK_N = Cfg::BLOCK_N, STAGES = Cfg::STAGES;
   static constexpr int ROW_STEP = Cfg::WG_THREADS / CPR;  // rows between one thread's chunks
+  static constexpr bool SPANS = Cfg::SPANS;  // the copies' mapping: load_tile_spans
   static_assert(Cfg::WG_THREADS % CPR == 0 && BLOCK_N % ROW_STEP == 0 && Cfg::BLOCK_M % ROW_STEP == 0,
                 "whole rows per pass");
 
@@ -345,7 +391,9 @@ struct ProducerSm90 {
                                                    uint32_t empty, uint32_t full, uint32_t free_parity, int tid,
                                                    uint64_t policy) {
     ptx::mbar_wait(empty, free_parity);
-    if constexpr (PAGED)
+    if constexpr (SPANS)
+      load_tile_spans<Cfg, T, CPR, 4>(s_tile, head, row_off, n0, w.kv_len, page_shift, stride_n, tid, policy);
+    else if constexpr (PAGED)
       load_tile_paged<Cfg, T, CPR, ROW_STEP, 4, 8, Cfg::DENSE_KV>(s_tile, head, row_off, n0, w.kv_len, page_shift,
                                                                   stride_n, tid, policy);
     else
@@ -363,7 +411,7 @@ struct ProducerSm90 {
     const T* v = reinterpret_cast<const T*>(p.v) + w.kv_head * p.v_stride_h;
     // Paged: the owned row's page ids of the next tile (K's, and V's own where the call has them)
     OwnedPageIds<Cfg, CPR, ROW_STEP> next(p, w);
-    const int row = owned_row<Cfg, CPR, ROW_STEP>(tid);
+    const int row = SPANS ? tid : owned_row<Cfg, CPR, ROW_STEP>(tid);
     // Every row tile of the head reads these K/V rows again: keep them in L2 over Q and outputs.
     const uint64_t keep = ptx::l2_evict_last();
     if constexpr (PAGED) next.load(p, w.tile_start + row, w.kv_len, tid);

@@ -1,6 +1,9 @@
-"""The paged rows' dense twins on the simulated driver: which plans take them (an HND cache, or NHD
-with one kv head, pages of 32+ slots; PFA_SM90_DENSE_KV=0 never), the fallback to the row itself for a run() whose cache
-strides its page slots, and the skip-softmax sibling of a dense plan."""
+"""The paged rows' twins on the simulated driver.
+Dense twins: which plans take them (an HND cache, or NHD with one kv head, pages of 32+ slots;
+PFA_SM90_DENSE_KV=0 never), the fallback to the row itself for a run() whose cache strides its page
+slots, and the skip-softmax sibling of a dense plan.
+Span twins (hd128): plans with pages of 16 slots take them in either layout and at any strides
+(PFA_SM90_SPAN_KV=0 never), and skip-softmax runs the row's skip twin."""
 from __future__ import annotations
 
 import pathlib
@@ -19,14 +22,15 @@ HQ = 8
 QO_LONG = i32(0, 40, 40, 57)  # 160 and 68 packed rows: past the paged decode tiles, the row-tile kernel
 
 
-def _env(monkeypatch, dense_env=None):
+def _env(monkeypatch, dense_env=None, span_env=None):
     rows = variants.variants()
     env = FakeEnv(monkeypatch, rows)
     env.use_sm90_rows(monkeypatch, rows)
-    if dense_env is None:
-        monkeypatch.delenv(routing.DENSE_ENV, raising=False)
-    else:
-        monkeypatch.setenv(routing.DENSE_ENV, dense_env)
+    for name, value in ((routing.DENSE_ENV, dense_env), (routing.SPAN_ENV, span_env)):
+        if value is None:
+            monkeypatch.delenv(name, raising=False)
+        else:
+            monkeypatch.setenv(name, value)
     return env
 
 
@@ -50,22 +54,27 @@ def out_long():
     return T((57, HQ, D), data=0x400000)
 
 
-def test_dense_rows_are_twins_of_the_paged_rows():
+@pytest.mark.parametrize("flag,key,suffix,head_dims,source_tail", [
+    ("dense", "dense_kv", "_dense", variants.HOPPER_DENSE_KV, "true, false, "),
+    ("span", "span_kv", "_span", variants.HOPPER_SPAN_KV, "false, true, ")])
+def test_twin_rows_are_twins_of_the_paged_rows(flag, key, suffix, head_dims, source_tail):
     rows = {v.name: v for v in variants.variants() if isinstance(v, variants.HopperPrefillVariant)}
-    dense = [v for v in rows.values() if v.dense]
-    assert {(v.dtype, v.head_dim) for v in dense} == {(t, hd) for t in ("bf16", "f16") for hd in variants.HOPPER_DENSE_KV}
-    for v in dense:
-        base = rows[v.name.removesuffix("_dense")]
+    twins = [v for v in rows.values() if getattr(v, flag)]
+    assert {(v.dtype, v.head_dim) for v in twins} == {(t, hd) for t in ("bf16", "f16") for hd in head_dims}
+    for v in twins:
+        base = rows[v.name.removesuffix(suffix)]
         m = v.manifest()
-        assert v.paged and not v.tma and not v.skip and m["dense_kv"] and m["twin_of"] == base.name
+        assert v.paged and not v.tma and not v.skip and m[key] and m["twin_of"] == base.name
         assert (v.block_m, v.block_n, v.stages, v.smem_bytes) == (base.block_m, base.block_n, base.stages, base.smem_bytes)
-        assert "true, " + str(v.smem_bytes) in v.source() and not base.manifest()["dense_kv"]
+        # the macro's DENSE_KV, SPAN_KV, SMEM arguments
+        assert source_tail + str(v.smem_bytes) in v.source() and not base.manifest()[key]
+        assert "false, false, " + str(base.smem_bytes) in base.source()
 
 
 @pytest.mark.parametrize("layout,hkv,ps,dense_env,want", [
     ("HND", HKV, PS32, None, True), ("NHD", HKV, PS32, None, False), ("NHD", 1, PS32, None, True),
     ("HND", HKV, PS32, "0", False), ("HND", HKV, PS32, "1", True), ("HND", HKV, PS, None, False),
-    ("HND", HKV, 64, None, True)])
+    ("HND", HKV, 64, None, True), ("NHD", 1, PS, None, False)])
 def test_plans_take_the_dense_twin_where_page_slots_are_dense(monkeypatch, layout, hkv, ps, dense_env, want):
     env = _env(monkeypatch, dense_env)
     w = paged(env, layout=layout)
@@ -113,3 +122,41 @@ def test_skip_softmax_on_a_dense_plan_runs_the_rows_skip_twin(monkeypatch):
     assert launched == dense_name.removesuffix("_dense") + "_skip" and p.skip_softmax_factor > 0
     w.run(q_long(), _cache(), out=out_long())
     assert last_attn(env)[0] == dense_name
+
+
+@pytest.mark.parametrize("layout,ps,span_env,want", [
+    ("NHD", PS, None, True), ("HND", PS, None, True), ("NHD", PS, "1", True), ("NHD", PS, "0", False),
+    ("HND", PS, "0", False), ("NHD", 64, None, False), ("NHD", PS32, None, False), ("HND", 64, None, False)])
+def test_plans_take_the_span_twin_at_page_16(monkeypatch, layout, ps, span_env, want):
+    env = _env(monkeypatch, span_env=span_env)
+    w = paged(env, layout=layout)
+    _plan(w, HKV, ps)
+    name = w._engine.attn.name
+    assert "_paged" in name and name.endswith("_span") is want and bool(w._engine.attn.meta["span_kv"]) is want
+    w.run(q_long(), _cache(layout, HKV, ps), out=out_long())
+    launched, _, _, p = last_attn(env)
+    assert launched == name and p.page_size == ps and not w._engine.kv_fallback
+
+
+def test_a_span_switch_it_does_not_know_is_refused(monkeypatch):
+    env = _env(monkeypatch, span_env="yes")
+    with pytest.raises(ValueError, match=routing.SPAN_ENV):
+        _plan(paged(env), HKV, PS)
+
+
+def test_span_plans_take_any_strides_and_skip_on_the_rows_skip_twin(monkeypatch):
+    env = _env(monkeypatch)
+    w = paged(env, layout="HND")
+    _plan(w, HKV, PS)
+    span_name = w._engine.attn.name
+    assert span_name.endswith("_span")
+    pad = D + 8  # page slots D + 8 apart: the span twin runs them (no fallback)
+    strides = (2 * HKV * PS * pad, HKV * PS * pad, PS * pad, pad, 1)
+    w.run(q_long(), _cache(ps=PS, strides=strides), out=out_long())
+    launched, _, _, p = last_attn(env)
+    assert launched == span_name and not w._engine.kv_fallback and p.k_stride_n == pad
+    w.run(q_long(), _cache(ps=PS), out=out_long(), skip_softmax_threshold_scale_factor=1.0)
+    launched, _, _, p = last_attn(env)
+    assert launched == span_name.removesuffix("_span") + "_skip" and p.skip_softmax_factor > 0
+    w.run(q_long(), _cache(ps=PS), out=out_long())
+    assert last_attn(env)[0] == span_name
