@@ -118,8 +118,8 @@ def dense_twin(dev: int, la, named):
 # slots runs the twin; PFA_SM90_SPAN_KV=0 never (A/B runs).
 SPAN_SUFFIX = "_span"
 SPAN_ENV = "PFA_SM90_SPAN_KV"
-# Same-process A/B of the spans against the interleaved rows, hd128 (NOTES.md, session 40, H200):
-# page 16 +0.8-1.2% (NHD and HND), pages 8 / 32 / 64 -2 to -6%.
+# Same-process A/B of the spans against the interleaved rows, hd128 (NOTES.md, session 40, H200 and
+# H100): page 16 +0.8-1.3% (NHD and HND), pages 8 / 32 / 64 -2 to -6%.
 SPAN_PAGE = 16
 
 

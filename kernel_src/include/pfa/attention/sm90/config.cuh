@@ -71,8 +71,8 @@ struct PrefillSm90Config
   // The 16-bit strided paged copies in warp spans (producer.cuh load_tile_spans: a warp's 32 rows
   // of a tile, few pages a thread) instead of rows interleaved across the warpgroup. Same-process
   // A/B (NOTES.md, session 40): hd64 +0.7-2.7% at pages 16-64 (its interleaved rows ran 16 apart,
-  // runs of a page up to 4 copies), even at page 8; hd128 +0.8-1.2% at page 16 but -2 to -6% at
-  // pages 8, 32 and 64. So hd64 rows always, hd128 in a page-16 twin of its own (SPAN_KV_: name +
+  // runs of a page up to 4 copies), -0.2 to -0.4% at page 8; hd128 +0.8-1.3% at page 16 but -2 to
+  // -6% at pages 8, 32 and 64. So hd64 rows always, hd128 in a page-16 twin of its own (SPAN_KV_: name +
   // "_span", routing.span_pays; compiled beside the interleaved copies it cost the other pages
   // 1.4-5.3%, session 39).
   static constexpr bool SPAN_KV = SPAN_KV_;

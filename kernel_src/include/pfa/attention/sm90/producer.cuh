@@ -284,7 +284,6 @@ __device__ __forceinline__ void load_tile_spans(uint32_t s_tile, const E* head, 
                                                 int page_shift, int64_t stride_n, int tid, uint64_t policy) {
   constexpr int WR0 = 32 / CPR, ROWS = 32 / WR0;
   static_assert(32 % CPR == 0 && Cfg::BLOCK_N == 32 * (Cfg::WG_THREADS / 32) && WR0 <= 8, "a warp's span: 32 rows");
-  static_assert(Cfg::BLOCK_N / (Cfg::WG_THREADS / CPR) == ROWS, "paged_rows_in_runs' copies a tile");
   const int lane = tid % 32, chunk = lane % CPR, r0 = tid / 32 * 32 + lane / CPR;
   const char* src = reinterpret_cast<const char*>(head) + chunk * Cfg::CHUNK_BYTES;
   const uint32_t dst0 = s_tile + (uint32_t)((chunk >> 3) * Cfg::BLOCK_N * Cfg::ROW_BYTES + r0 * Cfg::ROW_BYTES);
