@@ -4,7 +4,8 @@
 
 One call each: sm90 single prefill (TMA K/V, causal, partial tiles: the tail copied; and with more
 row tiles than SMs, so persistent CTAs walk several blocks), sm90 paged
-batch by the cp.async producer's owned-row copies (pages 16, 64 and 8, shuffled, NHD and HND; with PFA_SM90_KV_LOAD=tma
+batch by the cp.async producer's owned-row copies (pages 16, 64 and 8, shuffled, NHD and HND, hd128
+and hd64: interleaved rows, warp spans, the dense and span twins; with PFA_SM90_KV_LOAD=tma
 and a `make TUNE=1` build, page 16 by TMA boxes), sm90 ragged batch with split KV and its merge (TMA,
 a tail box with V's rows zeroed), a bf16 query over fp8 caches (paged and ragged: the sm90 rows
 that widen raw one-byte tiles), sm90 fp8 prefill, single and over a paged fp8 cache (by
@@ -49,7 +50,9 @@ def main():
     w.plan(qo, kv, 8, 2, 128, causal=True, fixed_split_size=128, q_data_type=BF16)
     finite("ragged split", w.run(q[:130], k, v))
     # 16: boxes where PFA_SM90_KV_LOAD=tma runs the TMA twin; 8: cp.async always. The copies' page
-    # runs (bf16 hd128: 8-row steps): 16 -> runs of 2, 64 -> runs of 8, 8 -> one row each.
+    # runs (bf16 hd128, rows 8 apart): 64 -> runs of 8, 8 -> one row each; 16: the span twin's warp
+    # spans (producer.cuh load_tile_spans), runs of 8. hd64: spans always (16 -> 4, 64 -> 8, 8 -> 2).
+    q64 = rnd(130, 8, 64)
     for ps in (16, 64, 8):
         lens = [300, 33]
         pages = [-(-n // ps) for n in lens]
@@ -64,6 +67,9 @@ def main():
         wh = pyflashattn.BatchPrefillWithPagedKVCacheWrapper(ws, "HND")
         wh.plan(qo, indptr, perm.numpy(), last, 8, 2, 128, ps, causal=True, q_data_type=BF16)
         finite(f"paged HND page {ps} ({wh._engine.attn.name})", wh.run(q[:130], cache.transpose(2, 3).contiguous()))
+        w64 = pyflashattn.BatchPrefillWithPagedKVCacheWrapper(ws, "NHD")
+        w64.plan(qo, indptr, perm.numpy(), last, 8, 2, 64, ps, causal=True, q_data_type=BF16)
+        finite(f"paged hd64 page {ps} ({w64._engine.attn.name})", w64.run(q64, rnd(sum(pages) + 3, 2, ps, 2, 64)))
     e4 = torch.float8_e4m3fn
     # a bf16 q over an fp8 cache: the sm90 rows that copy raw one-byte tiles and widen them
     # (widen_producer.cuh), paged (e4m3, the last page size's cache) and ragged (e5m2) walking
