@@ -71,25 +71,39 @@ def test_twin_rows_are_twins_of_the_paged_rows(flag, key, suffix, head_dims, sou
         assert "false, false, " + str(base.smem_bytes) in base.source()
 
 
-@pytest.mark.parametrize("layout,hkv,ps,dense_env,want", [
-    ("HND", HKV, PS32, None, True), ("NHD", HKV, PS32, None, False), ("NHD", 1, PS32, None, True),
-    ("HND", HKV, PS32, "0", False), ("HND", HKV, PS32, "1", True), ("HND", HKV, PS, None, False),
-    ("HND", HKV, 64, None, True), ("NHD", 1, PS, None, False)])
-def test_plans_take_the_dense_twin_where_page_slots_are_dense(monkeypatch, layout, hkv, ps, dense_env, want):
-    env = _env(monkeypatch, dense_env)
+DENSE_OFF, DENSE_ON, SPAN_OFF, SPAN_ON = ({env: v} for env in (routing.DENSE_ENV, routing.SPAN_ENV) for v in "01")
+
+
+# (layout, kv heads, page size, switches, the twin the plan takes: "_dense", "_span" or "" = the row)
+TWIN_ROUTES = [
+    ("HND", HKV, PS32, {}, "_dense"), ("NHD", HKV, PS32, {}, ""), ("NHD", 1, PS32, {}, "_dense"),
+    ("HND", HKV, PS32, DENSE_OFF, ""), ("HND", HKV, PS32, DENSE_ON, "_dense"), ("HND", HKV, 64, {}, "_dense"),
+    ("NHD", HKV, 64, {}, ""), ("NHD", HKV, PS, {}, "_span"), ("HND", HKV, PS, {}, "_span"),
+    ("NHD", 1, PS, {}, "_span"), ("HND", HKV, PS, DENSE_OFF, "_span"), ("NHD", HKV, PS, SPAN_ON, "_span"),
+    ("NHD", HKV, PS, SPAN_OFF, ""), ("HND", HKV, PS, SPAN_OFF, ""), ("HND", HKV, PS32, SPAN_OFF, "_dense")]
+
+
+@pytest.mark.parametrize("layout,hkv,ps,switches,want", TWIN_ROUTES)
+def test_plans_take_the_twin_their_pages_pay(monkeypatch, layout, hkv, ps, switches, want):
+    """Dense twins where a kv head's page slots are back to back and pages hold 32+ slots, span
+    twins at pages of 16 in either layout, the row itself otherwise or where the switch is off."""
+    env = _env(monkeypatch, switches.get(routing.DENSE_ENV), switches.get(routing.SPAN_ENV))
     w = paged(env, layout=layout)
     _plan(w, hkv, ps)
-    name = w._engine.attn.name
-    assert "_paged" in name and name.endswith("_dense") is want and bool(w._engine.attn.meta["dense_kv"]) is want
+    la = w._engine.attn
+    assert "_paged" in la.name and la.name.endswith("_paged_ps" + want), la.name
+    assert (bool(la.meta["dense_kv"]), bool(la.meta["span_kv"])) == (want == "_dense", want == "_span")
     w.run(q_long(), _cache(layout, hkv, ps), out=out_long())
     launched, _, _, p = last_attn(env)
-    assert launched.endswith("_dense") is want and not w._engine.kv_fallback
+    assert launched == la.name and not w._engine.kv_fallback and p.page_size == ps
     assert p.k_stride_n == (D if layout == "HND" else hkv * D)
 
 
-def test_a_dense_switch_it_does_not_know_is_refused(monkeypatch):
-    env = _env(monkeypatch, "off")
-    with pytest.raises(ValueError, match=routing.DENSE_ENV):
+@pytest.mark.parametrize("env_name", [routing.DENSE_ENV, routing.SPAN_ENV])
+def test_a_twin_switch_it_does_not_know_is_refused(monkeypatch, env_name):
+    env = _env(monkeypatch)
+    monkeypatch.setenv(env_name, "off")
+    with pytest.raises(ValueError, match=env_name):
         _plan(paged(env, layout="HND"))
 
 
@@ -112,39 +126,21 @@ def test_strided_page_slots_fall_back_to_the_row(monkeypatch):
     assert launched == dense_name and not w._engine.kv_fallback and p.k_stride_n == D
 
 
-def test_skip_softmax_on_a_dense_plan_runs_the_rows_skip_twin(monkeypatch):
+@pytest.mark.parametrize("ps,suffix", [(PS32, "_dense"), (PS, "_span")])
+def test_skip_softmax_on_a_twin_plan_runs_the_rows_skip_twin(monkeypatch, ps, suffix):
     env = _env(monkeypatch)
     w = paged(env, layout="HND")
-    _plan(w)
-    dense_name = w._engine.attn.name
-    w.run(q_long(), _cache(), out=out_long(), skip_softmax_threshold_scale_factor=1.0)
-    launched, _, _, p = last_attn(env)
-    assert launched == dense_name.removesuffix("_dense") + "_skip" and p.skip_softmax_factor > 0
-    w.run(q_long(), _cache(), out=out_long())
-    assert last_attn(env)[0] == dense_name
-
-
-@pytest.mark.parametrize("layout,ps,span_env,want", [
-    ("NHD", PS, None, True), ("HND", PS, None, True), ("NHD", PS, "1", True), ("NHD", PS, "0", False),
-    ("HND", PS, "0", False), ("NHD", 64, None, False), ("NHD", PS32, None, False), ("HND", 64, None, False)])
-def test_plans_take_the_span_twin_at_page_16(monkeypatch, layout, ps, span_env, want):
-    env = _env(monkeypatch, span_env=span_env)
-    w = paged(env, layout=layout)
     _plan(w, HKV, ps)
-    name = w._engine.attn.name
-    assert "_paged" in name and name.endswith("_span") is want and bool(w._engine.attn.meta["span_kv"]) is want
-    w.run(q_long(), _cache(layout, HKV, ps), out=out_long())
+    twin = w._engine.attn.name
+    assert twin.endswith(suffix)
+    w.run(q_long(), _cache(ps=ps), out=out_long(), skip_softmax_threshold_scale_factor=1.0)
     launched, _, _, p = last_attn(env)
-    assert launched == name and p.page_size == ps and not w._engine.kv_fallback
+    assert launched == twin.removesuffix(suffix) + "_skip" and p.skip_softmax_factor > 0
+    w.run(q_long(), _cache(ps=ps), out=out_long())
+    assert last_attn(env)[0] == twin
 
 
-def test_a_span_switch_it_does_not_know_is_refused(monkeypatch):
-    env = _env(monkeypatch, span_env="yes")
-    with pytest.raises(ValueError, match=routing.SPAN_ENV):
-        _plan(paged(env), HKV, PS)
-
-
-def test_span_plans_take_any_strides_and_skip_on_the_rows_skip_twin(monkeypatch):
+def test_span_plans_take_any_strides(monkeypatch):
     env = _env(monkeypatch)
     w = paged(env, layout="HND")
     _plan(w, HKV, PS)
@@ -155,8 +151,3 @@ def test_span_plans_take_any_strides_and_skip_on_the_rows_skip_twin(monkeypatch)
     w.run(q_long(), _cache(ps=PS, strides=strides), out=out_long())
     launched, _, _, p = last_attn(env)
     assert launched == span_name and not w._engine.kv_fallback and p.k_stride_n == pad
-    w.run(q_long(), _cache(ps=PS), out=out_long(), skip_softmax_threshold_scale_factor=1.0)
-    launched, _, _, p = last_attn(env)
-    assert launched == span_name.removesuffix("_span") + "_skip" and p.skip_softmax_factor > 0
-    w.run(q_long(), _cache(ps=PS), out=out_long())
-    assert last_attn(env)[0] == span_name
