@@ -177,6 +177,10 @@ struct ConsumerSm90 {
                                                  bool& moved, float scale, bool vote, const SkipSoftmax& skip,
                                                  const PrefillWork& w, const Rows& r, int wg) {
     moved = false;
+    if constexpr (!SKIP) {
+      softmax_rows<HELD_MAX, !Cfg::PAGED, Softmax>(s, m, l, corr, scale, moved);
+      return false;
+    }
     float mx[2];
     const bool held = row_maxes<HELD_MAX, Softmax>(s, mx, m, scale);
     if (vote) {
@@ -189,26 +193,57 @@ struct ConsumerSm90 {
       }
     }
 #pragma unroll
-    for (int i = 0; i < 2; ++i) {
-      const float m_old = m[i];
-      float m_use = m[i];
-      if (held)
-        corr[i] = 1.f;
-      else
-        m_use = Softmax::rescale(m[i], mx[i], scale, corr[i]);
-      moved |= m[i] != m_old;  // (-inf kept is not a move: corr is 0 then, on a row whose O is zero)
-      float sum = 0.f;
-#pragma unroll
-      for (int j = 0; j < S_COLS; ++j)
-#pragma unroll
-        for (int e = 0; e < 2; ++e) {
-          const float x = Softmax::prob(s[4 * j + 2 * i + e], scale, m_use);
-          s[4 * j + 2 * i + e] = x;
-          sum += x;
-        }
-      l[i] = fmaf(l[i], corr[i], sum);
-    }
+    for (int i = 0; i < 2; ++i) exp_row<Softmax>(s, i, mx[i], held, m[i], l[i], corr[i], scale, moved);
     return false;
+  }
+
+  // A tile's online softmax rows without a vote (SoftmaxT, HELD and P_SHIFT as row_maxes and
+  // exp_row take them): HELD, both maxes first (max_held votes on them), then each row's
+  // exponents; else BY_ROW, row by row, max then exponents (row 1's shuffles under row 0's
+  // exponents), or both maxes first. Measured (H200, NOTES.md session 41): by row +0.5-0.8% on the
+  // contiguous / ragged 16-bit rows, -2.3% on the hd64 paged ones at pages 32 / 64; on the fp8
+  // hd128 rows both maxes first was 2-6% slower. Shared by both consumers' softmax.
+  template <bool HELD, bool BY_ROW, class SoftmaxT, int P_SHIFT = 0, class Scale>
+  static __device__ __forceinline__ void softmax_rows(float (&s)[S_ACC], float (&m)[2], float (&l)[2],
+                                                      float (&corr)[2], const Scale& scale, bool& moved) {
+    if constexpr (BY_ROW && !HELD) {
+#pragma unroll
+      for (int i = 0; i < 2; ++i)
+        exp_row<SoftmaxT, P_SHIFT>(s, i, quad_max(thread_row_max(s, i)), false, m[i], l[i], corr[i],
+                                   row_scale(scale, i), moved);
+    } else {
+      float mx[2];
+      const bool held = row_maxes<HELD, SoftmaxT>(s, mx, m, scale);
+#pragma unroll
+      for (int i = 0; i < 2; ++i)
+        exp_row<SoftmaxT, P_SHIFT>(s, i, mx[i], held, m[i], l[i], corr[i], row_scale(scale, i), moved);
+    }
+  }
+
+  // Row i (0, 1) of a tile's online softmax, its max mx known: m rescaled (held: m stays, corr = 1),
+  // the row's scores into unnormalised P = 2^(s * scale - m + P_SHIFT) (the fp8 consumer's P is
+  // shifted up, fp8_consumer.cuh; 0 here), l = l * corr + their sum; moved |= whether m moved.
+  template <class SoftmaxT, int P_SHIFT = 0>
+  static __device__ __forceinline__ void exp_row(float (&s)[S_ACC], int i, float mx, bool held, float& m, float& l,
+                                                 float& corr, float scale, bool& moved) {
+    const float m_old = m;
+    float m_use = m;
+    if (held)
+      corr = 1.f;
+    else
+      m_use = SoftmaxT::rescale(m, mx, scale, corr);
+    if constexpr (P_SHIFT != 0) m_use -= (float)P_SHIFT;
+    moved |= m != m_old;  // (-inf kept is not a move: corr is 0 then, on a row whose O is zero)
+    float sum = 0.f;
+#pragma unroll
+    for (int j = 0; j < S_COLS; ++j)
+#pragma unroll
+      for (int e = 0; e < 2; ++e) {
+        const float x = SoftmaxT::prob(s[4 * j + 2 * i + e], scale, m_use);
+        s[4 * j + 2 * i + e] = x;
+        sum += x;
+      }
+    l = fmaf(l, corr, sum);
   }
 
   static __device__ __forceinline__ void rescale_o(float (&o)[O_ACC], const float (&corr)[2]) {

@@ -61,7 +61,8 @@ struct ConsumerSm90Fp8 : ConsumerSm90<Cfg, PINGPONG, false> {
   // flushes below 2^-9, so unshifted probabilities under ~2^-6 would lose precision (and under
   // 2^-10 vanish) in the P V product. l sums the same shifted values, so O / l is unchanged; the
   // epilogue gets m - P_LOG2_OFFSET (unshift_max) for the LSE.
-  static constexpr float P_LOG2_OFFSET = LAZY_O ? 7.f : 8.f;
+  static constexpr int P_LOG2_SHIFT = LAZY_O ? 7 : 8;
+  static constexpr float P_LOG2_OFFSET = P_LOG2_SHIFT;
   using Softmax = OnlineSoftmax<LAZY_O, 7>;  // (lazy: slack 1.75)
   static_assert(!LAZY_O || P_LOG2_OFFSET + Softmax::RESCALE_SLACK < 8.807f, "P stays under e4m3's 448");
   // ConsumerSm90::HELD_MAX on the paged overlapped rows (hd128: TRT-LLM paged e4m3 +1.0-2.0%,
@@ -81,12 +82,12 @@ struct ConsumerSm90Fp8 : ConsumerSm90<Cfg, PINGPONG, false> {
     }
   }
 
-  // Whether the tile of keys [n0, n0 + BLOCK_N) needs mask(). ConsumerSm90::masks_tile's two
-  // compares on the three-consumer rows (hd64: 2-7% faster, same run, H100, NOTES session 23);
-  // the predicate's per-tile keeps_all on the others, where the two compares ran 2% slower (e4m3
-  // hd128 TMA, 4k-16k) and hd256 did not move.
+  // Whether the tile of keys [n0, n0 + BLOCK_N) needs mask(): ConsumerSm90::masks_tile's two
+  // compares, but on the overlapped two-consumer rows (hd128) the predicate's per-tile keeps_all.
+  // Measured: the two compares hd64 (three consumers) 2-7% faster (H100, NOTES.md session 23),
+  // the serial hd256 rows +2.5% at 8k, the overlapped hd128 rows 2-3% slower (H200, session 41).
   static __device__ __forceinline__ bool masks_tile(const PrefillWork& w, const Rows& r, int n0) {
-    if constexpr (Cfg::CONSUMERS > 2) return Base::masks_tile(r, n0);
+    if constexpr (Cfg::CONSUMERS > 2 || !OVERLAP) return Base::masks_tile(r, n0);
     else return !w.rule.keeps_all(r.q_lo, r.q_hi, n0, n0 + BLOCK_N - 1);
   }
 
@@ -95,36 +96,8 @@ struct ConsumerSm90Fp8 : ConsumerSm90<Cfg, PINGPONG, false> {
   // 0 for a row that has seen no key yet, whose O is still zero).
   static __device__ __forceinline__ bool softmax(float (&s)[S_ACC], float (&m)[2], float (&l)[2], float (&corr)[2],
                                                  const float (&scale)[2]) {
-    bool moved = false;
-    // one row's rescale and exponents; held: its max stays (ConsumerSm90::max_held), corr = 1
-    auto row = [&](int i, float mx, bool held) {
-      const float m_old = m[i];
-      float m_use = m[i] - P_LOG2_OFFSET;
-      if (held)
-        corr[i] = 1.f;
-      else
-        m_use = Softmax::rescale(m[i], mx, scale[i], corr[i]) - P_LOG2_OFFSET;
-      moved |= m[i] != m_old;  // (-inf kept is not a move: corr is 0 then, on a row whose O is zero)
-      float sum = 0.f;
-#pragma unroll
-      for (int j = 0; j < S_COLS; ++j)
-#pragma unroll
-        for (int e = 0; e < 2; ++e) {
-          const float x = Softmax::prob(s[4 * j + 2 * i + e], scale[i], m_use);
-          s[4 * j + 2 * i + e] = x;
-          sum += x;
-        }
-      l[i] = fmaf(l[i], corr[i], sum);
-    };
-    if constexpr (HELD_MAX) {  // the quad's shuffles and the rescale only where a max may move
-      float mx[2];
-      const bool held = Base::template row_maxes<true, Softmax>(s, mx, m, scale);
-#pragma unroll
-      for (int i = 0; i < 2; ++i) row(i, mx[i], held);
-    } else {
-#pragma unroll
-      for (int i = 0; i < 2; ++i) row(i, Base::quad_max(Base::thread_row_max(s, i)), false);
-    }
+    bool moved = false;  // HELD_MAX: the quad's shuffles and the rescale only where a max may move
+    Base::template softmax_rows<HELD_MAX, true, Softmax, P_LOG2_SHIFT>(s, m, l, corr, scale, moved);
     return moved;
   }
 
