@@ -85,7 +85,7 @@ struct ConsumerSm90Fp8 : ConsumerSm90<Cfg, PINGPONG, false> {
   // Whether the tile of keys [n0, n0 + BLOCK_N) needs mask(): ConsumerSm90::masks_tile's two
   // compares, but on the overlapped two-consumer rows (hd128) the predicate's per-tile keeps_all.
   // Measured: the two compares hd64 (three consumers) 2-7% faster (H100, NOTES.md session 23),
-  // the serial hd256 rows +2.5% at 8k, the overlapped hd128 rows 2-3% slower (H200, session 41).
+  // the serial hd256 rows +2.0-2.5% at 8k, the overlapped hd128 rows 2-3% slower (H200, session 41).
   static __device__ __forceinline__ bool masks_tile(const PrefillWork& w, const Rows& r, int n0) {
     if constexpr (Cfg::CONSUMERS > 2 || !OVERLAP) return Base::masks_tile(r, n0);
     else return !w.rule.keeps_all(r.q_lo, r.q_hi, n0, n0 + BLOCK_N - 1);
