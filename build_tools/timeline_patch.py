@@ -1,4 +1,5 @@
-"""Per-block clock64 stamps in the 16-bit sm_90a prefill, for a throwaway copy of the tree.
+"""Per-block clock64 stamps in the sm_90a prefill (16-bit; the fp8 row's consumers too), for a
+throwaway copy of the tree.
 
     mkdir /tmp/tl && git archive HEAD | tar -x -C /tmp/tl && python build_tools/timeline_patch.py /tmp/tl
     (cd /tmp/tl && make ARCHS=sm_90a && PYTHONPATH=$PWD python3 build_tools/timeline_run.py)
@@ -86,8 +87,8 @@ sub("sm90/consumer.cuh", "      ptx::mbar_wait(Cfg::k_full(base, st), walk.phase
     "      PFA_TLW(0, ptx::mbar_wait(Cfg::k_full(base, st), walk.phase<STAGES>(it)));\n"
     "      if constexpr (!RESCALE_IN_TURN) PFA_TLW(1, ptx::mbar_wait(Cfg::v_full(base, prev), walk.phase<STAGES>(it - 1)));\n"
     "      PFA_TLW(2, turn.take());\n      const unsigned _t5 = clock();\n")
-sub("sm90/consumer.cuh", "        rescale_o(o, corr);\n        ptx::mbar_wait(Cfg::v_full(base, prev), walk.phase<STAGES>(it - 1));\n",
-    "        rescale_o(o, corr);\n        PFA_TLW(1, ptx::mbar_wait(Cfg::v_full(base, prev), walk.phase<STAGES>(it - 1)));\n")
+sub("sm90/consumer.cuh", "        rescale_o_if<LAZY_O>(o, corr, moved);\n        ptx::mbar_wait(Cfg::v_full(base, prev), walk.phase<STAGES>(it - 1));\n",
+    "        rescale_o_if<LAZY_O>(o, corr, moved);\n        PFA_TLW(1, ptx::mbar_wait(Cfg::v_full(base, prev), walk.phase<STAGES>(it - 1)));\n")
 # the turn's hold (the two GEMMs' issue) and the softmax between the S and P V waits
 sub("sm90/consumer.cuh", "      turn.pass();\n      ptx::wgmma_wait<1>();",
     "      turn.pass();\n      _tlw[5] += clock() - _t5;\n      ptx::wgmma_wait<1>();")
@@ -101,11 +102,32 @@ sub("sm90/cta.cuh", "        const int b = producer ? Sched::produce(p, base, k,
     "        if (producer) PFA_TL(walk.q_round, 32);\n"
     "        const int b = producer ? Sched::produce(p, base, k, tid) : Sched::consume(base, k);\n"
     "        if (producer) PFA_TL(walk.q_round, 33);\n")
-sub("sm90/producer_tma.cuh", "    if (w.num_tiles == 0) return;\n    wait_q_free<Cfg>(base, walk);\n"
-    "    ProducerSm90<Cfg>::load_q(p, w, base, tid);\n",
-    "    if (w.num_tiles == 0) return;\n    PFA_TL(walk.q_round, 34);\n    wait_q_free<Cfg>(base, walk);\n    PFA_TL(walk.q_round, 35);\n"
-    "    ProducerSm90<Cfg>::load_q(p, w, base, tid);\n"
+sub("sm90/producer_tma.cuh", "    if (w.num_tiles == 0) return;\n    const int warp = tid / 32, lane = tid % 32;\n",
+    "    if (w.num_tiles == 0) return;\n    PFA_TL(walk.q_round, 34);\n    const int warp = tid / 32, lane = tid % 32;\n")
+sub("sm90/producer_tma.cuh", "      wait_q_free<Cfg>(base, walk);\n      ProducerSm90<Cfg>::load_q(p, w, base, tid);\n    }\n",
+    "      wait_q_free<Cfg>(base, walk);\n      PFA_TL(walk.q_round, 35);\n      ProducerSm90<Cfg>::load_q(p, w, base, tid);\n    }\n"
     "    PFA_TL(walk.q_round, 36);\n")
 sub("sm90/producer_tma.cuh", "      if (tma && tail) ++walk.tails;\n    }\n",
     "      if (tma && tail) ++walk.tails;\n    }\n    PFA_TL(walk.q_round, 37);\n")
+# the fp8 row (prefill_sm90_fp8.cuh consume, fp8_consumer.cuh's overlapped loop): the consumers'
+# block events 0 .. 7 and 15 as above (no wait sums); its producer has no stamps but the walk's
+pf = root / "prefill_sm90_fp8.cuh"
+src = pf.read_text()
+a = "    Consumer::mainloop(p, w, rows, base, wg, lane, o, m, l, walk);\n"
+assert src.count(a) == 1
+src = src.replace(a, "    PFA_TL(walk.q_round, wg * 16 + 0);\n    PFA_TLV(walk.q_round, wg * 16 + 7, w.num_tiles);\n" + a +
+                  "    PFA_TL(walk.q_round, wg * 16 + 5);\n")
+assert src.count(b) == 1
+src = src.replace(b, b + "    PFA_TL(walk.q_round, wg * 16 + 15);\n")
+m = re.search(r"    EpilogueSm90<OutCfg, Consumer::O_ACC>::run\([^;]*\);\n", src)
+src = src[:m.end()] + "    PFA_TL(walk.q_round, wg * 16 + 6);\n" + src[m.end():]
+pf.write_text(src)
+sub("sm90/fp8_consumer.cuh", "    ptx::mbar_wait(Cfg::q_full(base), walk.q_round & 1);\n    QFrags qf;\n",
+    "    ptx::mbar_wait(Cfg::q_full(base), walk.q_round & 1);\n    PFA_TL(walk.q_round, wg * 16 + 1);\n    QFrags qf;\n")
+sub("sm90/fp8_consumer.cuh", "    ptx::mbar_wait(Cfg::k_full(base, st0), walk.phase<STAGES>(0));\n    turn.take();\n",
+    "    ptx::mbar_wait(Cfg::k_full(base, st0), walk.phase<STAGES>(0));\n    turn.take();\n    PFA_TL(walk.q_round, wg * 16 + 2);\n")
+sub("sm90/fp8_consumer.cuh", "    if (lane == 0) ptx::mbar_arrive(Cfg::k_empty(base, st0));\n    Base::release_q(base, Q_REGS",
+    "    PFA_TL(walk.q_round, wg * 16 + 3);\n    if (lane == 0) ptx::mbar_arrive(Cfg::k_empty(base, st0));\n    Base::release_q(base, Q_REGS")
+sub("sm90/fp8_consumer.cuh", "    const int last = walk.stage<STAGES>(n - 1);\n",
+    "    PFA_TL(walk.q_round, wg * 16 + 4);\n    const int last = walk.stage<STAGES>(n - 1);\n")
 print("patched", root)
