@@ -52,20 +52,25 @@ sub("sm90/cta.cuh", "      walk_done(wg - 1, walk);\n    }\n  }\n}\n",
     "      walk_done(wg - 1, walk);\n"
     "      if (tid == Cfg::WG_THREADS) { ::pfa_tl_cta[blockIdx.x * 4 + 2] = " + gt() + "; ::pfa_tl_cta[blockIdx.x * 4 + 3] = clock64(); }\n"
     "    }\n  }\n}\n")
-# consumer: entry / epilogue end (prefill_sm90.cuh consume)
+# consumer: entry / epilogue end, in an entry header's consume (prefill_sm90.cuh, prefill_sm90_fp8.cuh)
 import re
-pf = root / "prefill_sm90.cuh"
-src = pf.read_text()
-a = "    Consumer::mainloop(p, w, rows, base, wg, lane, o, m, l, walk);\n"
-assert src.count(a) == 1
-src = src.replace(a, "    PFA_TL(walk.q_round, wg * 16 + 0);\n    PFA_TLV(walk.q_round, wg * 16 + 7, w.num_tiles);\n" + a +
-                  "    PFA_TL(walk.q_round, wg * 16 + 5);\n")
-b = "    ahead();\n"  # (+ 15) the next block taken (DECODE_AHEAD: its decode) before the epilogue
-assert src.count(b) == 1
-src = src.replace(b, b + "    PFA_TL(walk.q_round, wg * 16 + 15);\n")
-m = re.search(r"    EpilogueSm90<Cfg, Consumer::O_ACC[^>]*>::run\([^;]*\);\n", src)
-src = src[:m.end()] + "    PFA_TL(walk.q_round, wg * 16 + 6);\n" + src[m.end():]
-pf.write_text(src)
+
+def stamp_consume(header, epilogue_cfg):
+    pf = root / header
+    src = pf.read_text()
+    a = "    Consumer::mainloop(p, w, rows, base, wg, lane, o, m, l, walk);\n"
+    assert src.count(a) == 1, (header, a)
+    src = src.replace(a, "    PFA_TL(walk.q_round, wg * 16 + 0);\n    PFA_TLV(walk.q_round, wg * 16 + 7, w.num_tiles);\n" + a +
+                      "    PFA_TL(walk.q_round, wg * 16 + 5);\n")
+    b = "    ahead();\n"  # (+ 15) the next block taken (DECODE_AHEAD: its decode) before the epilogue
+    assert src.count(b) == 1, (header, b)
+    src = src.replace(b, b + "    PFA_TL(walk.q_round, wg * 16 + 15);\n")
+    m = re.search(r"    EpilogueSm90<" + epilogue_cfg + r", Consumer::O_ACC[^>]*>::run\([^;]*\);\n", src)
+    assert m, (header, "EpilogueSm90<...>::run")
+    src = src[:m.end()] + "    PFA_TL(walk.q_round, wg * 16 + 6);\n" + src[m.end():]
+    pf.write_text(src)
+
+stamp_consume("prefill_sm90.cuh", "Cfg")
 # consumer mainloop: q ready, turn taken, first S done, loop end
 sub("sm90/consumer.cuh", "    ptx::mbar_wait(Cfg::q_full(base), walk.q_round & 1);\n",
     "    ptx::mbar_wait(Cfg::q_full(base), walk.q_round & 1);\n    PFA_TL(walk.q_round, wg * 16 + 1);\n")
@@ -111,17 +116,7 @@ sub("sm90/producer_tma.cuh", "      if (tma && tail) ++walk.tails;\n    }\n",
     "      if (tma && tail) ++walk.tails;\n    }\n    PFA_TL(walk.q_round, 37);\n")
 # the fp8 row (prefill_sm90_fp8.cuh consume, fp8_consumer.cuh's overlapped loop): the consumers'
 # block events 0 .. 7 and 15 as above (no wait sums); its producer has no stamps but the walk's
-pf = root / "prefill_sm90_fp8.cuh"
-src = pf.read_text()
-a = "    Consumer::mainloop(p, w, rows, base, wg, lane, o, m, l, walk);\n"
-assert src.count(a) == 1
-src = src.replace(a, "    PFA_TL(walk.q_round, wg * 16 + 0);\n    PFA_TLV(walk.q_round, wg * 16 + 7, w.num_tiles);\n" + a +
-                  "    PFA_TL(walk.q_round, wg * 16 + 5);\n")
-assert src.count(b) == 1
-src = src.replace(b, b + "    PFA_TL(walk.q_round, wg * 16 + 15);\n")
-m = re.search(r"    EpilogueSm90<OutCfg, Consumer::O_ACC>::run\([^;]*\);\n", src)
-src = src[:m.end()] + "    PFA_TL(walk.q_round, wg * 16 + 6);\n" + src[m.end():]
-pf.write_text(src)
+stamp_consume("prefill_sm90_fp8.cuh", "OutCfg")
 sub("sm90/fp8_consumer.cuh", "    ptx::mbar_wait(Cfg::q_full(base), walk.q_round & 1);\n    QFrags qf;\n",
     "    ptx::mbar_wait(Cfg::q_full(base), walk.q_round & 1);\n    PFA_TL(walk.q_round, wg * 16 + 1);\n    QFrags qf;\n")
 sub("sm90/fp8_consumer.cuh", "    ptx::mbar_wait(Cfg::k_full(base, st0), walk.phase<STAGES>(0));\n    turn.take();\n",
