@@ -287,14 +287,14 @@ def decode_cases(torch, pfa):
 
 
 def trtllm_cases(torch, pfa):
-    """bench trtllm's rows at 4 x 4096 and 1 x 16384 tokens, causal, 16 heads x 128: trtllm_fmha_v2_prefill
+    """bench trtllm's rows at 16 x 1024, 4 x 4096 and 1 x 16384 tokens, causal, 16 heads x 128: trtllm_fmha_v2_prefill
     over CONTIGUOUS_Q_KV and Q_PAGED_KV_HND (page 32), bf16 inputs and e4m3 inputs into a bf16
     output (#20's paging cost and e4m3 rows); the contiguous rows without a mask too."""
     from pyflashattn.bench import trtllm as bt
 
     ws = torch.zeros(256 << 20, dtype=torch.uint8, device="cuda")
     h = bt.HIDDEN // bt.HD
-    for s in (4096, 16384):
+    for s in (1024, 4096, 16384):
         b = bt.TOKENS // s
         q, k, v, cum, sl, cache, table = bt._inputs(torch, b, s)
         flops = 4 * b * h * s * s * bt.HD / 2

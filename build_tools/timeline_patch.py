@@ -115,7 +115,7 @@ sub("sm90/producer_tma.cuh", "      wait_q_free<Cfg>(base, walk);\n      Produce
 sub("sm90/producer_tma.cuh", "      if (tma && tail) ++walk.tails;\n    }\n",
     "      if (tma && tail) ++walk.tails;\n    }\n    PFA_TL(walk.q_round, 37);\n")
 # the fp8 row (prefill_sm90_fp8.cuh consume, fp8_consumer.cuh's overlapped loop): the consumers'
-# block events 0 .. 7 and 15 as above (no wait sums); its producer has no stamps but the walk's
+# block events 0 .. 7 and 15 as above (no wait sums); its TMA producer 32 .. 37 (below)
 stamp_consume("prefill_sm90_fp8.cuh", "OutCfg")
 sub("sm90/fp8_consumer.cuh", "    ptx::mbar_wait(Cfg::q_full(base), walk.q_round & 1);\n    QFrags qf;\n",
     "    ptx::mbar_wait(Cfg::q_full(base), walk.q_round & 1);\n    PFA_TL(walk.q_round, wg * 16 + 1);\n    QFrags qf;\n")
@@ -125,4 +125,13 @@ sub("sm90/fp8_consumer.cuh", "    if (lane == 0) ptx::mbar_arrive(Cfg::k_empty(b
     "    PFA_TL(walk.q_round, wg * 16 + 3);\n    if (lane == 0) ptx::mbar_arrive(Cfg::k_empty(base, st0));\n    Base::release_q(base, Q_REGS")
 sub("sm90/fp8_consumer.cuh", "    const int last = walk.stage<STAGES>(n - 1);\n",
     "    PFA_TL(walk.q_round, wg * 16 + 4);\n    const int last = walk.stage<STAGES>(n - 1);\n")
+# the fp8 TMA producer (fp8_producer.cuh run_tma): events 34 .. 37 as the 16-bit TMA producer's
+sub("sm90/fp8_producer.cuh", "    wait_q_free<Cfg>(base, walk);\n    if (QByTma<Cfg, uint8_t>::on(p, w)) {\n",
+    "    PFA_TL(walk.q_round, 34);\n    wait_q_free<Cfg>(base, walk);\n    PFA_TL(walk.q_round, 35);\n"
+    "    if (QByTma<Cfg, uint8_t>::on(p, w)) {\n")
+sub("sm90/fp8_producer.cuh", "      ptx::cp_async_mbar_arrive(Cfg::q_full(base));\n    }\n    const int n = w.num_tiles;\n",
+    "      ptx::cp_async_mbar_arrive(Cfg::q_full(base));\n    }\n    PFA_TL(walk.q_round, 36);\n"
+    "    const int n = w.num_tiles;\n")
+sub("sm90/fp8_producer.cuh", "    ptx::cp_async_wait<0>();  // (Q's copies, a copied tail's)\n",
+    "    PFA_TL(walk.q_round, 37);\n    ptx::cp_async_wait<0>();  // (Q's copies, a copied tail's)\n")
 print("patched", root)

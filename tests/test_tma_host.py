@@ -120,6 +120,14 @@ def test_fp8_single_prefill_runs_the_tma_twin_with_one_byte_boxes(monkeypatch, d
         dims, strides, box = (d, HKV, tma.ROW_EXTENT), (d, HKV * d), (128, 1, block_n)
         want = lambda ptr: _cuda.tensor_map_bytes(_cuda.encode_tensor_map("e4m3", ptr, dims, strides, box))  # noqa: E731
         assert _map_bytes(p, "k_tmap") == want(0x300000) and _map_bytes(p, "v_tmap") == want(0x380000)
+        # Q too (QByTma): 128 one-byte columns x group heads x 128 / group tokens
+        group = HQ // HKV
+        q_box = (128, group, 128 // group)
+        assert p.q_tma == 1 and p.q_tokens == 300
+        assert _map_bytes(p, "q_tmap") == _cuda.tensor_map_bytes(_cuda.encode_tensor_map(
+            "e4m3", 0x100000, (d, HQ, tma.ROW_EXTENT), (d, HQ * d), q_box))
+    else:
+        assert p.q_tma == 0
 
 
 @pytest.mark.parametrize("ps,tma_kernel", [(16, True), (64, True), (32, True), (1, False), (8, False), (24, False),
@@ -635,7 +643,6 @@ def test_q_map_forget_rewrites_the_struct(monkeypatch):
     p = PrefillParams()
     m = tma.q_map("f16", p, {"impl": "sm90", "tma": True, "block_m": 128}, HQ, D, HQ // HKV, 2)
     assert tma.q_map("f16", p, {"impl": "sm90", "tma": False, "block_m": 128}, HQ, D, HQ // HKV, 2) is None
-    assert tma.q_map("e4m3", p, {"impl": "sm90", "tma": True, "block_m": 128}, HQ, D, HQ // HKV, 1) is None
     m.configure(100, HQ * D, D)
     m.point(0x100000)
     assert (p.q_tma, p.q_tokens) == (1, 100)
@@ -646,6 +653,23 @@ def test_q_map_forget_rewrites_the_struct(monkeypatch):
     assert (p.q_tma, p.q_tokens) == (1, 100)
     assert _map_bytes(p, "q_tmap") == _expected(0x100000, Q_DIMS, Q_STRIDES, (64, HQ // HKV, 128 // (HQ // HKV)))
     m.configure(100, HQ * D + 4, D)  # a token stride TMA cannot take (not 16 bytes): the copies
+    assert p.q_tma == 0
+
+
+def test_q_map_of_an_e4m3_tma_row(monkeypatch):
+    """The e4m3 TMA rows take Q by TMA too (QByTma): a box of 128 one-byte columns x group heads x
+    block_m / group tokens, the map's data one byte wide."""
+    _env(monkeypatch)
+    p = PrefillParams()
+    group = HQ // HKV
+    m = tma.q_map("e4m3", p, {"impl": "sm90", "tma": True, "block_m": 128}, HQ, D, group, 1)
+    m.configure(100, HQ * D, D)
+    m.point(0x200000)
+    assert (p.q_tma, p.q_tokens) == (1, 100)
+    want = _cuda.tensor_map_bytes(_cuda.encode_tensor_map("e4m3", 0x200000, (D, HQ, tma.ROW_EXTENT), (D, HQ * D),
+                                                          (128, group, 128 // group)))
+    assert _map_bytes(p, "q_tmap") == want
+    m.configure(100, HQ * D + 8, D)  # a token stride TMA cannot take (not 16 bytes): the copies
     assert p.q_tma == 0
 
 

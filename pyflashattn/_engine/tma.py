@@ -5,8 +5,8 @@ encodes one CUtensorMap per K and V tensor (cuTensorMapEncodeTiled) into the ker
     16-bit or 128 e4m3 elements) x 1 head x block_n rows (the fp8 rows: sm90/fp8_producer.cuh);
   - a paged cache: 4-D (head_dim, page slot, kv head, page), boxes of 128 bytes of columns x box_rows slots
     (min(page_size, block_n)) x 1 head x 1 page;
-  - the 16-bit rows' Q (PrefillParams.q_tmap, QMap): 3-D (head_dim, q heads, tokens), boxes of 64
-    columns x group heads x block_m / group tokens (sm90/producer.cuh ProducerSm90::load_q).
+  - Q (PrefillParams.q_tmap, QMap): 3-D (head_dim, q heads, tokens), boxes of 128 bytes of columns
+    x group heads x block_m / group tokens (sm90/producer.cuh QByTma, the 16-bit and e4m3 rows).
 Boxes land in shared memory in the kernel's 128-byte-swizzled column blocks.
 
 run() must stay cheap while K/V pointers change every call (a ragged batch's K/V are new tensors
@@ -80,7 +80,7 @@ def kv_geometries(p, heads: int, head_dim: int, itemsize: int, block_n: int, pag
 def q_geometry(heads: int, head_dim: int, stride_n: int, stride_h: int, itemsize: int, group: int,
                block_m: int):
     """(dims, byte strides, box) of Q [tokens, Hq, D] for row tiles of block_m packed rows (row r =
-    token r / group, head r % group): a box of 64 16-bit columns x group heads x block_m / group
+    token r / group, head r % group): a box of 128 bytes of columns x group heads x block_m / group
     tokens lands the tile's rows in order. None where a tile is not whole tokens (group does not
     divide block_m) or a box dim would pass 256."""
     if block_m % group or block_m // group > 256 or group > 256:
@@ -215,7 +215,7 @@ class KvMaps:
 
 
 class QMap:
-    """Q's map in a 16-bit TMA launcher's struct (PrefillParams.q_tmap; q_tma = 1 while it holds a
+    """Q's map in a TMA launcher's struct (PrefillParams.q_tmap; q_tma = 1 while it holds a
     usable map, q_tokens = Q's rows, which the kernel keeps its boxes within): configure() per
     geometry (Q's rows and strides), point() per address. Where TMA cannot address Q, q_tma = 0
     and the producer copies Q as before."""
@@ -252,8 +252,8 @@ class QMap:
 
 
 def q_map(short: str, p, meta: dict, heads: int, head_dim: int, group: int, itemsize: int):
-    """A QMap for a launcher whose kernel loads Q by TMA (a 16-bit TMA row: ProducerSm90::load_q),
-    else None."""
-    if not meta.get("tma") or itemsize != 2:
+    """A QMap for a launcher whose kernel loads Q by TMA (a TMA row: QByTma in sm90/producer.cuh,
+    the 16-bit and the e4m3 rows), else None."""
+    if not meta.get("tma") or itemsize not in (1, 2):
         return None
     return QMap(short, p, heads, head_dim, group, meta["block_m"], itemsize)

@@ -261,15 +261,20 @@ struct ProducerSm90Fp8 {
     if (tid == 0) ptx::mbar_arrive(bar);
   }
 
-  // run() of the TMA configuration: per tile, raw V(it + 1) and K(it + 1) are issued (one thread),
+  // run() of the TMA configuration: Q by TMA where it can (QByTma, producer.cuh); per tile, raw
+  // V(it + 1) and K(it + 1) are issued (one thread),
   // then V(it) is awaited on its raw buffer's barrier and transposed as in run(). The raw buffers
   // alternate over the CTA's whole walk (tile g = walk.tile0 + it in buffer g & 1, phase (g >> 1) & 1).
   static __device__ __forceinline__ void run_tma(const PrefillParams& p, const PrefillWork& w, uint32_t base, int tid,
                                                  const Sm90Walk& walk) {
     if (w.num_tiles == 0) return;  // (the consumers wait for no Q either)
     wait_q_free<Cfg>(base, walk);
-    load_q(p, w, base + Cfg::Q_OFFSET, tid);
-    ptx::cp_async_mbar_arrive(Cfg::q_full(base));
+    if (QByTma<Cfg, uint8_t>::on(p, w)) {
+      QByTma<Cfg, uint8_t>::load(p, w, base, tid);
+    } else {
+      load_q(p, w, base + Cfg::Q_OFFSET, tid);
+      ptx::cp_async_mbar_arrive(Cfg::q_full(base));
+    }
     const int n = w.num_tiles;
     // one call site of each copy (its cp.async path inlined once), tile it + 1 issued before tile
     // it is transposed: raw V first (its buffer is free: the barrier ending tile it - 1), then K (a

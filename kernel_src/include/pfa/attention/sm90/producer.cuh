@@ -316,6 +316,39 @@ __device__ __forceinline__ void load_tile_spans(uint32_t s_tile, const E* head, 
   });
 }
 
+// Q by TMA (the TMA rows of both families, ProducerSm90::load_q and fp8_producer.cuh), where the
+// host gave Q's map (q_tma, tma.QMap) and the tile's tokens stay within q_tokens: thread 0
+// announces the tile's bytes on q_full and issues COL_BLOCKS boxes of group heads x BLOCK_M / group
+// tokens (rows past the request then hold the next request's Q: never stored, never voting); the
+// other threads arrive (TAIL_WARPS: thread 0 for them). A few instructions of one thread instead
+// of the copies, which took 2-3k cycles to issue at each block's start beside the consumers'
+// epilogue (16-bit rows: NOTES.md, session 28; e4m3 rows ~1.8k, session 42).
+template <class Cfg, typename T>
+struct QByTma {
+  static constexpr int BOX_COLS = Cfg::ROW_BYTES / (int)sizeof(T), COL_BLOCKS = Cfg::HEAD_DIM / BOX_COLS;
+  static_assert(Cfg::HEAD_DIM % BOX_COLS == 0, "Q in whole 128-byte column blocks");
+  static __device__ __forceinline__ bool on(const PrefillParams& p, const PrefillWork& w) {
+    const int tokens = group_div(p, Cfg::BLOCK_M), t0 = (int)w.q_row0 + group_div(p, w.r0);
+    return p.q_tma != 0 && (int64_t)t0 + tokens <= (int64_t)p.q_tokens;
+  }
+  static __device__ __forceinline__ void load(const PrefillParams& p, const PrefillWork& w, uint32_t base, int tid) {
+    const int t0 = (int)w.q_row0 + group_div(p, w.r0);
+    if (tid == 0) {
+      ptx::mbar_arrive_expect_tx(Cfg::q_full(base), Cfg::Q_BYTES);
+      // TAIL_WARPS: the other threads' arrivals too, so that warp 0 need not wait for warps 1..3
+      // (still zeroing the last block's tail, producer_tma.cuh)
+      if constexpr (Cfg::TAIL_WARPS) ptx::mbar_arrive_count(Cfg::q_full(base), Cfg::WG_THREADS - 1);
+      const uint64_t once = ptx::l2_evict_first();  // each Q row is read by one CTA
+#pragma unroll
+      for (int col = 0; col < COL_BLOCKS; ++col)
+        ptx::tma_load_3d(base + Cfg::Q_OFFSET + col * Cfg::BLOCK_M * Cfg::ROW_BYTES, &p.q_tmap, col * BOX_COLS,
+                         w.kv_head * w.group, t0, Cfg::q_full(base), once);
+    } else if constexpr (!Cfg::TAIL_WARPS) {
+      ptx::mbar_arrive(Cfg::q_full(base));
+    }
+  }
+};
+
 template <class Cfg>
 struct ProducerSm90 {
   static constexpr bool PAGED = Cfg::PAGED;
@@ -326,39 +359,14 @@ struct ProducerSm90 {
   static_assert(Cfg::WG_THREADS % CPR == 0 && BLOCK_N % ROW_STEP == 0 && Cfg::BLOCK_M % ROW_STEP == 0,
                 "whole rows per pass");
 
-  // The row tile's Q, completing q_full (WG_THREADS arrivals): on the TMA rows, by TMA where the
-  // host gave Q's map (q_tma, tma.QMap) and the tile's tokens stay within q_tokens, thread 0
-  // announcing the tile's bytes and issuing Q_COL_BLOCKS boxes of group heads x BLOCK_M / group
-  // tokens (rows past the request then hold the next request's Q: never stored, never voting);
-  // else the warpgroup's copies (rows past the request zero-filled). A few instructions of one
-  // thread instead of the copies, which took 2-3k cycles to issue at each block's start beside
-  // the consumers' epilogue (NOTES.md, session 28). Not on the cp.async rows: the paged ones lost
-  // 1-3% with it (the same A/B), the ragged ones gained 0.3-0.5%.
-  static constexpr int Q_BOX_COLS = Cfg::ROW_BYTES / (int)sizeof(T), Q_COL_BLOCKS = Cfg::HEAD_DIM / Q_BOX_COLS;
-  // Whether the block's Q goes by TMA (thread 0's boxes; else every producer thread copies rows):
-  // the call has Q's map and the tile's tokens lie within Q's rows.
-  static __device__ __forceinline__ bool q_by_tma(const PrefillParams& p, const PrefillWork& w) {
-    const int tokens = group_div(p, Cfg::BLOCK_M), t0 = (int)w.q_row0 + group_div(p, w.r0);
-    return Cfg::TMA && p.q_tma != 0 && (int64_t)t0 + tokens <= (int64_t)p.q_tokens;
-  }
-
+  // The row tile's Q, completing q_full (WG_THREADS arrivals): on the TMA rows by TMA where QByTma
+  // can (thread 0's boxes), else the warpgroup's copies (rows past the request zero-filled). Not on
+  // the cp.async rows: the paged ones lost 1-3% with it (NOTES.md, session 28), the ragged ones
+  // gained 0.3-0.5%.
   static __device__ __forceinline__ void load_q(const PrefillParams& p, const PrefillWork& w, uint32_t base, int tid) {
     if constexpr (Cfg::TMA) {
-      if (q_by_tma(p, w)) {
-        const int t0 = (int)w.q_row0 + group_div(p, w.r0);
-        if (tid == 0) {
-          ptx::mbar_arrive_expect_tx(Cfg::q_full(base), Cfg::Q_BYTES);
-          // TAIL_WARPS: the other threads' arrivals too, so that warp 0 need not wait for warps
-          // 1..3 (still zeroing the last block's tail, producer_tma.cuh)
-          if constexpr (Cfg::TAIL_WARPS) ptx::mbar_arrive_count(Cfg::q_full(base), Cfg::WG_THREADS - 1);
-          const uint64_t once = ptx::l2_evict_first();  // each Q row is read by one CTA
-#pragma unroll
-          for (int col = 0; col < Q_COL_BLOCKS; ++col)
-            ptx::tma_load_3d(base + Cfg::Q_OFFSET + col * Cfg::BLOCK_M * Cfg::ROW_BYTES, &p.q_tmap,
-                             col * Q_BOX_COLS, w.kv_head * w.group, t0, Cfg::q_full(base), once);
-        } else if constexpr (!Cfg::TAIL_WARPS) {
-          ptx::mbar_arrive(Cfg::q_full(base));
-        }
+      if (QByTma<Cfg, T>::on(p, w)) {
+        QByTma<Cfg, T>::load(p, w, base, tid);
         return;
       }
     }

@@ -188,7 +188,7 @@ struct ProducerSm90Tma {
     // returns: ragged batches with fixed_split_size (short blocks) hung one run in two (NOTES.md,
     // session 35). Where Q is copied they must wait, and then the consumers cannot release that
     // Q before their arrivals, so the wait is never late.
-    if (!Cfg::TAIL_WARPS || warp == 0 || !ProducerSm90<Cfg>::q_by_tma(p, w)) {
+    if (!Cfg::TAIL_WARPS || warp == 0 || !QByTma<Cfg, T>::on(p, w)) {
       wait_q_free<Cfg>(base, walk);
       ProducerSm90<Cfg>::load_q(p, w, base, tid);
     }
