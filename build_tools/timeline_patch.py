@@ -48,10 +48,13 @@ def gt():
 sub("sm90/cta.cuh", "  ptx::allow_dependents();\n  ptx::wait_prior_grids();\n",
     "  if (threadIdx.x == 0) { ::pfa_tl_cta[blockIdx.x * 4] = " + gt() + "; ::pfa_tl_cta[blockIdx.x * 4 + 1] = clock64(); }\n"
     "  ptx::allow_dependents();\n  ptx::wait_prior_grids();\n")
+# (both persistent consumer walks: decode-ahead, and the plain one the contiguous fp8 rows take)
+CTA_END = ("      if (tid == Cfg::WG_THREADS) { ::pfa_tl_cta[blockIdx.x * 4 + 2] = " + gt() +
+           "; ::pfa_tl_cta[blockIdx.x * 4 + 3] = clock64(); }\n")
 sub("sm90/cta.cuh", "      walk_done(wg - 1, walk);\n    }\n  }\n}\n",
-    "      walk_done(wg - 1, walk);\n"
-    "      if (tid == Cfg::WG_THREADS) { ::pfa_tl_cta[blockIdx.x * 4 + 2] = " + gt() + "; ::pfa_tl_cta[blockIdx.x * 4 + 3] = clock64(); }\n"
-    "    }\n  }\n}\n")
+    "      walk_done(wg - 1, walk);\n" + CTA_END + "    }\n  }\n}\n")
+sub("sm90/cta.cuh", "      walk_done(wg - 1, walk);\n    } else {\n",
+    "      walk_done(wg - 1, walk);\n" + CTA_END + "    } else {\n")
 # consumer: entry / epilogue end, in an entry header's consume (prefill_sm90.cuh, prefill_sm90_fp8.cuh)
 import re
 

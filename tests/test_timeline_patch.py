@@ -20,10 +20,14 @@ def test_timeline_patch_applies_to_this_tree(tmp_path):
     patched["prefill_sm90.cuh"] = (attention / "prefill_sm90.cuh").read_text()
     patched["prefill_sm90_fp8.cuh"] = (attention / "prefill_sm90_fp8.cuh").read_text()
     # stamps in both consumers' block code and the fp8 overlapped loop, the TMA producer's Q events
+    # the CTA's end stamp in both persistent consumer walks (and the non-persistent one's)
+    assert patched["cta.cuh"].count("::pfa_tl_cta[blockIdx.x * 4 + 3] = clock64()") == 2
     for name, events in {"prefill_sm90.cuh": ("wg * 16 + 0", "wg * 16 + 6"),
                          "prefill_sm90_fp8.cuh": ("wg * 16 + 0", "wg * 16 + 5", "wg * 16 + 6", "wg * 16 + 15"),
                          "fp8_consumer.cuh": ("wg * 16 + 1", "wg * 16 + 2", "wg * 16 + 3", "wg * 16 + 4"),
                          "consumer.cuh": ("wg * 16 + 1", "wg * 16 + 4", "PFA_TLW(1"),
-                         "producer_tma.cuh": ("PFA_TL(walk.q_round, 34)", "PFA_TL(walk.q_round, 36)")}.items():
+                         "producer_tma.cuh": ("PFA_TL(walk.q_round, 34)", "PFA_TL(walk.q_round, 36)"),
+                         "fp8_producer.cuh": ("PFA_TL(walk.q_round, 34)", "PFA_TL(walk.q_round, 36)",
+                                              "PFA_TL(walk.q_round, 37)")}.items():
         for e in events:
             assert e in patched[name], (name, e)
