@@ -262,9 +262,9 @@ struct ProducerSm90Fp8 {
   }
 
   // run() of the TMA configuration: Q by TMA where it can (QByTma, producer.cuh); per tile, raw
-  // V(it + 1) and K(it + 1) are issued (one thread),
-  // then V(it) is awaited on its raw buffer's barrier and transposed as in run(). The raw buffers
-  // alternate over the CTA's whole walk (tile g = walk.tile0 + it in buffer g & 1, phase (g >> 1) & 1).
+  // V(it + 1) and K(it + 1) are issued (one thread), then V(it) is awaited on its raw buffer's
+  // barrier and transposed as in run(). The raw buffers alternate over the CTA's whole walk (tile
+  // g = walk.tile0 + it in buffer g & 1, phase (g >> 1) & 1).
   static __device__ __forceinline__ void run_tma(const PrefillParams& p, const PrefillWork& w, uint32_t base, int tid,
                                                  const Sm90Walk& walk) {
     if (w.num_tiles == 0) return;  // (the consumers wait for no Q either)
