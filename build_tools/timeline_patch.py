@@ -129,12 +129,9 @@ sub("sm90/fp8_consumer.cuh", "    if (lane == 0) ptx::mbar_arrive(Cfg::k_empty(b
 sub("sm90/fp8_consumer.cuh", "    const int last = walk.stage<STAGES>(n - 1);\n",
     "    PFA_TL(walk.q_round, wg * 16 + 4);\n    const int last = walk.stage<STAGES>(n - 1);\n")
 # the fp8 TMA producer (fp8_producer.cuh run_tma): events 34 .. 37 as the 16-bit TMA producer's
-sub("sm90/fp8_producer.cuh", "    wait_q_free<Cfg>(base, walk);\n    if (QByTma<Cfg, uint8_t>::on(p, w)) {\n",
+sub("sm90/fp8_producer.cuh", "    wait_q_free<Cfg>(base, walk);\n    load_q(p, w, base, tid);\n    const int n = w.num_tiles;\n",
     "    PFA_TL(walk.q_round, 34);\n    wait_q_free<Cfg>(base, walk);\n    PFA_TL(walk.q_round, 35);\n"
-    "    if (QByTma<Cfg, uint8_t>::on(p, w)) {\n")
-sub("sm90/fp8_producer.cuh", "      ptx::cp_async_mbar_arrive(Cfg::q_full(base));\n    }\n    const int n = w.num_tiles;\n",
-    "      ptx::cp_async_mbar_arrive(Cfg::q_full(base));\n    }\n    PFA_TL(walk.q_round, 36);\n"
-    "    const int n = w.num_tiles;\n")
+    "    load_q(p, w, base, tid);\n    PFA_TL(walk.q_round, 36);\n    const int n = w.num_tiles;\n")
 sub("sm90/fp8_producer.cuh", "    ptx::cp_async_wait<0>();  // (Q's copies, a copied tail's)\n",
     "    PFA_TL(walk.q_round, 37);\n    ptx::cp_async_wait<0>();  // (Q's copies, a copied tail's)\n")
 print("patched", root)

@@ -19,9 +19,9 @@ def test_timeline_patch_applies_to_this_tree(tmp_path):
     patched = {p.name: p.read_text() for p in (attention / "sm90").glob("*.cuh")}
     patched["prefill_sm90.cuh"] = (attention / "prefill_sm90.cuh").read_text()
     patched["prefill_sm90_fp8.cuh"] = (attention / "prefill_sm90_fp8.cuh").read_text()
-    # stamps in both consumers' block code and the fp8 overlapped loop, the TMA producer's Q events
-    # the CTA's end stamp in both persistent consumer walks (and the non-persistent one's)
+    # the CTA's end stamp in both persistent consumer walks (plain and decode-ahead)
     assert patched["cta.cuh"].count("::pfa_tl_cta[blockIdx.x * 4 + 3] = clock64()") == 2
+    # stamps in both consumers' block code and the fp8 overlapped loop, both TMA producers' Q events
     for name, events in {"prefill_sm90.cuh": ("wg * 16 + 0", "wg * 16 + 6"),
                          "prefill_sm90_fp8.cuh": ("wg * 16 + 0", "wg * 16 + 5", "wg * 16 + 6", "wg * 16 + 15"),
                          "fp8_consumer.cuh": ("wg * 16 + 1", "wg * 16 + 2", "wg * 16 + 3", "wg * 16 + 4"),

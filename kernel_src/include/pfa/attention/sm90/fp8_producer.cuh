@@ -56,9 +56,9 @@ struct ProducerSm90Fp8 {
   static constexpr int GROUPS = BLOCK_N / 64;
   static_assert(BLOCK_N % 64 == 0, "whole 16-key groups per warp");
 
-  // Q (load_q_rows, producer.cuh): one-byte elements, 16 a chunk
-  static __device__ __forceinline__ void load_q(const PrefillParams& p, const PrefillWork& w, uint32_t s_q, int tid) {
-    load_q_rows<Cfg, uint8_t, CPR, ROW_STEP>(p, w, s_q, tid);
+  // Q (load_q_tile, producer.cuh: by TMA on the TMA rows where it can): one-byte elements, 16 a chunk
+  static __device__ __forceinline__ void load_q(const PrefillParams& p, const PrefillWork& w, uint32_t base, int tid) {
+    load_q_tile<Cfg, uint8_t, CPR, ROW_STEP>(p, w, base, tid);
   }
 
   // One K or raw V tile: keys [n0, n0 + BLOCK_N) from `head` (the kv head's base, rows at
@@ -150,8 +150,7 @@ struct ProducerSm90Fp8 {
     }
     if (w.num_tiles == 0) return;  // (the consumers wait for no Q either)
     wait_q_free<Cfg>(base, walk);
-    load_q(p, w, base + Cfg::Q_OFFSET, tid);
-    ptx::cp_async_mbar_arrive(Cfg::q_full(base));
+    load_q(p, w, base, tid);
     const uint8_t* k = reinterpret_cast<const uint8_t*>(p.k) + w.kv_head * p.k_stride_h;
     const uint8_t* v = reinterpret_cast<const uint8_t*>(p.v) + w.kv_head * p.v_stride_h;
     const int64_t row0 = RaggedKvRows{w.kv_row0}.row(0, 0);
@@ -261,7 +260,7 @@ struct ProducerSm90Fp8 {
     if (tid == 0) ptx::mbar_arrive(bar);
   }
 
-  // run() of the TMA configuration: Q by TMA where it can (QByTma, producer.cuh); per tile, raw
+  // run() of the TMA configuration: Q by TMA where it can (load_q_tile, producer.cuh); per tile, raw
   // V(it + 1) and K(it + 1) are issued (one thread), then V(it) is awaited on its raw buffer's
   // barrier and transposed as in run(). The raw buffers alternate over the CTA's whole walk (tile
   // g = walk.tile0 + it in buffer g & 1, phase (g >> 1) & 1).
@@ -269,12 +268,7 @@ struct ProducerSm90Fp8 {
                                                  const Sm90Walk& walk) {
     if (w.num_tiles == 0) return;  // (the consumers wait for no Q either)
     wait_q_free<Cfg>(base, walk);
-    if (QByTma<Cfg, uint8_t>::on(p, w)) {
-      QByTma<Cfg, uint8_t>::load(p, w, base, tid);
-    } else {
-      load_q(p, w, base + Cfg::Q_OFFSET, tid);
-      ptx::cp_async_mbar_arrive(Cfg::q_full(base));
-    }
+    load_q(p, w, base, tid);
     const int n = w.num_tiles;
     // one call site of each copy (its cp.async path inlined once), tile it + 1 issued before tile
     // it is transposed: raw V first (its buffer is free: the barrier ending tile it - 1), then K (a

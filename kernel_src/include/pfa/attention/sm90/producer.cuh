@@ -316,7 +316,7 @@ __device__ __forceinline__ void load_tile_spans(uint32_t s_tile, const E* head, 
   });
 }
 
-// Q by TMA (the TMA rows of both families, ProducerSm90::load_q and fp8_producer.cuh), where the
+// Q by TMA (the TMA rows of both families, through load_q_tile), where the
 // host gave Q's map (q_tma, tma.QMap) and the tile's tokens stay within q_tokens: thread 0
 // announces the tile's bytes on q_full and issues COL_BLOCKS boxes of group heads x BLOCK_M / group
 // tokens (rows past the request then hold the next request's Q: never stored, never voting); the
@@ -349,6 +349,23 @@ struct QByTma {
   }
 };
 
+// A row tile's Q of elements E into the Q tile, completing q_full (WG_THREADS arrivals): on the TMA
+// rows by TMA where QByTma can, else every producer thread's copies (load_q_rows: rows past the
+// request zero-filled). Both families' producers (ProducerSm90::load_q, fp8_producer.cuh). Not
+// by TMA on the cp.async rows: the paged ones lost 1-3% with it (NOTES.md, session 28), the ragged
+// ones gained 0.3-0.5%.
+template <class Cfg, typename E, int CPR, int ROW_STEP>
+__device__ __forceinline__ void load_q_tile(const PrefillParams& p, const PrefillWork& w, uint32_t base, int tid) {
+  if constexpr (Cfg::TMA) {
+    if (QByTma<Cfg, E>::on(p, w)) {
+      QByTma<Cfg, E>::load(p, w, base, tid);
+      return;
+    }
+  }
+  load_q_rows<Cfg, E, CPR, ROW_STEP>(p, w, base + Cfg::Q_OFFSET, tid);
+  ptx::cp_async_mbar_arrive(Cfg::q_full(base));
+}
+
 template <class Cfg>
 struct ProducerSm90 {
   static constexpr bool PAGED = Cfg::PAGED;
@@ -359,19 +376,9 @@ struct ProducerSm90 {
   static_assert(Cfg::WG_THREADS % CPR == 0 && BLOCK_N % ROW_STEP == 0 && Cfg::BLOCK_M % ROW_STEP == 0,
                 "whole rows per pass");
 
-  // The row tile's Q, completing q_full (WG_THREADS arrivals): on the TMA rows by TMA where QByTma
-  // can (thread 0's boxes), else the warpgroup's copies (rows past the request zero-filled). Not on
-  // the cp.async rows: the paged ones lost 1-3% with it (NOTES.md, session 28), the ragged ones
-  // gained 0.3-0.5%.
+  // The row tile's Q (load_q_tile).
   static __device__ __forceinline__ void load_q(const PrefillParams& p, const PrefillWork& w, uint32_t base, int tid) {
-    if constexpr (Cfg::TMA) {
-      if (QByTma<Cfg, T>::on(p, w)) {
-        QByTma<Cfg, T>::load(p, w, base, tid);
-        return;
-      }
-    }
-    load_q_rows<Cfg, T, CPR, ROW_STEP>(p, w, base + Cfg::Q_OFFSET, tid);
-    ptx::cp_async_mbar_arrive(Cfg::q_full(base));
+    load_q_tile<Cfg, T, CPR, ROW_STEP>(p, w, base, tid);
   }
 
   // One K or V tile: keys [n0, n0 + BLOCK_N) of the request's rows from `head` (the kv head's
