@@ -1,6 +1,6 @@
-"""Per-block timeline of the sm_90a prefill (the e4m3 cases: the fp8 row's consumers), in a tree patched by timeline_patch.py: where a
-CTA's cycles go (block entry -> Q -> first turn -> first S -> tile loop -> last P V -> epilogue, and
-the gaps between blocks) for a few single-prefill and ragged shapes, and the producer's steps towards
+"""Per-block timeline of the sm_90a prefill (16-bit, and the e4m3 cases: the fp8 TMA row), in a tree
+patched by timeline_patch.py: where a CTA's cycles go (block entry -> Q -> first turn -> first S ->
+tile loop -> last P V -> epilogue, and the gaps between blocks) for a few single-prefill and ragged shapes, and the producer's steps towards
 the next block's Q against consumer 0's stamps (the "P ..." rows). TL_CARVEOUT=<percent> sets the
 kernels' preferred shared-memory carveout (an L1-size experiment). Needs torch and a GPU."""
 import sys, time, numpy as np, torch
@@ -165,20 +165,13 @@ def paged(causal, ps=16):
     flops = sum(4 * 32 * 128 * (l * l * (0.5 if causal else 1)) for l in lens)
     return (lambda: w.run(q, cache)), flops
 
-def e4m3(batch, seq, causal):
-    """trtllm_fmha_v2_prefill over e4m3 Q / K / V (CONTIGUOUS_Q_KV, batch requests of seq, 16 x 128)
-    into bf16: the fp8 TMA row, its consumers' stamps only."""
-    gen = torch.Generator(device="cuda").manual_seed(seq)
-    q, k, v = (torch.randn(batch * seq, 16, 128, device="cuda", generator=gen).to(torch.float8_e4m3fn)
-               for _ in range(3))
-    kv = torch.stack([k, v], 1)
-    cum = torch.arange(0, batch * seq + 1, seq, dtype=torch.int32, device="cuda")
-    sl = torch.full((batch,), seq, dtype=torch.int32, device="cuda")
-    ws = torch.zeros(256 << 20, dtype=torch.uint8, device="cuda")
-    flops = 4 * batch * seq * seq * 16 * 128 * (0.5 if causal else 1)
-    return (lambda: pfa.prefill.trtllm_fmha_v2_prefill(
-        (q, kv), "CONTIGUOUS_Q_KV", ws, sl, seq, seq, 128**-0.5, 1.0, batch, cum, cum,
-        mask_mode="causal" if causal else "padding", out_dtype=torch.bfloat16)), flops
+def e4m3(seq, causal):
+    """clock_probe.py's e4m3 row (trtllm_fmha_v2_prefill, CONTIGUOUS_Q_KV, 16384 / seq requests of
+    seq, 16 x 128, e4m3 into bf16): the fp8 TMA row's consumer and producer stamps."""
+    from clock_probe import e4m3_pair
+
+    flops, fns = e4m3_pair(seq, causal, None)
+    return fns[0][1], flops
 
 # TL_CASES=<substring>[,<substring>...] runs only the cases whose label contains one of them (a
 # whole run took over 200 s in session 34); each case's wall time is printed after it.
@@ -190,9 +183,9 @@ cases = [("1x2048 hd128 16h full", lambda: single(2048, 16, 128, False)),
          ("ragged 16x1k-4k full", lambda: ragged(False)),
          ("paged 16x1k-4k causal", lambda: paged(True)),
          ("paged 16x1k-4k full", lambda: paged(False)),
-         ("e4m3 4x4096 full", lambda: e4m3(4, 4096, False)),
-         ("e4m3 1x16384 full", lambda: e4m3(1, 16384, False)),
-         ("e4m3 16x1024 full", lambda: e4m3(16, 1024, False))]
+         ("e4m3 4x4096 full", lambda: e4m3(4096, False)),
+         ("e4m3 1x16384 full", lambda: e4m3(16384, False)),
+         ("e4m3 16x1024 full", lambda: e4m3(1024, False))]
 want = [w for w in os.environ.get("TL_CASES", "").split(",") if w]
 for label, make in cases:
     if want and not any(w in label for w in want):
