@@ -1,8 +1,9 @@
 """Per-block timeline of the sm_90a prefill (16-bit, and the e4m3 cases: the fp8 TMA row), in a tree
 patched by timeline_patch.py: where a CTA's cycles go (block entry -> Q -> first turn -> first S ->
-tile loop -> last P V -> epilogue, and the gaps between blocks) for a few single-prefill and ragged shapes, and the producer's steps towards
-the next block's Q against consumer 0's stamps (the "P ..." rows). TL_CARVEOUT=<percent> sets the
-kernels' preferred shared-memory carveout (an L1-size experiment). Needs torch and a GPU."""
+tile loop -> last P V -> epilogue, and the gaps between blocks) for a few single-prefill and ragged
+shapes, and the producer's steps towards the next block's Q against consumer 0's stamps (the "P ..."
+rows). TL_CARVEOUT=<percent> sets the kernels' preferred shared-memory carveout (an L1-size
+experiment). Needs torch and a GPU."""
 import sys, time, numpy as np, torch
 import pyflashattn as pfa
 from pyflashattn._runtime import registry, cuda as C
