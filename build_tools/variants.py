@@ -415,6 +415,12 @@ class HopperFp8PrefillVariant(Sm90Roles):
 # 16-bit family's hd64 row); the paged rows take the same tiles (hd256: the page ids fill what is
 # left of the shared memory).
 HOPPER_FP8_TILES = {64: (3, 2, True), 128: (2, 2, True), 256: (2, 2, False)}
+# head_dim -> whether the consumers take turns issuing their wgmma (ping-pong: PINGPONG in
+# fp8_consumer.cuh), contiguous / paged rows. Off where it measured faster without (H200, same-
+# process A/B, NOTES.md session 43): hd128 contiguous and paged +0.6-1.5% (TRT-LLM e4m3, single
+# prefill 8k), the hd256 TMA row +0.9-1.0% at 8k; hd64 (three consumers) lost 0.6-1.0% without.
+# The paged hd256 row was not measured and keeps the turns.
+HOPPER_FP8_PINGPONG = {64: (True, True), 128: (False, False), 256: (False, True)}
 # `make TUNE=1` alternatives (head_dim, block_n, overlap), contiguous / ragged with their TMA twins:
 # longer tiles spread a tile's fixed work (the O rescale, row-max shuffles, barrier waits) over
 # more keys, as FlashAttention-3's fp8 hd128 tile (224) and fmha_v2's e4m3 kernel (256) do. 192
@@ -725,13 +731,15 @@ def variants(tune=False):
             out += [HopperPrefillVariant(dtype, hd, *tile, tma=tma, tune=True) for hd, tile in HOPPER_TUNE_TILES
                     for tma in (False, True)]
         out += [MergeVariant(dtype), MergeVariant(dtype, cta_per_row=True)]
-    out += [HopperFp8PrefillVariant(hd, *tile, paged=paged) for paged in (False, True)
-            for hd, tile in HOPPER_FP8_TILES.items()]
-    out += [HopperFp8PrefillVariant(hd, *HOPPER_FP8_TILES[hd], paged=storage == "paged", tma=True, tune=not shipped)
+    out += [HopperFp8PrefillVariant(hd, *tile, pingpong=HOPPER_FP8_PINGPONG[hd][paged], paged=paged)
+            for paged in (False, True) for hd, tile in HOPPER_FP8_TILES.items()]
+    out += [HopperFp8PrefillVariant(hd, *HOPPER_FP8_TILES[hd], pingpong=HOPPER_FP8_PINGPONG[hd][storage == "paged"],
+                                    paged=storage == "paged", tma=True, tune=not shipped)
             for storage, shipped in HOPPER_FP8_TMA_SHIPPED.items() if tune or shipped
             for hd in HOPPER_FP8_TMA_HEAD_DIMS]
     if tune:
-        out += [HopperFp8PrefillVariant(hd, *HOPPER_FP8_TILES[hd][:2], overlap, tma=tma, tune=True, block_n=bn)
+        out += [HopperFp8PrefillVariant(hd, *HOPPER_FP8_TILES[hd][:2], overlap, HOPPER_FP8_PINGPONG[hd][False], tma=tma,
+                                        tune=True, block_n=bn)
                 for hd, bn, overlap in HOPPER_FP8_TUNE_TILES for tma in (False, True)]
     out += nvfp4_variants()
     out.append(MiscVariant("packbits", PACKBITS_THREADS))

@@ -338,13 +338,13 @@ KERNELS_sm_90a := \
   pfa_merge_bf16 \
   pfa_merge_cta_bf16 \
   pfa_prefill_sm90_e4m3_hd64_m192n128c3s2_pp_ps \
-  pfa_prefill_sm90_e4m3_hd128_m128n128c2s2_pp_ps \
-  pfa_prefill_sm90_e4m3_hd256_m128n128c2s2_pp_serial \
+  pfa_prefill_sm90_e4m3_hd128_m128n128c2s2_ps \
+  pfa_prefill_sm90_e4m3_hd256_m128n128c2s2_serial \
   pfa_prefill_sm90_e4m3_hd64_m192n128c3s2_pp_paged \
-  pfa_prefill_sm90_e4m3_hd128_m128n128c2s2_pp_paged_ps \
+  pfa_prefill_sm90_e4m3_hd128_m128n128c2s2_paged_ps \
   pfa_prefill_sm90_e4m3_hd256_m128n128c2s2_pp_serial_paged \
-  pfa_prefill_sm90_e4m3_hd128_m128n128c2s2_pp_ps_tma \
-  pfa_prefill_sm90_e4m3_hd256_m128n128c2s2_pp_serial_tma \
+  pfa_prefill_sm90_e4m3_hd128_m128n128c2s2_ps_tma \
+  pfa_prefill_sm90_e4m3_hd256_m128n128c2s2_serial_tma \
   pfa_prefill_sm80_f16_kvnvfp4_hd64_m16n32w1s2_lr_b16_paged \
   pfa_prefill_sm80_f16_kvnvfp4_hd64_m32n32w2s2_lr_paged \
   pfa_prefill_sm80_f16_kvnvfp4_hd64_m64n32w4s2_lr_paged \

@@ -15,7 +15,11 @@
 
 namespace pfa {
 
-template <class Cfg, int O_ACC>
+// FOLD: a 16-bit output's rows are normalised in the packs' multiplier (store_16bit: 1 / sum times
+// the sink factor, one multiply a value instead of two). The 16-bit family's rows gained 0.6-0.9%;
+// the e4m3 hd128 rows, whose tile loop ptxas then scheduled differently, lost 0.5-2.5% and keep
+// the normalisation first (NOTES.md, session 43).
+template <class Cfg, int O_ACC, bool FOLD = true>
 struct EpilogueSm90 {
   using T = typename Cfg::Elem;
   static constexpr int HEAD_DIM = Cfg::HEAD_DIM, O_COLS = HEAD_DIM / 8;
@@ -23,18 +27,24 @@ struct EpilogueSm90 {
 
   static __device__ __forceinline__ void run(const PrefillParams& p, const PrefillWork& w, const int (&tile_row)[2],
                                              int lane, float (&o)[O_ACC], const float (&m)[2], const float (&l)[2]) {
-    float lse[2];
+    float lse[2], inv[2];
 #pragma unroll
     for (int i = 0; i < 2; ++i) {
       float sum = l[i];
       sum += __shfl_xor_sync(FULL, sum, 1);
       sum += __shfl_xor_sync(FULL, sum, 2);
-      const float inv = OnlineSoftmax<false>::finish(sum, m[i], output_scale(p), lse[i]);
-#pragma unroll
-      for (int j = 0; j < O_COLS; ++j) {
-        o[4 * j + 2 * i] *= inv;
-        o[4 * j + 2 * i + 1] *= inv;
+      inv[i] = OnlineSoftmax<false>::finish(sum, m[i], output_scale(p), lse[i]);
+      if constexpr (!FOLD) normalize(o, i, inv[i]);
+    }
+    // one branch, then the format's packs alone (pack_out2's run-time format packed every pair
+    // both ways, the unused one predicated off but issued all the same)
+    if constexpr (FOLD) {
+      if (w.num_chunks == 1 && p.o_format != kOutE4M3 && (!Cfg::NVFP4_OUT || p.o_format != kOutNvfp4)) {
+        store_16bit_as(p, w, tile_row, lane, o, lse, inv);
+        return;
       }
+#pragma unroll
+      for (int i = 0; i < 2; ++i) normalize(o, i, inv[i]);
     }
     if constexpr (Cfg::NVFP4_OUT) {
       if (w.num_chunks == 1 && p.o_format == kOutNvfp4) {
@@ -42,13 +52,8 @@ struct EpilogueSm90 {
         return;
       }
     }
-    if (w.num_chunks == 1 && p.o_format != kOutE4M3) {
-      // one branch, then the format's packs alone (pack_out2's run-time format packed every pair
-      // both ways, the unused one predicated off but issued all the same)
-      if (p.o_format == kOutOther16)
-        store_16bit<typename Other16<T>::type>(p, w, tile_row, lane, o, lse);
-      else
-        store_16bit<T>(p, w, tile_row, lane, o, lse);
+    if (!FOLD && w.num_chunks == 1 && p.o_format != kOutE4M3) {
+      store_16bit_as(p, w, tile_row, lane, o, lse, {1.f, 1.f});
       return;
     }
     const int col = 2 * (lane % 4);
@@ -80,6 +85,25 @@ struct EpilogueSm90 {
     }
   }
 
+  // Row i of the thread's two (o[4 j + 2 i], o[4 j + 2 i + 1]) times its 1 / sum.
+  static __device__ __forceinline__ void normalize(float (&o)[O_ACC], int i, float inv) {
+#pragma unroll
+    for (int j = 0; j < O_COLS; ++j) {
+      o[4 * j + 2 * i] *= inv;
+      o[4 * j + 2 * i + 1] *= inv;
+    }
+  }
+
+  // store_16bit in the output's 16-bit type (p.o_format: the query's type or the other one).
+  static __device__ __forceinline__ void store_16bit_as(const PrefillParams& p, const PrefillWork& w,
+                                                        const int (&tile_row)[2], int lane, const float (&o)[O_ACC],
+                                                        float (&lse)[2], const float (&inv)[2]) {
+    if (p.o_format == kOutOther16)
+      store_16bit<typename Other16<T>::type>(p, w, tile_row, lane, o, lse, inv);
+    else
+      store_16bit<T>(p, w, tile_row, lane, o, lse, inv);
+  }
+
   // An unsplit row's LSE in the library's convention (p.lse_scale), by one lane of its quad.
   static __device__ __forceinline__ void store_lse(const PrefillParams& p, const PrefillWork& w, int token, int head,
                                                    float lse) {
@@ -92,19 +116,20 @@ struct EpilogueSm90 {
   // stores one tile's 16 bytes: a quarter of the stores, each filling whole 32-byte sectors. Every
   // lane runs the shuffles (rows past the tile's end too; their stores are skipped). Output rows
   // start on 16 bytes: the host's validator requires it of every output (operands.check_out:
-  // 16-byte aligned pointer, strides in multiples of 8 elements).
+  // 16-byte aligned pointer, strides in multiples of 8 elements). inv: each row's multiplier before
+  // its sink factor (FOLD: its 1 / sum, O unnormalised; else 1).
   template <typename O>
   static __device__ __forceinline__ void store_16bit(const PrefillParams& p, const PrefillWork& w,
                                                      const int (&tile_row)[2], int lane, const float (&o)[O_ACC],
-                                                     float (&lse)[2]) {
+                                                     float (&lse)[2], const float (&inv)[2]) {
     static_assert(O_COLS % 4 == 0, "whole groups of four column tiles");
 #pragma unroll
     for (int i = 0; i < 2; ++i) {
       const int r = w.r0 + tile_row[i];
       const bool live = r < w.rows_total;
       const auto [token, head] = packed_row(p, w, r);
-      float f = 1.f;
-      if (live && p.sinks != 0) f = sink_factor(reinterpret_cast<const float*>(p.sinks)[head], lse[i]);
+      float f = inv[i];
+      if (live && p.sinks != 0) f *= sink_factor(reinterpret_cast<const float*>(p.sinks)[head], lse[i]);
       char* row = reinterpret_cast<char*>(p.o) + 2 * output_offset(p, w, token, head);
 #pragma unroll
       for (int c = 0; c < O_COLS / 4; ++c) {
