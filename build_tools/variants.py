@@ -417,9 +417,9 @@ class HopperFp8PrefillVariant(Sm90Roles):
 HOPPER_FP8_TILES = {64: (3, 2, True), 128: (2, 2, True), 256: (2, 2, False)}
 # head_dim -> whether the consumers take turns issuing their wgmma (ping-pong: PINGPONG in
 # fp8_consumer.cuh), contiguous / paged rows. Off where it measured faster without (H200, same-
-# process A/B, NOTES.md session 43): hd128 contiguous and paged +0.6-1.5% (TRT-LLM e4m3, single
-# prefill 8k), the hd256 TMA row +0.9-1.0% at 8k; hd64 (three consumers) lost 0.6-1.0% without.
-# The paged hd256 row was not measured and keeps the turns.
+# process A/B, NOTES.md session 43): hd128 contiguous +0.4-0.8% and paged +0.3% (TRT-LLM e4m3,
+# single prefill 8k), the hd256 TMA row +0.9-1.0% at 8k; hd64 (three consumers) lost 0.6-1.0%
+# without. The paged hd256 row was not measured and keeps the turns.
 HOPPER_FP8_PINGPONG = {64: (True, True), 128: (False, False), 256: (False, True)}
 # `make TUNE=1` alternatives (head_dim, block_n, overlap), contiguous / ragged with their TMA twins:
 # longer tiles spread a tile's fixed work (the O rescale, row-max shuffles, barrier waits) over
