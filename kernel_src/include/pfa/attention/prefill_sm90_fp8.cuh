@@ -64,7 +64,7 @@ struct PrefillSm90Fp8 : PrefillSm90Fp8Config<HEAD_DIM, CONSUMERS, STAGES, PAGED,
 #pragma unroll
       for (int i = 0; i < Consumer::O_ACC; ++i) o[i] *= sv;
     }
-    EpilogueSm90<OutCfg, Consumer::O_ACC, false>::run(p, w, rows.tile_row, lane, o, m, l);
+    EpilogueSm90<OutCfg, Consumer::O_ACC, false, Cfg::PERMUTED_VT>::run(p, w, rows.tile_row, lane, o, m, l);
   }
 
   static __device__ __forceinline__ void run(const PrefillParams& p, char* smem) {

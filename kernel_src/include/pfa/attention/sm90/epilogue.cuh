@@ -19,11 +19,19 @@ namespace pfa {
 // the sink factor, one multiply a value instead of two). The 16-bit family's rows gained 0.6-0.9%;
 // the e4m3 hd128 rows, whose tile loop ptxas then scheduled differently, lost 0.5-2.5% and keep
 // the normalisation first (NOTES.md, session 43).
-template <class Cfg, int O_ACC, bool FOLD = true>
+// PERMUTED: the accumulator's columns are head dims in the order fp8_producer.cuh's permuted Vt
+// gives them (tile_offset): a lane's columns of four column tiles 4 m .. 4 m + 3 are 8 consecutive
+// dims, so its 16-bit stores need no quad transposes.
+template <class Cfg, int O_ACC, bool FOLD = true, bool PERMUTED = false>
 struct EpilogueSm90 {
   using T = typename Cfg::Elem;
   static constexpr int HEAD_DIM = Cfg::HEAD_DIM, O_COLS = HEAD_DIM / 8;
   static constexpr unsigned FULL = 0xffffffffu;
+  static_assert(!PERMUTED || (!Cfg::NVFP4_OUT && HEAD_DIM % 32 == 0), "NVFP4 blocks read natural column tiles");
+
+  // PERMUTED: accumulator column 8 j + 2 t (and + 1 after it), t = lane % 4, is head dim
+  // tile_offset(j) + 8 t, column tile j = 4 m + jj's pair at dims 32 m + 8 t + 2 jj.
+  static __device__ __forceinline__ int tile_offset(int j) { return 32 * (j >> 2) + 2 * (j & 3); }
 
   static __device__ __forceinline__ void run(const PrefillParams& p, const PrefillWork& w, const int (&tile_row)[2],
                                              int lane, float (&o)[O_ACC], const float (&m)[2], const float (&l)[2]) {
@@ -56,6 +64,7 @@ struct EpilogueSm90 {
       store_16bit_as(p, w, tile_row, lane, o, lse, {1.f, 1.f});
       return;
     }
+    if constexpr (PERMUTED) natural_columns(o, lane);  // (the e4m3 output and split partials below)
     const int col = 2 * (lane % 4);
 #pragma unroll
     for (int i = 0; i < 2; ++i) {
@@ -83,6 +92,22 @@ struct EpilogueSm90 {
         if (lane % 4 == 0) reinterpret_cast<float*>(p.lse_partial)[idx] = lse[i];
       }
     }
+  }
+
+  // PERMUTED: O's columns back in their natural order (lane t's pair of column tile 4 m + jj is dims
+  // 32 m + 8 jj + 2 t again): per 4 column tiles, row and element, the quad's 4 x 4 values transposed.
+  static __device__ __forceinline__ void natural_columns(float (&o)[O_ACC], int lane) {
+#pragma unroll
+    for (int c = 0; c < O_COLS / 4; ++c)
+#pragma unroll
+      for (int e = 0; e < 4; ++e) {  // e: row i = e >> 1, element e & 1 (o[4 j + e])
+        uint32_t a[4];
+#pragma unroll
+        for (int k = 0; k < 4; ++k) a[k] = __float_as_uint(o[4 * (4 * c + k) + e]);
+        quad_transpose4(a, lane);
+#pragma unroll
+        for (int k = 0; k < 4; ++k) o[4 * (4 * c + k) + e] = __uint_as_float(a[k]);
+      }
   }
 
   // Row i of the thread's two (o[4 j + 2 i], o[4 j + 2 i + 1]) times its 1 / sum.
@@ -139,8 +164,10 @@ struct EpilogueSm90 {
           const int j = 4 * c + k;
           a[k] = Pack2<O>::from(o[4 * j + 2 * i] * f, o[4 * j + 2 * i + 1] * f);
         }
-        quad_transpose4(a, lane);
-        char* dst = row + 16 * (4 * c + lane % 4);  // column tile 4 c + lane % 4, lane k's pair at 4 k
+        // natural: column tile 4 c + lane % 4, lane k's pair at 4 k (after the transpose);
+        // PERMUTED: the lane's own 8 consecutive dims (tile_offset)
+        if constexpr (!PERMUTED) quad_transpose4(a, lane);
+        char* dst = row + (PERMUTED ? 2 * (tile_offset(4 * c) + 8 * (lane % 4)) : 16 * (4 * c + lane % 4));
         if (live) *reinterpret_cast<uint4*>(dst) = make_uint4(a[0], a[1], a[2], a[3]);
       }
       if (live && p.lse != 0 && lane % 4 == 0)

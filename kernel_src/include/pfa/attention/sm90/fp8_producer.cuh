@@ -23,6 +23,10 @@
 // keys and no register of P is moved between threads.
 // Bank conflicts: ldmatrix reads 8 consecutive keys (distinct swizzle chunks) per matrix: none;
 // stmatrix writes rows d, d+1, d+4, d+5, d+8, ... per matrix, whose row % 8 repeat once: two-way.
+// Cfg::PERMUTED_VT: within each block of 32 dims, dim 8 a + 2 b + e goes to Vt row 8 b + 2 a + e
+// (a, b < 4: the two swapped), so that O's accumulator column pairs of four consecutive column
+// tiles hold 8 consecutive dims of a lane (EpilogueSm90's PERMUTED: 16-byte stores without
+// shuffles); a matrix's rows are then 0, 1, 16, 17, 2, 3, 18, 19 (+ 4 ...): two-way as before.
 #pragma once
 #include <stdint.h>
 
@@ -82,8 +86,10 @@ struct ProducerSm90Fp8 {
     const int q = lane / 8, r = lane % 8;  // the matrix and row whose address this lane passes
     const int rh = r >> 1;
     const int dl = 16 * (q >> 1) + 4 * (r >> 1) + 2 * (q & 1) + (r & 1);  // memory row r of matrix q: dim D(q, r/2, r%2)
+    // the Vt row of dim dl of the 32-dim block (PERMUTED_VT: dim 8 a + 2 b + e in row 8 b + 2 a + e)
+    const int vr = Cfg::PERMUTED_VT ? ((dl >> 1) & 3) * 8 + (dl >> 3) * 2 + (dl & 1) : dl;
     const uint32_t ld_lane = s_raw + (16 * warp + 8 * (q & 1) + r) * ROW_BYTES + (((q >> 1) ^ (r & 1)) << 4);
-    const uint32_t st_lane = s_vt + dl * ROW_BYTES;
+    const uint32_t st_lane = s_vt + vr * ROW_BYTES;
     // Rolled over the dim blocks: the producer runs on PRODUCER_REGS registers.
 #pragma unroll 1
     for (int c = 0; c < HEAD_DIM / 32; ++c) {
@@ -96,7 +102,7 @@ struct ProducerSm90Fp8 {
         ptx::ldmatrix_x4(x, ld_c + h * 64 * ROW_BYTES);
         const uint32_t y0 = __byte_perm(x[0], x[1], 0x5140), y1 = __byte_perm(x[0], x[1], 0x7362);
         const uint32_t y2 = __byte_perm(x[2], x[3], 0x5140), y3 = __byte_perm(x[2], x[3], 0x7362);
-        ptx::stmatrix_x4_trans(st_c + (h >> 1) * Cfg::VT_BLOCK_BYTES + ((g8 ^ (dl & 7)) << 4), y0, y1, y2, y3);
+        ptx::stmatrix_x4_trans(st_c + (h >> 1) * Cfg::VT_BLOCK_BYTES + ((g8 ^ (vr & 7)) << 4), y0, y1, y2, y3);
       }
     }
   }
