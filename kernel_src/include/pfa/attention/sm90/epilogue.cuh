@@ -27,7 +27,7 @@ struct EpilogueSm90 {
   using T = typename Cfg::Elem;
   static constexpr int HEAD_DIM = Cfg::HEAD_DIM, O_COLS = HEAD_DIM / 8;
   static constexpr unsigned FULL = 0xffffffffu;
-  static_assert(!PERMUTED || (!Cfg::NVFP4_OUT && HEAD_DIM % 32 == 0), "NVFP4 blocks read natural column tiles");
+  static_assert(!PERMUTED || HEAD_DIM % 32 == 0, "the permutation works on 32-dim blocks");
 
   // PERMUTED: accumulator column 8 j + 2 t (and + 1 after it), t = lane % 4, is head dim
   // tile_offset(j) + 8 t, column tile j = 4 m + jj's pair at dims 32 m + 8 t + 2 jj.
@@ -56,6 +56,7 @@ struct EpilogueSm90 {
     }
     if constexpr (Cfg::NVFP4_OUT) {
       if (w.num_chunks == 1 && p.o_format == kOutNvfp4) {
+        if constexpr (PERMUTED) natural_columns(o, lane);  // (NVFP4 blocks read natural column tiles)
         store_nvfp4(p, w, tile_row, lane, o, lse);
         return;
       }

@@ -97,10 +97,10 @@ struct PrefillSm90Fp8Config
   static constexpr bool DECODE_AHEAD = PERSISTENT && PAGED;
   // The Vt stage's head-dim rows permuted (fp8_producer.cuh transpose_v), O's columns with them
   // (EpilogueSm90's PERMUTED: 16-byte stores of a 16-bit output without quad shuffles): the
-  // contiguous hd64 / hd128 rows (TRT-LLM contiguous e4m3 16 x 1k +1.0-2.2%, 4k +0.2-1.4%, single
-  // prefill hd64 / hd128 +0.2-4%; NOTES.md session 43). Not the paged rows (their NVFP4 output
-  // reads natural column tiles) nor the serial hd256 rows (2k causal 0.95 in the same A/B).
-  static constexpr bool PERMUTED_VT = !PAGED && HEAD_DIM <= 128;
+  // hd64 / hd128 rows (TRT-LLM contiguous e4m3 16 x 1k +1.0-2.2%, 4k +0.2-1.4%, single prefill
+  // hd64 / hd128 +0.2-4%, NOTES.md session 43; paged e4m3 +0.4-1.5%, session 44, their NVFP4
+  // output taking natural columns first). Not the serial hd256 rows (2k causal 0.95 in an A/B).
+  static constexpr bool PERMUTED_VT = HEAD_DIM <= 128;
   static constexpr bool AHEAD_WHEN_READY = false;
   static __device__ __forceinline__ uint32_t raw_full(uint32_t base, int b) { return base + TMA_BAR_OFFSET + 8 * b; }
   static constexpr int Q_EMPTY_BAR_OFFSET = TMA_BAR_OFFSET + TMA_BARS * 8;
