@@ -338,7 +338,8 @@ class HopperFp8PrefillVariant(Sm90Roles):
     """A row of the sm_90a fp8 prefill (prefill_sm90_fp8.cuh): e4m3 Q, K and V on e4m3 wgmma, into
     a bf16 / fp16 / e4m3 output (o_format counted from bf16). One producer warpgroup (Q, K, and V
     transposed for the P V wgmma) and `consumers` warpgroups of 64 rows; tiles of block_n keys (128;
-    192 in the HOPPER_FP8_TUNE_TILES rows: a Vt row's keys in column blocks of 128, fp8_config.cuh).
+    256 in the long-KV twins, HOPPER_FP8_LONG; 192 in the HOPPER_FP8_TUNE_TILES rows: a Vt row's
+    keys in column blocks of 128, fp8_config.cuh).
     Contiguous and ragged K/V, or (paged) a paged cache by cp.async (owned-row copies,
     producer.cuh: 128-key tiles)."""
     head_dim: int
@@ -359,6 +360,8 @@ class HopperFp8PrefillVariant(Sm90Roles):
     tma: bool = False
     # keys a tile (paged: 128, a producer lane owns each row)
     block_n: int = 128
+    # the long-KV twin of the head dim's default contiguous row (HOPPER_FP8_LONG, routing.long_twin)
+    long_kv: bool = False
 
     dtype = "e4m3"  # Q, K and V: the manifest's dtype and kv_dtype
     RAW_V_TILES = 2  # PrefillSm90Fp8Config::RAW_TILES
@@ -408,7 +411,14 @@ class HopperFp8PrefillVariant(Sm90Roles):
                 # the shared sm90 epilogue's output_scale(p) reads v_scale_dev
                 "rows_fastest": True, "device_scale": True, "tma": self.tma, "out16": "bf16", "skip_softmax_rows": 0,
                 "nvfp4_out": self.paged,  # Sm90Fp8OutCfg::NVFP4_OUT
-                "persistent": self.persistent}
+                "persistent": self.persistent,
+                # a twin is only picked by name (routing.long_twin finds it by twin_of)
+                "long_kv": self.long_kv, "twin_of": self.default_row().name if self.long_kv else None}
+
+    def default_row(self):
+        """The head dim's default contiguous cp.async row (what a long-KV twin stands in for)."""
+        return HopperFp8PrefillVariant(self.head_dim, *HOPPER_FP8_TILES[self.head_dim],
+                                       pingpong=HOPPER_FP8_PINGPONG[self.head_dim][False])
 
 
 # head_dim -> (consumers, stages, overlap) of the sm_90a fp8 prefill (hd64: three consumers, as the
@@ -428,6 +438,15 @@ HOPPER_FP8_PINGPONG = {64: (True, True), 128: (False, False), 256: (False, True)
 # spills in the consumers). 192 against 128 (H200, NOTES.md session 21): +2-11% at 8k, -9 / -11%
 # at 1k (a power-of-two length leaves a partial last tile), about even elsewhere.
 HOPPER_FP8_TUNE_TILES = [(128, 192, True)]
+# head_dim -> (block_n, overlap, ping-pong) of the e4m3 rows' long-KV twin (routing.long_twin; the
+# manifest's long_kv, twin_of the default contiguous row): fmha_v2's e4m3 shape, 256-key serial
+# steps, K/V by cp.async (no spill in the step loop, nvcc 13.0). Same lease against the default TMA
+# row (H200, NOTES.md session 44): TRT-LLM contiguous e4m3 no mask 4k +5%, 16k +3-6%, 16 x 1k -2%;
+# its TMA build (a `make TUNE=1` row) ran 4-10% behind it.
+HOPPER_FP8_LONG = {128: (256, False, False)}
+# `make TUNE=1`: the 256-key serial steps with the consumers' turn around S only (fp8_config
+# S_TURN_ONLY, as fmha_v2's), by cp.async and TMA (head_dim, block_n): 0.93-1.0x the long twin
+HOPPER_FP8_TUNE_SERIAL_TURN = [(128, 256)]
 # head_dim -> whether the fp8 rows are persistent (as HOPPER_PERSISTENT; hd256's serial consumers
 # hold a 128-register O, as the 16-bit hd256 row that spilled with the walk's state).
 HOPPER_FP8_PERSISTENT = {64: True, 128: True, 256: False}
@@ -737,10 +756,16 @@ def variants(tune=False):
                                     paged=storage == "paged", tma=True, tune=not shipped)
             for storage, shipped in HOPPER_FP8_TMA_SHIPPED.items() if tune or shipped
             for hd in HOPPER_FP8_TMA_HEAD_DIMS]
+    out += [HopperFp8PrefillVariant(hd, *HOPPER_FP8_TILES[hd][:2], overlap, pp, block_n=bn, long_kv=True)
+            for hd, (bn, overlap, pp) in HOPPER_FP8_LONG.items()]
     if tune:
         out += [HopperFp8PrefillVariant(hd, *HOPPER_FP8_TILES[hd][:2], overlap, HOPPER_FP8_PINGPONG[hd][False], tma=tma,
                                         tune=True, block_n=bn)
                 for hd, bn, overlap in HOPPER_FP8_TUNE_TILES for tma in (False, True)]
+        out += [HopperFp8PrefillVariant(hd, *HOPPER_FP8_TILES[hd][:2], False, True, tma=tma, tune=True, block_n=bn)
+                for hd, bn in HOPPER_FP8_TUNE_SERIAL_TURN for tma in (False, True)]
+        out += [HopperFp8PrefillVariant(hd, *HOPPER_FP8_TILES[hd][:2], overlap, pp, tma=True, tune=True, block_n=bn)
+                for hd, (bn, overlap, pp) in HOPPER_FP8_LONG.items()]
     out += nvfp4_variants()
     out.append(MiscVariant("packbits", PACKBITS_THREADS))
     out += [MiscVariant("cascade", CASCADE_THREADS, dtype) for dtype in CASCADE_DTYPES]

@@ -166,7 +166,10 @@ class BatchEngine(RunOptions):
             tile = cap.get("decode_rows", tile)
         la, budget, ctas = (dec.get(tile) or dec[route.tiles[-1]]) if tile and dec else \
             (route.attn, route.budget, route.ctas)
-        if la is route.attn and route.tma is not None and \
+        if la is route.attn and route.long is not None and routing.long_pays(
+                src.kv_lens, bool(causal), cap is not None or cfg.fixed_split_size is not None or disable_split_kv):
+            la = route.long  # its own tile (the schedule below is its own), the same CTAs an SM
+        elif la is route.attn and route.tma is not None and \
                 routing.tma_fits(self.paged, src.page_size, la.meta["block_n"], src.total_kv) and \
                 routing.tma_pays(self.paged, src.page_size, src.kv_lens, la.meta["block_n"], cap is not None):
             la = route.tma  # the same tile: the schedule below is the cp.async kernel's

@@ -161,6 +161,46 @@ def dense_pays(kv_layout: str, num_kv_heads: int, page_size: int) -> bool:
     return (kv_layout == "HND" or num_kv_heads == 1) and page_size >= DENSE_MIN_PAGE
 
 
+# The e4m3 rows' long-KV twin (build_tools/variants.py HOPPER_FP8_LONG: its own tile, 256-key serial
+# steps, the manifest's long_kv and twin_of = the default contiguous row): a plan whose requests are
+# long runs it instead of the row and its TMA twin. Same lease against the default TMA row (NOTES.md,
+# session 44, H200, TRT-LLM contiguous e4m3): no mask 4k +5%, 16k +3-6%, 16 x 1k -2%; causal 2k -5%,
+# 4k -1 to -2.5%, 16k +3-5%. Never for a frozen kernel: graph-mode plans, and batch-invariant ones
+# (fixed_split_size / disable_split_kv), where a request's kernel must not depend on its batch.
+# PFA_SM90_LONG_KV=0 never runs the twins, 1 runs them wherever built (A/B runs and tests).
+LONG_ENV = "PFA_SM90_LONG_KV"
+LONG_MIN_KV = 4096
+LONG_MIN_KV_CAUSAL = 16384
+
+
+def long_twin(dev: int, la, named):
+    """The long-KV twin of contiguous row-tile launcher la (named(name) makes a launcher by kernel
+    name), or None: none built for it, or switched off by PFA_SM90_LONG_KV=0."""
+    meta = la.meta
+    if meta.get("impl") != "sm90" or meta.get("paged") or meta.get("tma") or switches.choice(LONG_ENV, ("0", "1")) == "0":
+        return None
+    archs = _registry.arch_candidates(_cuda.properties(dev)["cc"])
+    row = next((r for r in _registry.manifest()["kernels"]
+                if r.get("long_kv") and r.get("twin_of") == meta["name"] and r["arch"] in archs), None)
+    if row is None:
+        return None
+    twin = named(row["name"])
+    if (twin.meta["block_m"], twin.meta["ctas_per_sm"]) != (meta["block_m"], meta["ctas_per_sm"]):
+        raise RuntimeError(f"{row['name']} is no long-KV twin of {meta['name']}: their rows or CTAs differ")
+    return twin
+
+
+def long_pays(kv_lens, causal: bool, frozen: bool) -> bool:
+    """Whether a plan with a long-KV twin runs it: PFA_SM90_LONG_KV=1 always, 0 never; else not
+    for a frozen kernel, and where the requests' mean KV length reaches LONG_MIN_KV (causal:
+    LONG_MIN_KV_CAUSAL)."""
+    want = switches.choice(LONG_ENV, ("0", "1"))
+    if want:
+        return want == "1"
+    return not frozen and len(kv_lens) > 0 and \
+        float(np.mean(kv_lens)) >= (LONG_MIN_KV_CAUSAL if causal else LONG_MIN_KV)
+
+
 def base_kernel_name(meta) -> str:
     """A twin's (TMA, dense or span) row name without its suffix: the kernel its skip twin is named after."""
     name = meta["name"]
@@ -392,11 +432,12 @@ class Route:
     """The kernels a batch plan may run, resolved once per plan settings: the row-tile kernel
     (`attn`, `ctas`, `budget` = CTAs per wave; None for a decode-only K/V storage), its TMA twin
     (`tma`, or None; the plan runs it where tma_fits), its dense twin (`dense`, or None; the plan
-    runs it where dense_pays), its span twin (`span`, or None; where span_pays) and, for lean
+    runs it where dense_pays), its span twin (`span`, or None; where span_pays), its long-KV twin
+    (`long`, or None: its own tile, where long_pays) and, for lean
     options, the decode tiles by rows: decode[rows] = (launcher, budget, ctas), their rows in
     `tiles` (the plan picks one per batch with decode_tile_rows; `decode_only`: always one)."""
 
-    __slots__ = ("attn", "tma", "dense", "span", "ctas", "budget", "decode", "tiles", "decode_only")
+    __slots__ = ("attn", "tma", "dense", "span", "long", "ctas", "budget", "decode", "tiles", "decode_only")
 
     def __init__(self, launcher, dev: int, dtype: str, kv_dtype: str, head_dim: int, general: bool, paged: bool,
                  widened: bool, nvfp4_out: bool = False):
@@ -405,15 +446,17 @@ class Route:
         nvfp4_out: only kernels that write the NVFP4 output (new_attention)."""
         props = _cuda.properties(dev)
         self.decode_only = kv_dtype in DECODE_ONLY_KV
-        self.attn = self.tma = self.dense = self.span = self.ctas = self.budget = None
+        self.attn = self.tma = self.dense = self.span = self.long = self.ctas = self.budget = None
         if not self.decode_only:
             # attn: the cp.async kernel; tma: its TMA twin where the K/V load says so (kv_load_pair);
-            # dense, span: its dense and span twins (paged; dense_twin, span_twin)
+            # dense, span: its dense and span twins (paged; dense_twin, span_twin); long: its
+            # long-KV twin (contiguous e4m3; long_twin)
             row_tile = launcher("prefill", dtype, kv_dtype, head_dim, general, nvfp4_out=nvfp4_out)
             named = lambda name: launcher("prefill", dtype, name=name)  # noqa: E731
             self.attn, self.tma = kv_load_pair(dev, row_tile, named)
             self.dense = dense_twin(dev, self.attn, named)
             self.span = span_twin(dev, self.attn, named)
+            self.long = long_twin(dev, self.attn, named)
             self.ctas = ctas_per_sm(self.attn.meta, props)
             self.budget = props["sm_count"] * self.ctas
         self.decode = None

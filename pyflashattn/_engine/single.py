@@ -276,8 +276,13 @@ class SinglePlan:
                                           props["sm_count"] * routing.ctas_per_sm(la.meta, props))
             if bm != la.meta["block_m"]:
                 la = routing.new_attention(dev, short, short, head_dim, general, False, block_m=bm)
-            la, twin = routing.kv_load_pair(dev, la, lambda name: _registry.new_launcher("prefill", dev, name=name))
-            la = twin if twin is not None and tma_ok else la
+            named = lambda name: _registry.new_launcher("prefill", dev, name=name)  # noqa: E731
+            long = routing.long_twin(dev, la, named)
+            if long is not None and routing.long_pays((kv_len,), causal, False):
+                la = long  # its own tile (cp.async K/V: no TMA twin to fall back from)
+            else:
+                la, twin = routing.kv_load_pair(dev, la, named)
+                la = twin if twin is not None and tma_ok else la
         self.attn = la
         meta = la.meta
         row_tiles = -(-qo_len * group // meta["block_m"])

@@ -351,8 +351,7 @@ class FakeEnv:
                     and not match.get("general") and match.get("kv_dtype") == match.get("dtype"):
                 v = next((r for r in hopper.values() if r.dtype == match["dtype"] and r.head_dim == match["head_dim"]
                           and r.paged == match["paged"] and match.get("block_m", r.block_m) == r.block_m
-                          and not (r.tune or r.tma or getattr(r, "skip", False)
-                                   or getattr(r, "dense", False))), None)
+                          and not (r.tune or r.tma or r.manifest().get("twin_of"))), None)
             if v is None:
                 return fake_new(family, dev, **match)
             la = _cuda.Launcher(v.name, (v.name, _Params), _Params, v.threads, v.smem_bytes)

@@ -18,6 +18,10 @@ in a random page order among garbage pages (finite values 4x larger, never read)
 without queries and one without keys; page sizes 5 (not a power of two), 32 and 128 in both
 layouts, the e4m3 output, window_left and split KV.
 
+The contiguous hd128 row's long-KV twin (256-key serial steps, routing.long_twin), which plans take
+only for long requests, runs the single and ragged cases at every length under PFA_SM90_LONG_KV=1
+(each test checks that it ran).
+
 Outputs go into poisoned buffers (NaN; an e4m3 output filled with 0x7f, e4m3fn's NaN), the LSE
 always requested. On a GPU other than sm_90 the module checks the NotImplementedError instead.
 
@@ -156,6 +160,12 @@ def test_single_prefill_fp8_default_output_is_e4m3():
 @pytest.mark.parametrize("causal", [False, True])
 @pytest.mark.parametrize("d", [64, 128, 256])
 def test_ragged_batch_fp8(d, causal, o_dtype):
+    _ragged_case(d, causal, o_dtype)
+
+
+def _ragged_case(d, causal, o_dtype):
+    """A ragged batch of odd lengths (one of a single key, qo < kv and qo = kv), per-head scales and
+    then number scales; returns the wrapper."""
     hq, hkv = 8, 2
     qo_lens = [1, 63, 65, 129, 1000, 64]
     kv_lens = [1, 127, 65, 1000, 1000, 300]
@@ -185,6 +195,64 @@ def test_ragged_batch_fp8(d, causal, o_dtype):
             qs, ks = slice(qo_indptr[b], qo_indptr[b + 1]), slice(kv_indptr[b], kv_indptr[b + 1])
             _check(out[qs], lse[qs], q[qs], k[ks], v[ks], rq, rk, rv, causal=causal,
                    what=f"run {run} request {b} (qo {qo_lens[b]}, kv {kv_lens[b]})")
+    return w
+
+
+# ---------------------------------------------------------------------------------------------
+# the long-KV twin of the contiguous hd128 row (256-key serial steps; routing.long_twin), run at
+# every length by PFA_SM90_LONG_KV=1
+# ---------------------------------------------------------------------------------------------
+def _long_twin(monkeypatch):
+    from pyflashattn._engine import routing, single
+    monkeypatch.setenv(routing.LONG_ENV, "1")
+    monkeypatch.setattr(single._tls, "plans", {}, raising=False)  # no plan made without the switch
+    return single._tls.plans
+
+
+def _ran_long_twin(plans):
+    (plan,) = plans.values()
+    meta = plan.attn.meta
+    assert meta.get("decode") or (meta.get("long_kv") and meta["block_n"] == 256), plan.attn.name
+
+
+@needs_sm90
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("n", LENGTHS + (255, 257, 4097))
+def test_single_prefill_fp8_long_twin_lengths(monkeypatch, n, causal):
+    plans = _long_twin(monkeypatch)
+    _single_case(n, n, 8, 2, 128, causal, torch.bfloat16)
+    _ran_long_twin(plans)
+
+
+@needs_sm90
+@pytest.mark.parametrize("qo_len, kv_len", [(17, 129), (65, 300), (300, 1025), (1, 1000)])
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("hq, hkv", [(8, 2), (4, 4), (8, 1)])
+def test_single_prefill_fp8_long_twin_qo_len_differs(monkeypatch, qo_len, kv_len, causal, hq, hkv):
+    plans = _long_twin(monkeypatch)
+    _single_case(qo_len, kv_len, hq, hkv, 128, causal, torch.bfloat16)
+    _ran_long_twin(plans)
+
+
+@needs_sm90
+def test_single_prefill_fp8_long_twin_outputs_window_split_kv(monkeypatch):
+    cases = [(129, 1000, True, o_dtype, {}) for o_dtype in (torch.float16, torch.bfloat16, E4M3)]
+    cases += [(1000, 1000, True, torch.bfloat16, dict(window_left=100, kv_layout="HND")),
+              (300, 500, False, torch.bfloat16, dict(tensors=False)),
+              (16, 16384, False, torch.bfloat16, {}), (16, 16384, True, E4M3, {})]  # split KV: partials merge
+    for qo_len, kv_len, causal, o_dtype, kw in cases:
+        plans = _long_twin(monkeypatch)
+        _single_case(qo_len, kv_len, 8, 2, 128, causal, o_dtype, **kw)
+        _ran_long_twin(plans)
+
+
+@needs_sm90
+@pytest.mark.parametrize("o_dtype", [torch.bfloat16, E4M3])
+@pytest.mark.parametrize("causal", [False, True])
+def test_ragged_batch_fp8_long_twin(monkeypatch, causal, o_dtype):
+    _long_twin(monkeypatch)
+    w = _ragged_case(128, causal, o_dtype)
+    assert w._engine.attn.meta.get("long_kv") and w._engine.attn.meta["block_n"] == 256
 
 
 # ---------------------------------------------------------------------------------------------

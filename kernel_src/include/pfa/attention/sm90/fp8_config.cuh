@@ -11,7 +11,7 @@
 //   | raw V [2][BLOCK_N x D] | mbarriers | (TMA) the raw V buffers' mbarriers
 //   | (PERSISTENT) Q's empty mbarrier, the scheduler's ring
 // Every tile in the 128-byte swizzle: column blocks of 128 bytes, chunk c of row r at c ^ (r % 8).
-// BLOCK_N is 128 or 192 (a multiple of 64: whole 16-key groups for each of the four transposing
+// BLOCK_N is 128, 192 or 256 (a multiple of 64: whole 16-key groups for each of the four transposing
 // warps). A Vt row (a head-dim column of V) holds BLOCK_N keys in VT_BLOCKS column blocks of 128
 // bytes, as a 16-bit K tile holds its head dim: keys 128 b .. 128 b + 127 in block b, each block D
 // rows of 128 bytes (at 192 keys the second block's rows are half used). At head_dim 64 the Q, K
@@ -101,6 +101,10 @@ struct PrefillSm90Fp8Config
   // hd64 / hd128 +0.2-4%, NOTES.md session 43; paged e4m3 +0.4-1.5%, session 44, their NVFP4
   // output taking natural columns first). Not the serial hd256 rows (2k causal 0.95 in an A/B).
   static constexpr bool PERMUTED_VT = HEAD_DIM <= 128;
+  // Ping-pong rows of 256-key tiles (`make TUNE=1` rows) take the consumers' turn around S only, as
+  // fmha_v2's e4m3 kernel does (each consumer's P V then runs under the other's S); the serial loop
+  // otherwise takes it around both GEMMs. (Measured 0.93-1.0x the long-KV twin without turns.)
+  static constexpr bool S_TURN_ONLY = BLOCK_N > 128;
   static constexpr bool AHEAD_WHEN_READY = false;
   static __device__ __forceinline__ uint32_t raw_full(uint32_t base, int b) { return base + TMA_BAR_OFFSET + 8 * b; }
   static constexpr int Q_EMPTY_BAR_OFFSET = TMA_BAR_OFFSET + TMA_BARS * 8;

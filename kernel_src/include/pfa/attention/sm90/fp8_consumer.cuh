@@ -199,11 +199,11 @@ struct ConsumerSm90Fp8 : ConsumerSm90<Cfg, PINGPONG, false> {
       if (it > 0) Base::template rescale_o_if<LAZY_O>(o, corr, moved);  // the first tile's O is still zero
       p_frags(s, a);
       ptx::mbar_wait(Cfg::v_full(base, st), parity);
-      turn.take();
+      if constexpr (!Cfg::S_TURN_ONLY) turn.take();
       ptx::wgmma_fence();
       issue_pv(o, a, base + Cfg::V_OFFSET + st * Cfg::VT_TILE_BYTES);
       ptx::wgmma_commit();
-      turn.pass();  // the last consumer's last: consumer 0's first turn of the next block
+      if constexpr (!Cfg::S_TURN_ONLY) turn.pass();  // the last consumer's last: consumer 0's first turn of the next block
       ptx::wgmma_wait<0>();
       ptx::wgmma_fence_regs(o);
       ptx::wgmma_keep_regs(a);

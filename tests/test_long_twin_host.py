@@ -1,0 +1,124 @@
+"""The e4m3 rows' long-KV twin (variants.HOPPER_FP8_LONG: 256-key serial steps, by cp.async) on the
+simulated driver: its row in the variant table, which plans take it (routing.long_pays: long
+requests; never a graph-mode or batch-invariant plan; PFA_SM90_LONG_KV=0 never, 1 always), and
+that its own tile schedules the plan. Numerics: tests/gpu/test_fp8_prefill.py."""
+from __future__ import annotations
+
+import pathlib
+import sys
+
+import numpy as np
+import pytest
+
+import pyflashattn
+from pyflashattn._engine import routing, single
+from pyflashattn._runtime import dtypes as _dtypes
+from pyflashattn.testing.fake_driver import FakeEnv, T, i32, last_attn, ragged
+
+sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent.parent / "build_tools"))
+import variants  # noqa: E402
+
+E4M3, BF16 = _dtypes.FLOAT8_E4M3, _dtypes.BFLOAT16
+HQ, HKV, D = 8, 2, 128
+LONG = variants.HopperFp8PrefillVariant(D, *variants.HOPPER_FP8_TILES[D][:2], *variants.HOPPER_FP8_LONG[D][1:],
+                                        block_n=variants.HOPPER_FP8_LONG[D][0], long_kv=True)
+DEFAULT = LONG.default_row()
+
+
+def _env(monkeypatch, long_env=None):
+    rows = variants.variants()
+    env = FakeEnv(monkeypatch, rows)
+    env.use_sm90_rows(monkeypatch, rows)
+    monkeypatch.setattr(single._tls, "plans", {}, raising=False)
+    monkeypatch.delenv(routing.KV_LOAD_ENV, raising=False)
+    if long_env is None:
+        monkeypatch.delenv(routing.LONG_ENV, raising=False)
+    else:
+        monkeypatch.setenv(routing.LONG_ENV, long_env)
+    return env
+
+
+def test_the_long_twin_row_stands_in_for_the_default_contiguous_row():
+    rows = {v.name: v for v in variants.variants() if isinstance(v, variants.HopperFp8PrefillVariant)}
+    longs = [v for v in rows.values() if v.long_kv]
+    assert [v.name for v in longs] == [LONG.name] and set(variants.HOPPER_FP8_LONG) == {D}
+    m = LONG.manifest()
+    assert m["long_kv"] and m["twin_of"] == DEFAULT.name and DEFAULT.name in rows
+    assert not (LONG.paged or LONG.tma or LONG.tune or LONG.overlap or LONG.pingpong)
+    assert (LONG.block_m, LONG.block_n, m["ctas_per_sm"]) == (DEFAULT.block_m, 256, DEFAULT.manifest()["ctas_per_sm"])
+    assert LONG.fits("sm_90a") and not DEFAULT.manifest()["twin_of"]
+    # the macro's BLOCK_N and the serial loop (OVERLAP false), no ping-pong
+    assert f"{LONG.name}, 128, 256, 2, 2, false, false, false, true, false, {LONG.smem_bytes})" in LONG.source()
+
+
+@pytest.mark.parametrize("kv_lens,causal,frozen,env,want", [
+    ([4096], False, False, None, True), ([4095], False, False, None, False),
+    ([8192, 0], False, False, None, True), ([6000, 100], False, False, None, False),
+    ([8192], True, False, None, False), ([16384], True, False, None, True),
+    ([65536], False, True, None, False), ([], False, False, None, False),
+    ([65536], False, False, "0", False), ([1], True, True, "1", True)])
+def test_long_pays_on_long_requests_of_a_free_plan(monkeypatch, kv_lens, causal, frozen, env, want):
+    if env is None:
+        monkeypatch.delenv(routing.LONG_ENV, raising=False)
+    else:
+        monkeypatch.setenv(routing.LONG_ENV, env)
+    assert routing.long_pays(np.asarray(kv_lens), causal, frozen) is want
+
+
+@pytest.mark.parametrize("kv,causal,env,want_long", [
+    (4096, False, None, True), (2048, False, None, False), (8192, True, None, False), (16384, True, None, True),
+    (8192, False, "0", False), (300, True, "1", True)])
+def test_single_prefill_takes_the_long_twin_for_long_keys(monkeypatch, kv, causal, env, want_long):
+    env_ = _env(monkeypatch, env)
+    q = T((256, HQ, D), E4M3, data=0x1000000)
+    k, v = (T((kv, HKV, D), E4M3, data=a) for a in (0x5000000, 0x9000000))
+    pyflashattn.single_prefill_with_kv_cache(q, k, v, causal=causal, o_dtype="bfloat16",
+                                             out=T((256, HQ, D), BF16, data=0xd000000))
+    name, _, _, p = last_attn(env_)
+    assert (name == LONG.name) is want_long, name
+    if want_long:  # copies, not boxes: no tensor maps, Q by cp.async
+        assert p.q_tma == 0
+    else:
+        assert name == DEFAULT.name + routing.TMA_SUFFIX
+
+
+def _ragged_plan(monkeypatch, kv_lens, long_env=None, **kw):
+    env = _env(monkeypatch, long_env)
+    w = ragged(env)
+    qo = i32(0, *np.cumsum([128] * len(kv_lens)))
+    kv = i32(0, *np.cumsum(kv_lens))
+    w.plan(qo, kv, HQ, HKV, D, q_data_type="float8_e4m3fn", kv_data_type="float8_e4m3fn", o_data_type="bfloat16",
+           **kw)
+    return env, w, int(qo[-1]), int(kv[-1])
+
+
+@pytest.mark.parametrize("kw,want_long", [
+    (dict(), True), (dict(causal=True), False), (dict(fixed_split_size=512), False),
+    (dict(disable_split_kv=True), False)])
+def test_ragged_plans_take_the_long_twin_unless_causal_short_or_invariant(monkeypatch, kw, want_long):
+    env, w, tq, tkv = _ragged_plan(monkeypatch, [8192, 4096], **kw)
+    la = w._engine.attn
+    assert (la.name == LONG.name) is want_long, la.name
+    assert la.meta["block_n"] == (256 if want_long else 128)
+    w.run(T((tq, HQ, D), E4M3, data=0x1000000), T((tkv, HKV, D), E4M3, data=0x5000000),
+          T((tkv, HKV, D), E4M3, data=0x9000000), out=T((tq, HQ, D), BF16, data=0xd000000))
+    name, _, _, p = last_attn(env)
+    assert name == la.name
+    if want_long:  # the plan's KV chunks are whole 256-key tiles of its own schedule
+        assert p.kv_chunk_size % 256 == 0 and not w._engine.kv_twin and w._engine.kv_maps is None
+
+
+def test_a_graph_mode_plan_keeps_the_default_row(monkeypatch):
+    env = _env(monkeypatch)
+    w = ragged(env, use_cuda_graph=True, qo_indptr_buf=T((3,), _dtypes.INT32, data=0x700000),
+               kv_indptr_buf=T((3,), _dtypes.INT32, data=0x710000))
+    w.plan(i32(0, 128, 256), i32(0, 8192, 16384), HQ, HKV, D, q_data_type="float8_e4m3fn",
+           kv_data_type="float8_e4m3fn", o_data_type="bfloat16")
+    assert w._engine.attn.name != LONG.name and w._engine.attn.meta["block_n"] == 128
+
+
+def test_a_long_switch_it_does_not_know_is_refused(monkeypatch):
+    env = _env(monkeypatch, "yes")
+    with pytest.raises(ValueError, match=routing.LONG_ENV):
+        _ragged_plan(monkeypatch, [8192], "yes")
+    assert not env.attn_launches()
