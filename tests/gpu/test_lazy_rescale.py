@@ -125,14 +125,18 @@ def test_paged_batch_rising_maxes(dtype, causal):
 
 
 @needs_sm90
-@pytest.mark.parametrize("d", [128, 256])
+@pytest.mark.parametrize("d, long_twin", [(128, False), (128, True), (256, False)])
 @pytest.mark.parametrize("causal", [False, True])
-def test_single_prefill_fp8_rising_maxes(d, causal):
-    """e4m3 single prefill: hd256 (the serial loop: lazy) and hd128 (contiguous: strict). Logits rise
+def test_single_prefill_fp8_rising_maxes(monkeypatch, d, long_twin, causal):
+    """e4m3 single prefill: hd256 (the serial loop: lazy), hd128 (contiguous: strict) and its
+    long-KV twin (256-key serial steps; PFA_SM90_LONG_KV=1 runs it at this length). Logits rise
     by 1.7 a tile (2.45 log2 units, past the slack of 1.75) over 10 tiles: with 14 tiles of 2.8 (raw
     q.k up to ~750 at hd256), the LSE of 7 rows in 1600 missed by up to 0.09 log2 units, the same
     on the strict kernels of before the lazy max (NOTES.md, session 38: likely the fp8 wgmma's
     accumulation precision at that magnitude; the output stayed within tolerance)."""
+    from pyflashattn._engine import routing, single
+    monkeypatch.setenv(routing.LONG_ENV, "1" if long_twin else "0")
+    monkeypatch.setattr(single._tls, "plans", {}, raising=False)
     qo_len, kv_len, hq, hkv = 200, 1200, 8, 2
     g = cuda_generator("lazy-fp8", d, causal)
     q, k, v = (x.to(E4M3) for x in _rising(qo_len, kv_len, hq, hkv, d, 1.7 / d ** 0.5, g))
@@ -141,4 +145,6 @@ def test_single_prefill_fp8_rising_maxes(d, causal):
     pyflashattn.single_prefill_with_kv_cache(q, k, v, causal=causal, o_dtype=BF16, out=out, lse=lse)
     torch.cuda.synchronize()
     _check(out, lse, q, k, v, causal=causal, o_tol=FP8_O_TOL, lse_tol=FP8_LSE_TOL,
-           what=f"e4m3 single d={d} causal={causal}")
+           what=f"e4m3 single d={d} causal={causal} long twin={long_twin}")
+    (plan,) = single._tls.plans.values()
+    assert bool(plan.attn.meta.get("long_kv")) is long_twin, plan.attn.name
