@@ -122,3 +122,14 @@ def test_a_long_switch_it_does_not_know_is_refused(monkeypatch):
     with pytest.raises(ValueError, match=routing.LONG_ENV):
         _ragged_plan(monkeypatch, [8192], "yes")
     assert not env.attn_launches()
+
+
+def test_a_row_forced_by_name_runs_as_named(monkeypatch):
+    """registry.force (build_tools/tune_prefill.py) times the row it names, never its long twin."""
+    from pyflashattn._runtime import registry as _registry
+    env = _env(monkeypatch)
+    monkeypatch.setattr(_registry, "_forced", {"prefill": DEFAULT.name})
+    q = T((256, HQ, D), E4M3, data=0x1000000)
+    k, v = (T((8192, HKV, D), E4M3, data=a) for a in (0x5000000, 0x9000000))
+    pyflashattn.single_prefill_with_kv_cache(q, k, v, o_dtype="bfloat16", out=T((256, HQ, D), BF16, data=0xd000000))
+    assert last_attn(env)[0] != LONG.name

@@ -175,9 +175,11 @@ LONG_MIN_KV_CAUSAL = 16384
 
 def long_twin(dev: int, la, named):
     """The long-KV twin of contiguous row-tile launcher la (named(name) makes a launcher by kernel
-    name), or None: none built for it, or switched off by PFA_SM90_LONG_KV=0."""
+    name), or None: none built for it, switched off by PFA_SM90_LONG_KV=0, or la forced by name
+    (registry.force: a tuning sweep times the row it names)."""
     meta = la.meta
-    if meta.get("impl") != "sm90" or meta.get("paged") or meta.get("tma") or switches.choice(LONG_ENV, ("0", "1")) == "0":
+    if meta.get("impl") != "sm90" or meta.get("paged") or meta.get("tma") or \
+            switches.choice(LONG_ENV, ("0", "1")) == "0" or _registry.forced("prefill") == meta["name"]:
         return None
     archs = _registry.arch_candidates(_cuda.properties(dev)["cc"])
     row = next((r for r in _registry.manifest()["kernels"]

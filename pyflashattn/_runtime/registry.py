@@ -59,6 +59,11 @@ def force(family: str, name: str | None) -> None:
         hook()
 
 
+def forced(family: str) -> str | None:
+    """The kernel name force() set for `family`, or None."""
+    return _forced.get(family)
+
+
 _on_force: list = []  # callbacks that drop caches holding launchers (prefill's plan cache)
 
 
