@@ -11,9 +11,9 @@ import numpy as np
 import pytest
 
 import pyflashattn
-from pyflashattn._engine import routing, single
+from pyflashattn._engine import routing, single, trtllm, trtllm_device
 from pyflashattn._runtime import dtypes as _dtypes
-from pyflashattn.testing.fake_driver import FakeEnv, T, i32, last_attn, ragged
+from pyflashattn.testing.fake_driver import WS, FakeEnv, T, i32, last_attn, ragged
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent.parent / "build_tools"))
 import variants  # noqa: E402
@@ -133,3 +133,26 @@ def test_a_row_forced_by_name_runs_as_named(monkeypatch):
     k, v = (T((8192, HKV, D), E4M3, data=a) for a in (0x5000000, 0x9000000))
     pyflashattn.single_prefill_with_kv_cache(q, k, v, o_dtype="bfloat16", out=T((256, HQ, D), BF16, data=0xd000000))
     assert last_attn(env)[0] != LONG.name
+
+
+@pytest.mark.parametrize("device", [False, True], ids=["host", "device"])
+@pytest.mark.parametrize("max_kv,want_long", [(8192, True), (2048, False)])
+def test_trtllm_contiguous_calls_take_the_long_twin_for_long_keys(monkeypatch, device, max_kv, want_long):
+    """TRT-LLM's plans never split KV (disable_split_kv), which is not a batch-invariance request:
+    the host path plans the requests' lengths, the device path its shape key's max_kv_len."""
+    from collections import OrderedDict
+    from pyflashattn import prefill
+    env = _env(monkeypatch)
+    monkeypatch.setattr(trtllm, "_ENGINES", OrderedDict())
+    monkeypatch.setattr(trtllm_device, "_ENGINES", OrderedDict())
+    b, tq = 2, 256
+    lens = (i32(max_kv, max_kv), i32(0, 128, 256), i32(0, max_kv, 2 * max_kv))
+    if device:
+        lens = tuple(env.dev(a, _dtypes.INT32) for a in lens)
+    q = T((tq, HQ, D), E4M3, data=0x1000000)
+    k, v = (T((2 * max_kv, HKV, D), E4M3, data=a) for a in (0x5000000, 0x9000000))
+    prefill.trtllm_fmha_v2_prefill((q, k, v), "SEPARATE_Q_K_V", WS(env), lens[0], 128, max_kv, 0.1, 1.0, b,
+                                   lens[1], lens[2], mask_mode="padding", out=T((tq, HQ, D), BF16, data=0xd000000),
+                                   out_dtype="bfloat16")
+    name = last_attn(env)[0]
+    assert (name == LONG.name) is want_long, name

@@ -166,8 +166,12 @@ class BatchEngine(RunOptions):
             tile = cap.get("decode_rows", tile)
         la, budget, ctas = (dec.get(tile) or dec[route.tiles[-1]]) if tile and dec else \
             (route.attn, route.budget, route.ctas)
+        # Batch-invariant plans (fixed_split_size, or disable_split_kv asked for by the caller) and
+        # graph-mode plans keep one tile. A device-lengths plan (TRT-LLM's device metadata) never
+        # splits KV and is planned once per shape key (at its max lengths): the key fixes its tile.
+        invariant = cfg.fixed_split_size is not None or (disable_split_kv and not self.device_lengths)
         if la is route.attn and route.long is not None and routing.long_pays(
-                src.kv_lens, bool(causal), cap is not None or cfg.fixed_split_size is not None or disable_split_kv):
+                src.kv_lens, bool(causal), cap is not None or invariant):
             la = route.long  # its own tile (the schedule below is its own), the same CTAs an SM
         elif la is route.attn and route.tma is not None and \
                 routing.tma_fits(self.paged, src.page_size, la.meta["block_n"], src.total_kv) and \

@@ -26,6 +26,7 @@ NaN); NaN never passes. On a GPU other than sm_90 the NotImplementedError is che
 from __future__ import annotations
 
 import math
+import os
 from collections import OrderedDict
 
 import numpy as np
@@ -222,9 +223,38 @@ def test_fmha_fp8_window_chunk_gqa(mode, wl, chunk, hq, hkv, device_meta):
 
 
 @needs_sm90
-def test_fmha_fp8_device_metadata_graph_replays_new_lengths():
+@pytest.mark.parametrize("device_meta", [False, True], ids=["host_meta", "device_meta"])
+@pytest.mark.parametrize("mode", ["padding", "causal"])
+def test_fmha_fp8_long_keys_run_the_long_kv_twin(mode, device_meta):
+    """Long requests route to the contiguous row's long-KV twin (256-key serial steps) on both
+    metadata paths without any switch: TRT-LLM's no-split plans are not batch-invariant ones.
+    Causal needs 16k keys (routing.LONG_MIN_KV_CAUSAL): a short query over them."""
+    from pyflashattn._engine import routing
+    hq, hkv, d = 8, 2, 128
+    ql, kl = ((300, 77), (4500, 4096)) if mode == "padding" else ((1, 130), (16390, 16384))
+    g = cuda_generator("trtllm-fp8-long", mode, device_meta)
+    qkv, q, k, v = make_qkv("SEPARATE_Q_K_V", ql, kl, hq, hkv, d, g)
+    meta = device_or_host((np.asarray(kl, np.int32), cum(ql), cum(kl)), device_meta)
+    out = poisoned((sum(ql), hq, d), BF16)
+    fmha(qkv, "SEPARATE_Q_K_V", scratch_workspace(), meta[0], max(ql), max(kl), BMM1 / math.sqrt(d), BMM2, len(ql),
+         meta[1], meta[2], out=out, out_dtype=BF16, mask_mode=mode)
+    (e,) = (_trtllm_device if device_meta else _trtllm)._ENGINES.values()
+    assert e.attn.meta.get("long_kv") and e.attn.meta["block_n"] == 256, e.attn.name
+    assert routing.LONG_ENV not in os.environ
+    torch.cuda.synchronize()
+    ref, _ = reference(q, k, v, ql, kl, d, mode == "causal", -1, 0)
+    o_abs, _ = reference(q, k, v.float().abs(), ql, kl, d, mode == "causal", -1, 0)
+    assert_close(out.float(), ref, **_o_tol(BF16, o_abs), what=f"long twin {mode} device_meta={device_meta}")
+
+
+@needs_sm90
+@pytest.mark.parametrize("long_twin", [False, True], ids=["default_row", "long_twin"])
+def test_fmha_fp8_device_metadata_graph_replays_new_lengths(monkeypatch, long_twin):
     """One eager call plans the shape key; the captured call (out given, device metadata and bmm
-    scales) replays over new lengths and new fp8 rows written into the same buffers."""
+    scales) replays over new lengths and new fp8 rows written into the same buffers. The long-KV
+    twin (forced: these keys are short) replays the same way."""
+    from pyflashattn._engine import routing
+    monkeypatch.setenv(routing.LONG_ENV, "1" if long_twin else "0")
     hq, hkv, d, cap_q, cap_kv = 8, 2, 128, 2048, 2304
     q = torch.zeros(cap_q, hq, d, dtype=torch.uint8, device=DEV).view(E4M3)
     k = torch.zeros(cap_kv, hkv, d, dtype=torch.uint8, device=DEV).view(E4M3)
@@ -261,6 +291,8 @@ def test_fmha_fp8_device_metadata_graph_replays_new_lengths():
     qkv = load(0, *batches[0])
     call()
     check(*qkv, *batches[0], "eager")
+    (e,) = _trtllm_device._ENGINES.values()
+    assert bool(e.attn.meta.get("long_kv")) is long_twin, e.attn.name
     graph = capture_torch_graph(call)
     for i, (ql, kl) in enumerate(batches):
         qkv = load(i + 1, ql, kl)
