@@ -13,21 +13,26 @@
 # fp8 paged run copies once and the GPU stopped there with an illegal instruction (NOTES.md, session
 # 22; again for 16-bit page-run copies in session 39). The same descriptor beside an address
 # without the immediate (`[R35+UR0], desc[UR1]`, in the fp8 ps rows) runs, so only the failing
-# shape is refused. Needs cuobjdump (the GPU machine's toolkit; the pip toolchain has none): $1,
-# else PATH.
+# shape is refused. Needs a disassembler: cuobjdump (the GPU machine's toolkit; the pip toolchain
+# has none) beside nvcc ($1), else on PATH; else nvdisasm ($NVDISASM, beside nvcc, or on PATH: the
+# pip wheel nvidia-cuda-nvdisasm, 13.2 or later, reads these sm_90a cubins too).
 odd_descriptor_copies() {
-  "$1" -sass "$2" 2>/dev/null | grep -E 'LDGSTS[^[]*\[R[0-9]+\+UR[0-9]+\+0x[0-9a-f]+\], desc\[UR[0-9]*[13579]\]' | head -3
+  case "$1" in
+    *nvdisasm) "$1" -c "$2" ;;
+    *) "$1" -sass "$2" ;;
+  esac 2>/dev/null | grep -E 'LDGSTS[^[]*\[R[0-9]+\+UR[0-9]+\+0x[0-9a-f]+\], desc\[UR[0-9]*[13579]\]' | head -3
 }
 find_objdump() {
-  o=$(dirname "$1")/cuobjdump
-  [ -x "$o" ] || o=$(command -v cuobjdump 2>/dev/null)
-  echo "$o"
+  for o in "$(dirname "$1")/cuobjdump" "$(command -v cuobjdump 2>/dev/null)" "${NVDISASM:-}" \
+           "$(dirname "$1")/nvdisasm" "$(command -v nvdisasm 2>/dev/null)"; do
+    if [ -n "$o" ] && [ -x "$o" ]; then echo "$o"; return; fi
+  done
 }
 if [ "$1" = "--check" ]; then
   shift
   objdump=$(find_objdump "${NVCC:-$(command -v nvcc 2>/dev/null || echo nvcc)}")
   if [ -z "$objdump" ] || [ ! -x "$objdump" ]; then
-    echo "nvcc_guard --check: no cuobjdump here; the cp.async check did not run" >&2
+    echo "nvcc_guard --check: no cuobjdump or nvdisasm here; the cp.async check did not run" >&2
     exit 0
   fi
   rc=0

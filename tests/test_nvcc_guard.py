@@ -34,15 +34,18 @@ GOOD_COPIES = ("        /*1ff70*/    LDGSTS.E.BYPASS.128 [R13+0x8000], desc[UR46
                "        /*1e270*/    LDGSTS.E.BYPASS.128 [R30+UR0], desc[UR1][R4.64], !P2 ;")
 
 
-def _check(tmp_path, cubins: dict, with_objdump: bool = True):
-    """--check over cubins whose (fake) cuobjdump -sass prints the given SASS."""
+def _check(tmp_path, cubins: dict, with_objdump: bool = True, nvdisasm: bool = False):
+    """--check over cubins whose (fake) cuobjdump -sass, or (nvdisasm) nvdisasm -c, prints the given SASS."""
     bindir = tmp_path / "bin"
     bindir.mkdir(exist_ok=True)
     (bindir / "nvcc").write_text("#!/bin/sh\n")
     (bindir / "nvcc").chmod(0o755)
     if with_objdump:
-        (bindir / "cuobjdump").write_text('#!/bin/sh\ncat "$2.sass"\n')
+        (bindir / "cuobjdump").write_text('#!/bin/sh\n[ "$1" = -sass ] && cat "$2.sass"\n')
         (bindir / "cuobjdump").chmod(0o755)
+    if nvdisasm:
+        (bindir / "nvdisasm").write_text('#!/bin/sh\n[ "$1" = -c ] && cat "$2.sass"\n')
+        (bindir / "nvdisasm").chmod(0o755)
     paths = []
     for name, sass in cubins.items():
         p = tmp_path / name
@@ -66,3 +69,9 @@ def test_check_passes_the_shapes_that_run(tmp_path):
 def test_check_says_when_it_cannot_run(tmp_path):
     r = _check(tmp_path, {"b.cubin": BAD_COPY}, with_objdump=False)
     assert r.returncode == 0 and "did not run" in r.stderr
+
+
+def test_check_falls_back_on_nvdisasm(tmp_path):
+    """Without cuobjdump (the pip toolchain) nvdisasm -c, if there, runs the same check."""
+    r = _check(tmp_path, {"a.cubin": GOOD_COPIES, "b.cubin": BAD_COPY}, with_objdump=False, nvdisasm=True)
+    assert r.returncode == 1 and "b.cubin" in r.stderr and "a.cubin" not in r.stderr
