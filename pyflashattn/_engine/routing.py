@@ -166,7 +166,9 @@ def dense_pays(kv_layout: str, num_kv_heads: int, page_size: int) -> bool:
 # long runs it instead of the row and its TMA twin. Same lease against the default TMA row (NOTES.md,
 # session 44, H200, TRT-LLM contiguous e4m3): no mask 4k +5%, 16k +3-6%, 16 x 1k -2%; causal 2k -5%,
 # 4k -1 to -2.5%, 16k +3-5%. Never for a frozen kernel: graph-mode plans, and batch-invariant ones
-# (fixed_split_size / disable_split_kv), where a request's kernel must not depend on its batch.
+# (fixed_split_size, or disable_split_kv over host-planned lengths), where a request's kernel must
+# not depend on its batch. TRT-LLM's device-metadata plans never split and take it by their shape
+# key's max lengths (BatchEngine.plan).
 # PFA_SM90_LONG_KV=0 never runs the twins, 1 runs them wherever built (A/B runs and tests).
 LONG_ENV = "PFA_SM90_LONG_KV"
 LONG_MIN_KV = 4096
