@@ -166,22 +166,7 @@ class BatchEngine(RunOptions):
             tile = cap.get("decode_rows", tile)
         la, budget, ctas = (dec.get(tile) or dec[route.tiles[-1]]) if tile and dec else \
             (route.attn, route.budget, route.ctas)
-        # Batch-invariant plans (fixed_split_size, or disable_split_kv asked for by the caller) and
-        # graph-mode plans keep one tile. A device-lengths plan (TRT-LLM's device metadata) never
-        # splits KV and is planned once per shape key (at its max lengths): the key fixes its tile.
-        invariant = cfg.fixed_split_size is not None or (disable_split_kv and not self.device_lengths)
-        if la is route.attn and route.long is not None and routing.long_pays(
-                src.kv_lens, bool(causal), cap is not None or invariant):
-            la = route.long  # its own tile (the schedule below is its own), the same CTAs an SM
-        elif la is route.attn and route.tma is not None and \
-                routing.tma_fits(self.paged, src.page_size, la.meta["block_n"], src.total_kv) and \
-                routing.tma_pays(self.paged, src.page_size, src.kv_lens, la.meta["block_n"], cap is not None):
-            la = route.tma  # the same tile: the schedule below is the cp.async kernel's
-        elif la is route.attn and route.dense is not None and \
-                routing.dense_pays(self.kv_layout, cfg.num_kv_heads, src.page_size):
-            la = route.dense  # the same tile; a run() over strided page slots falls back (kv_fallback)
-        elif la is route.attn and route.span is not None and routing.span_pays(src.page_size):
-            la = route.span  # the same tile, any strides
+        la = self._twin(route, la, src, cfg, bool(causal), cap is not None, disable_split_kv)
         meta = la.meta
         plan = schedule.schedule_prefill(src.qo, src.qo_lens, src.kv_lens, src.max_qo, src.max_kv, cfg.group,
                                          cfg.num_kv_heads, meta["block_m"], meta["block_n"], budget, bool(causal),
@@ -253,6 +238,28 @@ class BatchEngine(RunOptions):
             g.commit(cap, tile, sig)
         self.fast_key = None  # run()'s validated-signature cache belongs to one plan
         return plan
+
+    def _twin(self, route, la, src: KVSource, cfg, causal: bool, graph: bool, disable_split_kv):
+        """The kernel a plan runs for row-tile kernel la: its long-KV twin (its own tile: the
+        schedule is the twin's, the same CTAs an SM) where long_pays, else its TMA, dense or span
+        twin (the same tile: the schedule is la's) where that pays, else la. A decode tile is its
+        own. Batch-invariant plans (fixed_split_size, or disable_split_kv over host-planned
+        lengths) and graph-mode plans keep one tile; a device-lengths plan (TRT-LLM's device
+        metadata) never splits KV and is planned once per shape key at its max lengths, so the
+        key fixes its tile."""
+        if la is not route.attn:
+            return la
+        invariant = cfg.fixed_split_size is not None or (disable_split_kv and not self.device_lengths)
+        if route.long is not None and routing.long_pays(src.kv_lens, causal, graph or invariant):
+            return route.long
+        if route.tma is not None and routing.tma_fits(self.paged, src.page_size, la.meta["block_n"], src.total_kv) \
+                and routing.tma_pays(self.paged, src.page_size, src.kv_lens, la.meta["block_n"], graph):
+            return route.tma
+        if route.dense is not None and routing.dense_pays(self.kv_layout, cfg.num_kv_heads, src.page_size):
+            return route.dense  # a run() over strided page slots falls back (kv_fallback)
+        if route.span is not None and routing.span_pays(src.page_size):
+            return route.span  # any strides
+        return la
 
     def _sections(self, la, cfg, src, plan, stream: int) -> tuple[int, int, int]:
         """(kv heads per L2 section, the tile scheduler's counters, work items in sections before
