@@ -156,3 +156,16 @@ def test_trtllm_contiguous_calls_take_the_long_twin_for_long_keys(monkeypatch, d
                                    out_dtype="bfloat16")
     name = last_attn(env)[0]
     assert (name == LONG.name) is want_long, name
+
+
+def test_a_twin_whose_tile_differs_from_its_row_is_a_build_error():
+    """routing._twin_launcher (every twin: TMA, dense, span, long-KV) refuses a twin row whose meta
+    differs from its row's at what they must share."""
+    from types import SimpleNamespace
+    meta = {"name": "row", "block_m": 128, "block_n": 128, "ctas_per_sm": 1}
+    named = lambda name: SimpleNamespace(meta=dict(meta, name=name, block_n=256))  # noqa: E731
+    assert routing._twin_launcher(named, None, meta, ("block_m",), "twin") is None
+    twin = routing._twin_launcher(named, {"name": "t"}, meta, ("block_m", "ctas_per_sm"), "long-KV twin")
+    assert twin.meta["name"] == "t"
+    with pytest.raises(RuntimeError, match="t is no TMA twin of row: their block_m, block_n differ"):
+        routing._twin_launcher(named, {"name": "t"}, meta, ("block_m", "block_n"), "TMA twin")

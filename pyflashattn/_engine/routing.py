@@ -64,9 +64,23 @@ def kv_load_override():
     return switches.choice(KV_LOAD_ENV, KV_LOADS, lower=True) or None
 
 
-def _built_row(dev: int, name: str):
+def _built_row(dev: int, name: str = None, pick=None):
+    """The manifest row built for this device's arch named `name` (or, `pick` given, the first that
+    pick(row) accepts), or None."""
     archs = _registry.arch_candidates(_cuda.properties(dev)["cc"])
-    return next((r for r in _registry.manifest()["kernels"] if r["name"] == name and r["arch"] in archs), None)
+    return next((r for r in _registry.manifest()["kernels"]
+                 if r["arch"] in archs and (pick(r) if pick is not None else r["name"] == name)), None)
+
+
+def _twin_launcher(named, row, meta, keys: tuple, what: str):
+    """The launcher of twin `row` of the row-tile kernel of meta, None without a row; a twin whose
+    meta differs from its row's at `keys` (what they share) is a build error."""
+    if row is None:
+        return None
+    twin = named(row["name"])
+    if tuple(twin.meta[k] for k in keys) != tuple(meta[k] for k in keys):
+        raise RuntimeError(f"{row['name']} is no {what} of {meta['name']}: their {', '.join(keys)} differ")
+    return twin
 
 
 def kv_load_pair(dev: int, la, named):
@@ -90,11 +104,7 @@ def kv_load_pair(dev: int, la, named):
     # (a row without a twin, e.g. an fp8 or tune tile, keeps its cp.async load)
     if row is None or want == "cpasync" or (row.get("tune") and want != "tma"):
         return la, None
-    twin = named(row["name"])
-    tm = twin.meta
-    if (tm["block_m"], tm["block_n"], tm["ctas_per_sm"]) != (meta["block_m"], meta["block_n"], meta["ctas_per_sm"]):
-        raise RuntimeError(f"{tm['name']} is no twin of {meta['name']}: their tiles differ")
-    return la, twin
+    return la, _twin_launcher(named, row, meta, ("block_m", "block_n", "ctas_per_sm"), "TMA twin")
 
 
 # The paged rows' dense twins (build_tools/variants.py HOPPER_DENSE_KV: name + DENSE_SUFFIX, the
@@ -141,13 +151,7 @@ def _paged_twin(dev: int, la, named, suffix: str, env: str):
     want = switches.choice(env, ("0", "1"))
     if meta.get("impl") != "sm90" or not meta.get("paged") or meta.get("tma") or want == "0":
         return None
-    row = _built_row(dev, meta["name"] + suffix)
-    if row is None:
-        return None
-    twin = named(row["name"])
-    if (twin.meta["block_m"], twin.meta["block_n"]) != (meta["block_m"], meta["block_n"]):
-        raise RuntimeError(f"{row['name']} is no twin of {meta['name']}: their tiles differ")
-    return twin
+    return _twin_launcher(named, _built_row(dev, meta["name"] + suffix), meta, ("block_m", "block_n"), "twin")
 
 
 # Pages from which the dense twin pays: same-process A/B against its row (NOTES.md, session 36,
@@ -183,15 +187,8 @@ def long_twin(dev: int, la, named):
     if meta.get("impl") != "sm90" or meta.get("paged") or meta.get("tma") or \
             switches.choice(LONG_ENV, ("0", "1")) == "0" or _registry.forced("prefill") == meta["name"]:
         return None
-    archs = _registry.arch_candidates(_cuda.properties(dev)["cc"])
-    row = next((r for r in _registry.manifest()["kernels"]
-                if r.get("long_kv") and r.get("twin_of") == meta["name"] and r["arch"] in archs), None)
-    if row is None:
-        return None
-    twin = named(row["name"])
-    if (twin.meta["block_m"], twin.meta["ctas_per_sm"]) != (meta["block_m"], meta["ctas_per_sm"]):
-        raise RuntimeError(f"{row['name']} is no long-KV twin of {meta['name']}: their rows or CTAs differ")
-    return twin
+    row = _built_row(dev, pick=lambda r: r.get("long_kv") and r.get("twin_of") == meta["name"])
+    return _twin_launcher(named, row, meta, ("block_m", "ctas_per_sm"), "long-KV twin")
 
 
 def long_pays(kv_lens, causal: bool, frozen: bool) -> bool:
