@@ -48,6 +48,10 @@ struct ProducerSm90Fp8 {
   static_assert(Cfg::WG_THREADS % CPR == 0 && BLOCK_N % ROW_STEP == 0 && Cfg::BLOCK_M % ROW_STEP == 0,
                 "whole rows per pass");
   static constexpr int LOAD_UNROLL = Cfg::PRODUCER_REGS >= 40 ? 2 : 1;
+  // The paged copies fully unrolled where the producer has the registers (the persistent hd128 row
+  // at 56): each copy's shuffle lanes and shared-memory offsets become constants of its own, not a
+  // loop's (~5 instructions a copy instead of ~9.5). At 32 / 40 registers (hd64, hd256) it spills.
+  static constexpr int PAGED_UNROLL = Cfg::PRODUCER_REGS >= 56 ? BLOCK_N / ROW_STEP : LOAD_UNROLL;
   // Paged copies one row at a time (load_tile_paged's MAX_RUN = 1): with the page-run paths
   // compiled in, ptxas (nvcc 13.0) gives some of this producer's cp.async an [R + UR0 + imm]
   // address with its cache-policy descriptor in UR1, an odd uniform register, and the GPU stops
@@ -114,7 +118,7 @@ struct ProducerSm90Fp8 {
                                                    int64_t stride_n, int64_t row0, int64_t row_off, int n0, int tid,
                                                    uint64_t policy) {
     if constexpr (Cfg::PAGED)
-      load_tile_paged<Cfg, uint8_t, CPR, ROW_STEP, LOAD_UNROLL, PAGE_RUN_MAX>(s_tile, head, row_off, n0, w.kv_len,
+      load_tile_paged<Cfg, uint8_t, CPR, ROW_STEP, PAGED_UNROLL, PAGE_RUN_MAX>(s_tile, head, row_off, n0, w.kv_len,
                                                                               NO_PAGE_RUNS, stride_n, tid, policy);
     else
       load_tile(s_tile, head, stride_n, row0, n0, w.kv_len, tid, policy);
