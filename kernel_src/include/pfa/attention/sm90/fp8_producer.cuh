@@ -117,9 +117,12 @@ struct ProducerSm90Fp8 {
   static __device__ __forceinline__ void copy_tile(const PrefillWork& w, uint32_t s_tile, const uint8_t* head,
                                                    int64_t stride_n, int64_t row0, int64_t row_off, int n0, int tid,
                                                    uint64_t policy) {
-    if constexpr (Cfg::PAGED)
-      load_tile_paged<Cfg, uint8_t, CPR, ROW_STEP, PAGED_UNROLL, PAGE_RUN_MAX>(s_tile, head, row_off, n0, w.kv_len,
-                                                                              NO_PAGE_RUNS, stride_n, tid, policy);
+    if constexpr (Cfg::PAGED) {
+      // Unrolled with the L2 policy, ptxas addresses the copies as [R + UR0 + imm] with the policy
+      // in UR1, the form that stops the GPU (PAGE_RUN_MAX above; nvcc_guard.sh): plain copies.
+      load_tile_paged<Cfg, uint8_t, CPR, ROW_STEP, PAGED_UNROLL, PAGE_RUN_MAX, false, PAGED_UNROLL == LOAD_UNROLL>(
+          s_tile, head, row_off, n0, w.kv_len, NO_PAGE_RUNS, stride_n, tid, policy);
+    }
     else
       load_tile(s_tile, head, stride_n, row0, n0, w.kv_len, tid, policy);
   }

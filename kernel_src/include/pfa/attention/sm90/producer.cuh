@@ -235,7 +235,8 @@ __device__ __forceinline__ void by_page_run(int run, F&& f) {
 // stride_n: the cache's elements from one slot of a page to the next. MAX_RUN caps the run
 // lengths compiled in (1: every row its own shuffle, as before the runs). DENSE: stride_n is
 // Cfg::HEAD_DIM (Cfg::DENSE_KV), the runs' copies dense_rows_in_runs'.
-template <class Cfg, typename E, int CPR, int ROW_STEP, int UNROLL, int MAX_RUN = 8, bool DENSE = false>
+template <class Cfg, typename E, int CPR, int ROW_STEP, int UNROLL, int MAX_RUN = 8, bool DENSE = false,
+          bool HINT = true>
 __device__ __forceinline__ void load_tile_paged(uint32_t s_tile, const E* head, int64_t row_off, int n0, int kv_len,
                                                 int page_shift, int64_t stride_n, int tid, uint64_t policy) {
   using Rows = OwnedRows<Cfg, CPR, ROW_STEP>;
@@ -263,7 +264,10 @@ __device__ __forceinline__ void load_tile_paged(uint32_t s_tile, const E* head, 
     const int r = r0 + i * ROW_STEP;
     const uint32_t dst =
         ROW_STEP % 8 == 0 ? dst0 + i * ROW_STEP * Cfg::ROW_BYTES : s_tile + Cfg::swz(Cfg::BLOCK_N, r, chunk);
-    ptx::cp_async_16_hint(dst, src + off, n0 + r < kv_len, policy);
+    if constexpr (HINT)
+      ptx::cp_async_16_hint(dst, src + off, n0 + r < kv_len, policy);
+    else
+      ptx::cp_async_16(dst, src + off, n0 + r < kv_len);
   };
   const int64_t step = (int64_t)ROW_STEP * stride_n * (int64_t)sizeof(E);
   const int run = page_run_rows<Cfg, ROW_STEP>(page_shift);
