@@ -362,6 +362,8 @@ class HopperFp8PrefillVariant(Sm90Roles):
     block_n: int = 128
     # the long-KV twin of the head dim's default contiguous row (HOPPER_FP8_LONG, routing.long_twin)
     long_kv: bool = False
+    # the paged row's dense twin (HOPPER_FP8_DENSE_KV, PrefillSm90Fp8Config::DENSE_KV; routing.dense_twin)
+    dense: bool = False
 
     dtype = "e4m3"  # Q, K and V: the manifest's dtype and kv_dtype
     RAW_V_TILES = 2  # PrefillSm90Fp8Config::RAW_TILES
@@ -371,6 +373,8 @@ class HopperFp8PrefillVariant(Sm90Roles):
         if self.persistent is None:
             table = HOPPER_FP8_PERSISTENT_PAGED if self.paged else HOPPER_FP8_PERSISTENT
             object.__setattr__(self, "persistent", table[self.head_dim])
+        if self.dense and not (self.paged and not self.tma):
+            raise ValueError("a dense twin is one of a paged cp.async row")
 
     @property
     def smem_bytes(self):
@@ -392,7 +396,8 @@ class HopperFp8PrefillVariant(Sm90Roles):
     def name(self):
         return (f"pfa_prefill_{self.impl}_{self.dtype}_hd{self.head_dim}_m{self.block_m}n{self.block_n}"
                 f"c{self.consumers}s{self.stages}{'_pp' if self.pingpong else ''}{'' if self.overlap else '_serial'}"
-                f"{'_paged' if self.paged else ''}{'_ps' if self.persistent else ''}{'_tma' if self.tma else ''}")
+                f"{'_paged' if self.paged else ''}{'_ps' if self.persistent else ''}{'_tma' if self.tma else ''}"
+                f"{'_dense' if self.dense else ''}")
 
     def source(self):
         return (f'#include "pfa/attention/prefill_sm90_fp8.cuh"\n'
@@ -400,7 +405,7 @@ class HopperFp8PrefillVariant(Sm90Roles):
                 f"{self.stages}, "
                 f"{'true' if self.pingpong else 'false'}, {'true' if self.overlap else 'false'}, "
                 f"{'true' if self.paged else 'false'}, {'true' if self.persistent else 'false'}, "
-                f"{'true' if self.tma else 'false'}, {self.smem_bytes})\n")
+                f"{'true' if self.tma else 'false'}, {'true' if self.dense else 'false'}, {self.smem_bytes})\n")
 
     def manifest(self):
         return {"family": "prefill", "impl": self.impl, "dtype": self.dtype, "kv_dtype": self.dtype,
@@ -412,8 +417,11 @@ class HopperFp8PrefillVariant(Sm90Roles):
                 "rows_fastest": True, "device_scale": True, "tma": self.tma, "out16": "bf16", "skip_softmax_rows": 0,
                 "nvfp4_out": self.paged,  # Sm90Fp8OutCfg::NVFP4_OUT
                 "persistent": self.persistent,
-                # a twin is only picked by name (routing.long_twin finds it by twin_of)
-                "long_kv": self.long_kv, "twin_of": self.default_row().name if self.long_kv else None}
+                # a twin is only picked by name (routing.long_twin finds it by twin_of, dense_twin by
+                # the row's name + "_dense")
+                "long_kv": self.long_kv, "dense_kv": self.dense,
+                "twin_of": (self.default_row().name if self.long_kv
+                            else dataclasses.replace(self, dense=False).name if self.dense else None)}
 
     def default_row(self):
         """The head dim's default contiguous cp.async row (what a long-KV twin stands in for)."""
@@ -455,6 +463,9 @@ HOPPER_FP8_PERSISTENT = {64: True, 128: True, 256: False}
 # a block, TRT-LLM paged e4m3 1k / 4k / 16k causal +19 / +6 / +2%, session 32); hd64 (three
 # consumers, a 32-register producer) stays a CTA a block.
 HOPPER_FP8_PERSISTENT_PAGED = {64: False, 128: True, 256: False}
+# Head dims whose paged fp8 rows have a dense twin (name + "_dense", as HOPPER_DENSE_KV's 16-bit
+# ones): hd128, whose 56-register producer unrolls the copies. Not measured yet (NOTES.md, session 45).
+HOPPER_FP8_DENSE_KV = (128,)
 # The fp8 rows' TMA twins (K and raw V by boxes): head dims with whole 128-byte rows, and per
 # storage whether they ship (routing.kv_load_pair runs a shipped twin wherever TMA can address
 # the call's K/V; a tune row only under PFA_SM90_KV_LOAD=tma). The paged twins: a box a page, warp 0
@@ -758,6 +769,8 @@ def variants(tune=False):
             for hd in HOPPER_FP8_TMA_HEAD_DIMS]
     out += [HopperFp8PrefillVariant(hd, *HOPPER_FP8_TILES[hd][:2], overlap, pp, block_n=bn, long_kv=True)
             for hd, (bn, overlap, pp) in HOPPER_FP8_LONG.items()]
+    out += [HopperFp8PrefillVariant(hd, *HOPPER_FP8_TILES[hd], pingpong=HOPPER_FP8_PINGPONG[hd][True], paged=True,
+                                    dense=True) for hd in HOPPER_FP8_DENSE_KV]
     if tune:
         out += [HopperFp8PrefillVariant(hd, *HOPPER_FP8_TILES[hd][:2], overlap, HOPPER_FP8_PINGPONG[hd][False], tma=tma,
                                         tune=True, block_n=bn)

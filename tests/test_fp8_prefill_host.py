@@ -274,7 +274,7 @@ def test_fp8_rows_of_the_variant_table():
         # persistent (the scheduler's walk) where variants.HOPPER_FP8_PERSISTENT(_PAGED) says so
         want = (variants.HOPPER_FP8_PERSISTENT_PAGED if v.paged else variants.HOPPER_FP8_PERSISTENT)[v.head_dim]
         assert v.manifest()["persistent"] == v.persistent == want
-        assert v.name.removesuffix("_tma").endswith("_ps") == v.persistent
+        assert v.name.removesuffix("_tma").removesuffix("_dense").endswith("_ps") == v.persistent
         # the TMA twins: rows of whole 128-byte rows, a twin's tile (and persistence: a plan falls
         # back to the sibling with the same struct and grid) its sibling's
         assert v.manifest()["tma"] == v.tma == v.name.endswith("_tma")

@@ -48,7 +48,7 @@ def test_the_long_twin_row_stands_in_for_the_default_contiguous_row():
     assert (LONG.block_m, LONG.block_n, m["ctas_per_sm"]) == (DEFAULT.block_m, 256, DEFAULT.manifest()["ctas_per_sm"])
     assert LONG.fits("sm_90a") and not DEFAULT.manifest()["twin_of"]
     # the macro's BLOCK_N and the serial loop (OVERLAP false), no ping-pong
-    assert f"{LONG.name}, 128, 256, 2, 2, false, false, false, true, false, {LONG.smem_bytes})" in LONG.source()
+    assert f"{LONG.name}, 128, 256, 2, 2, false, false, false, true, false, false, {LONG.smem_bytes})" in LONG.source()
 
 
 @pytest.mark.parametrize("kv_lens,causal,frozen,env,want", [

@@ -12,8 +12,11 @@ import sys
 import pytest
 
 from pyflashattn._engine import routing
+from pyflashattn._runtime import dtypes as _dtypes
 from pyflashattn.testing.fake_driver import (
     D, HKV, KV_INDICES, KV_INDPTR, LAST, NPAGES, PS, T, FakeEnv, i32, last_attn, paged)
+
+E4M3, BF16 = _dtypes.FLOAT8_E4M3, _dtypes.BFLOAT16
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent.parent / "build_tools"))
 import variants  # noqa: E402
@@ -151,3 +154,44 @@ def test_span_plans_take_any_strides(monkeypatch):
     w.run(q_long(), _cache(ps=PS, strides=strides), out=out_long())
     launched, _, _, p = last_attn(env)
     assert launched == span_name and not w._engine.kv_fallback and p.k_stride_n == pad
+
+
+# ---- the e4m3 paged row's dense twin (variants.HOPPER_FP8_DENSE_KV) --------------------------------
+E4M3_PLAN = dict(q_data_type="float8_e4m3fn", kv_data_type="float8_e4m3fn", o_data_type="bfloat16")
+
+
+def test_the_e4m3_dense_twin_is_a_twin_of_the_paged_row():
+    rows = {v.name: v for v in variants.variants() if isinstance(v, variants.HopperFp8PrefillVariant)}
+    twins = [v for v in rows.values() if v.dense]
+    assert {v.head_dim for v in twins} == set(variants.HOPPER_FP8_DENSE_KV)
+    for v in twins:
+        base = rows[v.name.removesuffix("_dense")]
+        m = v.manifest()
+        assert v.paged and not v.tma and m["dense_kv"] and m["twin_of"] == base.name and not base.manifest()["dense_kv"]
+        assert (v.block_m, v.block_n, v.stages, v.smem_bytes) == (base.block_m, base.block_n, base.stages, base.smem_bytes)
+        assert f"true, false, true, {v.smem_bytes})" in v.source()  # the macro's PERSISTENT, TMA, DENSE_KV
+        assert f"true, false, false, {base.smem_bytes})" in base.source()
+    with pytest.raises(ValueError, match="dense twin"):
+        variants.HopperFp8PrefillVariant(128, 2, 2, dense=True)
+
+
+@pytest.mark.parametrize("layout,ps,switches,dense", [
+    ("HND", PS32, {}, True), ("HND", 64, {}, True), ("NHD", PS32, {}, False), ("HND", PS, {}, False),
+    ("HND", PS32, DENSE_OFF, False)])
+def test_e4m3_paged_plans_take_the_dense_twin_their_pages_pay(monkeypatch, layout, ps, switches, dense):
+    """As the 16-bit rows: an HND cache with pages of 32+ slots runs the dense twin (the e4m3 rows
+    have no span twin), the row otherwise; strided slots fall back to the row at run()."""
+    env = _env(monkeypatch, switches.get(routing.DENSE_ENV))
+    w = paged(env, layout=layout)
+    w.plan(QO_LONG, KV_INDPTR, KV_INDICES, LAST, HQ, HKV, D, ps, **E4M3_PLAN)
+    la = w._engine.attn
+    assert "_e4m3_" in la.name and la.name.endswith("_paged_ps" + ("_dense" if dense else "")), la.name
+    q, out = T((57, HQ, D), E4M3, data=0x100000), T((57, HQ, D), BF16, data=0x400000)
+    shape = (NPAGES, 2, ps, HKV, D) if layout == "NHD" else (NPAGES, 2, HKV, ps, D)
+    w.run(q, T(shape, E4M3, data=0x200000), out=out)
+    assert last_attn(env)[0] == la.name and not w._engine.kv_fallback
+    if dense:  # slots D + 16 elements apart: the row itself
+        pad = D + 16
+        strides = (2 * HKV * ps * pad, HKV * ps * pad, ps * pad, pad, 1)
+        w.run(q, T(shape, E4M3, strides=strides, data=0x200000), out=out)
+        assert last_attn(env)[0] == la.name.removesuffix("_dense") and w._engine.kv_fallback

@@ -311,6 +311,18 @@ def test_fmha_fp8_paged_layouts(layout, mode, out_dtype, device_meta):
 
 @needs_sm90
 @pytest.mark.parametrize("device_meta", [False, True], ids=["host_meta", "device_meta"])
+@pytest.mark.parametrize("layout, ps, dense", [("Q_PAGED_KV_HND", 32, True), ("Q_PAGED_KV_HND", 64, True),
+                                               ("Q_PAGED_KV_HND", 16, False), ("Q_PAGED_KV_NHD", 32, False)])
+def test_fmha_fp8_paged_dense_twin(layout, ps, dense, device_meta):
+    """hd128 HND caches with pages of 32+ slots run the paged row's dense twin (routing.dense_pays),
+    the others the row itself; both checked against the reference (run_case)."""
+    run_case(layout, "causal", BF16, device_meta, ps=ps)
+    (e,) = (_trtllm_device if device_meta else _trtllm)._ENGINES.values()
+    assert e.attn.meta["paged"] and bool(e.attn.meta.get("dense_kv")) is dense, e.attn.name
+
+
+@needs_sm90
+@pytest.mark.parametrize("device_meta", [False, True], ids=["host_meta", "device_meta"])
 @pytest.mark.parametrize("d", [64, 128, 256])
 @pytest.mark.parametrize("ps", [1, 16, 32, 64, 128])
 def test_fmha_fp8_paged_tuple_form_page_sizes_device_scales(ps, d, device_meta):

@@ -37,10 +37,10 @@ struct Sm90Fp8OutCfg {
   static constexpr bool NVFP4_OUT = PAGED;
 };
 
-template <int HEAD_DIM, int BLOCK_N, int CONSUMERS, int STAGES, bool PINGPONG, bool OVERLAP, bool PAGED, bool PERSISTENT,
-          bool TMA>
-struct PrefillSm90Fp8 : PrefillSm90Fp8Config<HEAD_DIM, CONSUMERS, STAGES, PAGED, PERSISTENT, TMA, BLOCK_N> {
-  using Cfg = PrefillSm90Fp8Config<HEAD_DIM, CONSUMERS, STAGES, PAGED, PERSISTENT, TMA, BLOCK_N>;
+template <int HEAD_DIM, int BLOCK_N, int CONSUMERS, int STAGES, bool PINGPONG, bool OVERLAP, bool PAGED,
+          bool PERSISTENT, bool TMA, bool DENSE_KV = false>
+struct PrefillSm90Fp8 : PrefillSm90Fp8Config<HEAD_DIM, CONSUMERS, STAGES, PAGED, PERSISTENT, TMA, BLOCK_N, DENSE_KV> {
+  using Cfg = PrefillSm90Fp8Config<HEAD_DIM, CONSUMERS, STAGES, PAGED, PERSISTENT, TMA, BLOCK_N, DENSE_KV>;
   using Consumer = ConsumerSm90Fp8<Cfg, PINGPONG, OVERLAP>;
   using OutCfg = Sm90Fp8OutCfg<typename Cfg::Out16, HEAD_DIM, PAGED>;
 
@@ -85,12 +85,14 @@ struct PrefillSm90Fp8 : PrefillSm90Fp8Config<HEAD_DIM, CONSUMERS, STAGES, PAGED,
 // One extern "C" entry per variant (as PFA_DEFINE_PREFILL_SM90). SMEM: variants.py's smem_bytes,
 // checked against the kernel's layout at compile time.
 #define PFA_DEFINE_PREFILL_SM90_FP8(NAME, HD, BN, CONSUMERS, STAGES, PINGPONG, OVERLAP, PAGED, PERSISTENT, TMA,     \
-                                    SMEM)                                                                       \
-  static_assert(pfa::PrefillSm90Fp8<HD, BN, CONSUMERS, STAGES, PINGPONG, OVERLAP, PAGED, PERSISTENT, TMA>::SMEM_BYTES == \
-                    (SMEM),                                                                                     \
+                                    DENSE_KV, SMEM)                                                             \
+  static_assert(pfa::PrefillSm90Fp8<HD, BN, CONSUMERS, STAGES, PINGPONG, OVERLAP, PAGED, PERSISTENT, TMA,          \
+                                    DENSE_KV>::SMEM_BYTES == (SMEM),                                            \
                 #NAME ": variants.py smem_bytes differs from the kernel's shared-memory layout");               \
   extern "C" __global__ void __launch_bounds__((CONSUMERS + 1) * 128, 1)                                        \
       NAME(const __grid_constant__ pfa::PrefillParams p) {                                                      \
     extern __shared__ __align__(1024) char smem[];                                                              \
-    pfa::PrefillSm90Fp8<HD, BN, CONSUMERS, STAGES, PINGPONG, OVERLAP, PAGED, PERSISTENT, TMA>::run(p, smem);     \
+    using Kernel =                                                                                              \
+        pfa::PrefillSm90Fp8<HD, BN, CONSUMERS, STAGES, PINGPONG, OVERLAP, PAGED, PERSISTENT, TMA, DENSE_KV>;      \
+    Kernel::run(p, smem);                                                                                       \
   }

@@ -38,7 +38,7 @@ constexpr int sm90_fp8_bar_offset(int head_dim, int consumers, int stages, int b
 // The paged rows' producer (two consumers: hd128) takes 56 registers, as the 16-bit paged rows'
 // (sm90_producer_regs): persistent, its owned-row copy loop spilled at 40.
 template <int HEAD_DIM_, int CONSUMERS_, int STAGES_, bool PAGED_, bool PERSISTENT_ = false, bool TMA_ = false,
-          int BLOCK_N_ = 128>
+          int BLOCK_N_ = 128, bool DENSE_KV_ = false>
 struct PrefillSm90Fp8Config
     : Sm90Pipeline<CONSUMERS_, STAGES_, sm90_fp8_bar_offset(HEAD_DIM_, CONSUMERS_, STAGES_, BLOCK_N_),
                    sm90_producer_regs(CONSUMERS_, false, PAGED_ && HEAD_DIM_ <= 128)> {
@@ -55,6 +55,11 @@ struct PrefillSm90Fp8Config
   // the paged copies: one lane of a producer warp owns each of a tile's rows (producer.cuh OwnedRows)
   static_assert(!PAGED_ || BLOCK_N == 128, "paged fp8: 128-key tiles");
   static constexpr bool PAGED = PAGED_;
+  // The paged rows' dense twin (variants.HOPPER_FP8_DENSE_KV, routing.dense_twin): a kv head's page
+  // slots back to back (stride_n = HEAD_DIM), so a thread's rows in one page step by a constant
+  // (producer.cuh dense_rows_in_runs: one owned-row shuffle a page run, not a copy).
+  static constexpr bool DENSE_KV = DENSE_KV_;
+  static_assert(!DENSE_KV || (PAGED && !TMA_), "dense: the paged copies");
   // K and raw V tiles by TMA (PrefillParams::k_tmap / v_tmap, boxes of 128 one-byte columns): one
   // producer thread (PAGED: warp 0, a box a page) issues a whole tile's boxes instead of every
   // thread a cp.async per chunk (the copies were a third of the issue-bound producer's

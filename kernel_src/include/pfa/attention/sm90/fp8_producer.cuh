@@ -59,6 +59,10 @@ struct ProducerSm90Fp8 {
   // producer's run paths compile without that form.
   static constexpr int PAGE_RUN_MAX = 1;
   static constexpr int NO_PAGE_RUNS = -1;  // load_tile_paged's page_shift: no runs to find
+  // The dense twin (Cfg::DENSE_KV) finds page runs (p.page_shift): at ROW_STEP 16 a page of 32
+  // slots holds 2 of a thread's rows, 64 slots 4; runs of 1 and 2 rows compiled in (each run path
+  // is a copy of the unrolled copies).
+  static constexpr int DENSE_RUN_MAX = 2;
   // transpose steps (16 keys x 32 dims) of a tile, spread over the four producer warps: GROUPS
   // 16-key groups a warp per 32-dim block
   static constexpr int GROUPS = BLOCK_N / 64;
@@ -114,17 +118,21 @@ struct ProducerSm90Fp8 {
   // One K or raw V tile, keys [n0, n0 + BLOCK_N) from `head` (the kv head's base) through the
   // request's addressing: ragged rows from row0, or (PAGED) this lane's owned row's byte offset
   // row_off (load_tile_paged, producer.cuh).
-  static __device__ __forceinline__ void copy_tile(const PrefillWork& w, uint32_t s_tile, const uint8_t* head,
-                                                   int64_t stride_n, int64_t row0, int64_t row_off, int n0, int tid,
-                                                   uint64_t policy) {
+  static __device__ __forceinline__ void copy_tile(const PrefillParams& p, const PrefillWork& w, uint32_t s_tile,
+                                                   const uint8_t* head, int64_t stride_n, int64_t row0,
+                                                   int64_t row_off, int n0, int tid, uint64_t policy) {
     if constexpr (Cfg::PAGED) {
       // Unrolled with the L2 policy, ptxas addresses the copies as [R + UR0 + imm] with the policy
       // in UR1, the form that stops the GPU (PAGE_RUN_MAX above; nvcc_guard.sh): plain copies.
-      load_tile_paged<Cfg, uint8_t, CPR, ROW_STEP, PAGED_UNROLL, PAGE_RUN_MAX, false, PAGED_UNROLL == LOAD_UNROLL>(
-          s_tile, head, row_off, n0, w.kv_len, NO_PAGE_RUNS, stride_n, tid, policy);
-    }
-    else
+      if constexpr (Cfg::DENSE_KV)  // page runs of DENSE_RUN_MAX rows at most
+        load_tile_paged<Cfg, uint8_t, CPR, ROW_STEP, PAGED_UNROLL, DENSE_RUN_MAX, true, false>(
+            s_tile, head, row_off, n0, w.kv_len, p.page_shift, stride_n, tid, policy);
+      else
+        load_tile_paged<Cfg, uint8_t, CPR, ROW_STEP, PAGED_UNROLL, PAGE_RUN_MAX, false, PAGED_UNROLL == LOAD_UNROLL>(
+            s_tile, head, row_off, n0, w.kv_len, NO_PAGE_RUNS, stride_n, tid, policy);
+    } else {
       load_tile(s_tile, head, stride_n, row0, n0, w.kv_len, tid, policy);
+    }
   }
 
   // Paged: the owned row's page ids (owned_page_id, producer.cuh) of the tile at n0: K's, and V's
@@ -183,9 +191,10 @@ struct ProducerSm90Fp8 {
     {
       const int n1 = w.tile_start, s0 = walk.stage<STAGES>(0);
       ptx::mbar_wait(Cfg::k_empty(base, s0), walk.phase<STAGES>(0) ^ 1);  // (a fresh ring: free at once)
-      copy_tile(w, base + Cfg::K_OFFSET + s0 * Cfg::K_TILE_BYTES, k, p.k_stride_n, row0, k_off(n1), n1, tid, keep);
+      copy_tile(p, w, base + Cfg::K_OFFSET + s0 * Cfg::K_TILE_BYTES, k, p.k_stride_n, row0, k_off(n1), n1, tid,
+                keep);
       ptx::cp_async_mbar_arrive(Cfg::k_full(base, s0));
-      copy_tile(w, base + Cfg::RAW_OFFSET, v, p.v_stride_n, row0, v_off(n1), n1, tid, keep);
+      copy_tile(p, w, base + Cfg::RAW_OFFSET, v, p.v_stride_n, row0, v_off(n1), n1, tid, keep);
       ptx::cp_async_commit();
       if constexpr (Cfg::PAGED) {
         if (n > 1) ids = tile_ids(p, w, n1 + BLOCK_N, row, tid);
@@ -196,14 +205,15 @@ struct ProducerSm90Fp8 {
         // raw V(it + 1) first: its buffer is free (the barrier ending tile it - 1), while K(it + 1)
         // waits for the consumers to release a K stage
         const int s1 = walk.stage<STAGES>(it + 1), n1 = w.tile_start + (it + 1) * BLOCK_N;
-        copy_tile(w, base + Cfg::RAW_OFFSET + ((it + 1) & 1) * Cfg::K_TILE_BYTES, v, p.v_stride_n, row0, v_off(n1),
-                  n1, tid, keep);
+        copy_tile(p, w, base + Cfg::RAW_OFFSET + ((it + 1) & 1) * Cfg::K_TILE_BYTES, v, p.v_stride_n, row0,
+                  v_off(n1), n1, tid, keep);
         const int64_t k_row_off = k_off(n1);
         if constexpr (Cfg::PAGED) {
           if (it + 2 < n) ids = tile_ids(p, w, n1 + BLOCK_N, row, tid);
         }
         ptx::mbar_wait(Cfg::k_empty(base, s1), walk.phase<STAGES>(it + 1) ^ 1);
-        copy_tile(w, base + Cfg::K_OFFSET + s1 * Cfg::K_TILE_BYTES, k, p.k_stride_n, row0, k_row_off, n1, tid, keep);
+        copy_tile(p, w, base + Cfg::K_OFFSET + s1 * Cfg::K_TILE_BYTES, k, p.k_stride_n, row0, k_row_off, n1, tid,
+                  keep);
         ptx::cp_async_mbar_arrive(Cfg::k_full(base, s1));  // (once V(it + 1) has landed too)
         ptx::cp_async_commit();
         ptx::cp_async_wait<1>();  // this thread's copies of V(it) (and earlier) have landed

@@ -252,7 +252,10 @@ __device__ __forceinline__ void load_tile_paged(uint32_t s_tile, const E* head, 
     auto copy_valid = [&](int i, int64_t off, bool valid) {
       const uint32_t dst = ROW_STEP % 8 == 0 ? dst0 + i * ROW_STEP * Cfg::ROW_BYTES
                                              : s_tile + Cfg::swz(Cfg::BLOCK_N, r0 + i * ROW_STEP, chunk);
-      ptx::cp_async_16_hint(dst, src + off, valid, policy);
+      if constexpr (HINT)
+        ptx::cp_async_16_hint(dst, src + off, valid, policy);
+      else
+        ptx::cp_async_16(dst, src + off, valid);
     };
     constexpr int STEP = ROW_STEP * Cfg::HEAD_DIM * (int)sizeof(E);
     const int left = kv_len - n0 - r0;
