@@ -424,9 +424,10 @@ class HopperFp8PrefillVariant(Sm90Roles):
                             else dataclasses.replace(self, dense=False).name if self.dense else None)}
 
     def default_row(self):
-        """The head dim's default contiguous cp.async row (what a long-KV twin stands in for)."""
+        """The head dim's default cp.async row of this storage (contiguous, or paged): what a long-KV
+        twin stands in for."""
         return HopperFp8PrefillVariant(self.head_dim, *HOPPER_FP8_TILES[self.head_dim],
-                                       pingpong=HOPPER_FP8_PINGPONG[self.head_dim][False])
+                                       pingpong=HOPPER_FP8_PINGPONG[self.head_dim][self.paged], paged=self.paged)
 
 
 # head_dim -> (consumers, stages, overlap) of the sm_90a fp8 prefill (hd64: three consumers, as the
@@ -452,6 +453,10 @@ HOPPER_FP8_TUNE_TILES = [(128, 192, True)]
 # row (H200, NOTES.md session 44): TRT-LLM contiguous e4m3 no mask 4k +5%, 16k +3-6%, 16 x 1k -2%;
 # its TMA build (a `make TUNE=1` row) ran 4-10% behind it.
 HOPPER_FP8_LONG = {128: (256, False, False)}
+# Head dims whose paged row has a long-KV twin too: the same 256-key serial tile, its paged copies in
+# two 128-key halves (fp8_producer.cuh PagedHalf), strided (any page slots: no fallback). Routed by
+# routing.long_pays as the contiguous twin.
+HOPPER_FP8_LONG_PAGED = (128,)
 # `make TUNE=1`: the 256-key serial steps with the consumers' turn around S only (fp8_config
 # S_TURN_ONLY, as fmha_v2's), by cp.async and TMA (head_dim, block_n): 0.93-1.0x the long twin
 HOPPER_FP8_TUNE_SERIAL_TURN = [(128, 256)]
@@ -768,8 +773,9 @@ def variants(tune=False):
                                     paged=storage == "paged", tma=True, tune=not shipped)
             for storage, shipped in HOPPER_FP8_TMA_SHIPPED.items() if tune or shipped
             for hd in HOPPER_FP8_TMA_HEAD_DIMS]
-    out += [HopperFp8PrefillVariant(hd, *HOPPER_FP8_TILES[hd][:2], overlap, pp, block_n=bn, long_kv=True)
-            for hd, (bn, overlap, pp) in HOPPER_FP8_LONG.items()]
+    out += [HopperFp8PrefillVariant(hd, *HOPPER_FP8_TILES[hd][:2], overlap, pp, block_n=bn, long_kv=True, paged=paged)
+            for hd, (bn, overlap, pp) in HOPPER_FP8_LONG.items()
+            for paged in (False, True) if not paged or hd in HOPPER_FP8_LONG_PAGED]
     out += [HopperFp8PrefillVariant(hd, *HOPPER_FP8_TILES[hd], pingpong=HOPPER_FP8_PINGPONG[hd][True], paged=True,
                                     dense=True) for hd in HOPPER_FP8_DENSE_KV]
     if tune:

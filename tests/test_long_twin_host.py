@@ -1,7 +1,8 @@
-"""The e4m3 rows' long-KV twin (variants.HOPPER_FP8_LONG: 256-key serial steps, by cp.async) on the
-simulated driver: its row in the variant table, which plans take it (routing.long_pays: long
-requests; never a graph-mode or batch-invariant plan; PFA_SM90_LONG_KV=0 never, 1 always), and
-that its own tile schedules the plan. Numerics: tests/gpu/test_fp8_prefill.py."""
+"""The e4m3 rows' long-KV twins (variants.HOPPER_FP8_LONG: 256-key serial steps, by cp.async; of the
+contiguous row and, HOPPER_FP8_LONG_PAGED, of the paged row) on the simulated driver: their rows in
+the variant table, which plans take them (routing.long_pays: long requests; never a graph-mode or
+batch-invariant plan; PFA_SM90_LONG_KV=0 never, 1 always), and that their own tile schedules the
+plan. Numerics: tests/gpu/test_fp8_prefill.py, tests/gpu/test_trtllm_fp8.py."""
 from __future__ import annotations
 
 import pathlib
@@ -23,6 +24,8 @@ HQ, HKV, D = 8, 2, 128
 LONG = variants.HopperFp8PrefillVariant(D, *variants.HOPPER_FP8_TILES[D][:2], *variants.HOPPER_FP8_LONG[D][1:],
                                         block_n=variants.HOPPER_FP8_LONG[D][0], long_kv=True)
 DEFAULT = LONG.default_row()
+LONG_PAGED = variants.HopperFp8PrefillVariant(D, *variants.HOPPER_FP8_TILES[D][:2], *variants.HOPPER_FP8_LONG[D][1:],
+                                              block_n=variants.HOPPER_FP8_LONG[D][0], long_kv=True, paged=True)
 
 
 def _env(monkeypatch, long_env=None):
@@ -41,7 +44,7 @@ def _env(monkeypatch, long_env=None):
 def test_the_long_twin_row_stands_in_for_the_default_contiguous_row():
     rows = {v.name: v for v in variants.variants() if isinstance(v, variants.HopperFp8PrefillVariant)}
     longs = [v for v in rows.values() if v.long_kv]
-    assert [v.name for v in longs] == [LONG.name] and set(variants.HOPPER_FP8_LONG) == {D}
+    assert [v.name for v in longs] == [LONG.name, LONG_PAGED.name] and set(variants.HOPPER_FP8_LONG) == {D}
     m = LONG.manifest()
     assert m["long_kv"] and m["twin_of"] == DEFAULT.name and DEFAULT.name in rows
     assert not (LONG.paged or LONG.tma or LONG.tune or LONG.overlap or LONG.pingpong)
@@ -169,3 +172,64 @@ def test_a_twin_whose_tile_differs_from_its_row_is_a_build_error():
     assert twin.meta["name"] == "t"
     with pytest.raises(RuntimeError, match="t is no TMA twin of row: their block_m, block_n differ"):
         routing._twin_launcher(named, {"name": "t"}, meta, ("block_m", "block_n"), "TMA twin")
+
+
+def test_the_paged_long_twin_stands_in_for_the_paged_row():
+    rows = {v.name: v for v in variants.variants() if isinstance(v, variants.HopperFp8PrefillVariant)}
+    row = LONG_PAGED.default_row()
+    m = LONG_PAGED.manifest()
+    assert variants.HOPPER_FP8_LONG_PAGED == (D,) and row.name in rows and LONG_PAGED.name in rows
+    assert row.paged and not row.dense and m["twin_of"] == row.name and m["long_kv"] and m["paged"]
+    assert (LONG_PAGED.block_m, LONG_PAGED.block_n, LONG_PAGED.persistent) == (row.block_m, 256, row.persistent)
+    assert LONG_PAGED.fits("sm_90a") and m["nvfp4_out"] and not (LONG_PAGED.overlap or LONG_PAGED.pingpong)
+    # the macro's BLOCK_N, serial loop, PAGED, persistent, no TMA, strided copies (no dense twin)
+    assert f"{LONG_PAGED.name}, 128, 256, 2, 2, false, false, true, true, false, false, " in LONG_PAGED.source()
+
+
+PS_LONG = 32
+
+
+def _paged_long_plan(monkeypatch, kv_lens, long_env=None, layout="HND", **kw):
+    """A paged e4m3 plan of 128 queries a request over kv_lens keys (pages of PS_LONG slots in
+    reverse order), and its run over an HND cache (strides: the cache's, None = contiguous)."""
+    from pyflashattn.testing.fake_driver import paged
+    env = _env(monkeypatch, long_env)
+    monkeypatch.delenv(routing.DENSE_ENV, raising=False)
+    w = paged(env, layout=layout, **kw.pop("wrapper", {}))
+    pages = [-(-n // PS_LONG) for n in kv_lens]
+    npages = sum(pages)
+    qo = i32(0, *np.cumsum([128] * len(kv_lens)))
+    w.plan(qo, i32(0, *np.cumsum(pages)), i32(*range(npages - 1, -1, -1)),
+           i32(*[n - (p - 1) * PS_LONG for n, p in zip(kv_lens, pages)]), HQ, HKV, D, PS_LONG,
+           q_data_type="float8_e4m3fn", kv_data_type="float8_e4m3fn", o_data_type="bfloat16", **kw)
+    return env, w, int(qo[-1]), npages
+
+
+@pytest.mark.parametrize("kv_lens,kw,env,want", [
+    ([8192, 4096], {}, None, "long"), ([2048, 1024], {}, None, "dense"), ([8192], dict(causal=True), None, "dense"),
+    ([16384], dict(causal=True), None, "long"), ([8192], dict(fixed_split_size=512), None, "dense"),
+    ([8192], {}, "0", "dense"), ([300], {}, "1", "long")])
+def test_paged_plans_take_the_paged_long_twin_for_long_keys(monkeypatch, kv_lens, kw, env, want):
+    """The paged long twin copies strided slots (no dense fallback): a run() over padded slots
+    keeps it; shorter or frozen plans take the paged row's dense twin (HND, page 32)."""
+    env_, w, tq, npages = _paged_long_plan(monkeypatch, kv_lens, env, **kw)
+    la = w._engine.attn
+    want_name = LONG_PAGED.name if want == "long" else LONG_PAGED.default_row().name + routing.DENSE_SUFFIX
+    assert la.name == want_name and la.meta["block_n"] == (256 if want == "long" else 128)
+    q, out = T((tq, HQ, D), E4M3, data=0x1000000), T((tq, HQ, D), BF16, data=0xd000000)
+    pad = D + 16
+    for strides in (None, (2 * HKV * PS_LONG * pad, HKV * PS_LONG * pad, PS_LONG * pad, pad, 1)):
+        w.run(q, T((npages, 2, HKV, PS_LONG, D), E4M3, strides=strides, data=0x5000000), out=out)
+        name, _, _, p = last_attn(env_)
+        if want == "long":  # its own schedule: whole 256-key tiles; any slot strides
+            assert name == la.name and p.kv_chunk_size % 256 == 0 and not w._engine.kv_fallback
+            assert w._engine.kv_twin is None and w._engine.kv_maps is None
+
+
+def test_a_graph_mode_paged_plan_keeps_the_paged_row(monkeypatch):
+    env, w, tq, npages = _paged_long_plan(monkeypatch, [8192], wrapper=dict(
+        use_cuda_graph=True, qo_indptr_buf=T((2,), _dtypes.INT32, data=0x700000),
+        paged_kv_indptr_buf=T((2,), _dtypes.INT32, data=0x710000),
+        paged_kv_indices_buf=T((256,), _dtypes.INT32, data=0x720000),
+        paged_kv_last_page_len_buf=T((1,), _dtypes.INT32, data=0x730000)))
+    assert w._engine.attn.name != LONG_PAGED.name and w._engine.attn.meta["block_n"] == 128

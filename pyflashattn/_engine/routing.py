@@ -165,9 +165,10 @@ def dense_pays(kv_layout: str, num_kv_heads: int, page_size: int) -> bool:
     return (kv_layout == "HND" or num_kv_heads == 1) and page_size >= DENSE_MIN_PAGE
 
 
-# The e4m3 rows' long-KV twin (build_tools/variants.py HOPPER_FP8_LONG: its own tile, 256-key serial
-# steps, the manifest's long_kv and twin_of = the default contiguous row): a plan whose requests are
-# long runs it instead of the row and its TMA twin. Same lease against the default TMA row (NOTES.md,
+# The e4m3 rows' long-KV twins (build_tools/variants.py HOPPER_FP8_LONG: their own tile, 256-key
+# serial steps, the manifest's long_kv and twin_of = the default row of their storage: contiguous,
+# or paged, HOPPER_FP8_LONG_PAGED): a plan whose requests are long runs one instead of the row and
+# its TMA or dense twin. Same lease against the default TMA row (NOTES.md,
 # session 44, H200, TRT-LLM contiguous e4m3): no mask 4k +5%, 16k +3-6%, 16 x 1k -2%; causal 2k -5%,
 # 4k -1 to -2.5%, 16k +3-5%. Never for a frozen kernel: graph-mode plans, and batch-invariant ones
 # (fixed_split_size, or disable_split_kv over host-planned lengths), where a request's kernel must
@@ -180,11 +181,11 @@ LONG_MIN_KV_CAUSAL = 16384
 
 
 def long_twin(dev: int, la, named):
-    """The long-KV twin of contiguous row-tile launcher la (named(name) makes a launcher by kernel
-    name), or None: none built for it, switched off by PFA_SM90_LONG_KV=0, or la forced by name
-    (registry.force: a tuning sweep times the row it names)."""
+    """The long-KV twin of row-tile launcher la (contiguous or paged; named(name) makes a launcher by
+    kernel name), or None: none built for it, switched off by PFA_SM90_LONG_KV=0, or la forced by
+    name (registry.force: a tuning sweep times the row it names)."""
     meta = la.meta
-    if meta.get("impl") != "sm90" or meta.get("paged") or meta.get("tma") or \
+    if meta.get("impl") != "sm90" or meta.get("tma") or \
             switches.choice(LONG_ENV, ("0", "1")) == "0" or _registry.forced("prefill") == meta["name"]:
         return None
     row = _built_row(dev, pick=lambda r: r.get("long_kv") and r.get("twin_of") == meta["name"])
@@ -451,7 +452,7 @@ class Route:
         if not self.decode_only:
             # attn: the cp.async kernel; tma: its TMA twin where the K/V load says so (kv_load_pair);
             # dense, span: its dense and span twins (paged; dense_twin, span_twin); long: its
-            # long-KV twin (contiguous e4m3; long_twin)
+            # long-KV twin (e4m3, contiguous and paged; long_twin)
             row_tile = launcher("prefill", dtype, kv_dtype, head_dim, general, nvfp4_out=nvfp4_out)
             named = lambda name: launcher("prefill", dtype, name=name)  # noqa: E731
             self.attn, self.tma = kv_load_pair(dev, row_tile, named)

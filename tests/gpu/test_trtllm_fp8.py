@@ -323,6 +323,61 @@ def test_fmha_fp8_paged_dense_twin(layout, ps, dense, device_meta):
 
 @needs_sm90
 @pytest.mark.parametrize("device_meta", [False, True], ids=["host_meta", "device_meta"])
+@pytest.mark.parametrize("layout, mode, ps, tuple_form", [
+    ("Q_PAGED_KV_HND", "padding", 32, False), ("Q_PAGED_KV_NHD", "padding", 16, True),
+    ("Q_PAGED_KV_HND", "causal", 64, True)])
+def test_fmha_fp8_paged_long_keys_run_the_paged_long_twin(layout, mode, ps, tuple_form, device_meta):
+    """Long requests over a paged cache route to the paged row's long-KV twin (256-key serial
+    steps, its copies in 128-key halves) on both metadata paths without any switch; separate V
+    page ids (tuple form) and NHD slots included. Causal needs 16k keys (routing.LONG_MIN_KV_CAUSAL)."""
+    from pyflashattn._engine import routing
+    hq, hkv, d = 8, 2, 128
+    ql, kl = ((300, 77), (4500, 4096)) if mode == "padding" else ((1, 130), (16390, 16384))
+    g = cuda_generator("trtllm-fp8-paged-long", layout, mode, ps, tuple_form, device_meta)
+    _, q, k, v = make_qkv(layout, ql, kl, hq, hkv, d, g)
+    qkv, tables = paged_qkv(q, k, v, kl, ps, layout[-3:], g, tuple_form)
+    tables, *meta = device_or_host((tables, np.asarray(kl, np.int32), cum(ql), cum(kl)), device_meta)
+    out = poisoned((sum(ql), hq, d), BF16)
+    fmha(qkv, layout, scratch_workspace(), meta[0], max(ql), max(kl), BMM1 / math.sqrt(d), BMM2, len(ql),
+         meta[1], meta[2], block_tables=tables, out=out, out_dtype=BF16, mask_mode=mode)
+    (e,) = (_trtllm_device if device_meta else _trtllm)._ENGINES.values()
+    assert e.attn.meta.get("long_kv") and e.attn.meta["paged"] and e.attn.meta["block_n"] == 256, e.attn.name
+    assert routing.LONG_ENV not in os.environ
+    torch.cuda.synchronize()
+    ref, _ = reference(q, k, v, ql, kl, d, mode == "causal", -1, 0)
+    o_abs, _ = reference(q, k, v.float().abs(), ql, kl, d, mode == "causal", -1, 0)
+    assert_close(out.float(), ref, **_o_tol(BF16, o_abs), what=f"paged long twin {layout} {mode} ps={ps}")
+
+
+@needs_sm90
+@pytest.mark.parametrize("device_meta", [False, True], ids=["host_meta", "device_meta"])
+@pytest.mark.parametrize("mode", ["causal", "padding", "sliding_window"])
+@pytest.mark.parametrize("ps", [1, 16, 128])
+def test_fmha_fp8_paged_long_twin_odd_lengths(monkeypatch, mode, ps, device_meta):
+    """The paged long twin forced (PFA_SM90_LONG_KV=1) over run_case's odd lengths (1 .. 1030 keys:
+    partial halves and tiles, requests shorter than one half) and page sizes 1 / 16 / 128, with
+    separate V page ids at page 16; the window's masked tiles too."""
+    from pyflashattn._engine import routing
+    monkeypatch.setenv(routing.LONG_ENV, "1")
+    run_case("Q_PAGED_KV_HND", mode, BF16, device_meta, ps=ps, tuple_form=ps == 16,
+             wl=100 if mode == "sliding_window" else -1)
+    (e,) = (_trtllm_device if device_meta else _trtllm)._ENGINES.values()
+    assert e.attn.meta.get("long_kv") and e.attn.meta["paged"], e.attn.name
+
+
+@needs_sm90
+@pytest.mark.parametrize("form, out_dtype", [("5d_separate", BF16), ("tuple", E4M3)])
+def test_context_fp8_on_the_paged_long_twin(monkeypatch, form, out_dtype):
+    """The context API (LSE checked too) on the paged long twin, forced over its odd lengths."""
+    from pyflashattn._engine import routing
+    monkeypatch.setenv(routing.LONG_ENV, "1")
+    run_context(form, out_dtype, True, form == "tuple", ps=32)
+    (e,) = (_trtllm_device if form == "tuple" else _trtllm)._ENGINES.values()
+    assert e.attn.meta.get("long_kv") and e.attn.meta["paged"], e.attn.name
+
+
+@needs_sm90
+@pytest.mark.parametrize("device_meta", [False, True], ids=["host_meta", "device_meta"])
 @pytest.mark.parametrize("d", [64, 128, 256])
 @pytest.mark.parametrize("ps", [1, 16, 32, 64, 128])
 def test_fmha_fp8_paged_tuple_form_page_sizes_device_scales(ps, d, device_meta):

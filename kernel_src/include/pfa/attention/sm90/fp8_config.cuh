@@ -52,8 +52,10 @@ struct PrefillSm90Fp8Config
   using Out16 = __nv_bfloat16;
   static constexpr int HEAD_DIM = HEAD_DIM_, BLOCK_N = BLOCK_N_;
   static_assert(BLOCK_N % 64 == 0 && BLOCK_N <= 256, "whole 16-key groups per transposing warp; one wgmma N");
-  // the paged copies: one lane of a producer warp owns each of a tile's rows (producer.cuh OwnedRows)
-  static_assert(!PAGED_ || BLOCK_N == 128, "paged fp8: 128-key tiles");
+  // the paged copies: one lane of a producer warp owns each row of a 128-key tile (producer.cuh
+  // OwnedRows); a 256-key tile (the paged long-KV twin) is copied as two such halves, each row a
+  // whole swizzle row (fp8_producer.cuh PagedHalf)
+  static_assert(!PAGED_ || BLOCK_N == 128 || (BLOCK_N == 256 && HEAD_DIM_ <= 128), "paged fp8: 128-key halves");
   static constexpr bool PAGED = PAGED_;
   // The paged rows' dense twin (variants.HOPPER_FP8_DENSE_KV, routing.dense_twin): a kv head's page
   // slots back to back (stride_n = HEAD_DIM), so a thread's rows in one page step by a constant
@@ -67,6 +69,7 @@ struct PrefillSm90Fp8Config
   // memory: no box lands that way).
   static constexpr bool TMA = TMA_;
   static_assert(!TMA || HEAD_DIM % 128 == 0, "fp8 TMA: whole 128-byte rows");
+  static_assert(!TMA || !PAGED || BLOCK_N == 128, "fp8 paged TMA: 128-key tiles (a box a page)");
   // The CTAs walk the logical grid (sm90/cta.cuh), as the 16-bit family's PERSISTENT rows
   static constexpr bool PERSISTENT = PERSISTENT_;
   static constexpr bool STREAM_K = false;  // (sm90/stream_k.cuh: the 16-bit consumers' only)

@@ -30,6 +30,8 @@
 #pragma once
 #include <stdint.h>
 
+#include <type_traits>
+
 #include "pfa/attention/kv_source.cuh"
 #include "pfa/attention/params.h"
 #include "pfa/attention/sm90/pipeline.cuh"
@@ -48,10 +50,19 @@ struct ProducerSm90Fp8 {
   static_assert(Cfg::WG_THREADS % CPR == 0 && BLOCK_N % ROW_STEP == 0 && Cfg::BLOCK_M % ROW_STEP == 0,
                 "whole rows per pass");
   static constexpr int LOAD_UNROLL = Cfg::PRODUCER_REGS >= 40 ? 2 : 1;
+  // Paged tiles are copied in halves of 128 keys (a 256-key tile, the paged long-KV twin's: two),
+  // each owned row by row as a 128-key tile (producer.cuh OwnedRows: one lane a row of a warp's
+  // 32). A half's rows are whole swizzle rows (HEAD_DIM <= 128: the swizzle does not depend on the
+  // tile's rows), so half h is the 128-key tile at the tile's row 128 h.
+  struct PagedHalf : Cfg {
+    static constexpr int BLOCK_N = 128;
+  };
+  using Half = std::conditional_t<(BLOCK_N > 128), PagedHalf, Cfg>;
+  static constexpr int HALF_N = Half::BLOCK_N, HALVES = Cfg::PAGED ? BLOCK_N / HALF_N : 1;
   // The paged copies fully unrolled where the producer has the registers (the persistent hd128 row
   // at 56): each copy's shuffle lanes and shared-memory offsets become constants of its own, not a
   // loop's (~5 instructions a copy instead of ~9.5). At 32 / 40 registers (hd64, hd256) it spills.
-  static constexpr int PAGED_UNROLL = Cfg::PRODUCER_REGS >= 56 ? BLOCK_N / ROW_STEP : LOAD_UNROLL;
+  static constexpr int PAGED_UNROLL = Cfg::PRODUCER_REGS >= 56 ? HALF_N / ROW_STEP : LOAD_UNROLL;
   // Paged copies one row at a time (load_tile_paged's MAX_RUN = 1): with the page-run paths
   // compiled in, ptxas (nvcc 13.0) gives some of this producer's cp.async an [R + UR0 + imm]
   // address with its cache-policy descriptor in UR1, an odd uniform register, and the GPU stops
@@ -115,21 +126,31 @@ struct ProducerSm90Fp8 {
     }
   }
 
+  // PAGED: the byte offsets within the kv head of this lane's owned row of each half of a tile
+  struct RowOffsets {
+    int64_t half[HALVES];
+  };
+
   // One K or raw V tile, keys [n0, n0 + BLOCK_N) from `head` (the kv head's base) through the
-  // request's addressing: ragged rows from row0, or (PAGED) this lane's owned row's byte offset
-  // row_off (load_tile_paged, producer.cuh).
+  // request's addressing: ragged rows from row0, or (PAGED) this lane's owned rows' byte offsets
+  // `off` (load_tile_paged, producer.cuh), a half at a time.
   static __device__ __forceinline__ void copy_tile(const PrefillParams& p, const PrefillWork& w, uint32_t s_tile,
                                                    const uint8_t* head, int64_t stride_n, int64_t row0,
-                                                   int64_t row_off, int n0, int tid, uint64_t policy) {
+                                                   const RowOffsets& off, int n0, int tid, uint64_t policy) {
     if constexpr (Cfg::PAGED) {
-      // Unrolled with the L2 policy, ptxas addresses the copies as [R + UR0 + imm] with the policy
-      // in UR1, the form that stops the GPU (PAGE_RUN_MAX above; nvcc_guard.sh): plain copies.
-      if constexpr (Cfg::DENSE_KV)  // page runs of DENSE_RUN_MAX rows at most
-        load_tile_paged<Cfg, uint8_t, CPR, ROW_STEP, PAGED_UNROLL, DENSE_RUN_MAX, true, false>(
-            s_tile, head, row_off, n0, w.kv_len, p.page_shift, stride_n, tid, policy);
-      else
-        load_tile_paged<Cfg, uint8_t, CPR, ROW_STEP, PAGED_UNROLL, PAGE_RUN_MAX, false, PAGED_UNROLL == LOAD_UNROLL>(
-            s_tile, head, row_off, n0, w.kv_len, NO_PAGE_RUNS, stride_n, tid, policy);
+#pragma unroll
+      for (int h = 0; h < HALVES; ++h) {
+        const uint32_t s_half = s_tile + h * HALF_N * Cfg::ROW_PAD;
+        // Unrolled with the L2 policy, ptxas addresses the copies as [R + UR0 + imm] with the policy
+        // in UR1, the form that stops the GPU (PAGE_RUN_MAX above; nvcc_guard.sh): plain copies.
+        if constexpr (Cfg::DENSE_KV)  // page runs of DENSE_RUN_MAX rows at most
+          load_tile_paged<Half, uint8_t, CPR, ROW_STEP, PAGED_UNROLL, DENSE_RUN_MAX, true, false>(
+              s_half, head, off.half[h], n0 + h * HALF_N, w.kv_len, p.page_shift, stride_n, tid, policy);
+        else
+          load_tile_paged<Half, uint8_t, CPR, ROW_STEP, PAGED_UNROLL, PAGE_RUN_MAX, false,
+                          PAGED_UNROLL == LOAD_UNROLL>(s_half, head, off.half[h], n0 + h * HALF_N, w.kv_len,
+                                                       NO_PAGE_RUNS, stride_n, tid, policy);
+      }
     } else {
       load_tile(s_tile, head, stride_n, row0, n0, w.kv_len, tid, policy);
     }
@@ -139,17 +160,21 @@ struct ProducerSm90Fp8 {
   // (its own where the call has them, else K's). The tables' bases are worked out per call, not
   // held as OwnedPageIds holds them: in this producer's registers that changed its paged rows' code
   // (nvdisasm), untested on a GPU.
+  // One id a half of the tile.
   struct TileIds {
-    int32_t k, v;
+    int32_t k[HALVES], v[HALVES];
   };
   static __device__ __forceinline__ TileIds tile_ids(const PrefillParams& p, const PrefillWork& w, int n0, int row,
                                                      int tid) {
-    const int t = n0 + row;
     TileIds ids;
-    ids.k = owned_page_id<Cfg, CPR, ROW_STEP>(p, page_table<false>(p) + w.page_base, t, w.kv_len, tid);
-    ids.v = p.v_page_indices != 0
-                ? owned_page_id<Cfg, CPR, ROW_STEP>(p, page_table<true>(p) + w.page_base, t, w.kv_len, tid)
-                : ids.k;
+#pragma unroll
+    for (int h = 0; h < HALVES; ++h) {
+      const int t = n0 + h * HALF_N + row;
+      ids.k[h] = owned_page_id<Half, CPR, ROW_STEP>(p, page_table<false>(p) + w.page_base, t, w.kv_len, tid);
+      ids.v[h] = p.v_page_indices != 0
+                     ? owned_page_id<Half, CPR, ROW_STEP>(p, page_table<true>(p) + w.page_base, t, w.kv_len, tid)
+                     : ids.k[h];
+    }
     return ids;
   }
 
@@ -176,17 +201,31 @@ struct ProducerSm90Fp8 {
     const uint8_t* v = reinterpret_cast<const uint8_t*>(p.v) + w.kv_head * p.v_stride_h;
     const int64_t row0 = RaggedKvRows{w.kv_row0}.row(0, 0);
     const int n = w.num_tiles;
-    const int row = Cfg::PAGED ? owned_row<Cfg, CPR, ROW_STEP>(tid) : 0;
+    const int row = Cfg::PAGED ? owned_row<Half, CPR, ROW_STEP>(tid) : 0;
     // Every row tile of the head reads these K/V rows again: keep them in L2 over Q and outputs.
     const uint64_t keep = ptx::l2_evict_last();
-    TileIds ids{0, 0};
+    TileIds ids{};
     if constexpr (Cfg::PAGED) ids = tile_ids(p, w, w.tile_start, row, tid);
-    // The byte offsets of the owned row of the tile at n0 within the kv head (PAGED; else unused)
+    // The byte offsets of the owned rows of the tile at n0 within the kv head (PAGED; else unused)
     auto k_off = [&](int n0) {
-      return Cfg::PAGED ? page_offset<uint8_t>(p, ids.k, n0 + row, w.kv_len, p.k_stride_page, p.k_stride_n) : 0;
+      RowOffsets o{};
+      if constexpr (Cfg::PAGED) {
+#pragma unroll
+        for (int h = 0; h < HALVES; ++h)
+          o.half[h] = page_offset<uint8_t>(p, ids.k[h], n0 + h * HALF_N + row, w.kv_len, p.k_stride_page,
+                                           p.k_stride_n);
+      }
+      return o;
     };
     auto v_off = [&](int n0) {
-      return Cfg::PAGED ? page_offset<uint8_t>(p, ids.v, n0 + row, w.kv_len, p.v_stride_page, p.v_stride_n) : 0;
+      RowOffsets o{};
+      if constexpr (Cfg::PAGED) {
+#pragma unroll
+        for (int h = 0; h < HALVES; ++h)
+          o.half[h] = page_offset<uint8_t>(p, ids.v[h], n0 + h * HALF_N + row, w.kv_len, p.v_stride_page,
+                                           p.v_stride_n);
+      }
+      return o;
     };
     {
       const int n1 = w.tile_start, s0 = walk.stage<STAGES>(0);
@@ -207,7 +246,7 @@ struct ProducerSm90Fp8 {
         const int s1 = walk.stage<STAGES>(it + 1), n1 = w.tile_start + (it + 1) * BLOCK_N;
         copy_tile(p, w, base + Cfg::RAW_OFFSET + ((it + 1) & 1) * Cfg::K_TILE_BYTES, v, p.v_stride_n, row0,
                   v_off(n1), n1, tid, keep);
-        const int64_t k_row_off = k_off(n1);
+        const RowOffsets k_row_off = k_off(n1);
         if constexpr (Cfg::PAGED) {
           if (it + 2 < n) ids = tile_ids(p, w, n1 + BLOCK_N, row, tid);
         }
