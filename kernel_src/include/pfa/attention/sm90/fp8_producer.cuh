@@ -159,8 +159,7 @@ struct ProducerSm90Fp8 {
   // Paged: the owned row's page ids (owned_page_id, producer.cuh) of the tile at n0: K's, and V's
   // (its own where the call has them, else K's). The tables' bases are worked out per call, not
   // held as OwnedPageIds holds them: in this producer's registers that changed its paged rows' code
-  // (nvdisasm), untested on a GPU.
-  // One id a half of the tile.
+  // (nvdisasm), untested on a GPU. One id a half of the tile (HALVES).
   struct TileIds {
     int32_t k[HALVES], v[HALVES];
   };
@@ -206,7 +205,8 @@ struct ProducerSm90Fp8 {
     const uint64_t keep = ptx::l2_evict_last();
     TileIds ids{};
     if constexpr (Cfg::PAGED) ids = tile_ids(p, w, w.tile_start, row, tid);
-    // The byte offsets of the owned rows of the tile at n0 within the kv head (PAGED; else unused)
+    // The byte offsets of the owned rows of the tile at n0 within the kv head (PAGED; else unused).
+    // Two lambdas, not one over K's or V's ids: one changed the paged row's register allocation.
     auto k_off = [&](int n0) {
       RowOffsets o{};
       if constexpr (Cfg::PAGED) {
