@@ -224,27 +224,38 @@ def test_fmha_fp8_window_chunk_gqa(mode, wl, chunk, hq, hkv, device_meta):
 
 @needs_sm90
 @pytest.mark.parametrize("device_meta", [False, True], ids=["host_meta", "device_meta"])
-@pytest.mark.parametrize("mode", ["padding", "causal"])
-def test_fmha_fp8_long_keys_run_the_long_kv_twin(mode, device_meta):
-    """Long requests route to the contiguous row's long-KV twin (256-key serial steps) on both
-    metadata paths without any switch: TRT-LLM's no-split plans are not batch-invariant ones.
-    Causal needs 16k keys (routing.LONG_MIN_KV_CAUSAL): a short query over them."""
+@pytest.mark.parametrize("layout, mode, ps, tuple_form", [
+    ("SEPARATE_Q_K_V", "padding", 0, False), ("SEPARATE_Q_K_V", "causal", 0, False),
+    ("Q_PAGED_KV_HND", "padding", 32, False), ("Q_PAGED_KV_NHD", "padding", 16, True),
+    ("Q_PAGED_KV_HND", "causal", 64, True)])
+def test_fmha_fp8_long_keys_run_the_long_kv_twin(layout, mode, ps, tuple_form, device_meta):
+    """Long requests route to their row's long-KV twin (256-key serial steps; the paged row's
+    copies its tiles in 128-key halves) on both metadata paths without any switch: TRT-LLM's
+    no-split plans are not batch-invariant ones. Paged: separate V page ids (tuple form) and NHD
+    slots included. Causal needs 16k keys (routing.LONG_MIN_KV_CAUSAL): a short query over them."""
     from pyflashattn._engine import routing
     hq, hkv, d = 8, 2, 128
+    paged = layout.startswith("Q_PAGED")
     ql, kl = ((300, 77), (4500, 4096)) if mode == "padding" else ((1, 130), (16390, 16384))
-    g = cuda_generator("trtllm-fp8-long", mode, device_meta)
-    qkv, q, k, v = make_qkv("SEPARATE_Q_K_V", ql, kl, hq, hkv, d, g)
+    g = cuda_generator("trtllm-fp8-long", layout, mode, ps, tuple_form, device_meta)
+    qkv, q, k, v = make_qkv(layout, ql, kl, hq, hkv, d, g)
+    tables = None
+    if paged:
+        qkv, tables = paged_qkv(q, k, v, kl, ps, layout[-3:], g, tuple_form)
+        tables, = device_or_host((tables,), device_meta)
     meta = device_or_host((np.asarray(kl, np.int32), cum(ql), cum(kl)), device_meta)
     out = poisoned((sum(ql), hq, d), BF16)
-    fmha(qkv, "SEPARATE_Q_K_V", scratch_workspace(), meta[0], max(ql), max(kl), BMM1 / math.sqrt(d), BMM2, len(ql),
-         meta[1], meta[2], out=out, out_dtype=BF16, mask_mode=mode)
+    fmha(qkv, layout, scratch_workspace(), meta[0], max(ql), max(kl), BMM1 / math.sqrt(d), BMM2, len(ql),
+         meta[1], meta[2], block_tables=tables, out=out, out_dtype=BF16, mask_mode=mode)
     (e,) = (_trtllm_device if device_meta else _trtllm)._ENGINES.values()
     assert e.attn.meta.get("long_kv") and e.attn.meta["block_n"] == 256, e.attn.name
+    assert bool(e.attn.meta["paged"]) is paged, e.attn.name
     assert routing.LONG_ENV not in os.environ
     torch.cuda.synchronize()
     ref, _ = reference(q, k, v, ql, kl, d, mode == "causal", -1, 0)
     o_abs, _ = reference(q, k, v.float().abs(), ql, kl, d, mode == "causal", -1, 0)
-    assert_close(out.float(), ref, **_o_tol(BF16, o_abs), what=f"long twin {mode} device_meta={device_meta}")
+    assert_close(out.float(), ref, **_o_tol(BF16, o_abs),
+                 what=f"long twin {layout} {mode} ps={ps} tuple_form={tuple_form} device_meta={device_meta}")
 
 
 @needs_sm90
@@ -319,34 +330,6 @@ def test_fmha_fp8_paged_dense_twin(layout, ps, dense, device_meta):
     run_case(layout, "causal", BF16, device_meta, ps=ps)
     (e,) = (_trtllm_device if device_meta else _trtllm)._ENGINES.values()
     assert e.attn.meta["paged"] and bool(e.attn.meta.get("dense_kv")) is dense, e.attn.name
-
-
-@needs_sm90
-@pytest.mark.parametrize("device_meta", [False, True], ids=["host_meta", "device_meta"])
-@pytest.mark.parametrize("layout, mode, ps, tuple_form", [
-    ("Q_PAGED_KV_HND", "padding", 32, False), ("Q_PAGED_KV_NHD", "padding", 16, True),
-    ("Q_PAGED_KV_HND", "causal", 64, True)])
-def test_fmha_fp8_paged_long_keys_run_the_paged_long_twin(layout, mode, ps, tuple_form, device_meta):
-    """Long requests over a paged cache route to the paged row's long-KV twin (256-key serial
-    steps, its copies in 128-key halves) on both metadata paths without any switch; separate V
-    page ids (tuple form) and NHD slots included. Causal needs 16k keys (routing.LONG_MIN_KV_CAUSAL)."""
-    from pyflashattn._engine import routing
-    hq, hkv, d = 8, 2, 128
-    ql, kl = ((300, 77), (4500, 4096)) if mode == "padding" else ((1, 130), (16390, 16384))
-    g = cuda_generator("trtllm-fp8-paged-long", layout, mode, ps, tuple_form, device_meta)
-    _, q, k, v = make_qkv(layout, ql, kl, hq, hkv, d, g)
-    qkv, tables = paged_qkv(q, k, v, kl, ps, layout[-3:], g, tuple_form)
-    tables, *meta = device_or_host((tables, np.asarray(kl, np.int32), cum(ql), cum(kl)), device_meta)
-    out = poisoned((sum(ql), hq, d), BF16)
-    fmha(qkv, layout, scratch_workspace(), meta[0], max(ql), max(kl), BMM1 / math.sqrt(d), BMM2, len(ql),
-         meta[1], meta[2], block_tables=tables, out=out, out_dtype=BF16, mask_mode=mode)
-    (e,) = (_trtllm_device if device_meta else _trtllm)._ENGINES.values()
-    assert e.attn.meta.get("long_kv") and e.attn.meta["paged"] and e.attn.meta["block_n"] == 256, e.attn.name
-    assert routing.LONG_ENV not in os.environ
-    torch.cuda.synchronize()
-    ref, _ = reference(q, k, v, ql, kl, d, mode == "causal", -1, 0)
-    o_abs, _ = reference(q, k, v.float().abs(), ql, kl, d, mode == "causal", -1, 0)
-    assert_close(out.float(), ref, **_o_tol(BF16, o_abs), what=f"paged long twin {layout} {mode} ps={ps}")
 
 
 @needs_sm90
