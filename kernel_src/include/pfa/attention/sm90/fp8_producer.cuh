@@ -206,7 +206,9 @@ struct ProducerSm90Fp8 {
     TileIds ids{};
     if constexpr (Cfg::PAGED) ids = tile_ids(p, w, w.tile_start, row, tid);
     // The byte offsets of the owned rows of the tile at n0 within the kv head (PAGED; else unused).
-    // Two lambdas, not one over K's or V's ids: one changed the paged row's register allocation.
+    // Two lambdas: one taking the ids and strides as arguments changed the paged row's register
+    // allocation; one over std::bool_constant (branch wip/fp8-offsets-lambda) compiles the same but
+    // for operand order in the hd64 / hd256 paged rows and waits for a GPU run.
     auto k_off = [&](int n0) {
       RowOffsets o{};
       if constexpr (Cfg::PAGED) {
