@@ -205,30 +205,21 @@ struct ProducerSm90Fp8 {
     const uint64_t keep = ptx::l2_evict_last();
     TileIds ids{};
     if constexpr (Cfg::PAGED) ids = tile_ids(p, w, w.tile_start, row, tid);
-    // The byte offsets of the owned rows of the tile at n0 within the kv head (PAGED; else unused).
-    // Two lambdas: one taking the ids and strides as arguments changed the paged row's register
-    // allocation; one over std::bool_constant (branch wip/fp8-offsets-lambda) compiles the same but
-    // for operand order in the hd64 / hd256 paged rows and waits for a GPU run.
-    auto k_off = [&](int n0) {
+    // The byte offsets of the owned rows of the tile at n0 within the kv head, K's (IS_V false) or
+    // V's (PAGED; else unused)
+    auto offsets = [&](auto is_v, int n0) {
+      constexpr bool IS_V = decltype(is_v)::value;
       RowOffsets o{};
       if constexpr (Cfg::PAGED) {
 #pragma unroll
         for (int h = 0; h < HALVES; ++h)
-          o.half[h] = page_offset<uint8_t>(p, ids.k[h], n0 + h * HALF_N + row, w.kv_len, p.k_stride_page,
-                                           p.k_stride_n);
+          o.half[h] = page_offset<uint8_t>(p, IS_V ? ids.v[h] : ids.k[h], n0 + h * HALF_N + row, w.kv_len,
+                                           IS_V ? p.v_stride_page : p.k_stride_page, IS_V ? p.v_stride_n : p.k_stride_n);
       }
       return o;
     };
-    auto v_off = [&](int n0) {
-      RowOffsets o{};
-      if constexpr (Cfg::PAGED) {
-#pragma unroll
-        for (int h = 0; h < HALVES; ++h)
-          o.half[h] = page_offset<uint8_t>(p, ids.v[h], n0 + h * HALF_N + row, w.kv_len, p.v_stride_page,
-                                           p.v_stride_n);
-      }
-      return o;
-    };
+    auto k_off = [&](int n0) { return offsets(std::false_type{}, n0); };
+    auto v_off = [&](int n0) { return offsets(std::true_type{}, n0); };
     {
       const int n1 = w.tile_start, s0 = walk.stage<STAGES>(0);
       ptx::mbar_wait(Cfg::k_empty(base, s0), walk.phase<STAGES>(0) ^ 1);  // (a fresh ring: free at once)
