@@ -385,7 +385,8 @@ class HopperFp8PrefillVariant(Sm90Roles):
         row = max(self.ROW_BYTES, self.head_dim * FP8_BYTES)
         vt = self.head_dim * -(-self.block_n * FP8_BYTES // self.ROW_BYTES) * self.ROW_BYTES  # whole column blocks
         walk = 5 * self.BARRIER_BYTES + 8 if self.persistent else 0
-        raw_bars = self.RAW_V_TILES * self.BARRIER_BYTES if self.tma else 0  # (TMA) the raw V buffers' mbarriers
+        # (TMA) the raw V buffers' mbarriers: full, and (paged: PrefillSm90Fp8Config::ISSUER_WARP) empty
+        raw_bars = (2 if self.paged else 1) * self.RAW_V_TILES * self.BARRIER_BYTES if self.tma else 0
         return (self.block_m * row + (self.stages + self.RAW_V_TILES) * self.block_n * row + self.stages * vt
                 + (1 + 4 * self.stages) * self.BARRIER_BYTES + raw_bars + walk + self.ATOM_BYTES)
 
@@ -474,13 +475,15 @@ HOPPER_FP8_PERSISTENT_PAGED = {64: False, 128: True, 256: False}
 # the row before the unrolled copies, which alone gave +2.4% (NOTES.md, session 46).
 HOPPER_FP8_DENSE_KV = (128,)
 # The fp8 rows' TMA twins (K and raw V by boxes): head dims with whole 128-byte rows, and per
-# storage whether they ship (routing.kv_load_pair runs a shipped twin wherever TMA can address
-# the call's K/V; a tune row only under PFA_SM90_KV_LOAD=tma). The paged twins: a box a page, warp 0
-# issuing, page sizes that make whole boxes (tma.paged_box_rows; the others run the cp.async row).
+# storage the head dims whose twins ship (routing.kv_load_pair runs a shipped twin wherever TMA can
+# address the call's K/V and routing.tma_pays; the others are tune rows, run only under
+# PFA_SM90_KV_LOAD=tma). The paged twins: a box a page, page sizes that make whole boxes
+# (tma.paged_box_rows; the others run the cp.async row); warp 0 issues, warps 1..3 transpose V
+# (PrefillSm90Fp8Config::ISSUER_WARP). hd128's ships: TRT-LLM e4m3 HND page 32 +9-10% over the
+# dense copies twin (NOTES.md, session 47; with one warp both issuing and transposing it had run
+# 0.67-0.84x of it, session 46). hd256's is not measured yet.
 HOPPER_FP8_TMA_HEAD_DIMS = (128, 256)
-# The paged twins are tune rows: at page 32 they ran 0.80-0.88x the owned-row copies (a box of
-# 32 rows a page, 4 a tile; NOTES.md, session 21), as the 16-bit paged twins do.
-HOPPER_FP8_TMA_SHIPPED = {"ragged": True, "paged": False}
+HOPPER_FP8_TMA_SHIPPED = {"ragged": (128, 256), "paged": (128,)}
 
 # head_dim -> whether the sm_90a 16-bit rows are persistent (HopperPrefillVariant.persistent). hd256
 # keeps a CTA a block: the walk's loop state made its consumers spill (O alone is 128 registers).
@@ -771,9 +774,9 @@ def variants(tune=False):
     out += [HopperFp8PrefillVariant(hd, *tile, pingpong=HOPPER_FP8_PINGPONG[hd][paged], paged=paged)
             for paged in (False, True) for hd, tile in HOPPER_FP8_TILES.items()]
     out += [HopperFp8PrefillVariant(hd, *HOPPER_FP8_TILES[hd], pingpong=HOPPER_FP8_PINGPONG[hd][storage == "paged"],
-                                    paged=storage == "paged", tma=True, tune=not shipped)
-            for storage, shipped in HOPPER_FP8_TMA_SHIPPED.items() if tune or shipped
-            for hd in HOPPER_FP8_TMA_HEAD_DIMS]
+                                    paged=storage == "paged", tma=True, tune=hd not in shipped)
+            for storage, shipped in HOPPER_FP8_TMA_SHIPPED.items()
+            for hd in HOPPER_FP8_TMA_HEAD_DIMS if tune or hd in shipped]
     out += [HopperFp8PrefillVariant(hd, *HOPPER_FP8_TILES[hd][:2], overlap, pp, block_n=bn, long_kv=True, paged=paged)
             for hd, (bn, overlap, pp) in HOPPER_FP8_LONG.items()
             for paged in (False, True) if not paged or hd in HOPPER_FP8_LONG_PAGED]

@@ -189,37 +189,46 @@ def test_the_paged_long_twin_stands_in_for_the_paged_row():
 PS_LONG = 32
 
 
-def _paged_long_plan(monkeypatch, kv_lens, long_env=None, layout="HND", **kw):
-    """A paged e4m3 plan of 128 queries a request over kv_lens keys (pages of PS_LONG slots in
-    reverse order), and its run over an HND cache (strides: the cache's, None = contiguous)."""
+def _paged_long_plan(monkeypatch, kv_lens, long_env=None, layout="HND", ps=PS_LONG, **kw):
+    """A paged e4m3 plan of 128 queries a request over kv_lens keys (pages of ps slots in reverse
+    order), and its run over an HND cache (strides: the cache's, None = contiguous)."""
     from pyflashattn.testing.fake_driver import paged
     env = _env(monkeypatch, long_env)
     monkeypatch.delenv(routing.DENSE_ENV, raising=False)
+    monkeypatch.delenv(routing.KV_LOAD_ENV, raising=False)
     w = paged(env, layout=layout, **kw.pop("wrapper", {}))
-    pages = [-(-n // PS_LONG) for n in kv_lens]
+    pages = [-(-n // ps) for n in kv_lens]
     npages = sum(pages)
     qo = i32(0, *np.cumsum([128] * len(kv_lens)))
     w.plan(qo, i32(0, *np.cumsum(pages)), i32(*range(npages - 1, -1, -1)),
-           i32(*[n - (p - 1) * PS_LONG for n, p in zip(kv_lens, pages)]), HQ, HKV, D, PS_LONG,
+           i32(*[n - (p - 1) * ps for n, p in zip(kv_lens, pages)]), HQ, HKV, D, ps,
            q_data_type="float8_e4m3fn", kv_data_type="float8_e4m3fn", o_data_type="bfloat16", **kw)
     return env, w, int(qo[-1]), npages
 
 
-@pytest.mark.parametrize("kv_lens,kw,env,want", [
-    ([8192, 4096], {}, None, "long"), ([2048, 1024], {}, None, "dense"), ([8192], dict(causal=True), None, "dense"),
-    ([16384], dict(causal=True), None, "long"), ([8192], dict(fixed_split_size=512), None, "dense"),
-    ([8192], {}, "0", "dense"), ([300], {}, "1", "long")])
-def test_paged_plans_take_the_paged_long_twin_for_long_keys(monkeypatch, kv_lens, kw, env, want):
+@pytest.mark.parametrize("ps,kv_lens,kw,env,want", [
+    # page 32: boxes of 32 rows, the TMA twin wherever routing.tma_pays (a mean of 1024+ keys)
+    (32, [8192, 4096], {}, None, "tma"), (32, [2048, 1024], {}, None, "tma"), (32, [512, 300], {}, None, "dense"),
+    (32, [16384], dict(causal=True), None, "tma"), (32, [8192], dict(fixed_split_size=512), None, "tma"),
+    (32, [300], {}, "1", "long"),
+    # page 16: no TMA twin (16-row boxes) and no dense twin (pages under 32 slots)
+    (16, [8192, 4096], {}, None, "long"), (16, [8192], dict(causal=True), None, "row"),
+    (16, [16384], dict(causal=True), None, "long"), (16, [8192], dict(fixed_split_size=512), None, "row"),
+    (16, [8192], {}, "0", "row")])
+def test_paged_plans_take_the_paged_long_twin_for_long_keys(monkeypatch, ps, kv_lens, kw, env, want):
     """The paged long twin copies strided slots (no dense fallback): a run() over padded slots
-    keeps it; shorter or frozen plans take the paged row's dense twin (HND, page 32)."""
-    env_, w, tq, npages = _paged_long_plan(monkeypatch, kv_lens, env, **kw)
+    keeps it; shorter or frozen plans take the paged row (HND page 32: its dense twin). Where the
+    pages make TMA boxes of 32+ rows, the paged TMA twin runs instead of either (batch._twin)."""
+    env_, w, tq, npages = _paged_long_plan(monkeypatch, kv_lens, env, ps=ps, **kw)
     la = w._engine.attn
-    want_name = LONG_PAGED.name if want == "long" else LONG_PAGED.default_row().name + routing.DENSE_SUFFIX
+    row = LONG_PAGED.default_row().name
+    want_name = {"long": LONG_PAGED.name, "dense": row + routing.DENSE_SUFFIX, "tma": row + routing.TMA_SUFFIX,
+                 "row": row}[want]
     assert la.name == want_name and la.meta["block_n"] == (256 if want == "long" else 128)
     q, out = T((tq, HQ, D), E4M3, data=0x1000000), T((tq, HQ, D), BF16, data=0xd000000)
     pad = D + 16
-    for strides in (None, (2 * HKV * PS_LONG * pad, HKV * PS_LONG * pad, PS_LONG * pad, pad, 1)):
-        w.run(q, T((npages, 2, HKV, PS_LONG, D), E4M3, strides=strides, data=0x5000000), out=out)
+    for strides in (None, (2 * HKV * ps * pad, HKV * ps * pad, ps * pad, pad, 1)):
+        w.run(q, T((npages, 2, HKV, ps, D), E4M3, strides=strides, data=0x5000000), out=out)
         name, _, _, p = last_attn(env_)
         if want == "long":  # its own schedule: whole 256-key tiles; any slot strides
             assert name == la.name and p.kv_chunk_size % 256 == 0 and not w._engine.kv_fallback

@@ -241,8 +241,9 @@ class BatchEngine(RunOptions):
 
     def _twin(self, route, la, src: KVSource, cfg, causal: bool, graph: bool, disable_split_kv):
         """The kernel a plan runs for row-tile kernel la: its long-KV twin (its own tile: the
-        schedule is the twin's, the same CTAs an SM) where long_pays, else its TMA, dense or span
-        twin (the same tile: the schedule is la's) where that pays, else la. A decode tile is its
+        schedule is the twin's, the same CTAs an SM) where long_pays (paged: unless its TMA twin
+        pays), else its TMA, dense or span twin (the same tile: the schedule is la's) where that
+        pays, else la. A decode tile is its
         own. Batch-invariant plans (fixed_split_size, or disable_split_kv over host-planned
         lengths) and graph-mode plans keep one tile; a device-lengths plan (TRT-LLM's device
         metadata) never splits KV and is planned once per shape key at its max lengths, so the
@@ -250,10 +251,14 @@ class BatchEngine(RunOptions):
         if la is not route.attn:
             return la
         invariant = cfg.fixed_split_size is not None or (disable_split_kv and not self.device_lengths)
-        if route.long is not None and routing.long_pays(src.kv_lens, causal, graph or invariant):
+        tma = route.tma is not None and routing.tma_fits(self.paged, src.page_size, la.meta["block_n"], src.total_kv) \
+            and routing.tma_pays(self.paged, src.page_size, src.kv_lens, la.meta["block_n"], graph)
+        # A paged TMA twin (e4m3 hd128: boxes, no copies) runs ahead of the paged long-KV twin (its
+        # 256-key tiles copied): 802-817 against 754-769 TFLOP/s at 4k / 16k (NOTES.md, session 47).
+        if route.long is not None and not (tma and self.paged) \
+                and routing.long_pays(src.kv_lens, causal, graph or invariant):
             return route.long
-        if route.tma is not None and routing.tma_fits(self.paged, src.page_size, la.meta["block_n"], src.total_kv) \
-                and routing.tma_pays(self.paged, src.page_size, src.kv_lens, la.meta["block_n"], graph):
+        if tma:
             return route.tma
         if route.dense is not None and routing.dense_pays(self.kv_layout, cfg.num_kv_heads, src.page_size):
             return route.dense  # a run() over strided page slots falls back (kv_fallback)

@@ -127,34 +127,39 @@ def reference(q, k, v, ql, kl, d, causal, wl, chunk):
     return np.concatenate(outs), np.concatenate(lses)
 
 
-def fp8_pages(rows, kl, ps, perm, g):
+def fp8_pages(rows, kl, ps, perm, g, nan_pages=False):
     """e4m3 rows [tokens, Hkv, D] of requests of kl keys on pages of ps rows, handed out in the
-    order perm among garbage pages: (uint8 pages [len(perm), ps, Hkv, D], int32 table [B, M])."""
+    order perm among garbage pages (nan_pages: NaN, e4m3's 0x7F, in every slot no key holds):
+    (uint8 pages [len(perm), ps, Hkv, D], int32 table [B, M])."""
     table, spans = page_spans(kl, ps, perm, len(perm) - 1)
-    pages = (torch.randn((len(perm), ps) + tuple(rows.shape[1:]), generator=g, device=DEV) * 4).to(E4M3)
+    shape = (len(perm), ps) + tuple(rows.shape[1:])
+    if nan_pages:
+        pages = torch.full(shape, 0x7F, dtype=torch.uint8, device=DEV).view(E4M3)
+    else:
+        pages = (torch.randn(shape, generator=g, device=DEV) * 4).to(E4M3)
     pages, src = pages.view(torch.uint8), rows.view(torch.uint8)
     for pid, lo, hi in spans:
         pages[pid, :hi - lo] = src[lo:hi]
     return pages, table
 
 
-def paged_kv(k, v, kl, ps, layout, g, separate):
+def paged_kv(k, v, kl, ps, layout, g, separate, nan_pages=False):
     """K and V pages (uint8 [P, ps, Hkv, D], HND: [P, Hkv, ps, D]) and their block tables [B, M]:
     V's pages in their own random order when separate, else at K's ids."""
     rng = np.random.default_rng(ps)
     total = sum(-(-n // ps) for n in kl) + 3
     k_perm = rng.permutation(total)
-    kp, kt = fp8_pages(k, kl, ps, k_perm, g)
-    vp, vt = fp8_pages(v, kl, ps, rng.permutation(total) if separate else k_perm, g)
+    kp, kt = fp8_pages(k, kl, ps, k_perm, g, nan_pages)
+    vp, vt = fp8_pages(v, kl, ps, rng.permutation(total) if separate else k_perm, g, nan_pages)
     if layout == "HND":
         kp, vp = (t.transpose(1, 2).contiguous() for t in (kp, vp))
     return kp, vp, kt, vt
 
 
-def paged_qkv(q, k, v, kl, ps, layout, g, tuple_form):
+def paged_qkv(q, k, v, kl, ps, layout, g, tuple_form, nan_pages=False):
     """fmha's paged qkv and block tables: a 5-D cache [P, 2, ...] with [B, M] tables, or
     (tuple_form) (k, v) views of one allocation with [B, 2, M] offsets from K's base."""
-    kp, vp, kt, vt = paged_kv(k, v, kl, ps, layout, g, tuple_form)
+    kp, vp, kt, vt = paged_kv(k, v, kl, ps, layout, g, tuple_form, nan_pages)
     if not tuple_form:
         return (q, torch.stack([kp, vp], 1).view(E4M3)), kt
     buf = torch.cat([kp, vp]).view(E4M3)
@@ -167,7 +172,7 @@ def device_or_host(arrays, device_meta):
 
 
 def run_case(layout, mode, out_dtype, device_meta, d=128, hq=8, hkv=2, tensor_scales=False, wl=-1, chunk=0, ps=16,
-             tuple_form=False):
+             tuple_form=False, nan_pages=False):
     if layout == "PACKED_QKV":
         hkv = hq
     ql = QL
@@ -177,7 +182,7 @@ def run_case(layout, mode, out_dtype, device_meta, d=128, hq=8, hkv=2, tensor_sc
     qkv, q, k, v = make_qkv(layout, ql, kl, hq, hkv, d, g)
     tables = None
     if layout.startswith("Q_PAGED"):
-        qkv, tables = paged_qkv(q, k, v, kl, ps, layout[-3:], g, tuple_form)
+        qkv, tables = paged_qkv(q, k, v, kl, ps, layout[-3:], g, tuple_form, nan_pages)
         tables, = device_or_host((tables,), device_meta)
     meta = device_or_host((np.asarray(kl, np.int32), cum(ql), cum(kl)), device_meta)
     if layout == "PACKED_QKV":
@@ -227,12 +232,14 @@ def test_fmha_fp8_window_chunk_gqa(mode, wl, chunk, hq, hkv, device_meta):
 @pytest.mark.parametrize("layout, mode, ps, tuple_form", [
     ("SEPARATE_Q_K_V", "padding", 0, False), ("SEPARATE_Q_K_V", "causal", 0, False),
     ("Q_PAGED_KV_HND", "padding", 32, False), ("Q_PAGED_KV_NHD", "padding", 16, True),
-    ("Q_PAGED_KV_HND", "causal", 64, True)])
-def test_fmha_fp8_long_keys_run_the_long_kv_twin(layout, mode, ps, tuple_form, device_meta):
+    ("Q_PAGED_KV_HND", "causal", 64, True), ("Q_PAGED_KV_HND", "causal", 16, False)])
+def test_fmha_fp8_long_keys_run_the_long_kv_or_tma_twin(layout, mode, ps, tuple_form, device_meta):
     """Long requests route to their row's long-KV twin (256-key serial steps; the paged row's
     copies its tiles in 128-key halves) on both metadata paths without any switch: TRT-LLM's
-    no-split plans are not batch-invariant ones. Paged: separate V page ids (tuple form) and NHD
-    slots included. Causal needs 16k keys (routing.LONG_MIN_KV_CAUSAL): a short query over them."""
+    no-split plans are not batch-invariant ones. Paged caches whose pages make TMA boxes of 32+
+    rows take the paged TMA twin instead (batch.BatchEngine._twin). Paged: separate V page ids
+    (tuple form) and NHD slots included. Causal needs 16k keys (routing.LONG_MIN_KV_CAUSAL): a
+    short query over them."""
     from pyflashattn._engine import routing
     hq, hkv, d = 8, 2, 128
     paged = layout.startswith("Q_PAGED")
@@ -248,9 +255,13 @@ def test_fmha_fp8_long_keys_run_the_long_kv_twin(layout, mode, ps, tuple_form, d
     fmha(qkv, layout, scratch_workspace(), meta[0], max(ql), max(kl), BMM1 / math.sqrt(d), BMM2, len(ql),
          meta[1], meta[2], block_tables=tables, out=out, out_dtype=BF16, mask_mode=mode)
     (e,) = (_trtllm_device if device_meta else _trtllm)._ENGINES.values()
-    assert e.attn.meta.get("long_kv") and e.attn.meta["block_n"] == 256, e.attn.name
+    if paged and ps >= routing.PAGED_TMA_MIN_BOX_ROWS:
+        assert e.attn.meta.get("tma") and not e.attn.meta.get("long_kv") and e.attn.meta["block_n"] == 128, \
+            e.attn.name
+    else:
+        assert e.attn.meta.get("long_kv") and e.attn.meta["block_n"] == 256, e.attn.name
     assert bool(e.attn.meta["paged"]) is paged, e.attn.name
-    assert routing.LONG_ENV not in os.environ
+    assert routing.LONG_ENV not in os.environ and routing.KV_LOAD_ENV not in os.environ
     torch.cuda.synchronize()
     ref, _ = reference(q, k, v, ql, kl, d, mode == "causal", -1, 0)
     o_abs, _ = reference(q, k, v.float().abs(), ql, kl, d, mode == "causal", -1, 0)
@@ -357,6 +368,31 @@ def test_context_fp8_on_the_paged_long_twin(monkeypatch, form, out_dtype):
     run_context(form, out_dtype, True, form == "tuple", ps=32)
     (e,) = (_trtllm_device if form == "tuple" else _trtllm)._ENGINES.values()
     assert e.attn.meta.get("long_kv") and e.attn.meta["paged"], e.attn.name
+
+
+@needs_sm90
+@pytest.mark.parametrize("device_meta", [False, True], ids=["host_meta", "device_meta"])
+@pytest.mark.parametrize("mode", ["causal", "padding", "sliding_window"])
+@pytest.mark.parametrize("layout, ps, d, tuple_form", [
+    ("Q_PAGED_KV_HND", 16, 128, True), ("Q_PAGED_KV_HND", 32, 128, False), ("Q_PAGED_KV_NHD", 64, 128, False),
+    ("Q_PAGED_KV_HND", 128, 128, True), ("Q_PAGED_KV_HND", 32, 256, False), ("Q_PAGED_KV_HND", 8, 128, False)])
+def test_fmha_fp8_paged_tma_twin(monkeypatch, layout, ps, d, tuple_form, mode, device_meta):
+    """The e4m3 paged TMA twins (warp 0 issues a box a page, warps 1..3 transpose V; hd128's
+    ships, hd256's is a `make TUNE=1` row), forced by PFA_SM90_KV_LOAD=tma (run_case's requests are
+    shorter than routing.tma_pays asks) over run_case's odd lengths (every request's last
+    tile partial: its live boxes only, raw V zeroed past kv_len), on pages whose free slots hold
+    NaN; separate V page ids in the tuple form. Pages of 8 slots make no boxes: the copies run."""
+    from pyflashattn._engine import routing
+    from pyflashattn._runtime import registry
+    if not any(r.get("tma") and r.get("paged") and r.get("dtype") == "e4m3" and r.get("head_dim") == d
+               for r in registry.manifest()["kernels"]):
+        pytest.skip(f"no e4m3 paged TMA twin at head_dim {d} is built (a tune row: `make TUNE=1`)")
+    monkeypatch.setenv(routing.KV_LOAD_ENV, "tma")
+    monkeypatch.setenv(routing.LONG_ENV, "0")
+    run_case(layout, mode, BF16, device_meta, d=d, ps=ps, tuple_form=tuple_form, nan_pages=True,
+             wl=100 if mode == "sliding_window" else -1)
+    (e,) = (_trtllm_device if device_meta else _trtllm)._ENGINES.values()
+    assert e.attn.meta["paged"] and bool(e.attn.meta.get("tma")) is (ps >= 16), e.attn.name
 
 
 @needs_sm90

@@ -116,6 +116,7 @@ struct PrefillSm90Config
   // producer thread), and the one-arrival barriers at TMA_BAR_OFFSET (the tail's)
   static constexpr int K_FULL_ARRIVALS = TMA ? 1 : Base::WG_THREADS, V_FULL_ARRIVALS = K_FULL_ARRIVALS;
   static constexpr int TMA_BAR_OFFSET = TAIL_BAR_OFFSET, TMA_BARS = TAIL_BAR_BYTES / 8;
+  static constexpr int tma_bar_arrivals(int) { return 1; }
   // PERSISTENT: the Q tile's "empty" barrier, one arrival per consumer thread once the work item's
   // S GEMMs are done with Q (ConsumerSm90::release_q)
   static constexpr int Q_EMPTY_BAR_OFFSET = TAIL_BAR_OFFSET + TAIL_BAR_BYTES;

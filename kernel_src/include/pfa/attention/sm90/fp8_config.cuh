@@ -70,6 +70,12 @@ struct PrefillSm90Fp8Config
   static constexpr bool TMA = TMA_;
   static_assert(!TMA || HEAD_DIM % 128 == 0, "fp8 TMA: whole 128-byte rows");
   static_assert(!TMA || !PAGED || BLOCK_N == 128, "fp8 paged TMA: 128-key tiles (a box a page)");
+  // Paged TMA: warp 0 only issues (a box a page, each lane's page id loaded before its box), warps
+  // 1..3 only transpose (fp8_producer.cuh run_tma_paged). With one warp doing both, every
+  // transpose waited behind warp 0's page-table loads and K stage wait (ncu, NOTES.md session 46).
+  // The raw V buffers then have an empty barrier each beside their full one.
+  static constexpr bool ISSUER_WARP = TMA && PAGED;
+  static constexpr int TRANSPOSE_THREADS = ISSUER_WARP ? Base::WG_THREADS - 32 : Base::WG_THREADS;
   // The CTAs walk the logical grid (sm90/cta.cuh), as the 16-bit family's PERSISTENT rows
   static constexpr bool PERSISTENT = PERSISTENT_;
   static constexpr bool STREAM_K = false;  // (sm90/stream_k.cuh: the 16-bit consumers' only)
@@ -97,8 +103,14 @@ struct PrefillSm90Fp8Config
   // init_ring_barriers: k_full counts the producer threads' cp.async arrivals (TMA: the issuing
   // thread's one), v_full the transposing threads'; TMA: each raw V buffer's barrier (one arrival:
   // the issuing thread's, with the box bytes) follows the ring's
-  static constexpr int K_FULL_ARRIVALS = TMA ? 1 : Base::WG_THREADS, V_FULL_ARRIVALS = Base::WG_THREADS;
-  static constexpr int TMA_BAR_OFFSET = BAR_OFFSET + NUM_BARRIERS * 8, TMA_BARS = TMA ? RAW_TILES : 0;
+  static constexpr int K_FULL_ARRIVALS = TMA ? 1 : Base::WG_THREADS, V_FULL_ARRIVALS = TRANSPOSE_THREADS;
+  static constexpr int TMA_BAR_OFFSET = BAR_OFFSET + NUM_BARRIERS * 8;
+  static constexpr int TMA_BARS = TMA ? (ISSUER_WARP ? 2 : 1) * RAW_TILES : 0;
+  // init_ring_barriers: raw_full one arrival (the issuing lane's, with the box bytes), (ISSUER_WARP)
+  // raw_empty one a transposing thread
+  static constexpr int tma_bar_arrivals(int i) { return i < RAW_TILES ? 1 : TRANSPOSE_THREADS; }
+  // (ISSUER_WARP) the transposing warps' own named barrier (a tail's zeroed rows before its transpose)
+  static constexpr int TAIL_ZERO_BAR = Base::PRODUCER_BAR + 1;
   static constexpr bool TAIL_WARPS = false;  // (the 16-bit TMA rows', config.cuh)
   // config.cuh's DECODE_AHEAD: measured, the paged e4m3 rows gained 0.4-1.3%, the contiguous ones
   // lost 0.3-0.7% (NOTES.md, session 34).
@@ -115,6 +127,9 @@ struct PrefillSm90Fp8Config
   static constexpr bool S_TURN_ONLY = BLOCK_N > 128;
   static constexpr bool AHEAD_WHEN_READY = false;
   static __device__ __forceinline__ uint32_t raw_full(uint32_t base, int b) { return base + TMA_BAR_OFFSET + 8 * b; }
+  static __device__ __forceinline__ uint32_t raw_empty(uint32_t base, int b) {
+    return base + TMA_BAR_OFFSET + 8 * (RAW_TILES + b);
+  }
   static constexpr int Q_EMPTY_BAR_OFFSET = TMA_BAR_OFFSET + TMA_BARS * 8;
   static constexpr int Q_EMPTY_BAR_BYTES = PERSISTENT ? 8 : 0;
   static __device__ __forceinline__ uint32_t q_empty(uint32_t base) { return base + Q_EMPTY_BAR_OFFSET; }

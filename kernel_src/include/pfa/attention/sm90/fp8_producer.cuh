@@ -126,6 +126,30 @@ struct ProducerSm90Fp8 {
     }
   }
 
+  // transpose_v on NW warps, this one warp W of them (ISSUER_WARP: the three transposing warps):
+  // the tile's steps k = W, W + NW, ... (32-dim block c = k / G, 16-key group g = k % G, G =
+  // BLOCK_N / 16), each as transpose_v's step of group g in block c. Unrolled: a step's addresses
+  // are a lane's two bases plus constants (and one XOR with the lane's swizzle row each).
+  template <int NW, int W>
+  static __device__ __forceinline__ void transpose_v_of(uint32_t s_raw, uint32_t s_vt, int lane) {
+    constexpr int ROW_BYTES = Cfg::ROW_BYTES, G = BLOCK_N / 16, STEPS = HEAD_DIM / 32 * G;
+    const int q = lane / 8, r = lane % 8, rh = r >> 1;
+    const int dl = 16 * (q >> 1) + 4 * (r >> 1) + 2 * (q & 1) + (r & 1);
+    const int vr = Cfg::PERMUTED_VT ? ((dl >> 1) & 3) * 8 + (dl >> 3) * 2 + (dl & 1) : dl;
+    const uint32_t ld_lane = s_raw + (8 * (q & 1) + r) * ROW_BYTES + (((q >> 1) ^ (r & 1)) << 4);
+    const uint32_t st_lane = s_vt + vr * ROW_BYTES;
+#pragma unroll
+    for (int k = W; k < STEPS; k += NW) {
+      const int c = k / G, g = k % G;
+      uint32_t x[4];
+      ptx::ldmatrix_x4(x, ld_lane + ((c >> 2) * BLOCK_N + 16 * g) * ROW_BYTES + (((c & 3) ^ rh) << 5));
+      const uint32_t y0 = __byte_perm(x[0], x[1], 0x5140), y1 = __byte_perm(x[0], x[1], 0x7362);
+      const uint32_t y2 = __byte_perm(x[2], x[3], 0x5140), y3 = __byte_perm(x[2], x[3], 0x7362);
+      ptx::stmatrix_x4_trans(st_lane + 32 * c * ROW_BYTES + (g >> 3) * Cfg::VT_BLOCK_BYTES + (((g & 7) ^ (vr & 7)) << 4),
+                             y0, y1, y2, y3);
+    }
+  }
+
   // PAGED: the byte offsets within the kv head of this lane's owned row of each half of a tile
   struct RowOffsets {
     int64_t half[HALVES];
@@ -189,7 +213,10 @@ struct ProducerSm90Fp8 {
   // buffers restart at 0 every item: the item before ended with both transposed.
   static __device__ __forceinline__ void run(const PrefillParams& p, const PrefillWork& w, uint32_t base, int tid,
                                              const Sm90Walk& walk) {
-    if constexpr (Cfg::TMA) {
+    if constexpr (Cfg::ISSUER_WARP) {
+      run_tma_paged(p, w, base, tid, walk);
+      return;
+    } else if constexpr (Cfg::TMA) {
       run_tma(p, w, base, tid, walk);
       return;
     }
@@ -267,47 +294,35 @@ struct ProducerSm90Fp8 {
   }
 
   // ---- TMA (Cfg::TMA: head_dim 128 / 256; contiguous / ragged, or PAGED a paged cache) ----
-  // One K (IS_V false) or raw V tile into s_tile, completing `bar` (one arrival): a whole tile by
-  // TMA once `empty` is free (where given), warp 0's lanes a box each (ProducerSm90Tma::tma_tile,
-  // the 16-bit producer's, with boxes of 128 one-byte columns: contiguous / ragged, a box a
-  // column block; PAGED, a box a page where the page size makes whole boxes,
-  // ProducerSm90Tma::box_rows). The request's last, partial tile (and, PAGED, every tile where the
-  // page size makes no boxes) by every thread's zero-filled cp.async (V's rows past kv_len must be
-  // zeros, 0 * NaN being NaN in P V; its boxes could also pass the tensor's rows), fenced for the
-  // async proxy (K: the consumers' wgmma). Pointers, strides, page ids and the L2 policy are worked
-  // out here, not held across the tile loop: the producer runs on PRODUCER_REGS registers.
+  // One K (IS_V false) or raw V tile into s_tile, completing `bar` (one arrival), contiguous /
+  // ragged: a whole tile by TMA once `empty` is free (where given), warp 0's lanes a box each
+  // (ProducerSm90Tma::tma_tile, the 16-bit producer's, with boxes of 128 one-byte columns: a box a
+  // column block). The request's last, partial tile by every thread's zero-filled cp.async (V's
+  // rows past kv_len must be zeros, 0 * NaN being NaN in P V; its boxes could also pass the
+  // tensor's rows), fenced for the async proxy (K: the consumers' wgmma). Pointers, strides and the
+  // L2 policy are worked out here, not held across the tile loop: the producer runs on
+  // PRODUCER_REGS registers.
   template <bool IS_V>
   static __device__ __forceinline__ void tma_or_copy(const PrefillParams& p, const PrefillWork& w, uint32_t s_tile,
                                                      uint32_t bar, uint32_t empty, uint32_t free_parity, int n0,
                                                      int tid) {
+    static_assert(!Cfg::PAGED, "paged TMA: run_tma_paged");
     using Tma = ProducerSm90Tma<Cfg>;
     // Every row tile of the head reads these K/V rows again: keep them in L2 over Q and outputs.
     const uint64_t keep = ptx::l2_evict_last();
-    const int rows = Tma::box_rows(p);  // (BLOCK_N unless PAGED)
-    if (rows > 0 && n0 + BLOCK_N <= w.kv_len) {
+    if (n0 + BLOCK_N <= w.kv_len) {
       if (tid < 32) {  // lane l: box l / COL_BLOCKS of column block l % COL_BLOCKS
         if (empty != 0) ptx::mbar_wait(empty, free_parity);
-        const int box = tid / Tma::COL_BLOCKS, col = tid % Tma::COL_BLOCKS, boxes = BLOCK_N / rows;
-        int32_t id = 0;
-        if constexpr (Cfg::PAGED) id = Tma::template box_page_id<IS_V>(p, w, n0, rows, box, boxes);
-        Tma::tma_tile(p, w, s_tile, IS_V ? &p.v_tmap : &p.k_tmap, bar, n0, rows, boxes, id, box, col, tid, keep);
+        Tma::tma_tile(p, w, s_tile, IS_V ? &p.v_tmap : &p.k_tmap, bar, n0, BLOCK_N, 1, 0, tid / Tma::COL_BLOCKS,
+                      tid % Tma::COL_BLOCKS, tid, keep);
       }
       return;
     }
     if (empty != 0) ptx::mbar_wait(empty, free_parity);
     const uint8_t* head =
         reinterpret_cast<const uint8_t*>(IS_V ? p.v : p.k) + w.kv_head * (IS_V ? p.v_stride_h : p.k_stride_h);
-    if constexpr (Cfg::PAGED) {  // the owned-row copies (producer.cuh), this tile's ids loaded here
-      const int t = n0 + owned_row<Cfg, CPR, ROW_STEP>(tid);
-      const int32_t id = owned_page_id<Cfg, CPR, ROW_STEP>(p, page_table<IS_V>(p) + w.page_base, t, w.kv_len, tid);
-      const int64_t off = page_offset<uint8_t>(p, id, t, w.kv_len, IS_V ? p.v_stride_page : p.k_stride_page,
-                                               IS_V ? p.v_stride_n : p.k_stride_n);
-      load_tile_paged<Cfg, uint8_t, CPR, ROW_STEP, LOAD_UNROLL, PAGE_RUN_MAX>(
-          s_tile, head, off, n0, w.kv_len, NO_PAGE_RUNS, IS_V ? p.v_stride_n : p.k_stride_n, tid, keep);
-    } else {
-      load_tile(s_tile, head, IS_V ? p.v_stride_n : p.k_stride_n, RaggedKvRows{w.kv_row0}.row(0, 0), n0, w.kv_len,
-                tid, keep);
-    }
+    load_tile(s_tile, head, IS_V ? p.v_stride_n : p.k_stride_n, RaggedKvRows{w.kv_row0}.row(0, 0), n0, w.kv_len,
+              tid, keep);
     ptx::cp_async_commit();
     ptx::cp_async_wait<0>();
     ptx::fence_proxy_async();
@@ -348,6 +363,123 @@ struct ProducerSm90Fp8 {
       ptx::bar_sync(Cfg::PRODUCER_BAR, Cfg::WG_THREADS);  // raw buffer of V(it) read by all: free for V(it + 2)
     }
     ptx::cp_async_wait<0>();  // (Q's copies, a copied tail's)
+  }
+
+  // ---- paged TMA (ISSUER_WARP): warp 0 issues, warps 1..3 transpose ----
+  // The page ids of this lane's box (K's and V's: lane l box l / COL_BLOCKS, ProducerSm90Tma::
+  // box_page_id) in the tile at n0, where the page size makes boxes (rows > 0; all: a whole tile's
+  // boxes, the tail's live ones only).
+  struct BoxIds {
+    int32_t k = 0, v = 0;
+  };
+  static __device__ __forceinline__ BoxIds box_ids(const PrefillParams& p, const PrefillWork& w, int n0, int rows,
+                                                   int all, int lane) {
+    using Tma = ProducerSm90Tma<Cfg>;
+    BoxIds ids;
+    if (rows > 0) {
+      const int box = lane / Tma::COL_BLOCKS, live = n0 + BLOCK_N <= w.kv_len ? all : Tma::live_boxes(w, rows, n0);
+      ids.k = Tma::template box_page_id<false>(p, w, n0, rows, box, live);
+      ids.v = p.v_page_indices != 0 ? Tma::template box_page_id<true>(p, w, n0, rows, box, live) : ids.k;
+    }
+    return ids;
+  }
+
+  // One paged K (IS_V false) or raw V tile by warp 0 onto `bar` (one arrival): where the page size
+  // makes boxes, a box a page (id: this lane's, box_ids). Otherwise (a page size the host does not
+  // route here) the warp's own zero-filled copies, each row's page looked up: slower, right.
+  template <bool IS_V>
+  static __device__ __forceinline__ void issue_paged(const PrefillParams& p, const PrefillWork& w, uint32_t s_tile,
+                                                     uint32_t bar, int n0, int rows, int all, int32_t id, int lane,
+                                                     uint64_t policy) {
+    using Tma = ProducerSm90Tma<Cfg>;
+    if (rows > 0) {
+      const int live = n0 + BLOCK_N <= w.kv_len ? all : Tma::live_boxes(w, rows, n0);
+      Tma::tma_tile(p, w, s_tile, IS_V ? &p.v_tmap : &p.k_tmap, bar, n0, rows, live, id, lane / Tma::COL_BLOCKS,
+                    lane % Tma::COL_BLOCKS, lane, policy);
+      return;
+    }
+    const uint8_t* head =
+        reinterpret_cast<const uint8_t*>(IS_V ? p.v : p.k) + w.kv_head * (IS_V ? p.v_stride_h : p.k_stride_h);
+    const int32_t* pages = page_table<IS_V>(p) + w.page_base;
+#pragma unroll 1
+    for (int i = lane; i < BLOCK_N * CPR; i += 32) {
+      const int r = i / CPR, chunk = i % CPR, t = n0 + r;
+      const bool valid = t < w.kv_len;
+      const uint8_t* src = head;
+      if (valid) {
+        const int32_t pid = checked_page_id(p, __ldg(pages + t / p.page_size));
+        src += page_offset<uint8_t>(p, pid, t, w.kv_len, IS_V ? p.v_stride_page : p.k_stride_page,
+                                    IS_V ? p.v_stride_n : p.k_stride_n) + chunk * Cfg::CHUNK_BYTES;
+      }
+      ptx::cp_async_16_hint(s_tile + Cfg::swz(BLOCK_N, r, chunk), src, valid, policy);
+    }
+    ptx::cp_async_commit();
+    ptx::cp_async_wait<0>();
+    ptx::fence_proxy_async();  // K: the consumers' wgmma reads it through the async proxy
+    __syncwarp();
+    if (lane == 0) ptx::mbar_arrive(bar);
+  }
+
+  // run() of the paged TMA configuration: Q as run_tma's; then warp 0 issues each tile's raw V
+  // (once the transposing warps have freed its buffer: raw_empty) and its K (once the consumers
+  // have freed its stage), as far ahead as the buffers allow, while warps 1..3 transpose each V as
+  // it lands. Warp 0 loads the first tile's page ids before it waits for Q's buffer (the page
+  // table's latency under the previous block's last tiles), and each next tile's after issuing
+  // one. The raw buffers alternate over the CTA's whole walk (tile g = walk.tile0 + it in buffer
+  // g & 1, phase (g >> 1) & 1); warp 0 is at most the two buffers ahead, so no wait sees a phase
+  // twice. (Persistent: each block starts with the warpgroup's barrier in the scheduler,
+  // Sm90TileScheduler::produce, so warp 0 never runs into the next block.)
+  static __device__ __forceinline__ void run_tma_paged(const PrefillParams& p, const PrefillWork& w, uint32_t base,
+                                                       int tid, const Sm90Walk& walk) {
+    if (w.num_tiles == 0) return;  // (the consumers wait for no Q either)
+    const int n = w.num_tiles, warp = tid / 32, lane = tid % 32;
+    const int rows = ProducerSm90Tma<Cfg>::box_rows(p), all = rows > 0 ? BLOCK_N / rows : 0;
+    BoxIds ids;
+    if (warp == 0) ids = box_ids(p, w, w.tile_start, rows, all, lane);
+    wait_q_free<Cfg>(base, walk);
+    load_q(p, w, base, tid);
+    if (warp == 0) {
+      // Every row tile of the head reads these K/V rows again: keep them in L2 over Q and outputs.
+      const uint64_t keep = ptx::l2_evict_last();
+#pragma unroll 1
+      for (int it = 0; it < n; ++it) {
+        const int g = walk.tile0 + it, s = walk.stage<STAGES>(it), n0 = w.tile_start + it * BLOCK_N;
+        ptx::mbar_wait(Cfg::raw_empty(base, g & 1), ((g >> 1) & 1) ^ 1);  // V(g - 2) transposed
+        issue_paged<true>(p, w, base + Cfg::RAW_OFFSET + (g & 1) * Cfg::K_TILE_BYTES, Cfg::raw_full(base, g & 1), n0,
+                          rows, all, ids.v, lane, keep);
+        ptx::mbar_wait(Cfg::k_empty(base, s), walk.phase<STAGES>(it) ^ 1);
+        issue_paged<false>(p, w, base + Cfg::K_OFFSET + s * Cfg::K_TILE_BYTES, Cfg::k_full(base, s), n0, rows, all,
+                           ids.k, lane, keep);
+        if (it + 1 < n) ids = box_ids(p, w, n0 + BLOCK_N, rows, all, lane);
+      }
+    } else {
+#pragma unroll 1
+      for (int it = 0; it < n; ++it) {
+        const int g = walk.tile0 + it, s = walk.stage<STAGES>(it), n0 = w.tile_start + it * BLOCK_N;
+        const uint32_t raw = base + Cfg::RAW_OFFSET + (g & 1) * Cfg::K_TILE_BYTES;
+        ptx::mbar_wait(Cfg::raw_full(base, g & 1), (g >> 1) & 1);  // V(it) has landed
+        if (n0 + BLOCK_N > w.kv_len) {
+          // the tail: raw V's rows past kv_len (a last page's unused slots, rows no box wrote) to
+          // zeros, as 0 * NaN is NaN in P V
+#pragma unroll 1
+          for (int i = (w.kv_len - n0) * CPR + tid - 32; i < BLOCK_N * CPR; i += Cfg::TRANSPOSE_THREADS)
+            ptx::st_shared_zero16(raw + Cfg::swz(BLOCK_N, i / CPR, i % CPR));
+          ptx::bar_sync(Cfg::TAIL_ZERO_BAR, Cfg::TRANSPOSE_THREADS);
+        }
+        ptx::mbar_wait(Cfg::v_empty(base, s), walk.phase<STAGES>(it) ^ 1);
+        const uint32_t vt = base + Cfg::V_OFFSET + s * Cfg::VT_TILE_BYTES;
+        if (warp == 1)
+          transpose_v_of<3, 0>(raw, vt, lane);
+        else if (warp == 2)
+          transpose_v_of<3, 1>(raw, vt, lane);
+        else
+          transpose_v_of<3, 2>(raw, vt, lane);
+        ptx::fence_proxy_async();  // the stmatrix writes (generic proxy) before the consumers' wgmma reads
+        ptx::mbar_arrive(Cfg::v_full(base, s));
+        ptx::mbar_arrive(Cfg::raw_empty(base, g & 1));  // (its reads are done: their values are stored)
+      }
+    }
+    ptx::cp_async_wait<0>();  // (Q's copies)
   }
 };
 

@@ -91,7 +91,7 @@ __device__ __forceinline__ void load_tile_rows(uint32_t s_tile, const E* head, i
 // the full ones count Cfg::K_FULL_ARRIVALS / V_FULL_ARRIVALS (one per producer thread: its
 // cp.async, or in the fp8 kernels its V transpose; TMA: the issuing thread's one); the empty ones
 // one per consumer warp; the Cfg's TMA_BARS barriers at TMA_BAR_OFFSET (16-bit: the tail tiles';
-// fp8: the raw V buffers') one; (PERSISTENT) Q's empty one one per consumer thread
+// fp8: the raw V buffers') Cfg::tma_bar_arrivals(i); (PERSISTENT) Q's empty one one per consumer thread
 // (ConsumerSm90::release_q).
 template <class Cfg>
 __device__ __forceinline__ void init_ring_barriers(uint32_t base) {
@@ -105,7 +105,7 @@ __device__ __forceinline__ void init_ring_barriers(uint32_t base) {
     ptx::mbar_init(Cfg::v_empty(base, s), Cfg::CONSUMERS * 4);
   }
 #pragma unroll
-  for (int i = 0; i < Cfg::TMA_BARS; ++i) ptx::mbar_init(base + Cfg::TMA_BAR_OFFSET + 8 * i, 1);
+  for (int i = 0; i < Cfg::TMA_BARS; ++i) ptx::mbar_init(base + Cfg::TMA_BAR_OFFSET + 8 * i, Cfg::tma_bar_arrivals(i));
   ptx::mbar_fence_init();
 }
 
