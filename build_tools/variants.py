@@ -479,11 +479,11 @@ HOPPER_FP8_DENSE_KV = (128,)
 # address the call's K/V and routing.tma_pays; the others are tune rows, run only under
 # PFA_SM90_KV_LOAD=tma). The paged twins: a box a page, page sizes that make whole boxes
 # (tma.paged_box_rows; the others run the cp.async row); warp 0 issues, warps 1..3 transpose V
-# (PrefillSm90Fp8Config::ISSUER_WARP). hd128's ships: TRT-LLM e4m3 HND page 32 +9-10% over the
-# dense copies twin (NOTES.md, session 47; with one warp both issuing and transposing it had run
-# 0.67-0.84x of it, session 46). hd256's is not measured yet.
+# (PrefillSm90Fp8Config::ISSUER_WARP). Measured against the copies (TRT-LLM e4m3 HND page 32,
+# NOTES.md session 47): hd128 +9-10% over the dense twin, hd256 +11-20% over its paged row. (With
+# one warp both issuing and transposing, hd128's had run 0.67-0.84x of the copies, session 46.)
 HOPPER_FP8_TMA_HEAD_DIMS = (128, 256)
-HOPPER_FP8_TMA_SHIPPED = {"ragged": (128, 256), "paged": (128,)}
+HOPPER_FP8_TMA_SHIPPED = {"ragged": (128, 256), "paged": (128, 256)}
 
 # head_dim -> whether the sm_90a 16-bit rows are persistent (HopperPrefillVariant.persistent). hd256
 # keeps a CTA a block: the walk's loop state made its consumers spill (O alone is 128 registers).

@@ -377,8 +377,8 @@ def test_context_fp8_on_the_paged_long_twin(monkeypatch, form, out_dtype):
     ("Q_PAGED_KV_HND", 16, 128, True), ("Q_PAGED_KV_HND", 32, 128, False), ("Q_PAGED_KV_NHD", 64, 128, False),
     ("Q_PAGED_KV_HND", 128, 128, True), ("Q_PAGED_KV_HND", 32, 256, False), ("Q_PAGED_KV_HND", 8, 128, False)])
 def test_fmha_fp8_paged_tma_twin(monkeypatch, layout, ps, d, tuple_form, mode, device_meta):
-    """The e4m3 paged TMA twins (warp 0 issues a box a page, warps 1..3 transpose V; hd128's
-    ships, hd256's is a `make TUNE=1` row), forced by PFA_SM90_KV_LOAD=tma (run_case's requests are
+    """The e4m3 paged TMA twins (warp 0 issues a box a page, warps 1..3 transpose V), forced by
+    PFA_SM90_KV_LOAD=tma (run_case's requests are
     shorter than routing.tma_pays asks) over run_case's odd lengths (every request's last
     tile partial: its live boxes only, raw V zeroed past kv_len), on pages whose free slots hold
     NaN; separate V page ids in the tuple form. Pages of 8 slots make no boxes: the copies run."""

@@ -111,7 +111,10 @@ struct PrefillSm90Fp8Config
   static constexpr int tma_bar_arrivals(int i) { return i < RAW_TILES ? 1 : TRANSPOSE_THREADS; }
   // (ISSUER_WARP) the transposing warps' own named barrier (a tail's zeroed rows before its transpose)
   static constexpr int TAIL_ZERO_BAR = Base::PRODUCER_BAR + 1;
-  static constexpr bool TAIL_WARPS = false;  // (the 16-bit TMA rows', config.cuh)
+  // (ISSUER_WARP) producer warps 1..3 read the scheduler's ring as the consumers do and skip a Q
+  // that goes by TMA, so warp 0 issues the next block while they transpose this one's last tiles
+  // (the 16-bit TMA rows' TAIL_WARPS, config.cuh; fp8_producer.cuh run_tma_paged)
+  static constexpr bool TAIL_WARPS = ISSUER_WARP;
   // config.cuh's DECODE_AHEAD: measured, the paged e4m3 rows gained 0.4-1.3%, the contiguous ones
   // lost 0.3-0.7% (NOTES.md, session 34).
   static constexpr bool DECODE_AHEAD = PERSISTENT && PAGED;

@@ -368,7 +368,8 @@ struct ProducerSm90Fp8 {
   // ---- paged TMA (ISSUER_WARP): warp 0 issues, warps 1..3 transpose ----
   // The page ids of this lane's box (K's and V's: lane l box l / COL_BLOCKS, ProducerSm90Tma::
   // box_page_id) in the tile at n0, where the page size makes boxes (rows > 0; all: a whole tile's
-  // boxes, the tail's live ones only).
+  // boxes, the tail's live ones only): as loaded, checked (checked_page_id) where issue_paged
+  // uses them, so their loads' latency runs under the waits between.
   struct BoxIds {
     int32_t k = 0, v = 0;
   };
@@ -378,14 +379,14 @@ struct ProducerSm90Fp8 {
     BoxIds ids;
     if (rows > 0) {
       const int box = lane / Tma::COL_BLOCKS, live = n0 + BLOCK_N <= w.kv_len ? all : Tma::live_boxes(w, rows, n0);
-      ids.k = Tma::template box_page_id<false>(p, w, n0, rows, box, live);
-      ids.v = p.v_page_indices != 0 ? Tma::template box_page_id<true>(p, w, n0, rows, box, live) : ids.k;
+      ids.k = Tma::template box_page_id<false, false>(p, w, n0, rows, box, live);
+      ids.v = p.v_page_indices != 0 ? Tma::template box_page_id<true, false>(p, w, n0, rows, box, live) : ids.k;
     }
     return ids;
   }
 
   // One paged K (IS_V false) or raw V tile by warp 0 onto `bar` (one arrival): where the page size
-  // makes boxes, a box a page (id: this lane's, box_ids). Otherwise (a page size the host does not
+  // makes boxes, a box a page (id: this lane's as loaded, box_ids). Otherwise (a page size the host does not
   // route here) the warp's own zero-filled copies, each row's page looked up: slower, right.
   template <bool IS_V>
   static __device__ __forceinline__ void issue_paged(const PrefillParams& p, const PrefillWork& w, uint32_t s_tile,
@@ -394,8 +395,8 @@ struct ProducerSm90Fp8 {
     using Tma = ProducerSm90Tma<Cfg>;
     if (rows > 0) {
       const int live = n0 + BLOCK_N <= w.kv_len ? all : Tma::live_boxes(w, rows, n0);
-      Tma::tma_tile(p, w, s_tile, IS_V ? &p.v_tmap : &p.k_tmap, bar, n0, rows, live, id, lane / Tma::COL_BLOCKS,
-                    lane % Tma::COL_BLOCKS, lane, policy);
+      Tma::tma_tile(p, w, s_tile, IS_V ? &p.v_tmap : &p.k_tmap, bar, n0, rows, live, checked_page_id(p, id),
+                    lane / Tma::COL_BLOCKS, lane % Tma::COL_BLOCKS, lane, policy);
       return;
     }
     const uint8_t* head =
@@ -420,15 +421,16 @@ struct ProducerSm90Fp8 {
     if (lane == 0) ptx::mbar_arrive(bar);
   }
 
-  // run() of the paged TMA configuration: Q as run_tma's; then warp 0 issues each tile's raw V
-  // (once the transposing warps have freed its buffer: raw_empty) and its K (once the consumers
-  // have freed its stage), as far ahead as the buffers allow, while warps 1..3 transpose each V as
-  // it lands. Warp 0 loads the first tile's page ids before it waits for Q's buffer (the page
-  // table's latency under the previous block's last tiles), and each next tile's after issuing
-  // one. The raw buffers alternate over the CTA's whole walk (tile g = walk.tile0 + it in buffer
-  // g & 1, phase (g >> 1) & 1); warp 0 is at most the two buffers ahead, so no wait sees a phase
-  // twice. (Persistent: each block starts with the warpgroup's barrier in the scheduler,
-  // Sm90TileScheduler::produce, so warp 0 never runs into the next block.)
+  // run() of the paged TMA configuration: Q as run_tma's (TAIL_WARPS: by warp 0 alone where it goes
+  // by TMA); then warp 0 issues each tile's raw V (once the transposing warps have freed its
+  // buffer: raw_empty) and its K (once the consumers have freed its stage), as far ahead as the
+  // buffers allow, while warps 1..3 transpose each V as it lands. Warp 0 loads the first tile's
+  // page ids before it waits for Q's buffer, and each next tile's after issuing one. The raw
+  // buffers alternate over the CTA's whole walk (tile g = walk.tile0 + it in buffer g & 1, phase
+  // (g >> 1) & 1); warp 0 is at most the two buffers ahead, so no wait sees a phase twice.
+  // Persistent (TAIL_WARPS: warps 1..3 take each block from the scheduler's ring as the consumers
+  // do): warp 0 goes on to the next block's Q and first tiles while warps 1..3 still transpose this
+  // one's last. Their Q waits (a copied Q) are never late, as producer_tma.cuh says of its own.
   static __device__ __forceinline__ void run_tma_paged(const PrefillParams& p, const PrefillWork& w, uint32_t base,
                                                        int tid, const Sm90Walk& walk) {
     if (w.num_tiles == 0) return;  // (the consumers wait for no Q either)
@@ -436,8 +438,10 @@ struct ProducerSm90Fp8 {
     const int rows = ProducerSm90Tma<Cfg>::box_rows(p), all = rows > 0 ? BLOCK_N / rows : 0;
     BoxIds ids;
     if (warp == 0) ids = box_ids(p, w, w.tile_start, rows, all, lane);
-    wait_q_free<Cfg>(base, walk);
-    load_q(p, w, base, tid);
+    if (!Cfg::TAIL_WARPS || warp == 0 || !QByTma<Cfg, uint8_t>::on(p, w)) {
+      wait_q_free<Cfg>(base, walk);
+      load_q(p, w, base, tid);
+    }
     if (warp == 0) {
       // Every row tile of the head reads these K/V rows again: keep them in L2 over Q and outputs.
       const uint64_t keep = ptx::l2_evict_last();

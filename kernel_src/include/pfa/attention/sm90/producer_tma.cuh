@@ -74,14 +74,16 @@ struct ProducerSm90Tma {
 
   // Paged: the page id of this lane's box in the tile at n0 (0 when the lane has none of the tile's
   // `live` boxes), from K's page table (V = false) or V's (page_table: K's unless the call has
-  // separate V ids).
-  template <bool V>
+  // separate V ids). CHECKED false: as loaded, for the caller's checked_page_id where it uses it
+  // (so that the load's latency runs under what comes between).
+  template <bool V, bool CHECKED = true>
   static __device__ __forceinline__ int32_t box_page_id(const PrefillParams& p, const PrefillWork& w, int n0,
                                                         int rows, int box, int live) {
     if (box >= live) return 0;
     const int t = n0 + box * rows;
     const int32_t* pages = page_table<V>(p) + w.page_base;
-    return checked_page_id(p, __ldg(pages + (p.page_shift >= 0 ? t >> p.page_shift : t / p.page_size)));
+    const int32_t id = __ldg(pages + (p.page_shift >= 0 ? t >> p.page_shift : t / p.page_size));
+    return CHECKED ? checked_page_id(p, id) : id;
   }
 
   // One K or V tile by TMA, its first `live` boxes (live_boxes) completing on `bar`: lane 0
