@@ -2,7 +2,8 @@
 // ring (as the 16-bit producer: cp.async, arriving on k_full) and its V transposed into the Vt
 // ring, the B operand of O += P V (8-bit wgmma reads B K-major only). K/V rows: contiguous /
 // ragged, or (PAGED) a paged cache by the 16-bit producer's owned-row copies (producer.cuh,
-// OwnedRows; V's own ids when v_page_indices is set).
+// OwnedRows; V's own ids when v_page_indices is set); the TMA configurations load them as boxes
+// (run_tma; paged: run_tma_paged, one warp issuing while three transpose).
 //
 // V's transpose: each V tile is copied as stored ([key][dim], the raw tile, 2 buffers) and, once
 // it has landed, the four producer warps turn it into Vt [dim][key] in shared memory with
