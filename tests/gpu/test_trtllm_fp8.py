@@ -335,9 +335,13 @@ def test_fmha_fp8_paged_layouts(layout, mode, out_dtype, device_meta):
 @pytest.mark.parametrize("device_meta", [False, True], ids=["host_meta", "device_meta"])
 @pytest.mark.parametrize("layout, ps, dense", [("Q_PAGED_KV_HND", 32, True), ("Q_PAGED_KV_HND", 64, True),
                                                ("Q_PAGED_KV_HND", 16, False), ("Q_PAGED_KV_NHD", 32, False)])
-def test_fmha_fp8_paged_dense_twin(layout, ps, dense, device_meta):
+def test_fmha_fp8_paged_dense_twin(monkeypatch, layout, ps, dense, device_meta):
     """hd128 HND caches with pages of 32+ slots run the paged row's dense twin (routing.dense_pays),
-    the others the row itself; both checked against the reference (run_case)."""
+    the others the row itself; both checked against the reference (run_case). The K/V copies
+    forced (PFA_SM90_KV_LOAD=cpasync): the device-metadata plans, planned at the max length, would
+    take the paged TMA twin (test_fmha_fp8_paged_tma_twin)."""
+    from pyflashattn._engine import routing
+    monkeypatch.setenv(routing.KV_LOAD_ENV, "cpasync")
     run_case(layout, "causal", BF16, device_meta, ps=ps)
     (e,) = (_trtllm_device if device_meta else _trtllm)._ENGINES.values()
     assert e.attn.meta["paged"] and bool(e.attn.meta.get("dense_kv")) is dense, e.attn.name
@@ -350,9 +354,11 @@ def test_fmha_fp8_paged_dense_twin(layout, ps, dense, device_meta):
 def test_fmha_fp8_paged_long_twin_odd_lengths(monkeypatch, mode, ps, device_meta):
     """The paged long twin forced (PFA_SM90_LONG_KV=1) over run_case's odd lengths (1 .. 1030 keys:
     partial halves and tiles, requests shorter than one half) and page sizes 1 / 16 / 128, with
-    separate V page ids at page 16; the window's masked tiles too."""
+    separate V page ids at page 16; the window's masked tiles too. The K/V copies forced: at page
+    128 the device-metadata plans would take the paged TMA twin."""
     from pyflashattn._engine import routing
     monkeypatch.setenv(routing.LONG_ENV, "1")
+    monkeypatch.setenv(routing.KV_LOAD_ENV, "cpasync")
     run_case("Q_PAGED_KV_HND", mode, BF16, device_meta, ps=ps, tuple_form=ps == 16,
              wl=100 if mode == "sliding_window" else -1)
     (e,) = (_trtllm_device if device_meta else _trtllm)._ENGINES.values()
@@ -362,9 +368,11 @@ def test_fmha_fp8_paged_long_twin_odd_lengths(monkeypatch, mode, ps, device_meta
 @needs_sm90
 @pytest.mark.parametrize("form, out_dtype", [("5d_separate", BF16), ("tuple", E4M3)])
 def test_context_fp8_on_the_paged_long_twin(monkeypatch, form, out_dtype):
-    """The context API (LSE checked too) on the paged long twin, forced over its odd lengths."""
+    """The context API (LSE checked too) on the paged long twin, forced over its odd lengths (and
+    the K/V copies: the device-metadata plans would take the paged TMA twin)."""
     from pyflashattn._engine import routing
     monkeypatch.setenv(routing.LONG_ENV, "1")
+    monkeypatch.setenv(routing.KV_LOAD_ENV, "cpasync")
     run_context(form, out_dtype, True, form == "tuple", ps=32)
     (e,) = (_trtllm_device if form == "tuple" else _trtllm)._ENGINES.values()
     assert e.attn.meta.get("long_kv") and e.attn.meta["paged"], e.attn.name

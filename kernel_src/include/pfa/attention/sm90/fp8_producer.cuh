@@ -236,9 +236,9 @@ struct ProducerSm90Fp8 {
     // The byte offsets of the owned rows of the tile at n0 within the kv head, K's (IS_V false) or
     // V's (PAGED; else unused)
     auto offsets = [&](auto is_v, int n0) {
-      constexpr bool IS_V = decltype(is_v)::value;
       RowOffsets o{};
       if constexpr (Cfg::PAGED) {
+        constexpr bool IS_V = decltype(is_v)::value;
 #pragma unroll
         for (int h = 0; h < HALVES; ++h)
           o.half[h] = page_offset<uint8_t>(p, IS_V ? ids.v[h] : ids.k[h], n0 + h * HALF_N + row, w.kv_len,
