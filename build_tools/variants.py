@@ -360,7 +360,8 @@ class HopperFp8PrefillVariant(Sm90Roles):
     tma: bool = False
     # keys a tile (paged: 128, a producer lane owns each row)
     block_n: int = 128
-    # the long-KV twin of the head dim's default contiguous row (HOPPER_FP8_LONG, routing.long_twin)
+    # the long-KV twin of the head dim's default row (HOPPER_FP8_LONG, routing.long_twin); with tma,
+    # the long twin's TMA twin (paged: HOPPER_FP8_LONG_PAGED_TMA)
     long_kv: bool = False
     # the paged row's dense twin (HOPPER_FP8_DENSE_KV, PrefillSm90Fp8Config::DENSE_KV; routing.dense_twin)
     dense: bool = False
@@ -459,6 +460,12 @@ HOPPER_FP8_LONG = {128: (256, False, False)}
 # routing.long_pays as the contiguous twin. TRT-LLM HND page 32 (H200, NOTES.md session 46): +1.6-2.2%
 # over the dense twin at 4k / 16k without a mask and 16k causal (two runs, one lease).
 HOPPER_FP8_LONG_PAGED = (128,)
+# Head dims whose paged long-KV twin has a TMA twin (name + "_tma": 256-key tiles as boxes of a page,
+# warp 0 issuing while three warps transpose, as the 128-key paged TMA twins); routing takes it
+# where long_pays without a mask and its pages make boxes of 32+ rows (BatchEngine._twin), falling
+# back to the copies twin over strides TMA cannot address. Against the 128-key paged TMA twin
+# (TRT-LLM HND page 32, NOTES.md session 47): no mask 4k 0.99x, 16k 1.03x; causal 16k 0.97x.
+HOPPER_FP8_LONG_PAGED_TMA = (128,)
 # `make TUNE=1`: the 256-key serial steps with the consumers' turn around S only (fp8_config
 # S_TURN_ONLY, as fmha_v2's), by cp.async and TMA (head_dim, block_n): 0.93-1.0x the long twin
 HOPPER_FP8_TUNE_SERIAL_TURN = [(128, 256)]
@@ -780,6 +787,9 @@ def variants(tune=False):
     out += [HopperFp8PrefillVariant(hd, *HOPPER_FP8_TILES[hd][:2], overlap, pp, block_n=bn, long_kv=True, paged=paged)
             for hd, (bn, overlap, pp) in HOPPER_FP8_LONG.items()
             for paged in (False, True) if not paged or hd in HOPPER_FP8_LONG_PAGED]
+    out += [HopperFp8PrefillVariant(hd, *HOPPER_FP8_TILES[hd][:2], overlap, pp, block_n=bn, long_kv=True, paged=True,
+                                    tma=True) for hd, (bn, overlap, pp) in HOPPER_FP8_LONG.items()
+            if hd in HOPPER_FP8_LONG_PAGED and hd in HOPPER_FP8_LONG_PAGED_TMA]
     out += [HopperFp8PrefillVariant(hd, *HOPPER_FP8_TILES[hd], pingpong=HOPPER_FP8_PINGPONG[hd][True], paged=True,
                                     dense=True) for hd in HOPPER_FP8_DENSE_KV]
     if tune:

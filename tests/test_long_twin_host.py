@@ -44,7 +44,8 @@ def _env(monkeypatch, long_env=None):
 def test_the_long_twin_row_stands_in_for_the_default_contiguous_row():
     rows = {v.name: v for v in variants.variants() if isinstance(v, variants.HopperFp8PrefillVariant)}
     longs = [v for v in rows.values() if v.long_kv]
-    assert [v.name for v in longs] == [LONG.name, LONG_PAGED.name] and set(variants.HOPPER_FP8_LONG) == {D}
+    assert [v.name for v in longs] == [LONG.name, LONG_PAGED.name, LONG_PAGED.name + routing.TMA_SUFFIX]
+    assert set(variants.HOPPER_FP8_LONG) == {D} and rows[LONG_PAGED.name + routing.TMA_SUFFIX].tma
     m = LONG.manifest()
     assert m["long_kv"] and m["twin_of"] == DEFAULT.name and DEFAULT.name in rows
     assert not (LONG.paged or LONG.tma or LONG.tune or LONG.overlap or LONG.pingpong)
@@ -207,10 +208,11 @@ def _paged_long_plan(monkeypatch, kv_lens, long_env=None, layout="HND", ps=PS_LO
 
 
 @pytest.mark.parametrize("ps,kv_lens,kw,env,want", [
-    # page 32: boxes of 32 rows, the TMA twin wherever routing.tma_pays (a mean of 1024+ keys)
-    (32, [8192, 4096], {}, None, "tma"), (32, [2048, 1024], {}, None, "tma"), (32, [512, 300], {}, None, "dense"),
-    (32, [16384], dict(causal=True), None, "tma"), (32, [8192], dict(fixed_split_size=512), None, "tma"),
-    (32, [300], {}, "1", "long"),
+    # page 32: boxes of 32 rows, the TMA twins wherever routing.tma_pays (a mean of 1024+ keys; the
+    # long twin's where long_pays without a mask)
+    (32, [8192, 4096], {}, None, "long_tma"), (32, [2048, 1024], {}, None, "tma"), (32, [512, 300], {}, None, "dense"),
+    (32, [16384], dict(causal=True), None, "tma"), (32, [8192], dict(causal=True), None, "tma"),
+    (32, [8192], dict(fixed_split_size=512), None, "tma"), (32, [300], {}, "1", "long"),
     # page 16: no TMA twin (16-row boxes) and no dense twin (pages under 32 slots)
     (16, [8192, 4096], {}, None, "long"), (16, [8192], dict(causal=True), None, "row"),
     (16, [16384], dict(causal=True), None, "long"), (16, [8192], dict(fixed_split_size=512), None, "row"),
@@ -222,9 +224,9 @@ def test_paged_plans_take_the_paged_long_twin_for_long_keys(monkeypatch, ps, kv_
     env_, w, tq, npages = _paged_long_plan(monkeypatch, kv_lens, env, ps=ps, **kw)
     la = w._engine.attn
     row = LONG_PAGED.default_row().name
-    want_name = {"long": LONG_PAGED.name, "dense": row + routing.DENSE_SUFFIX, "tma": row + routing.TMA_SUFFIX,
-                 "row": row}[want]
-    assert la.name == want_name and la.meta["block_n"] == (256 if want == "long" else 128)
+    want_name = {"long": LONG_PAGED.name, "long_tma": LONG_PAGED.name + routing.TMA_SUFFIX,
+                 "dense": row + routing.DENSE_SUFFIX, "tma": row + routing.TMA_SUFFIX, "row": row}[want]
+    assert la.name == want_name and la.meta["block_n"] == (256 if want.startswith("long") else 128)
     q, out = T((tq, HQ, D), E4M3, data=0x1000000), T((tq, HQ, D), BF16, data=0xd000000)
     pad = D + 16
     for strides in (None, (2 * HKV * ps * pad, HKV * ps * pad, ps * pad, pad, 1)):
@@ -233,6 +235,18 @@ def test_paged_plans_take_the_paged_long_twin_for_long_keys(monkeypatch, ps, kv_
         if want == "long":  # its own schedule: whole 256-key tiles; any slot strides
             assert name == la.name and p.kv_chunk_size % 256 == 0 and not w._engine.kv_fallback
             assert w._engine.kv_twin is None and w._engine.kv_maps is None
+
+
+def test_the_paged_long_tma_twin_falls_back_to_the_long_twin(monkeypatch):
+    """A run() whose cache TMA cannot address (a broadcast kv-head stride of 0) runs the long TMA
+    twin's fallback: the paged long twin (the same 256-key schedule), not the 128-key row."""
+    env, w, tq, npages = _paged_long_plan(monkeypatch, [8192, 4096])
+    assert w._engine.attn.name == LONG_PAGED.name + routing.TMA_SUFFIX
+    q, out = T((tq, HQ, D), E4M3, data=0x1000000), T((tq, HQ, D), BF16, data=0xd000000)
+    for head_stride, want in ((0, LONG_PAGED.name), (PS_LONG * D, LONG_PAGED.name + routing.TMA_SUFFIX)):
+        strides = (2 * HKV * PS_LONG * D, HKV * PS_LONG * D, head_stride, D, 1)
+        w.run(q, T((npages, 2, HKV, PS_LONG, D), E4M3, strides=strides, data=0x5000000), out=out)
+        assert last_attn(env)[0] == want and w._engine.kv_fallback is (head_stride == 0)
 
 
 def test_a_graph_mode_paged_plan_keeps_the_paged_row(monkeypatch):

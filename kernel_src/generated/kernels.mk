@@ -349,6 +349,7 @@ KERNELS_sm_90a := \
   pfa_prefill_sm90_e4m3_hd256_m128n128c2s2_pp_serial_paged_tma \
   pfa_prefill_sm90_e4m3_hd128_m128n256c2s2_serial_ps \
   pfa_prefill_sm90_e4m3_hd128_m128n256c2s2_serial_paged_ps \
+  pfa_prefill_sm90_e4m3_hd128_m128n256c2s2_serial_paged_ps_tma \
   pfa_prefill_sm90_e4m3_hd128_m128n128c2s2_paged_ps_dense \
   pfa_prefill_sm80_f16_kvnvfp4_hd64_m16n32w1s2_lr_b16_paged \
   pfa_prefill_sm80_f16_kvnvfp4_hd64_m32n32w2s2_lr_paged \

@@ -219,7 +219,9 @@ class BatchEngine(RunOptions):
         self.skip, self.skip_home = 0.0, None  # run(skip_softmax_threshold_scale_factor=...) sets it
         la.params.skip_softmax_factor = 0.0
         self.kv_maps = tma.KvMaps(cfg.q_dtype.short, la.params) if la.meta.get("tma") else None
-        self.kv_twin = route.attn if la.meta.get("tma") or la.meta.get("dense_kv") else None
+        # (the long TMA twin's: the long twin, the same schedule)
+        self.kv_twin = (route.long if la is route.long_tma else route.attn) \
+            if la.meta.get("tma") or la.meta.get("dense_kv") else None
         self.q_map = tma.q_map(cfg.q_dtype.short, la.params, la.meta, cfg.num_qo_heads, cfg.head_dim,
                                cfg.num_qo_heads // cfg.num_kv_heads, cfg.q_dtype.bits // 8)
         self.kv_fallback = False
@@ -241,23 +243,30 @@ class BatchEngine(RunOptions):
 
     def _twin(self, route, la, src: KVSource, cfg, causal: bool, graph: bool, disable_split_kv):
         """The kernel a plan runs for row-tile kernel la: its long-KV twin (its own tile: the
-        schedule is the twin's, the same CTAs an SM) where long_pays (paged: unless its TMA twin
-        pays), else its TMA, dense or span twin (the same tile: the schedule is la's) where that
-        pays, else la. A decode tile is its
-        own. Batch-invariant plans (fixed_split_size, or disable_split_kv over host-planned
+        schedule is the twin's, the same CTAs an SM; paged: the long twin's TMA twin where that
+        pays without a mask, and la's TMA twin before the long twin's copies) where long_pays, else its TMA, dense
+        or span twin (the same tile: the schedule is la's) where that pays, else la. A decode tile
+        is its own. Batch-invariant plans (fixed_split_size, or disable_split_kv over host-planned
         lengths) and graph-mode plans keep one tile; a device-lengths plan (TRT-LLM's device
         metadata) never splits KV and is planned once per shape key at its max lengths, so the
         key fixes its tile."""
         if la is not route.attn:
             return la
         invariant = cfg.fixed_split_size is not None or (disable_split_kv and not self.device_lengths)
-        tma = route.tma is not None and routing.tma_fits(self.paged, src.page_size, la.meta["block_n"], src.total_kv) \
-            and routing.tma_pays(self.paged, src.page_size, src.kv_lens, la.meta["block_n"], graph)
-        # A paged TMA twin (e4m3 hd128: boxes, no copies) runs ahead of the paged long-KV twin (its
-        # 256-key tiles copied): 802-817 against 754-769 TFLOP/s at 4k / 16k (NOTES.md, session 47).
-        if route.long is not None and not (tma and self.paged) \
-                and routing.long_pays(src.kv_lens, causal, graph or invariant):
-            return route.long
+
+        def tma_twin(twin):  # a TMA twin that fits the call's K/V and pays
+            return twin is not None and routing.tma_fits(self.paged, src.page_size, twin.meta["block_n"], src.total_kv) \
+                and routing.tma_pays(self.paged, src.page_size, src.kv_lens, twin.meta["block_n"], graph)
+        tma = tma_twin(route.tma)
+        # Paged, TMA twins (e4m3: boxes, no copies) run ahead of the copies: the long twin's where
+        # it pays and no mask (causal at 16k it ran 0.97x the row's TMA twin, without a mask 0.99x
+        # at 4k and 1.03x at 16k), else the row's even where the long (copies) twin would
+        # (NOTES.md, session 47).
+        if route.long is not None and routing.long_pays(src.kv_lens, causal, graph or invariant):
+            if not causal and tma_twin(route.long_tma):
+                return route.long_tma
+            if not (tma and self.paged):
+                return route.long
         if tma:
             return route.tma
         if route.dense is not None and routing.dense_pays(self.kv_layout, cfg.num_kv_heads, src.page_size):

@@ -188,7 +188,7 @@ def long_twin(dev: int, la, named):
     if meta.get("impl") != "sm90" or meta.get("tma") or \
             switches.choice(LONG_ENV, ("0", "1")) == "0" or _registry.forced("prefill") == meta["name"]:
         return None
-    row = _built_row(dev, pick=lambda r: r.get("long_kv") and r.get("twin_of") == meta["name"])
+    row = _built_row(dev, pick=lambda r: r.get("long_kv") and not r.get("tma") and r.get("twin_of") == meta["name"])
     return _twin_launcher(named, row, meta, ("block_m", "ctas_per_sm"), "long-KV twin")
 
 
@@ -439,7 +439,8 @@ class Route:
     options, the decode tiles by rows: decode[rows] = (launcher, budget, ctas), their rows in
     `tiles` (the plan picks one per batch with decode_tile_rows; `decode_only`: always one)."""
 
-    __slots__ = ("attn", "tma", "dense", "span", "long", "ctas", "budget", "decode", "tiles", "decode_only")
+    __slots__ = ("attn", "tma", "dense", "span", "long", "long_tma", "ctas", "budget", "decode", "tiles",
+                 "decode_only")
 
     def __init__(self, launcher, dev: int, dtype: str, kv_dtype: str, head_dim: int, general: bool, paged: bool,
                  widened: bool, nvfp4_out: bool = False):
@@ -448,17 +449,20 @@ class Route:
         nvfp4_out: only kernels that write the NVFP4 output (new_attention)."""
         props = _cuda.properties(dev)
         self.decode_only = kv_dtype in DECODE_ONLY_KV
-        self.attn = self.tma = self.dense = self.span = self.long = self.ctas = self.budget = None
+        self.attn = self.tma = self.dense = self.span = self.long = self.long_tma = self.ctas = self.budget = None
         if not self.decode_only:
             # attn: the cp.async kernel; tma: its TMA twin where the K/V load says so (kv_load_pair);
             # dense, span: its dense and span twins (paged; dense_twin, span_twin); long: its
-            # long-KV twin (e4m3, contiguous and paged; long_twin)
+            # long-KV twin (e4m3, contiguous and paged; long_twin); long_tma: (paged) the long
+            # twin's TMA twin
             row_tile = launcher("prefill", dtype, kv_dtype, head_dim, general, nvfp4_out=nvfp4_out)
             named = lambda name: launcher("prefill", dtype, name=name)  # noqa: E731
             self.attn, self.tma = kv_load_pair(dev, row_tile, named)
             self.dense = dense_twin(dev, self.attn, named)
             self.span = span_twin(dev, self.attn, named)
             self.long = long_twin(dev, self.attn, named)
+            if self.long is not None and paged:
+                self.long_tma = kv_load_pair(dev, self.long, named)[1]
             self.ctas = ctas_per_sm(self.attn.meta, props)
             self.budget = props["sm_count"] * self.ctas
         self.decode = None

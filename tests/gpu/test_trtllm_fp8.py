@@ -237,9 +237,9 @@ def test_fmha_fp8_long_keys_run_the_long_kv_or_tma_twin(layout, mode, ps, tuple_
     """Long requests route to their row's long-KV twin (256-key serial steps; the paged row's
     copies its tiles in 128-key halves) on both metadata paths without any switch: TRT-LLM's
     no-split plans are not batch-invariant ones. Paged caches whose pages make TMA boxes of 32+
-    rows take the paged TMA twin instead (batch.BatchEngine._twin). Paged: separate V page ids
-    (tuple form) and NHD slots included. Causal needs 16k keys (routing.LONG_MIN_KV_CAUSAL): a
-    short query over them."""
+    rows take the long twin's TMA twin without a mask, the row's TMA twin causal
+    (batch.BatchEngine._twin). Paged: separate V page ids (tuple form) and NHD slots included.
+    Causal needs 16k keys (routing.LONG_MIN_KV_CAUSAL): a short query over them."""
     from pyflashattn._engine import routing
     hq, hkv, d = 8, 2, 128
     paged = layout.startswith("Q_PAGED")
@@ -255,11 +255,10 @@ def test_fmha_fp8_long_keys_run_the_long_kv_or_tma_twin(layout, mode, ps, tuple_
     fmha(qkv, layout, scratch_workspace(), meta[0], max(ql), max(kl), BMM1 / math.sqrt(d), BMM2, len(ql),
          meta[1], meta[2], block_tables=tables, out=out, out_dtype=BF16, mask_mode=mode)
     (e,) = (_trtllm_device if device_meta else _trtllm)._ENGINES.values()
-    if paged and ps >= routing.PAGED_TMA_MIN_BOX_ROWS:
-        assert e.attn.meta.get("tma") and not e.attn.meta.get("long_kv") and e.attn.meta["block_n"] == 128, \
-            e.attn.name
-    else:
-        assert e.attn.meta.get("long_kv") and e.attn.meta["block_n"] == 256, e.attn.name
+    tma = paged and ps >= routing.PAGED_TMA_MIN_BOX_ROWS
+    long = not (tma and mode == "causal")  # paged causal: the row's TMA twin
+    assert bool(e.attn.meta.get("long_kv")) is long and e.attn.meta["block_n"] == (256 if long else 128), e.attn.name
+    assert bool(e.attn.meta.get("tma")) is tma, e.attn.name
     assert bool(e.attn.meta["paged"]) is paged, e.attn.name
     assert routing.LONG_ENV not in os.environ and routing.KV_LOAD_ENV not in os.environ
     torch.cuda.synchronize()
@@ -401,6 +400,26 @@ def test_fmha_fp8_paged_tma_twin(monkeypatch, layout, ps, d, tuple_form, mode, d
              wl=100 if mode == "sliding_window" else -1)
     (e,) = (_trtllm_device if device_meta else _trtllm)._ENGINES.values()
     assert e.attn.meta["paged"] and bool(e.attn.meta.get("tma")) is (ps >= 16), e.attn.name
+
+
+@needs_sm90
+@pytest.mark.parametrize("device_meta", [False, True], ids=["host_meta", "device_meta"])
+@pytest.mark.parametrize("mode", ["causal", "padding", "sliding_window"])
+@pytest.mark.parametrize("layout, ps, tuple_form", [("Q_PAGED_KV_HND", 32, True), ("Q_PAGED_KV_NHD", 64, False),
+                                                    ("Q_PAGED_KV_HND", 128, False), ("Q_PAGED_KV_HND", 256, True)])
+def test_fmha_fp8_paged_long_tma_twin_odd_lengths(monkeypatch, layout, ps, tuple_form, mode, device_meta):
+    """The paged long twin's TMA twin (256-key tiles as boxes of a page) forced (PFA_SM90_LONG_KV=1,
+    PFA_SM90_KV_LOAD=tma) over run_case's odd lengths (partial tiles: live boxes, raw V zeroed past
+    kv_len; requests shorter than one box) on pages whose free slots hold NaN, separate V ids in
+    the tuple form."""
+    from pyflashattn._engine import routing
+    monkeypatch.setenv(routing.LONG_ENV, "1")
+    monkeypatch.setenv(routing.KV_LOAD_ENV, "tma")
+    run_case(layout, mode, BF16, device_meta, ps=ps, tuple_form=tuple_form, nan_pages=True,
+             wl=100 if mode == "sliding_window" else -1)
+    (e,) = (_trtllm_device if device_meta else _trtllm)._ENGINES.values()
+    meta = e.attn.meta
+    assert meta.get("long_kv") and meta.get("tma") and meta["paged"] and meta["block_n"] == 256, e.attn.name
 
 
 @needs_sm90

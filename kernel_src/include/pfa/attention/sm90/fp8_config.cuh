@@ -69,7 +69,7 @@ struct PrefillSm90Fp8Config
   // memory: no box lands that way).
   static constexpr bool TMA = TMA_;
   static_assert(!TMA || HEAD_DIM % 128 == 0, "fp8 TMA: whole 128-byte rows");
-  static_assert(!TMA || !PAGED || BLOCK_N == 128, "fp8 paged TMA: 128-key tiles (a box a page)");
+  static_assert(!TMA || !PAGED || BLOCK_N == 128 || BLOCK_N == 256, "fp8 paged TMA: 128- or 256-key tiles");
   // Paged TMA: warp 0 only issues (a box a page, each lane's page id loaded a tile ahead), warps
   // 1..3 only transpose (fp8_producer.cuh run_tma_paged). With one warp doing both, every
   // transpose waited behind warp 0's page-table loads and K stage wait (ncu, NOTES.md session 46).
