@@ -244,9 +244,9 @@ class BatchEngine(RunOptions):
     def _twin(self, route, la, src: KVSource, cfg, causal: bool, graph: bool, disable_split_kv):
         """The kernel a plan runs for row-tile kernel la: its long-KV twin (its own tile: the
         schedule is the twin's, the same CTAs an SM; paged: the long twin's TMA twin where that
-        pays without a mask, and la's TMA twin before the long twin's copies) where long_pays, else its TMA, dense
-        or span twin (the same tile: the schedule is la's) where that pays, else la. A decode tile
-        is its own. Batch-invariant plans (fixed_split_size, or disable_split_kv over host-planned
+        pays without a mask, and la's TMA twin before the long twin's copies) where long_pays,
+        else its TMA, dense or span twin (the same tile: the schedule is la's) where that pays,
+        else la. A decode tile is its own. Batch-invariant plans (fixed_split_size, or disable_split_kv over host-planned
         lengths) and graph-mode plans keep one tile; a device-lengths plan (TRT-LLM's device
         metadata) never splits KV and is planned once per shape key at its max lengths, so the
         key fixes its tile."""
@@ -255,8 +255,11 @@ class BatchEngine(RunOptions):
         invariant = cfg.fixed_split_size is not None or (disable_split_kv and not self.device_lengths)
 
         def tma_twin(twin):  # a TMA twin that fits the call's K/V and pays
-            return twin is not None and routing.tma_fits(self.paged, src.page_size, twin.meta["block_n"], src.total_kv) \
-                and routing.tma_pays(self.paged, src.page_size, src.kv_lens, twin.meta["block_n"], graph)
+            if twin is None:
+                return False
+            n = twin.meta["block_n"]
+            return routing.tma_fits(self.paged, src.page_size, n, src.total_kv) \
+                and routing.tma_pays(self.paged, src.page_size, src.kv_lens, n, graph)
         tma = tma_twin(route.tma)
         # Paged, TMA twins (e4m3: boxes, no copies) run ahead of the copies: the long twin's where
         # it pays and no mask (causal at 16k it ran 0.97x the row's TMA twin, without a mask 0.99x

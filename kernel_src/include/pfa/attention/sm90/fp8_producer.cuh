@@ -99,15 +99,13 @@ struct ProducerSm90Fp8 {
   // address is a per-lane base plus what c and h add:
   //   ldmatrix: key 16 g + 8 (q & 1) + r (key & 7 = r), chunk 2 c + (q >> 1), whose swizzled
   //     chunk (chunk & 7) ^ r = 2 ((c & 3) ^ (r >> 1)) + ((q >> 1) ^ (r & 1));
-  //   stmatrix: Vt row 32 c + dl (dl below: dim & 7 = dl & 7) of column block g / 8, chunk g % 8.
+  //   stmatrix: Vt row 32 c + vr (vt_row: the row of this lane's dim) of column block g / 8, chunk g % 8.
   static __device__ __forceinline__ void transpose_v(uint32_t s_raw, uint32_t s_vt, int tid) {
     constexpr int ROW_BYTES = Cfg::ROW_BYTES;
     const int lane = tid % 32, warp = tid / 32;
     const int q = lane / 8, r = lane % 8;  // the matrix and row whose address this lane passes
     const int rh = r >> 1;
-    const int dl = 16 * (q >> 1) + 4 * (r >> 1) + 2 * (q & 1) + (r & 1);  // memory row r of matrix q: dim D(q, r/2, r%2)
-    // the Vt row of dim dl of the 32-dim block (PERMUTED_VT: dim 8 a + 2 b + e in row 8 b + 2 a + e)
-    const int vr = Cfg::PERMUTED_VT ? ((dl >> 1) & 3) * 8 + (dl >> 3) * 2 + (dl & 1) : dl;
+    const int vr = vt_row(lane);
     const uint32_t ld_lane = s_raw + (16 * warp + 8 * (q & 1) + r) * ROW_BYTES + (((q >> 1) ^ (r & 1)) << 4);
     const uint32_t st_lane = s_vt + vr * ROW_BYTES;
     // Rolled over the dim blocks: the producer runs on PRODUCER_REGS registers.
@@ -135,8 +133,7 @@ struct ProducerSm90Fp8 {
   static __device__ __forceinline__ void transpose_v_of(uint32_t s_raw, uint32_t s_vt, int lane) {
     constexpr int ROW_BYTES = Cfg::ROW_BYTES, G = BLOCK_N / 16, STEPS = HEAD_DIM / 32 * G;
     const int q = lane / 8, r = lane % 8, rh = r >> 1;
-    const int dl = 16 * (q >> 1) + 4 * (r >> 1) + 2 * (q & 1) + (r & 1);
-    const int vr = Cfg::PERMUTED_VT ? ((dl >> 1) & 3) * 8 + (dl >> 3) * 2 + (dl & 1) : dl;
+    const int vr = vt_row(lane);
     const uint32_t ld_lane = s_raw + (8 * (q & 1) + r) * ROW_BYTES + (((q >> 1) ^ (r & 1)) << 4);
     const uint32_t st_lane = s_vt + vr * ROW_BYTES;
 #pragma unroll
@@ -146,9 +143,18 @@ struct ProducerSm90Fp8 {
       ptx::ldmatrix_x4(x, ld_lane + ((c >> 2) * BLOCK_N + 16 * g) * ROW_BYTES + (((c & 3) ^ rh) << 5));
       const uint32_t y0 = __byte_perm(x[0], x[1], 0x5140), y1 = __byte_perm(x[0], x[1], 0x7362);
       const uint32_t y2 = __byte_perm(x[2], x[3], 0x5140), y3 = __byte_perm(x[2], x[3], 0x7362);
-      ptx::stmatrix_x4_trans(st_lane + 32 * c * ROW_BYTES + (g >> 3) * Cfg::VT_BLOCK_BYTES + (((g & 7) ^ (vr & 7)) << 4),
-                             y0, y1, y2, y3);
+      const uint32_t st = st_lane + 32 * c * ROW_BYTES + (g >> 3) * Cfg::VT_BLOCK_BYTES;
+      ptx::stmatrix_x4_trans(st + (((g & 7) ^ (vr & 7)) << 4), y0, y1, y2, y3);
     }
+  }
+
+  // The Vt row of the dim whose address lane passes to stmatrix (memory row r = lane % 8 of matrix
+  // q = lane / 8: dim D(q, r / 2, r % 2) of the 32-dim block; PERMUTED_VT: dim 8 a + 2 b + e in
+  // row 8 b + 2 a + e).
+  static __device__ __forceinline__ int vt_row(int lane) {
+    const int q = lane / 8, r = lane % 8;
+    const int dl = 16 * (q >> 1) + 4 * (r >> 1) + 2 * (q & 1) + (r & 1);
+    return Cfg::PERMUTED_VT ? ((dl >> 1) & 3) * 8 + (dl >> 3) * 2 + (dl & 1) : dl;
   }
 
   // PAGED: the byte offsets within the kv head of this lane's owned row of each half of a tile
@@ -242,7 +248,8 @@ struct ProducerSm90Fp8 {
 #pragma unroll
         for (int h = 0; h < HALVES; ++h)
           o.half[h] = page_offset<uint8_t>(p, IS_V ? ids.v[h] : ids.k[h], n0 + h * HALF_N + row, w.kv_len,
-                                           IS_V ? p.v_stride_page : p.k_stride_page, IS_V ? p.v_stride_n : p.k_stride_n);
+                                           IS_V ? p.v_stride_page : p.k_stride_page,
+                                           IS_V ? p.v_stride_n : p.k_stride_n);
       }
       return o;
     };

@@ -228,6 +228,14 @@ __device__ __forceinline__ void by_page_run(int run, F&& f) {
   }
   f(std::integral_constant<int, 1>{});
 }
+// A zero-filled 16-byte cp.async, with the L2 policy (HINT) or without (load_tile_paged's copies).
+template <bool HINT>
+__device__ __forceinline__ void copy16(uint32_t dst, const void* src, bool valid, uint64_t policy) {
+  if constexpr (HINT)
+    ptx::cp_async_16_hint(dst, src, valid, policy);
+  else
+    ptx::cp_async_16(dst, src, valid);
+}
 // One paged K or V tile (Cfg::BLOCK_N rows of elements E, keys [n0, n0 + BLOCK_N)) into the
 // 128-byte-swizzled tile at s_tile: row r's byte offset from its owning lane (row_off: this lane's
 // row's), once a page run (page_run_rows; the owned-row shuffles were the paged producer's
@@ -252,10 +260,7 @@ __device__ __forceinline__ void load_tile_paged(uint32_t s_tile, const E* head, 
     auto copy_valid = [&](int i, int64_t off, bool valid) {
       const uint32_t dst = ROW_STEP % 8 == 0 ? dst0 + i * ROW_STEP * Cfg::ROW_BYTES
                                              : s_tile + Cfg::swz(Cfg::BLOCK_N, r0 + i * ROW_STEP, chunk);
-      if constexpr (HINT)
-        ptx::cp_async_16_hint(dst, src + off, valid, policy);
-      else
-        ptx::cp_async_16(dst, src + off, valid);
+      copy16<HINT>(dst, src + off, valid, policy);
     };
     constexpr int STEP = ROW_STEP * Cfg::HEAD_DIM * (int)sizeof(E);
     const int left = kv_len - n0 - r0;
@@ -267,10 +272,7 @@ __device__ __forceinline__ void load_tile_paged(uint32_t s_tile, const E* head, 
     const int r = r0 + i * ROW_STEP;
     const uint32_t dst =
         ROW_STEP % 8 == 0 ? dst0 + i * ROW_STEP * Cfg::ROW_BYTES : s_tile + Cfg::swz(Cfg::BLOCK_N, r, chunk);
-    if constexpr (HINT)
-      ptx::cp_async_16_hint(dst, src + off, n0 + r < kv_len, policy);
-    else
-      ptx::cp_async_16(dst, src + off, n0 + r < kv_len);
+    copy16<HINT>(dst, src + off, n0 + r < kv_len, policy);
   };
   const int64_t step = (int64_t)ROW_STEP * stride_n * (int64_t)sizeof(E);
   const int run = page_run_rows<Cfg, ROW_STEP>(page_shift);
